@@ -1,0 +1,31 @@
+# The two commands of the README. Both build the virtual environment from nothing (idempotent:
+# pip only runs again when requirements.lock or pyproject.toml change).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Offline hygiene: nothing may phone home or fetch from a model hub.
+export HF_HUB_OFFLINE=1
+export DO_NOT_TRACK=1
+export MLFLOW_DISABLE_TELEMETRY=true
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+
+.PHONY: demo test install clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch is named explicitly so pip takes the CPU build instead of a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0 -c requirements.lock
+	$(BIN)/pip install --quiet -c requirements.lock -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/dxr demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,91 @@
+"""Settings: one optional TOML file plus DXR_* environment variables, validated by pydantic.
+
+Precedence (highest first): environment (`DXR_DATA_DIR`, `DXR_SEED`, ...), the TOML file named by
+`DXR_CONFIG` (default `./dxr.toml` when present), then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+
+from dxr.errors import ConfigError
+
+
+class SynthConfig(BaseModel):
+    """Defaults of the embedded synthetic dataset."""
+
+    model_config = ConfigDict(extra="forbid")
+    patients: int = Field(5000, ge=1, description="patients in the default synthetic dataset")
+    # Shards bound memory: one shard of patients is simulated and written at a time.
+    shard_size: int = Field(2000, ge=1)
+    oracle_draws: int = Field(200, ge=200, description="Monte Carlo draws per trajectory (spec: >= 200)")
+
+
+class CohortConfig(BaseModel):
+    """Defaults for `dxr cohort build`."""
+
+    model_config = ConfigDict(extra="forbid")
+    target: str = Field("final", pattern="^(final|every)$")
+    harmonize: str = Field("native", pattern="^(native|icd10|category)$")
+    # A trajectory needs at least this many encounters before its target.
+    min_history: int = Field(1, ge=0)
+    # Trajectories per pre-target shard; later stages run one Prefect task per shard.
+    shard_size: int = Field(500, ge=1)
+
+
+class Settings(BaseSettings):
+    """Everything configurable. Secrets never live here: they come from the environment only."""
+
+    model_config = SettingsConfigDict(env_prefix="DXR_", env_nested_delimiter="__", extra="forbid")
+
+    data_dir: Path = Field(Path("data"), description="warehouse root (forecasting and gold stores)")
+    seed: int = Field(7, description="global seed: splits, generator, shuffles")
+    synth: SynthConfig = SynthConfig()
+    cohort: CohortConfig = CohortConfig()
+
+    @property
+    def forecast_dir(self) -> Path:
+        return self.data_dir / "forecast"
+
+    @property
+    def gold_dir(self) -> Path:
+        return self.data_dir / "gold"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        # Precedence: explicit arguments, then DXR_* variables, then the TOML file.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path()))
+
+
+def config_path() -> Path | None:
+    """The TOML file in force: `DXR_CONFIG` when set, else `./dxr.toml` when present."""
+    named = os.environ.get("DXR_CONFIG")
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise ConfigError(f"DXR_CONFIG points to {path}, which does not exist: create it or unset DXR_CONFIG")
+        return path
+    default = Path("dxr.toml")
+    return default if default.is_file() else None
+
+
+def load_settings(**overrides) -> Settings:
+    """Validated settings; a bad key, type or TOML syntax raises ConfigError naming it."""
+    path = config_path()
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        source = f" (from {path} or DXR_* variables)" if path else " (from DXR_* variables)"
+        raise ConfigError(
+            f"invalid setting '{where}'{source}: {first['msg']} (got {first.get('input')!r}); "
+            "`dxr config show` lists the valid keys and defaults"
+        ) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML ({exc}): fix the syntax there") from exc

@@ -1,0 +1,1 @@
+"""Prefect flows: orchestration only (which stages, in which order, on which shards)."""

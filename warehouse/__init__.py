@@ -1,0 +1,1 @@
+"""Storage: Parquet stores under DuckDB views, MEDS datasets, vocabularies, cohorts, importers."""

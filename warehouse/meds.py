@@ -1,0 +1,214 @@
+"""MEDS datasets: writing shards and metadata, validating a directory, registering it.
+
+Layout (MEDS 0.4): `data/*.parquet` (a subject lives in exactly one shard, rows sorted by subject and
+time), `metadata/dataset.json`, `metadata/codes.parquet`, `metadata/subject_splits.parquet`.
+Every importer writes this layout first; everything downstream reads only MEDS + warehouse tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import meds
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from flexible_schema.exceptions import SchemaValidationError
+
+from dxr.errors import InputError
+
+# Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
+EXTRA_COLUMNS = {"encounter_id": pa.int64()}
+DIAGNOSIS_PREFIX = "DIAGNOSIS//ICD//"
+# Codes whose system the platform knows; anything under DIAGNOSIS// must be ICD-9 or ICD-10.
+_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
+SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
+
+
+def meds_data_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
+    """The MEDS core schema plus `encounter_id` and any importer-specific extra columns."""
+    fields = list(meds.DataSchema.schema()) + [pa.field(n, t) for n, t in {**EXTRA_COLUMNS, **(extra or {})}.items()]
+    return pa.schema(fields)
+
+
+def hash_split(subject_id: int, seed: int) -> str:
+    """Deterministic 80/10/10 train/tuning/held_out split from a seeded hash of the subject id.
+
+    >>> hash_split(1, 7) == hash_split(1, 7)
+    True
+    """
+    digest = hashlib.sha256(f"{seed}:{subject_id}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    return meds.train_split if u < 0.8 else meds.tuning_split if u < 0.9 else meds.held_out_split
+
+
+def write_data_shard(root: Path, shard_name: str, table: pa.Table | pl.DataFrame) -> Path:
+    """Write one MEDS data shard atomically, sorted by subject and time (static rows first)."""
+    arrow = table.to_arrow() if isinstance(table, pl.DataFrame) else table
+    arrow = meds.DataSchema.align(arrow)
+    arrow = arrow.sort_by([("subject_id", "ascending"), ("time", "ascending")], null_placement="at_start")
+    path = Path(root) / meds.data_subdirectory / f"{shard_name}.parquet"
+    _atomic_write(arrow, path)
+    return path
+
+
+def write_metadata(root: Path, *, dataset_name: str, dataset_version: str, etl_name: str, etl_version: str,
+                   codes: pa.Table | pl.DataFrame, splits: pa.Table | pl.DataFrame,
+                   extra: dict | None = None) -> None:
+    """Write dataset.json, codes.parquet and subject_splits.parquet (validated by the meds schemas)."""
+    root = Path(root)
+    codes_arrow = codes.to_arrow() if isinstance(codes, pl.DataFrame) else codes
+    splits_arrow = splits.to_arrow() if isinstance(splits, pl.DataFrame) else splits
+    _atomic_write(meds.CodeMetadataSchema.align(codes_arrow), root / meds.code_metadata_filepath)
+    _atomic_write(meds.SubjectSplitSchema.align(splits_arrow), root / meds.subject_splits_filepath)
+    metadata = {
+        "dataset_name": dataset_name, "dataset_version": dataset_version, "etl_name": etl_name,
+        "etl_version": etl_version, "meds_version": meds.__version__,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "other_extension_columns": sorted(EXTRA_COLUMNS), **(extra or {}),
+    }
+    meds.DatasetMetadataSchema.validate(metadata)
+    path = root / meds.dataset_metadata_filepath
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps(metadata, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _atomic_write(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class MedsInfo:
+    """What validation learned about a MEDS directory."""
+
+    root: Path
+    shards: tuple[Path, ...]
+    metadata: dict
+    n_subjects: int
+    n_events: int
+    icd_versions: tuple[int, ...]
+    has_splits: bool
+    fingerprint: str
+
+
+def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
+    """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix."""
+    root = Path(path)
+    if not root.exists():
+        raise InputError(f"MEDS directory {root} does not exist: check the path")
+    if not root.is_dir():
+        raise InputError(f"{root} is a file, not a MEDS directory: pass the folder that holds data/ and metadata/")
+    data_dir = root / meds.data_subdirectory
+    shards = tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ()
+    if not shards:
+        raise InputError(f"{root} is not a MEDS directory: no Parquet shards under {data_dir}; "
+                         "MEDS keeps events in data/*.parquet")
+    schema = meds_data_schema()
+    for shard in shards:
+        try:
+            shard_schema = pq.read_schema(shard)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(f"{shard} is not a readable Parquet file ({exc}): rewrite or remove it") from exc
+        for field in schema:
+            if field.name in ("numeric_value", "text_value"):
+                continue  # optional in MEDS
+            if field.name not in shard_schema.names:
+                fix = ("add the hospital encounter (admission) id to every event"
+                       if field.name == "encounter_id" else "every MEDS shard needs it")
+                raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
+        try:
+            meds.DataSchema.validate(pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code",
+                                     "numeric_value", "text_value") if c in shard_schema.names]).slice(0, 0))
+        except SchemaValidationError as exc:
+            raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
+    glob = str(data_dir / "**" / "*.parquet")
+    con = duckdb.connect(":memory:")
+    rel = f"read_parquet('{glob}', union_by_name=true)"
+    bad = con.execute(
+        f"SELECT code, filename FROM read_parquet('{glob}', union_by_name=true, filename=true) "
+        f"WHERE code LIKE 'DIAGNOSIS//%' AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}') LIMIT 1"
+    ).fetchone()
+    if bad:
+        raise InputError(f"{bad[1]}: unknown code system in diagnosis code {bad[0]!r}: diagnosis codes must be "
+                         "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
+    n_subjects, n_events = con.execute(f"SELECT count(DISTINCT subject_id), count(*) FROM {rel}").fetchone()
+    versions = tuple(sorted(int(v) for (v,) in con.execute(
+        f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
+    if not versions:
+        raise InputError(f"{root}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//...): "
+                         "next-encounter forecasting needs diagnosis codes")
+    metadata_path = root / meds.dataset_metadata_filepath
+    metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+    splits_path = root / meds.subject_splits_filepath
+    return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
+                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards))
+
+
+def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
+    """A content fingerprint cheap enough for large datasets: metadata bytes plus shard row counts and sizes."""
+    h = hashlib.sha256()
+    for rel in (meds.dataset_metadata_filepath, meds.subject_splits_filepath):
+        p = root / rel
+        if p.is_file():
+            h.update(p.read_bytes())
+    for shard in shards:
+        h.update(f"{shard.relative_to(root)}:{shard.stat().st_size}:{pq.ParquetFile(shard).metadata.num_rows}".encode())
+    return h.hexdigest()[:16]
+
+
+def copy_meds_dir(source: Path, target: Path) -> None:
+    """Copy a MEDS directory into the gold store (hard links where possible), replacing any older copy."""
+    source, target = Path(source).resolve(), Path(target)
+    if source == target.resolve():
+        return
+    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, staging, copy_function=link_or_copy)
+    replace_dir(staging, target)
+
+
+def replace_dir(staging: Path, target: Path) -> None:
+    """Swap a fully written directory into place; the old one is removed only after the swap."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.{uuid.uuid4().hex}.old")
+        os.replace(target, old)
+    os.replace(staging, target)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def read_splits(info: MedsInfo, seed: int) -> pl.DataFrame:
+    """Subject splits: the dataset's own when present, else the deterministic hash rule."""
+    if info.has_splits:
+        splits = pl.read_parquet(info.root / meds.subject_splits_filepath).select("subject_id", "split")
+        unknown = set(splits["split"].unique().to_list()) - set(SPLITS)
+        if unknown:
+            raise InputError(f"{info.root / meds.subject_splits_filepath}: unknown split name(s) {sorted(unknown)}; "
+                             f"use {', '.join(SPLITS)}")
+        return splits
+    con = duckdb.connect(":memory:")
+    ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet('{info.root}/data/**/*.parquet') "
+                      "ORDER BY subject_id").fetchnumpy()["subject_id"]
+    return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},
+                        schema={"subject_id": pl.Int64, "split": pl.String})

@@ -1,0 +1,136 @@
+"""Every warehouse table, declared once: its store, columns and partition keys.
+
+Two stores keep the information boundary by construction: forecasting code opens only the
+`forecast` store; the `gold` store (raw MEDS, targets, oracle outputs) is opened only by
+evaluation and `dxr sql --with-gold`.
+
+Each table is a directory of Parquet files, one file per partition
+(`<table>/<key>=<value>/.../data.parquet`). Partition columns are also stored inside the file,
+so a view never depends on path parsing; the path only addresses what a rerun replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+FORECAST = "forecast"
+GOLD = "gold"
+
+TS = pa.timestamp("us")
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    store: str
+    columns: dict[str, pa.DataType]
+    partition_by: tuple[str, ...]
+    doc: str
+    # Columns that may be null; every other column must be filled.
+    nullable: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema([pa.field(n, t, nullable=n in self.nullable) for n, t in self.columns.items()])
+
+
+def _t(name, store, columns, partition_by, doc, nullable=()):
+    return Table(name, store, columns, tuple(partition_by), doc, frozenset(nullable))
+
+
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in [
+        # ---- registry -------------------------------------------------------------------------
+        _t("datasets", FORECAST, {
+            "dataset_id": pa.string(), "source": pa.string(), "meds_dir": pa.string(),
+            "fingerprint": pa.string(), "generator_version": pa.string(), "n_subjects": pa.int64(),
+            "n_events": pa.int64(), "icd_versions": pa.string(), "registered_at": TS,
+        }, ["dataset_id"], "Registered MEDS datasets (the MEDS files themselves live in the gold store).",
+           nullable=["generator_version"]),
+        # ---- vocabularies ---------------------------------------------------------------------
+        _t("icd_codes", FORECAST, {
+            "code": pa.string(), "icd_version": pa.int8(), "raw_code": pa.string(), "dotted": pa.string(),
+            "title": pa.string(), "parent": pa.string(), "chapter": pa.string(), "billable": pa.bool_(),
+        }, ["icd_version"], "ICD-10-CM and ICD-9-CM diagnosis codes; `code` is the MEDS code string.",
+           nullable=["parent", "chapter"]),
+        _t("icd_notes", FORECAST, {
+            "code": pa.string(), "icd_version": pa.int8(), "kind": pa.string(), "text": pa.string(),
+            "inherited_from": pa.string(),
+        }, ["icd_version"], "Inclusion terms, excludes1/2, code-first, use-additional, code-also notes; "
+           "`inherited_from` names the ancestor a note was inherited from (null when the code's own).",
+           nullable=["inherited_from"]),
+        _t("gem_map", FORECAST, {
+            "direction": pa.string(), "source_code": pa.string(), "target_code": pa.string(),
+            "approximate": pa.bool_(), "no_map": pa.bool_(), "combination": pa.bool_(),
+            "scenario": pa.int16(), "choice_list": pa.int16(),
+        }, ["direction"], "CMS General Equivalence Mappings, `9to10` and `10to9`, MEDS code strings "
+           "(target_code is null for NoDx rows).", nullable=["target_code"]),
+        # ---- cohorts --------------------------------------------------------------------------
+        _t("cohorts", FORECAST, {
+            "cohort_id": pa.string(), "dataset_id": pa.string(), "name": pa.string(),
+            "target_rule": pa.string(), "harmonization": pa.string(), "min_history": pa.int32(),
+            "created_at": TS, "n_trajectories": pa.int64(), "vocabulary_size": pa.int64(),
+            "vocabulary_source": pa.string(), "options_json": pa.string(),
+        }, ["cohort_id"], "One row per cohort; `cohort_id` is a stable hash of dataset and options."),
+        _t("cohort_vocabulary", FORECAST, {
+            "cohort_id": pa.string(), "code": pa.string(), "icd_version": pa.int8(), "title": pa.string(),
+        }, ["cohort_id"], "The cohort's target vocabulary Ω, fixed at build time independently of targets.",
+           nullable=["title"]),
+        _t("trajectories", FORECAST, {
+            "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
+            "target_encounter_id": pa.int64(), "cutoff_time": TS, "split": pa.string(), "shard": pa.int32(),
+            "n_prior_encounters": pa.int32(),
+        }, ["cohort_id"], "One row per (patient, target encounter); `trajectory_id` = "
+           "`{cohort_id}:{subject_id}:{target_encounter_id}`."),
+        _t("pretarget_events", FORECAST, {
+            "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
+            "time": TS, "code": pa.string(), "numeric_value": pa.float32(), "text_value": pa.large_string(),
+            "encounter_id": pa.int64(),
+        }, ["cohort_id", "shard"], "Materialized pre-target record H of every trajectory (made by one function).",
+           nullable=["time", "numeric_value", "text_value", "encounter_id"]),
+        _t("train_events", FORECAST, {
+            "cohort_id": pa.string(), "subject_id": pa.int64(), "time": TS, "code": pa.string(),
+            "numeric_value": pa.float32(), "text_value": pa.large_string(), "encounter_id": pa.int64(),
+        }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's).",
+           nullable=["time", "numeric_value", "text_value", "encounter_id"]),
+        # ---- runs and forecasts ---------------------------------------------------------------
+        _t("runs", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "kind": pa.string(), "config_json": pa.string(),
+            "code_version": pa.string(), "started_at": TS, "finished_at": TS, "status": pa.string(),
+        }, ["run_id", "kind"], "Every producing command registers its run here.", nullable=["finished_at"]),
+        _t("rankings", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
+            "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
+        }, ["run_id", "system", "shard"], "Ordered code lists per trajectory; `native` is false for padding."),
+        _t("ranking_status", FORECAST, {
+            "run_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(), "status": pa.string(),
+            "detail": pa.string(),
+        }, ["run_id", "system", "shard"], "Per-trajectory outcome of a system: ok, short or failed.",
+           nullable=["detail"]),
+        _t("metrics", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "subset": pa.string(),
+            "k": pa.int32(), "metric": pa.string(), "value": pa.float64(), "ci_low": pa.float64(),
+            "ci_high": pa.float64(), "n": pa.int64(), "n_runs": pa.int32(),
+        }, ["run_id", "system"], "Aggregate forecast metrics with bootstrap 95% intervals.",
+           nullable=["ci_low", "ci_high"]),
+        # ---- gold -----------------------------------------------------------------------------
+        _t("targets", GOLD, {
+            "cohort_id": pa.string(), "trajectory_id": pa.string(), "code": pa.string(),
+        }, ["cohort_id"], "Deduplicated (harmonized) diagnosis codes of each target encounter."),
+        _t("oracle_probabilities", GOLD, {
+            "cohort_id": pa.string(), "trajectory_id": pa.string(), "code": pa.string(),
+            "probability": pa.float64(),
+        }, ["cohort_id"], "Synthetic oracle: P(code in Y | latent state at the cutoff), top codes per trajectory."),
+    ]
+}
+
+SYSTEMS = (
+    "oracle", "global_frequency", "repeat_history", "transition", "gru", "dense_prior", "ehr_prior",
+    "direct", "rrf_prior_direct", "research_path", "rrf", "full", "web_search_standalone",
+    "fixed_pool_ledger", "fixed_pool_no_ledger",
+)
+METRICS = ("precision_at_k", "recall_at_k", "micro_precision", "micro_recall", "micro_f1", "macro_f1")
+RANKING_STATUSES = ("ok", "short", "failed")

@@ -1,0 +1,66 @@
+"""Read-only SQL over the warehouse views, for analysts and `dxr sql`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import duckdb
+
+from dxr.errors import InputError
+from warehouse.store import Warehouse
+
+_READ_ONLY_PREFIXES = ("select", "with", "from", "describe", "show", "summarize", "pivot", "unpivot", "explain",
+                       "values", "table")
+
+
+def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False) -> str:
+    """Run one read-only statement and format the result as an aligned table, CSV or JSON lines."""
+    head = query.lstrip().split(None, 1)[0].lower() if query.strip() else ""
+    if head not in _READ_ONLY_PREFIXES:
+        raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
+                         "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
+    con = wh.connect(gold=with_gold)
+    try:
+        cursor = con.execute(query)
+    except duckdb.PermissionException as exc:
+        raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
+                         "add --with-gold to read gold tables") from exc
+    except duckdb.CatalogException as exc:
+        hint = " (gold tables need --with-gold)" if not with_gold else ""
+        raise InputError(f"{exc.args[0].splitlines()[0]}{hint}") from exc
+    except duckdb.Error as exc:
+        raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+    columns = [d[0] for d in cursor.description]
+    rows = cursor.fetchall()
+    if fmt == "json":
+        return "".join(json.dumps(dict(zip(columns, r)), default=str) + "\n" for r in rows)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(rows)
+        return out.getvalue()
+    return format_table(columns, rows)
+
+
+def format_table(columns: list[str], rows: list[tuple]) -> str:
+    """A plain aligned text table (numbers right-aligned, floats with 4 decimals)."""
+    def cell(v):
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:.4f}"
+        return str(v)
+
+    cells = [[cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    numeric = [bool(rows) and all(isinstance(r[i], (int, float)) or r[i] is None for r in rows)
+               for i in range(len(columns))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells]
+    return "\n".join(out) + f"\n({len(rows)} row{'s' if len(rows) != 1 else ''})\n"

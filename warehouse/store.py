@@ -1,0 +1,173 @@
+"""The warehouse: Parquet partitions as the source of truth, DuckDB views per connection.
+
+A write replaces exactly one partition file atomically (temporary file + rename), so a rerun
+replaces its own partition, a killed writer leaves either the old or the new file, and rows are
+never duplicated. Readers see complete files only: temporaries do not match the view globs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dxr.errors import InputError, NotFoundError
+from warehouse.schemas import FORECAST, GOLD, TABLES, Table
+
+PART_FILE = "data.parquet"
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+class Warehouse:
+    """Both stores under one root: `<root>/forecast` and `<root>/gold`."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).resolve()
+        self.forecast_dir = self.root / FORECAST
+        self.gold_dir = self.root / GOLD
+
+    # ---- locations ------------------------------------------------------------------------
+    def store_dir(self, store: str) -> Path:
+        return self.forecast_dir if store == FORECAST else self.gold_dir
+
+    def table_dir(self, table: str) -> Path:
+        spec = _spec(table)
+        return self.store_dir(spec.store) / spec.name
+
+    def partition_path(self, table: str, **keys) -> Path:
+        spec = _spec(table)
+        missing = [k for k in spec.partition_by if k not in keys]
+        extra = [k for k in keys if k not in spec.partition_by]
+        if missing or extra:
+            raise ValueError(f"table {table} is partitioned by {spec.partition_by}; got {sorted(keys)}")
+        path = self.table_dir(table)
+        for key in spec.partition_by:
+            value = str(keys[key])
+            if not _SAFE_VALUE.match(value):
+                raise InputError(f"partition value {key}={value!r} of table {table} has unsafe characters: "
+                                 "use letters, digits and _.:-")
+            path = path / f"{key}={value}"
+        return path / PART_FILE
+
+    def meds_dir(self, dataset_id: str) -> Path:
+        """Where a registered dataset's MEDS files live (gold store: raw data holds targets)."""
+        return self.gold_dir / "meds" / dataset_id
+
+    # ---- writes ---------------------------------------------------------------------------
+    def write(self, table: str, data: pl.DataFrame | pa.Table, **keys) -> Path:
+        """Replace one partition with `data` (validated against the declared schema)."""
+        spec = _spec(table)
+        arrow = conform(spec, data)
+        for key in spec.partition_by:
+            if key in spec.columns:
+                values = set(arrow.column(key).unique().to_pylist())
+                if values - {keys[key]} and len(arrow):
+                    raise ValueError(f"{table}: rows with {key} in {sorted(map(str, values))} written to "
+                                     f"partition {key}={keys[key]}")
+        path = self.partition_path(table, **keys)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{PART_FILE}.{uuid.uuid4().hex}.tmp")
+        pq.write_table(arrow, tmp, compression="zstd")
+        os.replace(tmp, path)
+        return path
+
+    def delete(self, table: str, **keys) -> None:
+        """Remove every partition matching the given leading keys (e.g. one cohort's shards)."""
+        spec = _spec(table)
+        path = self.table_dir(table)
+        for key in spec.partition_by:
+            if key not in keys:
+                break
+            path = path / f"{key}={keys[key]}"
+        if path.exists():
+            # Rename first so a crash mid-delete never leaves a half-removed partition visible.
+            doomed = path.with_name(f".{path.name}.{uuid.uuid4().hex}.deleting")
+            os.replace(path, doomed)
+            shutil.rmtree(doomed)
+
+    # ---- reads ----------------------------------------------------------------------------
+    def connect(self, gold: bool = False) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory DuckDB connection with every table as a view.
+
+        Without `gold`, the connection can read only the forecasting store: external access is
+        restricted to that directory, and it cannot be re-enabled on this connection.
+        """
+        self.forecast_dir.mkdir(parents=True, exist_ok=True)
+        con = duckdb.connect(":memory:")
+        for spec in TABLES.values():
+            if spec.store == GOLD and not gold:
+                continue
+            con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec)}")
+        if not gold:
+            con.execute(f"SET allowed_directories=['{self.forecast_dir}/']")
+            con.execute("SET enable_external_access=false")
+        return con
+
+    def has_rows(self, table: str, **keys) -> bool:
+        return any(self._files(_spec(table), keys))
+
+    def read(self, table: str, **keys) -> pl.DataFrame:
+        """All rows of the partitions matching the given leading keys (empty frame if none)."""
+        spec = _spec(table)
+        files = sorted(self._files(spec, keys))
+        if not files:
+            return pl.from_arrow(spec.schema.empty_table())
+        return pl.concat([pl.read_parquet(f) for f in files], how="vertical_relaxed")
+
+    def _files(self, spec: Table, keys: dict):
+        path = self.store_dir(spec.store) / spec.name
+        pattern = []
+        for key in spec.partition_by:
+            pattern.append(f"{key}={keys[key]}" if key in keys else f"{key}=*")
+        return path.glob("/".join(pattern + [PART_FILE]))
+
+    def _view_sql(self, spec: Table) -> str:
+        if not any(self._files(spec, {})):
+            cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
+            return f"SELECT {cols} WHERE false"
+        glob = "/".join([str(self.store_dir(spec.store) / spec.name)] + ["*"] * len(spec.partition_by) + [PART_FILE])
+        return f"SELECT * FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=false)"
+
+
+def conform(spec: Table, data: pl.DataFrame | pa.Table) -> pa.Table:
+    """Select and cast the declared columns; name the first missing column or null in a required one."""
+    arrow = data.to_arrow() if isinstance(data, pl.DataFrame) else data
+    missing = [c for c in spec.columns if c not in arrow.column_names]
+    if missing:
+        raise InputError(f"table {spec.name}: missing column(s) {missing}; expected {list(spec.columns)}")
+    arrow = arrow.select(list(spec.columns))
+    try:
+        arrow = arrow.cast(spec.schema, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise InputError(f"table {spec.name}: cannot cast to the declared schema ({exc})") from exc
+    for name in spec.columns:
+        if name not in spec.nullable and arrow.column(name).null_count:
+            raise InputError(f"table {spec.name}: column {name} has {arrow.column(name).null_count} null value(s); "
+                             "it is required")
+    return arrow
+
+
+def _spec(table: str) -> Table:
+    try:
+        return TABLES[table]
+    except KeyError:
+        raise NotFoundError(f"unknown table {table!r}; known tables: {', '.join(sorted(TABLES))}") from None
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMP"
+    if pa.types.is_boolean(t):
+        return "BOOLEAN"
+    if pa.types.is_floating(t):
+        return "DOUBLE" if t.bit_width == 64 else "FLOAT"
+    if pa.types.is_integer(t):
+        return {8: "TINYINT", 16: "SMALLINT", 32: "INTEGER", 64: "BIGINT"}[t.bit_width]
+    return "VARCHAR"
