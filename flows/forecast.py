@@ -1,0 +1,43 @@
+"""Flow: one forecasting system over a cohort, one task per trajectory shard."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from prefect import flow
+
+from tasks.forecast import SPLITS, forecast_shard_task, make_forecaster
+from dxr.errors import InputError
+from warehouse.cohorts import get_cohort
+from warehouse.runs import new_run_id, record_run
+from warehouse.store import Warehouse
+
+
+@flow(name="forecast", log_prints=False)
+def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_out", k: int = 20,
+                  limit: int | None = None, run_id: str | None = None) -> str:
+    """Rank codes for every trajectory of a cohort split with `system`; returns the run id."""
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    make_forecaster(system)  # fail fast on an unknown system, before registering a run
+    wh = Warehouse(data_dir)
+    cohort_row = get_cohort(wh, cohort)
+    cohort_id = cohort_row["cohort_id"]
+    run_id = run_id or new_run_id("forecast")
+    config = {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
+    started = datetime.now()
+    record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "running", started)
+    shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+    remaining = limit
+    try:
+        for shard in shards:
+            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run_id, remaining)
+            if remaining is not None:
+                remaining -= done
+                if remaining <= 0:
+                    break
+    except Exception:
+        record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "failed", started, datetime.now())
+        raise
+    record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "finished", started, datetime.now())
+    return run_id

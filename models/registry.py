@@ -1,0 +1,16 @@
+"""Which class implements each forecasting system. Imported lazily so that the frequency
+baselines do not pay for importing torch."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+FORECASTERS: dict[str, str] = {
+    "global_frequency": "models.baselines:GlobalFrequency",
+    "repeat_history": "models.baselines:RepeatHistory",
+}
+
+
+def forecaster_class(system: str) -> type:
+    module, name = FORECASTERS[system].split(":")
+    return getattr(import_module(module), name)

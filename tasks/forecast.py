@@ -1,0 +1,80 @@
+"""Forecast stage: run one system over a cohort's trajectories, shard by shard, into `rankings`.
+
+`forecast_shard` is the plain stage function; `forecast_shard_task` is its Prefect wrapper. The
+forecaster only ever sees a forecasting-store connection (the gold store is unreachable from it)
+and the materialized pre-target records of the shard.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import polars as pl
+from prefect import task
+
+from dxr.errors import InputError
+from models.baselines import Forecaster
+from models.registry import FORECASTERS, forecaster_class
+from warehouse.store import Warehouse
+
+SPLITS = ("train", "tuning", "held_out", "all")
+
+
+def make_forecaster(system: str) -> Forecaster:
+    if system not in FORECASTERS:
+        raise InputError(f"unknown or not yet available system {system!r}; available: {', '.join(sorted(FORECASTERS))}")
+    return forecaster_class(system)()
+
+
+@lru_cache(maxsize=8)
+def fitted_forecaster(wh_root: str, cohort_id: str, system: str) -> Forecaster:
+    """Fit once per process and cohort; every shard task of a run reuses it."""
+    forecaster = make_forecaster(system)
+    forecaster.fit(Warehouse(wh_root).connect(), cohort_id)
+    return forecaster
+
+
+def shard_inputs(wh: Warehouse, cohort_id: str, shard: int, split: str, limit: int | None = None
+                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Trajectories of one shard (restricted to a split and an optional limit) and their pre-target events."""
+    trajectories = wh.read("trajectories", cohort_id=cohort_id).filter(pl.col("shard") == shard)
+    if split != "all":
+        trajectories = trajectories.filter(pl.col("split") == split)
+    if limit is not None:
+        trajectories = trajectories.head(limit)
+    pretarget = wh.read("pretarget_events", cohort_id=cohort_id, shard=shard).join(
+        trajectories.select("trajectory_id"), on="trajectory_id", how="semi")
+    return trajectories.sort("trajectory_id"), pretarget
+
+
+def forecast_shard(forecaster: Forecaster, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int,
+                   run_id: str, cohort_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Rankings and per-trajectory status of one shard; a list shorter than k is marked `short`."""
+    ranked = forecaster.predict(trajectories, pretarget, k)
+    if ranked.select(pl.struct("trajectory_id", "code").is_duplicated().any()).item():
+        raise AssertionError(f"{forecaster.system} returned duplicate codes in run {run_id}")
+    ranked = ranked.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(cohort_id).alias("cohort_id"),
+                                 pl.lit(forecaster.system).alias("system"))
+    lengths = trajectories.select("trajectory_id").join(
+        ranked.group_by("trajectory_id").agg(pl.len().alias("n")), on="trajectory_id", how="left"
+    ).with_columns(pl.col("n").fill_null(0))
+    status = lengths.select(
+        pl.lit(run_id).alias("run_id"), pl.lit(forecaster.system).alias("system"), "trajectory_id",
+        pl.when(pl.col("n") >= k).then(pl.lit("ok")).otherwise(pl.lit("short")).alias("status"),
+        pl.when(pl.col("n") >= k).then(None).otherwise(pl.format("{} of {} codes", "n", pl.lit(k))).alias("detail"))
+    return ranked, status
+
+
+@task(name="forecast-shard")
+def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, split: str, k: int, run_id: str,
+                        limit: int | None = None) -> int:
+    """Prefect wrapper: fit (from the forecasting store only), predict one shard, write its partitions."""
+    wh = Warehouse(wh_root)
+    trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit)
+    if trajectories.is_empty():
+        return 0
+    forecaster = fitted_forecaster(wh_root, cohort_id, system)
+    ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
+    wh.write("rankings", ranked, run_id=run_id, system=system, shard=shard)
+    wh.write("ranking_status", status, run_id=run_id, system=system, shard=shard)
+    return trajectories.height

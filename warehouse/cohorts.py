@@ -1,0 +1,231 @@
+"""Cohorts: trajectories, targets, the target vocabulary Ω and the pre-target record H.
+
+A cohort is built from a registered MEDS dataset and a few options. The build reads raw MEDS (gold
+side) and writes:
+- forecasting store: `cohorts`, `cohort_vocabulary` (Ω), `trajectories`, `pretarget_events`,
+  `train_events`;
+- gold store: `targets` and, for synthetic datasets, `oracle_probabilities`.
+
+Rules (spec/forecasting.md §1, §3):
+- an encounter counts when it has at least one diagnosis event;
+- a target is the deduplicated (harmonized) diagnosis codes of the target encounter; encounters
+  whose target would be empty after harmonization are excluded here, never at metric time;
+- the pre-target record of a trajectory is made by `pretarget_sql` alone: events strictly before
+  the target admission, minus every event of the target encounter even when time-stamped earlier;
+- Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
+  one, else the official billable codes of the ICD versions present — never from targets.
+
+The `cohorts` row is written last and removed first on a rebuild, so a killed build never leaves a
+half-built cohort registered, and a rerun replaces every partition it owns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+import duckdb
+import polars as pl
+from tqdm import tqdm
+
+from dxr.errors import InputError, NotFoundError
+from warehouse import vocab
+from warehouse.datasets import check_name, get_dataset
+from warehouse.meds import read_splits, validate_meds_dir
+from warehouse.store import Warehouse
+
+TARGET_RULES = ("final", "every")
+HARMONIZATIONS = ("native", "icd10", "category")
+
+
+@dataclass(frozen=True)
+class CohortOptions:
+    target: str = "final"
+    harmonize: str = "native"
+    min_history: int = 1
+
+    def __post_init__(self):
+        if self.target not in TARGET_RULES:
+            raise InputError(f"unknown target rule {self.target!r}: use one of {', '.join(TARGET_RULES)}")
+        if self.harmonize not in HARMONIZATIONS:
+            raise InputError(f"unknown harmonization {self.harmonize!r}: use one of {', '.join(HARMONIZATIONS)}")
+        if self.min_history < 0:
+            raise InputError(f"--min-history must be >= 0, got {self.min_history}")
+
+
+def cohort_id_for(dataset: dict, options: CohortOptions, seed: int) -> str:
+    """A stable hash of the dataset (name and content fingerprint), the options and the split seed."""
+    payload = json.dumps({"dataset_id": dataset["dataset_id"], "fingerprint": dataset["fingerprint"],
+                          "seed": seed, **asdict(options)}, sort_keys=True)
+    return "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
+
+
+def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
+    """The one definition of the pre-target view H (SQL over three named relations).
+
+    `events(subject_id, time, code, numeric_value, text_value, encounter_id)`,
+    `trajectories(trajectory_id, subject_id, target_encounter_id, cutoff_time)`,
+    `encounter_starts(encounter_id, start_time)`. An event is kept when it is static (no time) or
+    strictly before the cutoff, it does not belong to the target encounter, and the encounter it
+    belongs to (if any) began before the cutoff.
+    """
+    return f"""
+        SELECT t.trajectory_id, e.subject_id, e.time, e.code, e.numeric_value, e.text_value, e.encounter_id
+        FROM {events} e
+        JOIN {trajectories} t ON e.subject_id = t.subject_id
+        LEFT JOIN {encounter_starts} s ON e.encounter_id = s.encounter_id
+        WHERE (e.time IS NULL OR e.time < t.cutoff_time)
+          AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)
+          AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
+    """
+
+
+def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
+                 shard_size: int = 500, oracle_draws: int = 200, progress: bool = False) -> dict:
+    """Build (or rebuild) a cohort; returns its `cohorts` row."""
+    check_name("cohort", name)
+    dataset = get_dataset(wh, dataset_id)
+    info = validate_meds_dir(dataset["meds_dir"])
+    cohort_id = cohort_id_for(dataset, options, seed)
+    steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=not progress)
+
+    # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
+    wh.delete("cohorts", cohort_id=cohort_id)
+    for table in ("cohort_vocabulary", "trajectories", "pretarget_events", "train_events", "targets",
+                  "oracle_probabilities"):
+        wh.delete(table, cohort_id=cohort_id)
+
+    vocab.load_vocabularies(wh)
+    gem = wh.read("gem_map")
+    con = duckdb.connect(":memory:")
+    con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
+                    FROM read_parquet('{info.root}/data/**/*.parquet', union_by_name=true)""")
+    steps.update()
+
+    # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
+    dx_codes = [c for (c,) in con.execute("SELECT DISTINCT code FROM raw WHERE code LIKE 'DIAGNOSIS//%'").fetchall()]
+    dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem)
+    unmapped = len(set(dx_codes) - set(dx_map["source_code"].to_list()))
+    con.register("dx_map_frame", dx_map.to_arrow())
+    con.execute("""CREATE TEMP TABLE events AS
+        SELECT r.subject_id, r.time, coalesce(m.code, r.code) AS code, r.numeric_value, r.text_value, r.encounter_id
+        FROM raw r LEFT JOIN dx_map_frame m ON r.code = m.source_code
+        WHERE r.code NOT LIKE 'DIAGNOSIS//%' OR m.code IS NOT NULL""")
+    con.execute("""CREATE TEMP TABLE encounter_starts AS
+        SELECT encounter_id, any_value(subject_id) AS subject_id,
+               coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
+               count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx
+        FROM raw WHERE encounter_id IS NOT NULL GROUP BY encounter_id""")
+    steps.update()
+
+    splits = read_splits(info, seed)
+    con.register("splits_frame", splits.to_arrow())
+    # Encounters with at least one raw diagnosis, ordered per patient; prior = earlier counted encounters.
+    con.execute(f"""CREATE TEMP TABLE counted AS
+        SELECT s.subject_id, s.encounter_id, s.start_time,
+               row_number() OVER (PARTITION BY s.subject_id ORDER BY s.start_time, s.encounter_id) - 1 AS n_prior,
+               count(*) OVER (PARTITION BY s.subject_id) AS n_total
+        FROM encounter_starts s WHERE s.n_dx > 0 AND s.start_time IS NOT NULL""")
+    target_filter = "n_prior = n_total - 1" if options.target == "final" else "TRUE"
+    con.execute(f"""CREATE TEMP TABLE candidate_targets AS
+        SELECT c.*, coalesce(sp.split, 'train') AS split FROM counted c
+        LEFT JOIN splits_frame sp USING (subject_id)
+        WHERE {target_filter} AND n_prior >= {int(options.min_history)}""")
+    con.execute(f"""CREATE TEMP TABLE target_codes AS
+        SELECT DISTINCT '{cohort_id}:' || t.subject_id || ':' || t.encounter_id AS trajectory_id, e.code
+        FROM candidate_targets t JOIN events e
+          ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
+    missing_split = con.execute("SELECT count(*) FROM candidate_targets c ANTI JOIN splits_frame USING (subject_id)"
+                                ).fetchone()[0]
+    if missing_split:
+        raise InputError(f"{info.root}/metadata/subject_splits.parquet has no split for {missing_split} subject(s): "
+                         "list every subject or remove the file to use hash splits")
+    trajectories = con.execute(f"""
+        SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
+               subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
+               CAST(n_prior AS INTEGER) AS n_prior_encounters
+        FROM candidate_targets
+        WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
+        ORDER BY subject_id, cutoff_time, target_encounter_id""").pl()
+    if trajectories.is_empty():
+        raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
+                         "patients need that many earlier encounters with diagnoses; lower --min-history")
+    trajectories = trajectories.with_columns(
+        (pl.int_range(pl.len(), dtype=pl.Int32) // shard_size).alias("shard"))
+    con.register("traj", trajectories.to_arrow())
+    steps.update()
+
+    omega, omega_source = _vocabulary(wh, con, info, options, gem, cohort_id)
+    wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
+    steps.update()
+
+    wh.write("trajectories", trajectories, cohort_id=cohort_id)
+    for shard in range(int(trajectories["shard"].max()) + 1):
+        rows = con.execute(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
+            "events", "(SELECT * FROM traj WHERE shard = " + str(shard) + ")", "encounter_starts")}) p
+            ORDER BY trajectory_id, time NULLS FIRST, code""").to_arrow_table()
+        wh.write("pretarget_events", rows, cohort_id=cohort_id, shard=shard)
+    train = con.execute(f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
+        JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'
+        ORDER BY subject_id, time NULLS FIRST, code""").to_arrow_table()
+    wh.write("train_events", train, cohort_id=cohort_id)
+    targets = con.execute(f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
+                          "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL").pl()
+    wh.write("targets", targets, cohort_id=cohort_id)
+    steps.update()
+
+    if dataset["source"] == "synthetic":
+        from warehouse.synthetic import oracle
+
+        mapping = dict(dx_map.group_by("source_code").agg("code").iter_rows())
+        harmonize = (lambda codes: sorted({h for c in codes for h in mapping.get(c, [])}))
+        probabilities = oracle(info.root, trajectories.select(
+            "trajectory_id", "subject_id", "target_encounter_id", "cutoff_time"), harmonize, draws=oracle_draws)
+        wh.write("oracle_probabilities", probabilities.with_columns(pl.lit(cohort_id).alias("cohort_id")),
+                 cohort_id=cohort_id)
+    steps.update()
+    steps.close()
+
+    row = {
+        "cohort_id": cohort_id, "dataset_id": dataset_id, "name": name, "target_rule": options.target,
+        "harmonization": options.harmonize, "min_history": options.min_history, "created_at": datetime.now(),
+        "n_trajectories": trajectories.height, "vocabulary_size": omega.height, "vocabulary_source": omega_source,
+        "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
+                                    "unmapped_diagnosis_codes": unmapped}, sort_keys=True),
+    }
+    wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
+    return row
+
+
+def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: CohortOptions,
+                gem: pl.DataFrame, cohort_id: str) -> tuple[pl.DataFrame, str]:
+    """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized."""
+    codes_file = info.root / "metadata" / "codes.parquet"
+    shipped = pl.DataFrame(schema={"code": pl.String, "title": pl.String})
+    if codes_file.is_file():
+        shipped = (pl.read_parquet(codes_file, columns=["code", "description"])
+                   .filter(pl.col("code").str.starts_with("DIAGNOSIS//ICD//"))
+                   .rename({"description": "title"}).unique("code", keep="first"))
+    if shipped.height:
+        omega, source = shipped, "dataset_dictionary"
+    else:
+        versions = list(info.icd_versions)
+        omega = (wh.read("icd_codes").filter(pl.col("billable") & pl.col("icd_version").is_in(versions))
+                 .select("code", "title"))
+        source = "official_billable_icd" + "_".join(map(str, versions))
+    titles = wh.read("icd_codes").select("code", "title")
+    harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, titles)
+    return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
+
+
+def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
+    """Look a cohort up by id or by name (the most recently built cohort of that name)."""
+    cohorts = wh.read("cohorts")
+    match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
+    if match.is_empty():
+        known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
+        raise NotFoundError(f"cohort {name_or_id!r} not found; built cohorts: {known} "
+                            "(build one with `dxr cohort build`)")
+    return match.sort("created_at", descending=True).row(0, named=True)

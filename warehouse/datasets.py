@@ -1,0 +1,54 @@
+"""The dataset registry: any MEDS directory becomes a named dataset in the warehouse."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+
+from dxr.errors import InputError, NotFoundError
+from warehouse.meds import copy_meds_dir, validate_meds_dir
+from warehouse.store import Warehouse
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Dataset and cohort names become partition keys: keep them simple and portable."""
+    if not _NAME.match(name):
+        raise InputError(f"{kind} name {name!r} is not allowed: use 1-64 lower-case letters, digits, '_' or '-', "
+                         "starting with a letter or digit")
+    return name
+
+
+def register_dataset(wh: Warehouse, dataset_id: str, source: str) -> dict:
+    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` and write its `datasets` row."""
+    check_name("dataset", dataset_id)
+    info = validate_meds_dir(wh.meds_dir(dataset_id))
+    row = {
+        "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
+        "generator_version": info.metadata.get("generator_version") if source == "synthetic" else None,
+        "n_subjects": info.n_subjects, "n_events": info.n_events,
+        "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": datetime.now(),
+    }
+    wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)
+    return row
+
+
+def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str) -> dict:
+    """Copy an external MEDS dataset into the gold store and register it (`dxr ingest meds`)."""
+    check_name("dataset", dataset_id)
+    validate_meds_dir(source_dir)  # fail before copying anything
+    copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
+    return register_dataset(wh, dataset_id, source="meds")
+
+
+def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
+    rows = wh.read("datasets", dataset_id=dataset_id) if wh.has_rows("datasets", dataset_id=dataset_id) else None
+    if rows is None or rows.is_empty():
+        known = sorted(wh.read("datasets")["dataset_id"].to_list())
+        raise NotFoundError(f"dataset {dataset_id!r} is not registered; registered: {', '.join(known) or 'none'} "
+                            "(create one with `dxr synth` or `dxr ingest`)")
+    return rows.row(0, named=True)

@@ -1,0 +1,43 @@
+"""The run registry: every producing command records what it ran, with which code, and how it ended."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import polars as pl
+
+from dxr import __version__
+from warehouse.store import Warehouse
+
+
+def new_run_id(kind: str) -> str:
+    """A readable, unique run id: kind, UTC timestamp, random suffix."""
+    return f"{kind}-{datetime.utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version plus the git commit (and `+dirty`) when running from a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return f"{__version__}+{sha}{'.dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+
+
+def record_run(wh: Warehouse, run_id: str, cohort_id: str, kind: str, config: dict, status: str,
+               started_at: datetime, finished_at: datetime | None = None) -> None:
+    """Write (or overwrite) the registry row of one run and kind."""
+    row = {"run_id": run_id, "cohort_id": cohort_id, "kind": kind,
+           "config_json": json.dumps(config, sort_keys=True, default=str), "code_version": code_version(),
+           "started_at": started_at, "finished_at": finished_at, "status": status}
+    wh.write("runs", pl.DataFrame([row], schema_overrides={"finished_at": pl.Datetime("us")}), run_id=run_id, kind=kind)
