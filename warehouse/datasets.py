@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -23,13 +25,13 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-def register_dataset(wh: Warehouse, dataset_id: str, source: str) -> dict:
+def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None) -> dict:
     """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` and write its `datasets` row."""
     check_name("dataset", dataset_id)
     info = validate_meds_dir(wh.meds_dir(dataset_id))
     row = {
         "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
-        "generator_version": info.metadata.get("generator_version") if source == "synthetic" else None,
+        "generator_version": generator_version,
         "n_subjects": info.n_subjects, "n_events": info.n_events,
         "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": datetime.now(),
     }
@@ -52,3 +54,25 @@ def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
         raise NotFoundError(f"dataset {dataset_id!r} is not registered; registered: {', '.join(known) or 'none'} "
                             "(create one with `dxr synth` or `dxr ingest`)")
     return rows.row(0, named=True)
+
+
+def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, shard_size: int = 2000,
+                     progress: bool = False) -> dict:
+    """Generate the synthetic dataset into the gold store and register it.
+
+    Generation writes into a staging directory that is swapped in only when complete, so a killed
+    run leaves the previous dataset (or none) and a rerun produces identical files.
+    """
+    from warehouse.meds import replace_dir
+    from warehouse.synthetic import GENERATOR_VERSION, generate
+
+    check_name("dataset", dataset_id)
+    target = wh.meds_dir(dataset_id)
+    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
+        replace_dir(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)

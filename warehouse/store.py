@@ -143,15 +143,14 @@ def conform(spec: Table, data: pl.DataFrame | pa.Table) -> pa.Table:
     if missing:
         raise InputError(f"table {spec.name}: missing column(s) {missing}; expected {list(spec.columns)}")
     arrow = arrow.select(list(spec.columns))
-    try:
-        arrow = arrow.cast(spec.schema, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise InputError(f"table {spec.name}: cannot cast to the declared schema ({exc})") from exc
     for name in spec.columns:
         if name not in spec.nullable and arrow.column(name).null_count:
             raise InputError(f"table {spec.name}: column {name} has {arrow.column(name).null_count} null value(s); "
                              "it is required")
-    return arrow
+    try:
+        return arrow.cast(spec.schema, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise InputError(f"table {spec.name}: cannot cast to the declared schema ({exc})") from exc
 
 
 def _spec(table: str) -> Table:

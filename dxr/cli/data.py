@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -51,3 +52,110 @@ def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool) -> None:
     from warehouse.sql import run_query
 
     click.echo(run_query(warehouse(ctx), query, fmt=fmt, with_gold=with_gold), nl=False)
+
+
+@main.command()
+@click.option("--name", default="synthetic", show_default=True, help="Dataset name to register.")
+@click.option("--patients", type=click.IntRange(min=1), default=None,
+              help="Number of patients (default: setting synth.patients, 5000).")
+@click.option("--seed", type=int, default=None, help="Generator seed (default: setting seed).")
+@click.pass_context
+def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None) -> None:
+    """Generate the synthetic MEDS dataset (with its exact oracle) and register it.
+
+    \b
+    Example:
+      dxr synth --patients 5000 --seed 7 --name synthetic
+    """
+    from warehouse.datasets import create_synthetic
+
+    cfg = settings(ctx)
+    row = create_synthetic(warehouse(ctx), name, patients or cfg.synth.patients,
+                           cfg.seed if seed is None else seed, cfg.synth.shard_size, progress=True)
+    click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
+               f"({row['meds_dir']})")
+
+
+@main.group()
+def ingest() -> None:
+    """Register a dataset: any MEDS directory, or the official MIMIC files.
+
+    \b
+    Example:
+      dxr ingest meds /data/my_meds --name mydata
+    """
+
+
+@ingest.command("meds")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--name", required=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.pass_context
+def ingest_meds_cmd(ctx: click.Context, path: Path, name: str) -> None:
+    """Validate a MEDS directory, copy it into the gold store and register it.
+
+    The directory needs data/*.parquet with the MEDS columns plus `encounter_id`; diagnosis codes
+    must be DIAGNOSIS//ICD//9//... or DIAGNOSIS//ICD//10//... without dots.
+
+    \b
+    Example:
+      dxr ingest meds ./exports/meds --name hospital_a
+    """
+    from warehouse.datasets import ingest_meds
+
+    row = ingest_meds(warehouse(ctx), path, name)
+    click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
+               f"ICD versions {row['icd_versions']}")
+
+
+@main.group()
+def cohort() -> None:
+    """Build and list cohorts of trajectories (patient cut before a target encounter).
+
+    \b
+    Example:
+      dxr cohort build --dataset synthetic --name default
+    """
+
+
+@cohort.command("build")
+@click.option("--dataset", required=True, help="Registered dataset name.")
+@click.option("--name", required=True, help="Cohort name.")
+@click.option("--target", type=click.Choice(["final", "every"]), default=None,
+              help="Target encounter: each patient's final one, or every encounter with enough history.")
+@click.option("--harmonize", type=click.Choice(["native", "icd10", "category"]), default=None,
+              help="ICD harmonization of codes and vocabulary.")
+@click.option("--min-history", type=click.IntRange(min=0), default=None,
+              help="Earlier encounters (with diagnoses) a trajectory needs (default 1).")
+@click.pass_context
+def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
+                 min_history: int | None) -> None:
+    """Build a cohort: trajectories, pre-target records, vocabulary Ω, gold targets (and oracle).
+
+    \b
+    Example:
+      dxr cohort build --dataset synthetic --name default --target final --harmonize native --min-history 1
+    """
+    from warehouse.cohorts import CohortOptions, build_cohort
+
+    cfg = settings(ctx)
+    options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
+                            min_history=cfg.cohort.min_history if min_history is None else min_history)
+    row = build_cohort(warehouse(ctx), dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
+                       oracle_draws=cfg.synth.oracle_draws, progress=True)
+    click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
+               f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
+
+
+@cohort.command("list")
+@click.pass_context
+def cohort_list(ctx: click.Context) -> None:
+    """List built cohorts.
+
+    \b
+    Example:
+      dxr cohort list
+    """
+    from warehouse.sql import run_query
+
+    click.echo(run_query(warehouse(ctx), "SELECT cohort_id, name, dataset_id, target_rule, harmonization, "
+                         "min_history, n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at"), nl=False)

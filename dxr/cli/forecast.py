@@ -1,0 +1,31 @@
+"""`dxr forecast`: the one command that writes rankings."""
+
+from __future__ import annotations
+
+import click
+
+from dxr.cli import main, settings
+
+
+@main.command()
+@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--system", required=True, help="Forecasting system id, e.g. repeat_history, ehr_prior, direct.")
+@click.option("--split", type=click.Choice(["train", "tuning", "held_out", "all"]), default="held_out",
+              show_default=True, help="Which trajectories to forecast.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Forecast at most N trajectories.")
+@click.option("--k", type=click.IntRange(min=1), default=20, show_default=True, help="Codes per trajectory.")
+@click.option("--run-id", default=None, help="Run id to write under (generated when absent); reuse it to put "
+              "several systems in one run.")
+@click.pass_context
+def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: int | None, k: int,
+             run_id: str | None) -> None:
+    """Rank the next encounter's diagnosis codes for a cohort's trajectories.
+
+    \b
+    Example:
+      dxr forecast --cohort default --system repeat_history --split held_out --run-id demo-1
+    """
+    from flows.forecast import forecast_flow
+
+    run = forecast_flow(str(settings(ctx).data_dir), cohort, system, split=split, k=k, limit=limit, run_id=run_id)
+    click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split})")

@@ -1,0 +1,127 @@
+"""Shared fixtures: a tiny hand-written MEDS dataset, an empty warehouse, one Prefect harness."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_data(*parts: str) -> Path:
+    """A path under ../shared/data, or a clean skip when that folder is not there."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared data {path} is absent (expected ../shared/data next to the repository)")
+    return path
+
+
+def dx(code: str) -> str:
+    return f"DIAGNOSIS//ICD//10//{code}"
+
+
+def t(day: int, hour: int = 0) -> datetime:
+    return datetime(2020, 1, 1 + day, hour)
+
+
+# Tiny MEDS dataset. Encounters: (subject, encounter_id, admit day, discharge day, diagnoses).
+# Subject 1 (held_out): three encounters; the final one (103) also has a lab time-stamped before
+#   its admission, which the pre-target view must still exclude.
+# Subject 2 (train): two encounters. Subject 3 (tuning): one encounter only (no trajectory).
+# Subject 4 (held_out): two encounters plus an encounter without diagnoses (not counted).
+ENCOUNTERS = [
+    (1, 101, 0, 2, ["I5022", "E119"]),
+    (1, 102, 10, 12, ["I5022", "N179"]),
+    (1, 103, 20, 22, ["I5023", "E119", "J189"]),
+    (2, 201, 0, 3, ["E119", "I10"]),
+    (2, 202, 5, 6, ["I10", "J189"]),
+    (3, 301, 0, 1, ["I10"]),
+    (4, 401, 0, 1, ["J449"]),
+    (4, 402, 3, 4, []),
+    (4, 403, 8, 9, ["J441", "J449"]),
+]
+SPLITS = {1: "held_out", 2: "train", 3: "tuning", 4: "held_out"}
+
+
+def tiny_events() -> pl.DataFrame:
+    rows = []
+    for subject in SPLITS:
+        rows.append((subject, None, "GENDER//F", None, None, None))
+        rows.append((subject, datetime(1950, 1, 1), "MEDS_BIRTH", None, None, None))
+    for subject, enc, admit, discharge, codes in ENCOUNTERS:
+        rows.append((subject, t(admit), "HOSPITAL_ADMISSION//EMERGENCY", None, None, enc))
+        rows.append((subject, t(admit, 6), "LAB//HBA1C//%", 7.5, None, enc))
+        rows += [(subject, t(discharge), dx(c), None, None, enc) for c in codes]
+        rows.append((subject, t(discharge), "NOTE//DISCHARGE_SUMMARY", None, f"note of encounter {enc}", enc))
+        rows.append((subject, t(discharge), "HOSPITAL_DISCHARGE//HOME", None, None, enc))
+    # A lab of the final encounter of subject 1, recorded before that admission (pre-admission testing).
+    rows.append((1, t(19, 12), "LAB//BNP//pg/mL", 900.0, None, 103))
+    return pl.DataFrame(rows, schema={"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String,
+                                      "numeric_value": pl.Float32, "text_value": pl.String,
+                                      "encounter_id": pl.Int64}, orient="row")
+
+
+def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:
+    from warehouse.meds import write_data_shard, write_metadata
+
+    events = tiny_events() if events is None else events
+    write_data_shard(root, "0", events)
+    codes = pl.DataFrame({"code": sorted(set(events["code"].to_list())), "description": None},
+                         schema={"code": pl.String, "description": pl.String})
+    write_metadata(root, dataset_name="tiny", dataset_version="1", etl_name="tests", etl_version="1",
+                   codes=codes.filter(~pl.col("code").str.starts_with("DIAGNOSIS//")),
+                   splits=pl.DataFrame({"subject_id": list(SPLITS), "split": list(SPLITS.values())}))
+    return root
+
+
+@pytest.fixture
+def tiny_meds(tmp_path) -> Path:
+    return write_tiny_meds(tmp_path / "tiny_meds")
+
+
+@pytest.fixture
+def wh(tmp_path):
+    from warehouse.store import Warehouse
+
+    return Warehouse(tmp_path / "warehouse")
+
+
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory):
+    """The vocabulary tables are built once per test session and linked into each warehouse."""
+    from warehouse.store import Warehouse
+    from warehouse.vocab import load_vocabularies
+
+    shared = Warehouse(tmp_path_factory.mktemp("vocab"))
+    load_vocabularies(shared)
+    return shared
+
+
+@pytest.fixture
+def wh_vocab(wh, vocab_cache):
+    """An empty warehouse that already holds the vocabulary tables (copied from the session build)."""
+    import shutil
+
+    for table in ("icd_codes", "icd_notes", "gem_map"):
+        src = vocab_cache.table_dir(table)
+        if src.exists():
+            shutil.copytree(src, wh.table_dir(table))
+    return wh
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One ephemeral Prefect API for the whole session (each start costs seconds)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield

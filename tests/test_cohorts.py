@@ -1,0 +1,107 @@
+"""Cohort building on a hand-written MEDS dataset: exact trajectories, targets and pre-target views."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from tests.conftest import dx, t
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+
+
+@pytest.fixture
+def tiny_cohort(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    row = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    return wh_vocab, row
+
+
+def test_final_target_trajectories_and_targets(tiny_cohort):
+    wh, row = tiny_cohort
+    cid = row["cohort_id"]
+    trajectories = wh.read("trajectories", cohort_id=cid).sort("subject_id")
+    assert trajectories.select("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time", "split",
+                               "n_prior_encounters").rows() == [
+        (f"{cid}:1:103", 1, 103, t(20), "held_out", 2),
+        (f"{cid}:2:202", 2, 202, t(5), "train", 1),
+        (f"{cid}:4:403", 4, 403, t(8), "held_out", 1),
+    ]
+    targets = wh.read("targets", cohort_id=cid).sort("trajectory_id", "code")
+    assert targets.select("trajectory_id", "code").rows() == [
+        (f"{cid}:1:103", dx("E119")), (f"{cid}:1:103", dx("I5023")), (f"{cid}:1:103", dx("J189")),
+        (f"{cid}:2:202", dx("I10")), (f"{cid}:2:202", dx("J189")),
+        (f"{cid}:4:403", dx("J441")), (f"{cid}:4:403", dx("J449")),
+    ]
+    assert row["n_trajectories"] == 3
+    assert row["vocabulary_source"] == "official_billable_icd10"
+
+
+def test_pretarget_view_excludes_the_target_encounter_even_when_timestamped_earlier(tiny_cohort):
+    wh, row = tiny_cohort
+    cid = row["cohort_id"]
+    pretarget = wh.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert set(pretarget["encounter_id"].drop_nulls().to_list()) == {101, 102}
+    assert "LAB//BNP//pg/mL" not in pretarget["code"].to_list()  # enc 103's lab at day 19, before the cutoff
+    assert pretarget.filter(pl.col("time").is_null())["code"].to_list() == ["GENDER//F"]
+    assert pretarget["time"].drop_nulls().max() < t(20)
+    # An encounter without diagnoses is not counted but its events remain history.
+    subject4 = wh.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:4:403")
+    assert set(subject4["encounter_id"].drop_nulls().to_list()) == {401, 402}
+
+
+def test_train_events_hold_only_train_patients(tiny_cohort):
+    wh, row = tiny_cohort
+    train = wh.read("train_events", cohort_id=row["cohort_id"])
+    assert set(train["subject_id"].to_list()) == {2}
+    assert train.height == 2 + 2 * 6  # static + birth, two encounters of 6 events each
+
+
+def test_every_target_rule_and_min_history(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    every = build_cohort(wh_vocab, "tiny", "every", CohortOptions(target="every"), seed=7)
+    ids = wh_vocab.read("trajectories", cohort_id=every["cohort_id"])["target_encounter_id"].sort().to_list()
+    assert ids == [102, 103, 202, 403]
+    zero = build_cohort(wh_vocab, "tiny", "every0", CohortOptions(target="every", min_history=0), seed=7)
+    ids = wh_vocab.read("trajectories", cohort_id=zero["cohort_id"])["target_encounter_id"].sort().to_list()
+    assert ids == [101, 102, 103, 201, 202, 301, 401, 403]
+    assert every["cohort_id"] != zero["cohort_id"]
+
+
+def test_cohort_id_is_stable_and_rebuild_never_duplicates(tiny_cohort):
+    wh, row = tiny_cohort
+    before = {table: wh.read(table, cohort_id=row["cohort_id"]).sort(pl.all()) for table in
+              ("trajectories", "pretarget_events", "train_events", "targets", "cohort_vocabulary")}
+    again = build_cohort(wh, "tiny", "default", CohortOptions(), seed=7)
+    assert again["cohort_id"] == row["cohort_id"]
+    for table, frame in before.items():
+        assert wh.read(table, cohort_id=row["cohort_id"]).sort(pl.all()).equals(frame), table
+    assert wh.read("cohorts").height == 1
+
+
+def test_killed_build_is_not_registered_and_rerun_is_identical(wh_vocab, tiny_meds, monkeypatch):
+    import warehouse.cohorts as cohorts
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    clean = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    expected = wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all())
+    original = cohorts._vocabulary
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-build")
+
+    monkeypatch.setattr(cohorts, "_vocabulary", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    assert wh_vocab.read("cohorts").is_empty()  # a half-built cohort is never registered
+    monkeypatch.setattr(cohorts, "_vocabulary", original)
+    build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    assert wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all()).equals(expected)
+    assert wh_vocab.read("cohorts").height == 1
+
+
+def test_unknown_options_fail_with_the_fix():
+    from dxr.errors import InputError
+
+    with pytest.raises(InputError, match="unknown harmonization 'icd11': use one of native, icd10, category"):
+        CohortOptions(harmonize="icd11")

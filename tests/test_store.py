@@ -1,0 +1,59 @@
+"""The warehouse store: atomic partition replacement and the boundary between the two stores."""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+import pytest
+
+from dxr.errors import InputError
+
+
+def targets(cohort: str, n: int) -> pl.DataFrame:
+    return pl.DataFrame({"cohort_id": [cohort] * n, "trajectory_id": [f"{cohort}:{i}:1" for i in range(n)],
+                         "code": ["DIAGNOSIS//ICD//10//I10"] * n})
+
+
+def test_rewriting_a_partition_replaces_it(wh):
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    wh.write("targets", targets("b", 2), cohort_id="b")
+    wh.write("targets", targets("a", 1), cohort_id="a")
+    counts = wh.connect(gold=True).execute("SELECT cohort_id, count(*) FROM targets GROUP BY 1 ORDER BY 1").fetchall()
+    assert counts == [("a", 1), ("b", 2)]
+
+
+def test_temporary_files_of_a_killed_writer_are_invisible(wh):
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    stray = wh.partition_path("targets", cohort_id="a").with_name(".data.parquet.dead.tmp")
+    stray.write_bytes(b"half a parquet file")
+    assert wh.connect(gold=True).execute("SELECT count(*) FROM targets").fetchone() == (3,)
+
+
+def test_forecasting_connection_cannot_read_the_gold_store(wh):
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    con = wh.connect()
+    with pytest.raises(duckdb.CatalogException):
+        con.execute("SELECT * FROM targets")
+    gold_file = wh.partition_path("targets", cohort_id="a")
+    with pytest.raises(duckdb.PermissionException):
+        con.execute(f"SELECT * FROM read_parquet('{gold_file}')")
+    with pytest.raises(duckdb.Error):
+        con.execute("SET enable_external_access=true")
+    with pytest.raises(duckdb.PermissionException):
+        con.execute(f"SELECT * FROM read_parquet('{gold_file}')")
+
+
+def test_writes_are_checked_against_the_schema(wh):
+    with pytest.raises(InputError, match=r"table targets: missing column\(s\) \['code'\]"):
+        wh.write("targets", targets("a", 1).drop("code"), cohort_id="a")
+    with pytest.raises(InputError, match="column code has 1 null value"):
+        wh.write("targets", targets("a", 1).with_columns(pl.lit(None, pl.String).alias("code")), cohort_id="a")
+    with pytest.raises(ValueError, match="written to partition cohort_id=b"):
+        wh.write("targets", targets("a", 1), cohort_id="b")
+
+
+def test_empty_tables_are_typed_views(wh):
+    con = wh.connect()
+    assert con.execute("SELECT count(*) FROM rankings").fetchone() == (0,)
+    types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE rankings)").fetchall())
+    assert types["rank"] == "INTEGER" and types["native"] == "BOOLEAN"
