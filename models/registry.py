@@ -8,6 +8,7 @@ from importlib import import_module
 FORECASTERS: dict[str, str] = {
     "global_frequency": "models.baselines:GlobalFrequency",
     "repeat_history": "models.baselines:RepeatHistory",
+    "transition": "models.transition:Transition",
 }
 
 

@@ -1,0 +1,89 @@
+"""First-order code transitions: diagnoses of the last visit → diagnoses of the next one.
+
+Learned on `train` patients only (consecutive visit pairs of `train_events`). For a trajectory the
+score of code b is the mean over the last pre-target visit's diagnoses a of P(b in visit t+1 | a in
+visit t); codes the table cannot score are padded by train-split frequency below every learned score.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+
+
+def sql_frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+    """Run a query on a warehouse connection and return a polars frame (DuckDB 2 relation API)."""
+    return con.sql(sql, params=params or None).pl()
+
+
+def train_diagnosis_frequency(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
+    """Ω codes by the number of train-split encounters carrying them (code, count), most frequent first."""
+    return sql_frame(con, """
+        SELECT e.code, count(DISTINCT e.encounter_id)::DOUBLE AS count
+        FROM train_events e JOIN cohort_vocabulary v ON v.cohort_id = e.cohort_id AND v.code = e.code
+        WHERE e.cohort_id = ? AND e.code LIKE 'DIAGNOSIS//%'
+        GROUP BY e.code ORDER BY count DESC, e.code""", [cohort_id])
+
+
+def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
+    """(key, visit, code) for diagnosis codes; `visit` numbers a key's encounters by start time from 0.
+
+    An encounter starts at its earliest event; encounters without diagnoses are not visits.
+
+    >>> import datetime as dt
+    >>> e = pl.DataFrame({"subject_id": [1, 1, 1], "time": [dt.datetime(2020, 1, 2), dt.datetime(2020, 1, 1),
+    ...                   dt.datetime(2020, 1, 3)], "code": ["DIAGNOSIS//A", "DIAGNOSIS//B", "LAB//x"],
+    ...                   "encounter_id": [20, 10, 10]})
+    >>> visit_diagnoses(e, "subject_id").sort("visit").rows()
+    [(1, 0, 'DIAGNOSIS//B'), (1, 1, 'DIAGNOSIS//A')]
+    """
+    with_encounter = events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
+    starts = with_encounter.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
+    dx = with_encounter.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id", "code")
+    visits = (starts.join(dx.select(key, "encounter_id").unique(), on=[key, "encounter_id"], how="semi")
+              .sort(key, "start", "encounter_id")
+              .with_columns(pl.int_range(pl.len()).over(key).alias("visit")))
+    return dx.unique().join(visits, on=[key, "encounter_id"]).select(key, pl.col("visit").cast(pl.Int64), "code")
+
+
+class Transition:
+    """P(next-visit diagnosis | last-visit diagnosis), averaged over the last visit's diagnoses."""
+
+    system = "transition"
+
+    def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
+        self.frequency = train_diagnosis_frequency(con, cohort_id)
+        events = sql_frame(con, """SELECT subject_id, time, code, encounter_id FROM train_events
+                                   WHERE cohort_id = ? AND encounter_id IS NOT NULL""", [cohort_id])
+        omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
+        visits = visit_diagnoses(events, "subject_id")
+        nxt = visits.with_columns(pl.col("visit") - 1).join(omega, on="code", how="semi")
+        # Only visits that have a successor can contribute to a transition's denominator.
+        has_next = visits.join(nxt.select("subject_id", "visit").unique(), on=["subject_id", "visit"], how="semi")
+        source_counts = has_next.group_by("code").agg(pl.len().alias("n_source"))
+        self.table = (has_next.join(nxt, on=["subject_id", "visit"], suffix="_next")
+                      .group_by("code", "code_next").agg(pl.len().alias("n_pair"))
+                      .join(source_counts, on="code")
+                      .select(pl.col("code").alias("source"), pl.col("code_next").alias("code"),
+                              (pl.col("n_pair") / pl.col("n_source")).alias("probability")))
+
+    def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
+        visits = visit_diagnoses(pretarget, "trajectory_id")
+        last = visits.filter(pl.col("visit") == pl.col("visit").max().over("trajectory_id"))
+        n_last = last.group_by("trajectory_id").agg(pl.len().alias("n_last"))
+        learned = (last.rename({"code": "source"}).join(self.table, on="source")
+                   .group_by("trajectory_id", "code").agg(pl.col("probability").sum())
+                   .join(n_last, on="trajectory_id")
+                   .select("trajectory_id", "code", (pl.col("probability") / pl.col("n_last")).alias("score"),
+                           pl.lit(True).alias("native"), pl.lit(0).alias("tier")))
+        # Padding scores are negative, so they sit below every learned probability.
+        padding = self.frequency.head(k).select(
+            "code", (pl.col("count") / (pl.col("count").max() + 1) - 1).alias("score"),
+            pl.lit(False).alias("native"), pl.lit(1).alias("tier"))
+        candidates = pl.concat([learned, trajectories.select("trajectory_id").join(padding, how="cross")
+                                .select(learned.columns)])
+        return (candidates.sort(["trajectory_id", "tier", "score", "code"], descending=[False, False, True, False])
+                .unique(["trajectory_id", "code"], keep="first", maintain_order=True)
+                .with_columns(pl.int_range(1, pl.len() + 1, dtype=pl.Int32).over("trajectory_id").alias("rank"))
+                .filter(pl.col("rank") <= k)
+                .select("trajectory_id", "rank", "code", "score", "native"))

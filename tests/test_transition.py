@@ -1,0 +1,69 @@
+"""The first-order transition baseline: learned on train only, exact probabilities, valid rankings."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import polars as pl
+
+from models.prior.planted import dx, write_planted_cohort
+from models.transition import Transition, visit_diagnoses
+from warehouse.store import Warehouse
+
+D = dt.datetime
+
+
+def write_tiny(wh: Warehouse) -> None:
+    """Two train patients: A→B twice, A→C once; a held_out patient whose record must not be learned."""
+    rows = [  # subject, encounter, day, code
+        (1, 10, 1, dx("A")), (1, 11, 5, dx("B")), (1, 12, 9, dx("A")), (1, 13, 12, dx("B")),
+        (2, 20, 1, dx("A")), (2, 21, 4, dx("C")), (2, 21, 4, "PROCEDURE//ICD//10//P1"),
+    ]
+    events = pl.DataFrame([{"cohort_id": "ct", "subject_id": s, "time": D(2020, 1, d), "code": c,
+                            "numeric_value": None, "text_value": None, "encounter_id": e} for s, e, d, c in rows])
+    wh.write("train_events", events, cohort_id="ct")
+    wh.write("cohort_vocabulary", pl.DataFrame({"cohort_id": "ct", "code": [dx(c) for c in "ABCZ"],
+                                                "icd_version": 10, "title": list("ABCZ")}), cohort_id="ct")
+
+
+def test_transition_probabilities_are_exact(tmp_path):
+    wh = Warehouse(tmp_path)
+    write_tiny(wh)
+    model = Transition()
+    model.fit(wh.connect(), "ct")
+    table = {(s, c): p for s, c, p in model.table.sort("source", "code").iter_rows()}
+    # A has a successor visit 3 times: B twice, C once. B has a successor once (A).
+    assert table == {(dx("A"), dx("B")): 2 / 3, (dx("A"), dx("C")): 1 / 3, (dx("B"), dx("A")): 1.0}
+
+    pretarget = pl.DataFrame({"trajectory_id": ["t1"] * 2, "time": [D(2021, 1, 1), D(2021, 2, 1)],
+                              "code": [dx("B"), dx("A")], "encounter_id": [1, 2]})
+    ranked = model.predict(pl.DataFrame({"trajectory_id": ["t1", "t2"]}), pretarget, 3)
+    assert ranked.filter(pl.col("trajectory_id") == "t1").select("code", "native").rows() == [
+        (dx("B"), True), (dx("C"), True), (dx("A"), False)]
+    # A trajectory without history still gets a padded list (train frequency: A 3, B 2, C 1).
+    assert ranked.filter(pl.col("trajectory_id") == "t2")["code"].to_list() == [dx("A"), dx("B"), dx("C")]
+
+
+def test_visit_numbering_skips_encounters_without_diagnoses():
+    events = pl.DataFrame({"subject_id": [1, 1, 1], "time": [D(2020, 1, 1), D(2020, 1, 5), D(2020, 1, 9)],
+                           "code": [dx("A"), "LAB//x//mg", dx("B")], "encounter_id": [1, 2, 3]})
+    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A")), (1, 1, dx("B"))]
+
+
+def test_transition_recovers_planted_successors(tmp_path):
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=100, seed=1)
+    model = Transition()
+    model.fit(wh.connect(), cohort)
+    trajectories = wh.read("trajectories", cohort_id=cohort)
+    pretarget = wh.read("pretarget_events", cohort_id=cohort)
+    ranked = model.predict(trajectories, pretarget, 20)
+    assert ranked.group_by("trajectory_id").len()["len"].to_list() == [20] * trajectories.height
+    assert ranked.select(pl.struct("trajectory_id", "code").is_duplicated().any()).item() is False
+    # The planted successor (P = 1 from the trigger) ranks in the top 3, next to the chronic codes.
+    last_trigger = (visit_diagnoses(pretarget, "trajectory_id")
+                    .filter(pl.col("visit") == pl.col("visit").max().over("trajectory_id"))
+                    .filter(pl.col("code").str.contains("//T")))
+    expected = last_trigger.select("trajectory_id", pl.col("code").str.replace("//T", "//S"))
+    top = ranked.filter(pl.col("rank") <= 3).select("trajectory_id", "code")
+    assert expected.join(top, on=["trajectory_id", "code"], how="anti").is_empty()
