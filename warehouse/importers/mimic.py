@@ -1,0 +1,542 @@
+"""MIMIC-III and MIMIC-IV (`hosp` module) into MEDS.
+
+The official CSV files (plain or gzipped, header case ignored) are read by DuckDB as text, checked
+(required tables and columns present, every typed value castable, admissions unique), normalized
+into one view per concept by a small layout-specific SQL block, and turned into MEDS events by
+SQL shared by both releases. Nothing is held as Python objects; DuckDB works in a file-backed
+database next to the output so large releases spill to disk instead of exhausting memory.
+
+Events (all with `encounter_id` = `hadm_id` where there is an admission):
+- `GENDER//F|M` static; `MEDS_BIRTH` (MIMIC-III: `dob`; MIMIC-IV: 1 January of anchor_year −
+  anchor_age); `MEDS_DEATH` (the admission's `deathtime` when the patient died in hospital, else
+  the patient's `dod`);
+- `HOSPITAL_ADMISSION//{admission_type}` at `admittime`, `HOSPITAL_DISCHARGE//{discharge_location}`
+  at `dischtime`;
+- `DIAGNOSIS//ICD//{9|10}//{code without dot}` at `dischtime`, extra column `seq_num`;
+- `PROCEDURE//ICD//{9|10}//{code}` at `chartdate` (MIMIC-IV) or `dischtime` (MIMIC-III);
+- `MEDICATION//NDC//{ndc}` when the row has a real NDC, else `MEDICATION//NAME//{drug, lower case,
+  single spaces}`, at `starttime` (MIMIC-III: `startdate`).
+
+Pinned rules:
+- an event whose own time is missing takes a stand-in time and gets `time_imputed = true`:
+  diagnoses (and MIMIC-III procedures) without `dischtime` take `admittime`, MIMIC-IV procedures
+  without `chartdate` take `dischtime` (else `admittime`), prescriptions without a start take
+  `admittime`;
+- ages above 89 are capped at 90: the `MEDS_BIRTH` row is moved to make the patient exactly 90 at
+  the reference point and carries `time_imputed = true`. MIMIC-III shifts the birth dates of
+  patients older than 89 (computed ages near 300), so its reference is the first admission;
+  MIMIC-IV top-codes `anchor_age` (91 for everyone above 89), so its reference is `anchor_year`;
+- duplicate diagnosis rows (same admission, ICD version and code) collapse into one event keeping
+  the smallest `seq_num`; identical procedure rows (same admission, code and time) likewise;
+- every admission is written, but only admissions with at least one diagnosis count as encounters
+  for cohorts; the import summary (also in `metadata/dataset.json`) records both numbers;
+- MIMIC ships no split, so `metadata/subject_splits.parquet` holds the seeded hash split.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from dxr import __version__
+from dxr.errors import InputError
+from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
+
+# Subjects per data shard: a shard is built in memory as one Arrow table before it is written.
+SUBJECTS_PER_SHARD = 25_000
+EXTENSION_COLUMNS = ("encounter_id", "seq_num", "time_imputed")
+_ICD_CODE = "[A-Z0-9]+"
+_FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "TIMESTAMP": "a timestamp (YYYY-MM-DD HH:MM:SS)"}
+
+
+@dataclass(frozen=True)
+class SourceTable:
+    """One official CSV table: the columns read (official name → type they must cast to)."""
+
+    stem: str
+    columns: dict[str, str]
+    required: bool = True
+    not_null: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A MIMIC release: its tables and the SQL turning them into the shared concept views.
+
+    `normalize_sql` reads typed views `t_<table>` and must create `adm`, `pat`, `dx`, `px`, `rx`,
+    `dict_dx` and `dict_px` with the columns the shared event SQL uses.
+    """
+
+    source: str
+    title: str
+    tables: dict[str, SourceTable]
+    normalize_sql: str
+    subdirectory: str | None = None
+
+
+_ADMISSIONS = SourceTable("admissions", {
+    "subject_id": "BIGINT", "hadm_id": "BIGINT", "admittime": "TIMESTAMP", "dischtime": "TIMESTAMP",
+    "deathtime": "TIMESTAMP", "admission_type": "VARCHAR", "discharge_location": "VARCHAR",
+}, not_null=("subject_id", "hadm_id", "admittime"))
+
+MIMIC3 = Layout(
+    source="mimic3", title="MIMIC-III",
+    tables={
+        "patients": SourceTable("patients", {"subject_id": "BIGINT", "gender": "VARCHAR", "dob": "TIMESTAMP",
+                                             "dod": "TIMESTAMP"}, not_null=("subject_id",)),
+        "admissions": _ADMISSIONS,
+        "diagnoses_icd": SourceTable("diagnoses_icd", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                       "seq_num": "INTEGER", "icd9_code": "VARCHAR"},
+                                     not_null=("subject_id", "hadm_id")),
+        "procedures_icd": SourceTable("procedures_icd", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                         "seq_num": "INTEGER", "icd9_code": "VARCHAR"},
+                                      required=False, not_null=("subject_id", "hadm_id")),
+        "prescriptions": SourceTable("prescriptions", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                       "startdate": "TIMESTAMP", "drug": "VARCHAR", "ndc": "VARCHAR"},
+                                     required=False, not_null=("subject_id",)),
+        "d_icd_diagnoses": SourceTable("d_icd_diagnoses", {"icd9_code": "VARCHAR", "long_title": "VARCHAR"},
+                                       required=False),
+        "d_icd_procedures": SourceTable("d_icd_procedures", {"icd9_code": "VARCHAR", "long_title": "VARCHAR"},
+                                        required=False),
+    },
+    normalize_sql="""
+        CREATE VIEW adm AS SELECT * FROM t_admissions;
+        CREATE VIEW pat AS
+            WITH first_admission AS (SELECT subject_id, min(admittime) AS first_admit FROM t_admissions GROUP BY ALL),
+            ages AS (SELECT p.*, f.first_admit, p.dob <= f.first_admit - INTERVAL 90 YEAR AS over_89
+                     FROM t_patients p LEFT JOIN first_admission f USING (subject_id))
+            SELECT subject_id, gender, dod,
+                   CASE WHEN over_89 THEN first_admit - INTERVAL 90 YEAR ELSE dob END AS birth_time,
+                   coalesce(over_89, false) AS birth_capped
+            FROM ages;
+        CREATE VIEW dx AS SELECT subject_id, hadm_id, seq_num, 9 AS icd_version, icd9_code AS icd_code, src_row
+            FROM t_diagnoses_icd;
+        CREATE VIEW px AS SELECT p.subject_id, p.hadm_id, p.seq_num, 9 AS icd_version, p.icd9_code AS icd_code,
+                   p.src_row, coalesce(a.dischtime, a.admittime) AS time, a.dischtime IS NULL AS time_imputed
+            FROM t_procedures_icd p LEFT JOIN t_admissions a ON a.hadm_id = p.hadm_id;
+        CREATE VIEW rx AS SELECT subject_id, hadm_id, startdate AS starttime, drug, ndc FROM t_prescriptions;
+        CREATE VIEW dict_dx AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title FROM t_d_icd_diagnoses;
+        CREATE VIEW dict_px AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title FROM t_d_icd_procedures;
+    """,
+)
+
+MIMIC4 = Layout(
+    source="mimic4", title="MIMIC-IV", subdirectory="hosp",
+    tables={
+        "patients": SourceTable("patients", {"subject_id": "BIGINT", "gender": "VARCHAR", "anchor_age": "INTEGER",
+                                             "anchor_year": "INTEGER", "dod": "TIMESTAMP"}, not_null=("subject_id",)),
+        "admissions": _ADMISSIONS,
+        "diagnoses_icd": SourceTable("diagnoses_icd", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                       "seq_num": "INTEGER", "icd_code": "VARCHAR",
+                                                       "icd_version": "INTEGER"},
+                                     not_null=("subject_id", "hadm_id", "icd_version")),
+        "procedures_icd": SourceTable("procedures_icd", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                         "seq_num": "INTEGER", "chartdate": "TIMESTAMP",
+                                                         "icd_code": "VARCHAR", "icd_version": "INTEGER"},
+                                      required=False, not_null=("subject_id", "hadm_id", "icd_version")),
+        "prescriptions": SourceTable("prescriptions", {"subject_id": "BIGINT", "hadm_id": "BIGINT",
+                                                       "starttime": "TIMESTAMP", "drug": "VARCHAR", "ndc": "VARCHAR"},
+                                     required=False, not_null=("subject_id",)),
+        "d_icd_diagnoses": SourceTable("d_icd_diagnoses", {"icd_code": "VARCHAR", "icd_version": "INTEGER",
+                                                           "long_title": "VARCHAR"}, required=False),
+        "d_icd_procedures": SourceTable("d_icd_procedures", {"icd_code": "VARCHAR", "icd_version": "INTEGER",
+                                                             "long_title": "VARCHAR"}, required=False),
+    },
+    normalize_sql="""
+        CREATE VIEW adm AS SELECT * FROM t_admissions;
+        CREATE VIEW pat AS SELECT subject_id, gender, dod,
+                   make_timestamp(anchor_year - least(anchor_age, 90), 1, 1, 0, 0, 0) AS birth_time,
+                   coalesce(anchor_age > 89, false) AS birth_capped
+            FROM t_patients;
+        CREATE VIEW dx AS SELECT subject_id, hadm_id, seq_num, icd_version, icd_code, src_row FROM t_diagnoses_icd;
+        CREATE VIEW px AS SELECT p.subject_id, p.hadm_id, p.seq_num, p.icd_version, p.icd_code, p.src_row,
+                   coalesce(p.chartdate, a.dischtime, a.admittime) AS time, p.chartdate IS NULL AS time_imputed
+            FROM t_procedures_icd p LEFT JOIN t_admissions a ON a.hadm_id = p.hadm_id;
+        CREATE VIEW rx AS SELECT subject_id, hadm_id, starttime, drug, ndc FROM t_prescriptions;
+        CREATE VIEW dict_dx AS SELECT icd_version, icd_code, long_title AS title FROM t_d_icd_diagnoses;
+        CREATE VIEW dict_px AS SELECT icd_version, icd_code, long_title AS title FROM t_d_icd_procedures;
+    """,
+)
+
+# One normalization for every ICD code the importer emits: no dot, no spaces, upper case.
+_NORMALIZED = "upper(replace(trim({col}), '.', ''))"
+
+_EVENTS_SQL = f"""
+CREATE TABLE events AS
+WITH dx_rows AS (
+    SELECT subject_id, hadm_id, seq_num, icd_version, {_NORMALIZED.format(col="icd_code")} AS code
+    FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL
+),
+dx_unique AS (
+    SELECT subject_id, hadm_id, icd_version, code, min(seq_num) AS seq_num FROM dx_rows GROUP BY ALL
+),
+px_unique AS (
+    SELECT subject_id, hadm_id, icd_version, {_NORMALIZED.format(col="icd_code")} AS code, time,
+           bool_or(time_imputed) AS time_imputed, min(seq_num) AS seq_num
+    FROM px WHERE nullif(trim(icd_code), '') IS NOT NULL AND time IS NOT NULL GROUP BY ALL
+),
+rx_coded AS (
+    SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, r.hadm_id, r.starttime IS NULL AS time_imputed,
+           CASE WHEN regexp_full_match(replace(trim(r.ndc), '-', ''), '[0-9]*[1-9][0-9]*')
+                THEN 'MEDICATION//NDC//' || replace(trim(r.ndc), '-', '')
+                ELSE 'MEDICATION//NAME//' || lower(regexp_replace(nullif(trim(r.drug), ''), '\\s+', ' ', 'g'))
+           END AS code
+    FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id
+),
+in_hospital_death AS (
+    SELECT subject_id, max(deathtime) AS deathtime, arg_max(hadm_id, deathtime) AS hadm_id
+    FROM adm WHERE deathtime IS NOT NULL GROUP BY ALL
+),
+death AS (
+    SELECT subject_id, coalesce(d.deathtime, p.dod) AS time, d.hadm_id
+    FROM in_hospital_death d FULL OUTER JOIN (SELECT subject_id, dod FROM pat WHERE dod IS NOT NULL) p USING (subject_id)
+)
+SELECT subject_id, NULL::TIMESTAMP AS time, 'GENDER//' || upper(trim(gender)) AS code,
+       NULL::BIGINT AS encounter_id, NULL::INTEGER AS seq_num, false AS time_imputed
+    FROM pat WHERE nullif(trim(gender), '') IS NOT NULL
+UNION ALL SELECT subject_id, birth_time, 'MEDS_BIRTH', NULL, NULL, birth_capped FROM pat WHERE birth_time IS NOT NULL
+UNION ALL SELECT subject_id, time, 'MEDS_DEATH', hadm_id, NULL, false FROM death
+UNION ALL SELECT subject_id, admittime, 'HOSPITAL_ADMISSION//' || coalesce(nullif(trim(admission_type), ''), 'UNK'),
+                 hadm_id, NULL, false FROM adm
+UNION ALL SELECT subject_id, dischtime, 'HOSPITAL_DISCHARGE//' || coalesce(nullif(trim(discharge_location), ''), 'UNK'),
+                 hadm_id, NULL, false FROM adm WHERE dischtime IS NOT NULL
+UNION ALL SELECT d.subject_id, coalesce(a.dischtime, a.admittime), 'DIAGNOSIS//ICD//' || d.icd_version || '//' || d.code,
+                 d.hadm_id, d.seq_num, a.dischtime IS NULL
+    FROM dx_unique d JOIN adm a ON a.hadm_id = d.hadm_id
+UNION ALL SELECT subject_id, time, 'PROCEDURE//ICD//' || icd_version || '//' || code, hadm_id, seq_num, time_imputed
+    FROM px_unique
+UNION ALL SELECT subject_id, time, code, hadm_id, NULL, time_imputed FROM rx_coded
+    WHERE time IS NOT NULL AND code IS NOT NULL
+"""
+
+_CODES_SQL = f"""
+WITH dictionary AS (
+    SELECT 'DIAGNOSIS//ICD//' || icd_version || '//' || {_NORMALIZED.format(col="icd_code")} AS code,
+           min(title) AS description
+    FROM dict_dx WHERE icd_version IN (9, 10)
+      AND regexp_full_match({_NORMALIZED.format(col="icd_code")}, '{_ICD_CODE}') GROUP BY ALL
+    UNION ALL
+    SELECT 'PROCEDURE//ICD//' || icd_version || '//' || {_NORMALIZED.format(col="icd_code")}, min(title)
+    FROM dict_px WHERE icd_version IN (9, 10)
+      AND regexp_full_match({_NORMALIZED.format(col="icd_code")}, '{_ICD_CODE}') GROUP BY ALL
+)
+SELECT code, description, NULL::VARCHAR[] AS parent_codes FROM dictionary
+UNION ALL
+SELECT DISTINCT code, NULL, NULL::VARCHAR[] FROM events WHERE code NOT IN (SELECT code FROM dictionary)
+ORDER BY code
+"""
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    """What an import read and wrote; also stored under `import_summary` in metadata/dataset.json."""
+
+    source: str
+    out_dir: str
+    rows_read: dict[str, int]
+    tables_absent: list[str]
+    n_subjects: int
+    n_admissions: int
+    n_encounters: int  # admissions with at least one diagnosis: the ones cohorts count
+    n_diagnosis_rows: int  # raw rows with a code
+    n_diagnoses: int  # after duplicates collapse
+    n_diagnoses_time_imputed: int
+    n_diagnoses_without_admission: int  # dropped: their hadm_id is not in admissions
+    diagnoses_by_icd_version: dict[str, int]
+    n_procedures: int
+    n_medications: int
+    n_ages_capped: int
+    n_events: int
+    n_shards: int
+    seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def n_rows_read(self) -> int:
+        return sum(self.rows_read.values())
+
+    def table(self) -> str:
+        """A short two-column summary for the terminal."""
+        rows = [("subjects", self.n_subjects), ("admissions", self.n_admissions),
+                ("encounters (admissions with ≥ 1 diagnosis)", self.n_encounters),
+                ("diagnosis rows read", self.n_diagnosis_rows),
+                ("diagnoses written (duplicates collapsed)", self.n_diagnoses),
+                ("  at admittime (no dischtime; time_imputed)", self.n_diagnoses_time_imputed),
+                ("  dropped (admission not in admissions)", self.n_diagnoses_without_admission),
+                *((f"  ICD-{v}", n) for v, n in sorted(self.diagnoses_by_icd_version.items())),
+                ("procedures", self.n_procedures), ("medications", self.n_medications),
+                ("ages capped at 90", self.n_ages_capped), ("MEDS events", self.n_events),
+                ("shards", self.n_shards), ("seconds", f"{self.seconds:.1f}")]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{name:<{width}}  {value:>12,}" if isinstance(value, int) else f"{name:<{width}}  {value:>12}"
+                 for name, value in rows]
+        if self.tables_absent:
+            lines.append(f"optional tables absent: {', '.join(self.tables_absent)}")
+        return "\n".join(lines)
+
+
+def import_mimic3(src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
+                  log: Callable[[str], None] | None = None) -> ImportSummary:
+    """Import a MIMIC-III directory (ADMISSIONS.csv, PATIENTS.csv, DIAGNOSES_ICD.csv, …) into MEDS at `out_dir`."""
+    return import_mimic(MIMIC3, src, out_dir, seed=seed, memory_limit=memory_limit, log=log)
+
+
+def import_mimic4(src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
+                  log: Callable[[str], None] | None = None) -> ImportSummary:
+    """Import a MIMIC-IV `hosp` directory (or the release root holding `hosp/`) into MEDS at `out_dir`."""
+    return import_mimic(MIMIC4, src, out_dir, seed=seed, memory_limit=memory_limit, log=log)
+
+
+def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
+                 log: Callable[[str], None] | None = None) -> ImportSummary:
+    """Write a complete MEDS directory at `out_dir` from `src`; on any error nothing at `out_dir` changes."""
+    log = log or (lambda message: None)
+    started = time.perf_counter()
+    files = locate_tables(layout, Path(src))
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    staging = out_dir.with_name(f".{out_dir.name}.{token}.staging")
+    workdir = out_dir.with_name(f".{out_dir.name}.{token}.work")
+    workdir.mkdir()
+    stages: dict[str, float] = {}
+
+    def stage(name: str, mark: float) -> float:
+        now = time.perf_counter()
+        stages[name] = round(now - mark, 3)
+        log(f"{name}: {now - mark:.1f}s")
+        return now
+
+    try:
+        con = duckdb.connect(str(workdir / "import.duckdb"))
+        con.execute(f"SET memory_limit = '{memory_limit}'")
+        con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
+        mark = time.perf_counter()
+        rows_read = {}
+        for name, spec in layout.tables.items():
+            rows_read[name] = _load_table(con, layout, name, spec, files.get(name))
+        mark = stage("read", mark)
+        for name, spec in layout.tables.items():
+            _check_values(con, name, spec, files.get(name))
+        _check_admissions_unique(con, files["admissions"])
+        con.execute(layout.normalize_sql)
+        _check_codes(con, "dx", files["diagnoses_icd"])
+        _check_codes(con, "px", files.get("procedures_icd"))
+        mark = stage("check", mark)
+        con.execute(_EVENTS_SQL)
+        mark = stage("events", mark)
+        n_shards = _write_shards(con, staging, workdir, seed)
+        mark = stage("shards", mark)
+        codes = con.sql(_CODES_SQL).to_arrow_table()
+        summary = _summarize(con, layout, out_dir, rows_read, files, n_shards)
+        con.close()
+        summary = ImportSummary(**{**asdict(summary), "seconds": round(time.perf_counter() - started, 3),
+                                   "stage_seconds": stages})
+        splits = pl.read_parquet(workdir / "splits.parquet")
+        write_metadata(staging, dataset_name=layout.title, dataset_version="unspecified",
+                       etl_name="dxr.warehouse.importers.mimic", etl_version=__version__, codes=codes, splits=splits,
+                       extra={"other_extension_columns": list(EXTENSION_COLUMNS), "source": layout.source,
+                              "source_dir": str(Path(src).resolve()), "seed": seed,
+                              "import_summary": asdict(summary)})
+        validate_meds_dir(staging)
+        stage("metadata", mark)
+        replace_dir(staging, out_dir)
+        log(f"wrote {out_dir}")
+        return summary
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def locate_tables(layout: Layout, src: Path) -> dict[str, Path]:
+    """Map each table to its file (`<name>.csv` or `<name>.csv.gz`, any case); check the required ones exist."""
+    if not src.exists():
+        raise InputError(f"{layout.title} directory {src} does not exist: check the path")
+    if not src.is_dir():
+        raise InputError(f"{src} is a file: pass the {layout.title} directory that holds the CSV tables")
+    folder = src
+    if layout.subdirectory and (src / layout.subdirectory).is_dir():
+        folder = src / layout.subdirectory
+    by_name: dict[str, list[Path]] = {}
+    for path in folder.iterdir():
+        lower = path.name.lower()
+        for suffix in (".csv.gz", ".csv"):
+            if lower.endswith(suffix) and path.is_file():
+                by_name.setdefault(lower[: -len(suffix)], []).append(path)
+                break
+    found: dict[str, Path] = {}
+    for name, spec in layout.tables.items():
+        candidates = sorted(by_name.get(spec.stem, []))
+        if len(candidates) > 1:
+            raise InputError(f"{folder}: table {spec.stem} exists twice ({', '.join(p.name for p in candidates)}): "
+                             "keep one of them")
+        if candidates:
+            found[name] = candidates[0]
+    required = [spec.stem for spec in layout.tables.values() if spec.required]
+    missing = [spec.stem for name, spec in layout.tables.items() if spec.required and name not in found]
+    if len(missing) == len(required):
+        where = f" (or the release root holding {layout.subdirectory}/)" if layout.subdirectory else ""
+        raise InputError(f"{folder} is not a {layout.title} directory: none of {', '.join(required)} "
+                         f"(.csv or .csv.gz) is there; pass the folder holding the {layout.title} tables{where}")
+    if missing:
+        raise InputError(f"{folder}: missing {layout.title} table {missing[0]} ({missing[0]}.csv or "
+                         f"{missing[0]}.csv.gz): add it from the official release")
+    return found
+
+
+def _read_csv(path: Path) -> str:
+    quoted = str(path).replace("'", "''")
+    # Everything as text: types are checked afterwards so a bad value is reported by row and column.
+    return f"read_csv('{quoted}', header = true, all_varchar = true, delim = ',', quote = '\"', escape = '\"')"
+
+
+def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec: SourceTable,
+                path: Path | None) -> int:
+    """Copy the needed columns of one CSV into `raw_<name>` (all text) and define its typed view `t_<name>`."""
+    if path is None:
+        columns = ", ".join(f"{column} VARCHAR" for column in spec.columns)
+        con.execute(f"CREATE TABLE raw_{name} ({columns})")
+    else:
+        try:
+            header = [d[0] for d in con.execute(f"SELECT * FROM {_read_csv(path)} LIMIT 0").description]
+        except duckdb.Error as exc:
+            raise InputError(f"{path}: not a readable CSV file ({_first_line(exc)}): "
+                             "use the official comma-separated file, plain or gzipped") from exc
+        by_lower = {column.lower(): column for column in header}
+        missing = [column for column in spec.columns if column not in by_lower]
+        if missing:
+            raise InputError(_missing_column_message(layout, path, spec, header, missing[0]))
+        select = ", ".join(f'"{by_lower[column]}" AS {column}' for column in spec.columns)
+        try:
+            con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path)}")
+        except duckdb.Error as exc:
+            raise InputError(f"{path}: malformed CSV ({_first_line(exc)}): fix or re-download the file") from exc
+    casts = ", ".join(f"TRY_CAST({column} AS {kind}) AS {column}" for column, kind in spec.columns.items())
+    con.execute(f"CREATE VIEW t_{name} AS SELECT {casts}, rowid + 1 AS src_row FROM raw_{name}")
+    return con.execute(f"SELECT count(*) FROM raw_{name}").fetchone()[0]
+
+
+def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, header: list[str], column: str) -> str:
+    expected = set(spec.columns)
+    unexpected = [c for c in header if c.lower() not in expected]
+    guess = difflib.get_close_matches(column, [c.lower() for c in unexpected], n=1, cutoff=0.5)
+    hint = f"; found '{guess[0]}' instead: rename it back to '{column}'" if guess else ""
+    other = MIMIC4 if layout is MIMIC3 else MIMIC3
+    other_spec = next((s for s in other.tables.values() if s.stem == spec.stem), None)
+    if other_spec and set(other_spec.columns) <= {c.lower() for c in header}:
+        hint += f"; this file has the {other.title} layout: use `dxr ingest {other.source}`"
+    return (f"{path}: missing column '{column}' (columns found: {', '.join(header)}){hint or ''}"
+            f"{'' if hint else f': {layout.title} {spec.stem} needs ' + ', '.join(spec.columns)}")
+
+
+def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, path: Path | None) -> None:
+    """Every typed column casts and every required value is present; else name the first bad row."""
+    if path is None:
+        return
+    conditions = [(column, f"{column} IS NOT NULL AND TRY_CAST({column} AS {kind}) IS NULL", kind)
+                  for column, kind in spec.columns.items() if kind != "VARCHAR"]
+    conditions += [(column, f"{column} IS NULL", None) for column in spec.not_null]
+    if not conditions:
+        return
+    counts = con.execute("SELECT " + ", ".join(f"count(*) FILTER (WHERE {cond})" for _, cond, _ in conditions)
+                         + f" FROM raw_{name}").fetchone()
+    for (column, condition, kind), count in zip(conditions, counts):
+        if not count:
+            continue
+        row, value = con.execute(f"SELECT rowid + 1, {column} FROM raw_{name} WHERE {condition} "
+                                 "ORDER BY rowid LIMIT 1").fetchone()
+        more = f" ({count:,} rows like it)" if count > 1 else ""
+        if kind is None:
+            raise InputError(f"{path}, data row {row:,}: column '{column}' is empty{more}: "
+                             f"every {spec.stem} row needs a {column}")
+        raise InputError(f"{path}, data row {row:,}, column '{column}': {value!r} is not "
+                         f"{_FRIENDLY_TYPE[kind]}{more}: correct the value or restore the official file")
+
+
+def _check_admissions_unique(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    duplicate = con.execute("SELECT hadm_id, list(src_row ORDER BY src_row) FROM t_admissions GROUP BY hadm_id "
+                            "HAVING count(*) > 1 ORDER BY min(src_row) LIMIT 1").fetchone()
+    if duplicate:
+        rows = ", ".join(f"{r:,}" for r in duplicate[1][:3])
+        raise InputError(f"{path}: hadm_id {duplicate[0]} appears on several data rows ({rows}): "
+                         "each admission must appear once")
+
+
+def _check_codes(con: duckdb.DuckDBPyConnection, view: str, path: Path | None) -> None:
+    """ICD versions must be 9 or 10 and codes letters and digits (a dot is dropped)."""
+    if path is None:
+        return
+    bad = con.execute(f"""SELECT src_row, icd_version, icd_code FROM {view}
+        WHERE nullif(trim(icd_code), '') IS NOT NULL AND (icd_version NOT IN (9, 10)
+              OR NOT regexp_full_match({_NORMALIZED.format(col="icd_code")}, '{_ICD_CODE}'))
+        ORDER BY src_row LIMIT 1""").fetchone()
+    if bad:
+        row, version, code = bad
+        if version not in (9, 10):
+            raise InputError(f"{path}, data row {row:,}, column 'icd_version': {version} is not 9 or 10: "
+                             "MEDS diagnosis codes are ICD-9 or ICD-10")
+        raise InputError(f"{path}, data row {row:,}, column 'icd_code': {code!r} is not an ICD code "
+                         "(letters and digits, optional dot): correct the value")
+
+
+def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, seed: int) -> int:
+    """Assign each subject a split (seeded hash) and write `data/<split>/<n>.parquet` shards."""
+    subjects = pl.from_arrow(con.sql("SELECT DISTINCT subject_id FROM events ORDER BY subject_id").to_arrow_table())
+    splits = subjects.with_columns(
+        pl.col("subject_id").map_elements(lambda s: hash_split(s, seed), return_dtype=pl.String).alias("split"))
+    splits.write_parquet(workdir / "splits.parquet")
+    con.register("splits_frame", splits.to_arrow())
+    con.execute(f"""CREATE TABLE subject_shards AS SELECT subject_id, split,
+        (row_number() OVER (PARTITION BY split ORDER BY subject_id) - 1) // {SUBJECTS_PER_SHARD} AS shard
+        FROM splits_frame""")
+    con.unregister("splits_frame")
+    shards = con.execute("SELECT DISTINCT split, shard FROM subject_shards ORDER BY split, shard").fetchall()
+    for split, shard in shards:
+        table = con.sql("""
+            SELECT e.subject_id, e.time, e.code, NULL::FLOAT AS numeric_value, NULL::VARCHAR AS text_value,
+                   e.encounter_id, e.seq_num, e.time_imputed
+            FROM events e JOIN subject_shards s USING (subject_id)
+            WHERE s.split = ? AND s.shard = ?
+            ORDER BY e.subject_id, e.time NULLS FIRST, e.code, e.encounter_id""", params=[split, shard]).to_arrow_table()
+        write_data_shard(staging, f"{split}/{shard}", table)
+    assert {s for s, _ in shards} <= set(SPLITS), f"unexpected split names {shards}"
+    return len(shards)
+
+
+def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, rows_read: dict[str, int],
+               files: dict[str, Path], n_shards: int) -> ImportSummary:
+    dx = con.execute(f"""SELECT
+        (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL),
+        (SELECT count(*) FROM (SELECT DISTINCT hadm_id, icd_version, {_NORMALIZED.format(col="icd_code")}
+                               FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL
+                                 AND hadm_id NOT IN (SELECT hadm_id FROM adm)))""").fetchone()
+    ev = con.execute("""SELECT count(DISTINCT subject_id), count(*),
+        count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%'),
+        count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%' AND time_imputed),
+        count(DISTINCT encounter_id) FILTER (WHERE code LIKE 'DIAGNOSIS//%'),
+        count(*) FILTER (WHERE code LIKE 'PROCEDURE//%'),
+        count(*) FILTER (WHERE code LIKE 'MEDICATION//%'),
+        count(*) FILTER (WHERE code = 'MEDS_BIRTH' AND time_imputed)
+        FROM events""").fetchone()
+    versions = dict(con.execute("""SELECT split_part(code, '//', 3), count(*) FROM events
+        WHERE code LIKE 'DIAGNOSIS//%' GROUP BY ALL ORDER BY ALL""").fetchall())
+    n_admissions = con.execute("SELECT count(*) FROM adm").fetchone()[0]
+    return ImportSummary(
+        source=layout.source, out_dir=str(out_dir), rows_read=rows_read,
+        tables_absent=[spec.stem for name, spec in layout.tables.items() if name not in files],
+        n_subjects=ev[0], n_admissions=n_admissions, n_encounters=ev[4], n_diagnosis_rows=dx[0],
+        n_diagnoses=ev[2], n_diagnoses_time_imputed=ev[3], n_diagnoses_without_admission=dx[1],
+        diagnoses_by_icd_version=versions, n_procedures=ev[5], n_medications=ev[6], n_ages_capped=ev[7],
+        n_events=ev[1], n_shards=n_shards)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
