@@ -134,3 +134,32 @@ SYSTEMS = (
 )
 METRICS = ("precision_at_k", "recall_at_k", "micro_precision", "micro_recall", "micro_f1", "macro_f1")
 RANKING_STATUSES = ("ok", "short", "failed")
+
+# ---- evaluation outputs (appended by the evaluation harness; aggregates only, no gold rows) -------
+TABLES.update({
+    t.name: t
+    for t in [
+        _t("evaluation_coverage", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "k": pa.int32(),
+            "n_trajectories": pa.int64(), "n_short": pa.int64(), "n_failed": pa.int64(), "n_below_k": pa.int64(),
+            "native_share": pa.float64(),
+        }, ["run_id", "system"], "Per system and K: explicit short/failed trajectories, trajectories with fewer "
+           "than K codes, and the share of top-K rows that are native (not padding); k = 0 is the whole list.",
+           nullable=["native_share"]),
+        _t("paired_comparisons", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "system_a": pa.string(), "system_b": pa.string(),
+            "subset": pa.string(), "k": pa.int32(), "metric": pa.string(), "value_a": pa.float64(),
+            "value_b": pa.float64(), "difference": pa.float64(), "ci_low": pa.float64(), "ci_high": pa.float64(),
+            "n": pa.int64(), "n_improved": pa.int64(), "n_worsened": pa.int64(), "n_tied": pa.int64(),
+            "sign_test_p": pa.float64(),
+        }, ["run_id"], "Metric difference a - b on the same patients with a paired bootstrap 95% interval and "
+           "an exact sign test over patients whose F1 summand improved or worsened.",
+           nullable=["ci_low", "ci_high"]),
+        _t("headroom", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "pool": pa.string(), "subset": pa.string(),
+            "k": pa.int32(), "metric": pa.string(), "value": pa.float64(), "ci_low": pa.float64(),
+            "ci_high": pa.float64(), "n": pa.int64(), "mean_pool_size": pa.float64(),
+        }, ["run_id"], "Target-conditioned pool oracle: metrics of the best achievable top-K within a pool "
+           "(`a+b` = union of the full lists of systems a and b).", nullable=["ci_low", "ci_high"]),
+    ]
+})

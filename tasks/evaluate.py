@@ -1,0 +1,611 @@
+"""Evaluation stage: forecast metrics with patient-cluster bootstrap intervals (spec/evaluation.md §1).
+
+For a frozen trajectory set (n trajectories), a budget K, a ranking prefix Ŷ_K(i) and targets Y(i):
+h = |Ŷ_K ∩ Y|; `precision_at_k` = mean h/K, `recall_at_k` = mean h/|Y|, `micro_precision` =
+Σh/(nK), `micro_recall` = Σh/Σ|Y|, `micro_f1` = 2Σh/(nK + Σ|Y|), `macro_f1` = mean 2h/(K + |Y|).
+`k = 0` in the `metrics` table denotes the variable-cardinality version: K is replaced by the
+length |C(i)| of each trajectory's full ranking (h/|C| := 0 for an empty list).
+
+Which trajectories are evaluated: every trajectory that any system of the run ranked or recorded
+a status for (the run's frozen set). Each evaluated system must cover every one of them with at
+least K ranked codes, or carry an explicit `short`/`failed` status for it; otherwise evaluation
+refuses the run (InputError naming the trajectory, system and run). Explicit short or failed
+trajectories count with the hits they have; their denominators stay K.
+
+Subsets restrict the TARGET codes, and therefore the hits, to one class; a trajectory with no
+target code of the class is left out of that subset (its n), and the denominators that count
+predictions (K, nK) are unchanged:
+- `all`: every target code;
+- `icd9` / `icd10`: codes `DIAGNOSIS//ICD//9//…` / `DIAGNOSIS//ICD//10//…`;
+- `repeated`: the code occurs among the trajectory's pre-target diagnosis events
+  (`pretarget_events` rows whose code starts with `DIAGNOSIS//`); `new_onset`: it does not;
+- frequency buckets by the number of the cohort's `train_events` rows carrying the code
+  (diagnosis rows; train-split patients only): `freq_0` (never seen), `freq_1_9`, `freq_10_99`,
+  `freq_100plus`.
+
+Uncertainty: the bootstrap resamples patients (subject ids of the evaluated trajectories, every
+trajectory of a sampled patient kept) with a seeded generator, applies the same resample to every
+system (so paired differences use paired resamples) and reports 95% percentile intervals.
+
+Oracles (gold side, written to `metrics`/`headroom` only, never to `rankings`): the synthetic
+generator's `oracle` ranks `oracle_probabilities` by probability (desc), then code; the
+target-conditioned pool oracle puts min(K, |pool ∩ Y|) hits in its top K, for a pool that is the
+union of the full lists of some systems (`headroom` table).
+
+Repeated runs of one configuration: a configuration is the cohort, the run kind and the run's
+`config_json` without the keys in `CONFIG_IGNORED_KEYS`; its metrics are the mean of the run-level
+metrics (with the same patient resample in every run), written under the run id
+`config-<hash>` with `n_runs` = the number of runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+import polars as pl
+from prefect import task
+from scipy.stats import binom
+
+from dxr.errors import InputError, NotFoundError
+from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
+from warehouse.store import Warehouse, conform
+
+ORACLE = "oracle"
+NATURAL_K = 0
+DEFAULT_KS = (10, 20)
+# (name, lowest count, highest count or None) of train-split occurrences of a target code.
+FREQUENCY_BUCKETS = (("freq_0", 0, 0), ("freq_1_9", 1, 9), ("freq_10_99", 10, 99), ("freq_100plus", 100, None))
+SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b in FREQUENCY_BUCKETS)
+# Keys that differ between repeats of one configuration without changing what it is.
+CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate")
+EXPLICIT_INCOMPLETE = ("short", "failed")
+
+
+# ---- target classes ---------------------------------------------------------------------------
+
+def label_targets(targets: pl.DataFrame) -> pl.DataFrame:
+    """Long table (trajectory_id, code, subset): each target code once per subset it belongs to.
+
+    `targets` has columns trajectory_id, code, repeated (bool) and train_count (int).
+
+    >>> t = pl.DataFrame({"trajectory_id": ["a"], "code": ["DIAGNOSIS//ICD//10//E119"],
+    ...                   "repeated": [True], "train_count": [12]})
+    >>> label_targets(t)["subset"].to_list()
+    ['all', 'icd10', 'repeated', 'freq_10_99']
+    """
+    version = (pl.when(pl.col("code").str.starts_with("DIAGNOSIS//ICD//9//")).then(pl.lit("icd9"))
+               .when(pl.col("code").str.starts_with("DIAGNOSIS//ICD//10//")).then(pl.lit("icd10")))
+    onset = pl.when(pl.col("repeated")).then(pl.lit("repeated")).otherwise(pl.lit("new_onset"))
+    bucket = pl.lit(None, dtype=pl.String)
+    for name, low, high in reversed(FREQUENCY_BUCKETS):
+        in_bucket = pl.col("train_count") >= low
+        if high is not None:
+            in_bucket = in_bucket & (pl.col("train_count") <= high)
+        bucket = pl.when(in_bucket).then(pl.lit(name)).otherwise(bucket)
+    return (targets.select("trajectory_id", "code",
+                           pl.concat_list(pl.lit("all"), version, onset, bucket).alias("subset"))
+            .explode("subset").drop_nulls("subset"))
+
+
+# ---- inputs of one run ------------------------------------------------------------------------
+
+@dataclass
+class RunData:
+    """Everything the metrics need for one run, restricted to its frozen trajectory set."""
+
+    run_id: str
+    cohort_id: str
+    trajectory_ids: list[str]          # sorted; index i of every array below
+    subject_index: np.ndarray          # (n,) cluster (patient) index of each trajectory
+    systems: list[str]
+    rankings: pl.DataFrame             # system, trajectory_id, position (1-based), code, native
+    status: pl.DataFrame               # system, trajectory_id, status
+    labelled: pl.DataFrame             # trajectory_id, code, subset
+
+
+def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS,
+             include_oracle: bool = True) -> RunData:
+    """Read one run's rankings and statuses, the gold targets and the oracle; refuse silent gaps."""
+    con = wh.connect(gold=True)
+    rankings = _query(con, "SELECT cohort_id, system, trajectory_id, rank, code, native FROM rankings "
+                           "WHERE run_id = ?", [run_id])
+    status = _query(con, "SELECT system, trajectory_id, status FROM ranking_status WHERE run_id = ?", [run_id])
+    if rankings.is_empty() and status.is_empty():
+        raise NotFoundError(f"run {run_id!r} has no rankings: run a forecast first (dxr forecast …), "
+                            "or list runs with `dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
+    cohorts = rankings["cohort_id"].unique().to_list()
+    if len(cohorts) != 1:
+        raise InputError(f"run {run_id!r} ranks trajectories of {len(cohorts)} cohorts ({cohorts}); "
+                         "a run covers exactly one cohort: write each cohort's rankings under its own run id")
+    cohort_id = cohorts[0]
+    if ORACLE in set(rankings["system"]):
+        raise InputError(f"run {run_id!r} has rankings of system {ORACLE!r}: that name is reserved for the gold-side "
+                         "oracle, which is never written to the forecasting store; rename the system")
+    # The frozen set: every trajectory any system of the run addressed, whichever systems we evaluate.
+    trajectory_ids = sorted(set(rankings["trajectory_id"]) | set(status["trajectory_id"]))
+    available = sorted(set(rankings["system"]) | set(status["system"]))
+    oracle_rows = _query(con, "SELECT count(*) AS n FROM oracle_probabilities WHERE cohort_id = ?",
+                         [cohort_id]).item()
+    if systems is None:
+        systems = available + ([ORACLE] if include_oracle and oracle_rows else [])
+    else:
+        unknown = [s for s in systems if s not in available and s != ORACLE]
+        if unknown:
+            raise NotFoundError(f"system(s) {unknown} have no rankings in run {run_id!r}; "
+                                f"the run has: {', '.join(available)}")
+        if ORACLE in systems and not oracle_rows:
+            raise NotFoundError(f"cohort {cohort_id} has no oracle_probabilities (only synthetic cohorts have an "
+                                f"oracle): drop {ORACLE!r} from --systems")
+    rankings = rankings.filter(pl.col("system").is_in(systems)).drop("cohort_id")
+    status = status.filter(pl.col("system").is_in(systems))
+
+    frozen = pl.DataFrame({"trajectory_id": trajectory_ids})
+    con.register("frozen", frozen.to_arrow())
+    members = _query(con, "SELECT t.trajectory_id, t.subject_id FROM trajectories t JOIN frozen USING (trajectory_id) "
+                          "WHERE t.cohort_id = ? ORDER BY t.trajectory_id", [cohort_id])
+    if members.height != len(trajectory_ids):
+        stray = sorted(set(trajectory_ids) - set(members["trajectory_id"]))[0]
+        raise InputError(f"run {run_id!r} ranks trajectory {stray!r}, which is not in cohort {cohort_id}'s "
+                         "trajectories: rerun the forecast on the current cohort build")
+    targets = _query(con, """
+        WITH tg AS (SELECT DISTINCT trajectory_id, code FROM targets JOIN frozen USING (trajectory_id)
+                    WHERE cohort_id = $cohort),
+        prior AS (SELECT DISTINCT p.trajectory_id, p.code FROM pretarget_events p JOIN tg USING (trajectory_id, code)
+                  WHERE p.cohort_id = $cohort AND p.code LIKE 'DIAGNOSIS//%'),
+        freq AS (SELECT code, count(*) AS n FROM train_events
+                 WHERE cohort_id = $cohort AND code LIKE 'DIAGNOSIS//%' GROUP BY code)
+        SELECT tg.trajectory_id, tg.code, prior.code IS NOT NULL AS repeated, coalesce(freq.n, 0) AS train_count
+        FROM tg LEFT JOIN prior USING (trajectory_id, code) LEFT JOIN freq USING (code)""",
+                          {"cohort": cohort_id})
+    empty = sorted(set(trajectory_ids) - set(targets["trajectory_id"]))
+    if empty:
+        raise InputError(f"trajectory {empty[0]!r} of run {run_id!r} has no gold targets ({len(empty)} such): empty "
+                         "targets are excluded at cohort build time, so the cohort build and the run disagree; "
+                         "rebuild the cohort and rerun the forecast")
+    if ORACLE in systems:
+        oracle = _query(con, """
+            SELECT 'oracle' AS system, trajectory_id,
+                   row_number() OVER (PARTITION BY trajectory_id ORDER BY probability DESC, code)::INTEGER AS rank,
+                   code, true AS native
+            FROM oracle_probabilities JOIN frozen USING (trajectory_id) WHERE cohort_id = ?""", [cohort_id])
+        rankings = pl.concat([rankings, oracle.cast(rankings.schema)])
+        status = pl.concat([status, _oracle_status(oracle, trajectory_ids, max(ks, default=0))])
+    con.close()
+
+    check_rankings(rankings, status, trajectory_ids, systems, max(ks, default=0), run_id)
+    rankings = rankings.with_columns(
+        pl.col("rank").rank("ordinal").over("system", "trajectory_id").cast(pl.Int32).alias("position"))
+    subject_index = np.unique(members["subject_id"].to_numpy(), return_inverse=True)[1]
+    return RunData(run_id, cohort_id, trajectory_ids, subject_index, list(systems),
+                   rankings.select("system", "trajectory_id", "position", "code", "native"), status,
+                   label_targets(targets))
+
+
+def _query(con, sql: str, params) -> pl.DataFrame:
+    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())
+
+
+def _oracle_status(oracle: pl.DataFrame, trajectory_ids: list[str], k: int) -> pl.DataFrame:
+    """The generator lists its top codes only; a trajectory with fewer than K is explicitly short."""
+    lengths = dict(oracle.group_by("trajectory_id").len().iter_rows())
+    return pl.DataFrame({"system": ORACLE, "trajectory_id": trajectory_ids,
+                         "status": ["ok" if lengths.get(t, 0) >= k else "short" for t in trajectory_ids]})
+
+
+def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids: list[str], systems: list[str],
+                   k: int, run_id: str) -> None:
+    """Refuse duplicate codes/ranks, unknown statuses and silently short rankings (fewer than k codes)."""
+    bad_status = status.filter(~pl.col("status").is_in(RANKING_STATUSES))
+    if bad_status.height:
+        row = bad_status.row(0, named=True)
+        raise InputError(f"ranking_status of run {run_id!r}, system {row['system']!r}, trajectory "
+                         f"{row['trajectory_id']!r} has status {row['status']!r}; use one of {RANKING_STATUSES}")
+    for keys, what in ((["system", "trajectory_id", "code"], "code"), (["system", "trajectory_id", "rank"], "rank")):
+        dup = rankings.filter(pl.struct(keys).is_duplicated())
+        if dup.height:
+            row = dup.row(0, named=True)
+            raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} repeats "
+                             f"{what} {row[what]!r}: a ranking lists each code once at a distinct rank")
+    lengths = rankings.group_by("system", "trajectory_id").agg(pl.len().alias("n"))
+    explicit = status.filter(pl.col("status").is_in(EXPLICIT_INCOMPLETE)).select("system", "trajectory_id")
+    grid = pl.DataFrame({"system": systems}).join(pl.DataFrame({"trajectory_id": trajectory_ids}), how="cross")
+    silent = (grid.join(lengths, on=["system", "trajectory_id"], how="left").with_columns(pl.col("n").fill_null(0))
+              .filter(pl.col("n") < k).join(explicit, on=["system", "trajectory_id"], how="anti")
+              .sort("system", "trajectory_id"))
+    if silent.height:
+        row = silent.row(0, named=True)
+        raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
+                         f"{row['n']} code(s) < K={k} with no ranking_status 'short' or 'failed' row "
+                         f"({silent.height} such trajectories): fix the system's output or record its status")
+
+
+# ---- per-trajectory counts --------------------------------------------------------------------
+
+@dataclass
+class Counts:
+    """Dense per-trajectory counts: hits H (M,S,K,n), predictions C (M,K,n), targets Y (S,n)."""
+
+    names: list[str]
+    ks: tuple[int, ...]
+    hits: np.ndarray
+    predictions: np.ndarray
+    targets: np.ndarray
+
+
+def system_counts(run: RunData, ks: tuple[int, ...]) -> Counts:
+    """Hits of each system's top-K (K = 0: whole list) per subset, from the ranking positions."""
+    n, n_sub, n_k, n_sys = len(run.trajectory_ids), len(SUBSETS), len(ks), len(run.systems)
+    traj_index = pl.DataFrame({"trajectory_id": run.trajectory_ids, "i": np.arange(n)})
+    sub_index = pl.DataFrame({"subset": list(SUBSETS), "s": np.arange(n_sub)})
+    sys_index = pl.DataFrame({"system": run.systems, "m": np.arange(n_sys)})
+    labelled = run.labelled.join(traj_index, on="trajectory_id").join(sub_index, on="subset")
+    targets = np.bincount(labelled["s"].to_numpy() * n + labelled["i"].to_numpy(), minlength=n_sub * n)
+    hits_rows = (run.rankings.join(labelled, on=["trajectory_id", "code"]).join(sys_index, on="system"))
+    m, s, i, pos = (hits_rows[c].to_numpy() for c in ("m", "s", "i", "position"))
+    hits = np.zeros((n_sys, n_sub, n_k, n))
+    for kk, k in enumerate(ks):
+        keep = pos <= k if k != NATURAL_K else np.ones(len(pos), bool)
+        cell = ((m[keep] * n_sub + s[keep]) * n_k + kk) * n + i[keep]
+        hits[:, :, kk, :] = np.bincount(cell, minlength=n_sys * n_sub * n_k * n).reshape(n_sys, n_sub, n_k, n)[:, :, kk]
+    lists = run.rankings.join(traj_index, on="trajectory_id").join(sys_index, on="system")
+    lengths = np.bincount(lists["m"].to_numpy() * n + lists["i"].to_numpy(), minlength=n_sys * n).reshape(n_sys, n)
+    predictions = np.stack([lengths if k == NATURAL_K else np.full((n_sys, n), k) for k in ks], axis=1)
+    return Counts(list(run.systems), tuple(ks), hits, predictions.astype(float), targets.reshape(n_sub, n).astype(float))
+
+
+def pool_oracle_counts(run: RunData, pools: list[tuple[str, ...]], ks: tuple[int, ...]) -> tuple[Counts, np.ndarray]:
+    """The target-conditioned oracle over each pool (union of full lists): min(K, |pool ∩ Y_s|) hits.
+
+    Returns the counts (one "system" per pool) and the mean pool size per pool.
+    """
+    n, n_sub = len(run.trajectory_ids), len(SUBSETS)
+    traj_index = pl.DataFrame({"trajectory_id": run.trajectory_ids, "i": np.arange(n)})
+    sub_index = pl.DataFrame({"subset": list(SUBSETS), "s": np.arange(n_sub)})
+    labelled = run.labelled.join(traj_index, on="trajectory_id").join(sub_index, on="subset")
+    targets = np.bincount(labelled["s"].to_numpy() * n + labelled["i"].to_numpy(), minlength=n_sub * n)
+    hits, predictions, sizes = [], [], []
+    for pool in pools:
+        missing = [p for p in pool if p not in run.systems]
+        if missing:
+            raise NotFoundError(f"pool {'+'.join(pool)} names system(s) {missing} not evaluated in run {run.run_id!r}; "
+                                f"evaluated: {', '.join(run.systems)}")
+        codes = (run.rankings.filter(pl.col("system").is_in(pool)).select("trajectory_id", "code").unique()
+                 .join(traj_index, on="trajectory_id"))
+        size = np.bincount(codes["i"].to_numpy(), minlength=n).astype(float)
+        found = codes.join(labelled, on=["trajectory_id", "code"])
+        in_pool = np.bincount(found["s"].to_numpy() * n + found["i"].to_numpy(), minlength=n_sub * n)
+        in_pool = in_pool.reshape(n_sub, n).astype(float)
+        hits.append(np.stack([in_pool if k == NATURAL_K else np.minimum(in_pool, k) for k in ks], axis=1))
+        predictions.append(np.stack([size if k == NATURAL_K else np.full(n, float(k)) for k in ks]))
+        sizes.append(size.mean())
+    names = ["+".join(p) for p in pools]
+    return (Counts(names, tuple(ks), np.array(hits), np.array(predictions), targets.reshape(n_sub, n).astype(float)),
+            np.array(sizes))
+
+
+# ---- metrics and bootstrap --------------------------------------------------------------------
+
+def bootstrap_weights(subject_index: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """(B, n) resample multiplicities: patients drawn with replacement, all their trajectories kept."""
+    n_subjects = int(subject_index.max()) + 1 if len(subject_index) else 0
+    rng = np.random.default_rng(seed)
+    draws = rng.multinomial(n_subjects, np.full(n_subjects, 1.0 / n_subjects), size=n_boot)
+    return draws[:, subject_index].astype(np.float32)
+
+
+def _per_trajectory(counts: Counts) -> dict[str, np.ndarray]:
+    """Per-trajectory summands (M,S,K,n) of every metric; zero outside a trajectory's subsets."""
+    member = (counts.targets > 0)[None, :, None, :]
+    targets = counts.targets[None, :, None, :]
+    predicted = np.where(member, counts.predictions[:, None, :, :], 0.0)
+    hits = counts.hits
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {
+            "hits": hits,
+            "predicted": predicted,
+            "precision": np.where(predicted > 0, hits / predicted, 0.0),
+            "recall": np.where(member, hits / targets, 0.0),
+            "f1": np.where(member, 2 * hits / (predicted + targets), 0.0),
+        }
+
+
+def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray) -> np.ndarray:
+    """The six metrics (last axis, in METRICS order) from weighted sums; NaN where undefined."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.stack([
+            sums["precision"] / patients,
+            sums["recall"] / patients,
+            sums["hits"] / sums["predicted"],
+            sums["hits"] / gold,
+            2 * sums["hits"] / (sums["predicted"] + gold),
+            sums["f1"] / patients,
+        ], axis=-1)
+
+
+@dataclass
+class Estimates:
+    """Point values (M,S,K,6), bootstrap replicates (B,M,S,K,6) or None, n (S,), F1 summands (M,S,K,n)."""
+
+    counts: Counts
+    point: np.ndarray
+    boot: np.ndarray | None
+    n: np.ndarray
+    f1: np.ndarray
+
+
+def estimate(counts: Counts, weights: np.ndarray | None) -> Estimates:
+    """Every metric of every (system, subset, K), with bootstrap replicates when weights are given."""
+    parts = _per_trajectory(counts)
+    patients = (counts.targets > 0).sum(axis=1).astype(float)          # (S,)
+    gold = counts.targets.sum(axis=1)                                  # (S,)
+    point = _ratios({k: v.sum(axis=-1) for k, v in parts.items()}, patients[None, :, None], gold[None, :, None])
+    # A defined denominator of zero predictions means no correct predictions: precision 0, not NaN.
+    point = np.nan_to_num(point, nan=0.0)
+    boot = None
+    if weights is not None:
+        wt = weights.T                                                   # (n, B)
+        b_patients = ((counts.targets > 0).astype(np.float32) @ wt).T    # (B, S)
+        b_gold = (counts.targets.astype(np.float32) @ wt).T              # (B, S)
+        n_sys, n_sub, n_k, n = counts.hits.shape
+        boot = np.empty((weights.shape[0], n_sys, n_sub, n_k, len(METRICS)), dtype=np.float32)
+        for m in range(n_sys):  # one system at a time bounds memory at (5·S·K, B)
+            stacked = np.concatenate([parts[name][m].reshape(-1, n) for name in parts]).astype(np.float32)
+            sums = (stacked @ wt).reshape(len(parts), n_sub, n_k, -1).transpose(0, 3, 1, 2)  # (5, B, S, K)
+            boot[:, m] = _ratios(dict(zip(parts, sums)), b_patients[:, :, None], b_gold[:, :, None])
+    return Estimates(counts, point, boot, patients.astype(np.int64), parts["f1"])
+
+
+def percentile_interval(replicates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """95% percentile interval along axis 0, ignoring NaN replicates (resamples without the subset)."""
+    flat = replicates.reshape(replicates.shape[0], -1)
+    low, high = np.full(flat.shape[1], np.nan), np.full(flat.shape[1], np.nan)
+    has_nan = np.isnan(flat).any(axis=0)
+    if (~has_nan).any():
+        low[~has_nan], high[~has_nan] = np.percentile(flat[:, ~has_nan], [2.5, 97.5], axis=0)
+    for col in np.flatnonzero(has_nan):
+        values = flat[:, col][~np.isnan(flat[:, col])]
+        if len(values):
+            low[col], high[col] = np.percentile(values, [2.5, 97.5])
+    return low.reshape(replicates.shape[1:]), high.reshape(replicates.shape[1:])
+
+
+def metric_rows(est: Estimates, point: np.ndarray | None = None, boot: np.ndarray | None = None) -> pl.DataFrame:
+    """Long rows (system, subset, k, metric, value, ci_low, ci_high, n); subsets without patients omitted."""
+    point = est.point if point is None else point
+    boot = est.boot if boot is None else boot
+    low = high = np.full(point.shape, np.nan)
+    if boot is not None:
+        low, high = percentile_interval(boot)
+    names, ks = est.counts.names, est.counts.ks
+    m, s, kk, q = np.meshgrid(*(np.arange(d) for d in point.shape), indexing="ij")
+    frame = pl.DataFrame({
+        "system": np.array(names)[m.ravel()], "subset": np.array(SUBSETS)[s.ravel()],
+        "k": np.array(ks, dtype=np.int32)[kk.ravel()], "metric": np.array(METRICS)[q.ravel()],
+        "value": point.ravel().astype(float), "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float),
+        "n": est.n[s.ravel()],
+    })
+    return frame.filter(pl.col("n") > 0).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
+
+
+def sign_test(improved: np.ndarray, worsened: np.ndarray) -> np.ndarray:
+    """Exact two-sided binomial sign test p-values (ties already excluded).
+
+    >>> sign_test(np.array([9]), np.array([1])).round(4).tolist()
+    [0.0215]
+    """
+    trials = improved + worsened
+    fewer = np.minimum(improved, worsened)
+    with np.errstate(invalid="ignore"):
+        p = np.minimum(1.0, 2.0 * binom.cdf(fewer, trials, 0.5))
+    return np.where(trials > 0, p, 1.0)
+
+
+def paired_rows(est: Estimates, pairs: list[tuple[str, str]]) -> pl.DataFrame:
+    """Difference a − b of every metric with paired bootstrap intervals and the per-patient sign test.
+
+    A patient improved when its F1 summand 2h/(K+|Y|) is higher under a (for a fixed K this is
+    the same as more hits); ties are excluded from the test.
+    """
+    names = est.counts.names
+    frames = []
+    for a, b in pairs:
+        ia, ib = names.index(a), names.index(b)
+        member = est.counts.targets > 0                                   # (S, n)
+        fa, fb = est.f1[ia], est.f1[ib]                                   # (S, K, n)
+        improved = ((fa > fb) & member[:, None, :]).sum(-1)
+        worsened = ((fa < fb) & member[:, None, :]).sum(-1)
+        tied = est.n[:, None] - improved - worsened
+        p = sign_test(improved, worsened)
+        diff = est.point[ia] - est.point[ib]
+        low = high = np.full(diff.shape, np.nan)
+        if est.boot is not None:
+            low, high = percentile_interval(est.boot[:, ia] - est.boot[:, ib])
+        s, kk, q = np.meshgrid(*(np.arange(d) for d in diff.shape), indexing="ij")
+        s, kk, q = s.ravel(), kk.ravel(), q.ravel()
+        frames.append(pl.DataFrame({
+            "system_a": a, "system_b": b, "subset": np.array(SUBSETS)[s],
+            "k": np.array(est.counts.ks, dtype=np.int32)[kk], "metric": np.array(METRICS)[q],
+            "value_a": est.point[ia].ravel(), "value_b": est.point[ib].ravel(), "difference": diff.ravel(),
+            "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float), "n": est.n[s],
+            "n_improved": improved[s, kk], "n_worsened": worsened[s, kk], "n_tied": tied[s, kk],
+            "sign_test_p": p[s, kk],
+        }))
+    if not frames:
+        return pl.from_arrow(TABLES["paired_comparisons"].schema.empty_table())
+    return pl.concat(frames).filter(pl.col("n") > 0).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
+
+
+def coverage_rows(run: RunData, ks: tuple[int, ...]) -> pl.DataFrame:
+    """Per system and K: explicit short/failed counts, trajectories below K, and the native share of top-K rows."""
+    rows = []
+    statuses = run.status.group_by("system", "status").len()
+    for system in run.systems:
+        mine = run.rankings.filter(pl.col("system") == system)
+        count = dict(statuses.filter(pl.col("system") == system).select("status", "len").iter_rows())
+        lengths = mine.group_by("trajectory_id").len()
+        for k in ks:
+            top = mine if k == NATURAL_K else mine.filter(pl.col("position") <= k)
+            below = 0 if k == NATURAL_K else len(run.trajectory_ids) - lengths.filter(pl.col("len") >= k).height
+            rows.append({"system": system, "k": k, "n_trajectories": len(run.trajectory_ids),
+                         "n_short": count.get("short", 0), "n_failed": count.get("failed", 0), "n_below_k": below,
+                         "native_share": top["native"].mean() if top.height else None})
+    return pl.DataFrame(rows, schema={"system": pl.String, "k": pl.Int32, "n_trajectories": pl.Int64,
+                                      "n_short": pl.Int64, "n_failed": pl.Int64, "n_below_k": pl.Int64,
+                                      "native_share": pl.Float64})
+
+
+# ---- the stage --------------------------------------------------------------------------------
+
+@dataclass
+class Evaluation:
+    metrics: pl.DataFrame
+    paired: pl.DataFrame
+    headroom: pl.DataFrame
+    coverage: pl.DataFrame
+
+
+def _ks(ks, natural: bool) -> tuple[int, ...]:
+    ks = tuple(sorted(set(int(k) for k in ks)))
+    if any(k < 1 for k in ks):
+        raise InputError(f"every K must be >= 1, got {ks}; the variable-cardinality version is --natural")
+    return ks + ((NATURAL_K,) if natural else ())
+
+
+def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS, n_boot: int = 1000,
+             seed: int = 0, natural: bool = True, pairs: list[tuple[str, str]] | None = None,
+             pools: list[tuple[str, ...]] | None = None) -> Evaluation:
+    """Metrics, paired comparisons, pool-oracle headroom and coverage of one run (nothing written).
+
+    Defaults: every pair of evaluated systems; pools = each forecasting system's own list and the
+    union of all of them.
+    """
+    if n_boot < 0:
+        raise InputError(f"--bootstrap must be >= 0 (0 skips intervals), got {n_boot}")
+    all_ks = _ks(ks, natural)
+    run = load_run(wh, run_id, systems, ks=[k for k in all_ks if k != NATURAL_K])
+    weights = bootstrap_weights(run.subject_index, n_boot, seed) if n_boot else None
+    est = estimate(system_counts(run, all_ks), weights)
+    pairs = list(combinations(run.systems, 2)) if pairs is None else pairs
+    for pair in pairs:
+        if any(p not in run.systems for p in pair):
+            raise NotFoundError(f"pair {pair[0]},{pair[1]}: both systems must be evaluated; evaluated: "
+                                f"{', '.join(run.systems)}")
+    forecasting = [s for s in run.systems if s != ORACLE]
+    if pools is None:
+        pools = [(s,) for s in forecasting] + ([tuple(forecasting)] if len(forecasting) > 1 else [])
+    extra = dict(run_id=run_id, cohort_id=run.cohort_id)
+    metrics = metric_rows(est).with_columns(**{c: pl.lit(v) for c, v in extra.items()}, n_runs=pl.lit(1))
+    headroom = pl.from_arrow(TABLES["headroom"].schema.empty_table())
+    if pools:
+        pool_counts, sizes = pool_oracle_counts(run, pools, all_ks)
+        pool_est = estimate(pool_counts, weights)
+        headroom = (metric_rows(pool_est).rename({"system": "pool"})
+                    .join(pl.DataFrame({"pool": pool_counts.names, "mean_pool_size": sizes}), on="pool")
+                    .with_columns(**{c: pl.lit(v) for c, v in extra.items()}))
+    paired = paired_rows(est, pairs).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
+    coverage = coverage_rows(run, all_ks).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
+    return Evaluation(*(_conform(name, frame) for name, frame in (
+        ("metrics", metrics), ("paired_comparisons", paired), ("headroom", headroom), ("evaluation_coverage", coverage))))
+
+
+def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:
+    return pl.from_arrow(conform(TABLES[table], frame))
+
+
+def write_evaluation(wh: Warehouse, evaluation: Evaluation) -> None:
+    """Replace this run's partitions (a rerun never duplicates rows)."""
+    run_ids = set(evaluation.metrics["run_id"]) | set(evaluation.coverage["run_id"])
+    for run_id in run_ids:
+        for (system,), part in evaluation.metrics.filter(pl.col("run_id") == run_id).group_by("system"):
+            wh.write("metrics", part, run_id=run_id, system=system)
+        for (system,), part in evaluation.coverage.filter(pl.col("run_id") == run_id).group_by("system"):
+            wh.write("evaluation_coverage", part, run_id=run_id, system=system)
+        wh.write("paired_comparisons", evaluation.paired.filter(pl.col("run_id") == run_id), run_id=run_id)
+        wh.write("headroom", evaluation.headroom.filter(pl.col("run_id") == run_id), run_id=run_id)
+
+
+def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS, n_boot: int = 1000,
+                 seed: int = 0, natural: bool = True, pairs: list[tuple[str, str]] | None = None,
+                 pools: list[tuple[str, ...]] | None = None) -> pl.DataFrame:
+    """Evaluate one run, write metrics, paired comparisons, headroom and coverage; return the metrics rows."""
+    evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
+    write_evaluation(wh, evaluation)
+    return evaluation.metrics
+
+
+@task(name="evaluate-run")
+def evaluate_run_task(data_dir: str, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS,
+                      n_boot: int = 1000, seed: int = 0) -> int:
+    """Prefect wrapper: evaluate one run into the warehouse; returns the number of metric rows."""
+    return evaluate_run(Warehouse(data_dir), run_id, systems, ks, n_boot, seed).height
+
+
+# ---- repeated runs ----------------------------------------------------------------------------
+
+def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
+    """The configuration a run of a system belongs to: cohort, kind and config minus CONFIG_IGNORED_KEYS."""
+    rows = wh.read("runs", run_id=run_id)
+    if rows.is_empty():
+        raise NotFoundError(f"run {run_id!r} is not in the run registry (`runs`); only registered runs can be "
+                            "grouped as repeats of one configuration")
+    own = rows.filter(pl.col("kind").str.ends_with(f":{system}"))
+    row = (own if own.height else rows).row(0, named=True)
+    if not own.height and rows.height > 1:
+        raise NotFoundError(f"run {run_id!r} has {rows.height} registry rows and none of kind '*:{system}'; "
+                            f"cannot tell which configuration produced system {system!r}")
+    config = {k: v for k, v in json.loads(row["config_json"]).items() if k not in CONFIG_IGNORED_KEYS}
+    return json.dumps({"cohort_id": row["cohort_id"], "kind": row["kind"], "config": config}, sort_keys=True)
+
+
+def configuration_id(key: str) -> str:
+    return "config-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | None = None, ks=DEFAULT_KS,
+                      n_boot: int = 1000, seed: int = 0, natural: bool = True, write: bool = True) -> pl.DataFrame:
+    """Mean of run-level metrics over repeats of one configuration per system, with `n_runs`.
+
+    Every run must cover the same frozen trajectories; the bootstrap applies one patient resample
+    to every run, and the interval is that of the mean over runs.
+    """
+    if len(set(run_ids)) < 2:
+        raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
+    all_ks = _ks(ks, natural)
+    runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
+            for r in run_ids]
+    first = runs[0]
+    for other in runs[1:]:
+        if other.cohort_id != first.cohort_id or other.trajectory_ids != first.trajectory_ids:
+            raise InputError(f"runs {first.run_id!r} and {other.run_id!r} cover different trajectories; repeats of a "
+                             "configuration must use the same frozen patients and targets")
+    shared = [s for s in first.systems if all(s in r.systems for r in runs)]
+    if not shared:
+        raise NotFoundError(f"no system is ranked in every run of {run_ids}")
+    weights = bootstrap_weights(first.subject_index, n_boot, seed) if n_boot else None
+    estimates = [estimate(system_counts(_only(r, shared), all_ks), weights) for r in runs]
+    frames = []
+    for m, system in enumerate(shared):
+        keys = {configuration_key(wh, r.run_id, system) for r in runs}
+        if len(keys) > 1:
+            raise InputError(f"system {system!r} ran with different configurations in {run_ids}: "
+                             + " vs ".join(sorted(keys)))
+        point = np.mean([e.point[m:m + 1] for e in estimates], axis=0)
+        boot = None if weights is None else np.mean([e.boot[:, m:m + 1] for e in estimates], axis=0)
+        single = Estimates(Counts([system], all_ks, *[None] * 3), point, boot, estimates[0].n, None)
+        frames.append(metric_rows(single).with_columns(run_id=pl.lit(configuration_id(keys.pop()))))
+    metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
+                                                                  n_runs=pl.lit(len(runs))))
+    if write:
+        for (run_id, system), part in metrics.group_by("run_id", "system"):
+            wh.write("metrics", part, run_id=run_id, system=system)
+    return metrics
+
+
+def _only(run: RunData, systems: list[str]) -> RunData:
+    return RunData(run.run_id, run.cohort_id, run.trajectory_ids, run.subject_index, systems,
+                   run.rankings.filter(pl.col("system").is_in(systems)),
+                   run.status.filter(pl.col("system").is_in(systems)), run.labelled)

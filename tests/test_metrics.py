@@ -1,0 +1,391 @@
+"""Evaluation metrics on tiny hand-written warehouses: exact values, invariants, refusals, SQL cross-check."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from fractions import Fraction
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dxr.errors import InputError, NotFoundError
+from tasks.evaluate import (NATURAL_K, SUBSETS, Counts, bootstrap_weights, estimate, evaluate, evaluate_repeated,
+                            evaluate_run, label_targets, sign_test)
+from warehouse.runs import record_run
+from warehouse.schemas import METRICS
+from warehouse.store import Warehouse
+
+COHORT = "c1"
+
+
+def dx(code: str, version: int = 10) -> str:
+    return f"DIAGNOSIS//ICD//{version}//{code}"
+
+
+A, B, C, D, E, X, Y = dx("A01"), dx("B02"), dx("250", 9), dx("D04"), dx("E05"), dx("X99"), dx("Y98")
+T1, T2, T3 = f"{COHORT}:1:10", f"{COHORT}:2:20", f"{COHORT}:3:30"
+TARGETS = {T1: [A, B, C], T2: [A, D], T3: [E]}
+# A is in T1's pre-target record, so A is `repeated` for T1 and `new_onset` for T2.
+PRETARGET = {T1: [A, "LAB//glucose//mg/dL"], T2: [dx("Z00")], T3: []}
+TRAIN_COUNTS = {A: 12, B: 3, D: 150}          # C and E never occur in train_events
+RANKINGS = {
+    "s1": {T1: [A, X, B], T2: [D, A], T3: [X, Y]},
+    "s2": {T1: [B, C], T2: [X], T3: [E, X]},     # T2 is short and says so below
+}
+STATUS = {("s2", T2): "short"}
+
+
+def write_cohort(wh: Warehouse, targets=TARGETS, pretarget=PRETARGET, train_counts=TRAIN_COUNTS) -> None:
+    ids = sorted(targets)
+    wh.write("trajectories", pl.DataFrame({
+        "cohort_id": COHORT, "trajectory_id": ids, "subject_id": [int(t.split(":")[1]) for t in ids],
+        "target_encounter_id": [int(t.split(":")[2]) for t in ids], "cutoff_time": datetime(2020, 1, 1),
+        "split": "held_out", "shard": 0, "n_prior_encounters": 1}), cohort_id=COHORT)
+    wh.write("targets", pl.DataFrame({"cohort_id": COHORT, "trajectory_id": [t for t in ids for _ in targets[t]],
+                                      "code": [c for t in ids for c in targets[t]]}), cohort_id=COHORT)
+    rows = [(t, c) for t in ids for c in pretarget.get(t, [])]
+    wh.write("pretarget_events", pl.DataFrame({
+        "cohort_id": COHORT, "trajectory_id": [r[0] for r in rows], "subject_id": [int(r[0].split(":")[1]) for r in rows],
+        "time": datetime(2019, 1, 1), "code": [r[1] for r in rows], "numeric_value": None, "text_value": None,
+        "encounter_id": 1}, schema_overrides={"numeric_value": pl.Float32, "text_value": pl.String,
+                                              "time": pl.Datetime("us"), "code": pl.String, "trajectory_id": pl.String,
+                                              "subject_id": pl.Int64}), cohort_id=COHORT, shard=0)
+    train = [c for c, n in train_counts.items() for _ in range(n)] + ["LAB//glucose//mg/dL"] * 200
+    wh.write("train_events", pl.DataFrame({
+        "cohort_id": COHORT, "subject_id": 100, "time": datetime(2018, 1, 1), "code": train, "numeric_value": None,
+        "text_value": None, "encounter_id": 7}, schema_overrides={"numeric_value": pl.Float32,
+                                                                  "text_value": pl.String}), cohort_id=COHORT)
+
+
+def write_rankings(wh: Warehouse, run_id: str, rankings=RANKINGS, status=STATUS, padding=()) -> None:
+    for system, lists in rankings.items():
+        rows = [(t, r + 1, c) for t, codes in lists.items() for r, c in enumerate(codes)]
+        wh.write("rankings", pl.DataFrame({
+            "run_id": run_id, "cohort_id": COHORT, "system": system, "trajectory_id": [r[0] for r in rows],
+            "rank": [r[1] for r in rows], "code": [r[2] for r in rows], "score": [-float(r[1]) for r in rows],
+            "native": [(system, r[0], r[2]) not in padding for r in rows]}), run_id=run_id, system=system, shard=0)
+        wh.write("ranking_status", pl.DataFrame({
+            "run_id": run_id, "system": system, "trajectory_id": sorted(lists),
+            "status": [status.get((system, t), "ok") for t in sorted(lists)], "detail": None},
+            schema_overrides={"detail": pl.String}), run_id=run_id, system=system, shard=0)
+
+
+@pytest.fixture
+def wh(tmp_path) -> Warehouse:
+    warehouse = Warehouse(tmp_path / "wh")
+    write_cohort(warehouse)
+    write_rankings(warehouse, "r1")
+    return warehouse
+
+
+def value(metrics: pl.DataFrame, system: str, metric: str, k: int, subset: str = "all") -> float:
+    row = metrics.filter((pl.col("system") == system) & (pl.col("metric") == metric) & (pl.col("k") == k)
+                         & (pl.col("subset") == subset))
+    assert row.height == 1, (system, metric, k, subset, row)
+    return row["value"].item()
+
+
+def test_hand_computed_metrics_at_k2(wh):
+    metrics = evaluate(wh, "r1", ks=(2,), n_boot=0).metrics
+    # s1 top-2 hits: T1 {A} of 3 targets, T2 {D, A} of 2, T3 none of 1.
+    assert value(metrics, "s1", "precision_at_k", 2) == pytest.approx(float((Fraction(1, 2) + 1 + 0) / 3), abs=1e-15)
+    assert value(metrics, "s1", "recall_at_k", 2) == pytest.approx(float((Fraction(1, 3) + 1 + 0) / 3), abs=1e-15)
+    assert value(metrics, "s1", "micro_precision", 2) == 0.5      # T=3, nK=6
+    assert value(metrics, "s1", "micro_recall", 2) == 0.5         # T=3, G=6
+    assert value(metrics, "s1", "micro_f1", 2) == 0.5             # 2·3/(6+6)
+    assert value(metrics, "s1", "macro_f1", 2) == pytest.approx(float((Fraction(2, 5) + 1 + 0) / 3), abs=1e-15)
+    # s2 is short on T2 (explicitly): hits T1 {B, C}, T2 none, T3 {E}; denominators stay K = 2.
+    assert value(metrics, "s2", "precision_at_k", 2) == pytest.approx(float((1 + 0 + Fraction(1, 2)) / 3), abs=1e-15)
+    assert value(metrics, "s2", "micro_f1", 2) == pytest.approx(2 * 3 / (6 + 6), abs=1e-15)
+    assert value(metrics, "s2", "recall_at_k", 2) == pytest.approx(float((Fraction(2, 3) + 0 + 1) / 3), abs=1e-15)
+
+
+def test_variable_cardinality_uses_list_lengths(wh):
+    metrics = evaluate(wh, "r1", ks=(2,), n_boot=0).metrics
+    # s1 whole lists: T1 [A, X, B] 2 hits of 3, T2 2 of 2, T3 0 of 2; Σ|C| = 7, G = 6.
+    assert value(metrics, "s1", "precision_at_k", NATURAL_K) == pytest.approx((2 / 3 + 1 + 0) / 3, abs=1e-15)
+    assert value(metrics, "s1", "micro_precision", NATURAL_K) == pytest.approx(4 / 7, abs=1e-15)
+    assert value(metrics, "s1", "micro_f1", NATURAL_K) == pytest.approx(8 / 13, abs=1e-15)
+    assert value(metrics, "s1", "macro_f1", NATURAL_K) == pytest.approx((4 / 6 + 4 / 4 + 0) / 3, abs=1e-15)
+    # s2's T2 list has one code: precision 0/1 there.
+    assert value(metrics, "s2", "micro_precision", NATURAL_K) == pytest.approx(3 / 5, abs=1e-15)
+
+
+def test_subsets_restrict_targets_and_hits(wh):
+    metrics = evaluate(wh, "r1", ks=(2,), n_boot=0).metrics
+    n = dict(metrics.filter((pl.col("system") == "s1") & (pl.col("metric") == "micro_recall") & (pl.col("k") == 2))
+             .select("subset", "n").iter_rows())
+    # icd9: only T1 has C; repeated: only T1's A; freq_0: C (T1) and E (T3); freq_100plus: D (T2).
+    assert n == {"all": 3, "icd9": 1, "icd10": 3, "new_onset": 3, "repeated": 1, "freq_0": 2, "freq_1_9": 1,
+                 "freq_10_99": 2, "freq_100plus": 1}
+    assert value(metrics, "s1", "recall_at_k", 2, "repeated") == 1.0            # A hit in T1
+    assert value(metrics, "s1", "recall_at_k", 2, "icd9") == 0.0                # C not in T1's top 2
+    assert value(metrics, "s1", "precision_at_k", 2, "freq_10_99") == 0.5       # A hit in T1 and T2, K = 2
+    # new_onset targets: T1 {B, C}, T2 {A, D}, T3 {E}; s1 hits T2 {D, A} only: 2·2/(3·2 + 5).
+    assert value(metrics, "s1", "micro_f1", 2, "new_onset") == pytest.approx(4 / 11, abs=1e-15)
+    assert value(metrics, "s2", "recall_at_k", 2, "freq_0") == 1.0              # C in T1, E in T3
+
+
+def test_label_targets_rule():
+    targets = pl.DataFrame({"trajectory_id": ["t", "t", "t"], "code": [dx("A1"), dx("250", 9), "OTHER//x"],
+                            "repeated": [False, True, False], "train_count": [0, 9, 100]})
+    labelled = label_targets(targets).group_by("code").agg(pl.col("subset").sort())
+    assert dict(labelled.iter_rows()) == {
+        dx("A1"): sorted(["all", "icd10", "new_onset", "freq_0"]),
+        dx("250", 9): sorted(["all", "icd9", "repeated", "freq_1_9"]),
+        "OTHER//x": sorted(["all", "new_onset", "freq_100plus"]),
+    }
+
+
+def test_silently_short_ranking_is_refused(wh):
+    write_rankings(wh, "r2", rankings={"s3": {T1: [A, B], T2: [A], T3: [E, X]}}, status={})
+    with pytest.raises(InputError, match=f"run 'r2', system 's3', trajectory '{T2}' ranks 1 code"):
+        evaluate(wh, "r2", ks=(2,), n_boot=0)
+
+
+def test_missing_trajectory_without_status_is_refused(wh):
+    write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X]}, "s4": {T1: [A, B], T2: [A, B]}},
+                   status={})
+    with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code"):
+        evaluate(wh, "r3", ks=(2,), n_boot=0)
+    # Asking for K = 1 does not make it acceptable: a missing list is short at every K.
+    with pytest.raises(InputError, match="'s4'"):
+        evaluate(wh, "r3", ks=(1,), n_boot=0)
+
+
+def test_explicit_short_and_failed_are_counted(wh):
+    write_rankings(wh, "r4", rankings={"s5": {T1: [A, B], T2: [], T3: [E]}},
+                   status={("s5", T2): "failed", ("s5", T3): "short"}, padding={("s5", T1, B)})
+    result = evaluate(wh, "r4", ks=(2,), n_boot=0)
+    cov = result.coverage.filter(pl.col("k") == 2).row(0, named=True)
+    assert (cov["n_short"], cov["n_failed"], cov["n_below_k"], cov["n_trajectories"]) == (1, 1, 2, 3)
+    assert cov["native_share"] == pytest.approx(2 / 3)
+    # Hits counted as they are: T1 {A, B}, T2 none, T3 {E}; micro-P = 3 / (3·2).
+    assert value(result.metrics, "s5", "micro_precision", 2) == 0.5
+
+
+def test_duplicate_codes_are_refused(wh):
+    write_rankings(wh, "r5", rankings={"s6": {T1: [A, A], T2: [A, B], T3: [E, X]}}, status={})
+    with pytest.raises(InputError, match=f"trajectory '{T1}' repeats code"):
+        evaluate(wh, "r5", ks=(2,), n_boot=0)
+
+
+def test_unknown_system_and_run(wh):
+    with pytest.raises(NotFoundError, match="the run has: s1, s2"):
+        evaluate(wh, "r1", systems=["nope"], n_boot=0)
+    with pytest.raises(NotFoundError, match="run 'zzz' has no rankings"):
+        evaluate(wh, "zzz", n_boot=0)
+
+
+def test_oracle_from_gold_probabilities(wh):
+    wh.write("oracle_probabilities", pl.DataFrame({
+        "cohort_id": COHORT, "trajectory_id": [T1, T1, T1, T2, T2, T3, T3],
+        "code": [X, B, A, D, Y, E, X], "probability": [0.2, 0.5, 0.5, 0.9, 0.1, 0.3, 0.3]}), cohort_id=COHORT)
+    result = evaluate(wh, "r1", ks=(2,), n_boot=0)
+    # Ties broken by code: T1 → [A, B] (both hits), T2 → [D, Y], T3 → [E, X].
+    assert value(result.metrics, "oracle", "micro_precision", 2) == pytest.approx(4 / 6)
+    assert not wh.read("rankings").filter(pl.col("system") == "oracle").height
+
+
+def test_pool_oracle_headroom(wh):
+    headroom = evaluate(wh, "r1", ks=(2,), n_boot=0).headroom
+    row = headroom.filter((pl.col("pool") == "s1+s2") & (pl.col("metric") == "micro_precision")
+                          & (pl.col("k") == 2) & (pl.col("subset") == "all")).row(0, named=True)
+    # Union pools: T1 {A,X,B,C} ∩ Y = 3 → min(2,3) = 2; T2 {D,A,X} → 2; T3 {X,Y,E} → 1.
+    assert row["value"] == pytest.approx(5 / 6)
+    assert row["mean_pool_size"] == pytest.approx(10 / 3)
+
+
+def test_paired_comparison_and_sign_test(wh):
+    paired = evaluate(wh, "r1", ks=(2,), n_boot=200, seed=3).paired
+    row = paired.filter((pl.col("system_a") == "s1") & (pl.col("system_b") == "s2") & (pl.col("subset") == "all")
+                        & (pl.col("metric") == "micro_f1") & (pl.col("k") == 2)).row(0, named=True)
+    assert row["difference"] == pytest.approx(0.0)
+    # Per patient hits s1 vs s2: T1 1 vs 2 (worse), T2 2 vs 0 (better), T3 0 vs 1 (worse).
+    assert (row["n_improved"], row["n_worsened"], row["n_tied"]) == (1, 2, 0)
+    assert row["sign_test_p"] == pytest.approx(1.0)
+    assert row["ci_low"] <= row["difference"] <= row["ci_high"]
+
+
+def test_sign_test_matches_binomial_tail():
+    # 10 improved, 0 worsened: 2 · 0.5^10.
+    assert sign_test(np.array([10, 0, 3]), np.array([0, 0, 3])).tolist() == [2 * 0.5 ** 10, 1.0, 1.0]
+
+
+def test_rerun_replaces_partitions(wh):
+    evaluate_run(wh, "r1", ks=(2,), n_boot=50)
+    first = wh.read("metrics", run_id="r1")
+    evaluate_run(wh, "r1", ks=(2,), n_boot=50)
+    again = wh.read("metrics", run_id="r1")
+    assert again.height == first.height > 0
+    assert again.sort(["system", "subset", "k", "metric"]).equals(first.sort(["system", "subset", "k", "metric"]))
+    assert set(again["metric"]) == set(METRICS) and set(again["subset"]) <= set(SUBSETS)
+
+
+def test_independent_sql_reproduces_stored_precision_and_recall(wh):
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=0)
+    con = wh.connect(gold=True)
+    expected = con.sql("""
+        WITH tg AS (
+            SELECT t.trajectory_id, t.code,
+                   CASE WHEN t.code LIKE 'DIAGNOSIS//ICD//9//%' THEN 'icd9'
+                        WHEN t.code LIKE 'DIAGNOSIS//ICD//10//%' THEN 'icd10' END AS version,
+                   CASE WHEN EXISTS (SELECT 1 FROM pretarget_events p WHERE p.trajectory_id = t.trajectory_id
+                                     AND p.code = t.code AND p.code LIKE 'DIAGNOSIS//%')
+                        THEN 'repeated' ELSE 'new_onset' END AS onset,
+                   (SELECT count(*) FROM train_events e WHERE e.code = t.code) AS freq
+            FROM targets t),
+        labelled AS (
+            SELECT trajectory_id, code, 'all' AS subset FROM tg
+            UNION ALL SELECT trajectory_id, code, version FROM tg WHERE version IS NOT NULL
+            UNION ALL SELECT trajectory_id, code, onset FROM tg
+            UNION ALL SELECT trajectory_id, code, CASE WHEN freq = 0 THEN 'freq_0' WHEN freq < 10 THEN 'freq_1_9'
+                      WHEN freq < 100 THEN 'freq_10_99' ELSE 'freq_100plus' END FROM tg),
+        ks AS (SELECT unnest([0, 1, 2]) AS k),
+        lists AS (SELECT system, trajectory_id, count(*) AS len FROM rankings WHERE run_id = 'r1' GROUP BY ALL),
+        per_patient AS (
+            SELECT l.system, y.subset, ks.k, y.trajectory_id, count(DISTINCT y.code) AS n_y,
+                   count(DISTINCT r.code) AS h,
+                   CASE WHEN ks.k = 0 THEN any_value(l.len) ELSE ks.k END AS c
+            FROM labelled y CROSS JOIN ks
+            JOIN lists l ON l.trajectory_id = y.trajectory_id
+            LEFT JOIN rankings r ON r.run_id = 'r1' AND r.system = l.system AND r.trajectory_id = y.trajectory_id
+                 AND r.code = y.code AND (ks.k = 0 OR r.rank <= ks.k)
+            GROUP BY l.system, y.subset, ks.k, y.trajectory_id)
+        SELECT system, subset, k, avg(h / c) AS precision_at_k, avg(h / n_y) AS recall_at_k
+        FROM per_patient GROUP BY ALL""").pl()
+    stored = wh.read("metrics", run_id="r1").filter(pl.col("metric").is_in(["precision_at_k", "recall_at_k"])
+                                                    & (pl.col("system") != "oracle"))
+    stored = stored.pivot("metric", index=["system", "subset", "k"], values="value")
+    joined = stored.join(expected, on=["system", "subset", "k"], how="full", suffix="_sql")
+    assert joined.height == stored.height == expected.height == 2 * len(SUBSETS) * 3
+    for metric in ("precision_at_k", "recall_at_k"):
+        diff = (joined[metric] - joined[f"{metric}_sql"]).abs().max()
+        assert diff < 1e-12, (metric, diff)
+
+
+def test_repeated_runs_average_run_level_metrics(wh):
+    write_rankings(wh, "r6", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    started = datetime(2026, 1, 1)
+    for run_id in ("r1", "r6"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"system": "s1", "k": 2, "seed": int(run_id[1:]),
+                                                       "run_id": run_id}, "finished", started, started)
+    metrics = evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=100)
+    r1 = evaluate(wh, "r1", systems=["s1"], ks=(2,), n_boot=0).metrics
+    r6 = evaluate(wh, "r6", systems=["s1"], ks=(2,), n_boot=0).metrics
+    assert set(metrics["n_runs"]) == {2} and metrics["run_id"].unique().to_list()[0].startswith("config-")
+    for metric in METRICS:
+        mean = (value(r1, "s1", metric, 2) + value(r6, "s1", metric, 2)) / 2
+        assert value(metrics, "s1", metric, 2) == pytest.approx(mean, abs=1e-12)
+    # r6's T1 hits are {B, C}; r1's are {A}: micro-P 0.5 and 5/6 average to 2/3.
+    assert value(metrics, "s1", "micro_precision", 2) == pytest.approx(2 / 3)
+    stored = wh.read("metrics", run_id=metrics["run_id"][0])
+    assert stored.height == metrics.height
+
+
+def test_repeated_runs_refuse_different_configurations(wh):
+    write_rankings(wh, "r7", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    started = datetime(2026, 1, 1)
+    record_run(wh, "r1", COHORT, "forecast:s1", {"k": 2}, "finished", started, started)
+    record_run(wh, "r7", COHORT, "forecast:s1", {"k": 3}, "finished", started, started)
+    with pytest.raises(InputError, match="different configurations"):
+        evaluate_repeated(wh, ["r1", "r7"], systems=["s1"], ks=(2,), n_boot=0)
+
+
+# ---- invariants on random rankings and targets -----------------------------------------------------------
+
+@st.composite
+def exact_k_problems(draw):
+    """Random targets (non-empty) and exact-K rankings over a small vocabulary, several systems."""
+    k = draw(st.integers(1, 6))
+    vocab = 12
+    n = draw(st.integers(1, 12))
+    n_sys = draw(st.integers(1, 3))
+    targets = [draw(st.sets(st.integers(0, vocab - 1), min_size=1, max_size=6)) for _ in range(n)]
+    rankings = [[draw(st.permutations(range(vocab)))[:k] for _ in range(n)] for _ in range(n_sys)]
+    return k, targets, rankings
+
+
+def counts_of(k, targets, rankings) -> Counts:
+    n, n_sub = len(targets), len(SUBSETS)
+    hits = np.zeros((len(rankings), n_sub, 1, n))
+    target_counts = np.zeros((n_sub, n))
+    target_counts[0] = [len(t) for t in targets]   # subset `all` only; the others are empty
+    for m, system in enumerate(rankings):
+        hits[m, 0, 0] = [len(set(r[:k]) & t) for r, t in zip(system, targets)]
+    return Counts([f"s{m}" for m in range(len(rankings))], (k,), hits, np.full((len(rankings), 1, n), float(k)),
+                  target_counts)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(exact_k_problems())
+def test_algebraic_identities_of_exact_k_outputs(problem):
+    k, targets, rankings = problem
+    est = estimate(counts_of(k, targets, rankings), None)
+    n, total_gold = len(targets), sum(len(t) for t in targets)
+    for m, system in enumerate(rankings):
+        total_hits = sum(len(set(r) & t) for r, t in zip(system, targets))
+        p_at_k, r_at_k, micro_p, micro_r, micro_f1, macro_f1 = est.point[m, 0, 0]
+        assert p_at_k == pytest.approx(total_hits / (n * k), abs=1e-12)
+        assert micro_p == pytest.approx(p_at_k, abs=1e-12)
+        assert micro_r == pytest.approx(total_hits / total_gold, abs=1e-12)
+        assert micro_f1 == pytest.approx(2 * total_hits / (n * k + total_gold), abs=1e-12)
+        assert all(0.0 <= v <= 1.0 for v in est.point[m, 0, 0])
+        # Harmonic mean of pooled P and R is the pooled F1 when both are positive.
+        if total_hits:
+            assert micro_f1 == pytest.approx(2 * micro_p * micro_r / (micro_p + micro_r), abs=1e-12)
+        assert macro_f1 <= max(p_at_k, r_at_k) + 1e-12 or macro_f1 <= 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(exact_k_problems(), st.integers(0, 2 ** 16))
+def test_bootstrap_interval_brackets_resample_values_and_is_seeded(problem, seed):
+    k, targets, rankings = problem
+    counts = counts_of(k, targets, rankings)
+    subjects = np.arange(len(targets))
+    weights = bootstrap_weights(subjects, 50, seed)
+    assert weights.sum(axis=1).tolist() == [len(targets)] * 50
+    first, second = estimate(counts, weights), estimate(counts, bootstrap_weights(subjects, 50, seed))
+    assert np.array_equal(first.boot, second.boot, equal_nan=True)
+    finite = first.boot[:, :, 0, 0]
+    assert np.nanmin(finite) >= -1e-6 and np.nanmax(finite) <= 1 + 1e-6
+
+
+@settings(max_examples=80, deadline=None)
+@given(exact_k_problems())
+def test_more_budget_never_loses_hits(problem):
+    k, targets, rankings = problem
+    small = estimate(counts_of(k, targets, [[r[: max(1, k - 1)] for r in s] for s in rankings]), None)
+    large = estimate(counts_of(k, targets, rankings), None)
+    # Recall-type metrics are monotone in the prefix; precision denominators are fixed at K.
+    assert np.all(large.point[:, 0, 0, [1, 3]] >= small.point[:, 0, 0, [1, 3]] - 1e-12)
+
+
+def test_cluster_bootstrap_keeps_a_patients_trajectories_together():
+    weights = bootstrap_weights(np.array([0, 0, 1, 2, 2, 2]), 200, seed=1)
+    assert np.array_equal(weights[:, 0], weights[:, 1])
+    assert np.array_equal(weights[:, 3], weights[:, 5])
+    assert (weights[:, [0, 2, 3]].sum(axis=1) == 3).all()
+
+
+def test_vectorised_bootstrap_is_fast():
+    """5,000 patients × 15 systems × 9 subsets × 3 K values × 6 metrics, B = 1000, within seconds."""
+    import time
+
+    rng = np.random.default_rng(0)
+    n, n_sys, n_sub, ks = 5000, 15, len(SUBSETS), (10, 20, 0)
+    targets = rng.integers(0, 4, size=(n_sub, n)).astype(float)
+    targets[0] = rng.integers(1, 8, size=n)
+    hits = np.minimum(rng.integers(0, 4, size=(n_sys, n_sub, len(ks), n)), targets[None, :, None, :])
+    counts = Counts([f"s{m}" for m in range(n_sys)], ks, hits.astype(float),
+                    np.full((n_sys, len(ks), n), 20.0), targets)
+    start = time.perf_counter()
+    est = estimate(counts, bootstrap_weights(np.arange(n), 1000, 0))
+    from tasks.evaluate import metric_rows
+    rows = metric_rows(est)
+    elapsed = time.perf_counter() - start
+    assert rows.height == n_sys * n_sub * len(ks) * len(METRICS)
+    assert elapsed < 30, f"bootstrap took {elapsed:.1f}s"
