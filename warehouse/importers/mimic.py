@@ -425,16 +425,16 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
 
 
 def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, header: list[str], column: str) -> str:
-    expected = set(spec.columns)
-    unexpected = [c for c in header if c.lower() not in expected]
-    guess = difflib.get_close_matches(column, [c.lower() for c in unexpected], n=1, cutoff=0.5)
-    hint = f"; found '{guess[0]}' instead: rename it back to '{column}'" if guess else ""
+    message = f"{path}: missing column '{column}' (columns found: {', '.join(header)})"
+    unexpected = [c.lower() for c in header if c.lower() not in spec.columns]
+    guess = difflib.get_close_matches(column, unexpected, n=1, cutoff=0.5)
     other = MIMIC4 if layout is MIMIC3 else MIMIC3
     other_spec = next((s for s in other.tables.values() if s.stem == spec.stem), None)
     if other_spec and set(other_spec.columns) <= {c.lower() for c in header}:
-        hint += f"; this file has the {other.title} layout: use `dxr ingest {other.source}`"
-    return (f"{path}: missing column '{column}' (columns found: {', '.join(header)}){hint or ''}"
-            f"{'' if hint else f': {layout.title} {spec.stem} needs ' + ', '.join(spec.columns)}")
+        return f"{message}: this file has the {other.title} layout; use `dxr ingest {other.source}`"
+    if guess:
+        return f"{message}: rename '{guess[0]}' back to the official name '{column}'"
+    return f"{message}: {layout.title} {spec.stem} needs {', '.join(spec.columns)}"
 
 
 def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, path: Path | None) -> None:
@@ -456,7 +456,7 @@ def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, 
         more = f" ({count:,} rows like it)" if count > 1 else ""
         if kind is None:
             raise InputError(f"{path}, data row {row:,}: column '{column}' is empty{more}: "
-                             f"every {spec.stem} row needs a {column}")
+                             f"every {spec.stem} row needs a value there")
         raise InputError(f"{path}, data row {row:,}, column '{column}': {value!r} is not "
                          f"{_FRIENDLY_TYPE[kind]}{more}: correct the value or restore the official file")
 

@@ -1,0 +1,386 @@
+"""MIMIC importers: the real MIMIC-III demo against counts taken straight from its CSVs, the
+hand-written MIMIC-IV `hosp` fixture against its expected MEDS rows, and every bad-input case."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import shutil
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from dxr.errors import InputError
+from tests.conftest import shared_data
+from warehouse.importers import import_mimic3, import_mimic4
+from warehouse.meds import hash_split, validate_meds_dir
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "mimic4"
+SEED = 7
+
+
+def read_meds(root: Path) -> pl.DataFrame:
+    return pl.read_parquet(root / "data" / "**" / "*.parquet").sort(
+        "subject_id", "time", "code", "encounter_id", nulls_last=False)
+
+
+# ---- MIMIC-III demo: counts from the raw CSVs ---------------------------------------------------
+
+def raw_rows(folder: Path, table: str) -> list[dict[str, str]]:
+    with open(folder / f"{table}.csv", newline="") as handle:
+        return [{key.lower(): value for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    src = shared_data("mimic-iii-demo")
+    out = tmp_path_factory.mktemp("mimic3") / "meds"
+    summary = import_mimic3(src, out, seed=SEED)
+    return src, out, summary
+
+
+def test_demo_counts_match_the_raw_csvs(demo):
+    src, out, summary = demo
+    patients, admissions = raw_rows(src, "PATIENTS"), raw_rows(src, "ADMISSIONS")
+    diagnoses = raw_rows(src, "DIAGNOSES_ICD")
+    hadm_ids = {row["hadm_id"] for row in admissions}
+    unique_dx = {(int(row["hadm_id"]), row["icd9_code"].replace(".", "").upper())
+                 for row in diagnoses if row["icd9_code"] and row["hadm_id"] in hadm_ids}
+    events = read_meds(out)
+    dx = events.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
+
+    assert events["subject_id"].n_unique() == len({row["subject_id"] for row in patients}) == summary.n_subjects
+    assert events.filter(pl.col("code").str.starts_with("HOSPITAL_ADMISSION//")).height == len(admissions)
+    assert summary.n_admissions == len(admissions)
+    assert set(zip(dx["encounter_id"], dx["code"].str.split("//").list.get(3))) == unique_dx
+    assert dx.height == len(unique_dx) == summary.n_diagnoses
+    assert dx["code"].str.starts_with("DIAGNOSIS//ICD//9//").all()
+    admissions_with_dx = {hadm for hadm, _ in unique_dx}
+    assert set(dx["encounter_id"].unique()) == admissions_with_dx
+    assert summary.n_encounters == len(admissions_with_dx)
+
+
+def test_demo_diagnoses_sit_at_discharge_with_seq_num(demo):
+    src, out, _ = demo
+    discharge = {int(row["hadm_id"]): datetime.fromisoformat(row["dischtime"]) for row in raw_rows(src, "ADMISSIONS")}
+    first_seq = {}
+    for row in raw_rows(src, "DIAGNOSES_ICD"):
+        key = (int(row["hadm_id"]), row["icd9_code"])
+        first_seq[key] = min(first_seq.get(key, 10**9), int(row["seq_num"]))
+    dx = read_meds(out).filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
+    for hadm, time, code, seq in dx.select("encounter_id", "time", "code", "seq_num").iter_rows():
+        assert time == discharge[hadm], (hadm, code)
+        assert seq == first_seq[(hadm, code.split("//")[3])], (hadm, code)
+
+
+def test_demo_ages_over_89_are_capped_at_90_and_flagged(demo):
+    src, out, summary = demo
+    first_admit = defaultdict(lambda: datetime.max)
+    for row in raw_rows(src, "ADMISSIONS"):
+        subject = int(row["subject_id"])
+        first_admit[subject] = min(first_admit[subject], datetime.fromisoformat(row["admittime"]))
+
+    def age(born: datetime, at: datetime) -> int:
+        return at.year - born.year - ((at.month, at.day, at.time()) < (born.month, born.day, born.time()))
+
+    over_89 = {int(row["subject_id"]) for row in raw_rows(src, "PATIENTS")
+               if age(datetime.fromisoformat(row["dob"]), first_admit[int(row["subject_id"])]) > 89}
+    births = read_meds(out).filter(pl.col("code") == "MEDS_BIRTH")
+    capped = births.filter(pl.col("time_imputed"))
+    assert set(capped["subject_id"]) == over_89 and summary.n_ages_capped == len(over_89) > 0
+    for subject, born in capped.select("subject_id", "time").iter_rows():
+        assert age(born, first_admit[subject]) == 90, subject
+    for subject, born in births.filter(~pl.col("time_imputed")).select("subject_id", "time").iter_rows():
+        assert age(born, first_admit[subject]) <= 89, subject
+
+
+def test_demo_is_valid_meds_with_the_dictionary(demo):
+    src, out, _ = demo
+    info = validate_meds_dir(out)
+    assert info.icd_versions == (9,)
+    codes = pl.read_parquet(out / "metadata" / "codes.parquet")
+    titles = dict(zip(codes["code"], codes["description"]))
+    dictionary = raw_rows(src, "D_ICD_DIAGNOSES")
+    assert all(titles[f"DIAGNOSIS//ICD//9//{row['icd9_code']}"] == row["long_title"] for row in dictionary)
+    assert set(read_meds(out)["code"]) <= set(titles)
+    splits = pl.read_parquet(out / "metadata" / "subject_splits.parquet")
+    assert dict(zip(splits["subject_id"], splits["split"])) == {s: hash_split(s, SEED) for s in splits["subject_id"]}
+
+
+def test_demo_default_cohort_has_the_trajectories_the_csvs_imply(demo, wh_vocab):
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import register_dataset
+    from warehouse.meds import copy_meds_dir
+
+    src, out, _ = demo
+    copy_meds_dir(out, wh_vocab.meds_dir("mimic3demo"))
+    register_dataset(wh_vocab, "mimic3demo", source="mimic3")
+    row = build_cohort(wh_vocab, "mimic3demo", "default", CohortOptions(), seed=SEED)
+    # Default cohort: each patient's final encounter with diagnoses, given ≥ 1 earlier one.
+    hadm_with_dx = {row["hadm_id"] for row in raw_rows(src, "DIAGNOSES_ICD") if row["icd9_code"]}
+    per_subject = defaultdict(int)
+    for adm in raw_rows(src, "ADMISSIONS"):
+        per_subject[adm["subject_id"]] += adm["hadm_id"] in hadm_with_dx
+    expected = sum(1 for n in per_subject.values() if n >= 2)
+    assert row["n_trajectories"] == expected == 14
+
+
+# ---- MIMIC-IV fixture: every rule on a hand-written hosp directory -------------------------------
+
+def ts(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+S1, S2, S3, S4 = 10000001, 10000002, 10000003, 10000004
+# (subject, time, code, encounter_id, seq_num, time_imputed), in MEDS order.
+EXPECTED = [
+    (S1, None, "GENDER//F", None, None, False),
+    (S1, ts("2098-01-01"), "MEDS_BIRTH", None, None, False),
+    (S1, ts("2150-03-01 08:00"), "HOSPITAL_ADMISSION//EW EMER.", 20000001, None, False),
+    (S1, ts("2150-03-01 09:00"), "MEDICATION//NDC//00517570425", 20000001, None, False),
+    (S1, ts("2150-03-01 10:00"), "MEDICATION//NAME//heparin sodium", 20000001, None, False),  # NDC 0 = none
+    (S1, ts("2150-03-02"), "PROCEDURE//ICD//9//3722", 20000001, 1, False),
+    (S1, ts("2150-03-05 14:00"), "DIAGNOSIS//ICD//9//25000", 20000001, 2, False),
+    (S1, ts("2150-03-05 14:00"), "DIAGNOSIS//ICD//9//4280", 20000001, 1, False),
+    (S1, ts("2150-03-05 14:00"), "HOSPITAL_DISCHARGE//HOME", 20000001, None, False),
+    (S1, ts("2152-07-10 09:30"), "HOSPITAL_ADMISSION//URGENT", 20000002, None, False),
+    (S1, ts("2152-07-11"), "PROCEDURE//ICD//10//02HV33Z", 20000002, 1, False),
+    (S1, ts("2152-07-15 12:00"), "DIAGNOSIS//ICD//10//E119", 20000002, 2, False),
+    (S1, ts("2152-07-15 12:00"), "DIAGNOSIS//ICD//10//I5023", 20000002, 1, False),
+    (S1, ts("2152-07-15 12:00"), "HOSPITAL_DISCHARGE//SKILLED NURSING FACILITY", 20000002, None, False),
+    # No dischtime: the diagnosis takes admittime and is flagged; no discharge event.
+    (S1, ts("2153-01-01 10:00"), "DIAGNOSIS//ICD//10//I10", 20000003, 1, True),
+    (S1, ts("2153-01-01 10:00"), "HOSPITAL_ADMISSION//EW EMER.", 20000003, None, False),
+    (S2, None, "GENDER//M", None, None, False),
+    (S2, ts("2070-01-01"), "MEDS_BIRTH", None, None, True),  # anchor_age 91 (top-coded) → 90 in 2160
+    (S2, ts("2160-02-02 11:00"), "HOSPITAL_ADMISSION//ELECTIVE", 20000004, None, False),
+    (S2, ts("2160-02-09 16:00"), "DIAGNOSIS//ICD//9//486", 20000004, 1, False),
+    (S2, ts("2160-02-09 16:00"), "DIAGNOSIS//ICD//9//5849", 20000004, 2, False),
+    (S2, ts("2160-02-09 16:00"), "HOSPITAL_DISCHARGE//HOME HEALTH CARE", 20000004, None, False),
+    (S2, ts("2163-04-30 22:00"), "HOSPITAL_ADMISSION//EW EMER.", 20000005, None, False),
+    (S2, ts("2163-05-01 06:00"), "MEDICATION//NAME//sodium chloride 0.9% flush, syringe", 20000005, None, False),
+    (S2, ts("2163-05-02 10:00"), "DIAGNOSIS//ICD//10//J189", 20000005, 1, False),
+    (S2, ts("2163-05-02 10:00"), "DIAGNOSIS//ICD//10//N179", 20000005, 2, False),
+    (S2, ts("2163-05-02 10:00"), "HOSPITAL_DISCHARGE//DIED", 20000005, None, False),
+    (S2, ts("2163-05-02 10:00"), "MEDS_DEATH", 20000005, None, False),  # deathtime beats the dod date
+    (S2, ts("2163-05-02 10:00"), "PROCEDURE//ICD//10//0BH17EZ", 20000005, 1, True),  # no chartdate
+    (S3, None, "GENDER//F", None, None, False),
+    (S3, ts("2136-01-01"), "MEDS_BIRTH", None, None, False),
+    (S3, ts("2170-06-01 07:00"), "HOSPITAL_ADMISSION//OBSERVATION ADMIT", 20000006, None, False),
+    (S3, ts("2170-06-01 07:00"), "MEDICATION//NAME//omeprazole", 20000006, None, True),  # no starttime
+    # Four raw rows, two codes: duplicates collapse to the smallest seq_num.
+    (S3, ts("2170-06-03 18:00"), "DIAGNOSIS//ICD//10//E785", 20000006, 2, False),
+    (S3, ts("2170-06-03 18:00"), "DIAGNOSIS//ICD//10//K219", 20000006, 1, False),
+    (S3, ts("2170-06-03 18:00"), "HOSPITAL_DISCHARGE//HOME", 20000006, None, False),
+    # An admission without diagnoses is kept as events but is not an encounter for cohorts.
+    (S3, ts("2171-01-10 08:00"), "HOSPITAL_ADMISSION//SURGICAL SAME DAY ADMISSION", 20000007, None, False),
+    (S3, ts("2171-01-11 09:00"), "HOSPITAL_DISCHARGE//HOME", 20000007, None, False),
+    (S4, None, "GENDER//M", None, None, False),  # a patient without admissions
+    (S4, ts("2080-01-01"), "MEDS_BIRTH", None, None, False),
+]
+
+
+@pytest.fixture(scope="module")
+def mimic4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mimic4") / "meds"
+    return out, import_mimic4(FIXTURE, out, seed=SEED)
+
+
+def test_fixture_events_are_exactly_the_expected_rows(mimic4):
+    out, _ = mimic4
+    expected = pl.DataFrame(EXPECTED, orient="row", schema={
+        "subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String, "encounter_id": pl.Int64,
+        "seq_num": pl.Int32, "time_imputed": pl.Boolean})
+    actual = read_meds(out)
+    assert actual.select(expected.columns).to_dicts() == expected.to_dicts()
+    assert actual["numeric_value"].is_null().all() and actual["text_value"].is_null().all()
+
+
+def test_fixture_summary_and_metadata(mimic4):
+    out, summary = mimic4
+    assert (summary.n_subjects, summary.n_admissions, summary.n_encounters) == (4, 7, 6)
+    assert (summary.n_diagnosis_rows, summary.n_diagnoses, summary.n_diagnoses_time_imputed) == (13, 11, 1)
+    assert summary.diagnoses_by_icd_version == {"9": 4, "10": 7}
+    assert (summary.n_procedures, summary.n_medications, summary.n_ages_capped) == (3, 4, 1)
+    assert summary.rows_read == {"patients": 4, "admissions": 7, "diagnoses_icd": 13, "procedures_icd": 3,
+                                 "prescriptions": 4, "d_icd_diagnoses": 12, "d_icd_procedures": 3}
+    metadata = json.loads((out / "metadata" / "dataset.json").read_text())
+    assert metadata["dataset_name"] == "MIMIC-IV" and metadata["import_summary"]["n_encounters"] == 6
+    assert metadata["other_extension_columns"] == ["encounter_id", "seq_num", "time_imputed"]
+    info = validate_meds_dir(out)
+    assert info.icd_versions == (9, 10) and info.n_subjects == 4 and info.n_events == len(EXPECTED)
+
+
+def test_fixture_codes_hold_the_dictionaries_and_every_emitted_code(mimic4):
+    out, _ = mimic4
+    codes = pl.read_parquet(out / "metadata" / "codes.parquet")
+    titles = dict(zip(codes["code"], codes["description"]))
+    assert titles["DIAGNOSIS//ICD//10//R69"] == "Illness, unspecified"  # in the dictionary, not in the data
+    assert titles["DIAGNOSIS//ICD//9//4280"] == "Congestive heart failure, unspecified"
+    assert titles["PROCEDURE//ICD//9//3722"] == "Left heart cardiac catheterization"
+    assert titles["HOSPITAL_DISCHARGE//DIED"] is None and titles["MEDICATION//NAME//omeprazole"] is None
+    assert {code for _, _, code, *_ in EXPECTED} | {"DIAGNOSIS//ICD//10//R69"} <= set(titles)
+    assert codes.height == codes["code"].n_unique() and codes["code"].to_list() == sorted(codes["code"])
+
+
+def test_fixture_hosp_folder_and_release_root_give_the_same_events(tmp_path, mimic4):
+    out, _ = mimic4
+    import_mimic4(FIXTURE / "hosp", tmp_path / "direct", seed=SEED)
+    assert read_meds(tmp_path / "direct").equals(read_meds(out))
+
+
+def test_fixture_cohorts_with_every_harmonization(tmp_path, wh_vocab):
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import register_dataset
+
+    import_mimic4(FIXTURE, wh_vocab.meds_dir("mimic4fix"), seed=SEED)
+    register_dataset(wh_vocab, "mimic4fix", source="mimic4")
+    for mode in ("native", "icd10", "category"):
+        row = build_cohort(wh_vocab, "mimic4fix", mode, CohortOptions(harmonize=mode), seed=SEED)
+        # S1 (three encounters with diagnoses) and S2 (two) have a history; S3 has one encounter.
+        assert row["n_trajectories"] == 2, mode
+    targets = wh_vocab.read("targets")
+    assert targets.height > 0
+
+
+# ---- bad input: one line naming the file, row or column and the fix; nothing half-written -------
+
+def copy_fixture(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FIXTURE, tmp_path / "src")) / "hosp"
+
+
+def edit_table(folder: Path, name: str, edit) -> None:
+    """Rewrite a fixture table (plain or gzipped) through `edit(lines) -> lines`."""
+    path = next(p for p in folder.iterdir() if p.name.lower().split(".")[0] == name)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as handle:
+        lines = handle.read().splitlines()
+    with opener(path, "wt", newline="") as handle:
+        handle.write("\n".join(edit(lines)) + "\n")
+
+
+def replace_on_line(index: int, old: str, new: str):
+    def edit(lines):
+        assert old in lines[index], (old, lines[index])
+        lines[index] = lines[index].replace(old, new, 1)
+        return lines
+    return edit
+
+
+BAD_INPUTS = {
+    "missing table": (lambda hosp: (hosp / "admissions.csv.gz").unlink(),
+                      "hosp: missing MIMIC-IV table admissions (admissions.csv or admissions.csv.gz): "
+                      "add it from the official release"),
+    "missing column": (lambda hosp: edit_table(hosp, "admissions", lambda lines: [
+                           ",".join(c for i, c in enumerate(line.split(",")) if i != 3) for line in lines]),
+                       "admissions.csv.gz: missing column 'dischtime' (columns found: subject_id, hadm_id, "
+                       "admittime, deathtime,"),
+    "renamed column": (lambda hosp: edit_table(hosp, "admissions", replace_on_line(0, "dischtime", "discharge_time")),
+                       "rename 'discharge_time' back to the official name 'dischtime'"),
+    "unparsable timestamp": (lambda hosp: edit_table(hosp, "admissions",
+                                                     replace_on_line(3, "2153-01-01 10:00:00", "01/01/2153 10am")),
+                             "admissions.csv.gz, data row 3, column 'admittime': '01/01/2153 10am' is not a "
+                             "timestamp (YYYY-MM-DD HH:MM:SS): correct the value or restore the official file"),
+    "unparsable timestamp (plain csv)": (lambda hosp: edit_table(hosp, "procedures_icd",
+                                                                 replace_on_line(2, "2152-07-11", "2152-07-32")),
+                                         "procedures_icd.csv, data row 2, column 'chartdate': '2152-07-32' is not a "
+                                         "timestamp"),
+    "non-integer id": (lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(5, "20000003", "2000000x")),
+                       "diagnoses_icd.csv.gz, data row 5, column 'hadm_id': '2000000x' is not an integer"),
+    "empty admittime": (lambda hosp: edit_table(hosp, "admissions", replace_on_line(2, "2152-07-10 09:30:00", "")),
+                        "admissions.csv.gz, data row 2: column 'admittime' is empty: every admissions row "
+                        "needs a value there"),
+    "unknown ICD version": (lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(8, "J189,10", "J189,11")),
+                            "diagnoses_icd.csv.gz, data row 8, column 'icd_version': 11 is not 9 or 10"),
+    "duplicate admission": (lambda hosp: edit_table(hosp, "admissions", lambda lines: lines + [lines[1]]),
+                            "admissions.csv.gz: hadm_id 20000001 appears on several data rows (1, 8): "
+                            "each admission must appear once"),
+    "both csv and csv.gz": (lambda hosp: shutil.copy(hosp / "procedures_icd.csv", hosp / "PROCEDURES_ICD.csv.gz"),
+                            "table procedures_icd exists twice (PROCEDURES_ICD.csv.gz, procedures_icd.csv): "
+                            "keep one of them"),
+}
+
+
+@pytest.fixture
+def previous_import(tmp_path):
+    """A complete earlier import at the output path: a failed import must leave it untouched."""
+    out = tmp_path / "out" / "meds"
+    import_mimic4(FIXTURE, out, seed=SEED)
+    return out, read_meds(out)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_naming_the_problem_and_nothing_changes(case, tmp_path, previous_import):
+    out, before = previous_import
+    hosp = copy_fixture(tmp_path)
+    damage, message = BAD_INPUTS[case]
+    damage(hosp)
+    with pytest.raises(InputError) as raised:
+        import_mimic4(hosp.parent, out, seed=SEED)
+    text = str(raised.value)
+    assert message in text and "\n" not in text, text
+    assert read_meds(out).equals(before)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["meds"]  # no staging or work directory left
+
+
+def test_wrong_directories(tmp_path):
+    with pytest.raises(InputError, match="MIMIC-IV directory .*nope does not exist: check the path"):
+        import_mimic4(tmp_path / "nope", tmp_path / "out", seed=SEED)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(InputError, match="notes.txt is a file: pass the MIMIC-IV directory"):
+        import_mimic4(tmp_path / "notes.txt", tmp_path / "out", seed=SEED)
+    with pytest.raises(InputError, match=r"is not a MIMIC-III directory: none of patients, admissions, "
+                                         r"diagnoses_icd \(.csv or .csv.gz\) is there"):
+        import_mimic3(FIXTURE, tmp_path / "out", seed=SEED)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_path):
+    src = shared_data("mimic-iii-demo")
+    with pytest.raises(InputError, match=r"PATIENTS.csv: missing column 'anchor_age' .*: this file has the "
+                                         r"MIMIC-III layout; use `dxr ingest mimic3`"):
+        import_mimic4(src, tmp_path / "out", seed=SEED)
+
+
+def test_header_case_is_ignored(tmp_path, mimic4):
+    out, _ = mimic4
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "diagnoses_icd", lambda lines: [lines[0].upper(), *lines[1:]])
+    edit_table(hosp, "admissions", lambda lines: [lines[0].title(), *lines[1:]])
+    import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    assert read_meds(tmp_path / "meds").equals(read_meds(out))
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def run(*args):
+    return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
+
+
+def test_cli_ingest_mimic4_registers_the_dataset(tmp_path):
+    from warehouse.store import Warehouse
+
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "fixture")
+    assert result.exit_code == 0, result.output
+    assert "encounters (admissions with ≥ 1 diagnosis)" in result.output
+    assert result.output.strip().endswith("dataset fixture: 4 patients, 40 events, ICD versions 9,10")
+    row = Warehouse(tmp_path / "wh").read("datasets").row(0, named=True)
+    assert (row["dataset_id"], row["source"], row["n_events"]) == ("fixture", "mimic4", 40)
+
+
+def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):
+    hosp = copy_fixture(tmp_path)
+    (hosp / "diagnoses_icd.csv.gz").unlink()
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", hosp, "--name", "broken")
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [f"Error: {hosp}: missing MIMIC-IV table diagnoses_icd (diagnoses_icd.csv or "
+                     "diagnoses_icd.csv.gz): add it from the official release"]
+    assert not (tmp_path / "wh" / "gold" / "meds" / "broken").exists()
+    assert not (tmp_path / "wh" / "forecast" / "datasets").exists()
