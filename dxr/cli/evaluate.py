@@ -1,0 +1,110 @@
+"""Evaluation commands: `dxr evaluate` (metrics into the warehouse) and `dxr report` (Markdown + HTML)."""
+
+from __future__ import annotations
+
+import click
+
+from dxr.cli import main, warehouse
+from dxr.errors import InputError
+
+
+def _names(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _ks(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"--k takes comma-separated integers such as 10,20; got {value!r}") from None
+
+
+def _pairs(values: tuple[str, ...]) -> list[tuple[str, str]] | None:
+    pairs = []
+    for value in values:
+        parts = _names(value) or []
+        if len(parts) != 2:
+            raise InputError(f"--pair takes two systems as a,b; got {value!r}")
+        pairs.append((parts[0], parts[1]))
+    return pairs or None
+
+
+def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_k", "precision_at_k")) -> str:
+    """A fixed-width summary: one row per (system, K), the chosen metrics with their intervals."""
+    import polars as pl
+
+    from tasks.report import LABELS, k_label, with_interval
+
+    rows = metrics.filter(pl.col("subset") == subset)
+    header = ["run", "system", "K", "n", "n_runs"] + [LABELS[c] for c in columns]
+    lines = []
+    for (run_id, system, k), group in rows.group_by("run_id", "system", "k", maintain_order=True):
+        values = {r["metric"]: r for r in group.iter_rows(named=True)}
+        first = group.row(0, named=True)
+        lines.append([run_id, system, k_label(k), str(first["n"]), str(first["n_runs"])]
+                     + [with_interval(values[c]["value"], values[c]["ci_low"], values[c]["ci_high"]) for c in columns])
+    lines.sort(key=lambda r: (r[0], r[2] == "|C|", int(r[2]) if r[2] != "|C|" else 0, r[1]))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*line) for line in lines])
+
+
+@main.command("evaluate")
+@click.option("--run", "run_ids", multiple=True, required=True,
+              help="Run whose rankings are evaluated; repeat it to also average repeats of one configuration.")
+@click.option("--systems", default=None, help="Comma-separated systems (default: every system of the run, "
+                                              "plus the gold-side oracle when the cohort has one).")
+@click.option("--k", "ks", default="10,20", show_default=True, help="Comma-separated budgets K.")
+@click.option("--bootstrap", "n_boot", type=int, default=1000, show_default=True,
+              help="Bootstrap resamples (0: no intervals).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--natural/--no-natural", default=True, show_default=True,
+              help="Also evaluate each system's whole list (variable cardinality, shown as K=|C|).")
+@click.option("--pair", "pairs", multiple=True, help="Paired comparison a,b (repeatable; default: every pair).")
+@click.option("--pool", "pools", multiple=True,
+              help="Pool-oracle headroom over the union of systems a+b (repeatable; default: each system and all).")
+@click.pass_context
+def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, natural, pairs, pools) -> None:
+    """Compute forecast metrics with bootstrap intervals and write them to the warehouse.
+
+    Writes `metrics`, `paired_comparisons`, `headroom` and `evaluation_coverage` (a rerun replaces
+    its partitions) and prints the summary for the subset `all`. With several --run values, each
+    run is evaluated and the mean over the runs (one configuration) is written with n_runs.
+
+    \b
+    Example:
+      dxr evaluate --run forecast-20260101T000000-abc123 --systems global_frequency,repeat_history --k 10,20
+    """
+    import polars as pl
+
+    from tasks.evaluate import evaluate_repeated, evaluate_run
+
+    wh = warehouse(ctx)
+    system_list, k_list = _names(systems), _ks(ks)
+    pool_list = [tuple(p.split("+")) for p in pools] or None
+    frames = []
+    for run_id in run_ids:
+        click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
+        frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, _pairs(pairs), pool_list))
+    if len(set(run_ids)) > 1:
+        frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural))
+    click.echo(metrics_table(pl.concat(frames)))
+
+
+@main.command("report")
+@click.option("--run", "run_id", required=True, help="Evaluated run (see `dxr evaluate`).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default: <data_dir>/reports/<run>).")
+@click.pass_context
+def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None:
+    """Write report.md and a self-contained report.html (plots embedded) for an evaluated run.
+
+    \b
+    Example:
+      dxr report --run forecast-20260101T000000-abc123 --out reports/
+    """
+    from tasks.report import render_report
+
+    page = render_report(warehouse(ctx), run_id, out_dir)
+    click.echo(f"report: {page}")
+    click.echo(f"markdown: {page.with_name('report.md')}")

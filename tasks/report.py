@@ -1,0 +1,317 @@
+"""Report stage: one run's stored evaluation as Markdown and a self-contained HTML page with plots.
+
+The report is built once as a list of blocks (headings, paragraphs, tables, figures) and rendered
+twice: `report.md` (figures as PNG files next to it) and `report.html` (figures embedded as base64
+data URIs, inline CSS, no external URL: it opens offline). The K-sweep (K = 1..20, point values)
+is recomputed from `rankings` and the gold targets; everything else is read from the tables that
+`dxr evaluate` wrote.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never open a window or need a display
+import matplotlib.pyplot as plt  # noqa: E402
+import polars as pl  # noqa: E402
+from prefect import task  # noqa: E402
+
+from dxr.errors import NotFoundError  # noqa: E402
+from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
+from warehouse.store import Warehouse  # noqa: E402
+
+SWEEP_MAX_K = 20
+LABELS = {"precision_at_k": "P@K", "recall_at_k": "R@K", "micro_precision": "micro-P", "micro_recall": "micro-R",
+          "micro_f1": "micro-F1", "macro_f1": "macro-F1"}
+HEADLINE = ("precision_at_k", "recall_at_k", "micro_f1", "macro_f1")
+
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Paragraph:
+    text: str
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Figure:
+    name: str        # file stem of the PNG written next to report.md
+    caption: str
+    png: bytes
+
+
+# ---- formatting ------------------------------------------------------------------------------
+
+def with_interval(value: float, low: float | None, high: float | None) -> str:
+    """`0.412 [0.398, 0.427]`, or the bare value without an interval.
+
+    >>> with_interval(0.41234, 0.4, 0.425), with_interval(0.5, None, None)
+    ('0.412 [0.400, 0.425]', '0.500')
+    """
+    if low is None or high is None:
+        return f"{value:.3f}"
+    return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def k_label(k: int) -> str:
+    return "|C|" if k == NATURAL_K else str(k)
+
+
+def system_table(metrics: pl.DataFrame, coverage: pl.DataFrame, k: int, subset: str = "all") -> Table:
+    """One row per system (best micro-F1 first): headline metrics with intervals, n, short/failed, native share."""
+    rows = metrics.filter((pl.col("k") == k) & (pl.col("subset") == subset))
+    order = (rows.filter(pl.col("metric") == "micro_f1").sort(["value", "system"], descending=[True, False])
+             ["system"].to_list())
+    cov = {r["system"]: r for r in coverage.filter(pl.col("k") == k).iter_rows(named=True)}
+    out = []
+    for system in order:
+        mine = {r["metric"]: r for r in rows.filter(pl.col("system") == system).iter_rows(named=True)}
+        cells = [system] + [with_interval(mine[m]["value"], mine[m]["ci_low"], mine[m]["ci_high"]) for m in HEADLINE]
+        c = cov.get(system)
+        share = "" if c is None or c["native_share"] is None else f"{c['native_share']:.3f}"
+        cells += [str(mine["micro_f1"]["n"]), str(c["n_short"]) if c else "", str(c["n_failed"]) if c else "", share]
+        out.append(cells)
+    return Table(["system"] + [LABELS[m] for m in HEADLINE] + ["n", "short", "failed", "native share"], out)
+
+
+def subset_table(metrics: pl.DataFrame, k: int, metric: str, subsets: list[str]) -> Table:
+    rows = metrics.filter((pl.col("k") == k) & (pl.col("metric") == metric))
+    systems = sorted(rows["system"].unique().to_list())
+    present = [s for s in subsets if s in set(rows["subset"])]
+    cells = []
+    for system in systems:
+        mine = {r["subset"]: r for r in rows.filter(pl.col("system") == system).iter_rows(named=True)}
+        cells.append([system] + [with_interval(mine[s]["value"], mine[s]["ci_low"], mine[s]["ci_high"])
+                                 if s in mine else "" for s in present])
+    n = {r["subset"]: r["n"] for r in rows.iter_rows(named=True)}
+    return Table(["system"] + [f"{s} (n={n[s]})" for s in present], cells)
+
+
+def paired_table(paired: pl.DataFrame, k: int, metric: str = "micro_f1") -> Table:
+    rows = (paired.filter((pl.col("k") == k) & (pl.col("metric") == metric) & (pl.col("subset") == "all"))
+            .sort(["difference", "system_a", "system_b"], descending=[True, False, False]))
+    return Table(["a", "b", f"{LABELS[metric]} a", f"{LABELS[metric]} b", "a − b [95% CI]", "improved",
+                  "worsened", "tied", "sign test p"],
+                 [[r["system_a"], r["system_b"], f"{r['value_a']:.3f}", f"{r['value_b']:.3f}",
+                   with_interval(r["difference"], r["ci_low"], r["ci_high"]), str(r["n_improved"]),
+                   str(r["n_worsened"]), str(r["n_tied"]), f"{r['sign_test_p']:.3g}"] for r in rows.iter_rows(named=True)])
+
+
+def headroom_table(headroom: pl.DataFrame, metrics: pl.DataFrame, k: int) -> Table:
+    """Pool oracle micro-F1 against the best system inside the pool: the reachable gain by reordering."""
+    rows = headroom.filter((pl.col("k") == k) & (pl.col("metric") == "micro_f1") & (pl.col("subset") == "all"))
+    achieved = dict(metrics.filter((pl.col("k") == k) & (pl.col("metric") == "micro_f1") & (pl.col("subset") == "all"))
+                    .select("system", "value").iter_rows())
+    out = []
+    for r in rows.sort("pool").iter_rows(named=True):
+        best = max(achieved.get(s, float("nan")) for s in r["pool"].split("+"))
+        out.append([r["pool"], f"{r['mean_pool_size']:.1f}", with_interval(r["value"], r["ci_low"], r["ci_high"]),
+                    f"{best:.3f}", f"{r['value'] - best:+.3f}"])
+    return Table(["pool", "mean pool size", "pool-oracle micro-F1", "best system in pool", "headroom"], out)
+
+
+# ---- figures ---------------------------------------------------------------------------------
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    # No Software metadata: the page must not carry any URL, not even inside an image.
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _errors(frame: pl.DataFrame) -> list[list[float]]:
+    """Asymmetric error bar lengths; zero where an interval is missing."""
+    values, low, high = frame["value"], frame["ci_low"].fill_null(frame["value"]), frame["ci_high"].fill_null(frame["value"])
+    return [(values - low).clip(lower_bound=0).to_list(), (high - values).clip(lower_bound=0).to_list()]
+
+
+def comparison_figure(metrics: pl.DataFrame, k: int) -> bytes:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * metrics["system"].n_unique() + 1.5), sharey=True)
+    order = (metrics.filter((pl.col("k") == k) & (pl.col("subset") == "all") & (pl.col("metric") == "micro_f1"))
+             .sort("value")["system"].to_list())
+    for ax, metric in zip(axes, ("micro_f1", "recall_at_k")):
+        rows = (metrics.filter((pl.col("k") == k) & (pl.col("subset") == "all") & (pl.col("metric") == metric))
+                .join(pl.DataFrame({"system": order, "pos": range(len(order))}), on="system").sort("pos"))
+        ax.errorbar(rows["value"], rows["pos"], xerr=_errors(rows), fmt="o", capsize=3)
+        ax.set_yticks(range(len(order)), order)
+        ax.set_xlabel(f"{LABELS[metric]} at K={k_label(k)} (95% CI)")
+        ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def sweep_figure(sweep: pl.DataFrame) -> bytes:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("micro_f1", "recall_at_k")):
+        rows = sweep.filter((pl.col("metric") == metric) & (pl.col("subset") == "all"))
+        for system in sorted(rows["system"].unique().to_list()):
+            line = rows.filter(pl.col("system") == system).sort("k")
+            ax.plot(line["k"], line["value"], marker=".", label=system)
+        ax.set_xlabel("K")
+        ax.set_ylabel(LABELS[metric])
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="best")
+    return _png(fig)
+
+
+def grouped_figure(metrics: pl.DataFrame, k: int, subsets: list[str], metric: str = "recall_at_k") -> bytes:
+    rows = metrics.filter((pl.col("k") == k) & (pl.col("metric") == metric) & pl.col("subset").is_in(subsets))
+    present = [s for s in subsets if s in set(rows["subset"])]
+    systems = sorted(rows["system"].unique().to_list())
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(present) * max(1, len(systems)) ** 0.5 + 3), 4))
+    width = 0.8 / max(1, len(systems))
+    for j, system in enumerate(systems):
+        mine = (pl.DataFrame({"subset": present, "x": range(len(present))})
+                .join(rows.filter(pl.col("system") == system), on="subset").sort("x"))
+        ax.bar(mine["x"] + j * width - 0.4 + width / 2, mine["value"], width, yerr=_errors(mine), capsize=2,
+               label=system)
+    ax.set_xticks(range(len(present)), present)
+    ax.set_ylabel(f"{LABELS[metric]} at K={k_label(k)}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    return _png(fig)
+
+
+# ---- assembly and rendering ------------------------------------------------------------------
+
+def k_sweep(wh: Warehouse, run_id: str, systems: list[str], max_k: int) -> pl.DataFrame:
+    """Point values (no bootstrap) of every metric at K = 1..max_k for the subset `all`."""
+    sweep = evaluate(wh, run_id, systems=systems, ks=range(1, max_k + 1), n_boot=0, natural=False, pairs=[], pools=[])
+    return sweep.metrics.filter(pl.col("subset") == "all")
+
+
+def build_report(wh: Warehouse, run_id: str) -> list:
+    metrics = wh.read("metrics", run_id=run_id)
+    if metrics.is_empty():
+        raise NotFoundError(f"run {run_id!r} has no stored metrics: run `dxr evaluate --run {run_id}` first")
+    coverage = wh.read("evaluation_coverage", run_id=run_id)
+    paired = wh.read("paired_comparisons", run_id=run_id)
+    headroom = wh.read("headroom", run_id=run_id)
+    fixed = sorted(k for k in metrics["k"].unique() if k != NATURAL_K)
+    k = fixed[-1] if fixed else NATURAL_K
+    systems = sorted(metrics["system"].unique().to_list())
+    n = metrics.filter(pl.col("subset") == "all")["n"].max()
+    has_interval = metrics["ci_low"].null_count() < metrics.height
+    blocks: list = [
+        Heading(f"Evaluation report — run {run_id}", 1),
+        Paragraph(f"Cohort {metrics['cohort_id'][0]}; {n} trajectories; {len(systems)} systems "
+                  f"({', '.join(systems)}). K values: {', '.join(k_label(x) for x in sorted(metrics['k'].unique()))} "
+                  f"(|C| = each system's whole list). "
+                  + ("Intervals are 95% patient-cluster bootstrap percentile intervals."
+                     if has_interval else "No bootstrap intervals were computed.")
+                  + f" Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
+    ]
+    for kk in fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else []):
+        blocks += [Heading(f"Systems at K = {k_label(kk)}"), system_table(metrics, coverage, kk)]
+    blocks += [Heading("System comparison"),
+               Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",
+                      comparison_figure(metrics, k))]
+    max_sweep = min(SWEEP_MAX_K, k) if fixed else 0
+    if max_sweep:
+        blocks.append(Figure("k_sweep", f"K-sweep 1..{max_sweep} (point values).",
+                             sweep_figure(k_sweep(wh, run_id, systems, max_sweep))))
+    buckets = [b[0] for b in FREQUENCY_BUCKETS]
+    blocks += [Heading("Recall by code frequency in the train split"),
+               Paragraph("A target code's bucket is its number of train-split diagnosis rows; each subset keeps "
+                         "the trajectories with at least one target code in it."),
+               subset_table(metrics, k, "recall_at_k", buckets),
+               Figure("frequency", f"R@K at K={k_label(k)} by code-frequency bucket.",
+                      grouped_figure(metrics, k, buckets)),
+               Heading("New-onset vs repeated target codes"),
+               subset_table(metrics, k, "recall_at_k", ["new_onset", "repeated", "icd9", "icd10"]),
+               Figure("onset", f"R@K at K={k_label(k)}: new-onset vs repeated codes.",
+                      grouped_figure(metrics, k, ["new_onset", "repeated"]))]
+    if not paired.is_empty():
+        blocks += [Heading(f"Paired comparisons (micro-F1 at K = {k_label(k)}, same patients)"),
+                   Paragraph("Difference a − b with a paired bootstrap interval; the sign test counts patients "
+                             "whose F1 summand improved or worsened (ties excluded)."),
+                   paired_table(paired, k)]
+    if not headroom.is_empty():
+        blocks += [Heading(f"Headroom: target-conditioned pool oracle at K = {k_label(k)}"),
+                   Paragraph("Best achievable top-K within each pool (union of full lists): min(K, |pool ∩ Y|) "
+                             "hits per trajectory."),
+                   headroom_table(headroom, metrics, k)]
+    return blocks
+
+
+def to_markdown(blocks: list) -> str:
+    out = []
+    for block in blocks:
+        if isinstance(block, Heading):
+            out.append(f"{'#' * block.level} {block.text}")
+        elif isinstance(block, Paragraph):
+            out.append(block.text)
+        elif isinstance(block, Table):
+            lines = ["| " + " | ".join(block.columns) + " |", "|" + "---|" * len(block.columns)]
+            lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in block.rows]
+            out.append("\n".join(lines))
+        elif isinstance(block, Figure):
+            out.append(f"![{block.caption}]({block.name}.png)\n\n*{block.caption}*")
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}figure{margin:1em 0}img{max-width:100%}
+figcaption{color:#555;font-size:0.9em}"""
+
+
+def to_html(blocks: list) -> str:
+    title = next((b.text for b in blocks if isinstance(b, Heading)), "Evaluation report")
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+           f"<style>{_CSS}</style></head><body>"]
+    for block in blocks:
+        if isinstance(block, Heading):
+            out.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            out.append(f"<p>{html.escape(block.text)}</p>")
+        elif isinstance(block, Table):
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in block.columns)
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block.rows)
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif isinstance(block, Figure):
+            data = base64.b64encode(block.png).decode("ascii")
+            out.append(f"<figure><img alt='{html.escape(block.caption)}' src='data:image/png;base64,{data}'>"
+                       f"<figcaption>{html.escape(block.caption)}</figcaption></figure>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None) -> Path:
+    """Write report.md (+ PNGs) and report.html for a run; returns the HTML path.
+
+    Default directory: `<warehouse root>/reports/<run_id>/`.
+    """
+    blocks = build_report(wh, run_id)
+    out = Path(out_dir) if out_dir is not None else wh.root / "reports" / run_id
+    out.mkdir(parents=True, exist_ok=True)
+    for block in blocks:
+        if isinstance(block, Figure):
+            (out / f"{block.name}.png").write_bytes(block.png)
+    (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
+    page = out / "report.html"
+    page.write_text(to_html(blocks), encoding="utf-8")
+    return page
+
+
+@task(name="render-report")
+def render_report_task(data_dir: str, run_id: str, out_dir: str | None = None) -> str:
+    """Prefect wrapper: render one run's report; returns the HTML path."""
+    return str(render_report(Warehouse(data_dir), run_id, out_dir))

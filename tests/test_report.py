@@ -1,0 +1,88 @@
+"""Reports and the evaluation CLI on the tiny hand-written warehouse of test_metrics."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from tasks.evaluate import evaluate_run
+from tasks.report import render_report
+from test_metrics import A, B, C, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
+from warehouse.store import Warehouse
+
+
+@pytest.fixture
+def wh(tmp_path) -> Warehouse:
+    warehouse = Warehouse(tmp_path / "wh")
+    write_cohort(warehouse)
+    write_rankings(warehouse, "r1")
+    warehouse.write("oracle_probabilities", pl.DataFrame({
+        "cohort_id": COHORT, "trajectory_id": [T1, T1, T2, T2, T3, T3], "code": [A, C, D, B, E, X],
+        "probability": [0.9, 0.8, 0.7, 0.1, 0.6, 0.2]}), cohort_id=COHORT)
+    return warehouse
+
+
+def test_html_report_is_self_contained_with_embedded_plots(wh, tmp_path):
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=100)
+    page = render_report(wh, "r1", tmp_path / "out")
+    text = page.read_text()
+    images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    # comparison, K-sweep, frequency buckets, new-onset vs repeated
+    assert len(images) == 4
+    assert all(base64.b64decode(i).startswith(b"\x89PNG\r\n\x1a\n") for i in images)
+    decoded = b"".join(base64.b64decode(i) for i in images)
+    assert b"http" not in decoded
+    assert not re.search(r"https?://|src=['\"](?!data:)|href=|<script|<link", text)
+    for heading in ("Systems at K = 2", "Systems at K = 1", "Systems at K = |C|", "Paired comparisons",
+                    "Headroom: target-conditioned pool oracle", "New-onset vs repeated target codes"):
+        assert heading in text
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| system | P@K | R@K | micro-F1 | macro-F1 | n | short | failed | native share |" in markdown
+    # s2 is explicitly short on one trajectory; the oracle ranks A, C in T1 (2 hits), D, B in T2 (1), E, X in T3 (1).
+    assert re.search(r"\| s2 \| [^|]+ \| [^|]+ \| [^|]+ \| [^|]+ \| 3 \| 1 \| 0 \| 1\.000 \|", markdown)
+    assert re.search(r"\| oracle \| 0\.667 \[", markdown)
+    for figure in ("comparison", "k_sweep", "frequency", "onset"):
+        assert (tmp_path / "out" / f"{figure}.png").stat().st_size > 1000
+        assert f"]({figure}.png)" in markdown
+
+
+def test_report_needs_an_evaluation(wh, tmp_path):
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1"])
+    assert result.exit_code == 1
+    assert "run 'r1' has no stored metrics: run `dxr evaluate --run r1` first" in result.output
+
+
+def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
+                                  "--bootstrap", "0", "--systems", "s1,s2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["run", "system", "K", "n", "n_runs", "micro-F1", "R@K", "P@K"]
+    # Hand-computed in test_metrics: s1 micro-F1 0.5, R@2 4/9, P@2 0.5; s2 0.5, 5/9, 0.5.
+    assert lines[1].split() == ["r1", "s1", "2", "3", "1", "0.500", "0.444", "0.500"]
+    assert lines[2].split() == ["r1", "s2", "2", "3", "1", "0.500", "0.556", "0.500"]
+    assert [line.split()[2] for line in lines[3:]] == ["|C|", "|C|"]
+    stored = wh.read("metrics", run_id="r1")
+    assert set(stored["system"]) == {"s1", "s2"} and set(stored["n_runs"]) == {1}
+
+    out = tmp_path / "rep"
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [f"report: {out / 'report.html'}", f"markdown: {out / 'report.md'}"]
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+
+
+def test_cli_rejects_bad_k_and_silent_short(wh):
+    runner = CliRunner()
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "two"])
+    assert result.exit_code == 1 and "--k takes comma-separated integers" in result.output
+    write_rankings(wh, "r2", rankings={"s3": {T1: [A, B], T2: [D], T3: [E, X]}}, status={})
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r2", "--k", "2"])
+    assert result.exit_code == 1
+    assert f"Error: run 'r2', system 's3', trajectory '{T2}' ranks 1 code(s) < K=2" in result.output
