@@ -12,6 +12,8 @@ from typing import Protocol
 import duckdb
 import polars as pl
 
+from warehouse.store import fetch_frame
+
 RANKING_COLUMNS = {"trajectory_id": pl.String, "rank": pl.Int32, "code": pl.String, "score": pl.Float64,
                    "native": pl.Boolean}
 
@@ -30,12 +32,12 @@ def train_code_frequency(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.D
 
     Train patients only: statistics over evaluation patients may never reach a forecasting step.
     """
-    return con.execute("""
+    return fetch_frame(con, """
         SELECT e.code, count(DISTINCT e.encounter_id)::DOUBLE AS count
         FROM train_events e
         JOIN cohort_vocabulary v ON v.cohort_id = e.cohort_id AND v.code = e.code
         WHERE e.cohort_id = ? AND e.code LIKE 'DIAGNOSIS//%'
-        GROUP BY e.code ORDER BY count DESC, e.code""", [cohort_id]).pl()
+        GROUP BY e.code ORDER BY count DESC, e.code""", [cohort_id])
 
 
 class GlobalFrequency:
@@ -61,7 +63,7 @@ class RepeatHistory:
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
         self.frequency = train_code_frequency(con, cohort_id)
-        self.vocabulary = con.execute("SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id]).pl()
+        self.vocabulary = fetch_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
 
     def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
         history = (pretarget.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterable
 
+import meds
 import polars as pl
 import pyarrow.parquet as pq
 
@@ -83,7 +84,7 @@ def plant_sentinels(meds_dir: Path, exclude_splits: Iterable[str] = ("train",)) 
                                                 ("subject_id", "time", "code", "numeric_value", "text_value",
                                                  "encounter_id")}, orient="row")
             merged = pl.concat([events, added], how="diagonal_relaxed").sort("subject_id", "time", nulls_last=False)
-            pq.write_table(merged.to_arrow(), shard)
+            pq.write_table(meds.DataSchema.align(merged.to_arrow()), shard)
     assert sentinels.encounters, f"no encounter to plant in {meds_dir}"
     return sentinels
 

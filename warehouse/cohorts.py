@@ -34,7 +34,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse import vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.meds import read_splits, validate_meds_dir
-from warehouse.store import Warehouse
+from warehouse.store import Warehouse, fetch_frame
 
 TARGET_RULES = ("final", "every")
 HARMONIZATIONS = ("native", "icd10", "category")
@@ -138,17 +138,17 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
         FROM candidate_targets t JOIN events e
           ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
     missing_split = con.execute("SELECT count(*) FROM candidate_targets c ANTI JOIN splits_frame USING (subject_id)"
-                                ).fetchone()[0]
+                                ).fetchall()[0][0]
     if missing_split:
         raise InputError(f"{info.root}/metadata/subject_splits.parquet has no split for {missing_split} subject(s): "
                          "list every subject or remove the file to use hash splits")
-    trajectories = con.execute(f"""
+    trajectories = fetch_frame(con, f"""
         SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
                subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
                CAST(n_prior AS INTEGER) AS n_prior_encounters
         FROM candidate_targets
         WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
-        ORDER BY subject_id, cutoff_time, target_encounter_id""").pl()
+        ORDER BY subject_id, cutoff_time, target_encounter_id""")
     if trajectories.is_empty():
         raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
                          "patients need that many earlier encounters with diagnoses; lower --min-history")
@@ -163,16 +163,16 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
 
     wh.write("trajectories", trajectories, cohort_id=cohort_id)
     for shard in range(int(trajectories["shard"].max()) + 1):
-        rows = con.execute(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
+        rows = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
             "events", "(SELECT * FROM traj WHERE shard = " + str(shard) + ")", "encounter_starts")}) p
             ORDER BY trajectory_id, time NULLS FIRST, code""").to_arrow_table()
         wh.write("pretarget_events", rows, cohort_id=cohort_id, shard=shard)
-    train = con.execute(f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
+    train = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
         JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'
         ORDER BY subject_id, time NULLS FIRST, code""").to_arrow_table()
     wh.write("train_events", train, cohort_id=cohort_id)
-    targets = con.execute(f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
-                          "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL").pl()
+    targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
+                             "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
     wh.write("targets", targets, cohort_id=cohort_id)
     steps.update()
 

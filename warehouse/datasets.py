@@ -76,3 +76,20 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
         if staging.exists():
             shutil.rmtree(staging)
     return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
+
+
+def synthetic_is_current(wh: Warehouse, dataset_id: str, patients: int, seed: int) -> bool:
+    """True when the registered dataset was made by this generator version with these parameters."""
+    from warehouse.synthetic import GENERATOR_VERSION, generation_parameters
+
+    if not wh.has_rows("datasets", dataset_id=dataset_id):
+        return False
+    row = wh.read("datasets", dataset_id=dataset_id).row(0, named=True)
+    if row["source"] != "synthetic" or row["generator_version"] != GENERATOR_VERSION:
+        return False
+    try:
+        info = validate_meds_dir(row["meds_dir"])
+    except InputError:
+        return False
+    return info.fingerprint == row["fingerprint"] and generation_parameters(info.root) == {
+        "patients": patients, "seed": seed, "generator_version": GENERATOR_VERSION}

@@ -54,8 +54,9 @@ def hash_split(subject_id: int, seed: int) -> str:
 def write_data_shard(root: Path, shard_name: str, table: pa.Table | pl.DataFrame) -> Path:
     """Write one MEDS data shard atomically, sorted by subject and time (static rows first)."""
     arrow = table.to_arrow() if isinstance(table, pl.DataFrame) else table
+    # Sort in polars (stable, static rows first), then cast back to the exact MEDS types.
+    arrow = pl.from_arrow(arrow).sort("subject_id", "time", nulls_last=False, maintain_order=True).to_arrow()
     arrow = meds.DataSchema.align(arrow)
-    arrow = arrow.sort_by([("subject_id", "ascending"), ("time", "ascending")], null_placement="at_start")
     path = Path(root) / meds.data_subdirectory / f"{shard_name}.parquet"
     _atomic_write(arrow, path)
     return path
@@ -140,11 +141,11 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     bad = con.execute(
         f"SELECT code, filename FROM read_parquet('{glob}', union_by_name=true, filename=true) "
         f"WHERE code LIKE 'DIAGNOSIS//%' AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}') LIMIT 1"
-    ).fetchone()
+    ).fetchall()
     if bad:
-        raise InputError(f"{bad[1]}: unknown code system in diagnosis code {bad[0]!r}: diagnosis codes must be "
+        raise InputError(f"{bad[0][1]}: unknown code system in diagnosis code {bad[0][0]!r}: diagnosis codes must be "
                          "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
-    n_subjects, n_events = con.execute(f"SELECT count(DISTINCT subject_id), count(*) FROM {rel}").fetchone()
+    [(n_subjects, n_events)] = con.execute(f"SELECT count(DISTINCT subject_id), count(*) FROM {rel}").fetchall()
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
     if not versions:

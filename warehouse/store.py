@@ -170,3 +170,12 @@ def _duck_type(t: pa.DataType) -> str:
     if pa.types.is_integer(t):
         return {8: "TINYINT", 16: "SMALLINT", 32: "INTEGER", 64: "BIGINT"}[t.bit_width]
     return "VARCHAR"
+
+
+def fetch_frame(con: duckdb.DuckDBPyConnection, query: str, params: list | None = None) -> pl.DataFrame:
+    """Run a query and fetch the whole result as a polars frame.
+
+    Uses the relation API (no extra copy). DuckDB 2 refuses it while an `execute` result is still
+    unfinished, so callers finish theirs with `fetchall()` (never `fetchone()`).
+    """
+    return pl.from_arrow(con.sql(query, params=params or None).to_arrow_table())

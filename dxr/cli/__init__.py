@@ -56,8 +56,9 @@ def echo_err(message: str) -> None:
 
 
 # Command modules register themselves on `main` when imported.
-from dxr.cli import data, forecast  # noqa: E402,F401
+from dxr.cli import data, demo, forecast  # noqa: E402,F401
 from dxr.cli import ingest_mimic  # noqa: E402,F401
+from dxr.cli import corpus  # noqa: E402,F401
 from dxr.cli import evaluate  # noqa: E402,F401
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,39 @@
+"""Frequency baselines on the tiny cohort: exact rankings, padding marked, statuses."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from models.baselines import GlobalFrequency, RepeatHistory
+from tasks.forecast import forecast_shard, shard_inputs
+from tests.conftest import dx
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+
+
+def test_repeat_history_then_padding(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    trajectories, pretarget = shard_inputs(wh_vocab, cid, 0, "held_out")
+    model = RepeatHistory()
+    model.fit(wh_vocab.connect(), cid)
+    ranked, status = forecast_shard(model, trajectories, pretarget, 5, "r1", cid)
+    subject1 = ranked.filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    # History: I50.22 twice; N17.9 and E11.9 once each, N17.9 more recent. Padding: train frequency
+    # (I10 in 2 encounters, then E11.9 and J18.9 in 1) without the codes already listed.
+    assert subject1.select("code", "native").rows() == [
+        (dx("I5022"), True), (dx("N179"), True), (dx("E119"), True), (dx("I10"), False), (dx("J189"), False)]
+    assert subject1["score"].is_sorted(descending=True)
+    # Subject 4 has one history code and three padding codes: 4 < 5, explicitly short.
+    assert status.select("trajectory_id", "status", "detail").rows() == [
+        (f"{cid}:1:103", "ok", None), (f"{cid}:4:403", "short", "4 of 5 codes")]
+    ranked, status = forecast_shard(model, trajectories, pretarget, 20, "r1", cid)
+    assert status.filter(pl.col("trajectory_id") == f"{cid}:1:103").row(0, named=True)["detail"] == "5 of 20 codes"
+
+
+def test_global_frequency_uses_train_patients_only(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    model = GlobalFrequency()
+    model.fit(wh_vocab.connect(), cid)
+    assert model.frequency.rows() == [(dx("I10"), 2.0), (dx("E119"), 1.0), (dx("J189"), 1.0)]

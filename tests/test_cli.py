@@ -1,0 +1,90 @@
+"""The CLI in-process: help on every command, one-line errors that name the problem and the fix."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from tests.conftest import tiny_events, write_tiny_meds
+
+
+def run(*args, data_dir=None):
+    prefix = ["--data-dir", str(data_dir)] if data_dir else []
+    return CliRunner().invoke(main, [*prefix, *map(str, args)], catch_exceptions=False)
+
+
+def all_commands(group=main, prefix=()):
+    for name, command in group.commands.items():
+        yield prefix + (name,), command
+        if hasattr(command, "commands"):
+            yield from all_commands(command, prefix + (name,))
+
+
+@pytest.mark.parametrize("path,command", list(all_commands()), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+def test_every_command_has_help_with_an_example(path, command):
+    result = run(*path, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Example:" in result.output and f"dxr {' '.join(path)}" in result.output
+
+
+def one_line_error(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+def test_ingest_missing_path(tmp_path):
+    line = one_line_error(run("ingest", "meds", tmp_path / "nope", "--name", "x", data_dir=tmp_path / "wh"))
+    assert line == f"Error: MEDS directory {tmp_path / 'nope'} does not exist: check the path"
+
+
+def test_ingest_malformed_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    line = one_line_error(run("ingest", "meds", tmp_path / "empty", "--name", "x", data_dir=tmp_path / "wh"))
+    assert "is not a MEDS directory: no Parquet shards" in line and "data/*.parquet" in line
+
+
+def test_ingest_missing_column(tmp_path):
+    root = write_tiny_meds(tmp_path / "m", tiny_events().drop("encounter_id"))
+    line = one_line_error(run("ingest", "meds", root, "--name", "x", data_dir=tmp_path / "wh"))
+    assert line.endswith("missing column 'encounter_id' (int64): add the hospital encounter (admission) id to every event")
+
+
+def test_ingest_unknown_code_system(tmp_path):
+    events = tiny_events().with_columns(pl.col("code").str.replace("DIAGNOSIS//ICD//10//J449", "DIAGNOSIS//ICD//11//CA22"))
+    root = write_tiny_meds(tmp_path / "m", events)
+    line = one_line_error(run("ingest", "meds", root, "--name", "x", data_dir=tmp_path / "wh"))
+    assert "unknown code system in diagnosis code 'DIAGNOSIS//ICD//11//CA22'" in line
+    assert "must be DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code>" in line
+
+
+def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds, prefect_harness):
+    line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
+    assert "dataset name 'Bad Name' is not allowed" in line
+    line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history", data_dir=tmp_path / "wh"))
+    assert line == "Error: cohort 'missing' not found; built cohorts: none (build one with `dxr cohort build`)"
+
+
+def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
+    assert "not allowed" in one_line_error(run("sql", "DROP VIEW rankings", data_dir=tmp_path))
+    line = one_line_error(run("sql", "SELECT * FROM targets", data_dir=tmp_path))
+    assert "(gold tables need --with-gold)" in line
+    result = run("sql", "SELECT count(*) AS n FROM targets", "--with-gold", "--format", "csv", data_dir=tmp_path)
+    assert result.output == "n\n0\n"
+
+
+def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
+    config = tmp_path / "dxr.toml"
+    config.write_text('seed = 11\n[synth]\npatients = 300\n')
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    monkeypatch.setenv("DXR_SYNTH__SHARD_SIZE", "100")
+    result = run("config", "show")
+    assert result.exit_code == 0
+    assert f"# config file: {config}" in result.output
+    assert '"seed": 11' in result.output and '"patients": 300' in result.output and '"shard_size": 100' in result.output
+    config.write_text("unknown_key = 1\n")
+    line = one_line_error(run("config", "show"))
+    assert "invalid setting 'unknown_key'" in line

@@ -1,0 +1,62 @@
+"""The information boundary: sentinels planted in target encounters never reach forecasting artifacts,
+and the harness demonstrably catches a planted leak."""
+
+from __future__ import annotations
+
+import pytest
+
+import warehouse.cohorts as cohorts
+from tasks.forecast import forecast_shard, fitted_forecaster, shard_inputs
+from tests.conftest import write_tiny_meds
+from tests.sentinel import LeakError, assert_no_leak, forecast_store_texts, plant_sentinels
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+
+
+def build_and_forecast(wh, meds_dir, target="final"):
+    ingest_meds(wh, meds_dir, "planted")
+    cid = build_cohort(wh, "planted", "default", CohortOptions(target=target), seed=7)["cohort_id"]
+    fitted_forecaster.cache_clear()
+    for system in ("global_frequency", "repeat_history"):
+        model = fitted_forecaster(str(wh.root), cid, system)
+        trajectories, pretarget = shard_inputs(wh, cid, 0, "all")
+        ranked, status = forecast_shard(model, trajectories, pretarget, 20, "sentinel-run", cid)
+        wh.write("rankings", ranked, run_id="sentinel-run", system=system, shard=0)
+        wh.write("ranking_status", status, run_id="sentinel-run", system=system, shard=0)
+    return cid
+
+
+@pytest.mark.parametrize("target", ["final", "every"])
+def test_no_sentinel_reaches_the_forecasting_store(wh_vocab, tmp_path, target):
+    meds_dir = write_tiny_meds(tmp_path / "meds")
+    sentinels = plant_sentinels(meds_dir)
+    assert len(sentinels.encounters) == 3  # final encounters of the non-train patients 1, 3, 4
+    cid = build_and_forecast(wh_vocab, meds_dir, target)
+    # The targets (gold) do hold the sentinels: the harness planted where evaluation will look.
+    gold_codes = wh_vocab.read("targets", cohort_id=cid)["code"].to_list()
+    assert set(sentinels.codes) & set(gold_codes)
+    assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
+
+
+def test_harness_catches_a_leaky_pretarget_view(wh_vocab, tmp_path, monkeypatch):
+    meds_dir = write_tiny_meds(tmp_path / "meds")
+    sentinels = plant_sentinels(meds_dir)
+    honest = cohorts.pretarget_sql
+
+    def leaky(events, trajectories, encounter_starts):
+        # Forgets that the target encounter's events can be time-stamped before its admission.
+        return honest(events, trajectories, encounter_starts).replace(
+            "AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)", "").replace(
+            "AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)", "")
+
+    monkeypatch.setattr(cohorts, "pretarget_sql", leaky)
+    build_and_forecast(wh_vocab, meds_dir)
+    with pytest.raises(LeakError, match="pretarget_events.*QUILLWORT-ZEPHYR-0-prelab"):
+        assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
+
+
+def test_harness_catches_a_leaked_code_in_any_artifact(tmp_path):
+    sentinels = plant_sentinels(write_tiny_meds(tmp_path / "meds"))
+    raw = sentinels.codes[0].rsplit("//", 1)[-1]
+    with pytest.raises(LeakError, match="prompt"):
+        assert_no_leak(sentinels, {"prompt": [f"History: ... consider {raw[:3]}.{raw[3:]} next"]})
