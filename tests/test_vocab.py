@@ -222,10 +222,12 @@ def test_harmonize_category_truncates_within_version(tables):
 
 
 def test_harmonize_rejects_bad_codes(tables):
-    with pytest.raises(InputError, match="not a diagnosis code"):
+    with pytest.raises(InputError, match="cannot harmonize 'PROCEDURE//ICD//9//3615' to icd10"):
         harmonize_codes(["PROCEDURE//ICD//9//3615"], "icd10", tables["gem"])
-    with pytest.raises(InputError, match="I50.22"):
-        harmonize_codes(["I50.22"], "native", tables["gem"])
+    with pytest.raises(InputError, match="cannot harmonize 'DIAGNOSIS//ICD//10//I50.22' to category"):
+        harmonize_codes([dx(10, "I50.22")], "category", tables["gem"])
+    assert harmonize_codes(["DIAGNOSIS//SNOMED//84114007"], "native", tables["gem"]).rows() == [
+        ("DIAGNOSIS//SNOMED//84114007", "DIAGNOSIS//SNOMED//84114007")]
     with pytest.raises(InputError, match="harmonization 'icd11' is unknown"):
         harmonize_codes([dx(10, "I5022")], "icd11", tables["gem"])
 

@@ -413,13 +413,11 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
     """
     _check_mode(mode)
     sources = pl.Series("source_code", list(codes), dtype=pl.String).drop_nulls().unique(maintain_order=True)
-    parsed = [parse_meds_code(c) for c in sources]
-    bad = next((c for c, (kind, _, _) in zip(sources, parsed) if kind != DIAGNOSIS), None)
-    if bad is not None:
-        raise InputError(f"harmonize_codes got {bad!r}, which is not a diagnosis code; pass DIAGNOSIS//ICD//… codes only")
     if mode == "native":
-        out = pl.DataFrame({"source_code": sources, "code": sources})
-    elif mode == "category":
+        # Any vocabulary passes through: native-code datasets need not use ICD.
+        return pl.DataFrame({"source_code": sources, "code": sources}).sort("source_code")
+    parsed = [_parse_for_harmonization(c, mode) for c in sources]
+    if mode == "category":
         out = pl.DataFrame({"source_code": sources,
                             "code": [f"{DIAGNOSIS}//ICD//{v}//{category(v, raw)}" for _, v, raw in parsed]})
     else:
@@ -431,6 +429,13 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
                   .select("source_code", code="target_code"))
         out = pl.concat([kept, mapped])
     return out.unique().sort("source_code", "code")
+
+
+def _parse_for_harmonization(code: str, mode: str) -> tuple[str, int, str]:
+    if not _MEDS_CODE.match(code) or not code.startswith(DIAGNOSIS):
+        raise InputError(f"cannot harmonize {code!r} to {mode}: only ICD diagnosis codes "
+                         "(DIAGNOSIS//ICD//{9|10}//{code without dot}) can be; use --harmonize native for other codes")
+    return parse_meds_code(code)
 
 
 def harmonized_vocabulary(omega: pl.DataFrame, mode: str, gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
