@@ -249,8 +249,8 @@ def system_counts(run: RunData, ks: tuple[int, ...]) -> Counts:
     hits = np.zeros((n_sys, n_sub, n_k, n))
     for kk, k in enumerate(ks):
         keep = pos <= k if k != NATURAL_K else np.ones(len(pos), bool)
-        cell = ((m[keep] * n_sub + s[keep]) * n_k + kk) * n + i[keep]
-        hits[:, :, kk, :] = np.bincount(cell, minlength=n_sys * n_sub * n_k * n).reshape(n_sys, n_sub, n_k, n)[:, :, kk]
+        cell = (m[keep] * n_sub + s[keep]) * n + i[keep]
+        hits[:, :, kk, :] = np.bincount(cell, minlength=n_sys * n_sub * n).reshape(n_sys, n_sub, n)
     lists = run.rankings.join(traj_index, on="trajectory_id").join(sys_index, on="system")
     lengths = np.bincount(lists["m"].to_numpy() * n + lists["i"].to_numpy(), minlength=n_sys * n).reshape(n_sys, n)
     predictions = np.stack([lengths if k == NATURAL_K else np.full((n_sys, n), k) for k in ks], axis=1)

@@ -209,6 +209,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     systems = sorted(metrics["system"].unique().to_list())
     n = metrics.filter(pl.col("subset") == "all")["n"].max()
     has_interval = metrics["ci_low"].null_count() < metrics.height
+    n_runs = int(metrics["n_runs"].max())
     blocks: list = [
         Heading(f"Evaluation report — run {run_id}", 1),
         Paragraph(f"Cohort {metrics['cohort_id'][0]}; {n} trajectories; {len(systems)} systems "
@@ -216,6 +217,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                   f"(|C| = each system's whole list). "
                   + ("Intervals are 95% patient-cluster bootstrap percentile intervals."
                      if has_interval else "No bootstrap intervals were computed.")
+                  + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")
                   + f" Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
     ]
     for kk in fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else []):
@@ -223,7 +225,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     blocks += [Heading("System comparison"),
                Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",
                       comparison_figure(metrics, k))]
-    max_sweep = min(SWEEP_MAX_K, k) if fixed else 0
+    # A repeated-run aggregate has no rankings of its own to sweep.
+    max_sweep = min(SWEEP_MAX_K, k) if fixed and n_runs == 1 else 0
     if max_sweep:
         blocks.append(Figure("k_sweep", f"K-sweep 1..{max_sweep} (point values).",
                              sweep_figure(k_sweep(wh, run_id, systems, max_sweep))))

@@ -86,3 +86,27 @@ def test_cli_rejects_bad_k_and_silent_short(wh):
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r2", "--k", "2"])
     assert result.exit_code == 1
     assert f"Error: run 'r2', system 's3', trajectory '{T2}' ranks 1 code(s) < K=2" in result.output
+
+
+def test_report_of_repeated_runs_aggregate(wh, tmp_path):
+    from datetime import datetime
+
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=50)["run_id"][0]
+    text = render_report(wh, config_id, tmp_path / "agg").read_text()
+    assert "Values are means of 2 repeated runs of one configuration." in text
+    assert text.count("data:image/png;base64,") == 3     # no K-sweep: an aggregate has no rankings of its own
+
+
+def test_prefect_task_wrappers_call_the_stage_functions(wh, tmp_path):
+    from tasks.evaluate import evaluate_run_task
+    from tasks.report import render_report_task
+
+    rows = evaluate_run_task.fn(str(wh.root), "r1", ks=(2,), n_boot=0)
+    assert rows == wh.read("metrics", run_id="r1").height > 0
+    assert render_report_task.fn(str(wh.root), "r1", str(tmp_path / "t")) == str(tmp_path / "t" / "report.html")
