@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from prefect import flow
 
 from tasks.forecast import SPLITS, forecast_shard_task, make_forecaster
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
-from warehouse.runs import new_run_id, record_run
+from warehouse.runs import registered_run
 from warehouse.store import Warehouse
 
 
@@ -23,21 +21,14 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     wh = Warehouse(data_dir)
     cohort_row = get_cohort(wh, cohort)
     cohort_id = cohort_row["cohort_id"]
-    run_id = run_id or new_run_id("forecast")
     config = {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
-    started = datetime.now()
-    record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "running", started)
     shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
-    remaining = limit
-    try:
+    with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
+        remaining = limit
         for shard in shards:
-            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run_id, remaining)
+            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining)
             if remaining is not None:
                 remaining -= done
                 if remaining <= 0:
                     break
-    except Exception:
-        record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "failed", started, datetime.now())
-        raise
-    record_run(wh, run_id, cohort_id, f"forecast:{system}", config, "finished", started, datetime.now())
-    return run_id
+    return run.run_id

@@ -88,3 +88,17 @@ def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     config.write_text("unknown_key = 1\n")
     line = one_line_error(run("config", "show"))
     assert "invalid setting 'unknown_key'" in line
+
+
+def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
+    result = run("cohort", "build", "--dataset", "tiny", "--name", "default", "--run-id", "coh-1", data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert "cohort default (c" in result.output and "3 trajectories" in result.output
+    one_line_error(run("cohort", "build", "--dataset", "tiny", "--name", "x", "--min-history", "5",
+                       "--run-id", "coh-2", data_dir=data_dir))
+    runs = run("sql", "SELECT run_id, kind, status, cohort_id IS NOT NULL AS has_cohort FROM runs ORDER BY run_id",
+               "--format", "csv", data_dir=data_dir)
+    assert runs.output.splitlines() == ["run_id,kind,status,has_cohort", "coh-1,cohort,finished,True",
+                                        "coh-2,cohort,failed,False", "ing-1,ingest:meds,finished,False"]

@@ -89,7 +89,8 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     dataset = get_dataset(wh, dataset_id)
     info = validate_meds_dir(dataset["meds_dir"])
     cohort_id = cohort_id_for(dataset, options, seed)
-    steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=not progress)
+    # disable=None: bars only on a terminal, never in logs or captured output.
+    steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=None if progress else True)
 
     # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
     wh.delete("cohorts", cohort_id=cohort_id)

@@ -59,8 +59,9 @@ def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool) -> None:
 @click.option("--patients", type=click.IntRange(min=1), default=None,
               help="Number of patients (default: setting synth.patients, 5000).")
 @click.option("--seed", type=int, default=None, help="Generator seed (default: setting seed).")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None) -> None:
+def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None, run_id: str | None) -> None:
     """Generate the synthetic MEDS dataset (with its exact oracle) and register it.
 
     \b
@@ -68,10 +69,12 @@ def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None)
       dxr synth --patients 5000 --seed 7 --name synthetic
     """
     from warehouse.datasets import create_synthetic
+    from warehouse.runs import registered_run
 
-    cfg = settings(ctx)
-    row = create_synthetic(warehouse(ctx), name, patients or cfg.synth.patients,
-                           cfg.seed if seed is None else seed, cfg.synth.shard_size, progress=True)
+    cfg, wh = settings(ctx), warehouse(ctx)
+    params = {"dataset": name, "patients": patients or cfg.synth.patients, "seed": cfg.seed if seed is None else seed}
+    with registered_run(wh, "synth", params, run_id):
+        row = create_synthetic(wh, name, params["patients"], params["seed"], cfg.synth.shard_size, progress=True)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
                f"({row['meds_dir']})")
 
@@ -89,8 +92,9 @@ def ingest() -> None:
 @ingest.command("meds")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--name", required=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_meds_cmd(ctx: click.Context, path: Path, name: str) -> None:
+def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, run_id: str | None) -> None:
     """Validate a MEDS directory, copy it into the gold store and register it.
 
     The directory needs data/*.parquet with the MEDS columns plus `encounter_id`; diagnosis codes
@@ -101,8 +105,11 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str) -> None:
       dxr ingest meds ./exports/meds --name hospital_a
     """
     from warehouse.datasets import ingest_meds
+    from warehouse.runs import registered_run
 
-    row = ingest_meds(warehouse(ctx), path, name)
+    wh = warehouse(ctx)
+    with registered_run(wh, "ingest:meds", {"path": str(path), "dataset": name}, run_id):
+        row = ingest_meds(wh, path, name)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
 
@@ -126,22 +133,28 @@ def cohort() -> None:
               help="ICD harmonization of codes and vocabulary.")
 @click.option("--min-history", type=click.IntRange(min=0), default=None,
               help="Earlier encounters (with diagnoses) a trajectory needs (default 1).")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
 def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
-                 min_history: int | None) -> None:
+                 min_history: int | None, run_id: str | None) -> None:
     """Build a cohort: trajectories, pre-target records, vocabulary Ω, gold targets (and oracle).
 
     \b
     Example:
       dxr cohort build --dataset synthetic --name default --target final --harmonize native --min-history 1
     """
-    from warehouse.cohorts import CohortOptions, build_cohort
+    from dataclasses import asdict
 
-    cfg = settings(ctx)
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.runs import registered_run
+
+    cfg, wh = settings(ctx), warehouse(ctx)
     options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
-    row = build_cohort(warehouse(ctx), dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
-                       oracle_draws=cfg.synth.oracle_draws, progress=True)
+    with registered_run(wh, "cohort", {"dataset": dataset, "name": name, **asdict(options)}, run_id) as run:
+        row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
+                           oracle_draws=cfg.synth.oracle_draws, progress=True)
+        run.cohort_id = row["cohort_id"]
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
 
