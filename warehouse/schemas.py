@@ -100,7 +100,8 @@ TABLES: dict[str, Table] = {
         _t("runs", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "kind": pa.string(), "config_json": pa.string(),
             "code_version": pa.string(), "started_at": TS, "finished_at": TS, "status": pa.string(),
-        }, ["run_id", "kind"], "Every producing command registers its run here.", nullable=["finished_at"]),
+        }, ["run_id", "kind"], "Every producing command registers its run here (`cohort_id` is null for "
+           "dataset-level runs such as `synth` and `ingest`).", nullable=["cohort_id", "finished_at"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
@@ -161,5 +162,53 @@ TABLES.update({
             "ci_high": pa.float64(), "n": pa.int64(), "mean_pool_size": pa.float64(),
         }, ["run_id"], "Target-conditioned pool oracle: metrics of the best achievable top-K within a pool "
            "(`a+b` = union of the full lists of systems a and b).", nullable=["ci_low", "ci_high"]),
+    ]
+})
+
+# ---- research tools (tools/): corpora, search jobs, the evidence ledger, the page cache --------
+TABLES.update({
+    t.name: t
+    for t in [
+        _t("documents", FORECAST, {
+            "corpus": pa.string(), "source": pa.string(), "doc_id": pa.string(), "source_format": pa.string(),
+            "title": pa.string(), "url": pa.string(), "doi": pa.string(), "pmcid": pa.string(), "pmid": pa.string(),
+            "arxiv_id": pa.string(), "sections_json": pa.large_string(), "n_chars": pa.int64(),
+            "ingested_at": TS,
+        }, ["corpus", "source"], "Ingested local documents (one partition per ingested path) and pages read "
+           "from the web (corpus `web`, source = run and shard); `doc_id` is stable (pmc:/arxiv:/pmid:/doi:/"
+           "<corpus>:); `sections_json` is a list of [heading, text].",
+           nullable=["url", "doi", "pmcid", "pmid", "arxiv_id"]),
+        _t("chunks", FORECAST, {
+            "corpus": pa.string(), "source": pa.string(), "chunk_id": pa.string(), "doc_id": pa.string(),
+            "ordinal": pa.int32(), "section": pa.string(), "text": pa.large_string(),
+        }, ["corpus", "source"], "Retrievable chunks of each document; `doc_id` is the parent, `ordinal` "
+           "the position; chunk_id = `{doc_id}#{ordinal}`."),
+        _t("search_jobs", FORECAST, {
+            "job_id": pa.string(), "run_id": pa.string(), "trajectory_id": pa.string(),
+            "hypothesis_id": pa.string(), "code": pa.string(), "temporal_class": pa.string(),
+            "iteration": pa.int32(), "purpose": pa.string(), "query": pa.string(),
+            "entity_terms": pa.list_(pa.string()), "endpoint_terms": pa.list_(pa.string()), "created_at": TS,
+        }, ["run_id", "shard"], "One row per search job (spec 4.4); a job is reused only within its "
+           "trajectory for the same normalized code, temporal class and query.", nullable=["hypothesis_id"]),
+        _t("ledger", FORECAST, {
+            "evidence_id": pa.string(), "run_id": pa.string(), "trajectory_id": pa.string(), "job_id": pa.string(),
+            "hypothesis_id": pa.string(), "code": pa.string(), "anchor": pa.string(),
+            "temporal_class": pa.string(), "query": pa.string(), "engine": pa.string(), "doc_id": pa.string(),
+            "title": pa.string(), "url": pa.string(), "excerpt": pa.large_string(), "support_cue": pa.bool_(),
+            "support_score": pa.float64(), "iteration": pa.int32(), "retrieved_at": TS,
+            "provenance": pa.string(), "channel": pa.string(), "state": pa.string(), "detail": pa.string(),
+            "injection_suspected": pa.bool_(),
+        }, ["run_id", "shard"], "The evidence ledger (spec 4.4): one row per retrieval record, including "
+           "no_result and unreadable attempts; `evidence_id` (E1, E2, ... per trajectory) is what verdicts cite; "
+           "channel in {definition, relation, discovery}; state in {readable_supported, readable_unsupported, "
+           "unreadable, no_result}; `detail` says why a page was rejected; excerpts are untrusted data.",
+           nullable=["hypothesis_id", "anchor", "doc_id", "title", "url", "excerpt", "provenance", "detail"]),
+        _t("page_cache", FORECAST, {
+            "url": pa.string(), "final_url": pa.string(), "status": pa.int32(), "content_type": pa.string(),
+            "title": pa.string(), "text": pa.large_string(), "links_json": pa.large_string(), "error": pa.string(),
+            "fetched_at": TS,
+        }, ["bucket"], "Pages fetched by the web reader (extracted text and links, or the error), shared by "
+           "runs; bucket = first two hex digits of sha1(url).",
+           nullable=["final_url", "content_type", "title", "text", "links_json", "error"]),
     ]
 })
