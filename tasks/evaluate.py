@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from itertools import combinations
 
 import numpy as np
@@ -51,6 +52,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.runs import record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
@@ -63,6 +65,7 @@ SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b i
 # Keys that differ between repeats of one configuration without changing what it is.
 CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate")
 EXPLICIT_INCOMPLETE = ("short", "failed")
+EVALUATE_KIND = "evaluate"
 
 
 # ---- target classes ---------------------------------------------------------------------------
@@ -531,9 +534,17 @@ def write_evaluation(wh: Warehouse, evaluation: Evaluation) -> None:
 def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS, n_boot: int = 1000,
                  seed: int = 0, natural: bool = True, pairs: list[tuple[str, str]] | None = None,
                  pools: list[tuple[str, ...]] | None = None) -> pl.DataFrame:
-    """Evaluate one run, write metrics, paired comparisons, headroom and coverage; return the metrics rows."""
+    """Evaluate one run, write metrics, paired comparisons, headroom and coverage; return the metrics rows.
+
+    The evaluation registers itself in `runs` under the evaluated run id with kind `evaluate`.
+    """
+    started = datetime.now()
     evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
     write_evaluation(wh, evaluation)
+    config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
+              "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
+    record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
+               datetime.now())
     return evaluation.metrics
 
 
@@ -548,7 +559,7 @@ def evaluate_run_task(data_dir: str, run_id: str, systems: list[str] | None = No
 
 def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
     """The configuration a run of a system belongs to: cohort, kind and config minus CONFIG_IGNORED_KEYS."""
-    rows = wh.read("runs", run_id=run_id)
+    rows = wh.read("runs", run_id=run_id).filter(pl.col("kind") != EVALUATE_KIND)
     if rows.is_empty():
         raise NotFoundError(f"run {run_id!r} is not in the run registry (`runs`); only registered runs can be "
                             "grouped as repeats of one configuration")

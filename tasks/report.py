@@ -220,6 +220,13 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")
                   + f" Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
     ]
+    runs = wh.read("runs", run_id=run_id).sort("kind")
+    if not runs.is_empty():
+        blocks += [Heading("Run registry"), Table(
+            ["kind", "status", "code version", "started", "seconds", "config"],
+            [[r["kind"], r["status"], r["code_version"], f"{r['started_at']:%Y-%m-%d %H:%M:%S}",
+              f"{(r['finished_at'] - r['started_at']).total_seconds():.1f}" if r["finished_at"] else "",
+              r["config_json"]] for r in runs.iter_rows(named=True)])]
     for kk in fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else []):
         blocks += [Heading(f"Systems at K = {k_label(kk)}"), system_table(metrics, coverage, kk)]
     blocks += [Heading("System comparison"),
