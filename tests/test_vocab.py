@@ -306,6 +306,7 @@ def test_mixed_version_vocabulary_prefers_icd10_unless_disambiguated():
                                         "428.0", "i5022")] == [
         dx(10, "E8300"), dx(10, "E8300"), dx(9, "E8300"), dx(9, "E8300"), dx(9, "E8300"), dx(9, "4280"),
         dx(10, "I5022")]
+    assert voc.resolve(428.0) == (dx(9, "4280"), None)
     assert voc.resolve("I50.9") == (None, "not_in_vocabulary")
     assert voc.resolve("428.1") == (None, "not_in_vocabulary")
 

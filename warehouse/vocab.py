@@ -461,7 +461,8 @@ def harmonized_vocabulary(omega: pl.DataFrame, mode: str, gem: pl.DataFrame, tit
     known = pl.concat([
         omega.select("code", pl.col("title").cast(pl.String), rank=pl.lit(0)),
         titles.select("code", pl.col("title").cast(pl.String), rank=pl.lit(1)),
-    ]).filter(pl.col("title").is_not_null()).sort("rank").unique("code", keep="first")
+    ]).filter(pl.col("title").is_not_null()).sort("rank", maintain_order=True).unique(
+        "code", keep="first", maintain_order=True)
     return (mapped.join(known.select("code", "title"), on="code", how="left")
             .with_columns(icd_version=pl.col("code").str.split("//").list.get(2).cast(pl.Int8))
             .select("code", "icd_version", "title")
@@ -567,9 +568,10 @@ class Vocabulary:
             result.titles.append(self._titles[code])
         return result
 
-    def resolve(self, item: str | None) -> tuple[str | None, str | None]:
+    def resolve(self, item: str | float | None) -> tuple[str | None, str | None]:
         """(canonical code, None) when `item` names a code of Ω, else (None, drop reason)."""
-        text = item.strip() if isinstance(item, str) else ""
+        # JSON from a model may carry a code as a number (428.0); read it as written.
+        text = "" if item is None else str(item).strip()
         if not text:
             return None, "blank"
         upper = text.upper()
