@@ -9,6 +9,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dxr.errors import InputError, NotFoundError
 from warehouse import vocab
@@ -369,3 +371,19 @@ def test_mimic_iii_dictionary_as_omega():
                              "Accidents occurring in residential institution"]
     assert result.drops == Counter({"duplicate": 1, "wrong_icd_version": 1, "procedure_code": 2,
                                     "not_in_vocabulary": 1})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=st.lists(st.one_of(
+    st.none(), st.text(max_size=30),
+    st.sampled_from(["I50.22", "i5022", "428.0", "E11.9 - T2DM", "02703ZZ", "I50.2", "N18.6", "Z99.2", "V45.81"]),
+    st.from_regex(r"[A-Z][0-9]{2}(\.[0-9A-Z]{1,4})?", fullmatch=True)), max_size=25))
+def test_validate_invariants(icd10_vocabulary, items):
+    result = icd10_vocabulary.validate(items)
+    assert len(result.codes) + sum(result.drops.values()) == len(items)
+    assert len(set(result.codes)) == len(result.codes) == len(result.titles)
+    assert all(code in icd10_vocabulary for code in result.codes)
+    assert set(result.drops) <= set(vocab.DROP_REASONS)
+    # Canonical output validates to itself.
+    again = icd10_vocabulary.validate(result.codes)
+    assert (again.codes, again.drops) == (result.codes, Counter())
