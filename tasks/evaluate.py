@@ -121,6 +121,9 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         raise NotFoundError(f"run {run_id!r} has no rankings: run a forecast first (dxr forecast …), "
                             "or list runs with `dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
     cohorts = rankings["cohort_id"].unique().to_list()
+    if not cohorts:  # every trajectory failed: the registry still knows the run's cohort
+        cohorts = _query(con, "SELECT DISTINCT cohort_id FROM runs WHERE run_id = ? AND kind <> ?",
+                         [run_id, EVALUATE_KIND])["cohort_id"].to_list()
     if len(cohorts) != 1:
         raise InputError(f"run {run_id!r} ranks trajectories of {len(cohorts)} cohorts ({cohorts}); "
                          "a run covers exactly one cohort: write each cohort's rankings under its own run id")
@@ -148,8 +151,9 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
 
     frozen = pl.DataFrame({"trajectory_id": trajectory_ids})
     con.register("frozen", frozen.to_arrow())
-    members = _query(con, "SELECT t.trajectory_id, t.subject_id FROM trajectories t JOIN frozen USING (trajectory_id) "
-                          "WHERE t.cohort_id = ? ORDER BY t.trajectory_id", [cohort_id])
+    members = frozen.join(_query(con, "SELECT t.trajectory_id, t.subject_id FROM trajectories t "
+                                      "JOIN frozen USING (trajectory_id) WHERE t.cohort_id = ?", [cohort_id]),
+                          on="trajectory_id", how="inner", maintain_order="left")
     if members.height != len(trajectory_ids):
         stray = sorted(set(trajectory_ids) - set(members["trajectory_id"]))[0]
         raise InputError(f"run {run_id!r} ranks trajectory {stray!r}, which is not in cohort {cohort_id}'s "

@@ -389,3 +389,21 @@ def test_vectorised_bootstrap_is_fast():
     elapsed = time.perf_counter() - start
     assert rows.height == n_sys * n_sub * len(ks) * len(METRICS)
     assert elapsed < 30, f"bootstrap took {elapsed:.1f}s"
+
+
+def test_run_where_every_trajectory_failed_counts_zero_hits(wh):
+    wh.write("ranking_status", pl.DataFrame({"run_id": "r8", "system": "s9", "trajectory_id": [T1, T2, T3],
+                                             "status": "failed", "detail": "backend timeout"}),
+             run_id="r8", system="s9", shard=0)
+    started = datetime(2026, 1, 1)
+    record_run(wh, "r8", COHORT, "forecast:s9", {"k": 2}, "failed", started, started)
+    result = evaluate(wh, "r8", ks=(2,), n_boot=10)
+    assert value(result.metrics, "s9", "micro_f1", 2) == 0.0
+    assert result.coverage.filter(pl.col("k") == 2)["n_failed"].item() == 3
+
+
+def test_trajectory_outside_the_cohort_is_refused(wh):
+    write_rankings(wh, "r10", rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X], f"{COHORT}:9:90": [A, B]}},
+                   status={})
+    with pytest.raises(InputError, match=f"ranks trajectory '{COHORT}:9:90', which is not in cohort c1"):
+        evaluate(wh, "r10", ks=(2,), n_boot=0)

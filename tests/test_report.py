@@ -110,3 +110,22 @@ def test_prefect_task_wrappers_call_the_stage_functions(wh, tmp_path):
     rows = evaluate_run_task.fn(str(wh.root), "r1", ks=(2,), n_boot=0)
     assert rows == wh.read("metrics", run_id="r1").height > 0
     assert render_report_task.fn(str(wh.root), "r1", str(tmp_path / "t")) == str(tmp_path / "t" / "report.html")
+
+
+def test_cli_evaluates_repeats_of_one_configuration(wh):
+    from datetime import datetime
+
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2, "run_id": run_id}, "finished",
+                   datetime(2026, 1, 1), datetime(2026, 1, 1))
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9",
+                                       "--systems", "s1", "--k", "2", "--bootstrap", "0", "--no-natural"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    # r1: micro-F1 0.5, R@2 4/9, P@2 0.5; r9 hits T1 {B, C}, T2 {D, A}, T3 {E}: 5/6, 8/9, 5/6; means below.
+    assert rows[0] == ["r1", "s1", "2", "3", "1", "0.500", "0.444", "0.500"]
+    assert rows[1] == ["r9", "s1", "2", "3", "1", "0.833", "0.889", "0.833"]
+    assert rows[2][0].startswith("config-") and rows[2][1:] == ["s1", "2", "3", "2", "0.667", "0.667", "0.667"]

@@ -43,7 +43,8 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
         first = group.row(0, named=True)
         lines.append([run_id, system, k_label(k), str(first["n"]), str(first["n_runs"])]
                      + [with_interval(values[c]["value"], values[c]["ci_low"], values[c]["ci_high"]) for c in columns])
-    lines.sort(key=lambda r: (r[0], r[2] == "|C|", int(r[2]) if r[2] != "|C|" else 0, r[1]))
+    run_order = {run_id: i for i, run_id in enumerate(dict.fromkeys(rows["run_id"].to_list()))}
+    lines.sort(key=lambda r: (run_order[r[0]], r[2] == "|C|", int(r[2]) if r[2] != "|C|" else 0, r[1]))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header)] + [fmt.format(*line) for line in lines])
