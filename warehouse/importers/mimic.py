@@ -40,7 +40,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import duckdb
@@ -230,7 +230,8 @@ WITH dictionary AS (
 )
 SELECT code, description, NULL::VARCHAR[] AS parent_codes FROM dictionary
 UNION ALL
-SELECT DISTINCT code, NULL, NULL::VARCHAR[] FROM events WHERE code NOT IN (SELECT code FROM dictionary)
+SELECT code, NULL, NULL::VARCHAR[] FROM (SELECT DISTINCT code FROM events)
+WHERE code NOT IN (SELECT code FROM dictionary)
 ORDER BY code
 """
 
@@ -336,19 +337,19 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         n_shards = _write_shards(con, staging, workdir, seed)
         mark = stage("shards", mark)
         codes = con.sql(_CODES_SQL).to_arrow_table()
-        summary = _summarize(con, layout, out_dir, rows_read, files, n_shards)
+        counts = _summarize(con, layout, out_dir, rows_read, files, n_shards)
         con.close()
-        summary = ImportSummary(**{**asdict(summary), "seconds": round(time.perf_counter() - started, 3),
-                                   "stage_seconds": stages})
+        mark = stage("codes and counts", mark)
         splits = pl.read_parquet(workdir / "splits.parquet")
+        recorded = {k: v for k, v in asdict(counts).items() if k not in ("seconds", "stage_seconds")}
         write_metadata(staging, dataset_name=layout.title, dataset_version="unspecified",
                        etl_name="dxr.warehouse.importers.mimic", etl_version=__version__, codes=codes, splits=splits,
                        extra={"other_extension_columns": list(EXTENSION_COLUMNS), "source": layout.source,
-                              "source_dir": str(Path(src).resolve()), "seed": seed,
-                              "import_summary": asdict(summary)})
+                              "source_dir": str(Path(src).resolve()), "seed": seed, "import_summary": recorded})
         validate_meds_dir(staging)
-        stage("metadata", mark)
+        stage("metadata and validation", mark)
         replace_dir(staging, out_dir)
+        summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
         log(f"wrote {out_dir}")
         return summary
     finally:
