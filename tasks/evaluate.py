@@ -6,6 +6,9 @@ h = |Ŷ_K ∩ Y|; `precision_at_k` = mean h/K, `recall_at_k` = mean h/|Y|, `micr
 `k = 0` in the `metrics` table denotes the variable-cardinality version: K is replaced by the
 length |C(i)| of each trajectory's full ranking (h/|C| := 0 for an empty list).
 
+Valid codes: when the cohort has a vocabulary Ω (`cohort_vocabulary`), every ranked code must be
+in it; a ranking with a code outside Ω is refused rather than scored as a silent miss.
+
 Which trajectories are evaluated: every trajectory that any system of the run ranked or recorded
 a status for (the run's frozen set). Each evaluated system must cover every one of them with at
 least K ranked codes, or carry an explicit `short`/`failed` status for it; otherwise evaluation
@@ -181,8 +184,16 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
             FROM oracle_probabilities JOIN frozen USING (trajectory_id) WHERE cohort_id = ?""", [cohort_id])
         rankings = pl.concat([rankings, oracle.cast(rankings.schema)])
         status = pl.concat([status, _oracle_status(oracle, trajectory_ids, max(ks, default=0))])
+    vocabulary = _query(con, "SELECT DISTINCT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
     con.close()
 
+    if vocabulary.height:
+        invalid = rankings.join(vocabulary, on="code", how="anti").sort("system", "trajectory_id", "rank")
+        if invalid.height:
+            row = invalid.row(0, named=True)
+            raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
+                             f"{row['code']!r} (rank {row['rank']}), which is not in cohort {cohort_id}'s vocabulary Ω "
+                             f"({invalid.height} such rows): a ranking lists valid codes only; map or drop them")
     check_rankings(rankings, status, trajectory_ids, systems, max(ks, default=0), run_id)
     rankings = rankings.with_columns(
         pl.col("rank").rank("ordinal").over("system", "trajectory_id").cast(pl.Int32).alias("position"))

@@ -412,3 +412,14 @@ def test_trajectory_outside_the_cohort_is_refused(wh):
                    status={})
     with pytest.raises(InputError, match=f"ranks trajectory '{COHORT}:9:90', which is not in cohort c1"):
         evaluate(wh, "r10", ks=(2,), n_boot=0)
+
+
+def test_codes_outside_the_cohort_vocabulary_are_refused(wh):
+    vocabulary = [A, B, C, D, E, X, Y]
+    wh.write("cohort_vocabulary", pl.DataFrame({"cohort_id": COHORT, "code": vocabulary, "icd_version": 10,
+                                                "title": None}, schema_overrides={"title": pl.String}),
+             cohort_id=COHORT)
+    assert evaluate(wh, "r1", ks=(2,), n_boot=0).metrics.height > 0
+    write_rankings(wh, "r11", rankings={"s1": {T1: [A, "E11.9"], T2: [A, B], T3: [E, X]}}, status={})
+    with pytest.raises(InputError, match=f"trajectory '{T1}' ranks 'E11.9' \\(rank 2\\), which is not in cohort c1's"):
+        evaluate(wh, "r11", ks=(2,), n_boot=0)
