@@ -194,7 +194,7 @@ def main() -> None:
         "duckdb_memory_limit": args.memory_limit, "cpus": os.cpu_count(),
         "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2), "python": platform.python_version(),
         "duckdb": duckdb.__version__, "admissions": summary["n_admissions"], "encounters": summary["n_encounters"],
-        "diagnoses_written": summary["n_diagnoses"], "subjects": summary["n_subjects"],
+        "diagnoses_written": summary["n_diagnoses"], "subjects": summary["n_subjects"], "shards": summary["n_shards"],
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     table = [("input rows (7 tables)", f"{rows_read:,}"), ("  admissions", f"{rows['admissions']:,}"),
