@@ -9,6 +9,9 @@ FORECASTERS: dict[str, str] = {
     "global_frequency": "models.baselines:GlobalFrequency",
     "repeat_history": "models.baselines:RepeatHistory",
     "transition": "models.transition:Transition",
+    "gru": "models.prior.forecaster:GRUPrior",
+    "dense_prior": "models.prior.forecaster:DensePrior",
+    "ehr_prior": "models.prior.forecaster:RegisteredPrior",
 }
 
 

@@ -1,0 +1,41 @@
+"""Configuration of EHR Prior training and inference (the `prior` section of the settings)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ARCHS = {"ehr_prior": "moe", "dense_prior": "dense", "gru": "gru"}
+
+
+class PriorConfig(BaseModel):
+    """Model, training and MLflow settings; CPU-friendly defaults (2 cores, minutes not hours)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # ---- model ----
+    d_model: int = Field(64, ge=8)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    n_experts: int = Field(4, ge=2, description="routed experts per MoE block (plus one shared expert)")
+    top_k: int = Field(2, ge=1)
+    expert_hidden: int = Field(64, ge=4)
+    dropout: float = Field(0.1, ge=0, lt=1)
+    # Longer records keep their most recent visits; the synthetic patients rarely exceed this.
+    max_visits: int = Field(24, ge=2)
+    max_codes_per_visit: int = Field(48, ge=1, description="diagnoses first, then procedures, medications")
+    min_code_count: int = Field(3, ge=1, description="rarer input codes share the unknown token")
+    # ---- training ----
+    epochs: int = Field(8, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    balance_loss_weight: float = Field(0.01, ge=0)
+    z_loss_weight: float = Field(0.001, ge=0)
+    seed: int = 7
+    threads: int = Field(2, ge=1, description="torch CPU threads")
+    max_train_patients: int | None = Field(None, ge=1, description="cap for quick runs; None = every train patient")
+    # ---- tracking / inference ----
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under <data_dir>/mlflow")
+    experiment: str = "dxr-ehr-prior"
+    alias: str = Field("champion", description="registered-model alias that inference resolves")
+    promote: bool = Field(True, description="point the alias at the newly registered version after training")
+    predict_batch_size: int = Field(1024, ge=1)

@@ -1,0 +1,227 @@
+"""From warehouse events to padded visit tensors, and the Lightning data module.
+
+Sources (forecasting store only, through `Warehouse.connect()`):
+- training pairs (visits <= t -> diagnoses of visit t+1) from `train_events` (train patients);
+- validation pairs from the `tuning` trajectories' pre-target records: the last pre-target visit is
+  the label and the earlier visits the input, so no tuning target (gold) is needed or read.
+`held_out` is never read here.
+
+A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
+tokens are diagnosis, procedure and medication codes; the output vocabulary is the cohort's Ω
+restricted to diagnosis codes seen in `train_events`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import lightning as L
+import numpy as np
+import polars as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dxr.errors import InputError
+from models.prior.config import PriorConfig
+from models.transition import sql_frame
+
+TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")
+PAD, UNKNOWN = 0, 1
+
+
+@dataclass
+class Vocabulary:
+    input_codes: list[str]  # index i + 2 (0 = padding, 1 = unknown)
+    output_codes: list[str]  # index i; padding id = len(output_codes)
+    omega: list[str]  # the cohort's Ω, for history codes outside output_codes
+
+    @property
+    def n_input(self) -> int:
+        return len(self.input_codes) + 2
+
+    @property
+    def n_output(self) -> int:
+        return len(self.output_codes)
+
+    def to_json(self) -> dict:
+        return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega}
+
+
+def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_count: int) -> Vocabulary:
+    """Vocabularies from train patients only (counts of encounters carrying each code)."""
+    prefixes = " OR ".join(f"code LIKE '{p}%'" for p in TOKEN_PREFIXES)
+    inputs = sql_frame(con, f"""SELECT code FROM train_events WHERE cohort_id = ? AND ({prefixes})
+                                GROUP BY code HAVING count(DISTINCT encounter_id) >= ? ORDER BY code""",
+                       [cohort_id, min_code_count])["code"].to_list()
+    omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ? ORDER BY code",
+                      [cohort_id])["code"].to_list()
+    outputs = sql_frame(con, """SELECT DISTINCT e.code FROM train_events e
+                                JOIN cohort_vocabulary v ON v.cohort_id = e.cohort_id AND v.code = e.code
+                                WHERE e.cohort_id = ? AND e.code LIKE 'DIAGNOSIS//%' ORDER BY e.code""",
+                        [cohort_id])["code"].to_list()
+    if not outputs:
+        raise InputError(f"cohort {cohort_id}: train_events hold no diagnosis code of the cohort vocabulary; "
+                         "rebuild the cohort so that it has train-split patients with diagnoses")
+    return Vocabulary(inputs, outputs, omega)
+
+
+@dataclass
+class VisitTensors:
+    """Padded per-sequence tensors (N sequences, V visits, C codes, D diagnoses per visit)."""
+
+    keys: list  # sequence key (subject_id or trajectory_id), row order
+    codes: torch.Tensor  # (N, V, C) input ids, 0 = padding
+    numeric: torch.Tensor  # (N, V, 2) log1p(gap days) / 5, age / 100 years
+    lengths: torch.Tensor  # (N,) real visits, >= 1
+    dx: torch.Tensor  # (N, V, D) output ids, padded with O
+    history: pl.DataFrame  # (row, code) Ω diagnosis codes in the record that are not output codes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorConfig,
+                  keys: list | None = None) -> VisitTensors:
+    """Turn events (key, time, code, encounter_id) into the most recent `max_visits` visits per key.
+
+    `keys` fixes the row order and keeps keys without any visit (they get one empty visit so the
+    model still scores them from age-free defaults and the generative head).
+    """
+    V, C = cfg.max_visits, cfg.max_codes_per_visit
+    timed = events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
+    starts = timed.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
+    with_dx = timed.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id").unique()
+    visits = (starts.join(with_dx, on=[key, "encounter_id"], how="semi").sort(key, "start", "encounter_id")
+              .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"), pl.len().over(key).cast(pl.Int64).alias("n_visits")))
+    visits = visits.with_columns(
+        (pl.col("visit") - (pl.col("n_visits") - V).clip(lower_bound=0)).alias("pos"),
+        ((pl.col("start") - pl.col("start").shift(1).over(key)).dt.total_hours() / 24).fill_null(0.0).alias("gap"),
+    ).filter(pl.col("pos") >= 0)
+    if keys is None:
+        keys = visits[key].unique().sort().to_list()
+    rows = pl.DataFrame({key: keys, "row": np.arange(len(keys))},
+                        schema={key: visits.schema[key] if visits.height else events.schema[key], "row": pl.Int64})
+    visits = visits.join(rows, on=key)
+    birth = (events.filter(pl.col("code") == "MEDS_BIRTH").group_by(key).agg(pl.col("time").min().alias("birth")))
+    visits = visits.join(birth, on=key, how="left").with_columns(
+        ((pl.col("start") - pl.col("birth")).dt.total_days() / 365.25).fill_null(0.0).alias("age"))
+
+    n = len(keys)
+    numeric = np.zeros((n, V, 2), dtype=np.float32)
+    lengths = np.ones(n, dtype=np.int64)
+    if visits.height:
+        r, p = visits["row"].to_numpy(), visits["pos"].to_numpy()
+        numeric[r, p, 0] = np.log1p(np.maximum(visits["gap"].to_numpy(), 0.0)) / 5.0
+        numeric[r, p, 1] = visits["age"].to_numpy() / 100.0
+        lengths_frame = visits.group_by("row").agg(pl.col("pos").max() + 1)
+        lengths[lengths_frame["row"].to_numpy()] = lengths_frame["pos"].to_numpy()
+
+    tokens = (timed.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
+              .select(key, "encounter_id", "code").unique()
+              .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
+    input_ids = pl.DataFrame({"code": vocab.input_codes, "id": np.arange(2, vocab.n_input)},
+                             schema={"code": pl.String, "id": pl.Int64})
+    output_ids = pl.DataFrame({"code": vocab.output_codes, "out": np.arange(vocab.n_output)},
+                              schema={"code": pl.String, "out": pl.Int64})
+    tokens = (tokens.join(input_ids, on="code", how="left").join(output_ids, on="code", how="left")
+              .with_columns(pl.col("id").fill_null(UNKNOWN),
+                            pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"))
+              # Diagnoses first so truncation drops procedures and medications before diagnoses.
+              .sort("row", "pos", "is_dx", "code", descending=[False, False, True, False])
+              .with_columns(pl.int_range(pl.len()).over("row", "pos").alias("slot")))
+    codes = np.zeros((n, V, C), dtype=np.int64)
+    kept = tokens.filter(pl.col("slot") < C)
+    codes[kept["row"].to_numpy(), kept["pos"].to_numpy(), kept["slot"].to_numpy()] = kept["id"].to_numpy()
+
+    diagnoses = tokens.filter(pl.col("out").is_not_null()).with_columns(
+        pl.int_range(pl.len()).over("row", "pos").alias("slot"))
+    D = max(1, int(diagnoses["slot"].max() + 1) if diagnoses.height else 1)
+    dx = np.full((n, V, D), vocab.n_output, dtype=np.int64)
+    dx[diagnoses["row"].to_numpy(), diagnoses["pos"].to_numpy(), diagnoses["slot"].to_numpy()] = \
+        diagnoses["out"].to_numpy()
+    omega = pl.DataFrame({"code": vocab.omega}, schema={"code": pl.String})
+    unseen = (tokens.filter(pl.col("is_dx") & pl.col("out").is_null()).join(omega, on="code", how="semi")
+              .select("row", "pos", "code"))
+    return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric), torch.from_numpy(lengths),
+                        torch.from_numpy(dx), unseen)
+
+
+def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch.Tensor]:
+    """Inputs without each sequence's last visit, and that visit's output ids (N, D) as labels.
+
+    Only sequences with at least two visits are kept.
+    """
+    keep = torch.nonzero(t.lengths >= 2).squeeze(1)
+    lengths = t.lengths[keep] - 1
+    labels = t.dx[keep, lengths]  # (N', D)
+    V = t.codes.shape[1]
+    visible = (torch.arange(V)[None, :] < lengths[:, None])  # (N', V)
+    codes = t.codes[keep] * visible[:, :, None]
+    numeric = t.numeric[keep] * visible[:, :, None]
+    dx = torch.where(visible[:, :, None], t.dx[keep], n_output)
+    return VisitTensors([t.keys[i] for i in keep.tolist()], codes, numeric, lengths, dx, t.history.head(0)), labels
+
+
+class SequenceDataset(Dataset):
+    def __init__(self, tensors: VisitTensors, labels: torch.Tensor | None = None):
+        self.t, self.labels = tensors, labels
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {"codes": self.t.codes[i], "numeric": self.t.numeric[i], "lengths": self.t.lengths[i],
+                "dx": self.t.dx[i]}
+        if self.labels is not None:
+            item["labels"] = self.labels[i]
+        return item
+
+
+def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, max_patients: int | None) -> pl.DataFrame:
+    """Events of train patients (the only split whose full records the forecasting store holds)."""
+    limit = "" if max_patients is None else f"AND subject_id IN (SELECT DISTINCT subject_id FROM train_events " \
+                                            f"WHERE cohort_id = $1 ORDER BY subject_id LIMIT {int(max_patients)})"
+    return sql_frame(con, f"""SELECT subject_id, time, code, encounter_id FROM train_events
+                             WHERE cohort_id = $1 {limit}""", [cohort_id])
+
+
+def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
+    """Pre-target records of `tuning` trajectories (their targets live in the gold store and are not read)."""
+    return sql_frame(con, """SELECT p.trajectory_id, p.time, p.code, p.encounter_id FROM pretarget_events p
+                             JOIN trajectories t ON t.cohort_id = p.cohort_id AND t.trajectory_id = p.trajectory_id
+                             WHERE p.cohort_id = ? AND t.split = 'tuning'""", [cohort_id])
+
+
+class PriorDataModule(L.LightningDataModule):
+    """Training sequences from train patients; validation pairs from tuning pre-target records."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, cohort_id: str, cfg: PriorConfig):
+        super().__init__()
+        self.con, self.cohort_id, self.cfg = con, cohort_id, cfg
+
+    def setup(self, stage: str | None = None) -> None:
+        if hasattr(self, "train_set"):
+            return
+        self.vocab = build_vocabulary(self.con, self.cohort_id, self.cfg.min_code_count)
+        train = visit_tensors(load_training_events(self.con, self.cohort_id, self.cfg.max_train_patients),
+                              "subject_id", self.vocab, self.cfg)
+        keep = torch.nonzero(train.lengths >= 2).squeeze(1)  # a pair needs a next visit
+        if not len(keep):
+            raise InputError(f"cohort {self.cohort_id}: no train patient has two visits with diagnoses; "
+                             "nothing to learn next-visit transitions from")
+        self.train_set = SequenceDataset(VisitTensors(
+            [train.keys[i] for i in keep.tolist()], train.codes[keep], train.numeric[keep], train.lengths[keep],
+            train.dx[keep], train.history.head(0)))
+        tuning = load_tuning_pretarget(self.con, self.cohort_id)
+        inputs, labels = drop_last_visit(visit_tensors(tuning, "trajectory_id", self.vocab, self.cfg),
+                                         self.vocab.n_output)
+        self.val_set = SequenceDataset(inputs, labels)
+        self.n_train_patients = train.lengths.numel()
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.cfg.predict_batch_size)

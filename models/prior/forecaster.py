@@ -1,0 +1,114 @@
+"""Forecasters backed by a registered MLflow model: `ehr_prior` (MoE), `dense_prior`, `gru`.
+
+`fit` does not train: it resolves the registered model `{system}-{cohort_id}` by alias (setting
+`prior.alias`, default `champion`) and loads it once; `predict` is a batched tensor computation
+over the pre-target records of a shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import polars as pl
+import torch
+
+from dxr.config import load_settings
+from dxr.errors import ConfigError
+from models.prior import tracking
+from models.prior.config import PriorConfig
+from models.prior.data import Vocabulary, visit_tensors
+from models.prior.lightning import trim
+from models.prior.nn import PriorNet
+
+
+def warehouse_root(con: duckdb.DuckDBPyConnection) -> Path:
+    """The warehouse root behind a forecasting connection (its one allowed store directory)."""
+    allowed = con.sql("SELECT current_setting('allowed_directories')").fetchall()[0][0]
+    stores = [Path(d) for d in allowed if d.rstrip("/").endswith("/forecast")]
+    if not stores:
+        raise ConfigError(f"cannot locate the forecasting store from the connection (allowed: {allowed}); "
+                          "open it with Warehouse.connect()")
+    return stores[0].parent
+
+
+class RegisteredPrior:
+    """Ranks Ω codes with the aliased registered model of one system."""
+
+    system = "ehr_prior"
+
+    def __init__(self, config: PriorConfig | None = None):
+        self.config = config
+
+    def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
+        root = warehouse_root(con)
+        cfg = self.config or load_settings(data_dir=root).prior
+        tracking.use_tracking(root, cfg.tracking_uri, cfg.experiment)
+        model_dir, self.version, self.run_id = tracking.download_model(
+            self.system, cohort_id, cfg.alias, root / "mlflow" / "cache")
+        bundle = tracking.read_bundle(model_dir)
+        self.vocab = Vocabulary(**bundle["vocabulary.json"])
+        self.train_cfg = PriorConfig(**bundle["prior_config.json"])
+        self.batch_size = cfg.predict_batch_size
+        torch.set_num_threads(cfg.threads)
+        self.net: PriorNet = tracking.mlflow.pytorch.load_model(str(model_dir), map_location="cpu")
+        self.net.eval()
+        self.output_codes = np.array(self.vocab.output_codes, dtype=object)
+
+    @torch.inference_mode()
+    def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
+        keys = trajectories["trajectory_id"].to_list()
+        t = visit_tensors(pretarget, "trajectory_id", self.vocab, self.train_cfg, keys=keys)
+        top_k = min(k, self.vocab.n_output)
+        scores, codes, states = [], [], []
+        for start in range(0, len(keys), self.batch_size):
+            part = slice(start, start + self.batch_size)
+            batch = trim({"codes": t.codes[part], "numeric": t.numeric[part], "lengths": t.lengths[part],
+                          "dx": t.dx[part]})
+            logits, state, _ = self.net(batch["codes"], batch["numeric"], batch["lengths"], batch["dx"],
+                                        last_only=True)
+            best = logits.topk(top_k, dim=1)
+            scores.append(best.values)
+            codes.append(best.indices)
+            states.append(state)
+        ranked = pl.DataFrame({
+            "row": np.repeat(np.arange(len(keys)), top_k),
+            "code": self.output_codes[torch.cat(codes).reshape(-1).numpy()],
+            "score": torch.cat(scores).reshape(-1).double().numpy()}, schema_overrides={"code": pl.String})
+        unseen = self._unseen_history_scores(t, torch.cat(states))
+        return (pl.concat([ranked, unseen])
+                .sort(["row", "score", "code"], descending=[False, True, False])
+                .unique(["row", "code"], keep="first", maintain_order=True)
+                .with_columns(pl.int_range(1, pl.len() + 1, dtype=pl.Int32).over("row").alias("rank"))
+                .filter(pl.col("rank") <= k)
+                .join(pl.DataFrame({"row": np.arange(len(keys)), "trajectory_id": keys}), on="row")
+                .select("trajectory_id", "rank", "code", "score", pl.lit(True).alias("native")))
+
+    def _unseen_history_scores(self, t, states: torch.Tensor) -> pl.DataFrame:
+        """Scores of Ω history codes the model never saw in training (copied from the history)."""
+        if t.history.is_empty():
+            return pl.DataFrame(schema={"row": pl.Int64, "code": pl.String, "score": pl.Float64})
+        last = t.lengths.numpy() - 1
+        features = (t.history.group_by("row", "code")
+                    .agg(pl.col("pos").n_unique().alias("count"), pl.col("pos").max().alias("last_pos"))
+                    .join(pl.DataFrame({"row": np.arange(len(last)), "now": last}), on="row"))
+        history = torch.tensor(np.stack([
+            np.log1p(features["count"].to_numpy()),
+            1.0 / (1.0 + features["now"].to_numpy() - features["last_pos"].to_numpy()),
+            (features["last_pos"] == features["now"]).to_numpy()], axis=1), dtype=torch.float32)
+        rows = torch.from_numpy(features["row"].to_numpy())
+        scores = self.net.head.unseen_code_scores(states[rows], history)
+        return features.select("row", "code", pl.Series("score", scores.double().numpy()))
+
+
+class DensePrior(RegisteredPrior):
+    """The same transformer without experts (ablation)."""
+
+    system = "dense_prior"
+
+
+class GRUPrior(RegisteredPrior):
+    """GRU over visits with a generative head only (Doctor-AI style)."""
+
+    system = "gru"

@@ -1,0 +1,274 @@
+"""The EHR Prior networks: plain `nn.Module`s over padded visit tensors.
+
+Shapes: B sequences, V visits (right-padded), C codes per visit, O output (diagnosis) codes,
+d model width, E routed experts. A visit is embedded as the mean of its code embeddings plus a
+projection of (time gap, age) and a visit-position embedding. Three sequence encoders share that
+visit encoder and the output head:
+
+- `moe`: causal transformer whose feed-forward blocks are a sparse mixture of experts (top-k
+  routing over E experts plus one always-on shared expert; load-balancing and router z-losses);
+- `dense`: the same transformer with one dense feed-forward block of the same active width (ablation);
+- `gru`: a GRU over visits with only the generative head (Doctor-AI style baseline).
+
+The recurrence-aware head scores every output code from the sequence state and adds, for codes
+already in the patient's history, a repeat term from the state and the code's history features
+(count, recency, presence in the latest visit), so repeated and new codes share one score scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+N_NUMERIC = 2  # log time gap since the previous visit, age in decades
+N_HISTORY_FEATURES = 3  # log1p(count), 1 / (1 + visits since last seen), seen in the latest visit
+
+
+@dataclass
+class NetConfig:
+    n_input_codes: int  # input vocabulary incl. 0 = padding, 1 = unknown
+    n_output_codes: int  # O: diagnosis codes the model scores
+    arch: str = "moe"  # moe | dense | gru
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_experts: int = 4
+    top_k: int = 2
+    expert_hidden: int = 64
+    dropout: float = 0.1
+    max_visits: int = 24
+    recurrence: bool = True  # the history repeat term (off for the Doctor-AI GRU)
+
+
+class VisitEncoder(nn.Module):
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        self.codes = nn.Embedding(cfg.n_input_codes, cfg.d_model, padding_idx=0)
+        self.numeric = nn.Linear(N_NUMERIC, cfg.d_model)
+        self.position = nn.Embedding(cfg.max_visits, cfg.d_model)
+        self.norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, codes: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
+        present = (codes > 0).float().unsqueeze(-1)  # (B, V, C, 1)
+        summed = (self.codes(codes) * present).sum(2)  # (B, V, d)
+        mean = summed / present.sum(2).clamp(min=1.0)  # (B, V, d)
+        positions = torch.arange(codes.shape[1], device=codes.device)  # (V,)
+        return self.norm(mean + self.numeric(numeric) + self.position(positions))  # (B, V, d)
+
+
+def expert_mlp(d_model: int, hidden: int, dropout: float) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model), nn.Dropout(dropout))
+
+
+class MoEFeedForward(nn.Module):
+    """Shared expert + top-k of E routed experts; each token runs only through its chosen experts."""
+
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.shared = expert_mlp(cfg.d_model, cfg.expert_hidden, cfg.dropout)
+        self.experts = nn.ModuleList(expert_mlp(cfg.d_model, cfg.expert_hidden, cfg.dropout)
+                                     for _ in range(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])[token_mask.reshape(-1)]  # (T, d) real visits only
+        logits = self.router(tokens)  # (T, E)
+        probs = logits.softmax(-1)  # (T, E)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)  # (T, k)
+        gates = top_p / top_p.sum(-1, keepdim=True)  # (T, k), renormalised over the chosen experts
+        out = self.shared(tokens)  # (T, d)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = (top_i == e).nonzero(as_tuple=True)
+            if token_idx.numel():
+                out = out.index_add(0, token_idx, expert(tokens[token_idx]) * gates[token_idx, slot, None])
+        # Fraction of routing assignments per expert (sums to 1) and mean router probability.
+        load = F.one_hot(top_i, self.n_experts).float().sum(1).mean(0) / self.top_k  # (E,)
+        importance = probs.mean(0)  # (E,)
+        aux = {
+            # Switch-style balance loss: equals 1 at perfectly uniform routing, grows with imbalance.
+            "balance_loss": self.n_experts * (load * importance).sum(),
+            # Router z-loss keeps router logits small so the softmax stays well-conditioned.
+            "z_loss": torch.logsumexp(logits, -1).pow(2).mean(),
+            "load": load.detach(),
+        }
+        full = x.new_zeros(shape[0] * shape[1], shape[-1])  # (B*V, d)
+        full[token_mask.reshape(-1)] = out
+        return full.reshape(shape), aux
+
+
+class DenseFeedForward(nn.Module):
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        # Same active width as the MoE block: shared expert + top_k routed experts.
+        self.mlp = expert_mlp(cfg.d_model, cfg.expert_hidden * (cfg.top_k + 1), cfg.dropout)
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.mlp(x), {}
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention over visits, then the feed-forward block."""
+
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        self.n_heads, self.dropout = cfg.n_heads, cfg.dropout
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.ffn = MoEFeedForward(cfg) if cfg.arch == "moe" else DenseFeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        B, V, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)  # 3 × (B, V, d)
+        q, k, v = (t.view(B, V, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, h, V, d/h)
+        # Right padding + causal mask: a real visit never attends to a padded (later) one.
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             dropout_p=self.dropout if self.training else 0.0)  # (B, h, V, d/h)
+        x = x + self.proj(att.transpose(1, 2).reshape(B, V, d))  # (B, V, d)
+        ffn_out, aux = self.ffn(self.norm2(x), token_mask)
+        return x + ffn_out, aux
+
+
+class RecurrenceHead(nn.Module):
+    """Generative scores for every output code plus a repeat term for codes in the history."""
+
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        self.recurrence = cfg.recurrence
+        self.generate = nn.Linear(cfg.d_model, cfg.n_output_codes)
+        if cfg.recurrence:
+            self.repeat = nn.Linear(cfg.d_model, cfg.n_output_codes)
+            self.feature_weights = nn.Linear(cfg.d_model, N_HISTORY_FEATURES)
+
+    def forward(self, h: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+        """h (..., d), history features (..., O, F) → scores (..., O)."""
+        scores = self.generate(h)  # (..., O)
+        if self.recurrence and history is not None:
+            seen = (history[..., 0] > 0).float()  # (..., O)
+            weights = self.feature_weights(h).unsqueeze(-2)  # (..., 1, F)
+            repeat = self.repeat(h) + (history * weights).sum(-1)  # (..., O)
+            scores = scores + seen * repeat
+        return scores
+
+    def unseen_code_scores(self, h: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """Scores of history codes outside the output vocabulary, as an average output code would get.
+
+        h (N, d), history (N, F) → (N,). Such codes never occur in training, so the code-specific
+        weights are replaced by their mean over the output vocabulary.
+        """
+        generic = h @ self.generate.weight.mean(0) + self.generate.bias.mean()  # (N,)
+        if not self.recurrence:
+            return generic
+        repeat = h @ self.repeat.weight.mean(0) + self.repeat.bias.mean()  # (N,)
+        return generic + repeat + (self.feature_weights(h) * history).sum(-1)
+
+
+class PriorNet(nn.Module):
+    """Visits → per-visit state → scores over the O output codes for the next visit."""
+
+    def __init__(self, cfg: NetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.visits = VisitEncoder(cfg)
+        if cfg.arch == "gru":
+            self.gru = nn.GRU(cfg.d_model, cfg.d_model, batch_first=True)
+        else:
+            self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = RecurrenceHead(cfg)
+
+    def encode(self, codes: torch.Tensor, numeric: torch.Tensor, lengths: torch.Tensor
+               ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """codes (B, V, C), numeric (B, V, 2), lengths (B,) → states (B, V, d), per-layer router stats."""
+        x = self.visits(codes, numeric)  # (B, V, d)
+        token_mask = torch.arange(codes.shape[1], device=codes.device)[None, :] < lengths[:, None]  # (B, V)
+        aux = []
+        if self.cfg.arch == "gru":
+            x, _ = self.gru(x)  # (B, V, d); causal by construction
+        else:
+            for block in self.blocks:
+                x, layer_aux = block(x, token_mask)
+                aux.append(layer_aux)
+        return self.norm(x), aux
+
+    def forward(self, codes: torch.Tensor, numeric: torch.Tensor, lengths: torch.Tensor, dx: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Scores for the visit after each position (B, V, O), or after the last real one (B, O).
+
+        dx (B, V, D) holds each visit's output-code ids, padded with O. Returns (scores, states, aux).
+        """
+        states, aux = self.encode(codes, numeric, lengths)  # (B, V, d)
+        history = history_features(dx, lengths, self.cfg.n_output_codes, last_only)  # (B, [V,] O, F)
+        if last_only:
+            states = states[torch.arange(states.shape[0]), lengths - 1]  # (B, d)
+        return self.head(states, history), states, aux
+
+
+def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
+    """dx (B, V, D) output ids padded with O → (B, V, O) 0/1 floats."""
+    B, V, _ = dx.shape
+    hot = torch.zeros(B, V, n_output_codes + 1, device=dx.device)
+    return hot.scatter_(2, dx, 1.0)[..., :n_output_codes]
+
+
+def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int, last_only: bool) -> torch.Tensor:
+    """History features of every output code up to each position: (B, V, O, F), or (B, O, F) at the last.
+
+    Visits beyond each sequence's length are masked out whatever ids they hold.
+    """
+    hot = visit_multi_hot(dx, n_output_codes)  # (B, V, O)
+    B, V, O = hot.shape
+    real = (torch.arange(V, device=dx.device)[None, :] < lengths[:, None]).float()  # (B, V)
+    hot = hot * real[:, :, None]
+    position = torch.arange(V, device=dx.device, dtype=torch.float32).view(1, V, 1)  # (1, V, 1)
+    if last_only:
+        count = hot.sum(1)  # (B, O)
+        last_seen = torch.where(hot > 0, position, -1.0).amax(1)  # (B, O)
+        now = (lengths - 1).float().unsqueeze(-1)  # (B, 1)
+        latest = hot[torch.arange(B), lengths - 1]  # (B, O)
+    else:
+        count = hot.cumsum(1)  # (B, V, O)
+        last_seen = torch.where(hot > 0, position, -1.0).cummax(1).values  # (B, V, O)
+        now = position  # (1, V, 1)
+        latest = hot
+    recency = torch.where(count > 0, 1.0 / (1.0 + now - last_seen), 0.0)
+    return torch.stack([torch.log1p(count), recency, latest], dim=-1)
+
+
+def next_visit_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Multi-label BCE of position t against visit t+1's codes, summed over codes, mean over pairs."""
+    labels = visit_multi_hot(dx, scores.shape[-1])[:, 1:]  # (B, V-1, O)
+    pair_mask = torch.arange(scores.shape[1] - 1, device=scores.device)[None, :] < (lengths - 1)[:, None]  # (B, V-1)
+    losses = F.binary_cross_entropy_with_logits(scores[:, :-1], labels, reduction="none").sum(-1)  # (B, V-1)
+    return (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+
+
+def router_losses(aux: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean balance and z-losses over MoE layers (zeros for dense/GRU encoders)."""
+    if not aux or "balance_loss" not in aux[0]:
+        zero = torch.zeros(())
+        return zero, zero
+    return (torch.stack([a["balance_loss"] for a in aux]).mean(), torch.stack([a["z_loss"] for a in aux]).mean())
+
+
+def n_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def init_weights(module: nn.Module) -> None:
+    """Small normal init (std 0.02) for linear and embedding weights, as in GPT-style models."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+

@@ -1,0 +1,79 @@
+"""MLflow layout of the EHR Prior: where runs live, how models are registered and resolved.
+
+Default store: `sqlite:///<data_dir>/mlflow/mlflow.db` with artifacts in `<data_dir>/mlflow/artifacts`;
+any tracking URI by configuration (`prior.tracking_uri`). One registered model per system and
+cohort, named `{system}-{cohort_id}`; inference resolves `models:/{name}@{alias}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dxr.errors import NotFoundError
+
+# Offline hygiene: no telemetry from MLflow (set before mlflow is imported).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import mlflow  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+
+BUNDLE_FILES = ("vocabulary.json", "prior_config.json", "net_config.json")
+
+
+def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
+    if configured:
+        return configured
+    root = Path(data_dir).resolve() / "mlflow"
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
+    """Point mlflow at the store and experiment (created with a local artifact root when new)."""
+    uri = tracking_uri(data_dir, configured)
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        artifacts = None if configured else (Path(data_dir).resolve() / "mlflow" / "artifacts").as_uri()
+        mlflow.create_experiment(experiment, artifact_location=artifacts)
+    mlflow.set_experiment(experiment)
+    return uri
+
+
+def registered_name(system: str, cohort_id: str) -> str:
+    return f"{system}-{cohort_id}"
+
+
+def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
+    """(model version, run id) that `alias` points to; a clear error when nothing is registered."""
+    name = registered_name(system, cohort_id)
+    try:
+        version = MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException as exc:
+        raise NotFoundError(
+            f"no registered model {name!r} with alias {alias!r} in {mlflow.get_tracking_uri()}: train one with "
+            f"`dxr prior train --cohort {cohort_id} --system {system}`") from exc
+    return version.version, version.run_id
+
+
+def download_model(system: str, cohort_id: str, alias: str, cache_dir: Path) -> tuple[Path, str, str]:
+    """Local copy of the aliased model (kept per version, so a second load reads the disk only)."""
+    version, run_id = resolve_alias(system, cohort_id, alias)
+    target = cache_dir / registered_name(system, cohort_id) / f"v{version}"
+    if not (target / "MLmodel").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registered_name(system, cohort_id)}/{version}",
+                                            dst_path=str(target))
+    return target, version, run_id
+
+
+def read_bundle(model_dir: Path) -> dict[str, dict]:
+    """The JSON files logged next to the network (vocabulary and configs)."""
+    found = {p.name: p for p in model_dir.rglob("*.json") if p.name in BUNDLE_FILES}
+    missing = [f for f in BUNDLE_FILES if f not in found]
+    if missing:
+        raise NotFoundError(f"model files in {model_dir} lack {missing}: re-train with `dxr prior train`")
+    return {name: json.loads(found[name].read_text()) for name in BUNDLE_FILES}

@@ -1,0 +1,118 @@
+"""Train one prior system (ehr_prior | dense_prior | gru) on a cohort, tracked and registered in MLflow."""
+
+from __future__ import annotations
+
+import json
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import duckdb
+import lightning as L
+import torch
+
+from dxr.errors import InputError
+from models.prior import tracking
+from models.prior.config import ARCHS, PriorConfig
+from models.prior.data import PriorDataModule
+from models.prior.lightning import PriorModule
+from models.prior.nn import NetConfig, PriorNet, init_weights, n_parameters
+
+mlflow = tracking.mlflow
+
+
+@dataclass
+class TrainResult:
+    system: str
+    cohort_id: str
+    mlflow_run_id: str
+    registered_model: str
+    version: str
+    alias: str | None
+    metrics: dict[str, float]
+    n_train_patients: int
+    n_train_sequences: int
+    train_seconds: float
+    peak_rss_mb: float
+
+
+def net_config(system: str, cfg: PriorConfig, n_input: int, n_output: int) -> NetConfig:
+    if system not in ARCHS:
+        raise InputError(f"unknown prior system {system!r}: use one of {', '.join(ARCHS)}")
+    arch = ARCHS[system]
+    return NetConfig(n_input_codes=n_input, n_output_codes=n_output, arch=arch, d_model=cfg.d_model,
+                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
+                     expert_hidden=cfg.expert_hidden, dropout=cfg.dropout, max_visits=cfg.max_visits,
+                     recurrence=arch != "gru")
+
+
+class MlflowEpochLogger(L.Callback):
+    """Logs every collected statistic once per epoch (after validation) to the active MLflow run."""
+
+    def __init__(self):
+        self.history: list[dict[str, float]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
+        metrics = module.pop_epoch_metrics()
+        self.history.append(metrics)
+        mlflow.log_metrics(metrics, step=trainer.current_epoch)
+
+
+def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks: list[L.Callback] = (),
+                progress: bool = False) -> tuple[PriorNet, NetConfig]:
+    """Seeded Lightning fit of a fresh network on a set-up data module; returns it in eval mode."""
+    torch.set_num_threads(cfg.threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    net_cfg = net_config(system, cfg, data.vocab.n_input, data.vocab.n_output)
+    net = PriorNet(net_cfg)
+    init_weights(net)
+    trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
+                        num_sanity_val_steps=0, deterministic=True, callbacks=list(callbacks))
+    trainer.fit(PriorModule(net, cfg), datamodule=data)
+    return net.eval(), net_cfg
+
+
+def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
+                      data_dir: str | Path, progress: bool = False) -> TrainResult:
+    """Fit on train patients, validate on tuning pre-target records, log and register the model."""
+    net_config(system, cfg, 0, 0)  # unknown system: fail before touching MLflow
+    tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
+    started = time.perf_counter()
+    data = PriorDataModule(con, cohort_id, cfg)
+    data.setup()
+    epoch_logger = MlflowEpochLogger()
+    name = tracking.registered_name(system, cohort_id)
+    with mlflow.start_run(run_name=f"{system}-{cohort_id}") as run:
+        mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system]})
+        mlflow.log_params({**{f"prior.{k}": v for k, v in cfg.model_dump().items()},
+                           "system": system, "cohort_id": cohort_id, "n_input_codes": data.vocab.n_input,
+                           "n_output_codes": data.vocab.n_output, "n_train_sequences": len(data.train_set),
+                           "n_val_pairs": len(data.val_set)})
+        mlflow.log_dict(cfg.model_dump(), "prior_config.json")
+        net, net_cfg = fit_network(data, system, cfg, [epoch_logger], progress)
+        mlflow.log_param("n_parameters", n_parameters(net))
+        seconds = time.perf_counter() - started
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        summary = {"train_seconds": seconds, "train_patients_per_second": data.n_train_patients / seconds,
+                   "peak_rss_mb": peak_mb}
+        mlflow.log_metrics(summary)
+        with tempfile.TemporaryDirectory() as tmp:
+            files = []
+            for file, payload in (("vocabulary.json", data.vocab.to_json()),
+                                  ("prior_config.json", cfg.model_dump()), ("net_config.json", asdict(net_cfg))):
+                path = Path(tmp) / file
+                path.write_text(json.dumps(payload))
+                files.append(str(path))
+            info = mlflow.pytorch.log_model(net, name="model", registered_model_name=name, extra_files=files,
+                                            serialization_format="pickle", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        version = str(info.registered_model_version)
+        alias = None
+        if cfg.promote:
+            tracking.MlflowClient().set_registered_model_alias(name, cfg.alias, version)
+            alias = cfg.alias
+    final = epoch_logger.history[-1] if epoch_logger.history else {}
+    return TrainResult(system, cohort_id, run.info.run_id, name, version, alias, {**final, **summary},
+                       data.n_train_patients, len(data.train_set), seconds, peak_mb)

@@ -1,0 +1,35 @@
+"""Training stage of the learned priors (`ehr_prior`, `dense_prior`, `gru`).
+
+`train_prior` is the plain stage function: forecasting-store connection in (train patients' full
+records, tuning pre-target records), a registered MLflow model out, a `runs` row recorded.
+`train_prior_task` is its Prefect wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import task
+
+from models.prior.config import PriorConfig
+from models.prior.train import TrainResult, train_prior_model
+from warehouse.cohorts import get_cohort
+from warehouse.runs import registered_run
+from warehouse.store import Warehouse
+
+
+def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_id: str | None = None,
+                progress: bool = False) -> TrainResult:
+    """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`."""
+    wh = Warehouse(data_dir)
+    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
+    with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
+        result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress)
+        run.config = {**config, "result": asdict(result)}
+    return result
+
+
+@task(name="train-prior")
+def train_prior_task(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_id: str | None = None) -> dict:
+    return asdict(train_prior(data_dir, cohort, system, cfg, run_id))

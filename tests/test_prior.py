@@ -1,0 +1,165 @@
+"""EHR Prior networks and data: shapes, masking, routing losses, determinism, a planted pattern."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import polars as pl
+import pytest
+import torch
+
+from models.prior.config import PriorConfig
+from models.prior.data import PriorDataModule, Vocabulary, drop_last_visit, visit_tensors
+from models.prior.lightning import precision_recall_at_k, trim
+from models.prior.nn import (MoEFeedForward, NetConfig, PriorNet, history_features, init_weights,
+                             next_visit_loss, visit_multi_hot)
+from models.prior.planted import dx, write_planted_cohort
+from models.prior.train import fit_network
+from warehouse.store import Warehouse
+
+TINY = dict(d_model=16, n_layers=1, n_heads=2, n_experts=4, top_k=2, expert_hidden=16, dropout=0.0)
+
+
+def random_batch(B=3, V=5, C=4, O=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 2, 1])[:B]
+    codes = torch.randint(2, 20, (B, V, C), generator=g)
+    dx_ids = torch.randint(0, O, (B, V, 2), generator=g)
+    numeric = torch.rand(B, V, 2, generator=g)
+    pad = torch.arange(V)[None, :] >= lengths[:, None]
+    codes[pad], dx_ids[pad], numeric[pad] = 0, O, 0.0
+    return codes, numeric, lengths, dx_ids
+
+
+@pytest.mark.parametrize("arch", ["moe", "dense", "gru"])
+def test_shapes_and_padding_do_not_leak(arch):
+    torch.manual_seed(0)
+    net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, arch=arch, max_visits=5, **TINY)).eval()
+    codes, numeric, lengths, dx_ids = random_batch()
+    scores, states, aux = net(codes, numeric, lengths, dx_ids)
+    assert scores.shape == (3, 5, 7) and states.shape == (3, 5, 16)
+    assert len(aux) == (0 if arch == "gru" else 1)
+    last, last_states, _ = net(codes, numeric, lengths, dx_ids, last_only=True)
+    assert last.shape == (3, 7) and last_states.shape == (3, 16)
+    assert torch.allclose(last, scores[torch.arange(3), lengths - 1], atol=1e-5)
+    # Garbage in padded visits must not change any real position's scores (causal + token mask).
+    noisy = codes.clone()
+    noisy[1, 2:] = 5
+    noisy_dx = dx_ids.clone()
+    noisy_dx[2, 1:] = 3
+    again, _, _ = net(noisy, numeric, lengths, noisy_dx, last_only=True)
+    assert torch.allclose(again, last, atol=1e-5)
+
+
+def test_history_features_count_recency_and_latest():
+    dx_ids = torch.tensor([[[0, 3], [1, 3], [0, 3], [3, 3]]])  # O = 3, padding id 3; visit 3 is padding
+    lengths = torch.tensor([3])
+    feats = history_features(dx_ids, lengths, 3, last_only=True)[0]  # (O, F)
+    assert feats[:, 0].tolist() == pytest.approx([torch.log1p(torch.tensor(2.0)).item(), torch.log1p(torch.tensor(1.0)).item(), 0.0])
+    assert feats[:, 1].tolist() == pytest.approx([1.0, 0.5, 0.0])  # code 0 seen now, code 1 one visit ago
+    assert feats[:, 2].tolist() == [1.0, 0.0, 0.0]
+    every = history_features(dx_ids, lengths, 3, last_only=False)[0]  # (V, O, F)
+    assert torch.equal(every[2], feats)
+
+
+def test_loss_masks_pairs_beyond_each_sequence():
+    codes, numeric, lengths, dx_ids = random_batch()
+    scores = torch.zeros(3, 5, 7)
+    # With zero logits each code costs log 2; only the 4 + 1 + 0 real pairs count.
+    assert next_visit_loss(scores, dx_ids, lengths).item() == pytest.approx(7 * torch.log(torch.tensor(2.0)).item())
+    labels = visit_multi_hot(dx_ids, 7)
+    assert labels[2, 1:].sum() == 0
+
+
+def test_each_token_uses_top_k_experts_and_balance_loss_tracks_imbalance():
+    cfg = NetConfig(n_input_codes=4, n_output_codes=2, **TINY)
+    moe = MoEFeedForward(cfg)
+    x = torch.randn(2, 6, 16)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        out, aux = moe(x, mask)
+    # Uniform router probabilities: the balance loss is exactly 1 whatever the tie-breaking.
+    assert aux["balance_loss"].item() == pytest.approx(1.0)
+    assert aux["z_loss"].item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-5)
+    assert aux["load"].sum().item() == pytest.approx(1.0)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:2, 0] = 10.0  # with feature 0 near 5, every token prefers experts 0 and 1
+        moe.router.weight[0, 0] += 0.1
+        _, skewed = moe(x.clone().index_fill_(2, torch.tensor([0]), 5.0), mask)
+    assert skewed["load"].tolist() == pytest.approx([0.5, 0.5, 0.0, 0.0])
+    assert skewed["balance_loss"].item() > 1.5
+    # Masked (padded) tokens are neither routed nor written.
+    mask[1, 3:] = False
+    out, aux = moe(x, mask)
+    assert torch.equal(out[1, 3:], torch.zeros(3, 16))
+
+
+def test_visit_tensors_orders_visits_and_keeps_empty_keys():
+    t = dt.datetime
+    events = pl.DataFrame({
+        "trajectory_id": ["a"] * 6,
+        "time": [t(1950, 1, 1), t(2020, 1, 1), t(2020, 1, 3), t(2020, 1, 11), t(2020, 1, 11), t(2020, 1, 12)],
+        "code": ["MEDS_BIRTH", dx("X"), "PROCEDURE//ICD//10//P", dx("Y"), "MEDICATION//NAME//m", "LAB//k//u"],
+        "encounter_id": [None, 1, 1, 2, 2, 3]})
+    vocab = Vocabulary(input_codes=[dx("X"), dx("Y"), "PROCEDURE//ICD//10//P"], output_codes=[dx("Y")],
+                       omega=[dx("X"), dx("Y")])
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_visits=4, max_codes_per_visit=3),
+                        keys=["a", "empty"])
+    assert out.lengths.tolist() == [2, 1]  # encounter 3 has no diagnosis: not a visit
+    assert out.codes[0, 0].tolist() == [2, 4, 0]  # diagnosis X, then procedure P
+    assert out.codes[0, 1].tolist() == [3, 1, 0]  # Y, then the unknown medication
+    assert out.dx[0, :2, 0].tolist() == [1, 0]  # X is not an output code (padding id 1); Y is 0
+    assert out.numeric[0, 1, 0].item() == pytest.approx(torch.log1p(torch.tensor(10.0)).item() / 5)
+    assert out.numeric[0, 0, 1].item() == pytest.approx(70.0 / 100, abs=0.01)
+    assert out.codes[1].sum() == 0
+    assert out.history.rows() == [(0, 0, dx("X"))]  # Ω code outside the output vocabulary, for copying
+    inputs, labels = drop_last_visit(out, vocab.n_output)
+    assert inputs.keys == ["a"] and inputs.lengths.tolist() == [1] and labels[0].tolist() == [0]
+    assert inputs.codes[0, 1].sum() == 0
+
+
+def test_precision_recall_and_trim():
+    p, r = precision_recall_at_k(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), 2)
+    assert (p.item(), r.item()) == (0.5, pytest.approx(1 / 3))
+    codes, numeric, lengths, dx_ids = random_batch()
+    short = trim({"codes": codes[1:], "numeric": numeric[1:], "lengths": lengths[1:], "dx": dx_ids[1:]})
+    assert short["codes"].shape == (2, 2, 4) and short["dx"].shape == (2, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    wh = Warehouse(tmp_path_factory.mktemp("planted"))
+    cohort = write_planted_cohort(wh, n_patients=300, seed=3)
+    cfg = PriorConfig(**TINY, epochs=6, batch_size=16, lr=1e-2, min_code_count=1, seed=11)
+    data = PriorDataModule(wh.connect(), cohort, cfg)
+    data.setup()
+    return data, cfg
+
+
+def test_training_is_deterministic_for_a_seed(planted):
+    data, cfg = planted
+    one = cfg.model_copy(update={"epochs": 1})
+    first, _ = fit_network(data, "ehr_prior", one)
+    second, _ = fit_network(data, "ehr_prior", one)
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_tiny_run_learns_the_planted_successor(planted):
+    data, cfg = planted
+    net, _ = fit_network(data, "ehr_prior", cfg)
+    val = data.val_set
+    with torch.no_grad():
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.lengths, val.t.dx, last_only=True)
+    # The planted successor S_j of the input's last trigger T_j is in the label by construction.
+    codes = data.vocab.output_codes
+    last = val.t.dx[torch.arange(len(val)), val.t.lengths - 1]
+    top3 = scores.topk(3, dim=1).indices
+    hits = 0
+    for row in range(len(val)):
+        triggers = [codes[i] for i in last[row].tolist() if i < len(codes) and "//T" in codes[i]]
+        successor = codes.index(triggers[0].replace("//T", "//S"))
+        hits += successor in top3[row].tolist()
+    assert hits / len(val) >= 0.9, f"planted successor in the top 3 for {hits} of {len(val)} tuning pairs"
