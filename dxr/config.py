@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
 
 from dxr.errors import ConfigError
+from models.prior.config import PriorConfig
 
 
 class SynthConfig(BaseModel):
@@ -47,6 +48,7 @@ class Settings(BaseSettings):
     seed: int = Field(7, description="global seed: splits, generator, shuffles")
     synth: SynthConfig = SynthConfig()
     cohort: CohortConfig = CohortConfig()
+    prior: PriorConfig = PriorConfig()
 
     @property
     def forecast_dir(self) -> Path:
