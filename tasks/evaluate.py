@@ -406,20 +406,23 @@ def percentile_interval(replicates: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return low.reshape(replicates.shape[1:]), high.reshape(replicates.shape[1:])
 
 
-def metric_rows(est: Estimates, point: np.ndarray | None = None, boot: np.ndarray | None = None) -> pl.DataFrame:
+def metric_rows(est: Estimates) -> pl.DataFrame:
     """Long rows (system, subset, k, metric, value, ci_low, ci_high, n); subsets without patients omitted."""
-    point = est.point if point is None else point
-    boot = est.boot if boot is None else boot
+    return metric_frame(est.counts.names, est.counts.ks, est.point, est.boot, est.n)
+
+
+def metric_frame(names: list[str], ks: tuple[int, ...], point: np.ndarray, boot: np.ndarray | None,
+                 n: np.ndarray) -> pl.DataFrame:
+    """`metric_rows` from arrays: point (M,S,K,6), replicates (B,M,S,K,6) or None, n (S,)."""
     low = high = np.full(point.shape, np.nan)
     if boot is not None:
         low, high = percentile_interval(boot)
-    names, ks = est.counts.names, est.counts.ks
     m, s, kk, q = np.meshgrid(*(np.arange(d) for d in point.shape), indexing="ij")
     frame = pl.DataFrame({
         "system": np.array(names)[m.ravel()], "subset": np.array(SUBSETS)[s.ravel()],
         "k": np.array(ks, dtype=np.int32)[kk.ravel()], "metric": np.array(METRICS)[q.ravel()],
         "value": point.ravel().astype(float), "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float),
-        "n": est.n[s.ravel()],
+        "n": n[s.ravel()],
     })
     return frame.filter(pl.col("n") > 0).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
 
@@ -636,8 +639,8 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
                              + " vs ".join(sorted(keys)))
         point = np.mean([e.point[m:m + 1] for e in estimates], axis=0)
         boot = None if weights is None else np.mean([e.boot[:, m:m + 1] for e in estimates], axis=0)
-        single = Estimates(Counts([system], all_ks, *[None] * 3), point, boot, estimates[0].n, None)
-        frames.append(metric_rows(single).with_columns(run_id=pl.lit(configuration_id(keys.pop()))))
+        frames.append(metric_frame([system], all_ks, point, boot, estimates[0].n)
+                      .with_columns(run_id=pl.lit(configuration_id(keys.pop()))))
     metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
                                                                   n_runs=pl.lit(len(runs))))
     if write:
