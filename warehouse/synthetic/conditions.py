@@ -65,7 +65,7 @@ CHRONIC: tuple[Chronic, ...] = (
     ),
     Chronic(
         "insulin_use", "Long-term (current) use of insulin",
-        H(0.05, risks={"hba1c_high": 3.0, "ckd": 1.5, "t1dm": 1000.0}, requires="diabetes"),
+        H(0.05, risks={"hba1c_high": 3.0, "ckd": 1.5, "t1dm": 1000.0}, requires="diabetes", cap=1000.0),
         (R({"Z79.4": 1.0}),),
         0.75,
         "Type 2 diabetes escalates to insulin (faster when poorly controlled); type 1 starts on it.",
@@ -217,10 +217,10 @@ CHRONIC: tuple[Chronic, ...] = (
     ),
     Chronic(
         "smoker", "Current tobacco smoking",
-        H(0.03, per_decade=0.3, ages=(14, 45)),
+        H(0.03, per_decade=0.3, requires="!former_smoker", ages=(14, 45)),
         (R({"F17.210": 0.8, "Z72.0": 0.2}),),
         0.6,
-        "Starts young; quitting moves the patient to former smoker (Z87.891).",
+        "Starts young; quitting moves the patient to former smoker (Z87.891) for good.",
         progression={"present": (None, H(0.04, per_decade=1.3))},
         meds=(("", "nicotine patch"),),
     ),
@@ -231,7 +231,7 @@ CHRONIC: tuple[Chronic, ...] = (
     ),
     Chronic(
         "copd", "Chronic obstructive pulmonary disease",
-        H(0.0025, per_decade=1.7, risks={"smoker": 6.0, "former_smoker": 3.0}, ages=(40, 130)),
+        H(0.0025, per_decade=1.7, risks={"smoker": 6.0, "former_smoker": 3.0}, ages=(40, 130), cap=6.0),
         (R({"J44.9": 0.7, "J43.9": 0.2, "J44.89": 0.1}),),
         0.85,
         "Smoking-related; moderate disease progresses to severe with chronic hypoxic respiratory "
@@ -314,7 +314,7 @@ CHRONIC: tuple[Chronic, ...] = (
     ),
     Chronic(
         "cirrhosis", "Cirrhosis of the liver",
-        H(0.0007, per_decade=1.2, risks={"alcohol_use": 15.0, "obesity": 1.6, "t2dm": 1.5}, ages=(30, 130)),
+        H(0.0007, per_decade=1.2, risks={"alcohol_use": 15.0, "obesity": 1.6, "t2dm": 1.5}, ages=(30, 130), cap=20.0),
         (R({"K70.30": 0.8, "K74.60": 0.2}, "alcohol_use"), R({"K74.60": 0.6, "K74.69": 0.4})),
         0.85,
         "Alcoholic cirrhosis (K70.3x) when alcohol use disorder is present, else unspecified "
@@ -505,7 +505,7 @@ _CANCERS = (
             (Procedure("0HTT0ZZ", 0.25), Procedure("0HTU0ZZ", 0.25), Procedure("0HBT0ZZ", 0.3)),
             "Commonest cancer of women."),
     _cancer("lung_cancer", "Lung cancer", H(0.0008, per_decade=1.8, risks={"smoker": 8.0, "former_smoker": 4.0,
-                                                                          "copd": 2.0}, ages=(40, 130)),
+                                                                          "copd": 2.0}, ages=(40, 130), cap=12.0),
             {"C34.11": 0.3, "C34.12": 0.25, "C34.31": 0.15, "C34.32": 0.1, "C34.90": 0.2}, "Z85.118",
             (Procedure("0BTC4ZZ", 0.4), Procedure("0BTG4ZZ", 0.3)),
             "Driven by smoking; metastasizes early."),
@@ -538,7 +538,8 @@ REASONS: tuple[Reason, ...] = (
         "Community-acquired pneumonia, aspiration pneumonia in dementia or Parkinson's disease; "
         "the organism is usually unknown (J18.9).",
         tags=("infection", "respiratory"),
-        secondary=(extra({"J96.01": 0.8, "R09.02": 0.2}, 0.25), extra({"J96.21": 1.0}, 0.3, "copd:severe")),
+        secondary=(extra({"J96.01": 0.8, "R09.02": 0.2}, 0.25), extra({"J96.21": 1.0}, 0.3, "copd:severe"),
+                   extra("E86.0", 0.15), extra("J90", 0.08)),
         meds=("ceftriaxone", "azithromycin"), los_days=4.5, mortality=0.03, plan="complete oral antibiotics",
     ),
     Reason(
@@ -559,7 +560,7 @@ REASONS: tuple[Reason, ...] = (
         "Cystitis or pyelonephritis, frequent in women, dementia and prostatic obstruction; the "
         "organism is often documented.",
         tags=("infection",),
-        secondary=(extra({"B96.20": 0.6, "B96.1": 0.15, "B95.2": 0.15, "B96.4": 0.1}, 0.55),),
+        secondary=(extra({"B96.20": 0.6, "B96.1": 0.15, "B95.2": 0.15, "B96.4": 0.1}, 0.55), extra("E86.0", 0.2)),
         meds=("ceftriaxone",), los_days=3.5, mortality=0.01, plan="oral antibiotics for 7 days",
     ),
     Reason(
@@ -580,7 +581,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"L03.115": 0.3, "L03.116": 0.3, "L03.119": 0.1, "L03.113": 0.08, "L03.114": 0.08, "L03.311": 0.07,
             "L03.317": 0.07}),),
         "Skin infection of the legs in diabetes, obesity and oedema; the site differs each time.",
-        tags=("infection",), meds=("cefazolin",), los_days=3.5, plan="elevate limb, oral antibiotics",
+        tags=("infection",), secondary=(extra({"L02.415": 0.5, "L02.416": 0.5}, 0.15), extra({"B95.61": 0.5, "B95.62": 0.5}, 0.15)),
+        meds=("cefazolin",), los_days=3.5, plan="elevate limb, oral antibiotics",
     ),
     Reason(
         "diabetic_foot", "Diabetic foot ulcer and osteomyelitis",
@@ -594,19 +596,19 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "hf_exacerbation", "Acute on chronic heart failure",
-        H(0.18, risks={"ckd": 1.4, "atrial_fibrillation": 1.3, "valvular_disease": 1.3}, requires="heart_failure"),
+        H(0.12, risks={"ckd": 1.3, "atrial_fibrillation": 1.2, "valvular_disease": 1.3}, requires="heart_failure"),
         (R({"I50.23": 0.7, "I50.21": 0.15, "I50.9": 0.15}, "heart_failure:hfref"),
          R({"I50.33": 0.7, "I50.31": 0.15, "I50.9": 0.15}, "heart_failure:hfpef"),
          R({"I50.43": 0.75, "I50.41": 0.1, "I50.9": 0.15})),
         "Decompensation of known heart failure; the acute-on-chronic code of the patient's subtype "
         "replaces the chronic one.",
         tags=("cardiac",), covers=("heart_failure",),
-        secondary=(extra({"J96.01": 1.0}, 0.15), extra("I50.810", 0.05)),
+        secondary=(extra({"J96.01": 1.0}, 0.15), extra("I50.810", 0.05), extra("R79.89", 0.1)),
         meds=("furosemide",), los_days=4.5, mortality=0.03, plan="daily weights, diuretic titration in clinic",
     ),
     Reason(
         "copd_exacerbation", "COPD exacerbation",
-        H(0.14, risks={"copd:severe": 2.0, "smoker": 1.3}, requires="copd"),
+        H(0.1, risks={"copd:severe": 2.0, "smoker": 1.3}, requires="copd"),
         (R({"J44.1": 0.8, "J44.0": 0.2}),),
         "Acute exacerbation (J44.1) or with lower respiratory infection (J44.0); respiratory "
         "failure is added when hypoxic or hypercapnic.",
@@ -627,8 +629,8 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "ami", "Acute myocardial infarction",
-        H(0.0035, per_decade=1.5, female=0.5, risks={"cad": 4.0, "diabetes": 1.8, "smoker": 2.0, "hyperlipidemia": 1.4,
-                                                    "hypertension": 1.4, "ckd": 1.5, "old_mi": 1.5}),
+        H(0.0035, per_decade=1.5, female=0.5, risks={"cad": 3.0, "diabetes": 1.5, "smoker": 1.6, "hyperlipidemia": 1.2,
+                                                    "hypertension": 1.2, "ckd": 1.3, "old_mi": 1.5}),
         (R({"I21.4": 0.6, "I21.09": 0.12, "I21.19": 0.12, "I21.3": 0.06, "I21.A1": 0.1}),),
         "NSTEMI dominates; STEMI by territory; type 2 MI from supply–demand mismatch. Leaves CAD and "
         "old-MI status behind; half get a drug-eluting stent.",
@@ -659,7 +661,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "af_rvr", "Atrial fibrillation with rapid ventricular response",
-        H(0.15, risks={"heart_failure": 1.3}, requires="atrial_fibrillation"),
+        H(0.1, risks={"heart_failure": 1.3}, requires="atrial_fibrillation"),
         (R({"I48.91": 0.5, "I48.0": 0.3, "I48.19": 0.2}),),
         "Rate-control admissions for known AF; some are cardioverted.",
         tags=("cardiac",), covers=("atrial_fibrillation",), procedures=(Procedure("5A2204Z", 0.2),),
@@ -722,7 +724,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"S72.001A": 0.6, "S72.141A": 0.4}),),
         "Falls of the frail elderly; fixation or hemiarthroplasty, then months of aftercare.",
         tags=("injury", "surgery"),
-        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3)),
+        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3),
+                   extra("R26.81", 0.2)),
         procedures=(Procedure("0QS634Z", 0.6), Procedure("0SR90J9", 0.35)),
         meds=("enoxaparin", "oxycodone"), los_days=6.0, mortality=0.04,
         sets={"hip_fracture_recovery": "right"}, plan="physical therapy, osteoporosis treatment",
@@ -734,7 +737,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"S72.002A": 0.6, "S72.142A": 0.4}),),
         "Mirror image of the right hip fracture.",
         tags=("injury", "surgery"),
-        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3)),
+        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3),
+                   extra("R26.81", 0.2)),
         procedures=(Procedure("0QS734Z", 0.6), Procedure("0SRB0J9", 0.35)),
         meds=("enoxaparin", "oxycodone"), los_days=6.0, mortality=0.04,
         sets={"hip_fracture_recovery": "left"}, plan="physical therapy, osteoporosis treatment",
@@ -771,7 +775,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "dka", "Diabetic ketoacidosis",
-        H(0.12, per_decade=0.6, risks={"hba1c_high": 2.5}, requires="t1dm"),
+        H(0.06, per_decade=0.8, risks={"hba1c_high": 2.5}, requires="t1dm"),
         (R({"E10.10": 0.9, "E10.11": 0.1}),),
         "Insulin omission or infection in type 1 diabetes.",
         tags=("metabolic",), covers=("t1dm",), meds=("insulin regular", "potassium chloride"), los_days=3.0,
@@ -779,7 +783,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "hypoglycemia", "Hypoglycaemia on insulin or sulfonylurea",
-        H(0.05, per_decade=1.4, risks={"ckd": 2.0, "dementia": 1.8}, requires="insulin_use"),
+        H(0.035, per_decade=1.4, risks={"ckd": 1.8, "dementia": 1.6}, requires="insulin_use"),
         (R({"E10.649": 1.0}, "t1dm"), R({"E11.649": 1.0})),
         "Insulin-treated diabetes with declining renal clearance; adverse effect code of insulin.",
         tags=("metabolic",), covers=("t2dm", "t1dm"), secondary=(extra("T38.3X5A", 0.5),),
@@ -802,7 +806,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "pancreatitis", "Acute pancreatitis",
-        H(0.0008, risks={"alcohol_use": 8.0, "obesity": 1.5}),
+        H(0.0008, risks={"alcohol_use": 8.0, "obesity": 1.5}, cap=8.0),
         (R({"K85.20": 1.0}, "alcohol_use"), R({"K85.90": 0.5, "K85.10": 0.5})),
         "Alcohol-induced or biliary acute pancreatitis.",
         tags=("gi",), meds=("hydromorphone",), los_days=4.5, mortality=0.01, plan="abstinence, lipid and gallstone work-up",
@@ -846,7 +850,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "alcohol_withdrawal", "Alcohol withdrawal",
-        H(0.15, requires="alcohol_use"),
+        H(0.12, requires="alcohol_use"),
         (R({"F10.230": 0.5, "F10.239": 0.3, "F10.231": 0.2}),),
         "Withdrawal (with delirium in some) in alcohol dependence; replaces the dependence code.",
         tags=("psych",), covers=("alcohol_use",), meds=("lorazepam", "thiamine", "folic acid"), los_days=3.5,
@@ -854,7 +858,7 @@ REASONS: tuple[Reason, ...] = (
     ),
     Reason(
         "hepatic_decompensation", "Decompensated cirrhosis",
-        H(0.3, requires="cirrhosis"),
+        H(0.25, requires="cirrhosis"),
         (R({"K70.31": 0.5, "K70.41": 0.2, "K76.82": 0.3}, "alcohol_use"), R({"K76.82": 0.5, "K74.60": 0.5})),
         "Ascites, hepatic encephalopathy or peritonitis in cirrhosis.",
         tags=("gi",), covers=("cirrhosis",),
@@ -887,10 +891,11 @@ REASONS: tuple[Reason, ...] = (
     # -- oncology --------------------------------------------------------------------------
     Reason(
         "chemotherapy", "Admission for antineoplastic chemotherapy",
-        H(2.5, requires="chemo"),
+        H(1.2, requires="chemo"),
         (R({"Z51.11": 1.0}),),
         "Cycles of inpatient chemotherapy during the treatment phase.",
         admission="ELECTIVE", tags=("oncology",), procedures=(Procedure("3E04305", 0.9),),
+        secondary=(extra("R11.2", 0.2), extra("E86.0", 0.1)),
         meds=("ondansetron", "dexamethasone"), los_days=2.0, coding_depth=0.8, plan="next cycle in three weeks",
     ),
     Reason(
@@ -961,20 +966,20 @@ COMPLICATIONS: tuple[Complication, ...] = (
                  "Pre-renal or tubular injury, much likelier with CKD, heart failure and sepsis.",
                  risks={"ckd": 3.0, "heart_failure": 1.8, "reason:sepsis": 4.0, "infection": 1.5, "age80": 1.5,
                         "reason:hf_exacerbation": 1.5}, requires="!dialysis"),
-    Complication("hyponatremia", "Hyponatraemia", 0.115, (R({"E87.1": 1.0}),),
+    Complication("hyponatremia", "Hyponatraemia", 0.05, (R({"E87.1": 1.0}),),
                  "Dilutional in heart failure and cirrhosis, drug-induced in the elderly.",
-                 risks={"heart_failure": 2.0, "cirrhosis": 3.0, "respiratory": 1.5, "age80": 1.5}),
-    Complication("potassium_disorder", "Hypo- or hyperkalaemia", 0.144,
+                 risks={"heart_failure": 3.0, "cirrhosis": 6.0, "respiratory": 2.0, "age80": 2.0}),
+    Complication("potassium_disorder", "Hypo- or hyperkalaemia", 0.06,
                  (R({"E87.5": 1.0}, "ckd:stage4"), R({"E87.5": 1.0}, "ckd:stage5"), R({"E87.5": 1.0}, "ckd:esrd"),
                   R({"E87.6": 1.0})),
                  "Hyperkalaemia in advanced CKD; hypokalaemia from diuretics and diarrhoea.",
-                 risks={"heart_failure": 1.5, "ckd": 1.5, "gi": 1.5}),
-    Complication("anemia", "Anaemia by mechanism", 0.144,
+                 risks={"heart_failure": 2.0, "ckd": 2.5, "gi": 2.5, "ckd_advanced": 2.0}),
+    Complication("anemia", "Anaemia by mechanism", 0.06,
                  (R({"D63.0": 0.6, "D61.810": 0.4}, "chemo"), R({"D63.0": 1.0}, "active_cancer"),
                   R({"D63.1": 0.8, "D64.9": 0.2}, "ckd_advanced"), R({"D64.9": 1.0})),
                  "Anaemia in neoplastic disease and chemotherapy-induced pancytopenia during cancer "
                  "treatment, anaemia in CKD from stage 3b, otherwise unspecified.",
-                 risks={"chemo": 9.0, "active_cancer": 4.0, "ckd_advanced": 6.0, "ckd": 1.5, "age80": 1.3},
+                 risks={"chemo": 10.0, "active_cancer": 6.0, "ckd_advanced": 8.0, "ckd": 1.5, "age80": 1.3},
                  requires="!iron_deficiency"),
     Complication("thrombocytopenia", "Thrombocytopenia", 0.029, (R({"D69.6": 1.0}),),
                  "Hypersplenism in cirrhosis and marrow suppression in chemotherapy.",
@@ -1024,9 +1029,9 @@ COMPLICATIONS: tuple[Complication, ...] = (
     Complication("dysphagia", "Dysphagia", 0.017, (R({"R13.10": 0.6, "R13.12": 0.4}),),
                  "Swallowing difficulty after stroke and in neurodegenerative disease.",
                  risks={"stroke_history": 5.0, "parkinson": 5.0, "dementia": 3.0}),
-    Complication("constipation", "Constipation", 0.058, (R({"K59.00": 0.7, "K59.09": 0.3}),),
+    Complication("constipation", "Constipation", 0.035, (R({"K59.00": 0.7, "K59.09": 0.3}),),
                  "Immobility, opioids and Parkinson's disease.",
-                 risks={"surgery": 2.0, "injury": 2.0, "parkinson": 3.0, "metastatic": 2.5}),
+                 risks={"surgery": 3.0, "injury": 3.0, "parkinson": 4.0, "metastatic": 4.0}),
     Complication("vitamin_d_deficiency", "Vitamin D deficiency", 0.035, (R({"E55.9": 1.0}),),
                  "Found on admission bloods in the elderly, CKD and malnutrition.",
                  risks={"ckd": 2.0, "age80": 1.5, "osteoporosis": 2.0}),

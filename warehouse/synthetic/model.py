@@ -40,6 +40,9 @@ class Hazard:
     """An annual rate at age 60, scaled per decade of age, for women, and by risk tokens.
 
     `requires` gates the hazard entirely (e.g. an exacerbation needs the chronic disease).
+    Risk multipliers combine multiplicatively up to `cap`: risk factors overlap clinically (the
+    diabetic smoker with hypertension is not 20 times as likely to infarct), and an uncapped
+    product would make a few multimorbid patients absorb most admissions.
     """
 
     rate: float
@@ -48,6 +51,7 @@ class Hazard:
     risks: dict[str, float] = field(default_factory=dict)
     requires: str = ""
     ages: tuple[float, float] = (0.0, 130.0)
+    cap: float = 5.0
 
     def __post_init__(self):
         object.__setattr__(self, "_req", parse_when(self.requires))
@@ -59,10 +63,11 @@ class Hazard:
         h = self.rate * self.per_decade ** ((age - 60.0) / 10.0)
         if "female" in tokens:
             h *= self.female
+        risk = 1.0
         for token, mult in self._risks:
             if token in tokens:
-                h *= mult
-        return h
+                risk *= mult
+        return h * min(risk, self.cap)
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class Reason:
     sets: dict[str, str] = field(default_factory=dict)
     clears: tuple[str, ...] = ()
     # how thoroughly comorbidities are coded on this kind of stay (a share of each state's `coding`)
-    coding_depth: float = 0.85
+    coding_depth: float = 0.75
     scheduled: str = ""
     plan: str = "follow up with primary care"
 

@@ -400,7 +400,7 @@ def simulate_patient(seed: int, subject_id: int, capture: frozenset[int] = froze
     sex = "F" if rng.random() < 0.53 else "M"
     entry = rng.uniform(DATA_START, ENTRY_END)
     birth = entry - _entry_age(rng)
-    state = State(sex=sex, birth=birth, frailty=rng.gammavariate(4.0, 0.25))
+    state = State(sex=sex, birth=birth, frailty=rng.gammavariate(5.0, 0.2))
     t = birth + 4.0
     while t < entry:
         dt = min(BURN_IN_STEP, entry - t)
