@@ -56,7 +56,7 @@ def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
         raise NotFoundError(
             f"no registered model {name!r} with alias {alias!r} in {mlflow.get_tracking_uri()}: train one with "
             f"`dxr prior train --cohort {cohort_id} --system {system}`") from exc
-    return version.version, version.run_id
+    return str(version.version), version.run_id
 
 
 def download_model(system: str, cohort_id: str, alias: str, cache_dir: Path) -> tuple[Path, str, str]:

@@ -1,0 +1,116 @@
+"""EHR Prior training end to end: MLflow run contents, alias resolution, rankings, boundary sentinel."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from dxr.errors import NotFoundError
+from models.prior import tracking
+from models.prior.config import PriorConfig
+from models.prior.data import PriorDataModule
+from models.prior.forecaster import RegisteredPrior
+from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
+from tasks.forecast import forecast_shard_task
+from tasks.prior import train_prior
+from warehouse.store import Warehouse
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+TINY = dict(d_model=16, n_layers=1, n_heads=2, n_experts=4, top_k=2, expert_hidden=16, dropout=0.0,
+            batch_size=32, min_code_count=1, seed=5)
+N_PATIENTS = 150
+# Sentinel codes planted only in target encounters of held_out and tuning patients: they are in Ω but
+# must never reach training (train_events hold train patients only; validation uses pre-target views).
+SENTINELS = {s: f"DIAGNOSIS//ICD//10//ZZSENT{s}" for s in range(1, N_PATIENTS + 1)
+             if SPLIT_CYCLE[(s - 1) % len(SPLIT_CYCLE)] in ("held_out", "tuning")}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prior_wh")
+    wh = Warehouse(root)
+    cohort = write_planted_cohort(wh, n_patients=N_PATIENTS, seed=2, extra_target_codes=SENTINELS)
+    result = train_prior(str(root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
+    return wh, cohort, result
+
+
+def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
+    wh, cohort, result = trained
+    assert result.registered_model == f"ehr_prior-{cohort}" and result.version == "1" and result.alias == "champion"
+    assert tracking.mlflow.get_tracking_uri() == f"sqlite:///{wh.root / 'mlflow' / 'mlflow.db'}"
+    client = tracking.MlflowClient()
+    run = client.get_run(result.mlflow_run_id)
+    assert run.data.params["prior.d_model"] == "16" and run.data.params["system"] == "ehr_prior"
+    assert int(run.data.params["n_parameters"]) > 0
+    for name in ("val_recall_at_20", "val_precision_at_20", "train_task_loss", "train_balance_loss",
+                 "train_z_loss", "router_load_l0_e0"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 1], name
+    assert "prior_config.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert str(wh.root / "mlflow" / "artifacts") in run.info.artifact_uri
+    runs = wh.read("runs").filter(pl.col("run_id") == "train-test-1")
+    assert runs.select("kind", "status", "cohort_id").rows() == [("train:ehr_prior", "finished", cohort)]
+
+
+def test_prediction_resolves_the_registered_alias(trained):
+    wh, cohort, _ = trained
+    second = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=1, promote=False))
+    assert (second.version, second.alias) == ("2", None)
+    forecaster = RegisteredPrior()
+    forecaster.fit(wh.connect(), cohort)
+    assert forecaster.version == "1"  # the alias still points to the first version
+    tracking.MlflowClient().set_registered_model_alias(second.registered_model, "champion", "2")
+    moved = RegisteredPrior()
+    moved.fit(wh.connect(), cohort)
+    assert (moved.version, moved.run_id) == ("2", second.mlflow_run_id)
+    tracking.MlflowClient().set_registered_model_alias(second.registered_model, "champion", "1")
+    with pytest.raises(NotFoundError, match="alias 'nobody'"):
+        RegisteredPrior(PriorConfig(alias="nobody")).fit(wh.connect(), cohort)
+
+
+def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(trained):
+    wh, cohort, _ = trained
+    trajectories = wh.read("trajectories", cohort_id=cohort)
+    total = sum(forecast_shard_task.fn(str(wh.root), cohort, "ehr_prior", shard, "all", 20, "fc-test")
+                for shard in sorted(trajectories["shard"].unique()))
+    assert total == trajectories.height
+    rankings = wh.read("rankings", run_id="fc-test", system="ehr_prior")
+    omega = wh.read("cohort_vocabulary", cohort_id=cohort)["code"]
+    per = rankings.group_by("trajectory_id").agg(pl.col("code").n_unique().alias("unique"), pl.len().alias("n"),
+                                                 pl.col("rank").sort().alias("ranks"))
+    assert per.height == trajectories.height
+    assert per["n"].to_list() == [20] * per.height and per["unique"].to_list() == [20] * per.height
+    assert all(r == list(range(1, 21)) for r in per["ranks"].to_list())
+    assert rankings["code"].is_in(omega.implode()).all()
+    assert not rankings["code"].is_in(list(SENTINELS.values())).any()
+    status = wh.read("ranking_status", run_id="fc-test", system="ehr_prior")
+    assert status["status"].unique().to_list() == ["ok"]
+
+
+def test_no_held_out_or_tuning_target_reaches_training(trained):
+    wh, cohort, _ = trained
+    data = PriorDataModule(wh.connect(), cohort, PriorConfig(**TINY))
+    data.setup()
+    forbidden = set(SENTINELS.values())
+    assert forbidden <= set(data.vocab.omega)  # they are valid codes, so only the boundary keeps them out
+    assert not forbidden & (set(data.vocab.input_codes) | set(data.vocab.output_codes))
+    train_subjects = set(data.train_set.t.keys)
+    assert train_subjects and not train_subjects & set(SENTINELS)
+    # Validation pairs come from tuning pre-target records, whose targets (with sentinels) are gold only.
+    assert all(":" in key for key in data.val_set.t.keys) and len(data.val_set) > 0
+    # The registered model's learned vocabularies (not Ω, which lists them legitimately) exclude them too.
+    model_dir = next((wh.root / "mlflow" / "cache").glob("ehr_prior-*/v1"))
+    logged = json.loads(next(model_dir.rglob("vocabulary.json")).read_text())
+    assert not forbidden & (set(logged["input_codes"]) | set(logged["output_codes"]))
+
+
+def test_cli_help_and_unknown_cohort():
+    runner = CliRunner()
+    assert "dxr prior train --cohort default" in runner.invoke(main, ["prior", "train", "--help"]).output
+    result = runner.invoke(main, ["--data-dir", "/nonexistent-dxr-test", "prior", "train", "--cohort", "nope"])
+    assert result.exit_code != 0
