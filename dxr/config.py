@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettin
 
 from dxr.errors import ConfigError
 from models.prior.config import PriorConfig
+from tools.config import ToolsConfig
 
 
 class SynthConfig(BaseModel):
@@ -49,6 +50,7 @@ class Settings(BaseSettings):
     synth: SynthConfig = SynthConfig()
     cohort: CohortConfig = CohortConfig()
     prior: PriorConfig = PriorConfig()
+    tools: ToolsConfig = ToolsConfig()
 
     @property
     def forecast_dir(self) -> Path:

@@ -1,0 +1,156 @@
+"""Corpus commands: ingest documents, build the BM25 + dense index, search it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dxr.cli import main, settings, warehouse
+from dxr.errors import InputError
+
+FORMAT_NAMES = ["jats", "medline", "arxiv", "medquad", "pubmedqa", "jsonl", "icd"]
+LITERATURE = "literature"
+
+
+def index_root(ctx: click.Context) -> Path:
+    config = settings(ctx)
+    return Path(config.tools.corpus_dir) if config.tools.corpus_dir else config.forecast_dir / "corpus"
+
+
+@main.group()
+def corpus() -> None:
+    """Local literature corpora and the ICD dictionary: ingest, build, search.
+
+    \b
+    Example:
+      dxr corpus ingest pubmedqa ../shared/data/corpora/pubmedqa/ori_pqal.json
+      dxr corpus build
+      dxr corpus search "chronic kidney disease progression to dialysis"
+    """
+
+
+@corpus.command("ingest")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(FORMAT_NAMES))
+@click.argument("path", required=False, type=click.Path(path_type=Path))
+@click.option("--corpus", "corpus_name", default=None, help="Corpus name (default: per format, e.g. pmc, medquad).")
+@click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="arXiv only: directory of <id>.txt full texts.")
+@click.pass_context
+def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name: str | None,
+                   fulltext_dir: Path | None) -> None:
+    """Parse FORMAT files at PATH (a file or a directory) into the documents and chunks tables.
+
+    FORMAT icd takes no PATH: it reads the ICD vocabulary tables (or the packaged vocabularies).
+    Re-ingesting the same PATH replaces its rows.
+
+    \b
+    Example:
+      dxr corpus ingest jats ../shared/data/corpora/samples
+      dxr corpus ingest icd
+    """
+    from tools.corpus import FORMATS, ingest, source_key, store_documents
+
+    wh = warehouse(ctx)
+    chunk_chars = settings(ctx).tools.chunk_chars
+    if fmt == "icd":
+        from tools.dictionary import CORPUS, icd_documents, load_vocabulary
+
+        if path is not None:
+            raise InputError("FORMAT icd takes no PATH: it reads the ICD vocabulary tables")
+        documents = icd_documents(*load_vocabulary(wh), corpus=corpus_name or CORPUS)
+        summary = store_documents(wh, documents, corpus_name or CORPUS, "vocabulary", chunk_chars)
+    else:
+        if path is None:
+            raise InputError(f"FORMAT {fmt} needs a PATH (a file or a directory)")
+        if fmt == "arxiv" and fulltext_dir is not None:
+            from tools.corpus.json_sources import read_arxiv
+
+            name = corpus_name or FORMATS["arxiv"].default_corpus
+            documents = list(read_arxiv(path, name, fulltext_dir))
+            summary = store_documents(wh, documents, name, source_key(path), chunk_chars)
+        else:
+            summary = ingest(wh, fmt, path, corpus_name, chunk_chars,
+                             progress=lambda f: click.echo(f"  read {f}", err=True))
+    click.echo(f"corpus {summary.corpus} source {summary.source}: {summary.documents} documents "
+               f"({summary.duplicates} duplicates dropped), {summary.chunks} chunks")
+
+
+@corpus.command("build")
+@click.option("--name", default=None, help=f"Index name (default: {LITERATURE}, plus icd when ingested).")
+@click.option("--corpus", "corpora", multiple=True, help="Corpora to include (default: every literature corpus).")
+@click.option("--lexical-only", is_flag=True, help="BM25 only, no embeddings (the icd index always is).")
+@click.pass_context
+def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...], lexical_only: bool) -> None:
+    """Build the BM25 + dense index of ingested corpora (embeddings cached with the index).
+
+    Without options: the `literature` index over every corpus except icd, and a lexical `icd`
+    index when the ICD dictionary was ingested.
+
+    \b
+    Example:
+      dxr corpus build
+      dxr corpus build --name pmc-only --corpus pmc
+    """
+    from tools.corpus import load_documents
+    from tools.corpus.documents import dedupe
+    from tools.dictionary import CORPUS as ICD
+    from tools.embeddings import make_embedder
+    from tools.index import build_index, chunk_frame
+
+    config = settings(ctx)
+    wh = warehouse(ctx)
+    ingested = sorted(set(wh.read("documents")["corpus"].unique().to_list()) - {"web"})
+    if not ingested:
+        raise InputError("no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first")
+    plans = []
+    if name or corpora:
+        chosen = list(corpora) or [c for c in ingested if c != ICD]
+        plans.append((name or LITERATURE, chosen, lexical_only or chosen == [ICD]))
+    else:
+        literature = [c for c in ingested if c != ICD]
+        if literature:
+            plans.append((LITERATURE, literature, lexical_only))
+        if ICD in ingested:
+            plans.append((ICD, [ICD], True))
+    root = index_root(ctx)
+    embedder = None
+    for index_name, chosen, lexical in plans:
+        documents, dropped = dedupe(load_documents(wh, chosen))
+        click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
+                   f"({len(dropped)} cross-corpus duplicates dropped)", err=True)
+        if not lexical and embedder is None:
+            embedder = make_embedder(config.tools.embedding)
+        manifest = build_index(chunk_frame(documents, config.tools.chunk_chars), root / index_name,
+                               None if lexical else embedder, name=index_name, corpora=chosen)
+        click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
+                   f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
+                   f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> {root / index_name}")
+
+
+@corpus.command("search")
+@click.argument("query")
+@click.option("--name", default=LITERATURE, show_default=True, help="Index to search (e.g. icd).")
+@click.option("-k", "k", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--mode", type=click.Choice(["hybrid", "bm25", "dense"]), default="hybrid", show_default=True)
+@click.pass_context
+def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str) -> None:
+    """Search an index; prints rank, score, document, title and a query-focused passage.
+
+    \b
+    Example:
+      dxr corpus search "recurrence of atrial fibrillation after ablation" -k 3
+    """
+    from tools.embeddings import make_embedder
+    from tools.index import CorpusIndex
+
+    directory = index_root(ctx) / name
+    needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
+    embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
+    index = CorpusIndex(directory, embedder)
+    hits = index.search(query, k=k, mode=mode if index.has_dense else "bm25")
+    if not hits:
+        click.echo("no result")
+    for hit in hits:
+        click.echo(f"{hit.rank:>2}  {hit.score:.4f}  {hit.doc_id}  {hit.title[:80]}")
+        click.echo(f"    {hit.passage[:300]}")

@@ -1,0 +1,39 @@
+"""Offline retrieval channels: local corpora (relation / discovery evidence) and the ICD dictionary
+(definition evidence). Both record every attempt through the one `Ledger`."""
+
+from __future__ import annotations
+
+from tools.dictionary import Dictionary
+from tools.index import CorpusIndex
+from tools.ledger import Ledger, LedgerRow, SearchJob
+
+
+class LocalChannel:
+    """The same query against fixed local corpora: focused passages, no network."""
+
+    def __init__(self, index: CorpusIndex, ledger: Ledger, k: int = 5, mode: str = "hybrid"):
+        self.index, self.ledger, self.k, self.mode = index, ledger, k, mode
+
+    def run(self, job: SearchJob) -> list[LedgerRow]:
+        hits = self.index.search(job.query, k=self.k, mode=self.mode if self.index.has_dense else "bm25")
+        if not hits:
+            return [self.ledger.record(job, engine=self.index.manifest["name"], state="no_result")]
+        return [self.ledger.record(job, engine=hit.engine, state="readable", doc_id=hit.doc_id, title=hit.title,
+                                   url=hit.url, excerpt=hit.passage) for hit in hits]
+
+
+class DictionaryChannel:
+    """Code-meaning lookups: one `definition` record per code (no_result when the code is unknown)."""
+
+    ENGINE = "dictionary"
+
+    def __init__(self, dictionary: Dictionary, ledger: Ledger):
+        self.dictionary, self.ledger = dictionary, ledger
+
+    def define(self, job: SearchJob) -> LedgerRow:
+        definition = self.dictionary.define(job.code)
+        if definition is None:
+            return self.ledger.record(job, engine=self.ENGINE, state="no_result", channel="definition",
+                                      detail=f"code {job.code} not in the ICD dictionary")
+        return self.ledger.record(job, engine=self.ENGINE, state="readable", channel="definition",
+                                  doc_id=definition.doc_id, title=definition.title, excerpt=definition.text)

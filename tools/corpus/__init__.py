@@ -1,0 +1,135 @@
+"""Corpus ingestion: format adapters -> documents + chunks in the warehouse.
+
+`ingest(warehouse, fmt, path, corpus)` parses one file or a directory of files, deduplicates,
+chunks, and replaces the partition `(corpus, source)` of `documents` and `chunks`, where `source`
+is derived from the resolved path, so re-ingesting the same path replaces its own rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+
+from dxr.errors import InputError
+from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document, chunk_document, dedupe
+from tools.corpus.json_sources import read_arxiv, read_jsonl, read_medquad, read_pubmedqa
+from tools.corpus.xml_sources import read_jats, read_medline
+
+
+@dataclass(frozen=True)
+class Format:
+    reader: Callable[[Path, str], Iterator[Document]]
+    # File name endings read when PATH is a directory.
+    suffixes: tuple[str, ...]
+    default_corpus: str
+
+
+FORMATS: dict[str, Format] = {
+    "jats": Format(read_jats, (".nxml", ".xml", ".nxml.gz"), "pmc"),
+    "medline": Format(read_medline, (".xml", ".xml.gz"), "medline"),
+    "arxiv": Format(read_arxiv, (".json", ".jsonl", ".json.gz", ".jsonl.gz"), "arxiv"),
+    "medquad": Format(read_medquad, (".json", ".json.gz"), "medquad"),
+    "pubmedqa": Format(read_pubmedqa, (".json", ".json.gz"), "pubmedqa"),
+    "jsonl": Format(read_jsonl, (".jsonl", ".jsonl.gz"), "jsonl"),
+}
+
+
+@dataclass
+class IngestSummary:
+    corpus: str
+    source: str
+    files: int
+    documents: int
+    duplicates: int
+    chunks: int
+
+
+def source_key(path: Path) -> str:
+    """A partition-safe key for an ingested path: readable stem + hash of the resolved path."""
+    resolved = str(path.resolve())
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.name)[:40] or "root"
+    return f"{stem}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
+
+
+def input_files(fmt: str, path: Path) -> list[Path]:
+    if fmt not in FORMATS:
+        raise InputError(f"unknown corpus format {fmt!r}; choose one of {', '.join(FORMATS)} (or icd)")
+    if not path.exists():
+        raise InputError(f"{path} does not exist: give a {fmt} file or a directory of them")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FORMATS[fmt].suffixes))
+    if not files:
+        raise InputError(f"{path}: no files ending in {', '.join(FORMATS[fmt].suffixes)} for format {fmt}")
+    return files
+
+
+def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None) -> list[Document]:
+    corpus = corpus or FORMATS[fmt].default_corpus if fmt in FORMATS else corpus
+    documents: list[Document] = []
+    for file in input_files(fmt, path):
+        documents.extend(FORMATS[fmt].reader(file, corpus))
+        if progress:
+            progress(file)
+    return documents
+
+
+def documents_frame(documents: list[Document], corpus: str, source: str) -> pl.DataFrame:
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    return pl.DataFrame([{
+        "corpus": corpus, "source": source, "doc_id": d.doc_id, "source_format": d.source_format, "title": d.title,
+        "url": d.url, "doi": d.doi, "pmcid": d.pmcid, "pmid": d.pmid, "arxiv_id": d.arxiv_id,
+        "sections_json": json.dumps(d.sections, ensure_ascii=False), "n_chars": len(d.text), "ingested_at": now,
+    } for d in documents], schema_overrides={"ingested_at": pl.Datetime("us")})
+
+
+def chunks_frame(documents: list[Document], corpus: str, source: str, max_chars: int) -> pl.DataFrame:
+    rows = [{"corpus": corpus, "source": source, "chunk_id": c.chunk_id, "doc_id": c.doc_id, "ordinal": c.ordinal,
+             "section": c.section, "text": c.text}
+            for d in documents for c in chunk_document(d, max_chars)]
+    return pl.DataFrame(rows, schema={"corpus": pl.String, "source": pl.String, "chunk_id": pl.String,
+                                      "doc_id": pl.String, "ordinal": pl.Int32, "section": pl.String,
+                                      "text": pl.String})
+
+
+def store_documents(warehouse, documents: list[Document], corpus: str, source: str,
+                    max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1) -> IngestSummary:
+    """Dedupe and write one (corpus, source) partition of `documents` and `chunks`."""
+    kept, dropped = dedupe(documents)
+    if not kept:
+        raise InputError(f"corpus {corpus}: source {source} produced no documents; check the FORMAT and PATH")
+    chunks = chunks_frame(kept, corpus, source, max_chars)
+    warehouse.write("documents", documents_frame(kept, corpus, source), corpus=corpus, source=source)
+    warehouse.write("chunks", chunks, corpus=corpus, source=source)
+    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height)
+
+
+def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
+           progress=None) -> IngestSummary:
+    corpus = corpus or FORMATS[fmt].default_corpus if fmt in FORMATS else corpus
+    files = input_files(fmt, Path(path))
+    documents = read_documents(fmt, Path(path), corpus, progress)
+    return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files))
+
+
+def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document]:
+    """Documents of the named corpora (all when None) back from the warehouse, in stable order."""
+    frame = warehouse.read("documents")
+    if corpora:
+        unknown = sorted(set(corpora) - set(frame["corpus"].unique().to_list()))
+        if unknown:
+            known = ", ".join(sorted(frame["corpus"].unique().to_list())) or "(none)"
+            raise InputError(f"corpus {', '.join(unknown)} not ingested; ingested corpora: {known}")
+        frame = frame.filter(pl.col("corpus").is_in(corpora))
+    frame = frame.sort(["corpus", "source", "doc_id"])
+    return [Document(doc_id=r["doc_id"], corpus=r["corpus"], source_format=r["source_format"], title=r["title"],
+                     sections=[tuple(s) for s in json.loads(r["sections_json"])], url=r["url"], doi=r["doi"],
+                     pmcid=r["pmcid"], pmid=r["pmid"], arxiv_id=r["arxiv_id"])
+            for r in frame.iter_rows(named=True)]

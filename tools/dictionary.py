@@ -1,0 +1,93 @@
+"""The ICD dictionary channel: what a code means (title, inclusion terms, excludes, instructional notes).
+
+Built from the vocabulary tables (`icd_codes`, `icd_notes`) and indexed lexically as its own corpus
+(`icd`). A definition establishes what a code means, never that it will occur: its ledger rows use
+channel `definition` and contribute no forecast confidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+from dxr.errors import InputError
+from tools.corpus.documents import Document
+
+CORPUS = "icd"
+NOTE_HEADINGS = {
+    "inclusion_term": "Inclusion terms", "includes": "Includes", "excludes1": "Excludes1",
+    "excludes2": "Excludes2", "code_first": "Code first", "use_additional": "Use additional code",
+    "code_also": "Code also", "notes": "Notes",
+}
+
+
+def load_vocabulary(warehouse=None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(codes, notes) from the warehouse tables when loaded there, else from the packaged vocabularies."""
+    if warehouse is not None and warehouse.has_rows("icd_codes"):
+        return warehouse.read("icd_codes"), warehouse.read("icd_notes")
+    try:
+        from warehouse import vocab
+    except ImportError as exc:  # the vocabulary module ships with the warehouse package
+        raise InputError(f"no ICD vocabulary in the warehouse and warehouse.vocab is unavailable ({exc}); "
+                         "load the vocabularies first") from None
+    codes = pl.concat([vocab.icd10_codes(), vocab.icd9_codes()], how="vertical_relaxed")
+    return codes, vocab.icd10_notes()
+
+
+def icd_documents(codes: pl.DataFrame, notes: pl.DataFrame, corpus: str = CORPUS) -> list[Document]:
+    """One document per code: '<dotted> <title>' plus one section per note kind (inherited notes
+    say which ancestor they come from)."""
+    for column in ("code", "icd_version", "dotted", "title", "billable"):
+        if column not in codes.columns:
+            raise InputError(f"ICD codes frame lacks column '{column}'; expected the icd_codes table schema")
+    grouped: dict[str, list[tuple[str, str]]] = {}
+    for row in notes.iter_rows(named=True):
+        text = row["text"]
+        if row.get("inherited_from"):
+            text = f"{text} (from {row['inherited_from'].rsplit('//', 1)[-1]})"
+        grouped.setdefault(row["code"], []).append((row["kind"], text))
+    documents = []
+    for row in codes.sort(["icd_version", "code"]).iter_rows(named=True):
+        version = int(row["icd_version"])
+        title = f"{row['dotted']} {row['title']}"
+        sections = [("Title", f"ICD-{version}-CM {title}")]
+        by_kind: dict[str, list[str]] = {}
+        for kind, text in grouped.get(row["code"], []):
+            by_kind.setdefault(kind, []).append(text)
+        for kind, texts in by_kind.items():
+            sections.append((NOTE_HEADINGS.get(kind, kind), "; ".join(texts) + "."))
+        documents.append(Document(doc_id=f"icd{version}:{row['dotted']}", corpus=corpus, source_format="icd",
+                                  title=title, sections=sections, meta={"code": row["code"],
+                                                                        "billable": row["billable"]}))
+    return documents
+
+
+@dataclass(frozen=True)
+class Definition:
+    code: str
+    doc_id: str
+    title: str
+    text: str
+
+
+class Dictionary:
+    """Exact code lookups (no index needed) over the vocabulary frames."""
+
+    def __init__(self, codes: pl.DataFrame, notes: pl.DataFrame):
+        self._by_key: dict[str, Document] = {}
+        for doc in icd_documents(codes, notes):
+            code = doc.meta["code"]
+            version = code.split("//")[2]
+            raw = code.rsplit("//", 1)[-1]
+            dotted = doc.doc_id.split(":", 1)[1]
+            for key in (code, f"{version}:{raw}", f"{version}:{dotted}"):
+                self._by_key[key.upper()] = doc
+
+    def define(self, code: str, icd_version: int | None = None) -> Definition | None:
+        """The definition of a MEDS code string, or of a raw/dotted code with its ICD version."""
+        key = code if code.upper().startswith(("DIAGNOSIS//", "PROCEDURE//")) else f"{icd_version}:{code}"
+        doc = self._by_key.get(key.upper())
+        if doc is None:
+            return None
+        return Definition(doc.meta["code"], doc.doc_id, doc.title, doc.text)

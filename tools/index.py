@@ -1,0 +1,319 @@
+"""The local literature index: tantivy BM25 + faiss dense vectors over chunks, fused by RRF.
+
+An index is a directory:
+  manifest.json       what was built (corpora, counts, embedder, build seconds)
+  chunks.parquet      one row per chunk; the row number is the id in both indexes
+  tantivy/            BM25 over title + body (stemmed English)
+  dense.faiss         inner-product index over L2-normalized embeddings (absent for lexical-only)
+  embeddings.npy      the vectors, reused by the next build for unchanged chunk texts
+
+Search works on chunks and answers with documents: each retriever's chunk ranking is collapsed
+to a document ranking (best chunk per document), the document rankings are fused by reciprocal
+rank fusion, and each hit carries a query-focused passage from its best chunk and that chunk's
+neighbours in the same section (parent expansion).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from dxr.errors import InputError, NotFoundError
+from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document, chunk_document, text_hash
+from tools.passages import DEFAULT_PASSAGE_CHARS, focused_passage
+
+RRF_K = 60
+# Each retriever contributes this many chunks before collapsing to documents and fusing.
+DEFAULT_DEPTH = 100
+MODES = ("bm25", "dense", "hybrid")
+
+CHUNK_COLUMNS = {
+    "chunk_id": pl.String, "doc_id": pl.String, "corpus": pl.String, "engine": pl.String, "ordinal": pl.Int32,
+    "section": pl.String, "text": pl.String, "title": pl.String, "url": pl.String, "pmcid": pl.String,
+    "pmid": pl.String, "arxiv_id": pl.String, "doi": pl.String,
+}
+
+
+def engine_of(doc: Document) -> str:
+    """The ledger `engine` of a local document: pmc / arxiv for those sources, else the corpus name."""
+    return {"jats": "pmc", "arxiv": "arxiv"}.get(doc.source_format, doc.corpus)
+
+
+def chunk_frame(documents: list[Document], max_chars: int = DEFAULT_CHUNK_CHARS) -> pl.DataFrame:
+    rows = []
+    for doc in documents:
+        for chunk in chunk_document(doc, max_chars):
+            rows.append({"chunk_id": chunk.chunk_id, "doc_id": doc.doc_id, "corpus": doc.corpus,
+                         "engine": engine_of(doc), "ordinal": chunk.ordinal, "section": chunk.section,
+                         "text": chunk.text, "title": doc.title, "url": doc.url, "pmcid": doc.pmcid,
+                         "pmid": doc.pmid, "arxiv_id": doc.arxiv_id, "doi": doc.doi})
+    return pl.DataFrame(rows, schema=CHUNK_COLUMNS)
+
+
+@dataclass
+class Hit:
+    """One document answering a query, with the chunk that ranked it and a focused passage."""
+
+    rank: int
+    doc_id: str
+    chunk_id: str
+    score: float
+    title: str
+    url: str | None
+    corpus: str
+    engine: str
+    passage: str
+    bm25_rank: int | None = None
+    dense_rank: int | None = None
+
+
+def reciprocal_rank_fusion(rankings: list[list[str]], k0: int = RRF_K) -> list[tuple[str, float]]:
+    """Fuse ranked id lists: score(d) = sum 1/(k0 + rank), ranks one-based; ties by first appearance.
+
+    >>> reciprocal_rank_fusion([["a", "b"], ["b", "c"]], k0=60)[0][0]
+    'b'
+    """
+    scores: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, item in enumerate(ranking, 1):
+            scores[item] = scores.get(item, 0.0) + 1.0 / (k0 + rank)
+    order = {item: i for i, item in enumerate(dict.fromkeys(x for r in rankings for x in r))}
+    return sorted(scores.items(), key=lambda kv: (-kv[1], order[kv[0]]))
+
+
+def bm25_query_text(query: str) -> str:
+    """Lower-cased alphanumeric runs joined by spaces: tantivy's query syntax (quotes, colons, +/-,
+    apostrophes, AND/OR) is never exposed.
+
+    >>> bm25_query_text("children's 23-hour ward: AND effective?")
+    'children s 23 hour ward and effective'
+    """
+    return " ".join(re.findall(r"[a-z0-9]+", query.lower()))
+
+
+def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_titles: bool = True,
+                name: str | None = None, corpora: list[str] | None = None,
+                share_embeddings_with: list[Path] = ()) -> dict:
+    """Write an index directory for `chunks`; `embedder=None` builds a lexical-only index.
+
+    Embeddings of chunk texts already present in a previous build of this directory (or of the
+    index directories in `share_embeddings_with`) are reused.
+    """
+    import tantivy
+
+    if chunks.is_empty():
+        raise InputError(f"no chunks to index for {out_dir}: ingest a corpus first (dxr corpus ingest FORMAT PATH)")
+    started = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chunks = chunks.select(list(CHUNK_COLUMNS)).with_row_index("row")
+    texts = chunks["text"].to_list()
+    titles = chunks["title"].fill_null("").to_list()
+
+    lexical_dir = out_dir / "tantivy"
+    if lexical_dir.exists():
+        shutil.rmtree(lexical_dir)
+    lexical_dir.mkdir()
+    builder = tantivy.SchemaBuilder()
+    builder.add_integer_field("row", stored=True, indexed=False)
+    builder.add_text_field("title", stored=False, tokenizer_name="en_stem")
+    builder.add_text_field("body", stored=False, tokenizer_name="en_stem")
+    index = tantivy.Index(builder.build(), path=str(lexical_dir))
+    writer = index.writer(heap_size=128_000_000, num_threads=1)
+    for row, (title, text) in enumerate(zip(titles, texts)):
+        writer.add_document(tantivy.Document(row=row, title=title if index_titles else "", body=text))
+    writer.commit()
+    writer.wait_merging_threads()
+    lexical_seconds = time.perf_counter() - started
+
+    embedded = reused = 0
+    dense_seconds = 0.0
+    if embedder is not None:
+        import faiss
+
+        dense_started = time.perf_counter()
+        inputs = [f"{t}. {x}" if index_titles and t else x for t, x in zip(titles, texts)]
+        keys = [text_hash(f"{embedder.name}\n{x}") for x in inputs]
+        cached = {}
+        for directory in [*share_embeddings_with, out_dir]:
+            cached.update(_load_cached_vectors(Path(directory)))
+        missing = [i for i, k in enumerate(keys) if k not in cached]
+        fresh = embedder.encode([inputs[i] for i in missing]) if missing else None
+        dim = fresh.shape[1] if fresh is not None else len(next(iter(cached.values())))
+        vectors = np.zeros((len(inputs), dim), dtype="float32")
+        fresh_rows = {row: j for j, row in enumerate(missing)}
+        for row, key in enumerate(keys):
+            vectors[row] = fresh[fresh_rows[row]] if row in fresh_rows else cached[key]
+        embedded, reused = len(missing), len(keys) - len(missing)
+        dense = faiss.IndexFlatIP(dim)
+        dense.add(vectors)
+        faiss.write_index(dense, str(out_dir / "dense.faiss"))
+        np.save(out_dir / "embeddings.npy", vectors)
+        pl.DataFrame({"key": keys}).write_parquet(out_dir / "embedding_keys.parquet")
+        dense_seconds = time.perf_counter() - dense_started
+    else:
+        for stale in ("dense.faiss", "embeddings.npy", "embedding_keys.parquet"):
+            (out_dir / stale).unlink(missing_ok=True)
+
+    chunks.drop("row").write_parquet(out_dir / "chunks.parquet")
+    manifest = {
+        "name": name or out_dir.name, "corpora": corpora or sorted(chunks["corpus"].unique().to_list()),
+        "n_documents": chunks["doc_id"].n_unique(), "n_chunks": chunks.height, "index_titles": index_titles,
+        "embedder": getattr(embedder, "name", None), "embedded": embedded, "embeddings_reused": reused,
+        "lexical_seconds": round(lexical_seconds, 3), "dense_seconds": round(dense_seconds, 3),
+        "build_seconds": round(time.perf_counter() - started, 3), "bytes": 0,
+    }
+    manifest["bytes"] = directory_bytes(out_dir)
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _load_cached_vectors(out_dir: Path) -> dict[str, np.ndarray]:
+    keys_path, vectors_path = out_dir / "embedding_keys.parquet", out_dir / "embeddings.npy"
+    if not (keys_path.exists() and vectors_path.exists()):
+        return {}
+    keys = pl.read_parquet(keys_path)["key"].to_list()
+    vectors = np.load(vectors_path)
+    if len(keys) != len(vectors):
+        return {}
+    return dict(zip(keys, vectors))
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class CorpusIndex:
+    """A built index opened for search. `embedder` is needed only for dense / hybrid search."""
+
+    def __init__(self, directory: Path, embedder=None):
+        import tantivy
+
+        self.directory = Path(directory)
+        manifest_path = self.directory / "manifest.json"
+        if not manifest_path.exists():
+            raise NotFoundError(f"no corpus index at {self.directory}: build it with `dxr corpus build`")
+        self.manifest = json.loads(manifest_path.read_text())
+        self.chunks = pl.read_parquet(self.directory / "chunks.parquet")
+        self._lexical = tantivy.Index.open(str(self.directory / "tantivy"))
+        self._searcher = self._lexical.searcher()
+        self._dense = None
+        if (self.directory / "dense.faiss").exists():
+            import faiss
+
+            self._dense = faiss.read_index(str(self.directory / "dense.faiss"))
+        self.embedder = embedder
+        # Columns as Python lists: per-hit access stays O(1) without frame indexing overhead.
+        self._col = {name: self.chunks[name].to_list() for name in self.chunks.columns}
+        self._row_of_chunk = {chunk_id: row for row, chunk_id in enumerate(self._col["chunk_id"])}
+        self._rows_of_doc: dict[str, list[int]] = {}
+        for row, doc_id in enumerate(self._col["doc_id"]):
+            self._rows_of_doc.setdefault(doc_id, []).append(row)
+        self._ids = {}
+        for key in ("pmcid", "arxiv_id", "doi", "pmid"):
+            for row, value in enumerate(self._col[key]):
+                if value:
+                    self._ids.setdefault((key, str(value).lower()), self._col["doc_id"][row])
+
+    @property
+    def has_dense(self) -> bool:
+        return self._dense is not None
+
+    # ---- retrieval --------------------------------------------------------------------------
+    def bm25_rows(self, query: str, depth: int = DEFAULT_DEPTH) -> list[int]:
+        text = bm25_query_text(query)
+        if not text:
+            return []
+        parsed = self._lexical.parse_query(text, ["title", "body"])
+        result = self._searcher.search(parsed, depth)
+        return [self._searcher.doc(address)["row"][0] for _, address in result.hits]
+
+    def dense_rows(self, query: str, depth: int = DEFAULT_DEPTH) -> list[int]:
+        if self._dense is None:
+            raise InputError(f"index {self.directory} has no dense vectors (built lexical-only): use mode bm25")
+        if self.embedder is None:
+            raise InputError("dense search needs an embedder: open the index with CorpusIndex(dir, embedder)")
+        vector = self.embedder.encode([query])
+        _, rows = self._dense.search(vector, min(depth, self._dense.ntotal))
+        return [int(r) for r in rows[0] if r >= 0]
+
+    def search(self, query: str, k: int = 10, mode: str = "hybrid", depth: int = DEFAULT_DEPTH,
+               passage_chars: int = DEFAULT_PASSAGE_CHARS, with_passages: bool = True) -> list[Hit]:
+        """Top-k documents for `query` (one hit per document)."""
+        if mode not in MODES:
+            raise InputError(f"unknown search mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "hybrid" and self._dense is None:
+            mode = "bm25"
+        lexical = self._best_chunk_per_doc(self.bm25_rows(query, depth)) if mode in ("bm25", "hybrid") else {}
+        dense = self._best_chunk_per_doc(self.dense_rows(query, depth)) if mode in ("dense", "hybrid") else {}
+        lexical_ids, dense_ids = list(lexical), list(dense)
+        if mode == "bm25":
+            fused = [(d, 1.0 / (RRF_K + i)) for i, d in enumerate(lexical_ids, 1)]
+        elif mode == "dense":
+            fused = [(d, 1.0 / (RRF_K + i)) for i, d in enumerate(dense_ids, 1)]
+        else:
+            fused = reciprocal_rank_fusion([lexical_ids, dense_ids])
+        lexical_rank = {d: i for i, d in enumerate(lexical_ids, 1)}
+        dense_rank = {d: i for i, d in enumerate(dense_ids, 1)}
+        hits = []
+        for rank, (doc_id, score) in enumerate(fused[:k], 1):
+            row = lexical.get(doc_id, dense.get(doc_id))
+            if lexical.get(doc_id) is not None and dense.get(doc_id) is not None:
+                # Take the chunk of the retriever that ranked this document higher.
+                row = lexical[doc_id] if lexical_rank[doc_id] <= dense_rank[doc_id] else dense[doc_id]
+            passage = focused_passage(query, self.expanded_text(row), passage_chars) if with_passages else ""
+            hits.append(Hit(rank, doc_id, self._col["chunk_id"][row], score, self._col["title"][row] or "",
+                            self._col["url"][row], self._col["corpus"][row], self._col["engine"][row], passage,
+                            lexical_rank.get(doc_id), dense_rank.get(doc_id)))
+        return hits
+
+    def _best_chunk_per_doc(self, rows: list[int]) -> dict[str, int]:
+        best: dict[str, int] = {}
+        for row in rows:
+            best.setdefault(self._col["doc_id"][row], row)
+        return best
+
+    def passage(self, query: str, hit: Hit, passage_chars: int = DEFAULT_PASSAGE_CHARS) -> str:
+        """The query-focused passage of a hit returned without one (`with_passages=False`)."""
+        return focused_passage(query, self.expanded_text(self._row_of_chunk[hit.chunk_id]), passage_chars)
+
+    # ---- documents --------------------------------------------------------------------------
+    def expanded_text(self, row: int, window: int = 1) -> str:
+        """The chunk plus up to `window` neighbours on each side within the same section."""
+        doc_rows = self._rows_of_doc[self._col["doc_id"][row]]
+        position = doc_rows.index(row)
+        section = self._col["section"][row]
+        picked = [r for r in doc_rows[max(0, position - window): position + window + 1]
+                  if self._col["section"][r] == section]
+        return " ".join(self._col["text"][r] for r in picked)
+
+    def document_text(self, doc_id: str) -> str:
+        return "\n\n".join(self._col["text"][r] for r in self._rows_of_doc.get(doc_id, []))
+
+    def document(self, doc_id: str) -> dict | None:
+        rows = self._rows_of_doc.get(doc_id)
+        if not rows:
+            return None
+        first = rows[0]
+        return {key: self._col[key][first] for key in ("doc_id", "corpus", "engine", "title", "url", "pmcid",
+                                                        "pmid", "arxiv_id", "doi")}
+
+    def resolve(self, *, pmcid=None, arxiv_id=None, doi=None, pmid=None) -> str | None:
+        """The local doc_id carrying one of these identifiers (canonicalization of web hits)."""
+        from tools.corpus.documents import normalize_arxiv_id, normalize_doi, normalize_pmcid
+
+        for key, value, norm in (("pmcid", pmcid, normalize_pmcid), ("arxiv_id", arxiv_id, normalize_arxiv_id),
+                                 ("doi", doi, normalize_doi), ("pmid", pmid, str)):
+            if value:
+                normalized = norm(value)
+                for candidate in {normalized, normalized.removeprefix("PMC")}:
+                    found = self._ids.get((key, candidate.lower()))
+                    if found:
+                        return found
+        return None

@@ -1,0 +1,1 @@
+"""The online channel: search providers (serialized, rate-limited), the page reader, the web channel."""

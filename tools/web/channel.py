@@ -1,0 +1,160 @@
+"""The online channel: provider hits -> page reader -> ledger rows, with bounded link following.
+
+For each search job: the provider's top hits are read (concurrently); each page becomes exactly
+one ledger row: `readable` (the ledger decides supported or not), or `unreadable` with the reason
+(blocked, robots, timeout, oversized, content type, HTTP error, near-empty, non-medical,
+duplicate). A hit that names a PMC / arXiv / DOI document held locally is canonicalized: the local
+text is used and the web hit is kept as provenance. Links of readable pages are followed level by
+level up to `max_depth`, at most `max_sublinks` eligible links per page; reading stops after a
+level that produced a support cue when `stop_on_support` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from datetime import datetime, timezone
+from urllib.parse import unquote, urlsplit
+
+import aiohttp
+import polars as pl
+
+from tools.config import WebConfig
+from tools.corpus.documents import normalize_url
+from tools.ledger import Ledger, LedgerRow, SearchJob
+from tools.passages import focused_passage
+from tools.text import words
+from tools.web.providers import SearchProvider
+from tools.web.reader import PageReader, eligible_link, is_blocked
+
+_PMC = re.compile(r"/(?:pmc/)?articles/(PMC\d+)", re.I)
+_ARXIV = re.compile(r"arxiv\.org/(?:abs|pdf)/([\w./-]+?)(?:v\d+)?(?:\.pdf)?/?$", re.I)
+_DOI = re.compile(r"(?:doi\.org/|/doi/(?:abs/|full/)?)(10\.\d{4,9}/[^\s?#]+)", re.I)
+
+
+def identifiers_in_url(url: str) -> dict[str, str]:
+    """PMC / arXiv / DOI identifiers a URL names, e.g. {'pmcid': 'PMC1790863'}.
+
+    >>> identifiers_in_url("https://pmc.ncbi.nlm.nih.gov/articles/PMC1790863/")
+    {'pmcid': 'PMC1790863'}
+    """
+    found = {}
+    if m := _PMC.search(url):
+        found["pmcid"] = m.group(1).upper()
+    if m := _ARXIV.search(url):
+        found["arxiv_id"] = m.group(1)
+    if m := _DOI.search(unquote(url)):
+        found["doi"] = m.group(1).rstrip("/")
+    return found
+
+
+class WebChannel:
+    """Runs search jobs through a provider and the reader, writing every attempt to the ledger."""
+
+    def __init__(self, provider: SearchProvider, reader: PageReader, ledger: Ledger, config: WebConfig,
+                 local_index=None):
+        self.provider, self.reader, self.ledger, self.config = provider, reader, ledger, config
+        self.local_index = local_index
+        # Content fingerprints of pages already read, per trajectory: a later copy is a duplicate.
+        self._fingerprints: dict[str, dict[str, str]] = {}
+        self.documents: dict[str, dict] = {}
+
+    async def run(self, job: SearchJob) -> list[LedgerRow]:
+        rows: list[LedgerRow] = []
+        try:
+            hits = await self.provider.search(self.reader.session, job.query, self.config.results_per_query)
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
+            return [self.ledger.record(job, engine=self.provider.name, state="no_result",
+                                       detail=f"provider error ({type(exc).__name__})")]
+        if not hits:
+            return [self.ledger.record(job, engine=self.provider.name, state="no_result")]
+        visited: set[str] = set()
+        level = []
+        for hit in hits:
+            if normalize_url(hit.url) not in visited:
+                visited.add(normalize_url(hit.url))
+                level.append((hit.url, f"{self.provider.name} hit {hit.rank}"))
+        depth, reads = 0, 0
+        while level and reads < self.config.max_pages_per_job:
+            level = level[: self.config.max_pages_per_job - reads]
+            outcomes = await asyncio.gather(*(self._visit(job, url) for url, _ in level))
+            reads += len(level)
+            next_level = []
+            for (url, provenance), (row_args, links) in zip(level, outcomes):
+                rows.append(self.ledger.record(job, provenance=provenance, **row_args))
+                if depth >= self.config.max_depth:
+                    continue
+                followed = 0
+                for link in links:
+                    key = normalize_url(link)
+                    if followed >= self.config.max_sublinks or key in visited:
+                        continue
+                    if eligible_link(link, self.config.blocked_domains):
+                        visited.add(key)
+                        next_level.append((link, f"link from {url} (depth {depth + 1})"))
+                        followed += 1
+            if self.config.stop_on_support and self.ledger.supported(job):
+                break
+            level, depth = next_level, depth + 1
+        return rows
+
+    async def _visit(self, job: SearchJob, url: str) -> tuple[dict, list[str]]:
+        """Ledger fields for one URL plus the links to consider following (readable pages only)."""
+        engine = self.provider.name
+        local = self._canonical(url)
+        if local is not None:
+            document = self.local_index.document(local)
+            text = self.local_index.document_text(local)
+            return ({"engine": document["engine"], "state": "readable", "doc_id": local, "title": document["title"],
+                     "url": document["url"] or url,
+                     "excerpt": focused_passage(job.query, text, self.config.passage_chars),
+                     "detail": f"canonicalized from {url}"}, [])
+        if is_blocked(url, self.config.blocked_domains):
+            return {"engine": engine, "state": "unreadable", "url": url, "detail": "blocked domain"}, []
+        page = await self.reader.read(url)
+        base = {"engine": engine, "url": url, "title": page.title or None}
+        if page.error:
+            return {**base, "state": "unreadable", "detail": page.error}, []
+        text = page.text or ""
+        if len(text) < self.config.min_chars:
+            return {**base, "state": "unreadable", "detail": f"near-empty ({len(text)} characters)"}, []
+        medical = set(words(text)) & set(self.config.medical_terms)
+        if len(medical) < self.config.min_medical_terms:
+            return {**base, "state": "unreadable",
+                    "detail": f"non-medical ({len(medical)} medical terms < {self.config.min_medical_terms})"}, []
+        seen = self._fingerprints.setdefault(job.trajectory_id, {})
+        fingerprint = hashlib.sha1(" ".join(words(text)).encode()).hexdigest()
+        if fingerprint in seen and seen[fingerprint] != url:
+            return {**base, "state": "unreadable", "detail": f"duplicate of {seen[fingerprint]}"}, []
+        seen.setdefault(fingerprint, url)
+        doc_id = "web:" + hashlib.sha1(normalize_url(page.final_url or url).encode()).hexdigest()[:16]
+        self.documents[doc_id] = {"doc_id": doc_id, "title": page.title or "", "url": page.final_url or url,
+                                  "text": text}
+        return ({**base, "state": "readable", "doc_id": doc_id,
+                 "excerpt": focused_passage(job.query, text, self.config.passage_chars)}, page.links)
+
+    def _canonical(self, url: str) -> str | None:
+        if self.local_index is None:
+            return None
+        ids = identifiers_in_url(url)
+        return self.local_index.resolve(**ids) if ids else None
+
+    def documents_frame(self, source: str) -> pl.DataFrame:
+        """Pages read in this channel as `documents` rows (corpus `web`)."""
+        now = datetime.now(timezone.utc).replace(tzinfo=None)
+        rows = [{"corpus": "web", "source": source, "doc_id": d["doc_id"], "source_format": "web",
+                 "title": d["title"], "url": d["url"], "doi": None, "pmcid": None, "pmid": None, "arxiv_id": None,
+                 "sections_json": json.dumps([["Page", d["text"]]], ensure_ascii=False), "n_chars": len(d["text"]),
+                 "ingested_at": now} for d in sorted(self.documents.values(), key=lambda d: d["doc_id"])]
+        return pl.DataFrame(rows, schema_overrides={"ingested_at": pl.Datetime("us"), "doi": pl.String,
+                                                    "pmcid": pl.String, "pmid": pl.String, "arxiv_id": pl.String})
+
+    def flush(self) -> None:
+        """Write the ledger partition, the pages read (documents, corpus `web`) and the page cache."""
+        self.ledger.flush()
+        source = f"{self.ledger.run_id}-{self.ledger.shard}"
+        if self.documents:
+            self.ledger.warehouse.write("documents", self.documents_frame(source), corpus="web", source=source)
+        self.reader.cache.flush()
