@@ -11,28 +11,22 @@ tags. A `when` string is a space-separated conjunction of tokens, `!token` negat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
-def parse_when(when: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def parse_when(when: str) -> tuple[frozenset[str], frozenset[str]]:
     """Split a `when` string into required and forbidden tokens.
 
     >>> parse_when("ckd !dialysis")
-    (('ckd',), ('dialysis',))
+    (frozenset({'ckd'}), frozenset({'dialysis'}))
     """
     words = when.split()
-    return tuple(w for w in words if not w.startswith("!")), tuple(w[1:] for w in words if w.startswith("!"))
+    return frozenset(w for w in words if not w.startswith("!")), frozenset(w[1:] for w in words if w.startswith("!"))
 
 
-def holds(cond: tuple[tuple[str, ...], tuple[str, ...]], tokens: set[str] | frozenset[str]) -> bool:
-    required, forbidden = cond
-    for t in required:
-        if t not in tokens:
-            return False
-    for t in forbidden:
-        if t in tokens:
-            return False
-    return True
+def holds(cond: tuple[frozenset[str], frozenset[str]], tokens: set[str] | frozenset[str]) -> bool:
+    return cond[0] <= tokens and cond[1].isdisjoint(tokens)
 
 
 @dataclass(frozen=True)
@@ -56,11 +50,15 @@ class Hazard:
     def __post_init__(self):
         object.__setattr__(self, "_req", parse_when(self.requires))
         object.__setattr__(self, "_risks", tuple(self.risks.items()))
+        object.__setattr__(self, "_per_year", math.log(self.per_decade) / 10.0 if self.per_decade > 0 else -math.inf)
 
     def at(self, age: float, tokens: set[str]) -> float:
-        if age < self.ages[0] or age > self.ages[1] or not holds(self._req, tokens):
+        if age < self.ages[0] or age > self.ages[1]:
             return 0.0
-        h = self.rate * self.per_decade ** ((age - 60.0) / 10.0)
+        required, forbidden = self._req
+        if not (required <= tokens and forbidden.isdisjoint(tokens)):
+            return 0.0
+        h = self.rate * math.exp(self._per_year * (age - 60.0))
         if "female" in tokens:
             h *= self.female
         risk = 1.0

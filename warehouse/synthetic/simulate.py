@@ -30,7 +30,7 @@ COVID_START = 2020.2
 WEEKS_PER_YEAR = 52.1775
 DIAGNOSIS = "DIAGNOSIS//ICD//10//"
 STEP = 1.0  # latent update step during follow-up (years)
-BURN_IN_STEP = 3.0  # coarser steps from childhood to the first admission (no encounters)
+BURN_IN_STEP = 5.0  # coarser steps from childhood to the first admission (no encounters)
 MAX_ENCOUNTERS = 999  # encounter_id = subject_id * 1000 + index
 
 _ONSET_ORDER = tuple(c for c in CHRONIC if c.onset is not None)
