@@ -162,9 +162,11 @@ class Ledger:
 
     def record(self, job: SearchJob, *, engine: str, state: str, channel: str | None = None,
                doc_id: str | None = None, title: str | None = None, url: str | None = None,
-               excerpt: str | None = None, provenance: str | None = None, detail: str | None = None) -> LedgerRow:
+               excerpt: str | None = None, provenance: str | None = None, detail: str | None = None,
+               source_text: str | None = None) -> LedgerRow:
         """Append one retrieval record. `state` is `readable` (text obtained; the ledger decides
-        supported/unsupported), `unreadable` or `no_result`."""
+        supported/unsupported), `unreadable` or `no_result`. `source_text` (the whole page or
+        document) is scanned for instruction-like content; only the excerpt is stored."""
         if state not in (READABLE, "unreadable", "no_result"):
             raise InputError(f"ledger state {state!r}: pass 'readable', 'unreadable' or 'no_result'")
         channel = channel or job.channel
@@ -182,7 +184,8 @@ class Ledger:
         self._next_evidence[job.trajectory_id] = number + 1
         row = LedgerRow(f"E{number}", self.run_id, job.trajectory_id, job.job_id, job.hypothesis_id, job.code,
                         job.anchor, job.temporal_class, job.query, engine, doc_id, title, url, excerpt, cue, score,
-                        job.iteration, _now(), provenance, channel, state, detail, looks_like_injection(excerpt or ""))
+                        job.iteration, _now(), provenance, channel, state, detail,
+                       looks_like_injection(source_text or excerpt or ""))
         self.rows.append(row)
         return row
 
@@ -218,7 +221,9 @@ class Ledger:
 def retrieval_efficiency(connection, run_id: str) -> pl.DataFrame:
     """Per trajectory: queries (distinct sanitized queries), retrieval operations (job x engine),
     source accesses (records that opened a source: every state but no_result), supported records."""
-    return connection.execute("""
+    from warehouse.store import fetch_frame
+
+    return fetch_frame(connection, """
         SELECT j.trajectory_id,
                count(DISTINCT j.query) AS queries,
                count(DISTINCT l.job_id || '|' || l.engine) AS retrieval_operations,
@@ -227,7 +232,7 @@ def retrieval_efficiency(connection, run_id: str) -> pl.DataFrame:
         FROM search_jobs j LEFT JOIN ledger l ON l.run_id = j.run_id AND l.job_id = j.job_id
         WHERE j.run_id = ?
         GROUP BY j.trajectory_id ORDER BY j.trajectory_id
-    """, [run_id]).pl()
+    """, [run_id])
 
 
 def _now() -> datetime:

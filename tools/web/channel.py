@@ -110,7 +110,7 @@ class WebChannel:
             return ({"engine": document["engine"], "state": "readable", "doc_id": local, "title": document["title"],
                      "url": document["url"] or url,
                      "excerpt": focused_passage(job.query, text, self.config.passage_chars),
-                     "detail": f"canonicalized from {url}"}, [])
+                     "source_text": text, "detail": f"canonicalized from {url}"}, [])
         if is_blocked(url, self.config.blocked_domains):
             return {"engine": engine, "state": "unreadable", "url": url, "detail": "blocked domain"}, []
         page = await self.reader.read(url)
@@ -132,7 +132,7 @@ class WebChannel:
         doc_id = "web:" + hashlib.sha1(normalize_url(page.final_url or url).encode()).hexdigest()[:16]
         self.documents[doc_id] = {"doc_id": doc_id, "title": page.title or "", "url": page.final_url or url,
                                   "text": text}
-        return ({**base, "state": "readable", "doc_id": doc_id,
+        return ({**base, "state": "readable", "doc_id": doc_id, "source_text": text,
                  "excerpt": focused_passage(job.query, text, self.config.passage_chars)}, page.links)
 
     def _canonical(self, url: str) -> str | None:
