@@ -1,0 +1,222 @@
+"""Benchmark: the EHR Prior against the oracle and every baseline on a synthetic cohort.
+
+Steps (each timed; training and inference of each system run in a fresh child process so that
+its peak RSS is its own):
+1. synthetic dataset (`--patients`, `--seed`) and its default cohort, unless already built;
+2. train `gru`, `dense_prior`, `ehr_prior` (train patients; validation on tuning pre-target views),
+   registered in MLflow under the warehouse;
+3. forecast `held_out` with every system into one run (plain stage functions, shard by shard:
+   model resolution/loading, pre-target tables in, rankings written), timed end to end;
+4. inference throughput of each system over every trajectory of the cohort (split `all`);
+5. evaluation on held_out: P@10/R@10/P@20/R@20 with patient bootstrap 95% CIs, recall on
+   new-onset and repeated target codes, paired differences of ehr_prior against each peer.
+
+Prints one table and writes JSON to benchmarks/results/prior[-<name>].json.
+
+    python benchmarks/prior.py --data-dir /tmp/prior_bench/wh5k [--patients 5000] [--seed 7]
+    python benchmarks/prior.py --planted 400 --data-dir /tmp/prior_planted   # smoke test only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import polars as pl  # noqa: E402
+
+from models.prior.config import PriorConfig  # noqa: E402
+from warehouse.store import Warehouse  # noqa: E402
+
+LEARNED = ("gru", "dense_prior", "ehr_prior")
+BASELINES = ("global_frequency", "repeat_history", "transition")
+PEERS = ("repeat_history", "transition", "gru", "dense_prior", "global_frequency")
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _child(queue, fn, args):
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as exc:  # report the failure to the parent instead of hanging it
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def in_child(fn, *args):
+    """Run fn(*args) in a fresh spawned process; returns its result (which includes its own peak RSS)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(queue, fn, args))
+    process.start()
+    status, value = queue.get()
+    process.join()
+    if status != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+def train_one(data_dir: str, cohort_id: str, system: str, cfg_json: str) -> dict:
+    from dataclasses import asdict
+
+    from tasks.prior import train_prior
+
+    result = asdict(train_prior(data_dir, cohort_id, system, PriorConfig.model_validate_json(cfg_json)))
+    return {**result, "peak_rss_mb": peak_mb()}
+
+
+def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id: str) -> dict:
+    """Every shard through the forecast stage (fit = resolve/load once, then predict and write)."""
+    from tasks.forecast import forecast_shard_task
+
+    started = time.perf_counter()
+    wh = Warehouse(data_dir)
+    shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+    n = sum(forecast_shard_task.fn(data_dir, cohort_id, system, shard, split, 20, run_id) for shard in shards)
+    seconds = time.perf_counter() - started
+    return {"system": system, "split": split, "trajectories": n, "seconds": seconds,
+            "patients_per_second": n / seconds, "peak_rss_mb": peak_mb()}
+
+
+def ensure_cohort(wh: Warehouse, args) -> str:
+    from warehouse.cohorts import CohortOptions, build_cohort
+
+    if args.planted:
+        from models.prior.planted import write_planted_cohort
+
+        return write_planted_cohort(wh, n_patients=args.planted, seed=args.seed, shard_size=500)
+    cohorts = wh.read("cohorts")
+    if cohorts.filter(pl.col("name") == args.cohort).height:
+        return cohorts.filter(pl.col("name") == args.cohort).row(0, named=True)["cohort_id"]
+    from warehouse.datasets import create_synthetic
+
+    create_synthetic(wh, "synthetic", args.patients, args.seed, progress=True)
+    return build_cohort(wh, "synthetic", args.cohort, CohortOptions(), seed=args.seed, progress=True)["cohort_id"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--patients", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--cohort", default="default")
+    parser.add_argument("--planted", type=int, default=0, help="smoke test on a planted cohort of N patients")
+    parser.add_argument("--epochs", type=int, default=None, help="override prior.epochs")
+    parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--skip-train", action="store_true", help="reuse the registered champions")
+    parser.add_argument("--name", default=None, help="results file suffix")
+    args = parser.parse_args()
+
+    wh = Warehouse(args.data_dir)
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    cohort_id = ensure_cohort(wh, args)
+    timings["dataset_and_cohort_seconds"] = time.perf_counter() - started
+    trajectories = wh.read("trajectories", cohort_id=cohort_id)
+    counts = dict(trajectories.group_by("split").len().iter_rows())
+    cfg = PriorConfig(**({"epochs": args.epochs} if args.epochs else {}))
+    if args.planted:
+        cfg = cfg.model_copy(update={"min_code_count": 1})
+    print(f"cohort {cohort_id}: {trajectories.height} trajectories {counts}", flush=True)
+
+    training = {}
+    if not args.skip_train:
+        for system in LEARNED:
+            training[system] = in_child(train_one, str(wh.root), cohort_id, system, cfg.model_dump_json())
+            t = training[system]
+            print(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, "
+                  f"val R@20 {t['metrics'].get('val_recall_at_20', float('nan')):.3f}, peak {t['peak_rss_mb']:.0f} MB",
+                  flush=True)
+
+    run_id = f"bench-prior-{datetime.now():%Y%m%dT%H%M%S}"
+    inference = {}
+    for system in BASELINES + LEARNED:
+        held = in_child(forecast_one, str(wh.root), cohort_id, system, "held_out", run_id)
+        everyone = in_child(forecast_one, str(wh.root), cohort_id, system, "all", f"{run_id}-all")
+        inference[system] = {"held_out": held, "all": everyone}
+        print(f"forecast {system}: held_out {held['trajectories']} in {held['seconds']:.1f} s; all "
+              f"{everyone['trajectories']} at {everyone['patients_per_second']:.0f} patients/s, "
+              f"peak {everyone['peak_rss_mb']:.0f} MB", flush=True)
+
+    from tasks.evaluate import evaluate
+
+    pairs = [("ehr_prior", peer) for peer in PEERS]
+    has_oracle = wh.connect(gold=True).sql(
+        "SELECT count(*) FROM oracle_probabilities WHERE cohort_id = ?", params=[cohort_id]).fetchall()[0][0] > 0
+    if has_oracle:
+        pairs.append(("oracle", "ehr_prior"))
+    evaluation = evaluate(wh, run_id, ks=(10, 20), n_boot=args.bootstrap, seed=0, natural=False, pairs=pairs)
+    metrics, paired = evaluation.metrics, evaluation.paired
+
+    wanted = [("all", 10, "precision_at_k"), ("all", 10, "recall_at_k"), ("all", 20, "precision_at_k"),
+              ("all", 20, "recall_at_k"), ("new_onset", 20, "recall_at_k"), ("repeated", 20, "recall_at_k")]
+    labels = ["P@10", "R@10", "P@20", "R@20", "R@20 new", "R@20 rep"]
+    systems = (["oracle"] if has_oracle else []) + list(BASELINES + LEARNED)
+    table = []
+    for system in systems:
+        row = {"system": system}
+        for label, (subset, k, metric) in zip(labels, wanted):
+            hit = metrics.filter((pl.col("system") == system) & (pl.col("subset") == subset) & (pl.col("k") == k)
+                                 & (pl.col("metric") == metric))
+            row[label] = hit.select("value", "ci_low", "ci_high").row(0) if hit.height else None
+        inf = inference.get(system, {}).get("all")
+        row["infer pat/s"] = inf["patients_per_second"] if inf else None
+        row["train s"] = training.get(system, {}).get("train_seconds")
+        row["train pat/s"] = training.get(system, {}).get("metrics", {}).get("train_patients_per_second")
+        row["peak MB"] = max([training.get(system, {}).get("peak_rss_mb") or 0, inf["peak_rss_mb"] if inf else 0])
+        table.append(row)
+
+    def cell(v):
+        if v is None:
+            return "—"
+        if isinstance(v, tuple):
+            value, low, high = v
+            return f"{value:.3f} [{low:.3f},{high:.3f}]" if low is not None else f"{value:.3f}"
+        return f"{v:.0f}"
+
+    header = ["system"] + labels + ["infer pat/s", "train s", "train pat/s", "peak MB"]
+    print()
+    print(" | ".join(header))
+    for row in table:
+        print(" | ".join([row["system"]] + [cell(row[h]) for h in header[1:]]))
+
+    diffs = paired.filter((pl.col("subset").is_in(["all", "new_onset"])) & (pl.col("k") == 20)
+                          & (pl.col("metric") == "recall_at_k"))
+    print("\npaired R@20 differences (bootstrap 95% CI):")
+    for r in diffs.sort("subset", "system_b").iter_rows(named=True):
+        print(f"  {r['system_a']} - {r['system_b']} [{r['subset']}]: {r['difference']:+.4f} "
+              f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}]  n={r['n']}")
+    ratio = None
+    if has_oracle:
+        get = {s: v for s, v in ((row["system"], row["R@20"]) for row in table) if v}
+        ratio = get["ehr_prior"][0] / get["oracle"][0]
+        print(f"\nehr_prior R@20 / oracle R@20 = {ratio:.3f} (target >= 0.90)")
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"prior{'-' + args.name if args.name else ''}.json"
+    out.write_text(json.dumps({
+        "cohort_id": cohort_id, "trajectories": counts, "patients": args.planted or args.patients,
+        "seed": args.seed, "prior_config": cfg.model_dump(), "planted_smoke": bool(args.planted),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "timings": timings,
+        "training": training, "inference": inference, "table": table, "oracle_ratio_r20": ratio,
+        "paired": diffs.to_dicts(), "run_id": run_id}, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
