@@ -1,0 +1,250 @@
+"""Corpus ingestion, chunking, dedupe, the BM25 + dense index, RRF, passages, the dictionary, the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from conftest import shared_data
+from dxr.errors import InputError
+from tools.corpus import ingest, load_documents
+from tools.corpus.documents import Document, chunk_document, dedupe, normalize_url, stable_doc_id
+from tools.corpus.json_sources import read_jsonl, read_medquad, read_pubmedqa
+from tools.corpus.xml_sources import read_jats, read_medline
+from tools.dictionary import Dictionary, icd_documents
+from tools.index import CorpusIndex, build_index, chunk_frame, reciprocal_rank_fusion
+from tools.passages import focused_passage
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from tools.embeddings import make_embedder
+
+    return make_embedder()
+
+
+def doc(native: str, title: str, text: str, **ids) -> Document:
+    return Document(stable_doc_id("tiny", native, **ids), "tiny", "jsonl", title, [("Text", text)], **ids)
+
+
+TINY = [
+    doc("ckd", "Chronic kidney disease", "Chronic kidney disease progresses to end-stage renal failure; many patients "
+        "start dialysis within five years. Anemia of chronic kidney disease is common."),
+    doc("af", "Atrial fibrillation", "Atrial fibrillation recurs after catheter ablation in a third of patients. "
+        "Anticoagulation lowers stroke risk."),
+    doc("hf", "Heart failure", "Heart failure readmission within thirty days is frequent. Loop diuretics relieve "
+        "congestion."),
+    doc("copd", "COPD", "Chronic obstructive pulmonary disease exacerbations follow viral infections; inhaled "
+        "corticosteroids reduce exacerbations."),
+]
+
+
+# ---- real files ---------------------------------------------------------------------------------
+
+def test_real_jats_samples():
+    files = sorted(shared_data("corpora", "samples").glob("*.nxml"))
+    documents = [d for f in files for d in read_jats(f, "pmc")]
+    assert len(documents) == 8
+    first = next(d for d in documents if d.pmcid == "1790863")
+    assert first.doc_id == "pmc:PMC1790863"
+    assert first.title == "Quantifying Organismal Complexity using a Population Genetic Approach"
+    assert (first.doi, first.pmid) == ("10.1371/journal.pone.0000217", "17299597")
+    assert first.sections[0][0] == "Abstract" and len(first.sections) > 3
+    assert all(len(d.text) > 5000 for d in documents)
+
+
+def test_real_medline_sample():
+    documents = list(read_medline(shared_data("corpora", "samples", "medline16n0902.xml.gz"), "medline"))
+    assert len(documents) == 604
+    assert documents[0].doc_id == "pmid:17942999"
+    assert documents[0].sections[0][1].startswith("PURPOSE: An auditory electrophysiological study")
+    assert sum(1 for d in documents if d.sections) == 526  # citations with an abstract
+
+
+def test_real_medquad_and_pubmedqa():
+    medquad = list(read_medquad(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "medquad"))
+    assert len(medquad) == 5486 and len({d.doc_id for d in medquad}) == 5486
+    assert medquad[0].doc_id == "medquad:CancerGov/0000001_1"
+    assert medquad[0].title == "Adult Acute Lymphoblastic Leukemia"
+    # Question strings never enter a document: only answers, headed by the question type.
+    raw = json.load(gzip.open(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "rt"))
+    assert raw[0]["qa"][0]["question"] not in medquad[0].text
+    assert medquad[0].sections[0][0] == "information"
+    pubmedqa = list(read_pubmedqa(shared_data("corpora", "pubmedqa", "ori_pqal.json"), "pubmedqa"))
+    assert len(pubmedqa) == 1000 and pubmedqa[0].doc_id == "pmid:21645374"
+    assert [h for h, _ in pubmedqa[0].sections] == ["Background", "Results", "Conclusions"]
+    assert "Do mitochondria play a role" not in pubmedqa[0].text
+
+
+def test_real_ingest_into_the_warehouse_embeds_a_handful(wh, tmp_path, embedder):
+    summary = ingest(wh, "jats", shared_data("corpora", "samples"))
+    assert (summary.corpus, summary.documents, summary.duplicates) == ("pmc", 8, 0)
+    chunks = wh.read("chunks", corpus="pmc")
+    assert chunks.height == summary.chunks and chunks["chunk_id"].n_unique() == chunks.height
+    again = ingest(wh, "jats", shared_data("corpora", "samples"))  # a rerun replaces its own rows
+    assert wh.read("documents").height == 8 and again.chunks == summary.chunks
+    documents = load_documents(wh, ["pmc"])
+    few = chunk_frame(documents).head(6)
+    manifest = build_index(few, tmp_path / "idx", embedder)
+    assert (manifest["n_chunks"], manifest["embedded"]) == (6, 6)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_bad_files_give_one_line_errors(tmp_path):
+    broken = tmp_path / "broken.nxml"
+    broken.write_text("<article><front>")
+    with pytest.raises(InputError, match=r"broken\.nxml: not well-formed XML"):
+        list(read_jats(broken, "pmc"))
+    no_pmc = tmp_path / "nopmc.nxml"
+    no_pmc.write_text('<article><front><article-meta><article-id pub-id-type="doi">10.1/x</article-id>'
+                      "</article-meta></front></article>")
+    with pytest.raises(InputError, match=r'nopmc\.nxml: <article-meta> has no <article-id pub-id-type="pmc">'):
+        list(read_jats(no_pmc, "pmc"))
+    medline = tmp_path / "m.xml"
+    medline.write_text("<MedlineCitationSet><MedlineCitation><PMID>1</PMID><Article/></MedlineCitation>"
+                       "</MedlineCitationSet>")
+    with pytest.raises(InputError, match=r"m\.xml: <MedlineCitation> PMID 1 has no <Article>/<ArticleTitle>"):
+        list(read_medline(medline, "medline"))
+    lines = tmp_path / "x.jsonl"
+    lines.write_text('{"id": "a", "text": "fine"}\n{"id": "b"}\n')
+    with pytest.raises(InputError, match=r"x\.jsonl:2: missing field 'text'"):
+        list(read_jsonl(lines, "x"))
+    with pytest.raises(InputError, match=r"medline16n0902\.xml\.gz: no <article> element .* use FORMAT medline"):
+        list(read_jats(shared_data("corpora", "samples", "medline16n0902.xml.gz"), "pmc"))
+
+
+# ---- documents, chunks, dedupe ------------------------------------------------------------------
+
+def test_chunks_respect_size_sections_and_parent_links():
+    long = Document("t:1", "t", "jsonl", "T", [("A", "One two three. " * 30), ("B", "Short section.")])
+    chunks = chunk_document(long, max_chars=100)
+    assert all(len(c.text) <= 100 for c in chunks)
+    assert [c.ordinal for c in chunks] == list(range(len(chunks)))
+    assert {c.doc_id for c in chunks} == {"t:1"} and chunks[-1].section == "B" and chunks[-1].text == "Short section."
+    assert " ".join(c.text for c in chunks if c.section == "A") == ("One two three. " * 30).strip()
+
+
+def test_dedupe_by_identifier_then_url_and_title():
+    a = Document("pmc:PMC1", "pmc", "jats", "Paper", [], pmcid="1", doi="10.1/A")
+    b = Document("doi:10.1/a", "web", "jsonl", "Paper (copy)", [], doi="10.1/a")
+    c = Document("x:1", "x", "jsonl", "Same Title!", [], url="https://www.site.org/p/")
+    d = Document("x:2", "x", "jsonl", "same title", [], url="http://site.org/p")
+    e = Document("x:3", "x", "jsonl", "Other", [], url="http://site.org/p")
+    kept, dropped = dedupe([a, b, c, d, e])
+    assert [k.doc_id for k in kept] == ["pmc:PMC1", "x:1", "x:3"]
+    assert dropped == [("doi:10.1/a", "pmc:PMC1"), ("x:2", "x:1")]
+    assert normalize_url("https://www.site.org/p/") == normalize_url("http://site.org/p")
+
+
+# ---- index, fusion, passages ----------------------------------------------------------------------
+
+def test_rrf_is_exact():
+    fused = reciprocal_rank_fusion([["a", "b", "c"], ["c", "a"]], k0=60)
+    assert fused == [("a", 1 / 61 + 1 / 62), ("c", 1 / 63 + 1 / 61), ("b", 1 / 62)]
+
+
+def test_bm25_dense_hybrid_and_embedding_cache(tmp_path, embedder):
+    frame = chunk_frame(TINY)
+    first = build_index(frame, tmp_path / "idx", embedder)
+    assert (first["n_documents"], first["n_chunks"], first["embedded"], first["embeddings_reused"]) == (4, 4, 4, 0)
+    second = build_index(frame, tmp_path / "idx", embedder)
+    assert (second["embedded"], second["embeddings_reused"]) == (0, 4)  # computed once, cached with the index
+    index = CorpusIndex(tmp_path / "idx", embedder)
+    for mode in ("bm25", "dense", "hybrid"):
+        hits = index.search("dialysis in kidney failure", k=2, mode=mode)
+        assert hits[0].doc_id == "tiny:ckd", mode
+    hybrid = index.search("recurrence after ablation", k=4)
+    assert hybrid[0].doc_id == "tiny:af" and hybrid[0].bm25_rank == 1 and hybrid[0].dense_rank == 1
+    assert hybrid[0].passage == "Atrial fibrillation recurs after catheter ablation in a third of patients."
+    assert index.search("zzzz qqqq", k=3, mode="bm25") == []
+    assert index.resolve(pmcid="PMC999") is None
+
+
+def test_lexical_only_index_falls_back_to_bm25(tmp_path):
+    build_index(chunk_frame(TINY), tmp_path / "lex", None)
+    index = CorpusIndex(tmp_path / "lex")
+    assert not index.has_dense
+    assert [h.doc_id for h in index.search("inhaled corticosteroids", k=1)] == ["tiny:copd"]
+    with pytest.raises(InputError, match="has no dense vectors"):
+        index.search("x", mode="dense")
+
+
+def test_parent_expansion_and_focused_passage(tmp_path):
+    text = " ".join(f"Sentence {i} is filler about nothing." for i in range(40)) + \
+        " Warfarin raises bleeding risk. " + " ".join(f"Tail {i} filler." for i in range(40))
+    document = Document("t:long", "t", "jsonl", "Long", [("Body", text)])
+    build_index(chunk_frame([document], max_chars=300), tmp_path / "p", None)
+    index = CorpusIndex(tmp_path / "p")
+    hit = index.search("warfarin bleeding", k=1, mode="bm25", passage_chars=120)[0]
+    assert "Warfarin raises bleeding risk." in hit.passage and len(hit.passage) <= 120
+    row = index.chunks["chunk_id"].to_list().index(hit.chunk_id)
+    expanded = index.expanded_text(row)
+    assert len(expanded) > len(index.chunks["text"][row])  # neighbours of the same section joined
+    assert focused_passage("dialysis", "No match here. Nor here.", 10) == "No match here."[:10]
+
+
+# ---- ICD dictionary -------------------------------------------------------------------------------
+
+def tiny_vocabulary():
+    codes = pl.DataFrame({
+        "code": ["DIAGNOSIS//ICD//10//E11", "DIAGNOSIS//ICD//10//E119", "DIAGNOSIS//ICD//9//25000"],
+        "icd_version": pl.Series([10, 10, 9], dtype=pl.Int8), "raw_code": ["E11", "E119", "25000"],
+        "dotted": ["E11", "E11.9", "250.00"],
+        "title": ["Type 2 diabetes mellitus", "Type 2 diabetes mellitus without complications",
+                  "Diabetes mellitus without mention of complication, type II"],
+        "parent": [None, "DIAGNOSIS//ICD//10//E11", None], "chapter": [None, None, None],
+        "billable": [False, True, True]})
+    notes = pl.DataFrame({
+        "code": ["DIAGNOSIS//ICD//10//E11", "DIAGNOSIS//ICD//10//E119", "DIAGNOSIS//ICD//10//E119"],
+        "icd_version": pl.Series([10, 10, 10], dtype=pl.Int8), "kind": ["inclusion_term", "use_additional",
+                                                                        "inclusion_term"],
+        "text": ["diabetes NOS", "long term (current) use of insulin (Z79.4)", "Type 2 diabetes mellitus NOS"],
+        "inherited_from": [None, "DIAGNOSIS//ICD//10//E11", None]})
+    return codes, notes
+
+
+def test_dictionary_definitions_and_lexical_icd_index(tmp_path):
+    codes, notes = tiny_vocabulary()
+    dictionary = Dictionary(codes, notes)
+    definition = dictionary.define("DIAGNOSIS//ICD//10//E119")
+    assert (definition.doc_id, definition.title) == ("icd10:E11.9", "E11.9 Type 2 diabetes mellitus without complications")
+    assert "Use additional code" not in definition.text  # headings are section names, text is the notes
+    assert "long term (current) use of insulin (Z79.4) (from E11)" in definition.text
+    assert dictionary.define("E11.9", icd_version=10) == definition
+    assert dictionary.define("250.00", icd_version=9).doc_id == "icd9:250.00"
+    assert dictionary.define("DIAGNOSIS//ICD//10//Z999") is None
+    build_index(chunk_frame(icd_documents(codes, notes)), tmp_path / "icd", None, name="icd")
+    hits = CorpusIndex(tmp_path / "icd").search("insulin use type 2 diabetes", k=3)
+    assert hits[0].doc_id == "icd10:E11.9" and hits[0].engine == "icd"
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+def test_cli_ingest_build_search(tmp_path, monkeypatch):
+    from dxr.cli import main
+
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING__KIND", "package")
+    source = tmp_path / "tiny.jsonl"
+    source.write_text("\n".join(json.dumps({"id": d.doc_id.split(":")[1], "title": d.title, "text": d.text})
+                                for d in TINY) + "\n")
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("corpus tiny source tiny.jsonl-") and result.stdout.endswith(
+        ": 4 documents (0 duplicates dropped), 4 chunks\n")
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only"])
+    assert result.exit_code == 0, result.output
+    assert "literature: 4 documents, 4 chunks, 0 embedded, 0 reused" in result.stdout
+    result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics congestion", "-k", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0].split()[2:] == ["tiny:hf", "Heart", "failure"]
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "missing.jsonl")])
+    assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
+    result = runner.invoke(main, [*data, "corpus", "ingest", "medline"])
+    assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
