@@ -1,0 +1,113 @@
+"""Search jobs, the evidence ledger (one writer for every channel), support cues and the sanitizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from dxr.errors import InputError
+from test_corpus import TINY, tiny_vocabulary
+from tools.channels import DictionaryChannel, LocalChannel
+from tools.dictionary import Dictionary
+from tools.index import CorpusIndex, build_index, chunk_frame
+from tools.ledger import Ledger, job_id_for, retrieval_efficiency, support_cue
+from tools.sanitize import sanitize_query
+
+JOB = dict(code="DIAGNOSIS//ICD//10//N184", temporal_class="chronic_active", purpose="validation", iteration=1,
+           hypothesis_id="H2", entity_terms=["chronic kidney disease"], endpoint_terms=["dialysis"])
+
+
+def test_sanitizer_removes_identifiers_dates_and_long_verbatim_spans():
+    cases = {
+        "MRN: 4455667 ckd progression": "ckd progression",
+        "subject 10023 anemia on 03/14/2019": "anemia on",
+        "hadm_id=29079034 sepsis recurrence Jan 5, 2020": "sepsis recurrence",
+        "stage 3 CKD type 2 diabetes 2021": "stage 3 CKD type 2 diabetes",
+        "call 555-123-4567 or bob@example.org about copd": "call or about copd",
+    }
+    for query, expected in cases.items():
+        assert sanitize_query(query).text == expected, query
+    record = "Pt seen today: severe aortic stenosis status post valve replacement, stable on warfarin."
+    clean = sanitize_query("severe aortic stenosis status post valve replacement endocarditis risk",
+                           patient_text=record, max_verbatim_words=4)
+    assert clean.text == "severe aortic stenosis status endocarditis risk"
+    assert clean.removed == [("verbatim", "severe aortic stenosis status post valve replacement")]
+    assert sanitize_query("aortic stenosis endocarditis", patient_text=record, max_verbatim_words=4).removed == []
+    assert sanitize_query("warfarin bleeding 7731", forbidden=("7731",)).text == "warfarin bleeding"
+    with pytest.raises(InputError, match="nothing left after removing"):
+        sanitize_query("MRN 12345678 2020-01-01")
+
+
+def test_support_cue_needs_entity_and_endpoint():
+    assert support_cue("CKD patients often need dialysis.", ["chronic kidney disease"], ["dialysis"]) == (False, 0.5)
+    assert support_cue("Chronic kidney disease leads to dialysis.", ["chronic kidney disease"], ["dialysis"]) == \
+        (True, 1.0)
+    assert support_cue("Chronic kidney diseases and anemia.", ["chronic kidney disease"], ["dialysis"]) == (False, 0.5)
+
+
+def test_jobs_are_reused_only_within_a_trajectory_for_the_same_code_class_and_query():
+    ledger = Ledger("r1", 0)
+    a = ledger.job(trajectory_id="t1", query="CKD  progression Dialysis", **JOB)
+    same = ledger.job(trajectory_id="t1", query="ckd progression dialysis",
+                      **{**JOB, "code": "diagnosis//icd//10//n18.4"})
+    other_trajectory = ledger.job(trajectory_id="t2", query="ckd progression dialysis", **JOB)
+    other_class = ledger.job(trajectory_id="t1", query="ckd progression dialysis",
+                             **{**JOB, "temporal_class": "acute_active"})
+    assert same is a and other_trajectory.job_id != a.job_id and other_class.job_id != a.job_id
+    assert a.job_id == job_id_for("t1", "DIAGNOSIS//ICD//10//N184", "chronic_active", "CKD progression Dialysis")
+    assert len(ledger.jobs) == 3 and a.channel == "relation"
+    assert ledger.job(trajectory_id="t1", query="x y", **{**JOB, "purpose": "force_carry"}).channel == "discovery"
+    with pytest.raises(InputError, match="purpose 'guess'"):
+        ledger.job(trajectory_id="t1", query="x", **{**JOB, "purpose": "guess"})
+
+
+def test_every_channel_writes_through_one_ledger(wh, tmp_path):
+    build_index(chunk_frame(TINY), tmp_path / "lit", None, name="literature")
+    codes, notes = tiny_vocabulary()
+    ledger = Ledger("r1", 3, wh)
+    local = LocalChannel(CorpusIndex(tmp_path / "lit"), ledger, k=2)
+    dictionary = DictionaryChannel(Dictionary(codes, notes), ledger)
+
+    relation = ledger.job(trajectory_id="t1", query="chronic kidney disease dialysis", anchor="eGFR 25", **JOB)
+    rows = local.run(relation)
+    assert [(r.evidence_id, r.engine, r.doc_id, r.state, r.support_cue) for r in rows] == [
+        ("E1", "tiny", "tiny:ckd", "readable_supported", True),
+        ("E2", "tiny", "tiny:copd", "readable_unsupported", False)]
+    assert rows[0].excerpt.startswith("Chronic kidney disease progresses") and rows[0].anchor == "eGFR 25"
+    empty = ledger.job(trajectory_id="t1", query="zzzz qqqq", **{**JOB, "purpose": "discovery"})
+    assert [(r.evidence_id, r.engine, r.state, r.channel) for r in local.run(empty)] == [
+        ("E3", "literature", "no_result", "discovery")]
+    definition = ledger.job(trajectory_id="t2", query="type 2 diabetes definition",
+                            **{**JOB, "code": "DIAGNOSIS//ICD//10//E119"})
+    row = dictionary.define(definition)
+    # A definition is never support that a code will occur.
+    assert (row.evidence_id, row.engine, row.channel, row.state, row.support_cue, row.doc_id) == (
+        "E1", "dictionary", "definition", "readable_unsupported", False, "icd10:E11.9")
+    unknown = ledger.job(trajectory_id="t2", query="unknown code", **{**JOB, "code": "DIAGNOSIS//ICD//10//Z999"})
+    assert dictionary.define(unknown).state == "no_result"
+
+    ledger.flush()
+    stored = wh.read("ledger", run_id="r1")
+    assert stored.select("trajectory_id", "evidence_id", "channel", "state").rows() == [
+        ("t1", "E1", "relation", "readable_supported"), ("t1", "E2", "relation", "readable_unsupported"),
+        ("t1", "E3", "discovery", "no_result"), ("t2", "E1", "definition", "readable_unsupported"),
+        ("t2", "E2", "definition", "no_result")]
+    assert wh.read("search_jobs", run_id="r1").height == 4
+    assert retrieval_efficiency(wh.connect(), "r1").rows() == [("t1", 2, 2, 2, 1), ("t2", 2, 2, 1, 0)]
+
+    # A rerun of the shard replaces its own partition: no duplicated rows.
+    rerun = Ledger("r1", 3, wh)
+    local.ledger = rerun
+    local.run(rerun.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB))
+    rerun.flush()
+    assert wh.read("ledger", run_id="r1")["evidence_id"].to_list() == ["E1", "E2"]
+
+
+def test_record_rejects_unknown_states_and_channels():
+    ledger = Ledger("r1", 0)
+    job = ledger.job(trajectory_id="t1", query="ckd dialysis", **JOB)
+    with pytest.raises(InputError, match="ledger state 'readable_supported'"):
+        ledger.record(job, engine="x", state="readable_supported")
+    with pytest.raises(InputError, match="ledger channel 'web'"):
+        ledger.record(job, engine="x", state="no_result", channel="web")
+    with pytest.raises(InputError, match="no warehouse"):
+        ledger.flush()
