@@ -1,4 +1,4 @@
-"""From warehouse events to padded visit tensors, and the Lightning data module.
+"""From warehouse events to padded visit tensors (the featurization shared by training and inference).
 
 Sources (forecasting store only, through `Warehouse.connect()`):
 - training pairs (visits <= t -> diagnoses of visit t+1) from `train_events` (train patients);
@@ -16,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import duckdb
-import lightning as L
 import numpy as np
 import polars as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
@@ -193,35 +192,13 @@ def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.
                              WHERE p.cohort_id = ? AND t.split = 'tuning'""", [cohort_id])
 
 
-class PriorDataModule(L.LightningDataModule):
-    """Training sequences from train patients; validation pairs from tuning pre-target records."""
+def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cut padding beyond the longest sequence and the fullest visit of the batch.
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, cohort_id: str, cfg: PriorConfig):
-        super().__init__()
-        self.con, self.cohort_id, self.cfg = con, cohort_id, cfg
-
-    def setup(self, stage: str | None = None) -> None:
-        if hasattr(self, "train_set"):
-            return
-        self.vocab = build_vocabulary(self.con, self.cohort_id, self.cfg.min_code_count)
-        train = visit_tensors(load_training_events(self.con, self.cohort_id, self.cfg.max_train_patients),
-                              "subject_id", self.vocab, self.cfg)
-        keep = torch.nonzero(train.lengths >= 2).squeeze(1)  # a pair needs a next visit
-        if not len(keep):
-            raise InputError(f"cohort {self.cohort_id}: no train patient has two visits with diagnoses; "
-                             "nothing to learn next-visit transitions from")
-        self.train_set = SequenceDataset(VisitTensors(
-            [train.keys[i] for i in keep.tolist()], train.codes[keep], train.numeric[keep], train.lengths[keep],
-            train.dx[keep], train.history.head(0)))
-        tuning = load_tuning_pretarget(self.con, self.cohort_id)
-        inputs, labels = drop_last_visit(visit_tensors(tuning, "trajectory_id", self.vocab, self.cfg),
-                                         self.vocab.n_output)
-        self.val_set = SequenceDataset(inputs, labels)
-        self.n_train_patients = train.lengths.numel()
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.cfg.seed)
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=True, generator=generator)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.predict_batch_size)
+    Codes fill each visit's slots from the front, so slicing the slot axis drops padding only.
+    """
+    V = int(batch["lengths"].max())
+    C = max(1, int((batch["codes"] > 0).sum(-1).max()))
+    trimmed = {k: (v[:, :V] if k in ("codes", "numeric", "dx") else v) for k, v in batch.items()}
+    trimmed["codes"] = trimmed["codes"][:, :, :C]
+    return trimmed

@@ -18,8 +18,7 @@ from dxr.config import load_settings
 from dxr.errors import ConfigError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.data import Vocabulary, visit_tensors
-from models.prior.lightning import trim
+from models.prior.data import Vocabulary, trim, visit_tensors
 from models.prior.nn import PriorNet
 
 

@@ -16,8 +16,7 @@ import torch
 from dxr.errors import InputError
 from models.prior import tracking
 from models.prior.config import ARCHS, PriorConfig
-from models.prior.data import PriorDataModule
-from models.prior.lightning import PriorModule
+from models.prior.lightning import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_weights, n_parameters
 
 mlflow = tracking.mlflow
