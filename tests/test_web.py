@@ -7,7 +7,6 @@ import asyncio
 import socket
 
 import aiohttp
-import polars as pl
 import pytest
 from aiohttp import web
 
@@ -350,14 +349,12 @@ def test_identifiers_in_urls():
 
 
 def test_none_provider_records_no_result(wh):
-    provider = make_provider(WebConfig())
     ledger = Ledger("run1", 0, wh)
 
     async def scenario():
         async with aiohttp.ClientSession() as session:
-            channel = WebChannel(provider, PageReader(session, config()), ledger, config())
+            channel = WebChannel.from_config(WebConfig(), session, ledger)
             return await channel.run(ledger.job(**{**JOB, "query": "heart failure"}))
 
     rows = asyncio.run(scenario())
     assert [(r.engine, r.state, r.url) for r in rows] == [("none", "no_result", None)]
-    assert pl.DataFrame([{"s": r.state} for r in rows]).height == 1

@@ -72,9 +72,10 @@ def input_files(fmt: str, path: Path) -> list[Path]:
 
 
 def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None) -> list[Document]:
-    corpus = corpus or FORMATS[fmt].default_corpus if fmt in FORMATS else corpus
+    files = input_files(fmt, path)
+    corpus = corpus or FORMATS[fmt].default_corpus
     documents: list[Document] = []
-    for file in input_files(fmt, path):
+    for file in files:
         documents.extend(FORMATS[fmt].reader(file, corpus))
         if progress:
             progress(file)
@@ -113,8 +114,8 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
            progress=None) -> IngestSummary:
-    corpus = corpus or FORMATS[fmt].default_corpus if fmt in FORMATS else corpus
     files = input_files(fmt, Path(path))
+    corpus = corpus or FORMATS[fmt].default_corpus
     documents = read_documents(fmt, Path(path), corpus, progress)
     return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files))
 

@@ -61,6 +61,15 @@ class WebChannel:
         self._fingerprints: dict[str, dict[str, str]] = {}
         self.documents: dict[str, dict] = {}
 
+    @classmethod
+    def from_config(cls, config: WebConfig, session: aiohttp.ClientSession, ledger: Ledger, local_index=None):
+        """The configured provider and a reader whose page cache lives in the ledger's warehouse."""
+        from tools.web.providers import make_provider
+        from tools.web.reader import PageCache
+
+        return cls(make_provider(config), PageReader(session, config, PageCache(ledger.warehouse)), ledger, config,
+                   local_index)
+
     async def run(self, job: SearchJob) -> list[LedgerRow]:
         rows: list[LedgerRow] = []
         try:
