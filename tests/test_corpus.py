@@ -248,3 +248,13 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "medline"])
     assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
+
+
+@pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
+                                    "tools.sanitize", "tools.ledger", "tools.web.channel"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0, f"{module}: {result}"

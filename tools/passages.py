@@ -9,8 +9,9 @@ DEFAULT_PASSAGE_CHARS = 700
 
 
 def focused_passage(query: str, text: str, max_chars: int = DEFAULT_PASSAGE_CHARS) -> str:
-    """The window of whole sentences (at most `max_chars`) covering the most distinct query terms;
-    ties go to the earliest window. A text without sentences is cut at `max_chars`.
+    """The window of whole sentences (at most `max_chars`) covering the most distinct query terms,
+    then the most mentions; ties go to the earliest window, whose leading sentences without any
+    query term are dropped. A text without sentences is cut at `max_chars`.
 
     >>> focused_passage("dialysis", "Intro here. Kidney failure often needs dialysis. Unrelated end.", 60)
     'Kidney failure often needs dialysis.'
@@ -31,9 +32,12 @@ def focused_passage(query: str, text: str, max_chars: int = DEFAULT_PASSAGE_CHAR
                 break
             covered |= sentence_terms[end]
             hits += len(sentence_terms[end])
-            # Prefer covering more distinct terms, then more repeated mentions, then shorter windows.
+            # Prefer covering more distinct terms, then more mentions; a window only grows when it gains.
             score = (len(covered), hits)
             if score > best_score:
                 best_score, best = score, (start, end + 1)
-    passage = " ".join(sentences[best[0]:best[1]])
+    start, end = best
+    while start < end - 1 and not sentence_terms[start]:
+        start += 1  # leading sentences without a query term add no focus
+    passage = " ".join(sentences[start:end])
     return passage[:max_chars]
