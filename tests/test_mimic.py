@@ -235,18 +235,25 @@ def test_fixture_hosp_folder_and_release_root_give_the_same_events(tmp_path, mim
     assert read_meds(tmp_path / "direct").equals(read_meds(out))
 
 
-def test_fixture_cohorts_with_every_harmonization(tmp_path, wh_vocab):
+@pytest.mark.parametrize("mode", ["native", "icd10", "category"])
+def test_fixture_runs_end_to_end_with_every_harmonization(mode, wh_vocab, prefect_harness):
+    from flows.forecast import forecast_flow
+    from tasks.evaluate import evaluate_run
     from warehouse.cohorts import CohortOptions, build_cohort
     from warehouse.datasets import register_dataset
 
     import_mimic4(FIXTURE, wh_vocab.meds_dir("mimic4fix"), seed=SEED)
     register_dataset(wh_vocab, "mimic4fix", source="mimic4")
-    for mode in ("native", "icd10", "category"):
-        row = build_cohort(wh_vocab, "mimic4fix", mode, CohortOptions(harmonize=mode), seed=SEED)
-        # S1 (three encounters with diagnoses) and S2 (two) have a history; S3 has one encounter.
-        assert row["n_trajectories"] == 2, mode
-    targets = wh_vocab.read("targets")
-    assert targets.height > 0
+    cohort = build_cohort(wh_vocab, "mimic4fix", mode, CohortOptions(harmonize=mode), seed=SEED)
+    # S1 (three encounters with diagnoses) and S2 (two) have a history; S3 has one encounter.
+    assert cohort["n_trajectories"] == 2
+    for system in ("global_frequency", "repeat_history"):
+        forecast_flow(str(wh_vocab.root), mode, system, split="all", k=5, run_id=f"run-{mode}")
+    status = wh_vocab.read("ranking_status")
+    assert status.height == 4 and set(status["status"]) == {"ok"}, status
+    metrics = evaluate_run(wh_vocab, f"run-{mode}", ks=(5,), n_boot=0, natural=False)
+    overall = metrics.filter((pl.col("subset") == "all") & (pl.col("metric") == "recall_at_k"))
+    assert sorted(overall["system"]) == ["global_frequency", "repeat_history"] and set(overall["n"]) == {2}
 
 
 # ---- bad input: one line naming the file, row or column and the fix; nothing half-written -------
@@ -363,24 +370,29 @@ def run(*args):
     return CliRunner().invoke(main, [*map(str, args)], catch_exceptions=False)
 
 
-def test_cli_ingest_mimic4_registers_the_dataset(tmp_path):
+def test_cli_ingest_mimic4_registers_the_dataset_and_its_run(tmp_path):
     from warehouse.store import Warehouse
 
-    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "fixture")
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "fixture", "--run-id", "ing-4")
     assert result.exit_code == 0, result.output
     assert "encounters (admissions with ≥ 1 diagnosis)" in result.output
     assert result.output.strip().endswith("dataset fixture: 4 patients, 40 events, ICD versions 9,10")
-    row = Warehouse(tmp_path / "wh").read("datasets").row(0, named=True)
+    wh = Warehouse(tmp_path / "wh")
+    row = wh.read("datasets").row(0, named=True)
     assert (row["dataset_id"], row["source"], row["n_events"]) == ("fixture", "mimic4", 40)
+    assert wh.read("runs").select("run_id", "kind", "status").rows() == [("ing-4", "ingest:mimic4", "finished")]
 
 
 def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):
+    from warehouse.store import Warehouse
+
     hosp = copy_fixture(tmp_path)
     (hosp / "diagnoses_icd.csv.gz").unlink()
-    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", hosp, "--name", "broken")
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", hosp, "--name", "broken", "--run-id", "ing-5")
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == [f"Error: {hosp}: missing MIMIC-IV table diagnoses_icd (diagnoses_icd.csv or "
                      "diagnoses_icd.csv.gz): add it from the official release"]
     assert not (tmp_path / "wh" / "gold" / "meds" / "broken").exists()
     assert not (tmp_path / "wh" / "forecast" / "datasets").exists()
+    assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-5", "failed")]
