@@ -111,3 +111,23 @@ def test_record_rejects_unknown_states_and_channels():
         ledger.record(job, engine="x", state="no_result", channel="web")
     with pytest.raises(InputError, match="no warehouse"):
         ledger.flush()
+
+
+def test_merge_across_channels_dedupes_by_document_then_url_and_title():
+    from tools.ledger import merge_evidence
+
+    ledger = Ledger("r1", 0)
+    job = ledger.job(trajectory_id="t1", query="ckd dialysis", **JOB)
+    text = "Chronic kidney disease leads to dialysis."
+    ledger.record(job, engine="pmc", state="readable", doc_id="pmc:PMC1", url="https://pmc/PMC1", excerpt=text)
+    ledger.record(job, engine="pmc", state="readable", doc_id="pmc:PMC1", url="https://pmc/PMC1", excerpt=text,
+                  provenance="searxng hit 2")
+    ledger.record(job, engine="searxng", state="readable", doc_id="web:a", url="https://www.site.org/p/",
+                  title="CKD", excerpt=text)
+    ledger.record(job, engine="brave", state="readable", doc_id="web:b", url="http://site.org/p", title="ckd",
+                  excerpt=text, provenance="brave hit 1")
+    ledger.record(job, engine="searxng", state="unreadable", url="http://x.org", detail="timeout after 1 s")
+    merged = merge_evidence(ledger.rows)
+    assert [(r.evidence_id, r.doc_id, r.provenance) for r in merged] == [
+        ("E1", "pmc:PMC1", "searxng hit 2"), ("E3", "web:a", "brave hit 1")]
+    assert ledger.rows[0].provenance is None  # the ledger itself is never rewritten

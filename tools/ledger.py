@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 
 import polars as pl
@@ -216,6 +216,32 @@ class Ledger:
             raise InputError("this Ledger has no warehouse to write to: pass warehouse=Warehouse(root)")
         self.warehouse.write("search_jobs", self.jobs_frame(), run_id=self.run_id, shard=self.shard)
         self.warehouse.write("ledger", self.ledger_frame(), run_id=self.run_id, shard=self.shard)
+
+
+def merge_evidence(rows: list[LedgerRow]) -> list[LedgerRow]:
+    """Readable rows of both channels without duplicates: by stable document id (PMC / arXiv / DOI
+    ids are canonical doc ids, web hits on them were canonicalized), then by normalized URL + title.
+    The first row is kept; the provenance of a dropped duplicate is appended to it."""
+    from tools.corpus.documents import normalize_title, normalize_url
+
+    kept: list[LedgerRow] = []
+    index: dict[str, int] = {}
+    for row in rows:
+        if not row.state.startswith("readable"):
+            continue
+        keys = [f"doc:{row.doc_id}"] if row.doc_id else []
+        if row.url:
+            keys.append(f"url:{normalize_url(row.url)}|{normalize_title(row.title or '')}")
+        found = next((index[k] for k in keys if k in index), None)
+        if found is None:
+            for key in keys:
+                index[key] = len(kept)
+            kept.append(replace(row))
+            continue
+        first = kept[found]
+        extra = row.provenance or f"{row.engine} {row.evidence_id}"
+        first.provenance = f"{first.provenance}; {extra}" if first.provenance else extra
+    return kept
 
 
 def retrieval_efficiency(connection, run_id: str) -> pl.DataFrame:
