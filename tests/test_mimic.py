@@ -308,6 +308,9 @@ BAD_INPUTS = {
     "duplicate admission": (lambda hosp: edit_table(hosp, "admissions", lambda lines: lines + [lines[1]]),
                             "admissions.csv.gz: hadm_id 20000001 appears on several data rows (1, 8): "
                             "each admission must appear once"),
+    "no diagnoses": (lambda hosp: edit_table(hosp, "diagnoses_icd", lambda lines: lines[:1]),
+                     "diagnoses_icd.csv.gz: no diagnosis row belongs to an admission in admissions.csv.gz: "
+                     "forecasting needs diagnoses"),
     "both csv and csv.gz": (lambda hosp: shutil.copy(hosp / "procedures_icd.csv", hosp / "PROCEDURES_ICD.csv.gz"),
                             "table procedures_icd exists twice (PROCEDURES_ICD.csv.gz, procedures_icd.csv): "
                             "keep one of them"),

@@ -316,6 +316,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         log(f"{name}: {now - mark:.1f}s")
         return now
 
+    con = None
     try:
         con = duckdb.connect(str(workdir / "import.duckdb"))
         con.execute(f"SET memory_limit = '{memory_limit}'")
@@ -333,6 +334,10 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         _check_codes(con, "px", files.get("procedures_icd"))
         mark = stage("check", mark)
         con.execute(_EVENTS_SQL)
+        if not con.sql("SELECT count(*) FROM events WHERE code LIKE 'DIAGNOSIS//%'").fetchall()[0][0]:
+            raise InputError(f"{files['diagnoses_icd']}: no diagnosis row belongs to an admission in "
+                             f"{files['admissions'].name}: forecasting needs diagnoses; check that both files come "
+                             "from the same release")
         mark = stage("events", mark)
         n_shards = _write_shards(con, staging, workdir, seed)
         mark = stage("shards", mark)
@@ -353,6 +358,8 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         log(f"wrote {out_dir}")
         return summary
     finally:
+        if con is not None:
+            con.close()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
 
