@@ -159,12 +159,16 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
-    """A content fingerprint cheap enough for large datasets: metadata bytes plus shard row counts and sizes."""
+    """A content fingerprint cheap enough for large datasets: metadata, splits, shard row counts and sizes."""
     h = hashlib.sha256()
-    for rel in (meds.dataset_metadata_filepath, meds.subject_splits_filepath):
-        p = root / rel
-        if p.is_file():
-            h.update(p.read_bytes())
+    metadata_path = root / meds.dataset_metadata_filepath
+    if metadata_path.is_file():
+        # The creation stamp changes on every regeneration of identical data: leave it out.
+        metadata = {k: v for k, v in json.loads(metadata_path.read_text()).items() if k != "created_at"}
+        h.update(json.dumps(metadata, sort_keys=True).encode())
+    splits_path = root / meds.subject_splits_filepath
+    if splits_path.is_file():
+        h.update(splits_path.read_bytes())
     for shard in shards:
         h.update(f"{shard.relative_to(root)}:{shard.stat().st_size}:{pq.ParquetFile(shard).metadata.num_rows}".encode())
     return h.hexdigest()[:16]
