@@ -258,3 +258,23 @@ def test_doctests(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0, f"{module}: {result}"
+
+
+def test_cli_icd_dictionary_from_the_vocabulary_tables(tmp_path):
+    from dxr.cli import main
+    from warehouse.store import Warehouse
+
+    codes, notes = tiny_vocabulary()
+    wh = Warehouse(tmp_path / "wh")
+    wh.write("icd_codes", codes.filter(pl.col("icd_version") == 10), icd_version=10)
+    wh.write("icd_codes", codes.filter(pl.col("icd_version") == 9), icd_version=9)
+    wh.write("icd_notes", notes, icd_version=10)
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    result = runner.invoke(main, [*data, "corpus", "ingest", "icd"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "corpus icd source vocabulary: 3 documents (0 duplicates dropped), 6 chunks\n"
+    result = runner.invoke(main, [*data, "corpus", "build"])
+    assert result.exit_code == 0 and "icd: 3 documents, 6 chunks, 0 embedded" in result.stdout, result.output
+    result = runner.invoke(main, [*data, "corpus", "search", "--name", "icd", "diabetes type II", "-k", "1"])
+    assert result.stdout.splitlines()[0].split()[2:4] == ["icd9:250.00", "250.00"], result.output
