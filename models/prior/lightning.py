@@ -8,7 +8,7 @@ from __future__ import annotations
 import duckdb
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
@@ -80,6 +80,33 @@ class PriorModule(L.LightningModule):
         return metrics
 
 
+class LengthBucketBatches(Sampler[list[int]]):
+    """Seeded shuffled batches of similar sequence length, so a batch carries little visit padding.
+
+    Each epoch: shuffle, cut into pools of 50 batches, sort each pool by length, cut into batches,
+    shuffle the batch order. Epoch e uses seed + e, so runs repeat exactly.
+    """
+
+    def __init__(self, lengths: torch.Tensor, batch_size: int, seed: int, pool_batches: int = 50):
+        self.lengths, self.batch_size, self.seed, self.pool = lengths, batch_size, seed, batch_size * pool_batches
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        order = torch.randperm(len(self.lengths), generator=g)
+        batches = []
+        for start in range(0, len(order), self.pool):
+            pool = order[start:start + self.pool]
+            pool = pool[torch.argsort(self.lengths[pool], stable=True)]
+            batches.extend(pool[i:i + self.batch_size].tolist() for i in range(0, len(pool), self.batch_size))
+        for i in torch.randperm(len(batches), generator=g).tolist():
+            yield batches[i]
+
+
 class PriorDataModule(L.LightningDataModule):
     """Training sequences from train patients; validation pairs from tuning pre-target records."""
 
@@ -107,8 +134,8 @@ class PriorDataModule(L.LightningDataModule):
         self.n_train_patients = train.lengths.numel()
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.cfg.seed)
-        return DataLoader(self.train_set, batch_size=self.cfg.batch_size, shuffle=True, generator=generator)
+        sampler = LengthBucketBatches(self.train_set.t.lengths, self.cfg.batch_size, self.cfg.seed)
+        return DataLoader(self.train_set, batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.cfg.predict_batch_size)

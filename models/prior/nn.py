@@ -46,15 +46,15 @@ class NetConfig:
 class VisitEncoder(nn.Module):
     def __init__(self, cfg: NetConfig):
         super().__init__()
-        self.codes = nn.Embedding(cfg.n_input_codes, cfg.d_model, padding_idx=0)
+        # EmbeddingBag averages the non-padding codes of a visit without materialising (B, V, C, d).
+        self.codes = nn.EmbeddingBag(cfg.n_input_codes, cfg.d_model, mode="mean", padding_idx=0)
         self.numeric = nn.Linear(N_NUMERIC, cfg.d_model)
         self.position = nn.Embedding(cfg.max_visits, cfg.d_model)
         self.norm = nn.LayerNorm(cfg.d_model)
 
     def forward(self, codes: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
-        present = (codes > 0).float().unsqueeze(-1)  # (B, V, C, 1)
-        summed = (self.codes(codes) * present).sum(2)  # (B, V, d)
-        mean = summed / present.sum(2).clamp(min=1.0)  # (B, V, d)
+        B, V, C = codes.shape
+        mean = self.codes(codes.reshape(B * V, C)).view(B, V, -1)  # (B, V, d); an empty visit gives zeros
         positions = torch.arange(codes.shape[1], device=codes.device)  # (V,)
         return self.norm(mean + self.numeric(numeric) + self.position(positions))  # (B, V, d)
 
@@ -264,11 +264,11 @@ def n_parameters(module: nn.Module) -> int:
 def init_weights(module: nn.Module) -> None:
     """Small normal init (std 0.02) for linear and embedding weights, as in GPT-style models."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.EmbeddingBag)):
             nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
-            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None:
                 with torch.no_grad():
                     m.weight[m.padding_idx].zero_()
 
