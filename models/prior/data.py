@@ -7,13 +7,14 @@ Sources (forecasting store only, through `Warehouse.connect()`):
 `held_out` is never read here.
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
-tokens are diagnosis, procedure and medication codes; the output vocabulary is the cohort's Ω
-restricted to diagnosis codes seen in `train_events`.
+tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
+(`LAB//…//q0`…`q4`, cut points from train patients' values); the output vocabulary is the cohort's
+Ω restricted to diagnosis codes seen in `train_events`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
@@ -26,6 +27,8 @@ from models.prior.config import PriorConfig
 from models.transition import sql_frame
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")
+LAB_PREFIX = "LAB//"
+LAB_QUANTILES = (0.2, 0.4, 0.6, 0.8)
 PAD, UNKNOWN = 0, 1
 
 
@@ -34,6 +37,7 @@ class Vocabulary:
     input_codes: list[str]  # index i + 2 (0 = padding, 1 = unknown)
     output_codes: list[str]  # index i; padding id = len(output_codes)
     omega: list[str]  # the cohort's Ω, for history codes outside output_codes
+    lab_cuts: dict[str, list[float]] = field(default_factory=dict)  # lab code → quintile cut points (train)
 
     @property
     def n_input(self) -> int:
@@ -44,7 +48,8 @@ class Vocabulary:
         return len(self.output_codes)
 
     def to_json(self) -> dict:
-        return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega}
+        return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
+                "lab_cuts": self.lab_cuts}
 
 
 def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_count: int) -> Vocabulary:
@@ -62,7 +67,30 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     if not outputs:
         raise InputError(f"cohort {cohort_id}: train_events hold no diagnosis code of the cohort vocabulary; "
                          "rebuild the cohort so that it has train-split patients with diagnoses")
-    return Vocabulary(inputs, outputs, omega)
+    cuts = sql_frame(con, f"""SELECT code, quantile_cont(numeric_value, {list(LAB_QUANTILES)}) AS cuts
+                              FROM train_events WHERE cohort_id = ? AND code LIKE '{LAB_PREFIX}%'
+                                AND numeric_value IS NOT NULL AND isfinite(numeric_value)
+                              GROUP BY code HAVING count(*) >= ? ORDER BY code""", [cohort_id, min_code_count])
+    lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
+    lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
+    return Vocabulary(sorted(inputs + lab_tokens), outputs, omega, lab_cuts)
+
+
+def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl.DataFrame:
+    """Lab rows (…, code, numeric_value) → the same rows with code `{lab}//q{quintile}`; unknown labs dropped.
+
+    >>> rows = pl.DataFrame({"code": ["LAB//k//u"] * 3, "numeric_value": [1.0, 5.0, 9.0]})
+    >>> lab_value_tokens(rows, {"LAB//k//u": [2.0, 4.0, 6.0, 8.0]})["code"].to_list()
+    ['LAB//k//u//q0', 'LAB//k//u//q2', 'LAB//k//u//q4']
+    """
+    if not lab_cuts or labs.is_empty():
+        return labs.head(0)
+    cuts = pl.DataFrame({"code": list(lab_cuts), **{f"cut{i}": [c[i] for c in lab_cuts.values()]
+                                                    for i in range(len(LAB_QUANTILES))}})
+    binned = labs.filter(pl.col("numeric_value").is_not_null()).join(cuts, on="code")
+    quintile = pl.sum_horizontal((pl.col("numeric_value") > pl.col(f"cut{i}")).cast(pl.Int32)
+                                 for i in range(len(LAB_QUANTILES)))
+    return binned.with_columns(pl.format("{}//q{}", "code", quintile).alias("code")).select(labs.columns)
 
 
 @dataclass
@@ -116,8 +144,11 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
         lengths_frame = visits.group_by("row").agg(pl.col("pos").max() + 1)
         lengths[lengths_frame["row"].to_numpy()] = lengths_frame["pos"].to_numpy()
 
-    tokens = (timed.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
-              .select(key, "encounter_id", "code").unique()
+    coded = timed.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
+    if "numeric_value" in timed.columns:
+        labs = lab_value_tokens(timed.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts)
+        coded = pl.concat([coded, labs])
+    tokens = (coded.select(key, "encounter_id", "code").unique()
               .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
     input_ids = pl.DataFrame({"code": vocab.input_codes, "id": np.arange(2, vocab.n_input)},
                              schema={"code": pl.String, "id": pl.Int64})
@@ -181,13 +212,14 @@ def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, max_pat
     """Events of train patients (the only split whose full records the forecasting store holds)."""
     limit = "" if max_patients is None else f"AND subject_id IN (SELECT DISTINCT subject_id FROM train_events " \
                                             f"WHERE cohort_id = $1 ORDER BY subject_id LIMIT {int(max_patients)})"
-    return sql_frame(con, f"""SELECT subject_id, time, code, encounter_id FROM train_events
+    return sql_frame(con, f"""SELECT subject_id, time, code, numeric_value, encounter_id FROM train_events
                              WHERE cohort_id = $1 {limit}""", [cohort_id])
 
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
     """Pre-target records of `tuning` trajectories (their targets live in the gold store and are not read)."""
-    return sql_frame(con, """SELECT p.trajectory_id, p.time, p.code, p.encounter_id FROM pretarget_events p
+    return sql_frame(con, """SELECT p.trajectory_id, p.time, p.code, p.numeric_value, p.encounter_id
+                             FROM pretarget_events p
                              JOIN trajectories t ON t.cohort_id = p.cohort_id AND t.trajectory_id = p.trajectory_id
                              WHERE p.cohort_id = ? AND t.split = 'tuning'""", [cohort_id])
 

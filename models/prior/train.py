@@ -17,7 +17,7 @@ from dxr.errors import InputError
 from models.prior import tracking
 from models.prior.config import ARCHS, PriorConfig
 from models.prior.lightning import PriorDataModule, PriorModule
-from models.prior.nn import NetConfig, PriorNet, init_weights, n_parameters
+from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
 
 mlflow = tracking.mlflow
 
@@ -67,6 +67,7 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     net_cfg = net_config(system, cfg, data.vocab.n_input, data.vocab.n_output)
     net = PriorNet(net_cfg)
     init_weights(net)
+    init_output_bias(net, data.train_set.t.dx, data.train_set.t.lengths)
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, callbacks=list(callbacks))
