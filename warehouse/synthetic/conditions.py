@@ -1091,18 +1091,20 @@ def codes_of(definition) -> list[str]:
     return out
 
 
-def validate_definitions() -> dict[str, str]:
+def validate_definitions(chronic: tuple[Chronic, ...] = CHRONIC, reasons: tuple[Reason, ...] = REASONS,
+                         complications: tuple[Complication, ...] = COMPLICATIONS) -> dict[str, str]:
     """Check every code is a billable ICD-10-CM code and references resolve; return code → owner.
 
     Each code belongs to one condition (the owner), which is how target codes are attributed
     to conditions in the realism report.
     """
-    names = [d.name for d in (*CHRONIC, *REASONS, *COMPLICATIONS)]
+    by_name = {c.name: c for c in chronic}
+    names = [d.name for d in (*chronic, *reasons, *complications)]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise ConfigError(f"synthetic conditions: duplicate names {sorted(duplicates)}: rename one of each")
     owner: dict[str, str] = {}
-    for d in (*CHRONIC, *REASONS, *COMPLICATIONS):
+    for d in (*chronic, *reasons, *complications):
         for code in codes_of(d):
             if not icd.is_valid_item(code):
                 raise ConfigError(f"synthetic condition '{d.name}': {code} is not an ICD-10-CM code: fix the definition")
@@ -1110,15 +1112,15 @@ def validate_definitions() -> dict[str, str]:
                 raise ConfigError(f"synthetic condition '{d.name}': {code} is not billable (it has children "
                                   f"{icd.get_children(code)[:4]}…): use a billable leaf")
             owner.setdefault(code, d.name)
-    for r in REASONS:
+    for r in reasons:
         for target in list(r.sets) + list(r.clears) + list(r.covers):
-            if target not in CHRONIC_BY_NAME:
+            if target not in by_name:
                 raise ConfigError(f"synthetic reason '{r.name}': unknown state '{target}' in sets/clears/covers")
         for target, stage in r.sets.items():
-            if not stage.startswith("=") and stage not in CHRONIC_BY_NAME[target].stages:
+            if not stage.startswith("=") and stage not in by_name[target].stages:
                 raise ConfigError(f"synthetic reason '{r.name}': '{target}' has no stage '{stage}'; "
-                                  f"stages: {CHRONIC_BY_NAME[target].stages}")
-    for c in CHRONIC:
+                                  f"stages: {by_name[target].stages}")
+    for c in chronic:
         if c.initial is not None and len(c.initial) != len(c.stages):
             raise ConfigError(f"synthetic condition '{c.name}': {len(c.initial)} initial weights for "
                               f"{len(c.stages)} stages")

@@ -8,6 +8,7 @@ byte-identical files. Memory is bounded by one shard per worker.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
@@ -72,14 +73,16 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
         for stale in data_dir.glob("*.parquet"):
             if stale.name not in expected:
                 stale.unlink()
-    workers = workers or min(2, os.cpu_count() or 1)
+    # worker processes pay a start-up cost (imports, the ICD tables); worth it only for large runs
+    workers = workers or (min(2, os.cpu_count() or 1) if n_patients >= 4000 else 1)
     jobs = [(out_dir, name, seed, first, last) for name, first, last in plan]
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=n_patients, unit="patient", desc="synthetic")
     if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for (name, first, last), _ in zip(plan, pool.map(_write_shard, jobs)):
                 if bar:
                     bar.update(last - first + 1)
@@ -105,7 +108,8 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
 def code_dictionary() -> pl.DataFrame:
     """codes.parquet: the full billable ICD-10-CM dictionary plus every other code the generator emits."""
     rows: list[tuple[str, str]] = []
-    for code in icd.get_all_codes(with_dots=False):
+    # dict.fromkeys: a one-category block (B20, Z66...) is listed twice under the same name
+    for code in dict.fromkeys(icd.get_all_codes(with_dots=False)):
         if icd.is_leaf(code):
             rows.append((f"DIAGNOSIS//ICD//10//{code}", icd.get_description(code)))
     for code, text in sorted(PCS_TITLES.items()):
@@ -131,3 +135,10 @@ def read_synthetic_metadata(meds_dir: Path) -> dict:
         raise InputError(f"{path} not found: {meds_dir} was not written by the synthetic generator "
                          "(the oracle exists only for synthetic data)")
     return json.loads(path.read_text())
+
+
+def generation_parameters(meds_dir: Path) -> dict:
+    """{patients, seed, generator_version} of a synthetic MEDS directory (to decide whether to regenerate)."""
+    meta = read_synthetic_metadata(meds_dir)
+    return {"patients": meta["synthetic_patients"], "seed": meta["synthetic_seed"],
+            "generator_version": meta["generator_version"]}

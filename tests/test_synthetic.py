@@ -1,0 +1,253 @@
+"""The synthetic generator: MEDS validity, determinism, re-simulation, vocabulary, labs, and the oracle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import polars as pl
+import pytest
+import simple_icd_10_cm as icd
+
+from dxr.errors import ConfigError, InputError
+from warehouse.meds import hash_split, validate_meds_dir
+from warehouse.synthetic import GENERATOR_VERSION, generate, generation_parameters, oracle
+from warehouse.synthetic.conditions import (
+    CHRONIC, CODE_OWNER, COMPLICATIONS, REASONS, validate_definitions,
+)
+from warehouse.synthetic.generate import code_dictionary, patient_frame
+from warehouse.synthetic.model import Rule
+from warehouse.synthetic.oracle import encounter_probabilities
+from warehouse.synthetic.realism import (
+    REALISM_BANDS, diagnosis_encounters, final_encounter_cohort, realism_report, violations,
+)
+from warehouse.synthetic.simulate import DIAGNOSIS, simulate_patient
+
+SEED = 7
+PATIENTS = 300
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synthetic") / "meds"
+    generate(out, PATIENTS, SEED, shard_size=100)
+    return out
+
+
+@pytest.fixture(scope="module")
+def events(dataset) -> pl.DataFrame:
+    return pl.read_parquet(dataset / "data" / "*.parquet")
+
+
+@pytest.fixture(scope="module")
+def cohort(dataset) -> pl.DataFrame:
+    """Every patient's final encounter (all splits, for a larger sample) with ≥ 1 prior encounter."""
+    dx = diagnosis_encounters(dataset)
+    parts = [final_encounter_cohort(dx, SEED, split) for split in ("train", "tuning", "held_out")]
+    return pl.concat(parts).sort("subject_id")
+
+
+def test_definitions_are_rich_and_billable():
+    conditions = len(CHRONIC) + len(REASONS) + len(COMPLICATIONS)
+    assert conditions >= 40, conditions
+    assert len(CODE_OWNER) >= 300, len(CODE_OWNER)
+    for code, owner in CODE_OWNER.items():
+        assert icd.is_valid_item(code) and icd.is_leaf(code), f"{owner}: {code}"
+
+
+def test_a_bad_code_is_named_with_its_condition():
+    broken = replace(CHRONIC[0], codes=(Rule({"I50": 1.0}),))  # I50 is a category, not billable
+    with pytest.raises(ConfigError, match=r"'hypertension': I50 is not billable"):
+        validate_definitions(chronic=(broken, *CHRONIC[1:]))
+    unknown = replace(CHRONIC[0], codes=(Rule({"Q99.99": 1.0}),))
+    with pytest.raises(ConfigError, match=r"'hypertension': Q99.99 is not an ICD-10-CM code"):
+        validate_definitions(chronic=(unknown, *CHRONIC[1:]))
+
+
+def test_dataset_is_valid_meds(dataset, events):
+    info = validate_meds_dir(dataset)
+    assert info.n_subjects == PATIENTS
+    assert info.icd_versions == (10,)
+    metadata = json.loads((dataset / "metadata" / "dataset.json").read_text())
+    assert metadata["generator_version"] == GENERATOR_VERSION
+    assert (metadata["synthetic_seed"], metadata["synthetic_patients"]) == (SEED, PATIENTS)
+    assert generation_parameters(dataset) == {"patients": PATIENTS, "seed": SEED,
+                                              "generator_version": GENERATOR_VERSION}
+    codes = pl.read_parquet(dataset / "metadata" / "codes.parquet")
+    billable = sum(1 for c in set(icd.get_all_codes(with_dots=False)) if icd.is_leaf(c))
+    assert codes.filter(pl.col("code").str.starts_with(DIAGNOSIS)).height == billable
+    missing = set(events["code"].unique()) - set(codes["code"])
+    assert not missing, f"codes emitted but absent from codes.parquet: {sorted(missing)[:5]}"
+    splits = pl.read_parquet(dataset / "metadata" / "subject_splits.parquet")
+    assert splits.height == PATIENTS
+    assert all(hash_split(s, 7) == split for s, split in splits.iter_rows())
+
+
+def test_record_structure(events):
+    static = events.filter(pl.col("time").is_null())
+    assert sorted(static["code"].unique()) == ["GENDER//F", "GENDER//M"]
+    assert static.height == PATIENTS
+    assert events.filter(pl.col("code") == "MEDS_BIRTH").height == PATIENTS
+    enc = events.filter(pl.col("encounter_id").is_not_null()).group_by("encounter_id").agg(
+        pl.col("subject_id").n_unique().alias("subjects"),
+        pl.col("time").filter(pl.col("code").str.starts_with("HOSPITAL_ADMISSION//")).alias("admit"),
+        pl.col("time").filter(pl.col("code").str.starts_with("HOSPITAL_DISCHARGE//")).alias("discharge"),
+        pl.col("time").filter(pl.col("code").str.starts_with(DIAGNOSIS)).max().alias("dx_time"),
+        pl.col("time").min().alias("first"),
+        pl.col("code").str.starts_with(DIAGNOSIS).sum().alias("n_dx"),
+        (pl.col("code") == "NOTE//DISCHARGE_SUMMARY").sum().alias("notes"))
+    assert enc["subjects"].max() == 1, "an encounter id is shared by two subjects"
+    assert enc["n_dx"].min() >= 1, "an encounter without a diagnosis"
+    assert (enc["admit"].list.len() == 1).all() and (enc["discharge"].list.len() == 1).all()
+    assert (enc["notes"] == 1).all()
+    enc = enc.with_columns(pl.col("admit").list.first(), pl.col("discharge").list.first())
+    assert (enc["first"] == enc["admit"]).all(), "an event precedes its encounter's admission"
+    assert (enc["dx_time"] == enc["discharge"]).all(), "diagnoses must be stamped at discharge"
+    died = events.filter(pl.col("code") == "HOSPITAL_DISCHARGE//DIED")["subject_id"]
+    deaths = events.filter(pl.col("code") == "MEDS_DEATH")["subject_id"]
+    assert set(died) <= set(deaths)
+    assert deaths.is_unique().all()
+
+
+def test_notes_describe_their_own_encounter(events):
+    notes = events.filter(pl.col("code") == "NOTE//DISCHARGE_SUMMARY").head(50)
+    dx = events.filter(pl.col("code").str.starts_with(DIAGNOSIS))
+    for eid, text in notes.select("encounter_id", "text_value").iter_rows():
+        first = dx.filter(pl.col("encounter_id") == eid)["code"][0].removeprefix(DIAGNOSIS)
+        assert icd.get_description(first) in text, (eid, first)
+
+
+def test_same_seed_is_byte_identical_and_other_seed_differs(dataset, tmp_path):
+    again = tmp_path / "again"
+    generate(again, PATIENTS, SEED, shard_size=100, workers=1)
+    for shard in sorted((dataset / "data").glob("*.parquet")):
+        assert shard.read_bytes() == (again / "data" / shard.name).read_bytes(), shard.name
+    for name in ("codes.parquet", "subject_splits.parquet"):
+        assert (dataset / "metadata" / name).read_bytes() == (again / "metadata" / name).read_bytes()
+    other = tmp_path / "other"
+    generate(other, PATIENTS, SEED + 1, shard_size=100, workers=2)  # also exercises the process pool
+    assert (dataset / "data" / "00000.parquet").read_bytes() != (other / "data" / "00000.parquet").read_bytes()
+
+
+def test_rerun_over_a_larger_run_leaves_no_stale_shard(tmp_path):
+    generate(tmp_path, 30, SEED, shard_size=10)
+    generate(tmp_path, 15, SEED, shard_size=10)
+    assert sorted(p.name for p in (tmp_path / "data").glob("*.parquet")) == ["00000.parquet", "00001.parquet"]
+    assert validate_meds_dir(tmp_path).n_subjects == 15
+
+
+def test_one_patient_resimulated_alone_equals_its_generated_record(events):
+    for sid in (1, 57, 213):
+        alone = patient_frame(SEED, [sid]).sort("time", "code", "numeric_value", nulls_last=False)
+        stored = events.filter(pl.col("subject_id") == sid).sort("time", "code", "numeric_value", nulls_last=False)
+        assert alone.equals(stored), f"subject {sid} differs when re-simulated alone"
+
+
+def test_labs_track_the_latent_state(events):
+    dx = events.filter(pl.col("code").str.starts_with(DIAGNOSIS))
+    diabetic = set(dx.filter(pl.col("code").str.contains(r"//E1[01]\d*$"))["subject_id"])
+    hba1c = events.filter(pl.col("code") == "LAB//HbA1c//%").with_columns(
+        pl.col("subject_id").is_in(list(diabetic)).alias("diabetic")).group_by("diabetic").agg(pl.col("numeric_value").mean())
+    means = dict(hba1c.iter_rows())
+    assert means[True] > means[False] + 1.0, means
+    advanced = set(dx.filter(pl.col("code").str.contains(r"//N18[456]$"))["encounter_id"])
+    egfr = events.filter(pl.col("code") == "LAB//eGFR//mL/min/1.73m2").with_columns(
+        pl.col("encounter_id").is_in(list(advanced)).alias("advanced")).group_by("advanced").agg(pl.col("numeric_value").mean())
+    means = dict(egfr.iter_rows())
+    assert means[True] < 30 < means[False], means
+    failing = set(dx.filter(pl.col("code").str.contains(r"//I50"))["encounter_id"])
+    bnp = events.filter(pl.col("code") == "LAB//BNP//pg/mL").with_columns(
+        pl.col("encounter_id").is_in(list(failing)).alias("hf")).group_by("hf").agg(pl.col("numeric_value").median())
+    means = dict(bnp.iter_rows())
+    assert means[True] > 3 * means[False], means
+
+
+def test_oracle_probabilities_are_valid_and_sorted(dataset, cohort):
+    probs = oracle(dataset, cohort, harmonize=None, draws=200, top=100)
+    assert set(probs["trajectory_id"]) == set(cohort["trajectory_id"])
+    assert probs["probability"].min() > 0 and probs["probability"].max() <= 1
+    for _, group in probs.group_by("trajectory_id"):
+        p = group["probability"].to_list()
+        assert p == sorted(p, reverse=True) and len(p) <= 100
+    assert probs["code"].str.starts_with(DIAGNOSIS).all()
+
+
+def test_oracle_mass_matches_the_realized_target_size(dataset, cohort):
+    """Σ_code P(code ∈ Y) is the expected target size: it must match the realized sizes on average."""
+    probs = oracle(dataset, cohort, harmonize=None, draws=200, top=1000)
+    expected = probs.group_by("trajectory_id").agg(pl.col("probability").sum())["probability"].mean()
+    dx = diagnosis_encounters(dataset)
+    realized = dx.join(cohort.select("subject_id", pl.col("target_encounter_id").alias("encounter_id")),
+                       on=["subject_id", "encounter_id"]).group_by("encounter_id").len()["len"].mean()
+    assert abs(expected - realized) / realized < 0.1, (expected, realized)
+
+
+def test_oracle_never_reads_the_target_encounter(dataset, cohort, tmp_path):
+    """Deleting the target encounters' events from the data leaves the oracle's output unchanged."""
+    sample = cohort.head(25)
+    before = oracle(dataset, sample, harmonize=None, draws=50)
+    stripped = tmp_path / "stripped"
+    shutil.copytree(dataset, stripped)
+    targets = sample["target_encounter_id"].to_list()
+    for shard in (stripped / "data").glob("*.parquet"):
+        frame = pl.read_parquet(shard)
+        frame.filter(~pl.col("encounter_id").is_in(targets) | pl.col("encounter_id").is_null()).write_parquet(shard)
+    after = oracle(stripped, sample, harmonize=None, draws=50)
+    assert before.equals(after)
+
+
+def test_oracle_is_unchanged_when_the_target_draw_is_redrawn(cohort):
+    """Same latent history, a different realized target encounter: the oracle's estimate is the same."""
+    changed = 0
+    for sid, eid in cohort.head(40).select("subject_id", "target_encounter_id").iter_rows():
+        k = eid - sid * 1000
+        real = simulate_patient(SEED, sid, capture=frozenset({k}))
+        other = simulate_patient(SEED, sid, capture=frozenset({k}), redraw={k: "alternative"})
+        (state_a, t_a), (state_b, t_b) = real.captured[k], other.captured[k]
+        assert t_a == t_b and state_a.conds == state_b.conds
+        changed += real.encounters[k].draw.codes != other.encounters[k].draw.codes
+        assert encounter_probabilities(SEED, sid, k, state_a, t_a, 50) == \
+            encounter_probabilities(SEED, sid, k, state_b, t_b, 50)
+    assert changed >= 20, "redrawing the target encounter should usually change its codes"
+
+
+def test_oracle_harmonizes_codes(dataset, cohort):
+    to_category = (lambda codes: sorted({c[:len(DIAGNOSIS) + 3] for c in codes}))
+    sample = cohort.head(10)
+    native = oracle(dataset, sample, harmonize=None, draws=100, top=1000)
+    harmonized = oracle(dataset, sample, harmonize=to_category, draws=100, top=1000)
+    assert (harmonized["code"].str.len_chars() == len(DIAGNOSIS) + 3).all()
+    rolled = native.with_columns(pl.col("code").str.slice(0, len(DIAGNOSIS) + 3)).group_by("trajectory_id", "code") \
+        .agg(pl.col("probability").max())
+    joined = harmonized.join(rolled, on=["trajectory_id", "code"], suffix="_child")
+    assert joined.height == harmonized.height
+    assert (joined["probability"] >= joined["probability_child"] - 1e-12).all()
+
+
+def test_oracle_rejects_foreign_trajectories(dataset, cohort, tmp_path):
+    row = cohort.head(1)
+    shifted = row.with_columns(pl.col("cutoff_time") + pl.duration(days=3))
+    with pytest.raises(InputError, match="differs from the re-simulated admission time"):
+        oracle(dataset, shifted, harmonize=None, draws=10)
+    with pytest.raises(InputError, match="was not written by the synthetic generator"):
+        oracle(tmp_path, row, harmonize=None, draws=10)
+    with pytest.raises(InputError, match="lack column"):
+        oracle(dataset, row.drop("cutoff_time"), harmonize=None)
+
+
+def test_code_dictionary_has_titles():
+    codes = code_dictionary()
+    assert codes["code"].is_unique().all()
+    assert codes.filter(pl.col("code") == f"{DIAGNOSIS}E1122")["description"].item() == \
+        "Type 2 diabetes mellitus with diabetic chronic kidney disease"
+    assert codes.filter(pl.col("code") == "PROCEDURE//ICD//10//5A1D70Z").height == 1
+
+
+@pytest.mark.slow
+def test_realism_bands_on_the_default_dataset(tmp_path):
+    generate(tmp_path, 5000, 7)
+    report = realism_report(tmp_path, seed=7)
+    assert not violations(report), report
+    assert set(REALISM_BANDS) <= set(report)
