@@ -87,8 +87,10 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     `shard_seconds`: per shard read the pre-target tables, predict, write rankings and statuses.
     End to end = both; module imports (torch, mlflow, polars) are process start-up and excluded.
     """
+    from models.registry import forecaster_class
     from tasks.forecast import fitted_forecaster, forecast_shard_task
 
+    forecaster_class(system)  # module imports are process start-up, not inference
     wh = Warehouse(data_dir)
     shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
     started = time.perf_counter()
@@ -129,6 +131,9 @@ def main() -> None:
     parser.add_argument("--skip-train", action="store_true", help="reuse the registered champions")
     parser.add_argument("--name", default=None, help="results file suffix")
     args = parser.parse_args()
+    # Worker pools (the synthetic generator's) must not fork a process that already runs
+    # polars/torch threads: forked children can deadlock on locks held by those threads.
+    mp.set_start_method("spawn", force=True)
 
     wh = Warehouse(args.data_dir)
     timings: dict[str, float] = {}

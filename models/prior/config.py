@@ -31,7 +31,8 @@ class PriorConfig(BaseModel):
     balance_loss_weight: float = Field(0.01, ge=0)
     z_loss_weight: float = Field(0.001, ge=0)
     seed: int = 7
-    threads: int = Field(2, ge=1, description="torch CPU threads")
+    # One thread: on a shared 2-core machine, two intra-op threads were measured 10-80x slower (spin-waits).
+    threads: int = Field(1, ge=1, description="torch CPU threads")
     max_train_patients: int | None = Field(None, ge=1, description="cap for quick runs; None = every train patient")
     # ---- tracking / inference ----
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under <data_dir>/mlflow")
