@@ -251,3 +251,9 @@ def test_realism_bands_on_the_default_dataset(tmp_path):
     report = realism_report(tmp_path, seed=7)
     assert not violations(report), report
     assert set(REALISM_BANDS) <= set(report)
+
+
+def test_docs_page_matches_the_definitions():
+    from warehouse.synthetic.docs import PAGE, render
+
+    assert PAGE.read_text() == render(), "docs/synthetic.md is stale: run python -m warehouse.synthetic.docs"

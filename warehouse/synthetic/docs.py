@@ -1,0 +1,217 @@
+"""Render docs/synthetic.md from the condition definitions (`python -m warehouse.synthetic.docs`).
+
+The page is committed; a test checks it matches the definitions, so it never drifts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import simple_icd_10_cm as icd
+
+from warehouse.synthetic.conditions import (
+    CHRONIC, COMPLICATIONS, FACTS, PCS_TITLES, REASONS, WEEK_CODES, codes_of,
+)
+from warehouse.synthetic.generate import GENERATOR_VERSION
+from warehouse.synthetic.model import Extra, Hazard, Rule
+from warehouse.synthetic.realism import REALISM_BANDS
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "synthetic.md"
+
+INTRO = """\
+# The synthetic cohort (embedded default data)
+
+Generator version `{version}`. Every number below is rendered from `warehouse/synthetic/conditions.py`
+by `python -m warehouse.synthetic.docs`; a test fails when this page and the definitions disagree.
+
+## How a patient is simulated
+
+* **Population.** Adults enter the hospital's record at a first admission between 2016 and 2024
+  (age at entry: 10% 18–34, 15% 35–49, 30% 50–64, 30% 65–79, 15% 80–95; 53% women) and are
+  followed to the end of 2025 or death. A patient-level frailty (gamma, mean 1, shape 5) scales every
+  admission hazard.
+* **Latent state.** From age 4 to the first admission the chronic states below accumulate in
+  5-year steps (their onset hazards, progressions, and the durable marks left by events such as an
+  infarction or a stroke); during follow-up they evolve in 1-year steps. The state holds each
+  condition's stage, its onset time and one latent uniform per condition (used by *sticky* code
+  rules, so a patient keeps the same laterality, subtype or BMI code), the latent HbA1c of a
+  diabetic (random walk, σ = 0.45 %/year), and a pending scheduled event (labour at term).
+* **Hazards.** An annual rate at age 60, multiplied by `per_decade^((age − 60)/10)`, by the female
+  factor for women, and by every risk factor present — the product of risk factors is capped (5×
+  unless stated) because risk factors overlap clinically. `requires` gates a hazard entirely.
+* **Encounters.** Admissions arrive as a Poisson process whose rate is the sum of the reason
+  hazards below (times frailty). At an encounter the reasons compete: reason *k* is chosen with
+  probability λ_k/Σλ given the state at that time; labour at term is scheduled at conception and
+  chooses between vaginal and caesarean delivery the same way. Background mortality is Gompertz in
+  age (0.035% per year at 30, doubling every ~8 years) times the burden of heart failure, metastatic
+  cancer, dementia, severe COPD, ESRD and cirrhosis; reasons carry an in-hospital mortality.
+* **Coding.** At every encounter the reason's principal rule gives the first code, its secondary
+  codes follow with their probabilities, then each present chronic state is coded with probability
+  `coding × coding depth` of the stay (0.75 by default; lower for obstetric, elective and
+  chemotherapy stays) — omissions are the norm, as in real discharge abstracts — choosing its code
+  with the first rule whose `when` holds (weights express coder choice between specified and
+  unspecified siblings). States a reason `covers` are coded by the reason (acute-on-chronic heart
+  failure replaces the chronic code). Finally each in-stay problem (complications table) is coded
+  with its probability given the state and the reason.
+* **Events.** `HOSPITAL_ADMISSION//<type>` at admission; labs 90 minutes later whose values follow
+  the latent state and the encounter's coded facts (eGFR from the CKD stage through the CKD-EPI
+  2021 equation, HbA1c from the latent value, BNP by heart-failure subtype and decompensation,
+  haemoglobin lowered by CKD, chemotherapy, iron deficiency and bleeding, neutrophils in
+  chemotherapy-induced neutropenia, INR on warfarin or in cirrhosis…); medications three hours after
+  admission; diagnoses, ICD-10-PCS procedures, `HOSPITAL_DISCHARGE//<disposition>` and a short
+  `NOTE//DISCHARGE_SUMMARY` written from that encounter's own facts at discharge; `MEDS_DEATH` at death.
+* **Determinism.** Each patient uses private random streams keyed by (seed, subject id): one for
+  the life course and one per encounter (plus one for lab values and notes), so any patient can be
+  re-simulated alone and shards are independent. `encounter_id = subject_id × 1000 + index`.
+
+## The oracle
+
+For a trajectory the patient is re-simulated to the latent state just before the target
+encounter; the encounter is then drawn `draws` times (default 200) with the same
+`draw_encounter` function the generator used, from a stream distinct from the realized one.
+`P(code ∈ Y | state)` is the share of draws containing the code (after the cohort's harmonization).
+The oracle knows the latent state — including conditions not yet coded and current stages — but
+not what is decided at the encounter (its reason, omissions, siblings, complications).
+
+## Realism bands
+
+Checked on the `held_out` cohort of the default 5,000-patient dataset, final-encounter targets,
+`warehouse.synthetic.realism.realism_report` (and by the demo from warehouse tables):
+
+| statistic | band |
+|---|---|
+{bands}
+
+Measured with `realism_report` on 5,000 patients (generator `{version}`):
+
+| statistic | seed 7 | seed 11 |
+|---|---|---|
+{measured}
+
+## Tokens
+
+A `when`/`requires` string is a conjunction of tokens (`!` negates). Condition names and
+`name:stage` are tokens; so are these derived facts:
+
+| token | meaning |
+|---|---|
+{facts}
+"""
+
+# Measured with `python benchmarks/synth.py --patients 5000 --seed S --realism` (S = 7, 11); update
+# these when the generator version changes (the slow test re-checks the bands on seed 7).
+MEASURED = {
+    "n_trajectories": (378, 385), "mean_target_size": (9.741, 10.252), "mean_prior_encounters": (3.466, 3.623),
+    "new_onset_share": (0.500, 0.512), "oracle_r20": (0.670, 0.668), "repeat_history_r20": (0.418, 0.406),
+    "global_frequency_r20": (0.265, 0.268), "repeat_history_to_oracle": (0.623, 0.607),
+    "global_frequency_to_oracle": (0.395, 0.401), "max_condition_share": (0.043, 0.040),
+}
+
+
+def _hazard(h: Hazard | None) -> str:
+    if h is None:
+        return "set by an encounter (no spontaneous onset)"
+    parts = [f"{h.rate:g}/yr"]
+    if h.per_decade != 1.0:
+        parts.append(f"×{h.per_decade:g} per decade")
+    if h.female != 1.0:
+        parts.append(f"women ×{h.female:g}")
+    if h.risks:
+        parts.append("risks " + ", ".join(f"{k} ×{v:g}" for k, v in h.risks.items()))
+        if h.cap != 5.0:
+            parts.append(f"risk product capped at ×{h.cap:g}")
+    if h.requires:
+        parts.append(f"requires `{h.requires}`")
+    if h.ages != (0.0, 130.0):
+        parts.append(f"ages {h.ages[0]:g}–{h.ages[1]:g}")
+    return "; ".join(parts)
+
+
+def _rule(r: Rule) -> str:
+    total = sum(r.codes.values())
+    codes = ", ".join(f"{c} {w / total:.0%}" if len(r.codes) > 1 else c for c, w in r.codes.items())
+    when = f"when `{r.when}`: " if r.when else ""
+    return f"{when}{codes}{' (sticky)' if r.sticky else ''}"
+
+
+def _extras(extras: tuple[Extra, ...]) -> str:
+    return "; ".join(f"{e.p:.0%} {'when `' + e.when + '` ' if e.when else ''}→ "
+                     + " / ".join(_rule(r) for r in e.rules) for e in extras)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    bands = "\n".join(f"| {k} | {lo:g} – {hi:g} |".replace("inf", "∞") for k, (lo, hi) in REALISM_BANDS.items())
+    measured = "\n".join(f"| {k} | {a:.3f} | {b:.3f} |" for k, (a, b) in MEASURED.items())
+    facts = "\n".join(f"| `{k}` | {v} |" for k, v in FACTS.items())
+    out = [INTRO.format(version=GENERATOR_VERSION, bands=bands, measured=measured, facts=facts)]
+    n_codes = len({c for d in (*CHRONIC, *REASONS, *COMPLICATIONS) for c in codes_of(d)})
+    out.append(f"## Conditions\n\n{len(CHRONIC)} chronic states, {len(REASONS)} encounter reasons and "
+               f"{len(COMPLICATIONS)} in-stay problems emit {n_codes} distinct billable ICD-10-CM codes "
+               f"(the weeks-of-gestation code `Z3A.{{week}}` stands for {WEEK_CODES[0]}–{WEEK_CODES[-1]}).\n")
+    out.append("### Chronic states\n")
+    for c in CHRONIC:
+        out.append(f"#### `{c.name}` — {c.title}\n\n{c.reasoning}\n")
+        rows = [("onset", _hazard(c.onset)), ("coded per encounter", f"{c.coding:.0%} × coding depth")]
+        if c.stages != ("present",):
+            init = "" if c.initial is None else " (at onset " + ", ".join(
+                f"{s} {w:.0%}" for s, w in zip(c.stages, c.initial)) + ")"
+            rows.append(("stages", ", ".join(c.stages) + init))
+        for stage, (nxt, h) in c.progression.items():
+            rows.append((f"{stage} →", f"{nxt or 'resolves'}: {_hazard(h)}"))
+        rows.append(("codes", "<br>".join(_rule(r) for r in c.codes)))
+        if c.also:
+            rows.append(("also coded", _extras(c.also)))
+        if c.meds:
+            rows.append(("medications", ", ".join(f"{m}{' (' + w + ')' if w else ''}" for w, m in c.meds)))
+        if c.transient:
+            rows.append(("ends", "with the state it requires"))
+        out.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows) + "\n")
+    out.append("### Encounter reasons\n")
+    for r in REASONS:
+        out.append(f"#### `{r.name}` — {r.title}\n\n{r.reasoning}\n")
+        hazard = _hazard(r.hazard) if not r.scheduled else f"scheduled ({r.scheduled}); weight {_hazard(r.hazard)}"
+        rows = [("hazard", hazard), ("admission", f"{r.admission}; length of stay ~{r.los_days:g} days; "
+                                                  f"in-hospital mortality {r.mortality:.0%} at 65"),
+                ("principal code", "<br>".join(_rule(x) for x in r.principal))]
+        if r.secondary:
+            rows.append(("secondary codes", _extras(r.secondary)))
+        if r.covers:
+            rows.append(("replaces the chronic code of", ", ".join(r.covers)))
+        if r.procedures:
+            rows.append(("procedures (ICD-10-PCS)", "; ".join(
+                f"{p.code} {PCS_TITLES[p.code]} ({p.p:.0%}{', when `' + p.when + '`' if p.when else ''})"
+                for p in r.procedures)))
+        if r.meds:
+            rows.append(("medications", ", ".join(r.meds)))
+        if r.sets or r.clears:
+            rows.append(("changes the state", ", ".join([f"sets {k}={v}" for k, v in r.sets.items()]
+                                                       + [f"ends {k}" for k in r.clears])))
+        if r.coding_depth != 0.75:
+            rows.append(("coding depth", f"{r.coding_depth:g}"))
+        out.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows) + "\n")
+    out.append("### In-stay problems\n\n| problem | base probability | risks | codes | reasoning |\n|---|---|---|---|---|")
+    for c in COMPLICATIONS:
+        risks = ", ".join(f"{k} ×{v:g}" for k, v in c.risks.items())
+        if c.requires:
+            risks += f"; requires `{c.requires}`"
+        out.append(f"| `{c.name}` {c.title} | {c.p:.1%} | {_cell(risks)} | "
+                   f"{_cell('<br>'.join(_rule(r) for r in c.codes))} | {_cell(c.reasoning)} |")
+    out.append("\n## Code index\n\n| code | title | emitted by |\n|---|---|---|")
+    owners: dict[str, list[str]] = {}
+    for d in (*CHRONIC, *REASONS, *COMPLICATIONS):
+        for code in codes_of(d):
+            owners.setdefault(code, []).append(d.name)
+    for code in sorted(owners):
+        out.append(f"| {code} | {_cell(icd.get_description(code))} | {', '.join(owners[code])} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    PAGE.parent.mkdir(parents=True, exist_ok=True)
+    PAGE.write_text(render())
+    print(f"wrote {PAGE}", file=sys.stderr)
