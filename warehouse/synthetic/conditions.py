@@ -424,13 +424,13 @@ CHRONIC: tuple[Chronic, ...] = (
     ),
     Chronic(
         "prior_cesarean", "Previous caesarean delivery", None,
-        (R({"O34.211": 0.7, "O34.219": 0.3}),), 0.0,
-        "Set by a caesarean delivery; coded only during a later pregnancy (see pregnancy rules).",
+        (), 0.0,
+        "Set by a caesarean delivery; a marker coded only during a later pregnancy (O34.21x, see pregnancy).",
     ),
     # -- pregnancy and its complications (transient: they end with the pregnancy) --------------
     Chronic(
         "pregnancy", "Pregnancy",
-        H(0.05, per_decade=0.35, female=1.0, risks={"male": 0.0}, ages=(18, 44)),
+        H(0.005, per_decade=0.5, risks={"male": 0.0}, ages=(18, 44)),
         (R({"Z3A.{week}": 1.0}, "obstetric"), R({"Z33.1": 1.0}, "!obstetric")),
         0.95,
         "Gestational age is tracked from conception; obstetric stays carry the weeks-of-gestation "

@@ -461,7 +461,9 @@ def simulate_patient(seed: int, subject_id: int, capture: frozenset[int] = froze
             nxt = min(arrival, scheduled, death_at)
             if nxt >= boundary:
                 t = boundary
-                break
+                if boundary >= step_end:
+                    break
+                continue  # a trimester boundary: hazards change, the year goes on
             if nxt == death_at:
                 death, alive = death_at, False
                 break
