@@ -32,6 +32,22 @@ def warehouse_root(con: duckdb.DuckDBPyConnection) -> Path:
     return stores[0].parent
 
 
+def load_network(model_dir: Path) -> PriorNet:
+    """The pickled network of an `mlflow.pytorch` model directory, loaded with torch directly.
+
+    `mlflow.pytorch.load_model` would import its Lightning autologging (seconds per process) for
+    a file that `torch.load` reads as is; the directory is our own registered artifact.
+    """
+    weights = model_dir / "data" / "model.pth"
+    if not weights.is_file():
+        raise ConfigError(f"{model_dir} holds no data/model.pth: it is not an mlflow.pytorch model "
+                          "logged by `dxr prior train`; retrain or point the alias at such a version")
+    net = torch.load(weights, map_location="cpu", weights_only=False)
+    if not isinstance(net, PriorNet):
+        raise ConfigError(f"{weights} holds a {type(net).__name__}, not a PriorNet: retrain with `dxr prior train`")
+    return net.eval()
+
+
 class RegisteredPrior:
     """Ranks Ω codes with the aliased registered model of one system."""
 
@@ -51,8 +67,7 @@ class RegisteredPrior:
         self.train_cfg = PriorConfig(**bundle["prior_config.json"])
         self.batch_size = cfg.predict_batch_size
         torch.set_num_threads(cfg.threads)
-        self.net: PriorNet = tracking.mlflow.pytorch.load_model(str(model_dir), map_location="cpu")
-        self.net.eval()
+        self.net = load_network(model_dir)
         self.output_codes = np.array(self.vocab.output_codes, dtype=object)
 
     @torch.inference_mode()
