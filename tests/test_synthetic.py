@@ -149,12 +149,14 @@ def test_labs_track_the_latent_state(events):
     dx = events.filter(pl.col("code").str.starts_with(DIAGNOSIS))
     diabetic = set(dx.filter(pl.col("code").str.contains(r"//E1[01]\d*$"))["subject_id"])
     hba1c = events.filter(pl.col("code") == "LAB//HbA1c//%").with_columns(
-        pl.col("subject_id").is_in(list(diabetic)).alias("diabetic")).group_by("diabetic").agg(pl.col("numeric_value").mean())
+        pl.col("subject_id").is_in(list(diabetic)).alias("diabetic")).group_by("diabetic") \
+        .agg(pl.col("numeric_value").mean())
     means = dict(hba1c.iter_rows())
     assert means[True] > means[False] + 1.0, means
     advanced = set(dx.filter(pl.col("code").str.contains(r"//N18[456]$"))["encounter_id"])
     egfr = events.filter(pl.col("code") == "LAB//eGFR//mL/min/1.73m2").with_columns(
-        pl.col("encounter_id").is_in(list(advanced)).alias("advanced")).group_by("advanced").agg(pl.col("numeric_value").mean())
+        pl.col("encounter_id").is_in(list(advanced)).alias("advanced")).group_by("advanced") \
+        .agg(pl.col("numeric_value").mean())
     means = dict(egfr.iter_rows())
     assert means[True] < 30 < means[False], means
     failing = set(dx.filter(pl.col("code").str.contains(r"//I50"))["encounter_id"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import simple_icd_10_cm as icd
 
 from dxr.errors import ConfigError
-from warehouse.synthetic.model import Chronic, Complication, Extra, Hazard, Procedure, Reason, Rule, extra
+from warehouse.synthetic.model import Chronic, Complication, Hazard, Procedure, Reason, Rule, extra
 
 H, R = Hazard, Rule
 
@@ -130,7 +130,8 @@ CHRONIC: tuple[Chronic, ...] = (
         "I50.x2 between episodes, acute-on-chronic I50.x3 during exacerbations (see hf_exacerbation).",
         stages=("hfref", "hfpef", "combined"),
         initial=(0.42, 0.48, 0.1),
-        meds=(("", "furosemide"), ("heart_failure:hfref", "carvedilol"), ("heart_failure:hfref", "sacubitril-valsartan")),
+        meds=(("", "furosemide"), ("heart_failure:hfref", "carvedilol"),
+              ("heart_failure:hfref", "sacubitril-valsartan")),
     ),
     Chronic(
         "atrial_fibrillation", "Atrial fibrillation",
@@ -268,7 +269,8 @@ CHRONIC: tuple[Chronic, ...] = (
         initial=(0.55, 0.28, 0.17),
         also=(extra({"Z68.30": 1, "Z68.31": 1, "Z68.32": 1, "Z68.33": 1, "Z68.34": 1}, 0.6, "obesity:class1", True),
               extra({"Z68.35": 1, "Z68.36": 1, "Z68.37": 1, "Z68.38": 1, "Z68.39": 1}, 0.6, "obesity:class2", True),
-              extra({"Z68.41": 2, "Z68.42": 1.5, "Z68.43": 1, "Z68.44": 0.6, "Z68.45": 0.4}, 0.6, "obesity:class3", True)),
+              extra({"Z68.41": 2, "Z68.42": 1.5, "Z68.43": 1, "Z68.44": 0.6, "Z68.45": 0.4}, 0.6, "obesity:class3",
+                    True)),
     ),
     Chronic(
         "hypothyroidism", "Hypothyroidism",
@@ -570,7 +572,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"A41.9": 0.55, "A41.51": 0.2, "A41.01": 0.1, "A41.02": 0.05, "A41.89": 0.1}),),
         "Sepsis is sequenced first with its source (urinary, pulmonary, skin) and severity codes.",
         tags=("infection", "critical"),
-        secondary=(extra({"R65.20": 0.7, "R65.21": 0.3}, 0.5), extra({"N39.0": 0.5, "J18.9": 0.35, "L03.90": 0.15}, 0.85)),
+        secondary=(extra({"R65.20": 0.7, "R65.21": 0.3}, 0.5),
+                   extra({"N39.0": 0.5, "J18.9": 0.35, "L03.90": 0.15}, 0.85)),
         procedures=(Procedure("02HV33Z", 0.3), Procedure("5A1935Z", 0.08)),
         meds=("vancomycin", "piperacillin-tazobactam", "norepinephrine"), los_days=7.0, mortality=0.12,
         plan="complete antibiotics, repeat blood cultures",
@@ -581,7 +584,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"L03.115": 0.3, "L03.116": 0.3, "L03.119": 0.1, "L03.113": 0.08, "L03.114": 0.08, "L03.311": 0.07,
             "L03.317": 0.07}),),
         "Skin infection of the legs in diabetes, obesity and oedema; the site differs each time.",
-        tags=("infection",), secondary=(extra({"L02.415": 0.5, "L02.416": 0.5}, 0.15), extra({"B95.61": 0.5, "B95.62": 0.5}, 0.15)),
+        tags=("infection",),
+        secondary=(extra({"L02.415": 0.5, "L02.416": 0.5}, 0.15), extra({"B95.61": 0.5, "B95.62": 0.5}, 0.15)),
         meds=("cefazolin",), los_days=3.5, plan="elevate limb, oral antibiotics",
     ),
     Reason(
@@ -592,7 +596,8 @@ REASONS: tuple[Reason, ...] = (
         tags=("infection",),
         secondary=(extra({"L97.519": 0.3, "L97.529": 0.3, "L97.419": 0.2, "L97.429": 0.2}, 0.9),
                    extra({"M86.171": 0.5, "M86.172": 0.5}, 0.3)),
-        procedures=(Procedure("0Y6N0Z0", 0.1),), meds=("vancomycin",), los_days=6.0, plan="wound care clinic, offloading",
+        procedures=(Procedure("0Y6N0Z0", 0.1),), meds=("vancomycin",), los_days=6.0,
+        plan="wound care clinic, offloading",
     ),
     Reason(
         "hf_exacerbation", "Acute on chronic heart failure",
@@ -613,7 +618,8 @@ REASONS: tuple[Reason, ...] = (
         "Acute exacerbation (J44.1) or with lower respiratory infection (J44.0); respiratory "
         "failure is added when hypoxic or hypercapnic.",
         tags=("respiratory",), covers=("copd",),
-        secondary=(extra({"J96.21": 0.6, "J96.22": 0.4}, 0.45, "copd:severe"), extra({"J96.01": 0.7, "J96.02": 0.3}, 0.12, "!copd:severe"),
+        secondary=(extra({"J96.21": 0.6, "J96.22": 0.4}, 0.45, "copd:severe"),
+                   extra({"J96.01": 0.7, "J96.02": 0.3}, 0.12, "!copd:severe"),
                    extra("J20.9", 0.5, "")),
         procedures=(Procedure("5A09357", 0.2),),
         meds=("prednisone", "ipratropium-albuterol", "azithromycin"), los_days=4.0, mortality=0.02,
@@ -724,7 +730,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"S72.001A": 0.6, "S72.141A": 0.4}),),
         "Falls of the frail elderly; fixation or hemiarthroplasty, then months of aftercare.",
         tags=("injury", "surgery"),
-        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3),
+        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4),
+                   extra("D62", 0.3),
                    extra("R26.81", 0.2)),
         procedures=(Procedure("0QS634Z", 0.6), Procedure("0SR90J9", 0.35)),
         meds=("enoxaparin", "oxycodone"), los_days=6.0, mortality=0.04,
@@ -737,7 +744,8 @@ REASONS: tuple[Reason, ...] = (
         (R({"S72.002A": 0.6, "S72.142A": 0.4}),),
         "Mirror image of the right hip fracture.",
         tags=("injury", "surgery"),
-        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4), extra("D62", 0.3),
+        secondary=(extra({"W19.XXXA": 0.5, "W18.30XA": 0.3, "W01.0XXA": 0.2}, 0.8), extra("Y92.009", 0.4),
+                   extra("D62", 0.3),
                    extra("R26.81", 0.2)),
         procedures=(Procedure("0QS734Z", 0.6), Procedure("0SRB0J9", 0.35)),
         meds=("enoxaparin", "oxycodone"), los_days=6.0, mortality=0.04,
@@ -809,7 +817,8 @@ REASONS: tuple[Reason, ...] = (
         H(0.0008, risks={"alcohol_use": 8.0, "obesity": 1.5}, cap=8.0),
         (R({"K85.20": 1.0}, "alcohol_use"), R({"K85.90": 0.5, "K85.10": 0.5})),
         "Alcohol-induced or biliary acute pancreatitis.",
-        tags=("gi",), meds=("hydromorphone",), los_days=4.5, mortality=0.01, plan="abstinence, lipid and gallstone work-up",
+        tags=("gi",), meds=("hydromorphone",), los_days=4.5, mortality=0.01,
+        plan="abstinence, lipid and gallstone work-up",
     ),
     Reason(
         "cholecystitis", "Acute calculous cholecystitis",
@@ -882,8 +891,10 @@ REASONS: tuple[Reason, ...] = (
          R({"M17.0": 1.0}, "osteoarthritis:knee_bilateral")),
         "End-stage osteoarthritis replaced on its own side; leaves joint-replacement status.",
         admission="ELECTIVE", tags=("surgery",), covers=("osteoarthritis",), coding_depth=0.8,
-        procedures=(Procedure("0SRC0J9", 1.0, "osteoarthritis:knee_right"), Procedure("0SRD0J9", 1.0, "osteoarthritis:knee_left"),
-                    Procedure("0SR90J9", 1.0, "osteoarthritis:hip_right"), Procedure("0SRB0J9", 1.0, "osteoarthritis:hip_left"),
+        procedures=(Procedure("0SRC0J9", 1.0, "osteoarthritis:knee_right"),
+                    Procedure("0SRD0J9", 1.0, "osteoarthritis:knee_left"),
+                    Procedure("0SR90J9", 1.0, "osteoarthritis:hip_right"),
+                    Procedure("0SRB0J9", 1.0, "osteoarthritis:hip_left"),
                     Procedure("0SRC0J9", 1.0, "osteoarthritis:knee_bilateral")),
         meds=("enoxaparin", "oxycodone"), los_days=2.5, sets={"joint_replacement": "=osteoarthritis"},
         plan="physical therapy, anticoagulation for four weeks",
@@ -1107,7 +1118,8 @@ def validate_definitions(chronic: tuple[Chronic, ...] = CHRONIC, reasons: tuple[
     for d in (*chronic, *reasons, *complications):
         for code in codes_of(d):
             if not icd.is_valid_item(code):
-                raise ConfigError(f"synthetic condition '{d.name}': {code} is not an ICD-10-CM code: fix the definition")
+                raise ConfigError(f"synthetic condition '{d.name}': {code} is not an ICD-10-CM code: "
+                                  "fix the definition")
             if not icd.is_leaf(code):
                 raise ConfigError(f"synthetic condition '{d.name}': {code} is not billable (it has children "
                                   f"{icd.get_children(code)[:4]}…): use a billable leaf")

@@ -90,7 +90,8 @@ def lab_values(e: Encounter, female: bool, rng: Random) -> dict[str, float]:
     neutropenic = "D70.1" in codes or "D61.810" in codes
     wbc = 0.9 if neutropenic else 7.2 + (5.5 if "infection" in tokens else 0.0) - (1.5 if "chemo" in tokens else 0.0)
     out["wbc"] = round(max(0.3, wbc * math.exp(rng.gauss(0.0, 0.2))), 1)
-    out["neutrophils"] = round(0.25 * math.exp(rng.gauss(0.0, 0.4)) if neutropenic else out["wbc"] * rng.uniform(0.55, 0.8), 2)
+    neutrophils = 0.25 * math.exp(rng.gauss(0.0, 0.4)) if neutropenic else out["wbc"] * rng.uniform(0.55, 0.8)
+    out["neutrophils"] = round(neutrophils, 2)
     plt = 90.0 if ("D69.6" in codes or "cirrhosis" in stages) else 255.0
     out["platelets"] = round(max(8.0, plt * math.exp(rng.gauss(0.0, 0.2))))
     out["sodium"] = round(rng.gauss(127.0, 2.5) if "E87.1" in codes else rng.gauss(139.0, 2.0))

@@ -66,7 +66,8 @@ def realism_report(meds_dir: Path, seed: int = 7, draws: int = 200) -> dict[str,
     """The band statistics of the held_out final-encounter cohort (see REALISM_BANDS)."""
     dx = diagnosis_encounters(meds_dir)
     cohort = final_encounter_cohort(dx, seed)
-    target_rows = dx.join(cohort.select("trajectory_id", "subject_id", pl.col("target_encounter_id").alias("encounter_id")),
+    target_rows = dx.join(cohort.select("trajectory_id", "subject_id",
+                                        pl.col("target_encounter_id").alias("encounter_id")),
                           on=["subject_id", "encounter_id"])
     targets = {t: set(c) for t, c in target_rows.group_by("trajectory_id").agg("code").iter_rows()}
     prior = dx.join(cohort.select("trajectory_id", "subject_id", "cutoff_time"), on="subject_id") \
@@ -80,7 +81,8 @@ def realism_report(meds_dir: Path, seed: int = 7, draws: int = 200) -> dict[str,
     global_rank = train.group_by("code").agg(pl.col("encounter_id").n_unique().alias("n")) \
         .sort(["n", "code"], descending=[True, False])["code"].to_list()
     # repeat history: pre-target codes by count then recency, padded with global frequency
-    repeat_rows = prior.group_by("trajectory_id", "code").agg(pl.len().alias("n"), pl.col("admit").max().alias("last")) \
+    repeat_rows = prior.group_by("trajectory_id", "code") \
+        .agg(pl.len().alias("n"), pl.col("admit").max().alias("last")) \
         .sort(["trajectory_id", "n", "last", "code"], descending=[False, True, True, False])
     repeat: dict[str, list[str]] = {t: list(c) for t, c in repeat_rows.group_by("trajectory_id", maintain_order=True)
                                     .agg("code").iter_rows()}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from random import Random
 
 from warehouse.synthetic.conditions import (
-    CANCER_NAMES, CHRONIC, CHRONIC_BY_NAME, COMPLICATIONS, REASONS,
+    CANCER_NAMES, CHRONIC, CHRONIC_BY_NAME, COMPLICATIONS, REASON_BY_NAME, REASONS,
 )
 from warehouse.synthetic.model import Chronic, choose, holds
 
@@ -35,11 +35,8 @@ MAX_ENCOUNTERS = 999  # encounter_id = subject_id * 1000 + index
 
 _ONSET_ORDER = tuple(c for c in CHRONIC if c.onset is not None)
 _NONSCHEDULED = tuple(r for r in REASONS if not r.scheduled)
-_SCHEDULED: dict[str, tuple] = {}
-for _r in REASONS:
-    if _r.scheduled:
-        _SCHEDULED.setdefault(_r.scheduled, ())
-        _SCHEDULED[_r.scheduled] += (_r,)
+_SCHEDULED = {group: tuple(r for r in REASONS if r.scheduled == group)
+              for group in {r.scheduled for r in REASONS} - {""}}
 _BURN_IN_REASONS = tuple(r for r in _NONSCHEDULED if r.sets and "pregnancy" not in r.hazard.requires)
 
 
@@ -159,19 +156,12 @@ def _resolve(state: State, name: str) -> None:
         state.due = math.inf
     if name == "smoker":
         state.conds.setdefault("former_smoker", Cond("present", 0.0, 0.0))
+    state.changed()
     # transient states end with what they depend on (gestational diabetes with the pregnancy)
     for c in CHRONIC:
-        if c.transient and c.name in state.conds and not holds(c.onset._req, state.base_tokens_unchecked()):
+        if c.transient and c.name in state.conds and not holds(c.onset._req, state.base_tokens()):
             state.conds.pop(c.name)
-    state.changed()
-
-
-def _base_tokens_unchecked(self: State) -> frozenset[str]:
-    self.changed()
-    return self.base_tokens()
-
-
-State.base_tokens_unchecked = _base_tokens_unchecked
+            state.changed()
 
 
 def latent_step(state: State, t: float, dt: float, rng: Random, burn_in: bool = False) -> None:
@@ -320,8 +310,6 @@ class Outcome:
 
 def draw_outcome(state: State, t: float, draw: Draw, rng: Random) -> Outcome:
     """Length of stay, procedures, medications and disposition of a drawn encounter."""
-    from warehouse.synthetic.conditions import REASON_BY_NAME
-
     reason = REASON_BY_NAME[draw.reason]
     tokens = draw.tokens
     age = t - state.birth
@@ -424,7 +412,6 @@ def simulate_patient(seed: int, subject_id: int, capture: frozenset[int] = froze
         draw = draw_encounter(state, when, erng)
         outcome = draw_outcome(state, when, draw, erng)
         discharge = when + outcome.los_days / 365.25
-        from warehouse.synthetic.conditions import REASON_BY_NAME
         reason = REASON_BY_NAME[draw.reason]
         encounters.append(Encounter(k, when, discharge, reason.admission, draw, outcome, when - state.birth,
                                     state.hba1c, tuple((n, c.stage) for n, c in state.conds.items())))
