@@ -239,8 +239,16 @@ class CorpusIndex:
             raise InputError(f"index {self.directory} has no dense vectors (built lexical-only): use mode bm25")
         if self.embedder is None:
             raise InputError("dense search needs an embedder: open the index with CorpusIndex(dir, embedder)")
+        import faiss
+
         vector = self.embedder.encode([query])
-        _, rows = self._dense.search(vector, min(depth, self._dense.ntotal))
+        threads = faiss.omp_get_max_threads()
+        # One query is too small to split: two OpenMP threads on a busy 2-core machine were 5x slower.
+        faiss.omp_set_num_threads(1)
+        try:
+            _, rows = self._dense.search(vector, min(depth, self._dense.ntotal))
+        finally:
+            faiss.omp_set_num_threads(threads)
         return [int(r) for r in rows[0] if r >= 0]
 
     def search(self, query: str, k: int = 10, mode: str = "hybrid", depth: int = DEFAULT_DEPTH,
