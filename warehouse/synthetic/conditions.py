@@ -474,7 +474,7 @@ CHRONIC: tuple[Chronic, ...] = (
 
 
 def _cancer(name: str, title: str, onset: Hazard, primary: dict[str, float], history: str,
-            surgery: tuple[Procedure, ...], reasoning: str) -> tuple[Chronic, Reason]:
+            surgery: tuple[Procedure, ...], regimen: tuple[str, ...], reasoning: str) -> tuple[Chronic, Reason]:
     """A cancer site: latent onset → work-up/surgery → chemotherapy → remission or metastasis."""
     chronic = Chronic(
         name, title, onset,
@@ -486,7 +486,7 @@ def _cancer(name: str, title: str, onset: Hazard, primary: dict[str, float], his
                      "metastatic": (None, H(0.0))},
         also=(extra({"C78.7": 0.4, "C79.51": 0.4, "C78.00": 0.2}, 0.9, f"{name}:metastatic", True),
               extra("Z92.21", 0.4, f"{name}:remission")),
-        meds=((f"{name}:metastatic", "oxycodone"),),
+        meds=((f"{name}:metastatic", "oxycodone"),) + tuple((f"{name}:treatment", agent) for agent in regimen),
     )
     workup = Reason(
         f"{name}_diagnosis", f"Diagnosis and resection of {title.lower()}",
@@ -505,21 +505,25 @@ _CANCERS = (
                                                 ages=(30, 130)),
             {"C50.911": 0.4, "C50.912": 0.4, "C50.411": 0.1, "C50.412": 0.1}, "Z85.3",
             (Procedure("0HTT0ZZ", 0.25), Procedure("0HTU0ZZ", 0.25), Procedure("0HBT0ZZ", 0.3)),
-            "Commonest cancer of women."),
+            ("doxorubicin", "cyclophosphamide", "paclitaxel"),
+            "Commonest cancer of women; anthracycline/taxane adjuvant chemotherapy."),
     _cancer("lung_cancer", "Lung cancer", H(0.0008, per_decade=1.8, risks={"smoker": 8.0, "former_smoker": 4.0,
                                                                           "copd": 2.0}, ages=(40, 130), cap=12.0),
             {"C34.11": 0.3, "C34.12": 0.25, "C34.31": 0.15, "C34.32": 0.1, "C34.90": 0.2}, "Z85.118",
             (Procedure("0BTC4ZZ", 0.4), Procedure("0BTG4ZZ", 0.3)),
-            "Driven by smoking; metastasizes early."),
+            ("carboplatin", "pemetrexed"),
+            "Driven by smoking; metastasizes early; platinum doublet chemotherapy."),
     _cancer("colorectal_cancer", "Colorectal cancer", H(0.0012, per_decade=1.7, risks={"obesity": 1.4,
                                                                                     "smoker": 1.3}, ages=(40, 130)),
             {"C18.7": 0.3, "C18.2": 0.2, "C18.9": 0.2, "C20": 0.3}, "Z85.038",
             (Procedure("0DTN0ZZ", 0.5), Procedure("0DTP0ZZ", 0.3), Procedure("0DJD8ZZ", 0.8)),
-            "Sigmoid, ascending colon or rectum; resected then adjuvant chemotherapy."),
+            ("oxaliplatin", "fluorouracil", "leucovorin"),
+            "Sigmoid, ascending colon or rectum; resected then adjuvant FOLFOX chemotherapy."),
     _cancer("prostate_cancer", "Prostate cancer", H(0.003, per_decade=2.2, female=0.0, ages=(45, 130)),
             {"C61": 1.0}, "Z85.46",
             (Procedure("0VT04ZZ", 0.6),),
-            "Men only; prostatectomy then systemic treatment in this model."),
+            ("docetaxel", "leuprolide"),
+            "Men only; prostatectomy then docetaxel with androgen deprivation in this model."),
 )
 CHRONIC = CHRONIC + tuple(c for c, _ in _CANCERS)
 CANCER_NAMES = tuple(c.name for c, _ in _CANCERS)

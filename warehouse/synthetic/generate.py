@@ -24,7 +24,7 @@ from warehouse.synthetic.conditions import CHRONIC_BY_NAME, PCS_TITLES, REASONS
 from warehouse.synthetic.events import LAB_TITLES, LABS, patient_rows
 from warehouse.synthetic.simulate import simulate_patient
 
-GENERATOR_VERSION = "synthetic-1.0.0"
+GENERATOR_VERSION = "synthetic-1.1.0"
 SPLIT_SEED = 7  # subject_splits.parquet follows the platform's default cohort split seed
 SYNTHETIC_METADATA = "synthetic.json"  # sidecar under metadata/: what is needed to re-simulate
 
@@ -101,7 +101,10 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
     write_metadata(out_dir, dataset_name="dxr-synthetic", dataset_version=f"{GENERATOR_VERSION}+seed{seed}",
                    etl_name="warehouse.synthetic", etl_version=GENERATOR_VERSION, codes=code_dictionary(),
                    splits=splits, extra=extra)
-    (out_dir / "metadata" / SYNTHETIC_METADATA).write_text(json.dumps(extra, indent=2, sort_keys=True))
+    sidecar = out_dir / "metadata" / SYNTHETIC_METADATA
+    tmp = sidecar.with_name(f".{sidecar.name}.tmp")
+    tmp.write_text(json.dumps(extra, indent=2, sort_keys=True))
+    os.replace(tmp, sidecar)
 
 
 @lru_cache(maxsize=1)

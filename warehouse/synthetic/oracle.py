@@ -67,7 +67,7 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
     tids, codes, probs = [], [], []
     for sid, items in by_subject.items():
         wanted = frozenset(i for _, i, _ in items)
-        patient = simulate_patient(seed, sid, capture=wanted, stop_after=max(wanted) + 1)
+        patient = simulate_patient(seed, sid, capture=wanted, stop_after=max(wanted))  # never draws a target
         for tid, index, cutoff in items:
             if index not in patient.captured:
                 raise InputError(f"oracle: trajectory {tid}: subject {sid} has no encounter {index} when "
