@@ -259,3 +259,21 @@ def test_docs_page_matches_the_definitions():
     from warehouse.synthetic.docs import PAGE, render
 
     assert PAGE.read_text() == render(), "docs/synthetic.md is stale: run python -m warehouse.synthetic.docs"
+
+
+def test_coding_is_clinically_coherent(events):
+    """Sex-specific codes match the sex; one hypertension code per stay; acute-on-chronic replaces chronic HF."""
+    sex = events.filter(pl.col("code").str.starts_with("GENDER//")).select(
+        "subject_id", pl.col("code").str.strip_prefix("GENDER//").alias("sex"))
+    dx = events.filter(pl.col("code").str.starts_with(DIAGNOSIS)).select(
+        "subject_id", "encounter_id", pl.col("code").str.strip_prefix(DIAGNOSIS).alias("icd")).join(sex, on="subject_id")
+    female_only = dx.filter(pl.col("icd").str.contains(r"^(O|Z3A|Z37|Z33)"))
+    male_only = dx.filter(pl.col("icd").str.contains(r"^(C61|N40|Z85\.?46)"))
+    assert female_only.height > 0 and (female_only["sex"] == "F").all()
+    assert male_only.height > 0 and (male_only["sex"] == "M").all()
+    per_stay = dx.group_by("encounter_id").agg(
+        pl.col("icd").str.contains(r"^I1[0-3]").sum().alias("hypertension"),
+        (pl.col("icd").str.contains(r"^I50[234]3$").any() & pl.col("icd").str.contains(r"^I50[234]2$").any())
+        .alias("acute_and_chronic_hf"))
+    assert per_stay["hypertension"].max() == 1
+    assert not per_stay["acute_and_chronic_hf"].any()
