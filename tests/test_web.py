@@ -83,6 +83,8 @@ class Site:
         if path == "/searxng/search":
             assert request.query["format"] == "json"
             self.queries.append(request.query["q"])
+            if "overload" in request.query["q"]:
+                return web.json_response({"error": "too many requests"}, status=429)
             return web.json_response({"query": request.query["q"], "results": self.serp_results(request.query["q"])})
         if path == "/serp":
             if request.query.get("api_key") != "secret-key":
@@ -358,3 +360,22 @@ def test_none_provider_records_no_result(wh):
 
     rows = asyncio.run(scenario())
     assert [(r.engine, r.state, r.url) for r in rows] == [("none", "no_result", None)]
+
+
+def test_provider_failures_rate_limit_is_no_result_and_bad_key_is_a_config_error(wh, monkeypatch):
+    from dxr.errors import ConfigError
+
+    monkeypatch.setenv("SERP_KEY", "wrong")
+
+    async def scenario():
+        async with Site() as site:
+            ledger, _ = await _run(site, config(), wh, None, [{**JOB, "query": "heart failure overload"}])
+            cfg = config(provider="serp_json", endpoint=f"{site.base}/serp", api_key_env="SERP_KEY",
+                         mapping=SerpMapping(query_param="query", results_path="data.items", key_param="api_key"))
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(ConfigError, match=r"refused the request \(HTTP 401\).*check the API key"):
+                    await make_provider(cfg).search(session, "heart failure", 3)
+            return ledger
+
+    ledger = asyncio.run(scenario())
+    assert [(r.state, r.detail) for r in ledger.rows] == [("no_result", "provider unavailable (HTTP 429)")]

@@ -26,7 +26,7 @@ from tools.corpus.documents import normalize_url
 from tools.ledger import Ledger, LedgerRow, SearchJob
 from tools.passages import focused_passage
 from tools.text import words
-from tools.web.providers import SearchProvider
+from tools.web.providers import ProviderUnavailable, SearchProvider
 from tools.web.reader import PageReader, eligible_link, is_blocked
 
 _PMC = re.compile(r"/(?:pmc/)?articles/(PMC\d+)", re.I)
@@ -74,6 +74,9 @@ class WebChannel:
         rows: list[LedgerRow] = []
         try:
             hits = await self.provider.search(self.reader.session, job.query, self.config.results_per_query)
+        except ProviderUnavailable as exc:
+            return [self.ledger.record(job, engine=self.provider.name, state="no_result",
+                                       detail=f"provider unavailable ({exc})")]
         except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
             return [self.ledger.record(job, engine=self.provider.name, state="no_result",
                                        detail=f"provider error ({type(exc).__name__})")]

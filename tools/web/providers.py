@@ -24,6 +24,10 @@ SEARXNG_MAPPING = SerpMapping(query_param="q", results_path="results", title_fie
                               snippet_field="content", extra_params={"format": "json"})
 
 
+class ProviderUnavailable(Exception):
+    """A transient provider failure (rate limit, server error): the job records no_result."""
+
+
 @dataclass(frozen=True)
 class SerpHit:
     rank: int
@@ -65,9 +69,11 @@ class SerpJsonProvider(SearchProvider):
                 await asyncio.sleep(wait)
             try:
                 async with session.get(self.endpoint, params=params, headers=headers, timeout=self.timeout) as response:
+                    if response.status in (401, 403):
+                        raise ConfigError(f"search provider {self.name} refused the request (HTTP "
+                                          f"{response.status}) at {self.endpoint}: check the API key variable")
                     if response.status != 200:
-                        raise InputError(f"search provider {self.name} answered HTTP {response.status} for "
-                                         f"{self.endpoint}: check the endpoint and the API key variable")
+                        raise ProviderUnavailable(f"HTTP {response.status}")
                     payload = await response.json(content_type=None)
             finally:
                 self._last = time.monotonic()
