@@ -111,7 +111,7 @@ class RegisteredPrior:
             np.log1p(features["count"].to_numpy()),
             1.0 / (1.0 + features["now"].to_numpy() - features["last_pos"].to_numpy()),
             (features["last_pos"] == features["now"]).to_numpy()], axis=1), dtype=torch.float32)
-        rows = torch.from_numpy(features["row"].to_numpy())
+        rows = torch.tensor(features["row"].to_numpy())
         scores = self.net.head.unseen_code_scores(states[rows], history)
         return features.select("row", "code", pl.Series("score", scores.double().numpy()))
 
