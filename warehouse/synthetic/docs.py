@@ -29,26 +29,26 @@ by `python -m warehouse.synthetic.docs`; a test fails when this page and the def
 
 * **Population.** Adults enter the hospital's record at a first admission between 2016 and 2024
   (age at entry: 10% 18–34, 15% 35–49, 30% 50–64, 30% 65–79, 15% 80–95; 53% women) and are
-  followed to the end of 2025 or death. A patient-level frailty (gamma, mean 1, shape 5) scales every
-  admission hazard.
+  followed to the end of 2025 or death. A patient-level admission propensity (gamma, shape 5, mean
+  1.3) scales every admission hazard.
 * **Latent state.** From age 4 to the first admission the chronic states below accumulate in
   5-year steps (their onset hazards, progressions, and the durable marks left by events such as an
   infarction or a stroke); during follow-up they evolve in 1-year steps. The state holds each
   condition's stage, its onset time and one latent uniform per condition (used by *sticky* code
   rules, so a patient keeps the same laterality, subtype or BMI code), the latent HbA1c of a
-  diabetic (random walk, σ = 0.45 %/year), and a pending scheduled event (labour at term).
+  diabetic (random walk, σ = 0.7 %/year), and a pending scheduled event (labour at term).
 * **Hazards.** An annual rate at age 60, multiplied by `per_decade^((age − 60)/10)`, by the female
   factor for women, and by every risk factor present — the product of risk factors is capped (5×
   unless stated) because risk factors overlap clinically. `requires` gates a hazard entirely.
 * **Encounters.** Admissions arrive as a Poisson process whose rate is the sum of the reason
-  hazards below (times frailty). At an encounter the reasons compete: reason *k* is chosen with
+  hazards below (times the propensity). At an encounter the reasons compete: reason *k* is chosen with
   probability λ_k/Σλ given the state at that time; labour at term is scheduled at conception and
   chooses between vaginal and caesarean delivery the same way. Background mortality is Gompertz in
   age (0.035% per year at 30, doubling every ~8 years) times the burden of heart failure, metastatic
   cancer, dementia, severe COPD, ESRD and cirrhosis; reasons carry an in-hospital mortality.
 * **Coding.** At every encounter the reason's principal rule gives the first code, its secondary
   codes follow with their probabilities, then each present chronic state is coded with probability
-  `coding × coding depth` of the stay (0.75 by default; lower for obstetric, elective and
+  `coding × coding depth` of the stay (0.9 by default; lower for obstetric, elective and
   chemotherapy stays) — omissions are the norm, as in real discharge abstracts — choosing its code
   with the first rule whose `when` holds (weights express coder choice between specified and
   unspecified siblings). States a reason `covers` are coded by the reason (acute-on-chronic heart
@@ -92,7 +92,7 @@ Measured with `realism_report` on 5,000 patients (generator `{version}`):
 What shapes these numbers, and why the values are where they are:
 
 * *Target size* (~10 codes) comes from the principal and secondary codes of the reason (~1.5),
-  coded chronic states (~6.5; omissions at `coding × 0.75`) and in-stay problems (~2).
+  coded chronic states (~6; omissions at `coding × 0.9`) and in-stay problems (~2).
 * *New-onset share* (~50%, as in the MIMIC demos) comes from the acute content of each stay
   (reason codes, complications), from coders switching between specified and unspecified
   siblings, and from states that changed since the last stay (new onsets, stage progression,
@@ -102,6 +102,15 @@ What shapes these numbers, and why the values are where they are:
   stage or obesity class, a chemotherapy phase, gestational age, durable marks of last stay's
   infarction or stroke, which past acute codes will not recur); repeat history only replays the
   past. *Global frequency* is weak because no single condition dominates (≤ 5% of target codes).
+* *Prevalence* is kept clinically plausible (table below) — the bands are met by the coding
+  process (omissions, siblings, acute content), not by an implausibly sick or healthy population.
+
+Latent prevalence at the first admission (5,000 patients, seed 7; share of patients in each age
+band at entry):
+
+| state | 18–44 | 45–64 | 65–79 | 80+ |
+|---|---|---|---|---|
+{prevalence}
 
 ## Other files
 
@@ -113,8 +122,8 @@ ICD-10-CM FY2026 dictionary plus every procedure, medication, lab, admission and
 ## Performance
 
 `python benchmarks/synth.py --patients 60000` (2 worker processes, zstd Parquet, 2,000 patients per
-shard): 60,000 patients, 7.14 M events in 130 s on a shared 2-core machine (55 k rows/s), peak RSS
-about 430 MB per process. The oracle for the default cohort (~360 trajectories × 200 draws) takes
+shard): 60,000 patients, 6.13 M events in 118 s on a shared 2-core machine (52 k rows/s), peak RSS
+about 420 MB per process. The oracle for the default cohort (~340 trajectories × 200 draws) takes
 about 5 s (`--realism`).
 
 ## Tokens
@@ -130,10 +139,24 @@ A `when`/`requires` string is a conjunction of tokens (`!` negates). Condition n
 # Measured with `python benchmarks/synth.py --patients 5000 --seed S --realism` (S = 7, 11); update
 # these when the generator version changes (the slow test re-checks the bands on seed 7).
 MEASURED = {
-    "n_trajectories": (359, 367), "mean_target_size": (9.872, 10.409), "mean_prior_encounters": (3.457, 3.643),
-    "new_onset_share": (0.491, 0.502), "oracle_r20": (0.654, 0.653), "repeat_history_r20": (0.431, 0.416),
-    "global_frequency_r20": (0.277, 0.275), "repeat_history_to_oracle": (0.659, 0.637),
-    "global_frequency_to_oracle": (0.423, 0.422), "max_condition_share": (0.045, 0.041),
+    "n_trajectories": (332, 359), "mean_target_size": (9.533, 9.850), "mean_prior_encounters": (3.515, 3.735),
+    "new_onset_share": (0.500, 0.476), "oracle_r20": (0.648, 0.659), "repeat_history_r20": (0.428, 0.455),
+    "global_frequency_r20": (0.276, 0.286), "repeat_history_to_oracle": (0.660, 0.691),
+    "global_frequency_to_oracle": (0.426, 0.434), "max_condition_share": (0.042, 0.044),
+}
+# Latent prevalence at the first admission by age band (simulate_patient, seed 7, 4,000 patients).
+PREVALENCE = {
+    "hypertension": (0.04, 0.29, 0.56, 0.81), "hyperlipidemia": (0.05, 0.29, 0.55, 0.77),
+    "t2dm": (0.02, 0.13, 0.27, 0.46), "t1dm": (0.01, 0.01, 0.00, 0.01), "ckd": (0.00, 0.05, 0.19, 0.51),
+    "heart_failure": (0.00, 0.02, 0.11, 0.34), "atrial_fibrillation": (0.00, 0.03, 0.10, 0.33),
+    "cad": (0.02, 0.12, 0.27, 0.54), "copd": (0.00, 0.05, 0.16, 0.30), "asthma": (0.05, 0.09, 0.12, 0.15),
+    "obesity": (0.14, 0.32, 0.39, 0.43), "smoker": (0.29, 0.26, 0.12, 0.05),
+    "former_smoker": (0.08, 0.26, 0.42, 0.51), "depression": (0.05, 0.13, 0.20, 0.23),
+    "dementia": (0.00, 0.00, 0.03, 0.26), "alcohol_use": (0.03, 0.08, 0.08, 0.10),
+    "cirrhosis": (0.01, 0.02, 0.05, 0.07), "lung_cancer": (0.00, 0.01, 0.03, 0.09),
+    "insulin_use": (0.01, 0.06, 0.15, 0.29), "old_mi": (0.02, 0.05, 0.12, 0.27),
+    "stroke_history": (0.01, 0.04, 0.12, 0.33), "anticoagulation": (0.02, 0.06, 0.16, 0.42),
+    "dialysis": (0.00, 0.00, 0.01, 0.05),
 }
 
 
@@ -176,7 +199,9 @@ def render() -> str:
     bands = "\n".join(f"| {k} | {lo:g} – {hi:g} |".replace("inf", "∞") for k, (lo, hi) in REALISM_BANDS.items())
     measured = "\n".join(f"| {k} | {a:g} | {b:g} |" for k, (a, b) in MEASURED.items())
     facts = "\n".join(f"| `{k}` | {v} |" for k, v in FACTS.items())
-    out = [INTRO.format(version=GENERATOR_VERSION, bands=bands, measured=measured, facts=facts)]
+    prevalence = "\n".join(f"| {k} | " + " | ".join(f"{x:.0%}" for x in v) + " |" for k, v in PREVALENCE.items())
+    out = [INTRO.format(version=GENERATOR_VERSION, bands=bands, measured=measured, facts=facts,
+                        prevalence=prevalence)]
     n_codes = len({c for d in (*CHRONIC, *REASONS, *COMPLICATIONS) for c in codes_of(d)})
     out.append(f"## Conditions\n\n{len(CHRONIC)} chronic states, {len(REASONS)} encounter reasons and "
                f"{len(COMPLICATIONS)} in-stay problems emit {n_codes} distinct billable ICD-10-CM codes "
@@ -219,7 +244,7 @@ def render() -> str:
         if r.sets or r.clears:
             rows.append(("changes the state", ", ".join([f"sets {k}={v}" for k, v in r.sets.items()]
                                                        + [f"ends {k}" for k in r.clears])))
-        if r.coding_depth != 0.75:
+        if r.coding_depth != 0.9:
             rows.append(("coding depth", f"{r.coding_depth:g}"))
         out.append("| | |\n|---|---|\n" + "\n".join(f"| {k} | {_cell(v)} |" for k, v in rows) + "\n")
     out.append("### In-stay problems\n\n| problem | base probability | risks | codes | reasoning |\n"

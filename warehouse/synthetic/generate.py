@@ -24,7 +24,7 @@ from warehouse.synthetic.conditions import CHRONIC_BY_NAME, PCS_TITLES, REASONS
 from warehouse.synthetic.events import LAB_TITLES, LABS, patient_rows
 from warehouse.synthetic.simulate import simulate_patient
 
-GENERATOR_VERSION = "synthetic-1.1.0"
+GENERATOR_VERSION = "synthetic-1.2.0"
 SPLIT_SEED = 7  # subject_splits.parquet follows the platform's default cohort split seed
 SYNTHETIC_METADATA = "synthetic.json"  # sidecar under metadata/: what is needed to re-simulate
 

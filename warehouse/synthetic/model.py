@@ -183,7 +183,7 @@ class Reason:
     sets: dict[str, str] = field(default_factory=dict)
     clears: tuple[str, ...] = ()
     # how thoroughly comorbidities are coded on this kind of stay (a share of each state's `coding`)
-    coding_depth: float = 0.75
+    coding_depth: float = 0.9
     scheduled: str = ""
     plan: str = "follow up with primary care"
 

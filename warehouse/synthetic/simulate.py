@@ -191,7 +191,7 @@ def latent_step(state: State, t: float, dt: float, rng: Random, burn_in: bool = 
                 state.changed()
             tokens = state.tokens(t)
     if "diabetes" in tokens:
-        state.hba1c = min(13.5, max(5.8, state.hba1c + rng.gauss(0.0, 0.45) * math.sqrt(dt)))
+        state.hba1c = min(13.5, max(5.8, state.hba1c + rng.gauss(0.0, 0.7) * math.sqrt(dt)))
         state.changed()
     if burn_in:
         for r in _BURN_IN_REASONS:
@@ -388,7 +388,7 @@ def simulate_patient(seed: int, subject_id: int, capture: frozenset[int] = froze
     sex = "F" if rng.random() < 0.53 else "M"
     entry = rng.uniform(DATA_START, ENTRY_END)
     birth = entry - _entry_age(rng)
-    state = State(sex=sex, birth=birth, frailty=rng.gammavariate(5.0, 0.2))
+    state = State(sex=sex, birth=birth, frailty=rng.gammavariate(5.0, 0.26))
     t = birth + 4.0
     while t < entry:
         dt = min(BURN_IN_STEP, entry - t)
