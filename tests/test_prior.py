@@ -10,7 +10,7 @@ import torch
 
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, trim, visit_tensors
-from models.prior.lightning import PriorDataModule, precision_recall_at_k
+from models.prior.lit import PriorDataModule, precision_recall_at_k
 from models.prior.nn import (MoEFeedForward, NetConfig, PriorNet, history_features, init_weights,
                              next_visit_loss, visit_multi_hot)
 from models.prior.planted import dx, write_planted_cohort

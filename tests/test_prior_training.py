@@ -13,7 +13,7 @@ from dxr.cli import main
 from dxr.errors import NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.lightning import PriorDataModule
+from models.prior.lit import PriorDataModule
 from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import forecast_shard_task

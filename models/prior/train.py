@@ -16,7 +16,7 @@ import torch
 from dxr.errors import InputError
 from models.prior import tracking
 from models.prior.config import ARCHS, PriorConfig
-from models.prior.lightning import PriorDataModule, PriorModule
+from models.prior.lit import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
 
 mlflow = tracking.mlflow
