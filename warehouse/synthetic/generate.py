@@ -79,7 +79,7 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=n_patients, unit="patient", desc="synthetic")
+        bar = tqdm(total=n_patients, unit="patient", desc="synthetic", disable=None)  # None: only on a terminal
     if workers > 1 and len(jobs) > 1:
         # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
