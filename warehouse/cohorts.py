@@ -25,6 +25,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from functools import partial
 
 import duckdb
 import polars as pl
@@ -180,8 +181,8 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     if dataset["source"] == "synthetic":
         from warehouse.synthetic import oracle
 
-        mapping = dict(dx_map.group_by("source_code").agg("code").iter_rows())
-        harmonize = (lambda codes: sorted({h for c in codes for h in mapping.get(c, [])}))
+        harmonize = None if options.harmonize == "native" else partial(
+            harmonize_with, dict(dx_map.group_by("source_code").agg("code").iter_rows()))
         probabilities = oracle(info.root, trajectories.select(
             "trajectory_id", "subject_id", "target_encounter_id", "cutoff_time"), harmonize, draws=oracle_draws)
         wh.write("oracle_probabilities", probabilities.with_columns(pl.lit(cohort_id).alias("cohort_id")),
@@ -219,6 +220,11 @@ def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: Co
     titles = wh.read("icd_codes").select("code", "title")
     harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, titles)
     return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
+
+
+def harmonize_with(mapping: dict[str, list[str]], codes: list[str]) -> list[str]:
+    """Harmonized codes of a code set (a module-level function so worker processes can receive it)."""
+    return sorted({h for c in codes for h in mapping.get(c, [])})
 
 
 def get_cohort(wh: Warehouse, name_or_id: str) -> dict:

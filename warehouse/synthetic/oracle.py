@@ -11,9 +11,12 @@ copy of the target.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections import Counter
-from datetime import datetime, timedelta
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -25,6 +28,7 @@ from warehouse.synthetic.simulate import DIAGNOSIS, MAX_ENCOUNTERS, State, draw_
 
 _EPOCH = datetime(1970, 1, 1)
 _REQUIRED = ("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time")
+PARALLEL_FROM = 2000  # trajectories; below this one process is faster than starting two
 
 
 def encounter_probabilities(seed: int, subject_id: int, index: int, state: State, t: float, draws: int,
@@ -45,7 +49,11 @@ def encounter_probabilities(seed: int, subject_id: int, index: int, state: State
 
 def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list[str]], list[str]] | None,
            draws: int = 200, top: int = 100) -> pl.DataFrame:
-    """Oracle probabilities (trajectory_id, code, probability): the `top` codes per trajectory."""
+    """Oracle probabilities (trajectory_id, code, probability): the `top` codes per trajectory.
+
+    `harmonize` must be picklable (a module-level function or a `functools.partial` of one): large
+    cohorts are split across worker processes.
+    """
     missing = [c for c in _REQUIRED if c not in trajectories.columns]
     if missing:
         raise InputError(f"oracle: trajectories lack column(s) {missing}; expected {list(_REQUIRED)}")
@@ -64,8 +72,25 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
             raise InputError(f"oracle: trajectory {tid}: encounter {eid} does not belong to subject {sid} "
                              "in this synthetic dataset (encounter ids are subject_id*1000 + index)")
         by_subject.setdefault(sid, []).append((tid, index, cutoff))
+    subjects = list(by_subject.items())
+    # Worker processes pay a start-up cost (imports, definitions); worth it only for large cohorts.
+    workers = min(2, os.cpu_count() or 1) if len(traj) >= PARALLEL_FROM else 1
+    chunks = [subjects[i::workers] for i in range(workers)]
+    jobs = [(meds_dir, seed, chunk, draws, top, harmonize) for chunk in chunks]
+    if workers > 1:
+        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_oracle_chunk, jobs))
+    else:
+        parts = [_oracle_chunk(job) for job in jobs]
+    return pl.concat(parts).sort("trajectory_id", "probability", "code", descending=[False, True, False])
+
+
+def _oracle_chunk(job) -> pl.DataFrame:
+    """Oracle rows for a list of (subject_id, [(trajectory_id, encounter index, cutoff)])."""
+    meds_dir, seed, subjects, draws, top, harmonize = job
     tids, codes, probs = [], [], []
-    for sid, items in by_subject.items():
+    for sid, items in subjects:
         wanted = frozenset(i for _, i, _ in items)
         patient = simulate_patient(seed, sid, capture=wanted, stop_after=max(wanted))  # never draws a target
         for tid, index, cutoff in items:
