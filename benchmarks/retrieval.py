@@ -58,11 +58,12 @@ def medquad_task():
     return kept, queries
 
 
-def evaluate(index: CorpusIndex, queries, mode: str, extra=None) -> dict:
+def evaluate(index: CorpusIndex, queries, mode: str, extra=None, dense_weight: float = 1.0) -> dict:
     ranks, latencies = [], []
     for question, gold in queries:
         started = time.perf_counter()
-        hits = index.search(question, k=DEPTH, mode=mode, depth=DEPTH, with_passages=False)
+        hits = index.search(question, k=DEPTH, mode=mode, depth=DEPTH, with_passages=False,
+                            dense_weight=dense_weight)
         # Agents get passages for the top 10 only; count that work in the latency.
         for hit in hits[:10]:
             index.passage(question, hit)
@@ -85,11 +86,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "retrieval.json")
     parser.add_argument("--index-dir", type=Path, default=ROOT / "benchmarks" / "results" / "indexes")
     parser.add_argument("--max-queries", type=int, default=None, help="evaluate the first N questions per benchmark")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of bm25,dense,hybrid")
+    parser.add_argument("--dense-weight", type=float, default=1.0, help="weight of the dense ranking in RRF")
     args = parser.parse_args()
     if not PUBMEDQA.exists() or not MEDQUAD.exists():
         sys.exit(f"benchmark data not found under {DATA}")
     embedder = make_embedder()
-    results = {"embedder": embedder.name, "benchmarks": {}, "indexes": {}}
+    modes = [m for m in args.modes.split(",") if m]
+    results = {"embedder": embedder.name, "dense_weight": args.dense_weight, "benchmarks": {}, "indexes": {}}
     tasks = {"pubmedqa": pubmedqa_task(), "medquad": medquad_task()}
     for name, (documents, queries) in tasks.items():
         directory = args.index_dir / name
@@ -99,8 +103,8 @@ def main() -> None:
         index = CorpusIndex(directory, embedder)
         chosen = queries[: args.max_queries] if args.max_queries else queries
         results["benchmarks"][name] = {}
-        for mode in MODES:
-            results["benchmarks"][name][mode] = evaluate(index, chosen, mode)
+        for mode in modes:
+            results["benchmarks"][name][mode] = evaluate(index, chosen, mode, dense_weight=args.dense_weight)
             print(f"[{name}] {mode}: {results['benchmarks'][name][mode]}", flush=True)
 
     print("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...", flush=True)
@@ -114,7 +118,8 @@ def main() -> None:
     combined, icd = CorpusIndex(combined_dir, embedder), CorpusIndex(icd_dir)
     sample = [q for name in tasks for q in tasks[name][1][:500]]
     results["combined_latency"] = {
-        mode: evaluate(combined, sample, mode, extra=lambda q: icd.search(q, k=5, mode="bm25")) for mode in MODES}
+        mode: evaluate(combined, sample, mode, extra=lambda q: icd.search(q, k=5, mode="bm25"),
+                       dense_weight=args.dense_weight) for mode in modes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print_table(results)

@@ -74,16 +74,18 @@ class Hit:
     dense_rank: int | None = None
 
 
-def reciprocal_rank_fusion(rankings: list[list[str]], k0: int = RRF_K) -> list[tuple[str, float]]:
-    """Fuse ranked id lists: score(d) = sum 1/(k0 + rank), ranks one-based; ties by first appearance.
+def reciprocal_rank_fusion(rankings: list[list[str]], k0: int = RRF_K,
+                           weights: list[float] | None = None) -> list[tuple[str, float]]:
+    """Fuse ranked id lists: score(d) = sum w/(k0 + rank), ranks one-based, weights default 1;
+    ties by first appearance.
 
     >>> reciprocal_rank_fusion([["a", "b"], ["b", "c"]], k0=60)[0][0]
     'b'
     """
     scores: dict[str, float] = {}
-    for ranking in rankings:
+    for ranking, weight in zip(rankings, weights or [1.0] * len(rankings)):
         for rank, item in enumerate(ranking, 1):
-            scores[item] = scores.get(item, 0.0) + 1.0 / (k0 + rank)
+            scores[item] = scores.get(item, 0.0) + weight / (k0 + rank)
     order = {item: i for i, item in enumerate(dict.fromkeys(x for r in rankings for x in r))}
     return sorted(scores.items(), key=lambda kv: (-kv[1], order[kv[0]]))
 
@@ -252,8 +254,10 @@ class CorpusIndex:
         return [int(r) for r in rows[0] if r >= 0]
 
     def search(self, query: str, k: int = 10, mode: str = "hybrid", depth: int = DEFAULT_DEPTH,
-               passage_chars: int = DEFAULT_PASSAGE_CHARS, with_passages: bool = True) -> list[Hit]:
-        """Top-k documents for `query` (one hit per document)."""
+               passage_chars: int = DEFAULT_PASSAGE_CHARS, with_passages: bool = True,
+               dense_weight: float = 1.0) -> list[Hit]:
+        """Top-k documents for `query` (one hit per document); `dense_weight` weights the dense
+        ranking in the fusion (1 = plain RRF)."""
         if mode not in MODES:
             raise InputError(f"unknown search mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "hybrid" and self._dense is None:
@@ -266,7 +270,7 @@ class CorpusIndex:
         elif mode == "dense":
             fused = [(d, 1.0 / (RRF_K + i)) for i, d in enumerate(dense_ids, 1)]
         else:
-            fused = reciprocal_rank_fusion([lexical_ids, dense_ids])
+            fused = reciprocal_rank_fusion([lexical_ids, dense_ids], weights=[1.0, dense_weight])
         lexical_rank = {d: i for i, d in enumerate(lexical_ids, 1)}
         dense_rank = {d: i for i, d in enumerate(dense_ids, 1)}
         hits = []
