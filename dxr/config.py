@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
 
 from dxr.errors import ConfigError
+from models.llm.config import LLMConfig
 from models.prior.config import PriorConfig
 from tools.config import ToolsConfig
 
@@ -51,6 +52,7 @@ class Settings(BaseSettings):
     cohort: CohortConfig = CohortConfig()
     prior: PriorConfig = PriorConfig()
     tools: ToolsConfig = ToolsConfig()
+    llm: LLMConfig = LLMConfig()
 
     @property
     def forecast_dir(self) -> Path:

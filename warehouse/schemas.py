@@ -212,3 +212,20 @@ TABLES.update({
            nullable=["final_url", "content_type", "title", "text", "links_json", "error"]),
     ]
 })
+
+# ---- language-model calls (models/llm) -------------------------------------------------------
+TABLES.update({
+    t.name: t
+    for t in [
+        _t("llm_calls", FORECAST, {
+            "call_id": pa.string(), "run_id": pa.string(), "stage": pa.string(), "trajectory_id": pa.string(),
+            "backend": pa.string(), "model": pa.string(), "prompt_version": pa.string(), "tokens_in": pa.int64(),
+            "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
+            "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
+            "truncated_chars": pa.int64(),
+        }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
+           "transport_error}; `truncated_chars` = history characters dropped to fit the context window. Cost "
+           "is computed at report time from the `llm.prices` table, never stored.",
+           nullable=["trajectory_id", "error"]),
+    ]
+})

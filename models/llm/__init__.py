@@ -1,0 +1,1 @@
+"""The language-model layer: one async client over configurable backends, prompts and telemetry."""

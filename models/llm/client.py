@@ -1,0 +1,160 @@
+"""The one async client every LLM stage uses: cache, concurrency limit, retries, JSON validation, telemetry.
+
+`complete_json` returns a parsed object that satisfies the prompt's JSON schema (and any extra
+structural check), or raises `LLMOutputError` after the bounded validation retries. Every backend
+request and every cache hit becomes one telemetry row (`llm_calls`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import jsonschema
+import polars as pl
+
+from dxr.errors import DxrError
+from models.llm.backends import Backend, Completion, TransportError, make_backend
+from models.llm.cache import ResponseCache, cache_key_input
+from models.llm.config import LLMConfig
+
+
+class LLMOutputError(DxrError):
+    """The model's reply stayed invalid after every validation retry."""
+
+
+CALL_COLUMNS = {
+    "call_id": pl.String, "run_id": pl.String, "stage": pl.String, "trajectory_id": pl.String,
+    "backend": pl.String, "model": pl.String, "prompt_version": pl.String, "tokens_in": pl.Int64,
+    "tokens_cached_in": pl.Int64, "tokens_out": pl.Int64, "tokens_reasoning": pl.Int64, "latency_ms": pl.Float64,
+    "cache_hit": pl.Boolean, "status": pl.String, "error": pl.String, "truncated_chars": pl.Int64,
+}
+
+
+@dataclass
+class CallContext:
+    """Who is calling: recorded on every telemetry row of the call."""
+
+    run_id: str
+    stage: str
+    trajectory_id: str | None = None
+    truncated_chars: int = 0
+
+
+def schema_errors(schema: dict, value) -> list[str]:
+    """Structural errors of `value` against a JSON schema, one readable line each (sorted by path)."""
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
+    return [f"at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}" for e in errors]
+
+
+def parse_json_reply(text: str) -> object:
+    """The JSON object in a reply; tolerates a Markdown code fence around it."""
+    stripped = text.strip()
+    if stripped.startswith("```"):
+        stripped = stripped.split("\n", 1)[-1].rsplit("```", 1)[0]
+    return json.loads(stripped)
+
+
+@dataclass
+class LLMClient:
+    config: LLMConfig
+    backend: Backend
+    cache: ResponseCache | None = None
+    calls: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._limit = asyncio.Semaphore(self.config.max_concurrency)
+
+    @classmethod
+    def from_config(cls, config: LLMConfig, cache_dir: Path | None) -> LLMClient:
+        cache = ResponseCache(cache_dir) if config.cache and cache_dir is not None else None
+        return cls(config, make_backend(config), cache)
+
+    def request(self, messages: list[dict], schema: dict) -> dict:
+        """The backend request for `messages` (deterministic settings, JSON output as configured)."""
+        request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
+                   "max_tokens": self.config.max_output_tokens}
+        if self.config.seed is not None:
+            request["seed"] = self.config.seed
+        kind = self.config.response_format
+        if kind == "json_schema":
+            request["response_format"] = {"type": "json_schema",
+                                          "json_schema": {"name": "reply", "schema": schema, "strict": False}}
+        elif kind == "json_object_schema":
+            request["response_format"] = {"type": "json_object", "schema": schema}
+        elif kind == "json_object":
+            request["response_format"] = {"type": "json_object"}
+        return request
+
+    async def complete_json(self, messages: list[dict], schema: dict, prompt_version: str, context: CallContext,
+                            check: Callable[[object], list[str]] | None = None) -> object:
+        """A reply valid against `schema` and `check`, re-asking with the errors appended when it is not."""
+        conversation = list(messages)
+        errors: list[str] = []
+        for _ in range(self.config.validation_retries + 1):
+            completion, row = await self._complete(self.request(conversation, schema), prompt_version, context)
+            try:
+                value = parse_json_reply(completion.text)
+                errors = schema_errors(schema, value)
+                if not errors and check is not None:
+                    errors = check(value)
+            except json.JSONDecodeError as exc:
+                errors = [f"the reply is not JSON ({exc.msg} at character {exc.pos})"]
+            if not errors:
+                return value
+            row["status"], row["error"] = "invalid", "; ".join(errors)[:1000]
+            conversation = conversation + [
+                {"role": "assistant", "content": completion.text},
+                {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
+                 + "\n".join(f"- {e}" for e in errors)
+                 + "\nReply again with only a JSON object that fixes every listed problem."}]
+        raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
+                             f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
+
+    async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
+        """One response (from the cache or the backend, with transport retries) and its telemetry row."""
+        key_input = cache_key_input(self.backend.name, prompt_version, request)
+        started = time.perf_counter()
+        row = {"call_id": uuid.uuid4().hex, "run_id": context.run_id, "stage": context.stage,
+               "trajectory_id": context.trajectory_id, "backend": self.backend.name, "model": self.config.model,
+               "prompt_version": prompt_version, "tokens_in": 0, "tokens_cached_in": 0, "tokens_out": 0,
+               "tokens_reasoning": 0, "latency_ms": 0.0, "cache_hit": False, "status": "ok", "error": None,
+               "truncated_chars": context.truncated_chars}
+        self.calls.append(row)
+        cached = self.cache.get(key_input) if self.cache is not None else None
+        if cached is not None:
+            row.update(cache_hit=True, latency_ms=(time.perf_counter() - started) * 1000)
+            return cached, row
+        delay = self.config.backoff_s
+        for attempt in range(self.config.transport_retries + 1):
+            try:
+                async with self._limit:
+                    completion = await asyncio.wait_for(self.backend.complete(request), self.config.timeout_s)
+                break
+            except (TransportError, TimeoutError) as exc:
+                message = str(exc) or f"timeout after {self.config.timeout_s}s"
+                if attempt == self.config.transport_retries:
+                    row.update(status="transport_error", error=message[:1000],
+                               latency_ms=(time.perf_counter() - started) * 1000)
+                    raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
+                await asyncio.sleep(delay)
+                delay *= 2
+        row.update(tokens_in=completion.tokens_in, tokens_cached_in=completion.tokens_cached_in,
+                   tokens_out=completion.tokens_out, tokens_reasoning=completion.tokens_reasoning,
+                   latency_ms=(time.perf_counter() - started) * 1000)
+        if self.cache is not None:
+            self.cache.put(key_input, completion)
+        return completion, row
+
+    def telemetry(self) -> pl.DataFrame:
+        """Every call so far as `llm_calls` rows."""
+        return pl.DataFrame(self.calls, schema=CALL_COLUMNS)
+
+    async def close(self) -> None:
+        await self.backend.close()

@@ -1,0 +1,47 @@
+"""Settings of the language-model layer (`[llm]` in dxr.toml, `DXR_LLM__*` in the environment).
+
+Secrets never live here: `api_key_env` names the environment variable that holds the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ModelPrice(BaseModel):
+    """US dollars per million tokens of one model; cost is computed at report time, never stored."""
+
+    model_config = ConfigDict(extra="forbid")
+    input: float = Field(0.0, ge=0)
+    cached_input: float = Field(0.0, ge=0)
+    output: float = Field(0.0, ge=0)
+
+
+class LLMConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # `local` is the embedded offline llama.cpp server; `openai` any OpenAI-compatible endpoint;
+    # `replay` answers from recorded request/response pairs (tests, exact reproduction).
+    backend: Literal["local", "openai", "replay"] = "local"
+    model: str = Field("gemma3-270m-q4-k-m", description="model name sent to the endpoint")
+    base_url: str = Field("http://127.0.0.1:8080/v1", description="OpenAI-compatible base URL (backend openai)")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
+    replay_file: Path | None = Field(None, description="JSONL of recorded pairs (backend replay)")
+    # How the endpoint is asked for JSON: llama.cpp's server takes a schema inside json_object,
+    # OpenAI and vLLM take json_schema, some servers accept only a plain json_object.
+    response_format: Literal["json_schema", "json_object_schema", "json_object", "none"] = "json_schema"
+    context_window: int = Field(8192, ge=512, description="tokens the backend accepts (prompt + output)")
+    max_output_tokens: int = Field(1500, ge=16)
+    # Conservative characters per token for budgeting prompts without a tokenizer (English ~4).
+    chars_per_token: float = Field(3.0, gt=0)
+    temperature: float = Field(0.0, ge=0)
+    seed: int | None = Field(7, description="sent when not null; ignored by backends without seeding")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight per process")
+    timeout_s: float = Field(120.0, gt=0, description="per request")
+    transport_retries: int = Field(3, ge=0, description="retries on timeouts, connection errors, 429 and 5xx")
+    backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles per retry")
+    validation_retries: int = Field(2, ge=0, description="re-asks with the structural errors appended")
+    cache: bool = Field(True, description="content-addressed response cache under <data_dir>/forecast/llm_cache")
+    prices: dict[str, ModelPrice] = Field(default_factory=dict, description="model name -> price per 1M tokens")

@@ -1,0 +1,199 @@
+"""The LLM client on the replay backend and against a real local HTTP server (OpenAI-compatible)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+import polars as pl
+import pytest
+from aiohttp import web
+
+from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, TransportError, UnrecordedRequestError,
+                                 append_recording, request_hash)
+from models.llm.cache import ResponseCache
+from models.llm.client import CallContext, LLMClient, LLMOutputError
+from models.llm.config import LLMConfig, ModelPrice
+from models.llm.telemetry import call_costs
+
+SCHEMA = {"type": "object", "required": ["answer"], "additionalProperties": False,
+          "properties": {"answer": {"type": "integer"}}}
+QUESTION = [{"role": "system", "content": "Reply in JSON."}, {"role": "user", "content": "How many?"}]
+CONTEXT = CallContext("run-1", "unit", "c:1:10")
+
+
+def replay_client(tmp_path, pairs, cache=False, **overrides) -> LLMClient:
+    """A client whose replay file holds `pairs` of (messages, reply text, tokens in, tokens out)."""
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="m", **overrides)
+    probe = LLMClient(config, backend=None)
+    for messages, text, tokens_in, tokens_out in pairs:
+        append_recording(config.replay_file, probe.request(messages, SCHEMA), Completion(text, tokens_in, 0, tokens_out))
+    return LLMClient(config, ReplayBackend(config.replay_file), ResponseCache(tmp_path / "cache") if cache else None)
+
+
+def test_valid_reply_is_parsed_and_recorded(tmp_path):
+    client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 40, 5)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    row = client.telemetry().drop("call_id", "latency_ms").to_dicts()
+    assert row == [{"run_id": "run-1", "stage": "unit", "trajectory_id": "c:1:10", "backend": "replay", "model": "m",
+                    "prompt_version": "unit/1", "tokens_in": 40, "tokens_cached_in": 0, "tokens_out": 5,
+                    "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0}]
+
+
+def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
+    bad = '{"answer": "three", "why": "counted"}'
+    feedback = QUESTION + [
+        {"role": "assistant", "content": bad},
+        {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
+         "- at (root): Additional properties are not allowed ('why' was unexpected)\n"
+         "- at answer: 'three' is not of type 'integer'\n"
+         "Reply again with only a JSON object that fixes every listed problem."}]
+    client = replay_client(tmp_path, [(QUESTION, bad, 40, 9), (feedback, '{"answer": 3}', 90, 5)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    calls = client.telemetry()
+    assert calls["status"].to_list() == ["invalid", "ok"]
+    assert calls["tokens_in"].to_list() == [40, 90]
+    assert calls["error"][0] == ("at (root): Additional properties are not allowed ('why' was unexpected); "
+                                 "at answer: 'three' is not of type 'integer'")
+
+
+def test_validation_retries_are_bounded(tmp_path):
+    bad = "not json at all"
+    feedback = QUESTION + [
+        {"role": "assistant", "content": bad},
+        {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
+         "- the reply is not JSON (Expecting value at character 0)\n"
+         "Reply again with only a JSON object that fixes every listed problem."}]
+    client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, bad, 1, 1)], validation_retries=1)
+    with pytest.raises(LLMOutputError, match="stayed invalid after 2 attempts: the reply is not JSON"):
+        asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    assert client.telemetry()["status"].to_list() == ["invalid", "invalid"]
+
+
+def test_unrecorded_request_fails_naming_its_hash(tmp_path):
+    client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 1, 1)])
+    other = [{"role": "user", "content": "Something else?"}]
+    expected = request_hash(client.request(other, SCHEMA))
+    with pytest.raises(UnrecordedRequestError, match=f"no response for request {expected}"):
+        asyncio.run(client.complete_json(other, SCHEMA, "unit/1", CONTEXT))
+
+
+def test_second_identical_call_is_a_cache_hit_without_a_backend_call(tmp_path):
+    client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 40, 5)], cache=True)
+    first = asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    second = asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    assert first == second == {"answer": 3}
+    assert client.backend.calls == 1
+    calls = client.telemetry()
+    assert calls["cache_hit"].to_list() == [False, True]
+    assert calls["tokens_in"].to_list() == [40, 0]  # a cache hit costs no tokens
+    # A new prompt version is a different cache key: the backend is asked again.
+    asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/2", CONTEXT))
+    assert client.backend.calls == 2
+
+
+def test_cache_files_are_complete_json_named_by_their_key(tmp_path):
+    cache = ResponseCache(tmp_path / "cache")
+    cache.put("key input", Completion("text", 1, 2, 3, 4))
+    files = list((tmp_path / "cache").rglob("*"))
+    assert [p.name for p in files if p.is_file()] == [cache.path("key input").name]  # no temporary file left
+    assert json.loads(cache.path("key input").read_text())["key_input"] == "key input"
+    assert cache.get("key input") == Completion("text", 1, 2, 3, 4)
+    assert cache.get("other") is None
+
+
+def test_cost_is_computed_from_the_price_table():
+    calls = pl.DataFrame({"model": ["m", "m", "free"], "tokens_in": [1_000_000, 0, 5], "tokens_cached_in": [500_000, 0, 0],
+                          "tokens_out": [100_000, 0, 5], "tokens_reasoning": [0, 0, 0], "cache_hit": [False, True, False]})
+    prices = {"m": ModelPrice(input=2.0, cached_input=0.5, output=10.0)}
+    # 500k uncached at $2/M + 500k cached at $0.5/M + 100k out at $10/M = 1 + 0.25 + 1 = 2.25; unpriced models cost null.
+    assert call_costs(calls, prices)["cost_usd"].to_list() == [2.25, 0.0, None]
+
+
+# ---- a real OpenAI-compatible HTTP server on 127.0.0.1 ------------------------------------------
+
+@asynccontextmanager
+async def chat_server(delay_s: float, state: dict):
+    """A local `/v1/chat/completions` endpoint that waits `delay_s` and counts requests in flight."""
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        state["in_flight"] += 1
+        state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+        state["requests"].append(body)
+        try:
+            await asyncio.sleep(delay_s)
+        finally:
+            state["in_flight"] -= 1
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": '{"answer": 7}'}}],
+                                  "usage": {"prompt_tokens": 12, "completion_tokens": 4,
+                                            "prompt_tokens_details": {"cached_tokens": 8},
+                                            "completion_tokens_details": {"reasoning_tokens": 2}}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
+
+
+def http_client(base_url: str, **overrides) -> LLMClient:
+    config = LLMConfig(backend="openai", base_url=base_url, model="served", **overrides)
+    return LLMClient(config, OpenAIBackend(config.base_url, config.timeout_s, api_key=None))
+
+
+def new_state() -> dict:
+    return {"in_flight": 0, "max_in_flight": 0, "requests": []}
+
+
+def test_openai_backend_over_http_reads_tokens_by_kind():
+    async def scenario():
+        state = new_state()
+        async with chat_server(0.0, state) as url:
+            client = http_client(url)
+            value = await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            await client.close()
+        return value, state, client.telemetry()
+
+    value, state, calls = asyncio.run(scenario())
+    assert value == {"answer": 7}
+    sent = state["requests"][0]
+    assert (sent["model"], sent["temperature"], sent["seed"], sent["messages"]) == ("served", 0.0, 7, QUESTION)
+    assert sent["response_format"]["json_schema"]["schema"] == SCHEMA
+    assert calls.select("tokens_in", "tokens_cached_in", "tokens_out", "tokens_reasoning").row(0) == (12, 8, 4, 2)
+
+
+def test_concurrency_limit_is_respected():
+    async def scenario():
+        state = new_state()
+        async with chat_server(0.1, state) as url:
+            client = http_client(url, max_concurrency=2)
+            await asyncio.gather(*(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT) for _ in range(6)))
+            await client.close()
+        return state
+
+    state = asyncio.run(scenario())
+    assert len(state["requests"]) == 6
+    assert state["max_in_flight"] == 2
+
+
+def test_a_backend_that_times_out_is_retried_then_reported():
+    async def scenario():
+        state = new_state()
+        async with chat_server(2.0, state) as url:
+            client = http_client(url, timeout_s=0.2, transport_retries=1, backoff_s=0.05)
+            with pytest.raises(TransportError, match="gave up after 2 attempts: timeout after 0.2s"):
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            await client.close()
+        return state, client.telemetry()
+
+    state, calls = asyncio.run(scenario())
+    assert len(state["requests"]) == 2  # first try plus one retry
+    assert calls["status"].to_list() == ["transport_error"]
+    assert calls["latency_ms"][0] >= 400
