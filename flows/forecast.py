@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.forecast import SPLITS, forecast_shard_task, make_forecaster
+from tasks.forecast import SPLITS, check_system, forecast_shard_task
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
 from warehouse.runs import registered_run
@@ -17,7 +17,7 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     """Rank codes for every trajectory of a cohort split with `system`; returns the run id."""
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
-    make_forecaster(system)  # fail fast on an unknown system, before registering a run
+    check_system(system)  # fail fast on an unknown system, before registering a run
     wh = Warehouse(data_dir)
     cohort_row = get_cohort(wh, cohort)
     cohort_id = cohort_row["cohort_id"]

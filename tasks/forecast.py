@@ -18,11 +18,19 @@ from models.registry import FORECASTERS, forecaster_class
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
+# LLM stages write their own telemetry and read other systems' lists of the run, so they are stage
+# functions (tasks/direct.py) rather than fit/predict Forecasters.
+LLM_SYSTEMS = ("direct", "rrf_prior_direct")
+
+
+def check_system(system: str) -> None:
+    if system not in FORECASTERS and system not in LLM_SYSTEMS:
+        available = ", ".join(sorted([*FORECASTERS, *LLM_SYSTEMS]))
+        raise InputError(f"unknown or not yet available system {system!r}; available: {available}")
 
 
 def make_forecaster(system: str) -> Forecaster:
-    if system not in FORECASTERS:
-        raise InputError(f"unknown or not yet available system {system!r}; available: {', '.join(sorted(FORECASTERS))}")
+    check_system(system)
     return forecaster_class(system)()
 
 
@@ -73,8 +81,20 @@ def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, s
     trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit)
     if trajectories.is_empty():
         return 0
+    if system in LLM_SYSTEMS:
+        return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
     forecaster = fitted_forecaster(wh_root, cohort_id, system)
     ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
     wh.write("rankings", ranked, run_id=run_id, system=system, shard=shard)
     wh.write("ranking_status", status, run_id=run_id, system=system, shard=shard)
     return trajectories.height
+
+
+def llm_shard(wh: Warehouse, cohort_id: str, system: str, shard: int, trajectories: pl.DataFrame,
+              pretarget: pl.DataFrame, k: int, run_id: str) -> int:
+    from dxr.config import load_settings
+    from tasks.direct import direct_shard, rrf_prior_direct_shard
+
+    if system == "direct":
+        return direct_shard(wh, cohort_id, shard, trajectories, pretarget, k, run_id, load_settings().llm)
+    return rrf_prior_direct_shard(wh, cohort_id, shard, trajectories, k, run_id)

@@ -1,0 +1,179 @@
+"""Direct Forecast (system `direct`) and Union + RRF over the EHR prior and Direct lists (`rrf_prior_direct`).
+
+Direct Forecast (forecasting spec §2): the LLM reads the rendered pre-target record H of one
+trajectory and returns 20–30 codes with non-increasing confidence; V(.) keeps the codes of Ω.
+It sees no candidate list and no other system's output.
+
+Union + RRF (spec §5, control arm): for one run, the `ehr_prior` and `direct` lists already written
+under that run id are fused, s(c) = Σ 1/(k0 + rank), k0 = 60, ranks one-based, ties by code. A run
+finds them by its run id: forecast `ehr_prior` and `direct` with the same `--run-id` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import polars as pl
+
+from dxr.errors import DxrError, NotFoundError
+from models.llm.backends import TransportError
+from models.llm.client import CallContext, LLMClient
+from models.llm.config import LLMConfig
+from models.llm.history import render_history
+from models.llm.prompts import RenderedPrompt, load_prompt, render
+from warehouse.store import Warehouse
+from warehouse.vocab import Vocabulary
+
+DIRECT = "direct"
+RRF_PRIOR_DIRECT = "rrf_prior_direct"
+DIRECT_PROMPT = "direct_forecast"
+RRF_K0 = 60
+ICD_NAMES = {9: "ICD-9-CM", 10: "ICD-10-CM"}
+
+
+def check_confidence_order(value: dict) -> list[str]:
+    """Errors for confidences that increase down the list (JSON Schema cannot express the order)."""
+    confidences = [p["confidence"] for p in value["predictions"]]
+    return [f"at predictions/{i}/confidence: {b} is higher than the {a} before it; confidences must not increase"
+            for i, (a, b) in enumerate(zip(confidences, confidences[1:]), 1) if b > a]
+
+
+def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfig) -> RenderedPrompt:
+    """The Direct Forecast messages of one trajectory (its pre-target events only)."""
+    versions = " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes"
+    titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
+    return render(load_prompt(DIRECT_PROMPT), config, render_history(events, titles), icd_versions=versions)
+
+
+def drop_detail(drops) -> str:
+    """`dropped 2 not_in_vocabulary, 1 duplicate` (reasons sorted), or empty when nothing was dropped."""
+    return "dropped " + ", ".join(f"{n} {reason}" for reason, n in sorted(drops.items())) if drops else ""
+
+
+async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
+                          vocabulary: Vocabulary, run_id: str, cohort_id: str, k: int
+                          ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Rankings and status rows of Direct Forecast for `trajectories` (one concurrent call each)."""
+    prompt = load_prompt(DIRECT_PROMPT)
+    by_trajectory = pretarget.partition_by("trajectory_id", as_dict=True)
+
+    async def one(trajectory_id: str):
+        events = by_trajectory.get((trajectory_id,), pretarget.clear())
+        rendered = direct_prompt(events, vocabulary, client.config)
+        context = CallContext(run_id, DIRECT, trajectory_id, rendered.truncated_chars)
+        try:
+            reply = await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
+                                               check=check_confidence_order)
+        except (DxrError, TransportError) as exc:
+            return [], ("failed", str(exc)[:500])
+        predictions = reply["predictions"]
+        validation = vocabulary.validate(p["code"] for p in predictions)
+        confidence = {}
+        for p in predictions:
+            code, _ = vocabulary.resolve(p["code"])
+            confidence.setdefault(code, float(p["confidence"]))
+        rows = [(trajectory_id, rank, code, confidence[code], True)
+                for rank, code in enumerate(validation.codes, 1)]
+        notes = [drop_detail(validation.drops)]
+        if rendered.truncated_chars:
+            notes.append(f"history truncated by {rendered.truncated_chars} characters")
+        status = "ok" if len(rows) >= k else "short"
+        if status == "short":
+            notes.insert(0, f"{len(rows)} of {k} codes")
+        return rows, (status, "; ".join(n for n in notes if n) or None)
+
+    ids = trajectories["trajectory_id"].to_list()
+    results = await asyncio.gather(*(one(t) for t in ids))
+    ranked = pl.DataFrame([row for rows, _ in results for row in rows], orient="row",
+                          schema={"trajectory_id": pl.String, "rank": pl.Int32, "code": pl.String,
+                                  "score": pl.Float64, "native": pl.Boolean})
+    ranked = ranked.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(cohort_id).alias("cohort_id"),
+                                 pl.lit(DIRECT).alias("system"))
+    status = pl.DataFrame({"run_id": run_id, "system": DIRECT, "trajectory_id": ids,
+                           "status": [s for _, (s, _) in results], "detail": [d for _, (_, d) in results]},
+                          schema={"run_id": pl.String, "system": pl.String, "trajectory_id": pl.String,
+                                  "status": pl.String, "detail": pl.String})
+    return ranked, status
+
+
+def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
+                 k: int, run_id: str, config: LLMConfig) -> int:
+    """Run Direct Forecast over one shard and write rankings, ranking_status and llm_calls partitions."""
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    client = LLMClient.from_config(config, wh.forecast_dir / "llm_cache")
+
+    async def run():
+        try:
+            return await forecast_direct(client, trajectories, pretarget, vocabulary, run_id, cohort_id, k)
+        finally:
+            await client.close()
+
+    ranked, status = asyncio.run(run())
+    wh.write("rankings", ranked, run_id=run_id, system=DIRECT, shard=shard)
+    wh.write("ranking_status", status, run_id=run_id, system=DIRECT, shard=shard)
+    wh.write("llm_calls", client.telemetry(), run_id=run_id, stage=DIRECT, shard=shard)
+    return trajectories.height
+
+
+def rrf_fuse(lists: Sequence[Sequence[str]], k0: int = RRF_K0) -> list[tuple[str, float]]:
+    """Reciprocal-rank fusion: s(c) = Σ over lists holding c of 1/(k0 + rank), ranks one-based; desc, ties by code.
+
+    >>> rrf_fuse([["a", "b"], ["b", "c"]], k0=1)
+    [('b', 0.8333333333333333), ('a', 0.5), ('c', 0.3333333333333333)]
+    """
+    scores: dict[str, float] = {}
+    for ranked in lists:
+        for rank, code in enumerate(ranked, 1):
+            scores[code] = scores.get(code, 0.0) + 1.0 / (k0 + rank)
+    return sorted(scores.items(), key=lambda item: (-item[1], item[0]))
+
+
+def fuse_prior_direct(prior: pl.DataFrame, direct: pl.DataFrame, trajectories: pl.DataFrame, vocabulary: Vocabulary,
+                      run_id: str, cohort_id: str, k: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Union + RRF rankings and status of each trajectory from its `ehr_prior` and `direct` rankings."""
+    def lists(frame: pl.DataFrame) -> dict[str, list[str]]:
+        return {t: group.sort("rank")["code"].to_list()
+                for (t,), group in frame.partition_by("trajectory_id", as_dict=True).items()}
+
+    prior_lists, direct_lists = lists(prior), lists(direct)
+    rows, statuses = [], []
+    for trajectory_id in trajectories["trajectory_id"].to_list():
+        sources = [prior_lists.get(trajectory_id, []), direct_lists.get(trajectory_id, [])]
+        fused = rrf_fuse(sources)
+        allowed = set(vocabulary.validate(code for code, _ in fused).codes)
+        fused = [(code, score) for code, score in fused if code in allowed]
+        rows += [(trajectory_id, rank, code, score, True) for rank, code, score in
+                 ((r, c, s) for r, (c, s) in enumerate(fused, 1))]
+        missing = [name for name, codes in zip(("ehr_prior", DIRECT), sources) if not codes]
+        notes = [f"no {name} list" for name in missing]
+        status = "ok" if len(fused) >= k else "short"
+        if status == "short":
+            notes.insert(0, f"{len(fused)} of {k} codes")
+        statuses.append((run_id, RRF_PRIOR_DIRECT, trajectory_id, status, "; ".join(notes) or None))
+    ranked = pl.DataFrame(rows, orient="row", schema={"trajectory_id": pl.String, "rank": pl.Int32,
+                                                       "code": pl.String, "score": pl.Float64,
+                                                       "native": pl.Boolean}).with_columns(
+        pl.lit(run_id).alias("run_id"), pl.lit(cohort_id).alias("cohort_id"), pl.lit(RRF_PRIOR_DIRECT).alias("system"))
+    status = pl.DataFrame(statuses, orient="row", schema={"run_id": pl.String, "system": pl.String,
+                                                          "trajectory_id": pl.String, "status": pl.String,
+                                                          "detail": pl.String})
+    return ranked, status
+
+
+def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, k: int,
+                           run_id: str) -> int:
+    """Fuse the run's `ehr_prior` and `direct` lists of one shard into `rrf_prior_direct`."""
+    inputs = {}
+    for system in ("ehr_prior", DIRECT):
+        if not wh.has_rows("rankings", run_id=run_id, system=system):
+            raise NotFoundError(
+                f"run {run_id!r} has no {system} rankings; Union + RRF fuses lists of the same run: first run "
+                f"dxr forecast --cohort … --system {system} --run-id {run_id}")
+        inputs[system] = wh.read("rankings", run_id=run_id, system=system, shard=shard)
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    ranked, status = fuse_prior_direct(inputs["ehr_prior"], inputs[DIRECT], trajectories, vocabulary, run_id,
+                                       cohort_id, k)
+    wh.write("rankings", ranked, run_id=run_id, system=RRF_PRIOR_DIRECT, shard=shard)
+    wh.write("ranking_status", status, run_id=run_id, system=RRF_PRIOR_DIRECT, shard=shard)
+    return trajectories.height

@@ -1,0 +1,165 @@
+"""Direct Forecast end to end on the tiny cohort (replay backend), Union + RRF, and the information boundary."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from models.llm.backends import Completion, append_recording
+from models.llm.client import LLMClient
+from models.llm.config import LLMConfig
+from models.llm.prompts import load_prompt
+from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
+                          rrf_prior_direct_shard)
+from tasks.forecast import shard_inputs
+from tests.conftest import write_tiny_meds
+from tests.sentinel import assert_no_leak, forecast_store_texts, plant_sentinels
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+from warehouse.vocab import Vocabulary
+
+# 21 valid ICD-10-CM codes in the model's own spelling, most likely first.
+VALID = ["I50.22", "E11.9", "N17.9", "I10", "J18.9", "I48.91", "N18.30", "E78.5", "I25.10", "J44.9", "E87.1",
+         "D64.9", "I50.23", "E11.22", "Z79.4", "K21.9", "F32.9", "E03.9", "G47.33", "M19.90", "Z95.1"]
+
+
+def predictions(codes, start=95.0):
+    return {"predictions": [{"code": c, "confidence": start - i} for i, c in enumerate(codes)]}
+
+
+def test_rrf_on_a_hand_example():
+    # prior A, B, C; direct C, A, D: A = 1/61 + 1/62, C = 1/63 + 1/61, B = 1/62, D = 1/63.
+    fused = rrf_fuse([["A", "B", "C"], ["C", "A", "D"]])
+    assert fused == [("A", 1 / 61 + 1 / 62), ("C", 1 / 61 + 1 / 63), ("B", 1 / 62), ("D", 1 / 63)]
+    assert RRF_K0 == 60
+    # Equal scores are ordered by code.
+    assert rrf_fuse([["B"], ["A"]]) == [("A", 1 / 61), ("B", 1 / 61)]
+
+
+@pytest.fixture
+def planted_cohort(wh_vocab, tmp_path):
+    meds_dir = write_tiny_meds(tmp_path / "meds")
+    sentinels = plant_sentinels(meds_dir)
+    ingest_meds(wh_vocab, meds_dir, "planted")
+    cohort_id = build_cohort(wh_vocab, "planted", "default", CohortOptions(target="final"), seed=7)["cohort_id"]
+    return wh_vocab, cohort_id, sentinels
+
+
+def record_replies(config: LLMConfig, wh, cohort_id, trajectories, pretarget, replies) -> list[str]:
+    """Record one reply per trajectory for exactly the request Direct Forecast will send; returns prompt texts."""
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    probe = LLMClient(config, backend=None)
+    texts = []
+    for trajectory_id, reply in zip(trajectories["trajectory_id"].to_list(), replies):
+        rendered = direct_prompt(pretarget.filter(pl.col("trajectory_id") == trajectory_id), vocabulary, config)
+        texts += [m["content"] for m in rendered.messages]
+        request = probe.request(rendered.messages, load_prompt("direct_forecast").schema)
+        append_recording(config.replay_file, request, Completion(json.dumps(reply), 800, 0, 300))
+    return texts
+
+
+def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_path):
+    wh, cohort_id, sentinels = planted_cohort
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all")
+    assert trajectories.height == 3
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
+                       response_format="json_object_schema", validation_retries=0)
+    rising = predictions(VALID)
+    rising["predictions"][5]["confidence"] = 99  # confidences must not increase: invalid, no retry left
+    replies = [
+        predictions(VALID[:19] + ["i50.22", "XYZ", "428.0"]),  # a duplicate, a malformed and an ICD-9 code
+        predictions(VALID),
+        rising,
+    ]
+    prompt_texts = record_replies(config, wh, cohort_id, trajectories, pretarget, replies)
+
+    assert direct_shard(wh, cohort_id, 0, trajectories, pretarget, 20, "run-d", config) == 3
+    ids = trajectories["trajectory_id"].to_list()
+    status = wh.read("ranking_status", run_id="run-d", system="direct").sort("trajectory_id")
+    assert status.select("trajectory_id", "status").rows() == [(ids[0], "short"), (ids[1], "ok"), (ids[2], "failed")]
+    assert status["detail"][0] == "19 of 20 codes; dropped 1 duplicate, 1 malformed, 1 wrong_icd_version"
+    assert status["detail"][1] is None
+    assert status["detail"][2] == (f"direct reply for {ids[2]} stayed invalid after 1 attempts: at predictions/5/"
+                                   "confidence: 99 is higher than the 91.0 before it; confidences must not increase")
+
+    rankings = wh.read("rankings", run_id="run-d", system="direct")
+    second = rankings.filter(pl.col("trajectory_id") == ids[1]).sort("rank")
+    assert second["code"].to_list() == [f"DIAGNOSIS//ICD//10//{c.replace('.', '')}" for c in VALID]
+    assert second["score"].to_list() == [95.0 - i for i in range(21)]
+    assert second["native"].all() and rankings["cohort_id"].unique().to_list() == [cohort_id]
+
+    calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
+    assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [
+        (ids[0], "ok", False, 800, 300), (ids[1], "ok", False, 800, 300), (ids[2], "invalid", False, 800, 300)]
+    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/1"]
+
+    # A rerun answers everything from the response cache: no backend call, same rankings.
+    (tmp_path / "replay.jsonl").write_text("")
+    direct_shard(wh, cohort_id, 0, trajectories, pretarget, 20, "run-d", config)
+    rerun = wh.read("llm_calls", run_id="run-d", stage="direct")
+    assert rerun["cache_hit"].all() and rerun.height == 3 and rerun["tokens_in"].sum() == 0
+    assert wh.read("rankings", run_id="run-d", system="direct").equals(rankings)
+
+    # The boundary: no planted target-encounter marker in any prompt, cache-key input or store file.
+    cache_inputs = [json.loads(p.read_text())["key_input"] for p in (wh.forecast_dir / "llm_cache").rglob("*.json")]
+    assert len(cache_inputs) == 3
+    assert_no_leak(sentinels, {"prompts": prompt_texts, "cache_key_inputs": cache_inputs,
+                               **forecast_store_texts(wh.forecast_dir)})
+    # ...while the prompts do carry the pre-target history (the harness is not looking at empty text).
+    assert any("I50.22 " in text for text in prompt_texts)
+
+
+def test_history_is_truncated_oldest_first_to_the_context_window(planted_cohort):
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all")
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    events = pretarget.filter(pl.col("trajectory_id") == trajectories["trajectory_id"][0])
+    roomy = direct_prompt(events, vocabulary, LLMConfig())
+    assert roomy.truncated_chars == 0 and "Encounter 1:" in roomy.messages[1]["content"]
+    tight_config = LLMConfig(context_window=1000, max_output_tokens=300, chars_per_token=2.0)
+    tight = direct_prompt(events, vocabulary, tight_config)
+    user = tight.messages[1]["content"]
+    assert tight.truncated_chars > 0
+    assert f"[earlier history omitted: {tight.truncated_chars} characters]" in user
+    assert "Encounter 1:" not in user and "Encounter 2:" in user  # the most recent encounter is kept
+    assert sum(len(m["content"]) for m in tight.messages) <= (1000 - 300) * 2.0
+
+
+def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
+    wh, cohort_id, _ = planted_cohort
+    trajectories, _ = shard_inputs(wh, cohort_id, 0, "all")
+    first = trajectories["trajectory_id"][0]
+    dx = "DIAGNOSIS//ICD//10//"
+
+    def ranking(system, codes):
+        return pl.DataFrame({"run_id": "run-r", "cohort_id": cohort_id, "system": system, "trajectory_id": first,
+                             "rank": list(range(1, len(codes) + 1)), "code": [dx + c for c in codes],
+                             "score": [1.0] * len(codes), "native": True},
+                            schema_overrides={"rank": pl.Int32})
+
+    with pytest.raises(Exception, match="run 'run-r' has no ehr_prior rankings"):
+        rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
+    wh.write("rankings", ranking("ehr_prior", ["I10", "E119", "N179"]), run_id="run-r", system="ehr_prior", shard=0)
+    wh.write("rankings", ranking("direct", ["N179", "I10", "J189"]), run_id="run-r", system="direct", shard=0)
+    rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
+    fused = wh.read("rankings", run_id="run-r", system="rrf_prior_direct").filter(pl.col("trajectory_id") == first)
+    assert fused.sort("rank").select("rank", "code", "score").rows() == [
+        (1, dx + "I10", 1 / 61 + 1 / 62), (2, dx + "N179", 1 / 63 + 1 / 61), (3, dx + "E119", 1 / 62),
+        (4, dx + "J189", 1 / 63)]
+    status = wh.read("ranking_status", run_id="run-r", system="rrf_prior_direct").sort("trajectory_id")
+    assert status.filter(pl.col("trajectory_id") == first)["detail"].to_list() == ["4 of 20 codes"]
+    others = status.filter(pl.col("trajectory_id") != first)
+    assert others["detail"].to_list() == ["0 of 20 codes; no ehr_prior list; no direct list"] * 2
+
+
+def test_fusion_keeps_only_vocabulary_codes(planted_cohort):
+    wh, cohort_id, _ = planted_cohort
+    trajectories, _ = shard_inputs(wh, cohort_id, 0, "all")
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    tid = trajectories["trajectory_id"][0]
+    frame = pl.DataFrame({"trajectory_id": [tid, tid], "rank": [1, 2],
+                          "code": ["DIAGNOSIS//ICD//10//I10", "DIAGNOSIS//ICD//10//NOTACODE"]})
+    ranked, _ = fuse_prior_direct(frame, frame.clear(), trajectories.head(1), vocabulary, "r", cohort_id, 20)
+    assert ranked["code"].to_list() == ["DIAGNOSIS//ICD//10//I10"]
