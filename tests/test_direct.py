@@ -163,3 +163,35 @@ def test_fusion_keeps_only_vocabulary_codes(planted_cohort):
                           "code": ["DIAGNOSIS//ICD//10//I10", "DIAGNOSIS//ICD//10//NOTACODE"]})
     ranked, _ = fuse_prior_direct(frame, frame.clear(), trajectories.head(1), vocabulary, "r", cohort_id, 20)
     assert ranked["code"].to_list() == ["DIAGNOSIS//ICD//10//I10"]
+
+
+def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypatch, prefect_harness):
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "held_out")
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "cli.jsonl", model="recorded",
+                       response_format="json_object_schema")
+    record_replies(config, wh, cohort_id, trajectories, pretarget, [predictions(VALID)] * trajectories.height)
+    for key, value in {"BACKEND": "replay", "REPLAY_FILE": config.replay_file, "MODEL": "recorded",
+                       "RESPONSE_FORMAT": "json_object_schema"}.items():
+        monkeypatch.setenv(f"DXR_LLM__{key}", str(value))
+
+    def forecast(system):
+        return CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                         system, "--split", "held_out", "--run-id", "cli-d"])
+
+    result = forecast("direct")
+    assert result.exit_code == 0, result.output
+    assert "run cli-d: system direct wrote rankings for cohort default (held_out)" in result.output
+    status = wh.read("ranking_status", run_id="cli-d", system="direct")
+    assert status["status"].to_list() == ["ok"] * trajectories.height == ["ok", "ok"]
+    assert forecast("direct").exit_code == 0
+    assert wh.read("llm_calls", run_id="cli-d", stage="direct")["cache_hit"].to_list() == [True, True]
+
+    result = forecast("rrf_prior_direct")
+    assert result.exit_code == 1
+    assert ("Error: run 'cli-d' has no ehr_prior rankings; Union + RRF fuses lists of the same run: first run "
+            "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output

@@ -197,3 +197,18 @@ def test_a_backend_that_times_out_is_retried_then_reported():
     assert len(state["requests"]) == 2  # first try plus one retry
     assert calls["status"].to_list() == ["transport_error"]
     assert calls["latency_ms"][0] >= 400
+
+
+def test_efficiency_summary_per_stage():
+    from models.llm.telemetry import efficiency
+
+    calls = pl.DataFrame({"stage": ["direct"] * 3, "backend": ["openai"] * 3, "model": ["m"] * 3,
+                          "trajectory_id": ["a", "a", "b"], "tokens_in": [1000, 1200, 900],
+                          "tokens_cached_in": [0, 0, 0], "tokens_out": [300, 250, 280], "tokens_reasoning": [0, 0, 0],
+                          "latency_ms": [1000.0, 2000.0, 3000.0], "cache_hit": [False, False, False]})
+    summary = efficiency(calls, {"m": ModelPrice(input=1.0, output=2.0)}).row(0, named=True)
+    assert (summary["trajectories"], summary["calls"], summary["calls_per_trajectory"]) == (2, 3, 1.5)
+    assert (summary["tokens_in"], summary["tokens_out"], summary["latency_ms_p50"]) == (3100, 830, 2000.0)
+    assert summary["cost_usd"] == pytest.approx((3100 * 1.0 + 830 * 2.0) / 1e6)
+    assert summary["patients_per_hour_serial"] == pytest.approx(2 * 3600 / 6)
+    assert efficiency(calls, {})["cost_usd"].to_list() == [None]
