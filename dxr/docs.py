@@ -29,7 +29,8 @@ def cli_reference() -> str:
     for path, command in [((), main), *_commands(main)]:
         name = " ".join(("dxr",) + path)
         # A fixed width keeps the page identical whatever terminal regenerates or checks it.
-        ctx = click.Context(command, info_name=name, terminal_width=100, max_content_width=100)
+        ctx = click.Context(command, info_name=name, terminal_width=100, max_content_width=100,
+                            help_option_names=["-h", "--help"])  # as `main` sets for every command
         parts.append(f"## `{name}`\n\n```\n{command.get_help(ctx)}\n```\n")
     return "\n".join(parts)
 

@@ -61,7 +61,7 @@ def test_ingest_unknown_code_system(tmp_path):
     assert "must be DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code>" in line
 
 
-def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds, prefect_harness):
+def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
     line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
     assert "dataset name 'Bad Name' is not allowed" in line
     line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history", data_dir=tmp_path / "wh"))
