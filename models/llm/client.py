@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +20,7 @@ import jsonschema
 import polars as pl
 
 from dxr.errors import DxrError
-from models.llm.backends import Backend, Completion, TransportError, make_backend
+from models.llm.backends import Backend, Completion, TransportError, canonical_json, make_backend
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
 
@@ -46,9 +47,14 @@ class CallContext:
     truncated_chars: int = 0
 
 
+@lru_cache(maxsize=64)
+def _validator(schema_json: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads(schema_json))
+
+
 def schema_errors(schema: dict, value) -> list[str]:
     """Structural errors of `value` against a JSON schema, one readable line each (sorted by path)."""
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _validator(canonical_json(schema))
     errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
     return [f"at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}" for e in errors]
 
