@@ -57,7 +57,11 @@ class CohortOptions:
 
 
 def cohort_id_for(dataset: dict, options: CohortOptions, seed: int) -> str:
-    """A stable hash of the dataset (name and content fingerprint), the options and the split seed."""
+    """A stable hash of the dataset (name and content fingerprint), the options and the split seed.
+
+    The cohort name is a label, not part of the identity: building the same options under another
+    name relabels that cohort instead of copying it.
+    """
     payload = json.dumps({"dataset_id": dataset["dataset_id"], "fingerprint": dataset["fingerprint"],
                           "seed": seed, **asdict(options)}, sort_keys=True)
     return "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
@@ -132,7 +136,7 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
         FROM encounter_starts s WHERE s.n_dx > 0 AND s.start_time IS NOT NULL""")
     target_filter = "n_prior = n_total - 1" if options.target == "final" else "TRUE"
     con.execute(f"""CREATE TEMP TABLE candidate_targets AS
-        SELECT c.*, coalesce(sp.split, 'train') AS split FROM counted c
+        SELECT c.*, sp.split FROM counted c
         LEFT JOIN splits_frame sp USING (subject_id)
         WHERE {target_filter} AND n_prior >= {int(options.min_history)}""")
     con.execute(f"""CREATE TEMP TABLE target_codes AS
