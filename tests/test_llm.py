@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from contextlib import asynccontextmanager
 
 import polars as pl
@@ -212,3 +213,21 @@ def test_efficiency_summary_per_stage():
     assert summary["cost_usd"] == pytest.approx((3100 * 1.0 + 830 * 2.0) / 1e6)
     assert summary["patients_per_hour_serial"] == pytest.approx(2 * 3600 / 6)
     assert efficiency(calls, {})["cost_usd"].to_list() == [None]
+
+
+def _write_many(root: str) -> int:
+    cache = ResponseCache(Path(root))
+    for i in range(200):
+        cache.put(f"key {i % 20}", Completion(f"reply {i % 20}", i % 20))
+    return 200
+
+
+def test_cache_is_safe_under_concurrent_processes(tmp_path):
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        assert list(pool.map(_write_many, [str(tmp_path)] * 4)) == [200] * 4
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == 20 and not [p for p in files if p.name.startswith(".tmp-")]
+    cache = ResponseCache(tmp_path)
+    assert [cache.get(f"key {i}") for i in range(20)] == [Completion(f"reply {i}", i) for i in range(20)]
