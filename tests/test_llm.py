@@ -231,3 +231,19 @@ def test_cache_is_safe_under_concurrent_processes(tmp_path):
     assert len(files) == 20 and not [p for p in files if p.name.startswith(".tmp-")]
     cache = ResponseCache(tmp_path)
     assert [cache.get(f"key {i}") for i in range(20)] == [Completion(f"reply {i}", i) for i in range(20)]
+
+
+def test_rate_limit_spaces_request_starts():
+    async def scenario():
+        state = new_state()
+        async with chat_server(0.0, state) as url:
+            client = http_client(url, requests_per_minute=600)  # one start every 0.1 s
+            started = asyncio.get_running_loop().time()
+            await asyncio.gather(*(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT) for _ in range(5)))
+            elapsed = asyncio.get_running_loop().time() - started
+            await client.close()
+        return state, elapsed
+
+    state, elapsed = asyncio.run(scenario())
+    assert len(state["requests"]) == 5
+    assert 0.4 <= elapsed < 2.0  # four gaps of 0.1 s between five starts

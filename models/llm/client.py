@@ -76,6 +76,18 @@ class LLMClient:
 
     def __post_init__(self):
         self._limit = asyncio.Semaphore(self.config.max_concurrency)
+        self._pace = asyncio.Lock()
+        self._next_start = 0.0
+
+    async def _wait_for_rate_limit(self) -> None:
+        """Space request starts by 60 / requests_per_minute seconds (no wait when uncapped)."""
+        if not self.config.requests_per_minute:
+            return
+        async with self._pace:
+            now = time.monotonic()
+            start = max(now, self._next_start)
+            self._next_start = start + 60.0 / self.config.requests_per_minute
+            await asyncio.sleep(start - now)
 
     @classmethod
     def from_config(cls, config: LLMConfig, cache_dir: Path | None) -> LLMClient:
@@ -141,6 +153,7 @@ class LLMClient:
         for attempt in range(self.config.transport_retries + 1):
             try:
                 async with self._limit:
+                    await self._wait_for_rate_limit()
                     completion = await asyncio.wait_for(self.backend.complete(request), self.config.timeout_s)
                 break
             except (TransportError, TimeoutError) as exc:

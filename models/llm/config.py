@@ -39,6 +39,8 @@ class LLMConfig(BaseModel):
     temperature: float = Field(0.0, ge=0)
     seed: int | None = Field(7, description="sent when not null; ignored by backends without seeding")
     max_concurrency: int = Field(4, ge=1, description="requests in flight per process")
+    # Hosted endpoints cap requests per minute; 0 means no cap (local servers).
+    requests_per_minute: float = Field(0.0, ge=0, description="request starts per minute per process; 0 = no cap")
     timeout_s: float = Field(120.0, gt=0, description="per request")
     transport_retries: int = Field(3, ge=0, description="retries on timeouts, connection errors, 429 and 5xx")
     backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles per retry")
