@@ -23,7 +23,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 from prefect import task  # noqa: E402
 
+from dxr.config import load_settings  # noqa: E402
 from dxr.errors import NotFoundError  # noqa: E402
+from models.llm.config import ModelPrice  # noqa: E402
+from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
@@ -125,6 +128,76 @@ def headroom_table(headroom: pl.DataFrame, metrics: pl.DataFrame, k: int) -> Tab
         out.append([r["pool"], f"{r['mean_pool_size']:.1f}", with_interval(r["value"], r["ci_low"], r["ci_high"]),
                     f"{best:.3f}", f"{r['value'] - best:+.3f}"])
     return Table(["pool", "mean pool size", "pool-oracle micro-F1", "best system in pool", "headroom"], out)
+
+
+def _value(value, spec: str, missing: str = "n/a") -> str:
+    """A number in `spec`, or `missing` for null.
+
+    >>> _value(0.00331, ".6f"), _value(None, ".1f")
+    ('0.003310', 'n/a')
+    """
+    return missing if value is None else format(value, spec)
+
+
+def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] | None = None) -> list:
+    """Spec §6 per system on the run's matched patients: LLM calls, tokens, cost, throughput, retrieval, micro-F1@20.
+
+    Prices default to the configured `llm.prices` table (cost is computed now, never stored).
+    """
+    if prices is None:
+        prices = load_settings(data_dir=wh.root).llm.prices
+    frame = run_efficiency(wh, run_id, prices)
+    blocks: list = [Heading("Efficiency (per patient, same patients)")]
+    if frame.is_empty():
+        return blocks + [Paragraph("No per-patient telemetry: this run id has no rankings of its own (an aggregate "
+                                   "of repeated runs); each underlying run's report has its own.")]
+    rows = frame.to_dicts()
+    n = max(r["patients"] for r in rows)
+    blocks += [
+        Paragraph(f"Totals over each system's trajectories of the run ({n} matched patients) divided by their number. "
+                  "Calls count cache hits; backend calls do not (a cache hit sends no request: no tokens, latency or "
+                  "cost). Cost per patient uses the configured `llm.prices` table (US dollars; n/a = a model without "
+                  "a price). Patients/hour is observed from the clock named in the last column (a registered run's "
+                  "wall clock includes fitting and writing). A system that fuses other systems' lists of the run "
+                  "counts their calls and clocks too. micro-F1@20 is the evaluated value on the same patients "
+                  "(n/a when K = 20 was not evaluated)."),
+        Table(["system", "patients", "micro-F1@20", "LLM calls/pt", "backend calls/pt", "cache hits",
+               "cost/pt (USD)", "patients/h", "clock"],
+              [[r["system"], str(r["patients"]), _value(r["micro_f1_at_20"], ".3f"),
+                f"{r['calls_per_patient']:.2f}", f"{r['backend_calls_per_patient']:.2f}", str(r["cache_hits"]),
+                _value(r["cost_per_patient_usd"], ".6f"), _value(r["patients_per_hour"], ",.0f"), r["clock"]]
+               for r in rows])]
+    llm = [r for r in rows if r["llm_calls"]]
+    if llm:
+        blocks += [Heading("LLM tokens and latency per patient", 3),
+                   Paragraph("Backend calls only; reasoning tokens (when a backend reports them) are already part of "
+                             "the output tokens and are shown on their own. Serial patients/hour assumes one backend "
+                             "call at a time (summed latency)."),
+                   Table(["system", "LLM stages", "tokens in", "cached in", "out", "reasoning", "latency p50 (ms)",
+                          "latency total (s)", "serial patients/h"],
+                         [[r["system"], r["llm_stages"], f"{r['tokens_in_per_patient']:.1f}",
+                           f"{r['tokens_cached_in_per_patient']:.1f}", f"{r['tokens_out_per_patient']:.1f}",
+                           f"{r['tokens_reasoning_per_patient']:.1f}", _value(r["latency_ms_p50"], ".0f"),
+                           f"{r['latency_ms_total'] / 1000:.1f}", _value(r["patients_per_hour_serial"], ",.0f")]
+                          for r in llm])]
+    searched = [r for r in rows if r["retrieval"]]
+    if any(r["queries_per_patient"] or r["retrieval_operations_per_patient"] for r in searched):
+        blocks += [Heading("Retrieval per patient", 3),
+                   Paragraph("Unique queries within a patient, retrieval operations (search job × engine), source "
+                             "accesses (records that opened a source, every state but no_result) and records that "
+                             "support their hypothesis; every other system made none."),
+                   Table(["system", "queries", "retrieval operations", "source accesses", "supported records"],
+                         [[r["system"], f"{r['queries_per_patient']:.2f}",
+                           f"{r['retrieval_operations_per_patient']:.2f}", f"{r['source_accesses_per_patient']:.2f}",
+                           f"{r['supported_records_per_patient']:.2f}"] for r in searched])]
+    else:
+        blocks.append(Paragraph(f"No retrieval in this run: no search jobs or ledger rows under run {run_id} are "
+                                "attributed to its systems, so queries, retrieval operations and source accesses "
+                                "are 0 for every system."))
+    notes = efficiency_notes(wh, run_id)
+    if notes:
+        blocks.append(Paragraph("Not counted above: " + " ".join(notes)))
+    return blocks
 
 
 # ---- figures ---------------------------------------------------------------------------------
@@ -258,6 +331,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                    Paragraph("Best achievable top-K within each pool (union of full lists): min(K, |pool ∩ Y|) "
                              "hits per trajectory."),
                    headroom_table(headroom, metrics, k)]
+    blocks += efficiency_blocks(wh, run_id)
     return blocks
 
 

@@ -39,3 +39,26 @@ def efficiency(calls: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFra
             .with_columns((pl.col("calls") / pl.col("trajectories")).alias("calls_per_trajectory"),
                           (pl.col("trajectories") * 3.6e6 / pl.col("latency_ms_total")).alias("patients_per_hour_serial"))
             .sort("stage", "backend", "model"))
+
+
+TOKEN_KINDS = ("tokens_in", "tokens_cached_in", "tokens_out", "tokens_reasoning")
+
+
+def backend_totals(calls: pl.DataFrame, prices: dict[str, ModelPrice], by: list[str]) -> pl.DataFrame:
+    """Per group of `by`: LLM calls, backend calls, cache hits, tokens by kind, backend latency and cost.
+
+    A cache hit sent no request: it is counted as a call but adds no tokens, no backend latency
+    (its latency is a local file read) and no cost, whatever the price table says. Cost is null
+    when a backend call's model has no price: an unknown cost is not zero.
+    """
+    backend = ~pl.col("cache_hit")
+    costed = call_costs(calls, prices).with_columns(
+        pl.when(pl.col("cache_hit")).then(0.0).otherwise(pl.col("cost_usd")).alias("cost_usd"))
+    return (costed.group_by(by, maintain_order=True)
+            .agg(pl.len().cast(pl.Int64).alias("llm_calls"), backend.sum().cast(pl.Int64).alias("backend_calls"),
+                 pl.col("cache_hit").sum().cast(pl.Int64).alias("cache_hits"),
+                 *(pl.col(kind).filter(backend).sum().cast(pl.Int64) for kind in TOKEN_KINDS),
+                 pl.col("latency_ms").filter(backend).median().alias("latency_ms_p50"),
+                 pl.col("latency_ms").filter(backend).sum().cast(pl.Float64).alias("latency_ms_total"),
+                 pl.when(pl.col("cost_usd").is_null().any()).then(None).otherwise(pl.col("cost_usd").sum())
+                 .cast(pl.Float64).alias("cost_usd")))

@@ -1,0 +1,187 @@
+"""Efficiency stage (spec/evaluation.md §6): what each system of a run spent per patient, next to its micro-F1@20.
+
+Matched patients are the run's frozen set, the trajectories `dxr evaluate` scores (every one that
+any system of the run ranked or gave a status); each system's numbers are totals over the
+trajectories it addressed divided by their number.
+
+- LLM (`llm_calls`): the rows whose stage is the system, or a system whose lists it fuses in the
+  same run (`INPUT_SYSTEMS`: fusing Direct's list costs Direct's calls). Rows of other trajectories
+  are left out; run-level rows without a trajectory are shared by its patients. A cache hit is a
+  call but not a backend call: no tokens, latency or cost (`models.llm.telemetry.backend_totals`).
+  Cost comes from the price table passed in (null when a backend call's model has no price).
+- Throughput: observed patients/hour from the wall clock of the run's registered
+  `forecast:<system>` rows (summed over fused inputs; it includes fitting and writing); null, with
+  the reason in `clock`, when a row is missing or every LLM call was a cache hit (a replay says
+  nothing about throughput). `patients_per_hour_serial` assumes one backend call at a time.
+- Retrieval (`search_jobs` + `ledger`, `tools.ledger.retrieval_efficiency`): the ledger has no
+  system column, so the run's retrieval is counted for every system in `RETRIEVAL_SYSTEMS` (or
+  fusing one); `efficiency_notes` says when that is ambiguous or when nothing can claim it.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from models.llm.config import ModelPrice
+from models.llm.telemetry import TOKEN_KINDS, backend_totals
+from tools.ledger import retrieval_efficiency
+from warehouse.store import Warehouse, fetch_frame
+
+F1_K = 20
+# Systems whose ranking fuses other systems' lists of the same run (and so costs their work too).
+INPUT_SYSTEMS = {"rrf_prior_direct": ("ehr_prior", "direct")}
+# Systems that search (spec/evaluation.md §2); they write `search_jobs`/`ledger` under the run id.
+RETRIEVAL_SYSTEMS = ("research_path", "rrf", "full", "web_search_standalone", "fixed_pool_ledger")
+RETRIEVAL_COUNTS = ("queries", "retrieval_operations", "source_accesses", "supported_records")
+
+SCHEMA = {
+    "system": pl.String, "patients": pl.Int64, "llm_stages": pl.String, "llm_calls": pl.Int64,
+    "backend_calls": pl.Int64, "cache_hits": pl.Int64, "calls_per_patient": pl.Float64,
+    "backend_calls_per_patient": pl.Float64, **{f"{kind}_per_patient": pl.Float64 for kind in TOKEN_KINDS},
+    "latency_ms_p50": pl.Float64, "latency_ms_total": pl.Float64, "cost_usd": pl.Float64,
+    "cost_per_patient_usd": pl.Float64, "wall_clock_s": pl.Float64, "patients_per_hour": pl.Float64,
+    "clock": pl.String, "patients_per_hour_serial": pl.Float64, "retrieval": pl.Boolean,
+    **{f"{count}_per_patient": pl.Float64 for count in RETRIEVAL_COUNTS}, "micro_f1_at_20": pl.Float64,
+}
+
+
+def footprint(system: str) -> tuple[str, ...]:
+    """The system and, transitively, every system whose lists it fuses.
+
+    >>> footprint("rrf_prior_direct"), footprint("direct")
+    (('rrf_prior_direct', 'ehr_prior', 'direct'), ('direct',))
+    """
+    out = [system]
+    for member in out:  # the list grows while it is walked: a breadth-first closure
+        out += [s for s in INPUT_SYSTEMS.get(member, ()) if s not in out]
+    return tuple(out)
+
+
+def matched_patients(con, run_id: str) -> pl.DataFrame:
+    """(system, trajectory_id): every trajectory each system of the run ranked or gave a status."""
+    return fetch_frame(con, """
+        SELECT DISTINCT system, trajectory_id FROM (
+            SELECT system, trajectory_id FROM rankings WHERE run_id = $run
+            UNION ALL SELECT system, trajectory_id FROM ranking_status WHERE run_id = $run)
+        ORDER BY system, trajectory_id""", {"run": run_id})
+
+
+def _stage_map(systems: list[str]) -> pl.DataFrame:
+    pairs = [(system, stage) for system in systems for stage in footprint(system)]
+    return pl.DataFrame(pairs, schema={"system": pl.String, "stage": pl.String}, orient="row")
+
+
+def llm_part(con, run_id: str, patients: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFrame:
+    """Per system: `backend_totals` of its own and its fused inputs' calls on its matched patients."""
+    calls = fetch_frame(con, "SELECT * FROM llm_calls WHERE run_id = ?", [run_id])
+    mine = _stage_map(patients["system"].unique().to_list()).join(calls, on="stage", how="inner")
+    mine = pl.concat([mine.filter(pl.col("trajectory_id").is_null()),
+                      mine.filter(pl.col("trajectory_id").is_not_null())
+                      .join(patients, on=["system", "trajectory_id"], how="semi")])
+    stages = mine.group_by("system").agg(pl.col("stage").unique().sort().str.join(", ").alias("llm_stages"))
+    return backend_totals(mine, prices, ["system"]).join(stages, on="system")
+
+
+def clock_part(con, run_id: str, counts: pl.DataFrame) -> pl.DataFrame:
+    """Per system: wall-clock seconds of its registered forecast run(s), patients/hour and which clock that was."""
+    runs = fetch_frame(con, "SELECT kind, status, started_at, finished_at FROM runs WHERE run_id = ?", [run_id])
+    seconds = {r["kind"]: (r["finished_at"] - r["started_at"]).total_seconds()
+               for r in runs.iter_rows(named=True) if r["status"] == "finished" and r["finished_at"] is not None}
+    rows = []
+    for system, patients in counts.iter_rows():
+        kinds = [f"forecast:{s}" for s in footprint(system)]
+        missing = [k for k in kinds if k not in seconds]
+        if missing:
+            rows.append((system, None, None, f"n/a: no finished {', '.join(missing)} run registered"))
+            continue
+        total = sum(seconds[k] for k in kinds)
+        label = f"wall clock of {kinds[0]}" if len(kinds) == 1 else f"summed wall clocks of {' + '.join(kinds)}"
+        if total <= 0:
+            rows.append((system, total, None, f"n/a: {label} is {total:.0f} s"))
+        else:
+            rows.append((system, total, patients * 3600 / total, label))
+    return pl.DataFrame(rows, schema={"system": pl.String, "wall_clock_s": pl.Float64,
+                                      "patients_per_hour": pl.Float64, "clock": pl.String}, orient="row")
+
+
+def retrieval_claimers(systems: list[str]) -> list[str]:
+    """The systems that search, or fuse a system that does."""
+    return sorted(s for s in systems if set(footprint(s)) & set(RETRIEVAL_SYSTEMS))
+
+
+def retrieval_part(con, run_id: str, patients: pl.DataFrame) -> pl.DataFrame:
+    """Per system: summed `retrieval_efficiency` counts over its matched patients; zero for non-retrieval systems."""
+    per_trajectory = retrieval_efficiency(con, run_id)
+    claims = patients.filter(pl.col("system").is_in(retrieval_claimers(patients["system"].unique().to_list())))
+    totals = (claims.join(per_trajectory, on="trajectory_id", how="inner").group_by("system")
+              .agg(pl.col(c).sum().cast(pl.Int64) for c in RETRIEVAL_COUNTS))
+    return (pl.DataFrame({"system": claims["system"].unique()}, schema={"system": pl.String})
+            .with_columns(pl.lit(True).alias("retrieval")).join(totals, on="system", how="left"))
+
+
+def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice]) -> pl.DataFrame:
+    """One row per system of the run (sorted by name) with the `SCHEMA` columns; empty for a run without rankings."""
+    con = wh.connect()
+    patients = matched_patients(con, run_id)
+    if patients.is_empty():
+        return pl.DataFrame(schema=SCHEMA)
+    counts = patients.group_by("system").agg(pl.len().cast(pl.Int64).alias("patients")).sort("system")
+    f1 = fetch_frame(con, "SELECT system, value AS micro_f1_at_20 FROM metrics WHERE run_id = ? AND subset = 'all' "
+                          "AND metric = 'micro_f1' AND k = ?", [run_id, F1_K])
+    frame = (counts.join(llm_part(con, run_id, patients, prices), on="system", how="left")
+             .join(clock_part(con, run_id, counts), on="system", how="left")
+             .join(retrieval_part(con, run_id, patients), on="system", how="left")
+             .join(f1, on="system", how="left"))
+
+    def per_patient(column: str) -> pl.Expr:
+        return pl.col(column) / pl.col("patients")
+
+    frame = frame.with_columns(
+        # No row in llm_calls: the system made no calls, so it cost nothing (known zero, not unknown).
+        pl.when(pl.col("llm_calls").is_null()).then(0.0).otherwise(pl.col("cost_usd")).alias("cost_usd"),
+        pl.col("llm_calls", "backend_calls", "cache_hits", *TOKEN_KINDS, *RETRIEVAL_COUNTS).fill_null(0),
+        pl.col("latency_ms_total").fill_null(0.0), pl.col("llm_stages").fill_null(""),
+        pl.col("retrieval").fill_null(False))
+    fully_cached = (pl.col("llm_calls") > 0) & (pl.col("backend_calls") == 0)
+    frame = frame.with_columns(
+        per_patient("llm_calls").alias("calls_per_patient"),
+        per_patient("backend_calls").alias("backend_calls_per_patient"),
+        *(per_patient(kind).alias(f"{kind}_per_patient") for kind in TOKEN_KINDS),
+        *(per_patient(count).alias(f"{count}_per_patient") for count in RETRIEVAL_COUNTS),
+        per_patient("cost_usd").alias("cost_per_patient_usd"),
+        pl.when(fully_cached).then(None).otherwise(pl.col("patients_per_hour")).alias("patients_per_hour"),
+        pl.when(fully_cached).then(pl.format("n/a: all {} LLM calls were cache hits", "llm_calls"))
+        .when(pl.col("cache_hits") > 0)
+        .then(pl.format("{}; {} of {} LLM calls were cache hits", "clock", "cache_hits", "llm_calls"))
+        .otherwise(pl.col("clock")).alias("clock"),
+        pl.when(pl.col("latency_ms_total") > 0).then(pl.col("patients") * 3.6e6 / pl.col("latency_ms_total"))
+        .alias("patients_per_hour_serial"))
+    return frame.select([pl.col(name).cast(dtype) for name, dtype in SCHEMA.items()]).sort("system")
+
+
+def efficiency_notes(wh: Warehouse, run_id: str) -> list[str]:
+    """What the per-system numbers leave out or share: unmatched LLM stages or patients, unclaimed retrieval."""
+    con = wh.connect()
+    patients = matched_patients(con, run_id)
+    systems = sorted(patients["system"].unique().to_list())
+    notes = []
+    calls = fetch_frame(con, "SELECT stage, trajectory_id FROM llm_calls WHERE run_id = ?", [run_id])
+    covered = {stage for system in systems for stage in footprint(system)}
+    stray = calls.filter(~pl.col("stage").is_in(sorted(covered)))
+    if stray.height:
+        notes.append(f"{stray.height} LLM call(s) of stage(s) {', '.join(sorted(set(stray['stage'])))} belong to no "
+                     "system of this run and are not counted.")
+    outside = (calls.filter(pl.col("stage").is_in(sorted(covered)) & pl.col("trajectory_id").is_not_null())
+               .join(patients.select("trajectory_id").unique(), on="trajectory_id", how="anti"))
+    if outside.height:
+        notes.append(f"{outside.height} LLM call(s) name trajectories outside the run's matched set and are not "
+                     "counted.")
+    jobs = fetch_frame(con, "SELECT count(*) AS n FROM search_jobs WHERE run_id = ?", [run_id])["n"].item()
+    if jobs and not retrieval_claimers(systems):
+        notes.append(f"{jobs} search job(s) under this run belong to no retrieval system of the run "
+                     f"({', '.join(RETRIEVAL_SYSTEMS)}) and are not counted.")
+    own = [s for s in systems if s in RETRIEVAL_SYSTEMS]
+    if jobs and len(own) > 1:
+        notes.append("The ledger has no system column: the run's whole retrieval is counted for each of "
+                     f"{', '.join(own)}.")
+    return notes

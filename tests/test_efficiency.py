@@ -1,0 +1,212 @@
+"""Efficiency telemetry (spec/evaluation.md §6) on a tiny hand-written run: exact per-patient values."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import polars as pl
+import pytest
+
+from models.llm.config import ModelPrice
+from tasks.efficiency import efficiency_notes, run_efficiency
+from tasks.evaluate import evaluate_run
+from tasks.report import build_report, render_report, to_markdown
+from test_metrics import A, B, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
+from tools.ledger import Ledger
+from warehouse.runs import record_run
+from warehouse.schemas import TABLES
+from warehouse.store import Warehouse
+
+PRICES = {"m": ModelPrice(input=2.0, cached_input=0.5, output=10.0)}
+START = datetime(2026, 1, 1)
+SYSTEMS = ["direct", "ehr_prior", "global_frequency", "rrf_prior_direct"]
+# Every list is shorter than 20 and says so, so the run is evaluable at K = 20 with Σ|Y| = 6, n = 3:
+# micro-F1@20 = 2h / (3·20 + 6). direct hits A, B (T1), D (T2), E (T3): h = 4; global_frequency hits A in T2: h = 1.
+RANKINGS = {"direct": {T1: [A, B], T2: [D], T3: [E]}, "global_frequency": {T1: [X], T2: [A], T3: [X]},
+            "ehr_prior": {T1: [A], T2: [X], T3: [X]}, "rrf_prior_direct": {T1: [A, B], T2: [D, X], T3: [E, X]}}
+STATUS = {(system, t): "short" for system in RANKINGS for t in (T1, T2, T3)}
+WALL_SECONDS = {"direct": 90, "global_frequency": 9, "ehr_prior": 30, "rrf_prior_direct": 6}
+
+
+def calls_frame(run_id: str, rows: list[tuple]) -> pl.DataFrame:
+    """llm_calls rows from (stage, trajectory, tokens in, cached in, out, reasoning, latency ms, cache hit)."""
+    schema = pl.from_arrow(TABLES["llm_calls"].schema.empty_table()).schema
+    return pl.DataFrame([{"call_id": f"c{i}", "run_id": run_id, "stage": r[0], "trajectory_id": r[1],
+                          "backend": "openai", "model": "m", "prompt_version": "direct_forecast/1",
+                          "tokens_in": r[2], "tokens_cached_in": r[3], "tokens_out": r[4], "tokens_reasoning": r[5],
+                          "latency_ms": r[6], "cache_hit": r[7], "status": "ok", "error": None, "truncated_chars": 0}
+                         for i, r in enumerate(rows)], schema=schema)
+
+
+DIRECT_CALLS = [
+    ("direct", T1, 1000, 400, 200, 50, 1000.0, False),
+    ("direct", T1, 1200, 1000, 100, 0, 3000.0, False),   # a re-ask of T1
+    ("direct", T2, 0, 0, 0, 0, 0.5, True),               # a cache hit: a call, but no backend request
+    ("direct", T3, 800, 0, 300, 20, 2000.0, False),
+    ("direct", "c1:9:90", 500, 0, 50, 0, 700.0, False),  # not a trajectory of this run
+    ("unit", T1, 10, 0, 1, 0, 5.0, False),                # a stage that is no system of the run
+]
+
+
+def write_run(wh: Warehouse, run_id: str, calls: list[tuple]) -> None:
+    write_rankings(wh, run_id, rankings=RANKINGS, status=STATUS)
+    for system, seconds in WALL_SECONDS.items():
+        record_run(wh, run_id, COHORT, f"forecast:{system}", {"system": system}, "finished", START,
+                   START + timedelta(seconds=seconds))
+    frame = calls_frame(run_id, calls)
+    for (stage,), part in frame.group_by("stage"):
+        wh.write("llm_calls", part, run_id=run_id, stage=stage, shard=0)
+
+
+@pytest.fixture
+def run(tmp_path) -> Warehouse:
+    wh = Warehouse(tmp_path / "wh")
+    write_cohort(wh)
+    write_run(wh, "e1", DIRECT_CALLS)
+    evaluate_run(wh, "e1", ks=(20,), n_boot=0, natural=False)
+    return wh
+
+
+def by_system(frame: pl.DataFrame) -> dict[str, dict]:
+    return {r["system"]: r for r in frame.iter_rows(named=True)}
+
+
+def test_llm_numbers_per_patient_with_cached_and_uncached_input_prices(run):
+    rows = by_system(run_efficiency(run, "e1", PRICES))
+    assert sorted(rows) == SYSTEMS
+    direct = rows["direct"]
+    # Matched patients T1..T3: four calls (the c1:9:90 and `unit` calls are not this system's).
+    assert (direct["patients"], direct["llm_calls"], direct["backend_calls"], direct["cache_hits"]) == (3, 4, 3, 1)
+    assert direct["calls_per_patient"] == pytest.approx(4 / 3)
+    assert direct["backend_calls_per_patient"] == 1.0
+    assert direct["tokens_in_per_patient"] == 1000.0                   # (1000 + 1200 + 800) / 3
+    assert direct["tokens_cached_in_per_patient"] == pytest.approx(1400 / 3)
+    assert direct["tokens_out_per_patient"] == 200.0                   # (200 + 100 + 300) / 3
+    assert direct["tokens_reasoning_per_patient"] == pytest.approx(70 / 3)
+    # Uncached input at $2/M, cached at $0.5/M, output at $10/M:
+    # (600·2 + 400·0.5 + 200·10) + (200·2 + 1000·0.5 + 100·10) + (800·2 + 300·10)
+    # = 3400 + 1900 + 4600 micro-dollars.
+    assert direct["cost_usd"] == pytest.approx(9900e-6)
+    assert direct["cost_per_patient_usd"] == pytest.approx(3300e-6)
+    # Backend latency only: the cache hit's 0.5 ms file read is not a backend call.
+    assert (direct["latency_ms_p50"], direct["latency_ms_total"]) == (2000.0, 6000.0)
+    assert direct["patients_per_hour_serial"] == pytest.approx(3 * 3600 / 6)
+    assert direct["wall_clock_s"] == 90.0 and direct["patients_per_hour"] == pytest.approx(3 * 3600 / 90)
+    assert direct["clock"] == "wall clock of forecast:direct; 1 of 4 LLM calls were cache hits"
+    assert direct["micro_f1_at_20"] == pytest.approx(8 / 66)
+    assert direct["llm_stages"] == "direct" and direct["retrieval"] is False
+
+
+def test_systems_without_calls_cost_zero_and_fusion_counts_its_inputs(run):
+    rows = by_system(run_efficiency(run, "e1", PRICES))
+    baseline = rows["global_frequency"]
+    assert (baseline["llm_calls"], baseline["calls_per_patient"], baseline["cost_per_patient_usd"]) == (0, 0.0, 0.0)
+    assert (baseline["latency_ms_p50"], baseline["patients_per_hour_serial"]) == (None, None)
+    assert baseline["patients_per_hour"] == pytest.approx(3 * 3600 / 9)
+    assert baseline["micro_f1_at_20"] == pytest.approx(2 / 66)
+    assert baseline["queries_per_patient"] == 0.0
+    # Union + RRF fuses ehr_prior's and direct's lists: it costs direct's calls and all three clocks.
+    fused = rows["rrf_prior_direct"]
+    assert (fused["llm_stages"], fused["llm_calls"], fused["cost_per_patient_usd"]) == (
+        "direct", 4, pytest.approx(3300e-6))
+    assert fused["wall_clock_s"] == 6 + 30 + 90
+    assert fused["patients_per_hour"] == pytest.approx(3 * 3600 / 126)
+    assert fused["clock"].startswith("summed wall clocks of forecast:rrf_prior_direct + forecast:ehr_prior + "
+                                     "forecast:direct")
+    assert efficiency_notes(run, "e1") == [
+        "1 LLM call(s) of stage(s) unit belong to no system of this run and are not counted.",
+        "1 LLM call(s) name trajectories outside the run's matched set and are not counted."]
+
+
+def test_unknown_price_is_not_zero(run):
+    rows = by_system(run_efficiency(run, "e1", {}))
+    assert rows["direct"]["cost_usd"] is None and rows["direct"]["cost_per_patient_usd"] is None
+    assert rows["global_frequency"]["cost_per_patient_usd"] == 0.0      # no calls: a known zero
+    other = {"other-model": ModelPrice(input=1.0)}
+    assert by_system(run_efficiency(run, "e1", other))["direct"]["cost_per_patient_usd"] is None
+
+
+def test_fully_cached_rerun_has_no_backend_calls_and_no_throughput(run):
+    cached = [(stage, t, 0, 0, 0, 0, 0.4, True) for stage, t, *_ in DIRECT_CALLS[:4]]
+    write_run(run, "e2", cached)
+    direct = by_system(run_efficiency(run, "e2", {}))["direct"]
+    assert (direct["llm_calls"], direct["backend_calls"], direct["cache_hits"]) == (4, 0, 4)
+    assert direct["tokens_in_per_patient"] == 0.0 and direct["latency_ms_total"] == 0.0
+    # Nothing was sent, so nothing was spent, even for a model without a price.
+    assert direct["cost_per_patient_usd"] == 0.0
+    assert (direct["patients_per_hour"], direct["patients_per_hour_serial"]) == (None, None)
+    assert direct["clock"] == "n/a: all 4 LLM calls were cache hits"
+
+
+def test_missing_or_unfinished_run_record_gives_no_clock(run):
+    record_run(run, "e1", COHORT, "forecast:ehr_prior", {}, "running", START)
+    rows = by_system(run_efficiency(run, "e1", PRICES))
+    assert rows["ehr_prior"]["patients_per_hour"] is None
+    assert rows["ehr_prior"]["clock"] == "n/a: no finished forecast:ehr_prior run registered"
+    assert rows["rrf_prior_direct"]["clock"].startswith("n/a: no finished forecast:ehr_prior run registered")
+    assert rows["direct"]["patients_per_hour"] == pytest.approx(120.0)
+
+
+def write_retrieval(wh: Warehouse, run_id: str) -> None:
+    """Real ledger writes: T1 two queries over three (job, engine) operations, T2 one, T3 none."""
+    ledger = Ledger(run_id, 0, wh)
+    terms = {"temporal_class": "chronic", "iteration": 1}
+    kidney = ledger.job(trajectory_id=T1, code=A, query="chronic kidney disease dialysis", purpose="validation",
+                        entity_terms=["kidney disease"], endpoint_terms=["dialysis"], **terms)
+    ledger.record(kidney, engine="pmc", state="readable", excerpt="Chronic kidney disease often leads to dialysis.")
+    ledger.record(kidney, engine="web", state="no_result")
+    heart = ledger.job(trajectory_id=T1, code=B, query="heart failure readmission", purpose="discovery", **terms)
+    ledger.record(heart, engine="pmc", state="unreadable", detail="empty page")
+    other = ledger.job(trajectory_id=T2, code=D, query="chronic kidney disease dialysis", purpose="validation",
+                       entity_terms=["kidney disease"], endpoint_terms=["dialysis"], **terms)
+    ledger.record(other, engine="pmc", state="readable", excerpt="An unrelated passage about fractures.")
+    ledger.flush()
+
+
+def test_retrieval_counts_from_ledger_writes(run):
+    research = {"research_path": RANKINGS["direct"], "full": RANKINGS["direct"],
+                "global_frequency": RANKINGS["global_frequency"]}
+    write_rankings(run, "e3", rankings=research, status={(s, t): "short" for s in research for t in (T1, T2, T3)})
+    write_retrieval(run, "e3")
+    rows = by_system(run_efficiency(run, "e3", PRICES))
+    for system in ("research_path", "full"):
+        r = rows[system]
+        assert r["retrieval"] is True
+        assert r["queries_per_patient"] == 1.0                         # (2 + 1 + 0) / 3
+        assert r["retrieval_operations_per_patient"] == pytest.approx(4 / 3)   # pmc+web, pmc | pmc | none
+        assert r["source_accesses_per_patient"] == 1.0                 # supported + unreadable | unsupported
+        assert r["supported_records_per_patient"] == pytest.approx(1 / 3)
+        assert r["micro_f1_at_20"] is None                             # e3 was never evaluated
+    assert rows["global_frequency"]["queries_per_patient"] == 0.0 and rows["global_frequency"]["retrieval"] is False
+    assert efficiency_notes(run, "e3") == [
+        "The ledger has no system column: the run's whole retrieval is counted for each of full, research_path."]
+    # Retrieval under a run whose systems do not search is reported as unclaimed, not silently dropped.
+    write_retrieval(run, "e1")
+    assert by_system(run_efficiency(run, "e1", PRICES))["direct"]["queries_per_patient"] == 0.0
+    assert efficiency_notes(run, "e1")[-1] == ("3 search job(s) under this run belong to no retrieval system of the "
+                                              "run (research_path, rrf, full, web_search_standalone, "
+                                              "fixed_pool_ledger) and are not counted.")
+
+
+def test_report_has_the_efficiency_section(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout: prices come only from the file named below
+    config = tmp_path / "priced.toml"
+    config.write_text('[llm.prices.m]\ninput = 2.0\ncached_input = 0.5\noutput = 10.0\n')
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    render_report(run, "e1", tmp_path / "out")
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "## Efficiency (per patient, same patients)" in markdown
+    assert ("| system | patients | micro-F1@20 | LLM calls/pt | backend calls/pt | cache hits | cost/pt (USD) | "
+            "patients/h | clock |") in markdown
+    assert ("| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | 0.003300 | 120 | wall clock of forecast:direct; 1 of 4 LLM "
+            "calls were cache hits |") in markdown
+    assert ("| global_frequency | 3 | 0.030 | 0.00 | 0.00 | 0 | 0.000000 | 1,200 | "
+            "wall clock of forecast:global_frequency |") in markdown
+    assert "| direct | direct | 1000.0 | 466.7 | 200.0 | 23.3 | 2000 | 6.0 | 1,800 |" in markdown
+    assert "No retrieval in this run" in markdown
+    assert "Not counted above: 1 LLM call(s) of stage(s) unit belong to no system" in markdown
+    assert "Efficiency" in (tmp_path / "out" / "report.html").read_text()
+
+    monkeypatch.delenv("DXR_CONFIG")
+    unpriced = to_markdown(build_report(run, "e1"))
+    assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a | 120 |" in unpriced
