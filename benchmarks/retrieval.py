@@ -1,11 +1,22 @@
-"""Retrieval benchmark: BM25 vs dense vs hybrid (RRF) on PubMedQA and MedQuAD.
+"""Retrieval benchmark: BM25 vs dense vs hybrid fusion on PubMedQA and MedQuAD, dev/test protocol.
 
 PubMedQA (`ori_pqal.json`): the 1,000 abstracts are indexed (questions are not); each question must
 retrieve its own abstract. MedQuAD: only the answers are indexed (never the question strings or the
 focus titles); each question must retrieve its own document. Metrics: R@1, R@5, R@10, MRR (over the
-top 100 documents), p50/p95 query latency (query embedding and passage extraction included).
-The latency target is measured on the combined MedQuAD + PubMedQA index plus a lexical ICD lookup
-per query. Embeddings are computed once and cached with the indexes (a rerun re-embeds nothing).
+top 100 documents).
+
+Protocol: every question goes to the dev or the test half by a stable hash of its gold document id
+(all questions about one document land in the same half). The fusion (family and dense share) is
+chosen on the dev halves of BOTH benchmarks jointly from the fixed grid `GRID`, by the target itself:
+the largest mean (over the two benchmarks) of hybrid R@10 minus the better single retriever's R@10,
+ties to the larger mean MRR. The product default (`tools.index.DEFAULT_FUSION`, `DEFAULT_DENSE_SHARE`)
+is reported on the test halves and on the full sets, and the script says whether the dev choice
+equals it. Retrieval runs once per question; every fusion ranks those same two lists with the
+product's `rank_documents` (the first questions are cross-checked against `CorpusIndex.search`).
+
+Latency (the target): p50/p95 of `CorpusIndex.search` end to end (query embedding, both retrievers,
+fusion, focused passages for the top 10) on one index over MedQuAD + PubMedQA chunks, plus a BM25
+lookup in the lexical ICD index per query. Embeddings are computed once and cached with the indexes.
 
     python benchmarks/retrieval.py [--max-queries N] [--out benchmarks/results/retrieval.json]
 """
@@ -13,6 +24,7 @@ per query. Embeddings are computed once and cached with the indexes (a rerun re-
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -28,12 +40,22 @@ from tools.corpus.documents import dedupe  # noqa: E402
 from tools.corpus.json_sources import read_medquad, read_pubmedqa  # noqa: E402
 from tools.dictionary import icd_documents, load_vocabulary  # noqa: E402
 from tools.embeddings import make_embedder  # noqa: E402
-from tools.index import MODES, CorpusIndex, build_index, chunk_frame  # noqa: E402
+from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build_index, chunk_frame,  # noqa: E402
+                         rank_documents)
 
 DATA = ROOT.parent / "shared" / "data" / "corpora"
 PUBMEDQA = DATA / "pubmedqa" / "ori_pqal.json"
 MEDQUAD = DATA / "medquad" / "medquad_docs_with_answers.json.gz"
 DEPTH = 100
+# Dense share of the fusion weight; 0.5 weighs both retrievers alike (plain RRF for `rrf`).
+SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+GRID = [(fusion, share) for fusion in ("zscore", "minmax", "rrf") for share in SHARES]
+CROSS_CHECKED = 50
+
+
+def split_of(gold_doc_id: str) -> str:
+    """dev or test by the first byte of sha256(gold document id): stable across runs and machines."""
+    return "dev" if hashlib.sha256(gold_doc_id.encode()).digest()[0] % 2 == 0 else "test"
 
 
 def pubmedqa_task():
@@ -58,17 +80,64 @@ def medquad_task():
     return kept, queries
 
 
-def evaluate(index: CorpusIndex, queries, mode: str, extra=None, dense_weight: float = 1.0) -> dict:
+def retrieve_all(index: CorpusIndex, queries, name: str) -> list[tuple[str, dict, dict]]:
+    """(gold, lexical, dense) per question: both retrievers' document lists, retrieved once."""
+    retrieved = []
+    for i, (question, gold) in enumerate(queries, 1):
+        lexical, dense = index.retrieve(question, "hybrid", DEPTH)
+        retrieved.append((gold, lexical, dense))
+        if i <= CROSS_CHECKED:
+            searched = [h.doc_id for h in index.search(question, k=DEPTH, depth=DEPTH, with_passages=False)]
+            offline = [doc for doc, _ in rank_documents(lexical, dense)][:DEPTH]
+            assert searched == offline, f"{name} question {i}: search() and rank_documents() disagree"
+        if i % 2000 == 0:
+            print(f"[{name}] retrieved {i}/{len(queries)}", flush=True)
+    return retrieved
+
+
+def quality(retrieved, mode: str, fusion: str = DEFAULT_FUSION, dense_share: float = DEFAULT_DENSE_SHARE,
+            split: str | None = None) -> dict:
+    ranks = []
+    for gold, lexical, dense in retrieved:
+        if split and split_of(gold) != split:
+            continue
+        ranked = [doc for doc, _ in rank_documents(lexical, dense, mode, fusion, dense_share)][:DEPTH]
+        ranks.append(ranked.index(gold) + 1 if gold in ranked else None)
+    n = len(ranks)
+    return {
+        "n_queries": n,
+        **{f"R@{k}": round(sum(1 for r in ranks if r and r <= k) / n, 4) for k in (1, 5, 10)},
+        "MRR": round(sum(1 / r for r in ranks if r) / n, 4),
+    }
+
+
+def select_on_dev(retrieved_by_benchmark: dict) -> tuple[list[dict], dict]:
+    """Every grid setting on the dev halves; the chosen one by the target (see the module doc)."""
+    best_single = {name: max(quality(r, mode, split="dev")["R@10"] for mode in ("bm25", "dense"))
+                   for name, r in retrieved_by_benchmark.items()}
+    rows = []
+    for fusion, share in GRID:
+        dev = {name: quality(r, "hybrid", fusion, share, split="dev") for name, r in retrieved_by_benchmark.items()}
+        margins = {name: round(dev[name]["R@10"] - best_single[name], 4) for name in dev}
+        rows.append({"fusion": fusion, "dense_share": share, "dev": dev, "dev_R@10_margin": margins,
+                     "mean_margin": sum(margins.values()) / len(margins),
+                     "mean_MRR": sum(d["MRR"] for d in dev.values()) / len(dev)})
+        print(f"[dev] {fusion:<6} share {share:.1f}: " + ", ".join(
+            f"{name} R@10 {dev[name]['R@10']:.4f} (margin {margins[name]:+.4f}) MRR {dev[name]['MRR']:.4f}"
+            for name in dev), flush=True)
+    chosen = max(rows, key=lambda row: (round(row["mean_margin"], 6), round(row["mean_MRR"], 6)))
+    return rows, {"fusion": chosen["fusion"], "dense_share": chosen["dense_share"]}
+
+
+def latency(index: CorpusIndex, queries, mode: str, extra) -> dict:
     ranks, latencies = [], []
     for question, gold in queries:
         started = time.perf_counter()
-        hits = index.search(question, k=DEPTH, mode=mode, depth=DEPTH, with_passages=False,
-                            dense_weight=dense_weight)
+        hits = index.search(question, k=DEPTH, mode=mode, depth=DEPTH, with_passages=False)
         # Agents get passages for the top 10 only; count that work in the latency.
         for hit in hits[:10]:
             index.passage(question, hit)
-        if extra is not None:
-            extra(question)
+        extra(question)
         latencies.append((time.perf_counter() - started) * 1000)
         ranks.append(next((h.rank for h in hits if h.doc_id == gold), None))
     n = len(ranks)
@@ -86,26 +155,41 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "retrieval.json")
     parser.add_argument("--index-dir", type=Path, default=ROOT / "benchmarks" / "results" / "indexes")
     parser.add_argument("--max-queries", type=int, default=None, help="evaluate the first N questions per benchmark")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of bm25,dense,hybrid")
-    parser.add_argument("--dense-weight", type=float, default=1.0, help="weight of the dense ranking in RRF")
     args = parser.parse_args()
     if not PUBMEDQA.exists() or not MEDQUAD.exists():
         sys.exit(f"benchmark data not found under {DATA}")
     embedder = make_embedder()
-    modes = [m for m in args.modes.split(",") if m]
-    results = {"embedder": embedder.name, "dense_weight": args.dense_weight, "benchmarks": {}, "indexes": {}}
+    default = {"fusion": DEFAULT_FUSION, "dense_share": DEFAULT_DENSE_SHARE}
+    results = {"embedder": embedder.name, "product_default": default, "benchmarks": {}, "indexes": {},
+               "load_average": {"start": os.getloadavg()}}
     tasks = {"pubmedqa": pubmedqa_task(), "medquad": medquad_task()}
+    retrieved = {}
     for name, (documents, queries) in tasks.items():
         directory = args.index_dir / name
         print(f"[{name}] {len(documents)} documents, {len(queries)} questions; building index ...", flush=True)
-        manifest = build_index(chunk_frame(documents), directory, embedder, index_titles=False, name=name)
-        results["indexes"][name] = manifest
-        index = CorpusIndex(directory, embedder)
+        results["indexes"][name] = build_index(chunk_frame(documents), directory, embedder, index_titles=False,
+                                               name=name)
         chosen = queries[: args.max_queries] if args.max_queries else queries
-        results["benchmarks"][name] = {}
-        for mode in modes:
-            results["benchmarks"][name][mode] = evaluate(index, chosen, mode, dense_weight=args.dense_weight)
-            print(f"[{name}] {mode}: {results['benchmarks'][name][mode]}", flush=True)
+        retrieved[name] = retrieve_all(CorpusIndex(directory, embedder), chosen, name)
+        if {split_of(gold) for _, gold in chosen} != {"dev", "test"}:
+            sys.exit(f"the first {len(chosen)} {name} questions leave its dev or test half empty: "
+                     "raise --max-queries")
+
+    grid, selected = select_on_dev(retrieved)
+    results["selection"] = {"grid": grid, "chosen_on_dev": selected, "equals_product_default": selected == default}
+    print(f"[dev] chosen: {selected}; product default: {default}", flush=True)
+    reported = {"bm25": ("bm25", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
+                "dense": ("dense", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
+                f"hybrid {DEFAULT_FUSION} {DEFAULT_DENSE_SHARE}": ("hybrid", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
+                "hybrid rrf 0.5 (previous default)": ("hybrid", "rrf", 0.5)}
+    if selected != default:
+        reported[f"hybrid {selected['fusion']} {selected['dense_share']} (dev choice)"] = (
+            "hybrid", selected["fusion"], selected["dense_share"])
+    for name, r in retrieved.items():
+        results["benchmarks"][name] = {
+            split: {label: quality(r, mode, fusion, share, split=None if split == "full" else split)
+                    for label, (mode, fusion, share) in reported.items()}
+            for split in ("dev", "test", "full")}
 
     print("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...", flush=True)
     combined_docs = tasks["medquad"][0] + tasks["pubmedqa"][0]
@@ -117,22 +201,33 @@ def main() -> None:
     results["indexes"]["icd"] = build_index(chunk_frame(icd_documents(*load_vocabulary())), icd_dir, None, name="icd")
     combined, icd = CorpusIndex(combined_dir, embedder), CorpusIndex(icd_dir)
     sample = [q for name in tasks for q in tasks[name][1][:500]]
+    results["load_average"]["before_latency"] = os.getloadavg()
     results["combined_latency"] = {
-        mode: evaluate(combined, sample, mode, extra=lambda q: icd.search(q, k=5, mode="bm25"),
-                       dense_weight=args.dense_weight) for mode in modes}
+        mode: latency(combined, sample, mode, extra=lambda q: icd.search(q, k=5, mode="bm25"))
+        for mode in ("bm25", "dense", "hybrid")}
+    results["load_average"]["end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print_table(results)
+    print_tables(results)
     print(f"\nwrote {args.out}")
 
 
-def print_table(results: dict) -> None:
-    print(f"\n{'benchmark':<10} {'mode':<7} {'n':>6} {'R@1':>6} {'R@5':>6} {'R@10':>6} {'MRR':>6} {'p50 ms':>7} {'p95 ms':>7}")
-    rows = [(b, m, r) for b, by_mode in results["benchmarks"].items() for m, r in by_mode.items()]
-    rows += [("combined", m, r) for m, r in results["combined_latency"].items()]
-    for bench, mode, r in rows:
-        print(f"{bench:<10} {mode:<7} {r['n_queries']:>6} {r['R@1']:>6.3f} {r['R@5']:>6.3f} {r['R@10']:>6.3f} "
-              f"{r['MRR']:>6.3f} {r['p50_ms']:>7.1f} {r['p95_ms']:>7.1f}")
+def print_tables(results: dict) -> None:
+    chosen = results["selection"]["chosen_on_dev"]
+    print(f"\nchosen on dev: {chosen['fusion']} dense share {chosen['dense_share']} "
+          f"(product default {results['product_default']}, equal: {results['selection']['equals_product_default']})")
+    print(f"\n{'benchmark':<9} {'split':<5} {'method':<34} {'n':>6} {'R@1':>6} {'R@5':>6} {'R@10':>6} {'MRR':>6}")
+    for bench, by_split in results["benchmarks"].items():
+        for split, by_method in by_split.items():
+            for method, r in by_method.items():
+                print(f"{bench:<9} {split:<5} {method:<34} {r['n_queries']:>6} {r['R@1']:>6.3f} {r['R@5']:>6.3f} "
+                      f"{r['R@10']:>6.3f} {r['MRR']:>6.3f}")
+    print(f"\ncombined + ICD lookup (load average before/after {results['load_average']['before_latency'][0]:.1f}"
+          f"/{results['load_average']['end'][0]:.1f})")
+    print(f"{'mode':<7} {'n':>6} {'R@1':>6} {'R@10':>6} {'MRR':>6} {'p50 ms':>7} {'p95 ms':>7}")
+    for mode, r in results["combined_latency"].items():
+        print(f"{mode:<7} {r['n_queries']:>6} {r['R@1']:>6.3f} {r['R@10']:>6.3f} {r['MRR']:>6.3f} "
+              f"{r['p50_ms']:>7.1f} {r['p95_ms']:>7.1f}")
     print(f"\n{'index':<10} {'docs':>7} {'chunks':>7} {'embedded':>8} {'build s':>8} {'MB':>7}")
     for name, m in results["indexes"].items():
         print(f"{name:<10} {m['n_documents']:>7} {m['n_chunks']:>7} {m['embedded']:>8} {m['build_seconds']:>8.1f} "

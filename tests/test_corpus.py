@@ -16,7 +16,8 @@ from tools.corpus.documents import Document, chunk_document, dedupe, normalize_u
 from tools.corpus.json_sources import read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
 from tools.dictionary import Dictionary, icd_documents
-from tools.index import CorpusIndex, build_index, chunk_frame, reciprocal_rank_fusion
+from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build_index, chunk_frame, fuse_documents,
+                         minmax_normalize, rank_documents, reciprocal_rank_fusion, score_fusion, zscore_normalize)
 from tools.passages import focused_passage
 
 
@@ -148,6 +149,52 @@ def test_rrf_is_exact():
     assert fused == [("a", 1 / 61 + 1 / 62), ("c", 1 / 63 + 1 / 61), ("b", 1 / 62)]
 
 
+def test_normalizers_by_hand_and_degenerate_lists():
+    assert zscore_normalize({"a": 3.0, "b": 1.0}) == {"a": 1.0, "b": -1.0}
+    z = zscore_normalize({"c": 0.8, "a": 0.6, "d": 0.4})  # mean 0.6, population std 0.2 * sqrt(2/3)
+    assert z == {"c": pytest.approx(1.5 ** 0.5), "a": pytest.approx(0.0), "d": pytest.approx(-(1.5 ** 0.5))}
+    assert minmax_normalize({"a": 3.0, "b": 2.0, "c": 1.0}) == {"a": 1.0, "b": 0.5, "c": 0.0}
+    for normalize in (zscore_normalize, minmax_normalize):
+        assert normalize({}) == {}
+        assert normalize({"only": 7.5}) == {"only": 0.0}
+        assert normalize({"x": 2.0, "y": 2.0, "z": 2.0}) == {"x": 0.0, "y": 0.0, "z": 0.0}  # no order to keep
+
+
+def test_score_fusion_by_hand():
+    # z: lexical a=+1, b=-1; dense c=+sqrt(1.5), a=0, d=-sqrt(1.5); a missing list scores at its floor.
+    fused = score_fusion({"a": 3.0, "b": 1.0}, {"c": 0.8, "a": 0.6, "d": 0.4}, dense_share=0.5)
+    root = 1.5 ** 0.5
+    assert [doc for doc, _ in fused] == ["a", "c", "b", "d"]  # b and d tie: lexical list first
+    assert [score for _, score in fused] == pytest.approx([0.5, -0.5 + 0.5 * root, -0.5 - 0.5 * root,
+                                                           -0.5 - 0.5 * root])
+    # min-max: lexical a=1, b=0; dense b=1, c=0; a quarter of the weight on dense.
+    assert score_fusion({"a": 10.0, "b": 0.0}, {"b": 0.9, "c": 0.5}, 0.25, minmax_normalize) == [
+        ("a", 0.75), ("b", 0.25), ("c", 0.0)]
+    assert score_fusion({}, {}, 0.7) == []
+    only_dense = score_fusion({}, {"x": 0.9, "y": 0.1}, 0.7)
+    assert [doc for doc, _ in only_dense] == ["x", "y"] and only_dense[0][1] == pytest.approx(0.7)
+    assert [doc for doc, _ in score_fusion({"a": 1.0}, {"b": 0.5}, 0.7)] == ["a", "b"]  # all zero: first seen
+
+
+def test_fuse_documents_rrf_share_and_bad_settings():
+    lexical, dense = {"a": 9.0, "b": 5.0}, {"b": 0.7, "c": 0.6}
+    assert fuse_documents(lexical, dense, "rrf", 0.5) == [("b", 0.5 / 62 + 0.5 / 61), ("a", 0.5 / 61),
+                                                         ("c", 0.5 / 62)]
+    assert [doc for doc, _ in fuse_documents(lexical, dense, "rrf", 0.0)] == ["a", "b", "c"]  # lexical order
+    with pytest.raises(InputError, match="unknown fusion 'mean'; choose one of zscore, minmax, rrf"):
+        fuse_documents(lexical, dense, "mean")
+    with pytest.raises(InputError, match=r"dense_share 2.0 is outside \[0, 1\]"):
+        fuse_documents(lexical, dense, "zscore", 2.0)
+
+
+def test_rank_documents_single_modes_keep_native_scores():
+    lexical, dense = {"a": (0, 12.5), "b": (3, 4.0)}, {"b": (2, 0.61), "c": (5, 0.40)}
+    assert rank_documents(lexical, dense, "bm25") == [("a", 12.5), ("b", 4.0)]
+    assert rank_documents(lexical, dense, "dense") == [("b", 0.61), ("c", 0.40)]
+    assert rank_documents(lexical, dense) == fuse_documents({"a": 12.5, "b": 4.0}, {"b": 0.61, "c": 0.40},
+                                                            DEFAULT_FUSION, DEFAULT_DENSE_SHARE)
+
+
 def test_bm25_dense_hybrid_and_embedding_cache(tmp_path, embedder):
     frame = chunk_frame(TINY)
     first = build_index(frame, tmp_path / "idx", embedder)
@@ -160,6 +207,12 @@ def test_bm25_dense_hybrid_and_embedding_cache(tmp_path, embedder):
         assert hits[0].doc_id == "tiny:ckd", mode
     hybrid = index.search("recurrence after ablation", k=4)
     assert hybrid[0].doc_id == "tiny:af" and hybrid[0].bm25_rank == 1 and hybrid[0].dense_rank == 1
+    lexical, dense = index.retrieve("recurrence after ablation")
+    assert [(h.doc_id, h.score) for h in hybrid] == rank_documents(lexical, dense)[:4]
+    assert [h.score for h in index.search("recurrence after ablation", k=4, mode="bm25")] == [
+        score for _, score in lexical.values()][:4]
+    rrf = index.search("recurrence after ablation", k=4, fusion="rrf", dense_share=0.5)
+    assert rrf[0].score == pytest.approx(0.5 / 61 + 0.5 / 61)
     assert hybrid[0].passage == "Atrial fibrillation recurs after catheter ablation in a third of patients."
     assert index.search("zzzz qqqq", k=3, mode="bm25") == []
     assert index.resolve(pmcid="PMC999") is None
@@ -244,6 +297,8 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics congestion", "-k", "1"])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[0].split()[2:] == ["tiny:hf", "Heart", "failure"]
+    result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics", "--fusion", "rrf", "--dense-share", "2"])
+    assert result.exit_code == 2 and "2.0 is not in the range 0<=x<=1" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "missing.jsonl")])
     assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "medline"])
@@ -278,3 +333,10 @@ def test_cli_icd_dictionary_from_the_vocabulary_tables(tmp_path):
     assert result.exit_code == 0 and "icd: 3 documents, 6 chunks, 0 embedded" in result.stdout, result.output
     result = runner.invoke(main, [*data, "corpus", "search", "--name", "icd", "diabetes type II", "-k", "1"])
     assert result.stdout.splitlines()[0].split()[2:4] == ["icd9:250.00", "250.00"], result.output
+
+
+def test_cli_search_defaults_are_the_index_defaults():
+    from dxr.cli.corpus import search_command
+
+    defaults = {param.name: param.default for param in search_command.params}
+    assert (defaults["fusion"], defaults["dense_share"]) == (DEFAULT_FUSION, DEFAULT_DENSE_SHARE)

@@ -1,4 +1,4 @@
-"""The local literature index: tantivy BM25 + faiss dense vectors over chunks, fused by RRF.
+"""The local literature index: tantivy BM25 + faiss dense vectors over chunks, fused by score.
 
 An index is a directory:
   manifest.json       what was built (corpora, counts, embedder, build seconds)
@@ -8,9 +8,10 @@ An index is a directory:
   embeddings.npy      the vectors, reused by the next build for unchanged chunk texts
 
 Search works on chunks and answers with documents: each retriever's chunk ranking is collapsed
-to a document ranking (best chunk per document), the document rankings are fused by reciprocal
-rank fusion, and each hit carries a query-focused passage from its best chunk and that chunk's
-neighbours in the same section (parent expansion).
+to a document ranking (best chunk per document, scored by that chunk), the two document lists are
+fused (default: a convex combination of per-query z-scored BM25 and cosine scores; reciprocal rank
+fusion and min-max normalization are the alternatives), and each hit carries a query-focused
+passage from its best chunk and that chunk's neighbours in the same section (parent expansion).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ RRF_K = 60
 # Each retriever contributes this many chunks before collapsing to documents and fusing.
 DEFAULT_DEPTH = 100
 MODES = ("bm25", "dense", "hybrid")
+FUSIONS = ("zscore", "minmax", "rrf")
+# Chosen on the dev halves of the PubMedQA and MedQuAD questions jointly (one setting for both;
+# the reported test halves never took part): benchmarks/retrieval.py, docs/tools.md.
+DEFAULT_FUSION = "zscore"
+DEFAULT_DENSE_SHARE = 0.7
 
 CHUNK_COLUMNS = {
     "chunk_id": pl.String, "doc_id": pl.String, "corpus": pl.String, "engine": pl.String, "ordinal": pl.Int32,
@@ -88,6 +94,84 @@ def reciprocal_rank_fusion(rankings: list[list[str]], k0: int = RRF_K,
             scores[item] = scores.get(item, 0.0) + weight / (k0 + rank)
     order = {item: i for i, item in enumerate(dict.fromkeys(x for r in rankings for x in r))}
     return sorted(scores.items(), key=lambda kv: (-kv[1], order[kv[0]]))
+
+
+def zscore_normalize(scores: dict[str, float]) -> dict[str, float]:
+    """(score - mean) / standard deviation over one retriever's list; all-equal scores carry no
+    order, so they all map to 0.
+
+    >>> zscore_normalize({"a": 3.0, "b": 1.0})
+    {'a': 1.0, 'b': -1.0}
+    """
+    if not scores:
+        return {}
+    values = np.fromiter(scores.values(), dtype="float64", count=len(scores))
+    spread = float(values.std())
+    if spread == 0.0:
+        return dict.fromkeys(scores, 0.0)
+    mean = float(values.mean())
+    return {doc: (score - mean) / spread for doc, score in scores.items()}
+
+
+def minmax_normalize(scores: dict[str, float]) -> dict[str, float]:
+    """(score - min) / (max - min) over one retriever's list; all-equal scores map to 0.
+
+    >>> minmax_normalize({"a": 3.0, "b": 2.0, "c": 1.0})
+    {'a': 1.0, 'b': 0.5, 'c': 0.0}
+    """
+    if not scores:
+        return {}
+    low, high = min(scores.values()), max(scores.values())
+    if high == low:
+        return dict.fromkeys(scores, 0.0)
+    return {doc: (score - low) / (high - low) for doc, score in scores.items()}
+
+
+NORMALIZERS = {"zscore": zscore_normalize, "minmax": minmax_normalize}
+
+
+def score_fusion(lexical: dict[str, float], dense: dict[str, float], dense_share: float,
+                 normalize=zscore_normalize) -> list[tuple[str, float]]:
+    """Fuse two retrievers' document scores: (1 - dense_share) * lexical + dense_share * dense,
+    each normalized per query over the list that retriever returned. A document missing from one
+    list takes that list's lowest normalized score (it ranked below everything the retriever
+    returned); ties by first appearance, lexical list first.
+
+    >>> fused = score_fusion({"a": 2.0, "b": 0.0}, {"b": 0.9, "c": 0.1}, dense_share=0.75)
+    >>> [(doc, round(score, 2)) for doc, score in fused]
+    [('b', 0.5), ('a', -0.5), ('c', -1.0)]
+    """
+    lexical_norm, dense_norm = normalize(lexical), normalize(dense)
+    lexical_floor = min(lexical_norm.values(), default=0.0)
+    dense_floor = min(dense_norm.values(), default=0.0)
+    order = {doc: i for i, doc in enumerate(dict.fromkeys([*lexical, *dense]))}
+    fused = {doc: (1.0 - dense_share) * lexical_norm.get(doc, lexical_floor)
+             + dense_share * dense_norm.get(doc, dense_floor) for doc in order}
+    return sorted(fused.items(), key=lambda kv: (-kv[1], order[kv[0]]))
+
+
+def fuse_documents(lexical: dict[str, float], dense: dict[str, float], fusion: str = DEFAULT_FUSION,
+                   dense_share: float = DEFAULT_DENSE_SHARE) -> list[tuple[str, float]]:
+    """One fused document ranking from each retriever's {doc: score} (dicts in rank order)."""
+    if fusion not in FUSIONS:
+        raise InputError(f"unknown fusion {fusion!r}; choose one of {', '.join(FUSIONS)}")
+    if not 0.0 <= dense_share <= 1.0:
+        raise InputError(f"dense_share {dense_share} is outside [0, 1]: it is the dense part of the fusion "
+                         f"weight (0.5 = equal weight, default {DEFAULT_DENSE_SHARE})")
+    if fusion == "rrf":
+        return reciprocal_rank_fusion([list(lexical), list(dense)], weights=[1.0 - dense_share, dense_share])
+    return score_fusion(lexical, dense, dense_share, NORMALIZERS[fusion])
+
+
+def rank_documents(lexical: dict, dense: dict, mode: str = "hybrid", fusion: str = DEFAULT_FUSION,
+                   dense_share: float = DEFAULT_DENSE_SHARE) -> list[tuple[str, float]]:
+    """The document ranking of `CorpusIndex.retrieve`'s two lists: fused in hybrid mode (an empty
+    list leaves the other's order intact), else the one retriever's order with its own scores."""
+    lexical_scores = {doc: score for doc, (_, score) in lexical.items()}
+    dense_scores = {doc: score for doc, (_, score) in dense.items()}
+    if mode == "hybrid":
+        return fuse_documents(lexical_scores, dense_scores, fusion, dense_share)
+    return list((lexical_scores if mode == "bm25" else dense_scores).items())
 
 
 def bm25_query_text(query: str) -> str:
@@ -228,15 +312,17 @@ class CorpusIndex:
         return self._dense is not None
 
     # ---- retrieval --------------------------------------------------------------------------
-    def bm25_rows(self, query: str, depth: int = DEFAULT_DEPTH) -> list[int]:
+    def bm25_chunks(self, query: str, depth: int = DEFAULT_DEPTH) -> list[tuple[int, float]]:
+        """(chunk row, BM25 score) of the top `depth` chunks, best first."""
         text = bm25_query_text(query)
         if not text:
             return []
         parsed = self._lexical.parse_query(text, ["title", "body"])
         result = self._searcher.search(parsed, depth)
-        return [self._searcher.doc(address)["row"][0] for _, address in result.hits]
+        return [(self._searcher.doc(address)["row"][0], float(score)) for score, address in result.hits]
 
-    def dense_rows(self, query: str, depth: int = DEFAULT_DEPTH) -> list[int]:
+    def dense_chunks(self, query: str, depth: int = DEFAULT_DEPTH) -> list[tuple[int, float]]:
+        """(chunk row, cosine similarity) of the top `depth` chunks, best first."""
         if self._dense is None:
             raise InputError(f"index {self.directory} has no dense vectors (built lexical-only): use mode bm25")
         if self.embedder is None:
@@ -248,47 +334,50 @@ class CorpusIndex:
         # One query is too small to split: two OpenMP threads on a busy 2-core machine were 5x slower.
         faiss.omp_set_num_threads(1)
         try:
-            _, rows = self._dense.search(vector, min(depth, self._dense.ntotal))
+            similarities, rows = self._dense.search(vector, min(depth, self._dense.ntotal))
         finally:
             faiss.omp_set_num_threads(threads)
-        return [int(r) for r in rows[0] if r >= 0]
+        return [(int(r), float(s)) for r, s in zip(rows[0], similarities[0]) if r >= 0]
 
-    def search(self, query: str, k: int = 10, mode: str = "hybrid", depth: int = DEFAULT_DEPTH,
-               passage_chars: int = DEFAULT_PASSAGE_CHARS, with_passages: bool = True,
-               dense_weight: float = 1.0) -> list[Hit]:
-        """Top-k documents for `query` (one hit per document); `dense_weight` weights the dense
-        ranking in the fusion (1 = plain RRF)."""
+    def retrieve(self, query: str, mode: str = "hybrid", depth: int = DEFAULT_DEPTH) -> tuple[dict, dict]:
+        """Each retriever's documents in rank order as {doc_id: (best chunk row, its score)}; the
+        retriever a mode does not use answers {}. A hybrid search on a lexical-only index is BM25."""
         if mode not in MODES:
             raise InputError(f"unknown search mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "hybrid" and self._dense is None:
             mode = "bm25"
-        lexical = self._best_chunk_per_doc(self.bm25_rows(query, depth)) if mode in ("bm25", "hybrid") else {}
-        dense = self._best_chunk_per_doc(self.dense_rows(query, depth)) if mode in ("dense", "hybrid") else {}
-        lexical_ids, dense_ids = list(lexical), list(dense)
-        if mode == "bm25":
-            fused = [(d, 1.0 / (RRF_K + i)) for i, d in enumerate(lexical_ids, 1)]
-        elif mode == "dense":
-            fused = [(d, 1.0 / (RRF_K + i)) for i, d in enumerate(dense_ids, 1)]
-        else:
-            fused = reciprocal_rank_fusion([lexical_ids, dense_ids], weights=[1.0, dense_weight])
-        lexical_rank = {d: i for i, d in enumerate(lexical_ids, 1)}
-        dense_rank = {d: i for i, d in enumerate(dense_ids, 1)}
+        lexical = self._best_chunk_per_doc(self.bm25_chunks(query, depth)) if mode in ("bm25", "hybrid") else {}
+        dense = self._best_chunk_per_doc(self.dense_chunks(query, depth)) if mode in ("dense", "hybrid") else {}
+        return lexical, dense
+
+    def search(self, query: str, k: int = 10, mode: str = "hybrid", depth: int = DEFAULT_DEPTH,
+               passage_chars: int = DEFAULT_PASSAGE_CHARS, with_passages: bool = True,
+               fusion: str = DEFAULT_FUSION, dense_share: float = DEFAULT_DENSE_SHARE) -> list[Hit]:
+        """Top-k documents for `query` (one hit per document). In hybrid mode the two retrievers'
+        lists are fused by `fusion` with `dense_share` of the weight on the dense side; a single
+        retriever's hits carry its own score (BM25 or cosine)."""
+        if mode == "hybrid" and self._dense is None:
+            mode = "bm25"  # a lexical-only index: plain BM25 order and scores
+        lexical, dense = self.retrieve(query, mode, depth)
+        ranked = rank_documents(lexical, dense, mode, fusion, dense_share)
+        lexical_rank = {d: i for i, d in enumerate(lexical, 1)}
+        dense_rank = {d: i for i, d in enumerate(dense, 1)}
         hits = []
-        for rank, (doc_id, score) in enumerate(fused[:k], 1):
-            row = lexical.get(doc_id, dense.get(doc_id))
-            if lexical.get(doc_id) is not None and dense.get(doc_id) is not None:
+        for rank, (doc_id, score) in enumerate(ranked[:k], 1):
+            row = lexical[doc_id][0] if doc_id in lexical else dense[doc_id][0]
+            if doc_id in lexical and doc_id in dense and dense_rank[doc_id] < lexical_rank[doc_id]:
                 # Take the chunk of the retriever that ranked this document higher.
-                row = lexical[doc_id] if lexical_rank[doc_id] <= dense_rank[doc_id] else dense[doc_id]
+                row = dense[doc_id][0]
             passage = focused_passage(query, self.expanded_text(row), passage_chars) if with_passages else ""
             hits.append(Hit(rank, doc_id, self._col["chunk_id"][row], score, self._col["title"][row] or "",
                             self._col["url"][row], self._col["corpus"][row], self._col["engine"][row], passage,
                             lexical_rank.get(doc_id), dense_rank.get(doc_id)))
         return hits
 
-    def _best_chunk_per_doc(self, rows: list[int]) -> dict[str, int]:
-        best: dict[str, int] = {}
-        for row in rows:
-            best.setdefault(self._col["doc_id"][row], row)
+    def _best_chunk_per_doc(self, chunks: list[tuple[int, float]]) -> dict[str, tuple[int, float]]:
+        best: dict[str, tuple[int, float]] = {}
+        for row, score in chunks:
+            best.setdefault(self._col["doc_id"][row], (row, score))
         return best
 
     def passage(self, query: str, hit: Hit, passage_chars: int = DEFAULT_PASSAGE_CHARS) -> str:

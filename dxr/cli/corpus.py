@@ -133,8 +133,13 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
 @click.option("--name", default=LITERATURE, show_default=True, help="Index to search (e.g. icd).")
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--mode", type=click.Choice(["hybrid", "bm25", "dense"]), default="hybrid", show_default=True)
+@click.option("--fusion", type=click.Choice(["zscore", "minmax", "rrf"]), default="zscore", show_default=True,
+              help="How hybrid mode fuses BM25 and dense: z-scored or min-max scores, or reciprocal ranks.")
+@click.option("--dense-share", type=click.FloatRange(0, 1), default=0.7, show_default=True,
+              help="Dense part of the hybrid fusion weight (0.5 = equal); default chosen on dev questions.")
 @click.pass_context
-def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str) -> None:
+def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str, fusion: str,
+                   dense_share: float) -> None:
     """Search an index; prints rank, score, document, title and a query-focused passage.
 
     \b
@@ -148,7 +153,7 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str)
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
     embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
     index = CorpusIndex(directory, embedder)
-    hits = index.search(query, k=k, mode=mode if index.has_dense else "bm25")
+    hits = index.search(query, k=k, mode=mode if index.has_dense else "bm25", fusion=fusion, dense_share=dense_share)
     if not hits:
         click.echo("no result")
     for hit in hits:
