@@ -111,6 +111,24 @@ def quality(retrieved, mode: str, fusion: str = DEFAULT_FUSION, dense_share: flo
     }
 
 
+def top10(retrieved, mode: str, split: str | None) -> list[bool]:
+    """Per question (in order, of `split` or all): is the gold document among the product's top 10?"""
+    return [gold in [doc for doc, _ in rank_documents(lexical, dense, mode)][:10]
+            for gold, lexical, dense in retrieved if not split or split_of(gold) == split]
+
+
+def paired_r10(retrieved, split: str | None) -> dict:
+    """Discordant questions at R@10, hybrid (product default) against each single retriever: the
+    exact evidence behind a difference of a few questions."""
+    hybrid = top10(retrieved, "hybrid", split)
+    pairs = {}
+    for mode in ("bm25", "dense"):
+        single = top10(retrieved, mode, split)
+        pairs[f"vs {mode}"] = {"hybrid_only": sum(h and not s for h, s in zip(hybrid, single)),
+                               "single_only": sum(s and not h for h, s in zip(hybrid, single))}
+    return pairs
+
+
 def select_on_dev(retrieved_by_benchmark: dict) -> tuple[list[dict], dict]:
     """Every grid setting on the dev halves; the chosen one by the target (see the module doc)."""
     best_single = {name: max(quality(r, mode, split="dev")["R@10"] for mode in ("bm25", "dense"))
@@ -190,6 +208,8 @@ def main() -> None:
             split: {label: quality(r, mode, fusion, share, split=None if split == "full" else split)
                     for label, (mode, fusion, share) in reported.items()}
             for split in ("dev", "test", "full")}
+        results.setdefault("paired_R@10", {})[name] = {
+            split: paired_r10(r, None if split == "full" else split) for split in ("dev", "test", "full")}
 
     print("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...", flush=True)
     combined_docs = tasks["medquad"][0] + tasks["pubmedqa"][0]
@@ -222,6 +242,11 @@ def print_tables(results: dict) -> None:
             for method, r in by_method.items():
                 print(f"{bench:<9} {split:<5} {method:<34} {r['n_queries']:>6} {r['R@1']:>6.3f} {r['R@5']:>6.3f} "
                       f"{r['R@10']:>6.3f} {r['MRR']:>6.3f}")
+    print("\nR@10 discordant questions, hybrid default vs each single retriever (hybrid only / single only)")
+    for bench, by_split in results["paired_R@10"].items():
+        for split, pairs in by_split.items():
+            print(f"{bench:<9} {split:<5} " + "  ".join(
+                f"{versus}: {c['hybrid_only']} / {c['single_only']}" for versus, c in pairs.items()))
     print(f"\ncombined + ICD lookup (load average before/after {results['load_average']['before_latency'][0]:.1f}"
           f"/{results['load_average']['end'][0]:.1f})")
     print(f"{'mode':<7} {'n':>6} {'R@1':>6} {'R@10':>6} {'MRR':>6} {'p50 ms':>7} {'p95 ms':>7}")
