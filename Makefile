@@ -8,6 +8,9 @@ export HF_HUB_OFFLINE=1
 export DO_NOT_TRACK=1
 export MLFLOW_DISABLE_TELEMETRY=true
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
+# llama-cpp-python ships no wheel: pip builds it from source (~5 min on 2 cores, cached per machine).
+# Portable CPU code and no multimodal helper keep the build short and the wheel runnable anywhere.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF
 
 .PHONY: demo test install clean
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import polars as pl
 
-from dxr.errors import DxrError, NotFoundError
+from dxr.errors import ConfigError, DxrError, NotFoundError
 from models.llm.backends import TransportError
 from models.llm.client import CallContext, LLMClient
 from models.llm.config import LLMConfig
@@ -65,6 +65,8 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         try:
             reply = await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
                                                check=check_confidence_order)
+        except ConfigError:
+            raise  # a backend that cannot run at all is the run's failure, not this trajectory's
         except (DxrError, TransportError) as exc:
             return [], ("failed", str(exc)[:500])
         predictions = reply["predictions"]
@@ -101,7 +103,7 @@ def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.Dat
                  k: int, run_id: str, config: LLMConfig) -> int:
     """Run Direct Forecast over one shard and write rankings, ranking_status and llm_calls partitions."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
-    client = LLMClient.from_config(config, wh.forecast_dir / "llm_cache")
+    client = LLMClient.from_config(config, wh.root)
 
     async def run():
         try:

@@ -125,3 +125,17 @@ def prefect_harness():
 
     with prefect_test_harness():
         yield
+
+
+@pytest.fixture
+def planted_cohort(wh_vocab, tmp_path):
+    """The tiny cohort with sentinel markers planted in every target encounter: (warehouse, cohort_id, sentinels)."""
+    from tests.sentinel import plant_sentinels
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    meds_dir = write_tiny_meds(tmp_path / "meds")
+    sentinels = plant_sentinels(meds_dir)
+    ingest_meds(wh_vocab, meds_dir, "planted")
+    cohort_id = build_cohort(wh_vocab, "planted", "default", CohortOptions(target="final"), seed=7)["cohort_id"]
+    return wh_vocab, cohort_id, sentinels

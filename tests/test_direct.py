@@ -14,10 +14,7 @@ from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
                           rrf_prior_direct_shard)
 from tasks.forecast import shard_inputs
-from tests.conftest import write_tiny_meds
-from tests.sentinel import assert_no_leak, forecast_store_texts, plant_sentinels
-from warehouse.cohorts import CohortOptions, build_cohort
-from warehouse.datasets import ingest_meds
+from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.vocab import Vocabulary
 
 # 21 valid ICD-10-CM codes in the model's own spelling, most likely first.
@@ -36,15 +33,6 @@ def test_rrf_on_a_hand_example():
     assert RRF_K0 == 60
     # Equal scores are ordered by code.
     assert rrf_fuse([["B"], ["A"]]) == [("A", 1 / 61), ("B", 1 / 61)]
-
-
-@pytest.fixture
-def planted_cohort(wh_vocab, tmp_path):
-    meds_dir = write_tiny_meds(tmp_path / "meds")
-    sentinels = plant_sentinels(meds_dir)
-    ingest_meds(wh_vocab, meds_dir, "planted")
-    cohort_id = build_cohort(wh_vocab, "planted", "default", CohortOptions(target="final"), seed=7)["cohort_id"]
-    return wh_vocab, cohort_id, sentinels
 
 
 def record_replies(config: LLMConfig, wh, cohort_id, trajectories, pretarget, replies) -> list[str]:
@@ -69,7 +57,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     rising = predictions(VALID)
     rising["predictions"][5]["confidence"] = 99  # confidences must not increase: invalid, no retry left
     replies = [
-        predictions(VALID[:19] + ["i50.22", "XYZ", "428.0"]),  # a duplicate, a malformed and an ICD-9 code
+        predictions(VALID[:19] + ["i50.22", "U99.99", "428.0"]),  # a duplicate, an unknown and an ICD-9 code
         predictions(VALID),
         rising,
     ]
@@ -79,7 +67,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     ids = trajectories["trajectory_id"].to_list()
     status = wh.read("ranking_status", run_id="run-d", system="direct").sort("trajectory_id")
     assert status.select("trajectory_id", "status").rows() == [(ids[0], "short"), (ids[1], "ok"), (ids[2], "failed")]
-    assert status["detail"][0] == "19 of 20 codes; dropped 1 duplicate, 1 malformed, 1 wrong_icd_version"
+    assert status["detail"][0] == "19 of 20 codes; dropped 1 duplicate, 1 not_in_vocabulary, 1 wrong_icd_version"
     assert status["detail"][1] is None
     assert status["detail"][2] == (f"direct reply for {ids[2]} stayed invalid after 1 attempts: at predictions/5/"
                                    "confidence: 99 is higher than the 91.0 before it; confidences must not increase")
@@ -93,7 +81,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
     assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [
         (ids[0], "ok", False, 800, 300), (ids[1], "ok", False, 800, 300), (ids[2], "invalid", False, 800, 300)]
-    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/1"]
+    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/2"]
 
     # A rerun answers everything from the response cache: no backend call, same rankings.
     (tmp_path / "replay.jsonl").write_text("")

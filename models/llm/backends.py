@@ -150,14 +150,17 @@ def append_recording(path: Path, request: dict, response: Completion) -> str:
     return key
 
 
-def make_backend(config) -> Backend:
-    """The backend named by an `LLMConfig`."""
+def make_backend(config, data_dir: Path) -> Backend:
+    """The backend named by an `LLMConfig` (the local one keeps its model and server log under `data_dir`)."""
     if config.backend == "openai":
         return OpenAIBackend(config.base_url, config.timeout_s, os.environ.get(config.api_key_env))
     if config.backend == "replay":
         if config.replay_file is None:
             raise ConfigError("llm.backend = 'replay' needs llm.replay_file (a recorded JSONL file)")
         return ReplayBackend(config.replay_file)
-    raise ConfigError(f"llm.backend {config.backend!r} is not available in this build yet (the embedded "
-                      "llama.cpp server arrives with llama-cpp-python); set llm.backend = 'openai' with "
-                      "llm.base_url pointing at an OpenAI-compatible server, or 'replay'")
+    from models.llm.local_server import LocalBackend, LocalServer, packaged_model_path
+
+    model = config.local_model_path or packaged_model_path(Path(data_dir) / "models")
+    server = LocalServer(model, config.context_window, config.local_threads,
+                         Path(data_dir) / "logs" / "llama_server.log", config.local_startup_timeout_s)
+    return LocalBackend(server, config.timeout_s)

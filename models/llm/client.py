@@ -29,6 +29,10 @@ class LLMOutputError(DxrError):
     """The model's reply stayed invalid after every validation retry."""
 
 
+# Structural errors quoted back to the model on a retry; a long list would only crowd out the record.
+MAX_LISTED_ERRORS = 10
+
+
 CALL_COLUMNS = {
     "call_id": pl.String, "run_id": pl.String, "stage": pl.String, "trajectory_id": pl.String,
     "backend": pl.String, "model": pl.String, "prompt_version": pl.String, "tokens_in": pl.Int64,
@@ -75,7 +79,9 @@ class LLMClient:
     calls: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
-        self._limit = asyncio.Semaphore(self.config.max_concurrency)
+        # A backend may admit fewer requests in flight than configured (the embedded server: one).
+        in_flight = min(self.config.max_concurrency, getattr(self.backend, "max_concurrency", self.config.max_concurrency))
+        self._limit = asyncio.Semaphore(in_flight)
         self._pace = asyncio.Lock()
         self._next_start = 0.0
 
@@ -90,9 +96,10 @@ class LLMClient:
             await asyncio.sleep(start - now)
 
     @classmethod
-    def from_config(cls, config: LLMConfig, cache_dir: Path | None) -> LLMClient:
-        cache = ResponseCache(cache_dir) if config.cache and cache_dir is not None else None
-        return cls(config, make_backend(config), cache)
+    def from_config(cls, config: LLMConfig, data_dir: Path) -> LLMClient:
+        """The configured backend, with the response cache under `<data_dir>/forecast/llm_cache` when enabled."""
+        cache = ResponseCache(Path(data_dir) / "forecast" / "llm_cache") if config.cache else None
+        return cls(config, make_backend(config, data_dir), cache)
 
     def request(self, messages: list[dict], schema: dict) -> dict:
         """The backend request for `messages` (deterministic settings, JSON output as configured)."""
@@ -100,7 +107,7 @@ class LLMClient:
                    "max_tokens": self.config.max_output_tokens}
         if self.config.seed is not None:
             request["seed"] = self.config.seed
-        kind = self.config.response_format
+        kind = self.config.response_format or getattr(self.backend, "response_format", "json_schema")
         if kind == "json_schema":
             request["response_format"] = {"type": "json_schema",
                                           "json_schema": {"name": "reply", "schema": schema, "strict": False}}
@@ -127,13 +134,26 @@ class LLMClient:
             if not errors:
                 return value
             row["status"], row["error"] = "invalid", "; ".join(errors)[:1000]
-            conversation = conversation + [
-                {"role": "assistant", "content": completion.text},
-                {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
-                 + "\n".join(f"- {e}" for e in errors)
-                 + "\nReply again with only a JSON object that fixes every listed problem."}]
+            conversation = self.retry_conversation(messages, completion.text, errors)
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
                              f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
+
+    def retry_conversation(self, messages: list[dict], reply: str, errors: list[str]) -> list[dict]:
+        """`messages`, the invalid reply and its structural errors (at most MAX_LISTED_ERRORS lines).
+
+        Only the latest reply is quoted, so retries do not grow the prompt; when even that one would not
+        fit the context window next to a new reply, the errors alone are appended.
+        """
+        listed = [f"- {e}" for e in errors[:MAX_LISTED_ERRORS]]
+        if len(errors) > MAX_LISTED_ERRORS:
+            listed.append(f"- and {len(errors) - MAX_LISTED_ERRORS} more problems of the same kinds")
+        feedback = {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
+                    + "\n".join(listed) + "\nReply again with only a JSON object that fixes every listed problem."}
+        quoted = list(messages) + [{"role": "assistant", "content": reply}, feedback]
+        prompt_tokens = sum(len(m["content"]) for m in quoted) / self.config.chars_per_token
+        if prompt_tokens + self.config.max_output_tokens <= self.config.context_window:
+            return quoted
+        return list(messages) + [feedback]
 
     async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
         """One response (from the cache or the backend, with transport retries) and its telemetry row."""
@@ -149,24 +169,32 @@ class LLMClient:
         if cached is not None:
             row.update(cache_hit=True, latency_ms=(time.perf_counter() - started) * 1000)
             return cached, row
+        # Latency is time in flight at the backend (every attempt), not time queued for a slot or backing off.
+        in_flight = 0.0
         delay = self.config.backoff_s
         for attempt in range(self.config.transport_retries + 1):
             try:
                 async with self._limit:
                     await self._wait_for_rate_limit()
-                    completion = await asyncio.wait_for(self.backend.complete(request), self.config.timeout_s)
+                    sent = time.perf_counter()
+                    try:
+                        completion = await asyncio.wait_for(self.backend.complete(request), self.config.timeout_s)
+                    finally:
+                        in_flight += time.perf_counter() - sent
                 break
+            except DxrError as exc:  # the backend refused the request (bad key, 4xx): retrying cannot help
+                row.update(status="rejected", error=str(exc)[:1000], latency_ms=in_flight * 1000)
+                raise
             except (TransportError, TimeoutError) as exc:
                 message = str(exc) or f"timeout after {self.config.timeout_s}s"
                 if attempt == self.config.transport_retries:
-                    row.update(status="transport_error", error=message[:1000],
-                               latency_ms=(time.perf_counter() - started) * 1000)
+                    row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
                     raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
                 await asyncio.sleep(delay)
                 delay *= 2
         row.update(tokens_in=completion.tokens_in, tokens_cached_in=completion.tokens_cached_in,
                    tokens_out=completion.tokens_out, tokens_reasoning=completion.tokens_reasoning,
-                   latency_ms=(time.perf_counter() - started) * 1000)
+                   latency_ms=in_flight * 1000)
         if self.cache is not None:
             self.cache.put(key_input, completion)
         return completion, row

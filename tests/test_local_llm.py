@@ -1,0 +1,100 @@
+"""The embedded backend for real: llama.cpp's server with the packaged GGUF, started and stopped by the client.
+
+The model is the tiny base Gemma 3 270M: these tests check the plumbing (server lifecycle, JSON
+constrained by the schema, validation, telemetry, caching), not the clinical quality of its codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import polars as pl
+import pytest
+
+from dxr.errors import ConfigError
+from models.llm.client import CallContext, LLMClient
+from models.llm.config import LLMConfig
+from models.llm.local_server import LocalServer, fold_system_messages, packaged_model_path
+from tasks.direct import direct_shard
+from tasks.forecast import shard_inputs
+from warehouse.vocab import Vocabulary
+
+
+def test_system_messages_are_folded_into_the_first_user_turn():
+    messages = [{"role": "system", "content": "rules"}, {"role": "user", "content": "record"},
+                {"role": "assistant", "content": "{}"}, {"role": "user", "content": "fix it"}]
+    assert fold_system_messages(messages) == [{"role": "user", "content": "rules\n\nrecord"},
+                                              {"role": "assistant", "content": "{}"},
+                                              {"role": "user", "content": "fix it"}]
+    assert messages[1]["content"] == "record"  # the caller's messages are not modified
+    assert fold_system_messages([{"role": "system", "content": "only"}]) == [{"role": "user", "content": "only"}]
+
+
+def test_a_server_that_cannot_load_its_model_fails_with_its_log(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    server = LocalServer(broken, 2048, 1, tmp_path / "server.log", startup_timeout_s=60)
+    with pytest.raises(ConfigError, match="exited with code .* while starting: .*full log: .*server.log"):
+        server.start()
+    assert server.process is None or server.process.poll() is not None
+    with pytest.raises(ConfigError, match="does not exist"):
+        LocalServer(tmp_path / "missing.gguf", 2048, 1, tmp_path / "server.log")
+
+
+def test_direct_forecast_on_two_patients_with_the_embedded_server(planted_cohort):
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all", limit=2)
+    config = LLMConfig(backend="local", context_window=2048, max_output_tokens=600, local_threads=2)
+
+    assert direct_shard(wh, cohort_id, 0, trajectories, pretarget, 20, "run-local", config) == 2
+    calls = wh.read("llm_calls", run_id="run-local", stage="direct")
+    # One call per patient at least (more when a reply failed validation and was re-asked), all answered.
+    assert set(calls["trajectory_id"]) == set(trajectories["trajectory_id"])
+    assert calls["backend"].unique().to_list() == ["local"] and not calls["cache_hit"].any()
+    assert calls["status"].is_in(["ok", "invalid"]).all(), calls.select("status", "error").rows()
+    counted = calls.select("tokens_in", "tokens_out", "latency_ms", "status", "error")
+    assert (calls["tokens_in"] > 0).all() and (calls["tokens_out"] > 0).all() and (calls["latency_ms"] > 0).all(), \
+        counted.rows()
+    # The schema reaches the server as a grammar: every reply parses as JSON of the right shape, so the
+    # only possible validation error is the confidence order (which JSON Schema cannot express).
+    for error in calls["error"].drop_nulls():  # (stored errors are cut at 1,000 characters)
+        parts = re.split(r"; (?=at )", error)
+        assert all(part.startswith("at predictions/") and "/confidence" in part for part in parts), error
+
+    status = wh.read("ranking_status", run_id="run-local", system="direct")
+    assert status.height == 2 and status["status"].is_in(["ok", "short", "failed"]).all()
+    rankings = wh.read("rankings", run_id="run-local", system="direct")
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    assert all(code in vocabulary for code in rankings["code"])  # V(.) let only codes of Ω through
+    for (trajectory_id,), group in rankings.partition_by("trajectory_id", as_dict=True).items():
+        assert group.sort("rank")["rank"].to_list() == list(range(1, group.height + 1))
+        row = status.filter(pl.col("trajectory_id") == trajectory_id).row(0, named=True)
+        assert row["status"] == ("ok" if group.height >= 20 else "short")
+
+    # The rerun is answered from the response cache: no server is needed, no backend call is made.
+    direct_shard(wh, cohort_id, 0, trajectories, pretarget, 20, "run-local", config)
+    rerun = wh.read("llm_calls", run_id="run-local", stage="direct")
+    assert rerun.height == calls.height and rerun["cache_hit"].all() and rerun["tokens_out"].sum() == 0
+    assert wh.read("rankings", run_id="run-local", system="direct").sort("trajectory_id", "rank").equals(
+        rankings.sort("trajectory_id", "rank"))
+
+
+def test_the_client_stops_the_server_it_started(tmp_path):
+    config = LLMConfig(backend="local", context_window=1024, max_output_tokens=32, local_threads=1, cache=False)
+    client = LLMClient.from_config(config, tmp_path)
+    schema = {"type": "object", "required": ["answer"], "additionalProperties": False,
+              "properties": {"answer": {"type": "string", "maxLength": 20}}}
+
+    async def ask():
+        try:
+            reply = await client.complete_json([{"role": "user", "content": "Reply in JSON."}], schema, "probe/1",
+                                               CallContext("run-probe", "probe"))
+            return reply, client.backend.server.process
+        finally:
+            await client.close()
+
+    reply, process = asyncio.run(ask())
+    assert set(reply) == {"answer"} and client.calls[0]["tokens_in"] > 0
+    assert process.poll() is not None and client.backend.server.process is None  # stopped and reaped by close()
+    assert packaged_model_path(tmp_path / "models").stat().st_size > 200 * 2**20  # assembled once, then reused
