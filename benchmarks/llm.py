@@ -1,11 +1,16 @@
-"""Benchmark: overhead of the LLM client itself (no model): replay backend, response cache, local HTTP.
+"""Benchmark: the LLM client's own overhead, and the embedded backend on Direct Forecast.
 
-Measures per call: the replay backend without cache (hashing, schema validation, telemetry),
-a cache miss that writes the cache file, a cache hit, and a round trip over real HTTP to an
-OpenAI-compatible emulator on 127.0.0.1 that answers at once. Prints a table; writes JSON to
-benchmarks/results/llm.json.
+Client overhead (no model) per call: the replay backend without cache (hashing, schema
+validation, telemetry), a cache miss that writes the cache file, a cache hit, and a round trip
+over real HTTP to an OpenAI-compatible emulator on 127.0.0.1 that answers at once.
 
-    python benchmarks/llm.py [--calls 500]
+Embedded backend (`--embedded-data-dir`, a warehouse holding the demo's `default` cohort, e.g.
+`data/` after `dxr demo`): server start-up time, generation tokens/s on a short fixed prompt, and
+Direct Forecast on the first `--embedded-patients` held_out trajectories with the response cache
+off (every call reaches the model): wall time including start-up, patients/hour, tokens per
+patient, ranking statuses. Prints tables; writes JSON to benchmarks/results/llm.json.
+
+    python benchmarks/llm.py [--calls 500] [--embedded-data-dir data --embedded-patients 8]
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -26,6 +32,7 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
 from models.llm.backends import Completion, OpenAIBackend, ReplayBackend, append_recording  # noqa: E402
+from models.llm.backends import make_backend  # noqa: E402
 from models.llm.cache import ResponseCache  # noqa: E402
 from models.llm.client import CallContext, LLMClient  # noqa: E402
 from models.llm.config import LLMConfig  # noqa: E402
@@ -85,9 +92,70 @@ async def http_rows(n: int) -> list[tuple[str, float]]:
         await runner.cleanup()
 
 
+async def generation_speed(config: LLMConfig, data_dir: Path, repeats: int = 3) -> dict:
+    """Server start-up seconds and output tokens/s on a short prompt (generation dominates its time)."""
+    backend = make_backend(config, data_dir)
+    started = time.perf_counter()
+    await asyncio.to_thread(backend.server.start)
+    startup_s = time.perf_counter() - started
+    request = {"model": config.model, "temperature": 0, "max_tokens": 256,
+               "messages": [{"role": "user", "content": "Write a short paragraph about the heart."}]}
+    tokens, seconds = 0, 0.0
+    try:
+        for _ in range(repeats):
+            sent = time.perf_counter()
+            completion = await backend.complete(request)
+            seconds += time.perf_counter() - sent
+            tokens += completion.tokens_out
+    finally:
+        await backend.close()
+    return {"server_startup_s": round(startup_s, 2), "generation_tokens": tokens,
+            "generation_tokens_per_s": round(tokens / seconds, 1)}
+
+
+def embedded_direct(data_dir: Path, patients: int) -> dict:
+    """Direct Forecast with the embedded backend on the first `patients` held_out trajectories, cache off."""
+    from tasks.direct import forecast_direct
+    from tasks.forecast import shard_inputs
+    from warehouse.cohorts import get_cohort
+    from warehouse.store import Warehouse
+    from warehouse.vocab import Vocabulary
+
+    wh = Warehouse(data_dir)
+    cohort_id = get_cohort(wh, "default")["cohort_id"]
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "held_out", limit=patients)
+    config = LLMConfig(backend="local", cache=False)
+    speed = asyncio.run(generation_speed(config, data_dir))
+    client = LLMClient.from_config(config, data_dir)
+    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+
+    async def run():
+        try:
+            return await forecast_direct(client, trajectories, pretarget, vocabulary, "bench", cohort_id, 20)
+        finally:
+            await client.close()
+
+    started = time.perf_counter()
+    ranked, status = asyncio.run(run())
+    wall = time.perf_counter() - started
+    calls = client.telemetry()
+    n = trajectories.height
+    return {**speed, "threads": client.backend.server.threads, "context_window": config.context_window,
+            "patients": n, "wall_s_incl_startup": round(wall, 1), "patients_per_hour": round(n * 3600 / wall, 1),
+            "calls_per_patient": round(calls.height / n, 2),
+            "tokens_in_per_patient": round(calls["tokens_in"].sum() / n, 1),
+            "tokens_out_per_patient": round(calls["tokens_out"].sum() / n, 1),
+            "direct_output_tokens_per_s": round(calls["tokens_out"].sum() / (calls["latency_ms"].sum() / 1000), 1),
+            "status": dict(status.group_by("status").len().sort("status").iter_rows()),
+            "valid_codes_per_patient": round(ranked.height / n, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--embedded-data-dir", type=Path, default=None,
+                        help="warehouse with the demo's default cohort; runs the embedded backend part")
+    parser.add_argument("--embedded-patients", type=int, default=8)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         timings = asyncio.run(replay_rows(args.calls, Path(workdir))) + asyncio.run(http_rows(args.calls))
@@ -96,9 +164,16 @@ def main() -> None:
     print(f"{'path':40} {'calls':>6} {'ms/call':>9} {'calls/s':>9}")
     for row in rows:
         print(f"{row['path']:40} {row['calls']:>6} {row['ms_per_call']:>9} {row['calls_per_s']:>9}")
+    result = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+              "load_average_at_start": os.getloadavg()[0], "rows": rows}
+    if args.embedded_data_dir is not None:
+        embedded = embedded_direct(args.embedded_data_dir.resolve(), args.embedded_patients)
+        result["embedded"] = embedded
+        print("\nembedded backend (llama.cpp server, packaged Gemma 3 270M GGUF)")
+        for key, value in embedded.items():
+            print(f"  {key:32} {value}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "llm.json").write_text(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
-                                                  "rows": rows}, indent=2))
+    (RESULTS / "llm.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {RESULTS / 'llm.json'}")
 
 

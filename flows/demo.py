@@ -1,7 +1,11 @@
 """Flow `demo`: the main job on the embedded default data, end to end.
 
-synthetic dataset -> default cohort -> baselines on held_out -> metrics (+ oracle) -> report.
-Every step is idempotent: a rerun reuses an identical dataset and replaces its own partitions.
+synthetic dataset -> default cohort -> EHR prior (trained once per cohort build) -> baselines and
+the prior on held_out -> metrics (+ oracle) -> report; then, on a small held_out sample, Direct
+Forecast with the configured LLM (the embedded model by default) and Union + RRF of the prior and
+Direct lists, evaluated as their own run `<run_id>-llm` on exactly those patients.
+Every step is idempotent: a rerun reuses an identical dataset, the registered prior and the LLM
+response cache, and replaces its own partitions.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from warehouse.store import Warehouse
 
 DEMO_DATASET = "synthetic"
 DEMO_COHORT = "default"
-DEMO_SYSTEMS = ("global_frequency", "repeat_history")
+DEMO_SYSTEMS = ("global_frequency", "repeat_history", "ehr_prior")
+LLM_SAMPLE_SYSTEMS = ("ehr_prior", "direct", "rrf_prior_direct")
 
 
 @task(name="synthetic-dataset")
@@ -39,21 +44,51 @@ def build_cohort_task(wh: Warehouse, dataset_id: str, settings: Settings) -> dic
                         oracle_draws=settings.synth.oracle_draws, progress=True)
 
 
+@task(name="ensure-ehr-prior")
+def ensure_prior_task(wh: Warehouse, cohort_id: str, settings: Settings) -> str:
+    """The registered `ehr_prior` of the cohort: reused when its alias resolves, trained otherwise."""
+    from dxr.errors import NotFoundError
+    from models.prior import tracking
+    from tasks.prior import train_prior
+
+    cfg = settings.prior
+    tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)
+    try:
+        version, _ = tracking.resolve_alias("ehr_prior", cohort_id, cfg.alias)
+        return version
+    except NotFoundError:
+        return train_prior(str(wh.root), cohort_id, "ehr_prior", cfg, progress=True).version
+
+
 @task(name="evaluate")
 def evaluate_task(wh: Warehouse, run_id: str):
     return evaluate_run(wh, run_id, ks=(10, 20))
 
 
 @flow(name="demo")
-def demo_flow(settings: Settings, run_id: str | None = None) -> dict:
-    """Run the demo; returns the run id, the metrics frame, the realism table and the report path."""
+def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4) -> dict:
+    """Run the demo; returns the run ids, metrics frames, the realism table and the report paths.
+
+    `llm_sample` held_out patients get Direct Forecast and Union + RRF (0 skips the LLM part).
+    """
     wh = Warehouse(settings.data_dir)
     dataset_id = synthetic_dataset_task(wh, settings.synth.patients, settings.seed, settings.synth.shard_size)
     cohort = build_cohort_task(wh, dataset_id, settings)
+    cohort_id = cohort["cohort_id"]
+    ensure_prior_task(wh, cohort_id, settings)
     run_id = run_id or new_run_id("demo")
     for system in DEMO_SYSTEMS:
-        forecast_flow(str(wh.root), cohort["cohort_id"], system, split="held_out", run_id=run_id)
+        forecast_flow(str(wh.root), cohort_id, system, split="held_out", run_id=run_id)
     metrics = evaluate_task(wh, run_id)
     report = render_report(wh, run_id, Path(wh.root) / "reports" / run_id)
-    return {"run_id": run_id, "cohort": cohort, "metrics": metrics, "realism": realism_table(wh, cohort["cohort_id"], run_id),
-            "report": report}
+    result = {"run_id": run_id, "cohort": cohort, "metrics": metrics, "realism": realism_table(wh, cohort_id, run_id),
+              "report": report, "llm": None}
+    if llm_sample:
+        llm_run = f"{run_id}-llm"
+        for system in LLM_SAMPLE_SYSTEMS:
+            forecast_flow(str(wh.root), cohort_id, system, split="held_out", limit=llm_sample, run_id=llm_run)
+        status = (wh.read("ranking_status", run_id=llm_run).group_by("system", "status").len()
+                  .sort("system", "status"))
+        result["llm"] = {"run_id": llm_run, "metrics": evaluate_task(wh, llm_run), "status": status,
+                         "report": render_report(wh, llm_run, Path(wh.root) / "reports" / llm_run)}
+    return result

@@ -171,10 +171,10 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
     if llm:
         blocks += [Heading("LLM tokens and latency per patient", 3),
                    Paragraph("Backend calls only; reasoning tokens (when a backend reports them) are already part of "
-                             "the output tokens and are shown on their own. A call's latency runs from the moment the "
-                             "client queued it, so it includes waiting for a concurrency slot, the rate limit and "
-                             "transport retries: under concurrency, p50 overstates one request's time and serial "
-                             "patients/hour (one call at a time, summed latency) understates serial throughput."),
+                             "the output tokens and are shown on their own. A call's latency is its time in flight at "
+                             "the backend over every transport attempt (waiting for a concurrency slot, the rate "
+                             "limit and retry backoff excluded), so serial patients/hour assumes one call at a time "
+                             "with no queueing."),
                    Table(["system", "LLM stages", "tokens in", "cached in", "out", "reasoning", "latency p50 (ms)",
                           "latency total (s)", "serial patients/h"],
                          [[r["system"], r["llm_stages"], f"{r['tokens_in_per_patient']:.1f}",

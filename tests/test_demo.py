@@ -18,8 +18,13 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
     out = result.output
     for header in ("system", "P@10", "R@10", "P@20", "R@20"):
         assert header in out
-    for system in ("oracle", "global_frequency", "repeat_history"):
+    for system in ("oracle", "global_frequency", "repeat_history", "ehr_prior"):
         assert system in out
+    # The LLM sample: Direct Forecast with the embedded model and Union + RRF on the same 4 patients.
+    llm_part = out.split("LLM sample (local backend")[1]
+    for system in ("direct", "rrf_prior_direct", "ehr_prior"):
+        assert f"\n{system} " in llm_part
+    assert "ranking status: direct " in llm_part
     assert "Realism bands" in out and "false" not in out.split("Realism bands")[1].lower()
     report = tmp_path / "data" / "reports" / "demo-test" / "report.html"
     assert f"report: {report}" in out and report.is_file()
@@ -27,15 +32,21 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
     from warehouse.store import Warehouse
 
     wh = Warehouse(tmp_path / "data")
+    first_calls = wh.read("llm_calls", run_id="demo-test-llm")
+    assert first_calls["trajectory_id"].n_unique() == 4 and not first_calls["cache_hit"].any()
+    assert (first_calls["backend"] == "local").all() and (first_calls["tokens_out"] > 0).all()
     con = wh.connect()
-    rows = con.execute("SELECT count(*), count(DISTINCT (system, trajectory_id, rank)) FROM rankings").fetchall()
+    rows = con.execute("SELECT count(*), count(DISTINCT (run_id, system, trajectory_id, rank)) FROM rankings").fetchall()
     metrics = wh.read("metrics").sort(pl.all())
     # A rerun reuses the dataset and replaces its own partitions: no duplicates, same numbers.
     again = CliRunner().invoke(main, ["demo", "--run-id", "demo-test"], catch_exceptions=False)
     assert again.exit_code == 0, again.output
     assert Warehouse(tmp_path / "data").connect().execute(
-        "SELECT count(*), count(DISTINCT (system, trajectory_id, rank)) FROM rankings").fetchall() == rows
+        "SELECT count(*), count(DISTINCT (run_id, system, trajectory_id, rank)) FROM rankings").fetchall() == rows
     assert rows[0][0] == rows[0][1]
+    # The rerun's LLM answers all come from the response cache: no request reaches the model.
+    again_calls = wh.read("llm_calls", run_id="demo-test-llm")
+    assert again_calls.height == first_calls.height and again_calls["cache_hit"].all()
     assert wh.read("metrics").sort(pl.all()).drop("value", "ci_low", "ci_high").equals(
         metrics.drop("value", "ci_low", "ci_high"))
     assert wh.read("metrics").sort(pl.all())["value"].to_list() == metrics["value"].to_list()

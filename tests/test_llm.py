@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from aiohttp import web
 
+from dxr.errors import InputError
 from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, TransportError, UnrecordedRequestError,
                                  append_recording, request_hash)
 from models.llm.cache import ResponseCache
@@ -247,3 +248,62 @@ def test_rate_limit_spaces_request_starts():
     state, elapsed = asyncio.run(scenario())
     assert len(state["requests"]) == 5
     assert 0.4 <= elapsed < 2.0  # four gaps of 0.1 s between five starts
+
+
+def test_a_backend_that_admits_one_request_gets_one_at_a_time():
+    class OneAtATime(OpenAIBackend):
+        max_concurrency = 1  # as the embedded llama.cpp server declares
+
+    async def scenario():
+        state = new_state()
+        async with chat_server(0.05, state) as url:
+            config = LLMConfig(backend="openai", base_url=url, model="served", max_concurrency=4)
+            client = LLMClient(config, OneAtATime(url, config.timeout_s))
+            await asyncio.gather(*(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT) for _ in range(4)))
+            await client.close()
+        return state, client.telemetry()
+
+    state, calls = asyncio.run(scenario())
+    assert len(state["requests"]) == 4 and state["max_in_flight"] == 1
+    # Latency is time in flight, not time spent queued behind the other three calls.
+    assert calls["latency_ms"].max() < 4 * 50
+
+
+def test_a_rejected_request_is_recorded_and_not_retried():
+    async def rejecting(request: web.Request) -> web.Response:
+        state["requests"] += 1
+        return web.Response(status=400, text="the prompt exceeds the context window")
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", rejecting)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = http_client(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1")
+        try:
+            with pytest.raises(InputError, match="HTTP 400 .* exceeds the context window"):
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return client.telemetry()
+
+    state = {"requests": 0}
+    calls = asyncio.run(scenario())
+    assert state["requests"] == 1
+    assert calls.select("status").row(0) == ("rejected",) and "HTTP 400" in calls["error"][0]
+
+
+def test_a_retry_quotes_only_the_latest_reply_and_at_most_ten_errors():
+    roomy = LLMClient(LLMConfig(context_window=4096, max_output_tokens=100), backend=None)
+    errors = [f"at predictions/{i}/confidence: too high" for i in range(1, 13)]
+    conversation = roomy.retry_conversation(QUESTION, '{"predictions": []}', errors)
+    assert conversation[:2] == QUESTION and conversation[2] == {"role": "assistant", "content": '{"predictions": []}'}
+    feedback = conversation[3]["content"]
+    assert "at predictions/10/" in feedback and "at predictions/11/" not in feedback
+    assert "- and 2 more problems of the same kinds" in feedback
+    # When the quoted reply would not leave room for a new one, only the errors are appended.
+    tight = LLMClient(LLMConfig(context_window=512, max_output_tokens=500), backend=None)
+    assert tight.retry_conversation(QUESTION, "x" * 600, errors)[:-1] == QUESTION

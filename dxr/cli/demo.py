@@ -11,16 +11,21 @@ from dxr.cli import main, settings
 @click.option("--patients", type=click.IntRange(min=50), default=None,
               help="Synthetic patients (default: setting synth.patients, 5000).")
 @click.option("--run-id", default=None, help="Run id (generated when absent).")
+@click.option("--llm-sample", type=click.IntRange(min=0), default=4, show_default=True,
+              help="held_out patients for Direct Forecast and Union + RRF with the configured LLM (0 skips).")
 @click.pass_context
-def demo(ctx: click.Context, patients: int | None, run_id: str | None) -> None:
-    """Generate the synthetic dataset, build the default cohort, run the baselines, evaluate, report.
+def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sample: int) -> None:
+    """Generate the synthetic dataset, build the default cohort, train the EHR prior, run the
+    baselines and the prior, evaluate, report; then Direct Forecast and Union + RRF on a sample.
 
     Prints patient-averaged P@10/R@10/P@20/R@20 with 95% bootstrap intervals for every system
-    (oracle included), the realism bands of the synthetic cohort, and the report's path.
+    (oracle included), the realism bands of the synthetic cohort, the LLM sample comparison
+    (run `<run_id>-llm`: ehr_prior, direct, rrf_prior_direct on the same patients) and the
+    reports' paths. With the embedded default model the LLM numbers prove the plumbing only.
 
     \b
     Example:
-      dxr demo --patients 5000
+      dxr demo --patients 5000 --llm-sample 4
     """
     from flows.demo import demo_flow
     from warehouse.sql import format_table
@@ -28,7 +33,7 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None) -> None:
     cfg = settings(ctx)
     if patients:
         cfg = cfg.model_copy(update={"synth": cfg.synth.model_copy(update={"patients": patients})})
-    result = demo_flow(cfg, run_id=run_id)
+    result = demo_flow(cfg, run_id=run_id, llm_sample=llm_sample)
     cohort = result["cohort"]
     click.echo(f"\ncohort {cohort['name']} ({cohort['cohort_id']}): {cohort['n_trajectories']:,} trajectories; "
                f"run {result['run_id']} on held_out\n")
@@ -37,6 +42,16 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None) -> None:
     click.echo("\nRealism bands of the synthetic cohort (held_out, final-encounter targets):")
     click.echo(format_table(list(realism.columns), realism.rows()))
     click.echo(f"report: {result['report']}")
+    if result["llm"] is not None:
+        llm = result["llm"]
+        click.echo(f"\nLLM sample ({cfg.llm.backend} backend, model {cfg.llm.model}): {llm_sample} held_out patients, "
+                   f"run {llm['run_id']}")
+        click.echo(headline_table(llm["metrics"]))
+        statuses = "; ".join(f"{system} " + ", ".join(f"{n} {status}" for _, status, n in group.iter_rows())
+                             for (system,), group in llm["status"].partition_by("system", as_dict=True).items())
+        click.echo(f"ranking status: {statuses} (short = fewer than 20 valid codes after V(.), failed = no valid "
+                   "reply; see ranking_status)")
+        click.echo(f"report: {llm['report']}")
     if not realism["within_band"].all():
         raise click.ClickException("a realism band is violated (see the table above)")
 

@@ -52,4 +52,6 @@ class LLMConfig(BaseModel):
     backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles per retry")
     validation_retries: int = Field(2, ge=0, description="re-asks with the structural errors appended")
     cache: bool = Field(True, description="content-addressed response cache under <data_dir>/forecast/llm_cache")
-    prices: dict[str, ModelPrice] = Field(default_factory=dict, description="model name -> price per 1M tokens")
+    # The embedded model runs on the user's own cores: it is priced at zero so its cost reads 0, not n/a.
+    prices: dict[str, ModelPrice] = Field(default_factory=lambda: {"gemma3-270m-q4-k-m": ModelPrice()},
+                                          description="model name -> price per 1M tokens")
