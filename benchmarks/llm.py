@@ -140,7 +140,8 @@ def embedded_direct(data_dir: Path, patients: int) -> dict:
     wall = time.perf_counter() - started
     calls = client.telemetry()
     n = trajectories.height
-    return {**speed, "threads": client.backend.server.threads, "context_window": config.context_window,
+    return {**speed, "threads": client.backend.server.threads,
+            "batch_threads": client.backend.server.batch_threads, "context_window": config.context_window,
             "patients": n, "wall_s_incl_startup": round(wall, 1), "patients_per_hour": round(n * 3600 / wall, 1),
             "calls_per_patient": round(calls.height / n, 2),
             "tokens_in_per_patient": round(calls["tokens_in"].sum() / n, 1),
