@@ -201,19 +201,20 @@ def test_a_backend_that_times_out_is_retried_then_reported():
     assert calls["latency_ms"][0] >= 400
 
 
-def test_efficiency_summary_per_stage():
-    from models.llm.telemetry import efficiency
+def test_backend_totals_count_cache_hits_as_calls_without_tokens_or_cost():
+    from models.llm.telemetry import backend_totals
 
     calls = pl.DataFrame({"stage": ["direct"] * 3, "backend": ["openai"] * 3, "model": ["m"] * 3,
                           "trajectory_id": ["a", "a", "b"], "tokens_in": [1000, 1200, 900],
-                          "tokens_cached_in": [0, 0, 0], "tokens_out": [300, 250, 280], "tokens_reasoning": [0, 0, 0],
-                          "latency_ms": [1000.0, 2000.0, 3000.0], "cache_hit": [False, False, False]})
-    summary = efficiency(calls, {"m": ModelPrice(input=1.0, output=2.0)}).row(0, named=True)
-    assert (summary["trajectories"], summary["calls"], summary["calls_per_trajectory"]) == (2, 3, 1.5)
-    assert (summary["tokens_in"], summary["tokens_out"], summary["latency_ms_p50"]) == (3100, 830, 2000.0)
-    assert summary["cost_usd"] == pytest.approx((3100 * 1.0 + 830 * 2.0) / 1e6)
-    assert summary["patients_per_hour_serial"] == pytest.approx(2 * 3600 / 6)
-    assert efficiency(calls, {})["cost_usd"].to_list() == [None]
+                          "tokens_cached_in": [0, 0, 400], "tokens_out": [300, 250, 280], "tokens_reasoning": [0, 0, 0],
+                          "latency_ms": [1000.0, 2.0, 3000.0], "cache_hit": [False, True, False]})
+    totals = backend_totals(calls, {"m": ModelPrice(input=1.0, cached_input=0.5, output=2.0)}, ["stage"]).row(0, named=True)
+    assert (totals["llm_calls"], totals["backend_calls"], totals["cache_hits"]) == (3, 2, 1)
+    assert (totals["tokens_in"], totals["tokens_cached_in"], totals["tokens_out"]) == (1900, 400, 580)
+    assert (totals["latency_ms_p50"], totals["latency_ms_total"]) == (2000.0, 4000.0)
+    # (1900 - 400) uncached at $1/M + 400 cached at $0.5/M + 580 out at $2/M; the cache hit costs nothing.
+    assert totals["cost_usd"] == pytest.approx((1500 * 1.0 + 400 * 0.5 + 580 * 2.0) / 1e6)
+    assert backend_totals(calls, {}, ["stage"])["cost_usd"].to_list() == [None]
 
 
 def _write_many(root: str) -> int:

@@ -20,27 +20,6 @@ def call_costs(calls: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFra
         .alias("cost_usd")).drop("p_in", "p_cached", "p_out")
 
 
-def efficiency(calls: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFrame:
-    """Per stage and model: trajectories, calls per trajectory, tokens by kind, latency, cost, cache hits.
-
-    `patients_per_hour_serial` assumes one call at a time (total call latency); concurrent runs go faster.
-    """
-    costed = call_costs(calls, prices)
-    return (costed.group_by("stage", "backend", "model")
-            .agg(pl.col("trajectory_id").n_unique().alias("trajectories"), pl.len().alias("calls"),
-                 pl.col("cache_hit").sum().alias("cache_hits"),
-                 pl.col("tokens_in").sum(), pl.col("tokens_cached_in").sum(), pl.col("tokens_out").sum(),
-                 pl.col("tokens_reasoning").sum(),
-                 pl.col("latency_ms").median().alias("latency_ms_p50"),
-                 pl.col("latency_ms").sum().alias("latency_ms_total"),
-                 # Null when any call's model is missing from the price table: an unknown cost is not zero.
-                 pl.when(pl.col("cost_usd").is_null().any()).then(None).otherwise(pl.col("cost_usd").sum())
-                 .alias("cost_usd"))
-            .with_columns((pl.col("calls") / pl.col("trajectories")).alias("calls_per_trajectory"),
-                          (pl.col("trajectories") * 3.6e6 / pl.col("latency_ms_total")).alias("patients_per_hour_serial"))
-            .sort("stage", "backend", "model"))
-
-
 TOKEN_KINDS = ("tokens_in", "tokens_cached_in", "tokens_out", "tokens_reasoning")
 
 
