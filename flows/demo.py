@@ -17,6 +17,7 @@ from prefect import flow, task
 from dxr.config import Settings
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
+from tasks.prior import ensure_prior
 from tasks.realism import realism_table
 from tasks.report import render_report
 from warehouse.cohorts import CohortOptions, build_cohort
@@ -46,18 +47,7 @@ def build_cohort_task(wh: Warehouse, dataset_id: str, settings: Settings) -> dic
 
 @task(name="ensure-ehr-prior")
 def ensure_prior_task(wh: Warehouse, cohort_id: str, settings: Settings) -> str:
-    """The registered `ehr_prior` of the cohort: reused when its alias resolves, trained otherwise."""
-    from dxr.errors import NotFoundError
-    from models.prior import tracking
-    from tasks.prior import train_prior
-
-    cfg = settings.prior
-    tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)
-    try:
-        version, _ = tracking.resolve_alias("ehr_prior", cohort_id, cfg.alias)
-        return version
-    except NotFoundError:
-        return train_prior(str(wh.root), cohort_id, "ehr_prior", cfg, progress=True).version
+    return ensure_prior(str(wh.root), cohort_id, "ehr_prior", settings.prior)
 
 
 @task(name="evaluate")

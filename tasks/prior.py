@@ -2,7 +2,8 @@
 
 `train_prior` is the plain stage function: forecasting-store connection in (train patients' full
 records, tuning pre-target records), a registered MLflow model out, a `runs` row recorded.
-`train_prior_task` is its Prefect wrapper.
+`train_prior_task` is its Prefect wrapper. `ensure_prior` trains only when the alias resolves to
+nothing (the demo's once-per-cohort-build training).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import asdict
 
 from prefect import task
 
+from dxr.errors import NotFoundError
+from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.train import TrainResult, train_prior_model
 from warehouse.cohorts import get_cohort
@@ -28,6 +31,16 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
         result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress)
         run.config = {**config, "result": asdict(result)}
     return result
+
+
+def ensure_prior(data_dir: str, cohort_id: str, system: str, cfg: PriorConfig) -> str:
+    """The version the configured alias of `system` points to for the cohort; trained and registered
+    first when nothing is registered yet (a rerun reuses it)."""
+    tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
+    try:
+        return tracking.resolve_alias(system, cohort_id, cfg.alias)[0]
+    except NotFoundError:
+        return train_prior(data_dir, cohort_id, system, cfg, progress=True).version
 
 
 @task(name="train-prior")

@@ -43,14 +43,18 @@ def test_valid_reply_is_parsed_and_recorded(tmp_path):
                     "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0}]
 
 
-def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
-    bad = '{"answer": "three", "why": "counted"}'
-    feedback = QUESTION + [
+def re_ask(bad: str, *errors: str) -> list[dict]:
+    """The conversation the client sends after `bad` failed validation with `errors`."""
+    return QUESTION + [
         {"role": "assistant", "content": bad},
         {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
-         "- at (root): Additional properties are not allowed ('why' was unexpected)\n"
-         "- at answer: 'three' is not of type 'integer'\n"
-         "Reply again with only a JSON object that fixes every listed problem."}]
+         + "".join(f"- {e}\n" for e in errors) + "Reply again with only a JSON object that fixes every listed problem."}]
+
+
+def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
+    bad = '{"answer": "three", "why": "counted"}'
+    feedback = re_ask(bad, "at (root): Additional properties are not allowed ('why' was unexpected)",
+                      "at answer: 'three' is not of type 'integer'")
     client = replay_client(tmp_path, [(QUESTION, bad, 40, 9), (feedback, '{"answer": 3}', 90, 5)])
     assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
     calls = client.telemetry()
@@ -62,11 +66,7 @@ def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
 
 def test_validation_retries_are_bounded(tmp_path):
     bad = "not json at all"
-    feedback = QUESTION + [
-        {"role": "assistant", "content": bad},
-        {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
-         "- the reply is not JSON (Expecting value at character 0)\n"
-         "Reply again with only a JSON object that fixes every listed problem."}]
+    feedback = re_ask(bad, "the reply is not JSON (Expecting value at character 0)")
     client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, bad, 1, 1)], validation_retries=1)
     with pytest.raises(LLMOutputError, match="stayed invalid after 2 attempts: the reply is not JSON"):
         asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
@@ -132,8 +132,15 @@ async def chat_server(delay_s: float, state: dict):
                                             "prompt_tokens_details": {"cached_tokens": 8},
                                             "completion_tokens_details": {"reasoning_tokens": 2}}})
 
+    async with serving(chat) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serving(handler):
+    """`handler` as `/v1/chat/completions` of an aiohttp server on a free 127.0.0.1 port; yields the base URL."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/chat/completions", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -276,19 +283,13 @@ def test_a_rejected_request_is_recorded_and_not_retried():
         return web.Response(status=400, text="the prompt exceeds the context window")
 
     async def scenario():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", rejecting)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        client = http_client(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1")
-        try:
-            with pytest.raises(InputError, match="HTTP 400 .* exceeds the context window"):
-                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
-        finally:
-            await client.close()
-            await runner.cleanup()
+        async with serving(rejecting) as url:
+            client = http_client(url)
+            try:
+                with pytest.raises(InputError, match="HTTP 400 .* exceeds the context window"):
+                    await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            finally:
+                await client.close()
         return client.telemetry()
 
     state = {"requests": 0}

@@ -37,7 +37,7 @@ def test_a_server_that_cannot_load_its_model_fails_with_its_log(tmp_path):
     server = LocalServer(broken, 2048, 1, tmp_path / "server.log", startup_timeout_s=60)
     with pytest.raises(ConfigError, match="exited with code .* while starting: .*full log: .*server.log"):
         server.start()
-    assert server.process is None or server.process.poll() is not None
+    assert server.process is None  # reaped, and its exit hook withdrawn
     with pytest.raises(ConfigError, match="does not exist"):
         LocalServer(tmp_path / "missing.gguf", 2048, 1, tmp_path / "server.log")
 
@@ -90,7 +90,10 @@ def test_the_client_stops_the_server_it_started(tmp_path):
         try:
             reply = await client.complete_json([{"role": "user", "content": "Reply in JSON."}], schema, "probe/1",
                                                CallContext("run-probe", "probe"))
-            return reply, client.backend.server.process
+            server = client.backend.server
+            running = server.process
+            assert server.start() == server.base_url and server.process is running  # a running server is reused
+            return reply, running
         finally:
             await client.close()
 

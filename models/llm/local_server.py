@@ -91,7 +91,10 @@ class LocalServer:
                 "--n_threads", str(self.threads), "--n_threads_batch", str(self.batch_threads)]
 
     def start(self) -> str:
-        """Launch the server and wait until `/v1/models` answers; returns the base URL."""
+        """Launch the server and wait until `/v1/models` answers; returns the base URL (a running
+        server is reused)."""
+        if self.process is not None and self.process.poll() is None:
+            return self.base_url
         try:
             import llama_cpp.server  # noqa: F401  (only to fail early with an installable hint)
         except ImportError as exc:
@@ -108,8 +111,10 @@ class LocalServer:
         self.base_url = f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ConfigError(f"the embedded llama.cpp server exited with code {self.process.returncode} "
+            code = self.process.poll()
+            if code is not None:
+                self.stop()
+                raise ConfigError(f"the embedded llama.cpp server exited with code {code} "
                                   f"while starting: {self._log_tail()} (full log: {self.log_path})")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as response:
