@@ -155,7 +155,8 @@ def main() -> None:
             training[system] = in_child(train_one, str(wh.root), cohort_id, system, cfg.model_dump_json())
             t = training[system]
             print(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, "
-                  f"val R@20 {t['metrics'].get('val_recall_at_20', float('nan')):.3f}, peak {t['peak_rss_mb']:.0f} MB",
+                  f"val R@20 {t['metrics'].get('val_recall_at_20', float('nan')):.3f} "
+                  f"(epoch {int(t['metrics'].get('selected_epoch', -1)) + 1}), peak {t['peak_rss_mb']:.0f} MB",
                   flush=True)
 
     run_id = f"bench-prior-{datetime.now():%Y%m%dT%H%M%S}"

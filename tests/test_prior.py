@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import lightning as L
 import polars as pl
 import pytest
 import torch
@@ -141,15 +142,15 @@ def planted(tmp_path_factory):
 def test_training_is_deterministic_for_a_seed(planted):
     data, cfg = planted
     one = cfg.model_copy(update={"epochs": 1})
-    first, _ = fit_network(data, "ehr_prior", one)
-    second, _ = fit_network(data, "ehr_prior", one)
+    first, _, _ = fit_network(data, "ehr_prior", one)
+    second, _, _ = fit_network(data, "ehr_prior", one)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
 
 
 def test_tiny_run_learns_the_planted_successor(planted):
     data, cfg = planted
-    net, _ = fit_network(data, "ehr_prior", cfg)
+    net, _, _ = fit_network(data, "ehr_prior", cfg)
     val = data.val_set
     with torch.no_grad():
         scores, _, _ = net(val.t.codes, val.t.numeric, val.t.lengths, val.t.dx, last_only=True)
@@ -163,3 +164,35 @@ def test_tiny_run_learns_the_planted_successor(planted):
         successor = codes.index(triggers[0].replace("//T", "//S"))
         hits += successor in top3[row].tolist()
     assert hits / len(val) >= 0.9, f"planted successor in the top 3 for {hits} of {len(val)} tuning pairs"
+
+
+class ValidationRecall(L.Callback):
+    def __init__(self):
+        self.values: list[float] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module) -> None:
+        self.values.append(module.epoch_metrics()["val_recall_at_20"])
+
+
+def validation_recall(net: PriorNet, data: PriorDataModule) -> float:
+    val = data.val_set
+    with torch.no_grad():
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.lengths, val.t.dx, last_only=True)
+    labels = visit_multi_hot(val.labels.unsqueeze(1), scores.shape[-1]).squeeze(1)
+    return float(precision_recall_at_k(scores, labels, 20)[1].mean())
+
+
+def test_training_keeps_the_best_validation_epoch(planted):
+    data, cfg = planted
+    # A learning rate this high makes validation recall wander, so the best epoch is not the last.
+    wild = cfg.model_copy(update={"lr": 1.0, "epochs": 6})
+    recorded = ValidationRecall()
+    net, _, epoch = fit_network(data, "ehr_prior", wild, [recorded])
+    best = max(range(len(recorded.values)), key=lambda e: (recorded.values[e], -e))
+    assert epoch == best and best != len(recorded.values) - 1, recorded.values
+    assert validation_recall(net, data) == pytest.approx(recorded.values[best], abs=1e-6)
+
+    last_recorded = ValidationRecall()
+    last, _, none = fit_network(data, "ehr_prior", wild.model_copy(update={"keep_best_epoch": False}), [last_recorded])
+    assert none is None and last_recorded.values == recorded.values
+    assert validation_recall(last, data) == pytest.approx(recorded.values[-1], abs=1e-6)

@@ -51,6 +51,12 @@ def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
     for name in ("val_recall_at_20", "val_precision_at_20", "train_task_loss", "train_balance_loss",
                  "train_z_loss", "router_load_l0_e0"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [0, 1], name
+    # The registered weights are those of the epoch with the best tuning R@20, and the result says which.
+    history = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "val_recall_at_20"),
+                                       key=lambda m: m.step)]
+    selected = int(run.data.metrics["selected_epoch"])
+    assert selected == max(range(len(history)), key=lambda e: (history[e], -e))
+    assert result.metrics["val_recall_at_20"] == pytest.approx(history[selected])
     assert "prior_config.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert str(wh.root / "mlflow" / "artifacts") in run.info.artifact_uri
     runs = wh.read("runs").filter(pl.col("run_id") == "train-test-1")

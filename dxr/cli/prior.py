@@ -45,6 +45,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg):
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; "
-                   f"val R@20 {result['metrics'].get('val_recall_at_20', float('nan')):.3f}, "
+                   f"val R@20 {result['metrics'].get('val_recall_at_20', float('nan')):.3f} "
+                   f"(epoch {int(result['metrics'].get('selected_epoch', -1)) + 1}), "
                    f"{result['n_train_patients']} train patients in {result['train_seconds']:.0f} s "
                    f"(mlflow run {result['mlflow_run_id']})")

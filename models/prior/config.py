@@ -25,6 +25,8 @@ class PriorConfig(BaseModel):
     min_code_count: int = Field(3, ge=1, description="rarer input codes share the unknown token")
     # ---- training ----
     epochs: int = Field(8, ge=1)
+    keep_best_epoch: bool = Field(True, description="register the weights of the epoch with the best tuning "
+                                  "R@20 (the earliest on a tie) instead of the last epoch's")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)

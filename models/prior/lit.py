@@ -34,6 +34,7 @@ class PriorModule(L.LightningModule):
         super().__init__()
         self.net, self.cfg = net, cfg
         self.epoch_stats: dict[str, list[torch.Tensor]] = {}
+        self._epoch_metrics: tuple[int, dict[str, float]] | None = None
 
     def _collect(self, name: str, value: torch.Tensor) -> None:
         self.epoch_stats.setdefault(name, []).append(value.detach())
@@ -63,6 +64,15 @@ class PriorModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """This epoch's statistics, computed at the first request after its validation.
+
+        Several callbacks read them at the end of an epoch; whichever asks first pops them.
+        """
+        if self._epoch_metrics is None or self._epoch_metrics[0] != self.current_epoch:
+            self._epoch_metrics = (self.current_epoch, self.pop_epoch_metrics())
+        return self._epoch_metrics[1]
 
     def pop_epoch_metrics(self) -> dict[str, float]:
         """Means of what was collected since the last call; router loads as one metric per expert."""

@@ -47,6 +47,9 @@ def net_config(system: str, cfg: PriorConfig, n_input: int, n_output: int) -> Ne
                      recurrence=arch != "gru")
 
 
+SELECTION_METRIC = "val_recall_at_20"
+
+
 class MlflowEpochLogger(L.Callback):
     """Logs every collected statistic once per epoch (after validation) to the active MLflow run."""
 
@@ -54,25 +57,54 @@ class MlflowEpochLogger(L.Callback):
         self.history: list[dict[str, float]] = []
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
-        metrics = module.pop_epoch_metrics()
+        metrics = module.epoch_metrics()
         self.history.append(metrics)
         mlflow.log_metrics(metrics, step=trainer.current_epoch)
 
 
+class KeepBestEpoch(L.Callback):
+    """Remembers the weights of the epoch with the best tuning R@20 and restores them when fitting ends.
+
+    The earliest epoch wins a tie. Without validation pairs (no tuning record with two visits)
+    there is nothing to select on and the last epoch's weights stay.
+    """
+
+    def __init__(self):
+        self.epoch: int | None = None
+        self.value = float("-inf")
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
+        value = module.epoch_metrics().get(SELECTION_METRIC)
+        if value is not None and value > self.value:
+            self.epoch, self.value = trainer.current_epoch, value
+            self.state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    def on_fit_end(self, trainer: L.Trainer, module: PriorModule) -> None:
+        if self.state is not None:
+            module.net.load_state_dict(self.state)
+
+
 def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks: list[L.Callback] = (),
-                progress: bool = False) -> tuple[PriorNet, NetConfig]:
-    """Seeded Lightning fit of a fresh network on a set-up data module; returns it in eval mode."""
+                progress: bool = False) -> tuple[PriorNet, NetConfig, int | None]:
+    """Seeded Lightning fit of a fresh network on a set-up data module.
+
+    Returns the network in eval mode, its config and the epoch whose weights it holds (0-based;
+    None when `keep_best_epoch` is off or there was nothing to validate on: the last epoch).
+    """
     torch.set_num_threads(cfg.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     net_cfg = net_config(system, cfg, data.vocab.n_input, data.vocab.n_output)
     net = PriorNet(net_cfg)
     init_weights(net)
     init_output_bias(net, data.train_set.t.dx, data.train_set.t.lengths)
+    best = KeepBestEpoch() if cfg.keep_best_epoch else None
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
-                        num_sanity_val_steps=0, deterministic=True, callbacks=list(callbacks))
+                        num_sanity_val_steps=0, deterministic=True,
+                        callbacks=[*callbacks, *([best] if best else [])])
     trainer.fit(PriorModule(net, cfg), datamodule=data)
-    return net.eval(), net_cfg
+    return net.eval(), net_cfg, best.epoch if best else None
 
 
 def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
@@ -92,12 +124,13 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
                            "n_output_codes": data.vocab.n_output, "n_train_sequences": len(data.train_set),
                            "n_val_pairs": len(data.val_set)})
         mlflow.log_dict(cfg.model_dump(), "prior_config.json")
-        net, net_cfg = fit_network(data, system, cfg, [epoch_logger], progress)
+        net, net_cfg, best_epoch = fit_network(data, system, cfg, [epoch_logger], progress)
         mlflow.log_param("n_parameters", n_parameters(net))
         seconds = time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        selected = len(epoch_logger.history) - 1 if best_epoch is None else best_epoch
         summary = {"train_seconds": seconds, "train_patients_per_second": data.n_train_patients / seconds,
-                   "peak_rss_mb": peak_mb}
+                   "peak_rss_mb": peak_mb, "selected_epoch": selected}
         mlflow.log_metrics(summary)
         with tempfile.TemporaryDirectory() as tmp:
             files = []
@@ -113,6 +146,6 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
         if cfg.promote:
             tracking.MlflowClient().set_registered_model_alias(name, cfg.alias, version)
             alias = cfg.alias
-    final = epoch_logger.history[-1] if epoch_logger.history else {}
-    return TrainResult(system, cohort_id, run.info.run_id, name, version, alias, {**final, **summary},
+    chosen = epoch_logger.history[selected] if epoch_logger.history else {}
+    return TrainResult(system, cohort_id, run.info.run_id, name, version, alias, {**chosen, **summary},
                        data.n_train_patients, len(data.train_set), seconds, peak_mb)
