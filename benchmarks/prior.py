@@ -156,7 +156,7 @@ def main() -> None:
             t = training[system]
             print(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, "
                   f"val R@20 {t['metrics'].get('val_recall_at_20', float('nan')):.3f} "
-                  f"(epoch {int(t['metrics'].get('selected_epoch', -1)) + 1}), peak {t['peak_rss_mb']:.0f} MB",
+                  f"(epoch {int(t['metrics']['selected_epoch']) + 1}), peak {t['peak_rss_mb']:.0f} MB",
                   flush=True)
 
     run_id = f"bench-prior-{datetime.now():%Y%m%dT%H%M%S}"

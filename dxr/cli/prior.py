@@ -46,6 +46,6 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; "
                    f"val R@20 {result['metrics'].get('val_recall_at_20', float('nan')):.3f} "
-                   f"(epoch {int(result['metrics'].get('selected_epoch', -1)) + 1}), "
+                   f"(epoch {int(result['metrics']['selected_epoch']) + 1}), "
                    f"{result['n_train_patients']} train patients in {result['train_seconds']:.0f} s "
                    f"(mlflow run {result['mlflow_run_id']})")

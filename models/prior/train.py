@@ -20,6 +20,7 @@ from models.prior.lit import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
 
 mlflow = tracking.mlflow
+SELECTION_METRIC = "val_recall_at_20"  # tuning R@20 picks the epoch whose weights are registered
 
 
 @dataclass
@@ -45,9 +46,6 @@ def net_config(system: str, cfg: PriorConfig, n_input: int, n_output: int) -> Ne
                      n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
                      expert_hidden=cfg.expert_hidden, dropout=cfg.dropout, max_visits=cfg.max_visits,
                      recurrence=arch != "gru")
-
-
-SELECTION_METRIC = "val_recall_at_20"
 
 
 class MlflowEpochLogger(L.Callback):
