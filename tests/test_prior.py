@@ -63,6 +63,16 @@ def test_history_features_count_recency_and_latest():
     assert torch.equal(every[2], feats)
 
 
+def test_last_visit_history_features_match_the_per_position_ones():
+    codes, numeric, lengths, dx_ids = random_batch(O=7)
+    dx_ids[0, 1, 1] = 7  # a padded diagnosis slot inside a real visit
+    dx_ids[1, 3] = torch.tensor([2, 5])  # ids beyond a sequence's length must not count
+    dx_ids[0, 2] = torch.tensor([4, 4])  # a repeated id counts its visit once
+    every = history_features(dx_ids, lengths, 7, last_only=False)  # (B, V, O, F)
+    last = history_features(dx_ids, lengths, 7, last_only=True)  # (B, O, F)
+    assert torch.allclose(last, every[torch.arange(3), lengths - 1])
+
+
 def test_loss_masks_pairs_beyond_each_sequence():
     codes, numeric, lengths, dx_ids = random_batch()
     scores = torch.zeros(3, 5, 7)

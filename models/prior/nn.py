@@ -222,22 +222,37 @@ def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: in
 
     Visits beyond each sequence's length are masked out whatever ids they hold.
     """
+    if last_only:
+        return last_history_features(dx, lengths, n_output_codes)
     hot = visit_multi_hot(dx, n_output_codes)  # (B, V, O)
-    B, V, O = hot.shape
+    V = hot.shape[1]
     real = (torch.arange(V, device=dx.device)[None, :] < lengths[:, None]).float()  # (B, V)
     hot = hot * real[:, :, None]
     position = torch.arange(V, device=dx.device, dtype=torch.float32).view(1, V, 1)  # (1, V, 1)
-    if last_only:
-        count = hot.sum(1)  # (B, O)
-        last_seen = torch.where(hot > 0, position, -1.0).amax(1)  # (B, O)
-        now = (lengths - 1).float().unsqueeze(-1)  # (B, 1)
-        latest = hot[torch.arange(B), lengths - 1]  # (B, O)
-    else:
-        count = hot.cumsum(1)  # (B, V, O)
-        last_seen = torch.where(hot > 0, position, -1.0).cummax(1).values  # (B, V, O)
-        now = position  # (1, V, 1)
-        latest = hot
+    count = hot.cumsum(1)  # (B, V, O)
+    last_seen = torch.where(hot > 0, position, -1.0).cummax(1).values  # (B, V, O)
+    recency = torch.where(count > 0, 1.0 / (1.0 + position - last_seen), 0.0)
+    return torch.stack([torch.log1p(count), recency, hot], dim=-1)
+
+
+def last_history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> torch.Tensor:
+    """The same features at each sequence's last real visit only, (B, O, F), by scattering the
+    diagnosis ids (B·V·D entries) instead of building a (B, V, O) multi-hot: the inference path.
+
+    A repeated id within a visit is counted once, as the multi-hot would.
+    """
+    B, V, D = dx.shape
+    O = n_output_codes
+    ids, _ = dx.sort(-1)  # (B, V, D)
+    ids[..., 1:] = ids[..., 1:].masked_fill(ids[..., 1:] == ids[..., :-1], O)
+    visit = torch.arange(V, device=dx.device).view(1, V, 1).expand(B, V, D)  # (B, V, D)
+    ids = torch.where(visit < lengths.view(B, 1, 1), ids, O).reshape(B, V * D)  # padding → O
+    visit = visit.reshape(B, V * D).float()
+    count = dx.new_zeros(B, O + 1, dtype=torch.float32).scatter_add_(1, ids, torch.ones_like(visit))[:, :O]
+    last_seen = torch.full((B, O + 1), -1.0, device=dx.device).scatter_reduce_(1, ids, visit, "amax")[:, :O]
+    now = (lengths - 1).float().unsqueeze(-1)  # (B, 1)
     recency = torch.where(count > 0, 1.0 / (1.0 + now - last_seen), 0.0)
+    latest = (last_seen == now).float()
     return torch.stack([torch.log1p(count), recency, latest], dim=-1)
 
 
