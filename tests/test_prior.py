@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import doctest
 
 import lightning as L
 import polars as pl
 import pytest
 import torch
 
+from models.prior import data as prior_data, lit as prior_lit
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
@@ -131,6 +133,20 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
     assert inputs.codes[0, 1].sum() == 0
 
 
+def test_a_full_visit_keeps_diagnoses_then_procedures_then_medications_then_labs():
+    at = dt.datetime(2020, 1, 1)
+    codes = [dx("X"), "LAB//k//u", "MEDICATION//NAME//m", "PROCEDURE//ICD//10//P"]
+    events = pl.DataFrame({"trajectory_id": ["a"] * 4, "time": [at] * 4, "code": codes,
+                           "numeric_value": [None, 2.5, None, None], "encounter_id": [1] * 4})
+    vocab = Vocabulary(input_codes=sorted([dx("X"), "LAB//k//u//q2", "MEDICATION//NAME//m", "PROCEDURE//ICD//10//P"]),
+                       output_codes=[dx("X")], omega=[dx("X")], lab_cuts={"LAB//k//u": [1.0, 2.0, 3.0, 4.0]})
+    ids = {code: i + 2 for i, code in enumerate(vocab.input_codes)}
+    order = [dx("X"), "PROCEDURE//ICD//10//P", "MEDICATION//NAME//m", "LAB//k//u//q2"]
+    for width in (4, 3, 2):
+        out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_codes_per_visit=width))
+        assert out.codes[0, 0].tolist() == [ids[c] for c in order[:width]], width
+
+
 def test_precision_recall_and_trim():
     p, r = precision_recall_at_k(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), 2)
     assert (p.item(), r.item()) == (0.5, pytest.approx(1 / 3))
@@ -206,3 +222,9 @@ def test_training_keeps_the_best_validation_epoch(planted):
     last, _, none = fit_network(data, "ehr_prior", wild.model_copy(update={"keep_best_epoch": False}), [last_recorded])
     assert none is None and last_recorded.values == recorded.values
     assert validation_recall(last, data) == pytest.approx(recorded.values[-1], abs=1e-6)
+
+
+@pytest.mark.parametrize("module", [prior_data, prior_lit])
+def test_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

@@ -26,8 +26,8 @@ from dxr.errors import InputError
 from models.prior.config import PriorConfig
 from models.transition import sql_frame
 
-TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")
-LAB_PREFIX = "LAB//"
+TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
+LAB_PREFIX = "LAB//"  # lab value tokens come last
 LAB_QUANTILES = (0.2, 0.4, 0.6, 0.8)
 PAD, UNKNOWN = 0, 1
 
@@ -93,6 +93,18 @@ def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl
     return binned.with_columns(pl.format("{}//q{}", "code", quintile).alias("code")).select(labs.columns)
 
 
+def token_rank(code: pl.Expr) -> pl.Expr:
+    """0 diagnosis, 1 procedure, 2 medication, 3 lab value: the order in which a visit keeps its codes.
+
+    >>> pl.select(token_rank(pl.lit("MEDICATION//aspirin"))).item()
+    2
+    """
+    rank = pl.lit(len(TOKEN_PREFIXES), dtype=pl.Int8)
+    for i, prefix in reversed(list(enumerate(TOKEN_PREFIXES))):
+        rank = pl.when(code.str.starts_with(prefix)).then(pl.lit(i, dtype=pl.Int8)).otherwise(rank)
+    return rank
+
+
 @dataclass
 class VisitTensors:
     """Padded per-sequence tensors (N sequences, V visits, C codes, D diagnoses per visit)."""
@@ -156,9 +168,10 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
                               schema={"code": pl.String, "out": pl.Int64})
     tokens = (tokens.join(input_ids, on="code", how="left").join(output_ids, on="code", how="left")
               .with_columns(pl.col("id").fill_null(UNKNOWN),
-                            pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"))
-              # Diagnoses first so truncation drops procedures and medications before diagnoses.
-              .sort("row", "pos", "is_dx", "code", descending=[False, False, True, False])
+                            pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"),
+                            token_rank(pl.col("code")).alias("kind_rank"))
+              # Truncation to max_codes_per_visit drops labs first, then medications, then procedures.
+              .sort("row", "pos", "kind_rank", "code")
               .with_columns(pl.int_range(pl.len()).over("row", "pos").alias("slot")))
     codes = np.zeros((n, V, C), dtype=np.int64)
     kept = tokens.filter(pl.col("slot") < C)
