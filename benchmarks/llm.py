@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
-from models.llm.backends import Completion, OpenAIBackend, ReplayBackend, append_recording  # noqa: E402
-from models.llm.backends import make_backend  # noqa: E402
+from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, append_recording,  # noqa: E402
+                                 make_backend)
 from models.llm.cache import ResponseCache  # noqa: E402
 from models.llm.client import CallContext, LLMClient  # noqa: E402
 from models.llm.config import LLMConfig  # noqa: E402

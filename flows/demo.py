@@ -17,6 +17,7 @@ from prefect import flow, task
 from dxr.config import Settings
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
+from tasks.forecast import status_counts
 from tasks.prior import ensure_prior
 from tasks.realism import realism_table
 from tasks.report import render_report
@@ -77,8 +78,6 @@ def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4
         llm_run = f"{run_id}-llm"
         for system in LLM_SAMPLE_SYSTEMS:
             forecast_flow(str(wh.root), cohort_id, system, split="held_out", limit=llm_sample, run_id=llm_run)
-        status = (wh.read("ranking_status", run_id=llm_run).group_by("system", "status").len()
-                  .sort("system", "status"))
-        result["llm"] = {"run_id": llm_run, "metrics": evaluate_task(wh, llm_run), "status": status,
+        result["llm"] = {"run_id": llm_run, "metrics": evaluate_task(wh, llm_run), "status": status_counts(wh, llm_run),
                          "report": render_report(wh, llm_run, Path(wh.root) / "reports" / llm_run)}
     return result

@@ -73,6 +73,11 @@ def forecast_shard(forecaster: Forecaster, trajectories: pl.DataFrame, pretarget
     return ranked, status
 
 
+def status_counts(wh: Warehouse, run_id: str) -> pl.DataFrame:
+    """Trajectories per (system, status) in a run's `ranking_status`: (system, status, len)."""
+    return wh.read("ranking_status", run_id=run_id).group_by("system", "status").len().sort("system", "status")
+
+
 @task(name="forecast-shard")
 def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, split: str, k: int, run_id: str,
                         limit: int | None = None) -> int:

@@ -224,10 +224,10 @@ TABLES.update({
             "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
             "truncated_chars": pa.int64(),
         }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
-           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx)}; `truncated_chars` = history characters dropped to fit the context window; `latency_ms` = "
-           "time in flight at the backend over every attempt (queueing and backoff excluded; the lookup time "
-           "for a cache hit). Cost "
-           "is computed at report time from the `llm.prices` table, never stored.",
+           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx)}; `truncated_chars` = "
+           "history characters dropped to fit the context window; `latency_ms` = time in flight at the backend "
+           "over every attempt (queueing and backoff excluded; the lookup time for a cache hit). Cost is "
+           "computed at report time from the `llm.prices` table, never stored.",
            nullable=["trajectory_id", "error"]),
     ]
 })

@@ -21,8 +21,8 @@ class PriorConfig(BaseModel):
     dropout: float = Field(0.1, ge=0, lt=1)
     # Longer records keep their most recent visits; the synthetic patients rarely exceed this.
     max_visits: int = Field(24, ge=2)
-    max_codes_per_visit: int = Field(48, ge=1, description="kept in this order: diagnoses, procedures, medications, lab "
-                                     "values")
+    max_codes_per_visit: int = Field(
+        48, ge=1, description="kept in this order: diagnoses, procedures, medications, lab values")
     min_code_count: int = Field(3, ge=1, description="rarer input codes share the unknown token")
     # ---- training ----
     epochs: int = Field(8, ge=1)
