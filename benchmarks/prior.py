@@ -15,6 +15,7 @@ Prints one table and writes JSON to benchmarks/results/prior[-<name>].json.
 
     python benchmarks/prior.py --data-dir /tmp/prior_bench/wh5k [--patients 5000] [--seed 7]
     python benchmarks/prior.py --planted 400 --data-dir /tmp/prior_planted   # smoke test only
+    python benchmarks/prior.py --data-dir /tmp/wh200k --patients 200000 --systems repeat_history,ehr_prior
 """
 
 from __future__ import annotations
@@ -132,7 +133,14 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="results file suffix")
     parser.add_argument("--eval-split", default="held_out", choices=["held_out", "tuning", "all"],
                         help="trajectories to score (MIMIC demo smoke: all, since it has no held_out)")
+    parser.add_argument("--systems", default=",".join(BASELINES + LEARNED),
+                        help="comma-separated systems to run (ehr_prior always; e.g. a scaling run of "
+                             "repeat_history,ehr_prior)")
     args = parser.parse_args()
+    systems = [s for s in BASELINES + LEARNED if s in args.systems.split(",") or s == "ehr_prior"]
+    unknown = set(args.systems.split(",")) - set(BASELINES + LEARNED)
+    if unknown:
+        parser.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + LEARNED)}")
     # Worker pools (the synthetic generator's) must not fork a process that already runs
     # polars/torch threads: forked children can deadlock on locks held by those threads.
     mp.set_start_method("spawn", force=True)
@@ -151,7 +159,7 @@ def main() -> None:
 
     training = {}
     if not args.skip_train:
-        for system in LEARNED:
+        for system in (s for s in LEARNED if s in systems):
             training[system] = in_child(train_one, str(wh.root), cohort_id, system, cfg.model_dump_json())
             t = training[system]
             print(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, "
@@ -161,7 +169,7 @@ def main() -> None:
 
     run_id = f"bench-prior-{datetime.now():%Y%m%dT%H%M%S}"
     inference = {}
-    for system in BASELINES + LEARNED:
+    for system in systems:
         held = in_child(forecast_one, str(wh.root), cohort_id, system, args.eval_split, run_id)
         everyone = in_child(forecast_one, str(wh.root), cohort_id, system, "all", f"{run_id}-all")
         inference[system] = {"evaluated": held, "all": everyone}
@@ -173,7 +181,7 @@ def main() -> None:
 
     from tasks.evaluate import evaluate
 
-    pairs = [("ehr_prior", peer) for peer in PEERS]
+    pairs = [("ehr_prior", peer) for peer in PEERS if peer in systems]
     has_oracle = wh.connect(gold=True).sql(
         "SELECT count(*) FROM oracle_probabilities WHERE cohort_id = ?", params=[cohort_id]).fetchall()[0][0] > 0
     if has_oracle:
@@ -184,9 +192,8 @@ def main() -> None:
     wanted = [("all", 10, "precision_at_k"), ("all", 10, "recall_at_k"), ("all", 20, "precision_at_k"),
               ("all", 20, "recall_at_k"), ("new_onset", 20, "recall_at_k"), ("repeated", 20, "recall_at_k")]
     labels = ["P@10", "R@10", "P@20", "R@20", "R@20 new", "R@20 rep"]
-    systems = (["oracle"] if has_oracle else []) + list(BASELINES + LEARNED)
     table = []
-    for system in systems:
+    for system in (["oracle"] if has_oracle else []) + systems:
         row = {"system": system}
         for label, (subset, k, metric) in zip(labels, wanted):
             hit = metrics.filter((pl.col("system") == system) & (pl.col("subset") == subset) & (pl.col("k") == k)
