@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
-from tasks.evaluate import (ORACLE, bootstrap_weights, coverage_rows, estimate, load_run,  # noqa: E402
+from tasks.evaluate import (ORACLES, bootstrap_weights, coverage_rows, estimate, load_run,  # noqa: E402
                             metric_rows, paired_rows, pool_oracle_counts, system_counts)
 from warehouse.store import Warehouse  # noqa: E402
 
@@ -105,7 +105,7 @@ def main() -> None:
         rows = timed("metric rows + intervals", lambda: metric_rows(est))
         pairs = list(combinations(run.systems, 2))
         timed(f"paired comparisons ({len(pairs)} pairs)", lambda: paired_rows(est, pairs))
-        forecasting = [s for s in run.systems if s != ORACLE]
+        forecasting = [s for s in run.systems if s not in ORACLES]
         pools = [(s,) for s in forecasting] + [tuple(forecasting)]
         timed(f"pool oracle ({len(pools)} pools)", lambda: estimate(pool_oracle_counts(run, pools, ks)[0], weights))
         timed("coverage", lambda: coverage_rows(run, ks))

@@ -31,7 +31,9 @@ trajectory of a sampled patient kept) with a seeded generator, applies the same 
 system (so paired differences use paired resamples) and reports 95% percentile intervals.
 
 Oracles (gold side, written to `metrics`/`headroom` only, never to `rankings`): the synthetic
-generator's `oracle` ranks `oracle_probabilities` by probability (desc), then code; the
+generator's `oracle` ranks `oracle_probabilities` by probability (desc), then code, and
+`record_oracle` ranks `record_oracle_probabilities` the same way (the oracle restricted to what
+the pre-target record reveals; see `warehouse.synthetic.oracle`); the
 target-conditioned pool oracle puts min(K, |pool ∩ Y|) hits in its top K, for a pool that is the
 union of the full lists of some systems (`headroom` table).
 
@@ -59,7 +61,7 @@ from warehouse.runs import record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
-ORACLE = "oracle"
+ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
 NATURAL_K = 0
 DEFAULT_KS = (10, 20)
 # (name, lowest count, highest count or None) of train-split occurrences of a target code.
@@ -131,24 +133,25 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         raise InputError(f"run {run_id!r} ranks trajectories of {len(cohorts)} cohorts ({cohorts}); "
                          "a run covers exactly one cohort: write each cohort's rankings under its own run id")
     cohort_id = cohorts[0]
-    if ORACLE in set(rankings["system"]):
-        raise InputError(f"run {run_id!r} has rankings of system {ORACLE!r}: that name is reserved for the gold-side "
+    reserved = sorted(set(rankings["system"]) & set(ORACLES))
+    if reserved:
+        raise InputError(f"run {run_id!r} has rankings of system {reserved[0]!r}: that name is reserved for a gold-side "
                          "oracle, which is never written to the forecasting store; rename the system")
     # The frozen set: every trajectory any system of the run addressed, whichever systems we evaluate.
     trajectory_ids = sorted(set(rankings["trajectory_id"]) | set(status["trajectory_id"]))
     available = sorted(set(rankings["system"]) | set(status["system"]))
-    oracle_rows = _query(con, "SELECT count(*) AS n FROM oracle_probabilities WHERE cohort_id = ?",
-                         [cohort_id]).item()
+    oracle_rows = {name: _query(con, f"SELECT count(*) AS n FROM {table} WHERE cohort_id = ?", [cohort_id]).item()
+                   for name, table in ORACLES.items()}
     if systems is None:
-        systems = available + ([ORACLE] if include_oracle and oracle_rows else [])
+        systems = available + [name for name, n in oracle_rows.items() if include_oracle and n]
     else:
-        unknown = [s for s in systems if s not in available and s != ORACLE]
+        unknown = [s for s in systems if s not in available and s not in ORACLES]
         if unknown:
             raise NotFoundError(f"system(s) {unknown} have no rankings in run {run_id!r}; "
                                 f"the run has: {', '.join(available)}")
-        if ORACLE in systems and not oracle_rows:
-            raise NotFoundError(f"cohort {cohort_id} has no oracle_probabilities (only synthetic cohorts have an "
-                                f"oracle): drop {ORACLE!r} from --systems")
+        for name in (s for s in systems if s in ORACLES and not oracle_rows[s]):
+            raise NotFoundError(f"cohort {cohort_id} has no {ORACLES[name]} (only synthetic cohorts have "
+                                f"oracles): drop {name!r} from --systems")
     rankings = rankings.filter(pl.col("system").is_in(systems)).drop("cohort_id")
     status = status.filter(pl.col("system").is_in(systems))
 
@@ -176,14 +179,14 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         raise InputError(f"trajectory {empty[0]!r} of run {run_id!r} has no gold targets ({len(empty)} such): empty "
                          "targets are excluded at cohort build time, so the cohort build and the run disagree; "
                          "rebuild the cohort and rerun the forecast")
-    if ORACLE in systems:
-        oracle = _query(con, """
-            SELECT 'oracle' AS system, trajectory_id,
+    for name in (s for s in ORACLES if s in systems):
+        oracle = _query(con, f"""
+            SELECT '{name}' AS system, trajectory_id,
                    row_number() OVER (PARTITION BY trajectory_id ORDER BY probability DESC, code)::INTEGER AS rank,
                    code, true AS native
-            FROM oracle_probabilities JOIN frozen USING (trajectory_id) WHERE cohort_id = ?""", [cohort_id])
+            FROM {ORACLES[name]} JOIN frozen USING (trajectory_id) WHERE cohort_id = ?""", [cohort_id])
         rankings = pl.concat([rankings, oracle.cast(rankings.schema)])
-        status = pl.concat([status, _oracle_status(oracle, trajectory_ids, max(ks, default=0))])
+        status = pl.concat([status, _oracle_status(name, oracle, trajectory_ids, max(ks, default=0))])
     vocabulary = _query(con, "SELECT DISTINCT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
     con.close()
 
@@ -207,10 +210,10 @@ def _query(con, sql: str, params) -> pl.DataFrame:
     return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())
 
 
-def _oracle_status(oracle: pl.DataFrame, trajectory_ids: list[str], k: int) -> pl.DataFrame:
+def _oracle_status(name: str, oracle: pl.DataFrame, trajectory_ids: list[str], k: int) -> pl.DataFrame:
     """The generator lists its top codes only; a trajectory with fewer than K is explicitly short."""
     lengths = dict(oracle.group_by("trajectory_id").len().iter_rows())
-    return pl.DataFrame({"system": ORACLE, "trajectory_id": trajectory_ids,
+    return pl.DataFrame({"system": name, "trajectory_id": trajectory_ids,
                          "status": ["ok" if lengths.get(t, 0) >= k else "short" for t in trajectory_ids]})
 
 
@@ -530,7 +533,7 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         if any(p not in run.systems for p in pair):
             raise NotFoundError(f"pair {pair[0]},{pair[1]}: both systems must be evaluated; evaluated: "
                                 f"{', '.join(run.systems)}")
-    forecasting = [s for s in run.systems if s != ORACLE]
+    forecasting = [s for s in run.systems if s not in ORACLES]
     if pools is None:
         pools = [(s,) for s in forecasting] + ([tuple(forecasting)] if len(forecasting) > 1 else [])
     extra = dict(run_id=run_id, cohort_id=run.cohort_id)

@@ -18,7 +18,7 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
     out = result.output
     for header in ("system", "P@10", "R@10", "P@20", "R@20"):
         assert header in out
-    for system in ("oracle", "global_frequency", "repeat_history", "ehr_prior"):
+    for system in ("oracle", "record_oracle", "global_frequency", "repeat_history", "ehr_prior"):
         assert system in out
     # The LLM sample: Direct Forecast with the embedded model and Union + RRF on the same 4 patients.
     llm_part = out.split("LLM sample (local backend")[1]

@@ -188,6 +188,25 @@ def test_oracle_from_gold_probabilities(wh):
     # Ties broken by code: T1 → [A, B] (both hits), T2 → [D, Y], T3 → [E, X].
     assert value(result.metrics, "oracle", "micro_precision", 2) == pytest.approx(4 / 6)
     assert not wh.read("rankings").filter(pl.col("system") == "oracle").height
+    assert "record_oracle" not in set(result.metrics["system"])  # no record-oracle rows for this cohort
+    with pytest.raises(NotFoundError, match="no record_oracle_probabilities"):
+        evaluate(wh, "r1", systems=["s1", "record_oracle"], ks=(2,), n_boot=0)
+
+
+def test_record_oracle_from_gold_probabilities(wh):
+    wh.write("record_oracle_probabilities", pl.DataFrame({
+        "cohort_id": COHORT, "trajectory_id": [T1, T1, T2, T2, T3, T3],
+        "code": [X, A, Y, D, X, E], "probability": [0.6, 0.5, 0.9, 0.1, 0.3, 0.2]}), cohort_id=COHORT)
+    result = evaluate(wh, "r1", ks=(2,), n_boot=0)
+    # T1 → [X, A] (one hit), T2 → [Y, D] (one), T3 → [X, E] (one).
+    assert value(result.metrics, "record_oracle", "micro_precision", 2) == pytest.approx(3 / 6)
+    assert not result.headroom["pool"].str.contains("oracle").any()  # oracles are not pooled
+
+
+def test_oracle_names_are_reserved(wh):
+    write_rankings(wh, "r6", rankings={"record_oracle": {T1: [A, B], T2: [A, B], T3: [E, X]}}, status={})
+    with pytest.raises(InputError, match="'record_oracle': that name is reserved"):
+        evaluate(wh, "r6", ks=(2,), n_boot=0)
 
 
 def test_pool_oracle_headroom(wh):

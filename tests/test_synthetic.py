@@ -15,11 +15,11 @@ from dxr.errors import ConfigError, InputError
 from warehouse.meds import hash_split, validate_meds_dir
 from warehouse.synthetic import GENERATOR_VERSION, generate, generation_parameters, oracle
 from warehouse.synthetic.conditions import (
-    CHRONIC, CODE_OWNER, COMPLICATIONS, REASONS, validate_definitions,
+    CHRONIC, CHRONIC_BY_NAME, CODE_OWNER, COMPLICATIONS, REASONS, codes_of, validate_definitions,
 )
 from warehouse.synthetic.generate import code_dictionary, patient_frame
 from warehouse.synthetic.model import Rule
-from warehouse.synthetic.oracle import encounter_probabilities
+from warehouse.synthetic.oracle import encounter_probabilities, record_state
 from warehouse.synthetic.realism import (
     REALISM_BANDS, diagnosis_encounters, final_encounter_cohort, realism_report, violations,
 )
@@ -213,6 +213,47 @@ def test_oracle_is_unchanged_when_the_target_draw_is_redrawn(cohort):
         assert encounter_probabilities(SEED, sid, k, state_a, t_a, 50) == \
             encounter_probabilities(SEED, sid, k, state_b, t_b, 50)
     assert changed >= 20, "redrawing the target encounter should usually change its codes"
+
+
+def test_record_state_keeps_exactly_the_conditions_the_record_reveals(cohort):
+    dropped = kept = 0
+    for sid, eid in cohort.head(60).select("subject_id", "target_encounter_id").iter_rows():
+        k = eid - sid * 1000
+        patient = simulate_patient(SEED, sid, capture=frozenset({k}), stop_after=k)
+        state, _ = patient.captured[k]
+        earlier = patient.encounters[:k]
+        codes = {c for e in earlier for c in e.draw.codes}
+        meds = {m for e in earlier for m in e.outcome.medications}
+        revealed = record_state(state, earlier)
+        for name, cond in state.conds.items():
+            evidence = bool(set(codes_of(CHRONIC_BY_NAME[name])) & codes
+                            or {m for _, m in CHRONIC_BY_NAME[name].meds} & meds)
+            assert (name in revealed.conds) == evidence, name
+            if evidence:
+                assert revealed.conds[name] == cond
+        if "pregnancy" not in revealed.conds:
+            assert revealed.pending == "" and revealed.due == float("inf")
+        dropped += len(state.conds) - len(revealed.conds)
+        kept += len(revealed.conds)
+    assert dropped > 0 and kept > dropped, (dropped, kept)
+
+
+def test_record_oracle_differs_only_where_the_record_hides_a_condition(dataset, cohort):
+    sample = cohort.head(30)
+    latent = oracle(dataset, sample, harmonize=None, draws=50, top=1000)
+    record = oracle(dataset, sample, harmonize=None, draws=50, top=1000, information="record")
+    differs = 0
+    for tid, sid, eid in sample.select("trajectory_id", "subject_id", "target_encounter_id").iter_rows():
+        k = eid - sid * 1000
+        patient = simulate_patient(SEED, sid, capture=frozenset({k}), stop_after=k)
+        state, _ = patient.captured[k]
+        hidden = len(record_state(state, patient.encounters[:k]).conds) < len(state.conds)
+        same = latent.filter(pl.col("trajectory_id") == tid).equals(record.filter(pl.col("trajectory_id") == tid))
+        assert same or hidden, tid
+        differs += not same
+    assert differs > 0
+    with pytest.raises(InputError, match="information='posterior'"):
+        oracle(dataset, sample, harmonize=None, information="posterior")
 
 
 def test_oracle_harmonizes_codes(dataset, cohort):

@@ -4,7 +4,8 @@ A cohort is built from a registered MEDS dataset and a few options. The build re
 side) and writes:
 - forecasting store: `cohorts`, `cohort_vocabulary` (Ω), `trajectories`, `pretarget_events`,
   `train_events`;
-- gold store: `targets` and, for synthetic datasets, `oracle_probabilities`.
+- gold store: `targets` and, for synthetic datasets, `oracle_probabilities` and
+  `record_oracle_probabilities` (the oracle restricted to what the record reveals).
 
 Rules (spec/forecasting.md §1, §3):
 - an encounter counts when it has at least one diagnosis event;
@@ -100,7 +101,7 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
     wh.delete("cohorts", cohort_id=cohort_id)
     for table in ("cohort_vocabulary", "trajectories", "pretarget_events", "train_events", "targets",
-                  "oracle_probabilities"):
+                  "oracle_probabilities", "record_oracle_probabilities"):
         wh.delete(table, cohort_id=cohort_id)
 
     vocab.load_vocabularies(wh)
@@ -187,10 +188,10 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
 
         harmonize = None if options.harmonize == "native" else partial(
             harmonize_with, dict(dx_map.group_by("source_code").agg("code").iter_rows()))
-        probabilities = oracle(info.root, trajectories.select(
-            "trajectory_id", "subject_id", "target_encounter_id", "cutoff_time"), harmonize, draws=oracle_draws)
-        wh.write("oracle_probabilities", probabilities.with_columns(pl.lit(cohort_id).alias("cohort_id")),
-                 cohort_id=cohort_id)
+        keys = trajectories.select("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time")
+        for table, information in (("oracle_probabilities", "latent"), ("record_oracle_probabilities", "record")):
+            probabilities = oracle(info.root, keys, harmonize, draws=oracle_draws, information=information)
+            wh.write(table, probabilities.with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
     steps.update()
     steps.close()
 

@@ -125,11 +125,16 @@ TABLES: dict[str, Table] = {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "code": pa.string(),
             "probability": pa.float64(),
         }, ["cohort_id"], "Synthetic oracle: P(code in Y | latent state at the cutoff), top codes per trajectory."),
+        _t("record_oracle_probabilities", GOLD, {
+            "cohort_id": pa.string(), "trajectory_id": pa.string(), "code": pa.string(),
+            "probability": pa.float64(),
+        }, ["cohort_id"], "Synthetic record oracle: the same, from the latent state restricted to the conditions "
+                          "the pre-target record reveals (a code or a medication)."),
     ]
 }
 
 SYSTEMS = (
-    "oracle", "global_frequency", "repeat_history", "transition", "gru", "dense_prior", "ehr_prior",
+    "oracle", "record_oracle", "global_frequency", "repeat_history", "transition", "gru", "dense_prior", "ehr_prior",
     "direct", "rrf_prior_direct", "research_path", "rrf", "full", "web_search_standalone",
     "fixed_pool_ledger", "fixed_pool_no_ledger",
 )

@@ -54,7 +54,7 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @click.option("--run", "run_ids", multiple=True, required=True,
               help="Run whose rankings are evaluated; repeat it to also average repeats of one configuration.")
 @click.option("--systems", default=None, help="Comma-separated systems (default: every system of the run, "
-                                              "plus the gold-side oracle when the cohort has one).")
+                                              "plus the gold-side oracles when the cohort has them).")
 @click.option("--k", "ks", default="10,20", show_default=True, help="Comma-separated budgets K.")
 @click.option("--bootstrap", "n_boot", type=int, default=1000, show_default=True,
               help="Bootstrap resamples (0: no intervals).")

@@ -7,10 +7,20 @@ distinct from the realized encounter's stream. The oracle thus marginalizes ever
 the target encounter (its reason, which conditions get coded, which sibling, complications) and
 never reads the target encounter's events: it is the ceiling a forecaster can approach, not a
 copy of the target.
+
+That ceiling knows the whole latent state, including conditions that began after the last
+visit or were never coded, which no record shows. The **record oracle** (`information="record"`)
+draws the same encounter from the state restricted to what the pre-target encounters reveal:
+conditions with at least one of their codes or medications there (a hidden pregnancy also drops
+its scheduled delivery). It is not a bound (a forecaster may still guess hidden conditions from
+their risk factors, and the record oracle keeps the exact latent stage of the revealed ones),
+but the difference between the two measures how much of the oracle rests on information absent
+from the record.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 from collections import Counter
@@ -24,11 +34,30 @@ import polars as pl
 from dxr.errors import ConfigError, InputError
 from warehouse.synthetic.events import to_us
 from warehouse.synthetic.generate import GENERATOR_VERSION, read_synthetic_metadata
-from warehouse.synthetic.simulate import DIAGNOSIS, MAX_ENCOUNTERS, State, draw_encounter, simulate_patient, stream
+from warehouse.synthetic.conditions import CHRONIC_BY_NAME, codes_of
+from warehouse.synthetic.simulate import (DIAGNOSIS, MAX_ENCOUNTERS, Encounter, State, draw_encounter,
+                                          simulate_patient, stream)
 
 _EPOCH = datetime(1970, 1, 1)
 _REQUIRED = ("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time")
 PARALLEL_FROM = 2000  # trajectories; below this one process is faster than starting two
+INFORMATION = ("latent", "record")
+_CONDITION_CODES = {name: frozenset(codes_of(c)) for name, c in CHRONIC_BY_NAME.items()}
+_CONDITION_MEDS = {name: frozenset(med for _, med in c.meds) for name, c in CHRONIC_BY_NAME.items()}
+
+
+def record_state(state: State, earlier: list[Encounter]) -> State:
+    """The state restricted to conditions that the earlier encounters reveal by a code or a medication."""
+    codes = {c for e in earlier for c in e.draw.codes}
+    meds = {m for e in earlier for m in e.outcome.medications}
+    revealed = state.copy()
+    for name in list(revealed.conds):
+        if not (_CONDITION_CODES[name] & codes or _CONDITION_MEDS[name] & meds):
+            del revealed.conds[name]
+    if "pregnancy" not in revealed.conds:
+        revealed.pending, revealed.due = "", math.inf
+    revealed.changed()
+    return revealed
 
 
 def encounter_probabilities(seed: int, subject_id: int, index: int, state: State, t: float, draws: int,
@@ -48,12 +77,15 @@ def encounter_probabilities(seed: int, subject_id: int, index: int, state: State
 
 
 def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list[str]], list[str]] | None,
-           draws: int = 200, top: int = 100) -> pl.DataFrame:
+           draws: int = 200, top: int = 100, information: str = "latent") -> pl.DataFrame:
     """Oracle probabilities (trajectory_id, code, probability): the `top` codes per trajectory.
 
+    `information`: `latent` (the state at the cutoff) or `record` (the record oracle, see above).
     `harmonize` must be picklable (a module-level function or a `functools.partial` of one): large
     cohorts are split across worker processes.
     """
+    if information not in INFORMATION:
+        raise InputError(f"oracle: information={information!r}; choose one of {', '.join(INFORMATION)}")
     missing = [c for c in _REQUIRED if c not in trajectories.columns]
     if missing:
         raise InputError(f"oracle: trajectories lack column(s) {missing}; expected {list(_REQUIRED)}")
@@ -76,7 +108,7 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
     # Worker processes pay a start-up cost (imports, definitions); worth it only for large cohorts.
     workers = min(2, os.cpu_count() or 1) if len(traj) >= PARALLEL_FROM else 1
     chunks = [subjects[i::workers] for i in range(workers)]
-    jobs = [(meds_dir, seed, chunk, draws, top, harmonize) for chunk in chunks]
+    jobs = [(meds_dir, seed, chunk, draws, top, harmonize, information) for chunk in chunks]
     if workers > 1:
         # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -88,7 +120,7 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
 
 def _oracle_chunk(job) -> pl.DataFrame:
     """Oracle rows for a list of (subject_id, [(trajectory_id, encounter index, cutoff)])."""
-    meds_dir, seed, subjects, draws, top, harmonize = job
+    meds_dir, seed, subjects, draws, top, harmonize, information = job
     tids, codes, probs = [], [], []
     for sid, items in subjects:
         wanted = frozenset(i for _, i, _ in items)
@@ -103,6 +135,8 @@ def _oracle_chunk(job) -> pl.DataFrame:
                 raise InputError(f"oracle: trajectory {tid}: cutoff {cutoff} differs from the re-simulated "
                                  f"admission time of encounter {sid * 1000 + index}; the trajectories do not "
                                  f"match {meds_dir}")
+            if information == "record":
+                state = record_state(state, patient.encounters[:index])
             counts = encounter_probabilities(seed, sid, index, state, t, draws, harmonize)
             ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
             for code, n in ranked:
