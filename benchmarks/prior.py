@@ -240,7 +240,8 @@ def main() -> None:
     out = RESULTS / f"prior{'-' + args.name if args.name else ''}.json"
     out.write_text(json.dumps({
         "cohort_id": cohort_id, "trajectories": counts, "patients": args.planted or args.patients,
-        "seed": args.seed, "eval_split": args.eval_split, "prior_config": cfg.model_dump(), "planted_smoke": bool(args.planted),
+        "seed": args.seed, "eval_split": args.eval_split, "prior_config": cfg.model_dump(),
+        "planted_smoke": bool(args.planted),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "timings": timings,
         "training": training, "inference": inference, "table": table, "oracle_ratio_r20": ratios.get("oracle"),
         "record_oracle_ratio_r20": ratios.get("record_oracle"),

@@ -135,8 +135,8 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     cohort_id = cohorts[0]
     reserved = sorted(set(rankings["system"]) & set(ORACLES))
     if reserved:
-        raise InputError(f"run {run_id!r} has rankings of system {reserved[0]!r}: that name is reserved for a gold-side "
-                         "oracle, which is never written to the forecasting store; rename the system")
+        raise InputError(f"run {run_id!r} has rankings of system {reserved[0]!r}: that name is reserved for a "
+                         "gold-side oracle, which is never written to the forecasting store; rename the system")
     # The frozen set: every trajectory any system of the run addressed, whichever systems we evaluate.
     trajectory_ids = sorted(set(rankings["trajectory_id"]) | set(status["trajectory_id"]))
     available = sorted(set(rankings["system"]) | set(status["system"]))

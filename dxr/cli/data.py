@@ -137,7 +137,7 @@ def cohort() -> None:
 @click.pass_context
 def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
                  min_history: int | None, run_id: str | None) -> None:
-    """Build a cohort: trajectories, pre-target records, vocabulary Ω, gold targets (and oracle).
+    """Build a cohort: trajectories, pre-target records, vocabulary Ω, gold targets (and the synthetic oracles).
 
     \b
     Example:
