@@ -12,10 +12,11 @@ That ceiling knows the whole latent state, including conditions that began after
 visit or were never coded, which no record shows. The **record oracle** (`information="record"`)
 draws the same encounter from the state restricted to what the pre-target encounters reveal:
 conditions with at least one of their codes or medications there (a hidden pregnancy also drops
-its scheduled delivery). It is not a bound (a forecaster may still guess hidden conditions from
-their risk factors, and the record oracle keeps the exact latent stage of the revealed ones),
-but the difference between the two measures how much of the oracle rests on information absent
-from the record.
+its scheduled delivery). It is not a bound either way: a forecaster may still infer hidden
+conditions from risk factors or from graded lab evidence (HbA1c, eGFR, BNP), which the record
+oracle ignores, while the record oracle keeps the exact latent stage of the conditions it keeps.
+The difference between the two measures how much of the oracle rests on conditions no code or
+medication of the record shows.
 """
 
 from __future__ import annotations
