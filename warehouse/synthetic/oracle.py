@@ -33,9 +33,9 @@ from pathlib import Path
 import polars as pl
 
 from dxr.errors import ConfigError, InputError
+from warehouse.synthetic.conditions import CHRONIC_BY_NAME, codes_of
 from warehouse.synthetic.events import to_us
 from warehouse.synthetic.generate import GENERATOR_VERSION, read_synthetic_metadata
-from warehouse.synthetic.conditions import CHRONIC_BY_NAME, codes_of
 from warehouse.synthetic.simulate import (DIAGNOSIS, MAX_ENCOUNTERS, Encounter, State, draw_encounter,
                                           simulate_patient, stream)
 
