@@ -149,9 +149,10 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         if unknown:
             raise NotFoundError(f"system(s) {unknown} have no rankings in run {run_id!r}; "
                                 f"the run has: {', '.join(available)}")
-        for name in (s for s in systems if s in ORACLES and not oracle_rows[s]):
-            raise NotFoundError(f"cohort {cohort_id} has no {ORACLES[name]} (only synthetic cohorts have "
-                                f"oracles): drop {name!r} from --systems")
+        absent = [s for s in systems if s in ORACLES and not oracle_rows[s]]
+        if absent:
+            raise NotFoundError(f"cohort {cohort_id} has no {ORACLES[absent[0]]} (only synthetic cohorts have "
+                                f"oracles): drop {absent[0]!r} from --systems")
     rankings = rankings.filter(pl.col("system").is_in(systems)).drop("cohort_id")
     status = status.filter(pl.col("system").is_in(systems))
 
