@@ -8,14 +8,17 @@ nothing (the demo's once-per-cohort-build training).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 
 from prefect import task
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 
 from dxr.errors import NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.train import TrainResult, train_prior_model
+from models.prior.train import EpochReport, TrainResult, train_prior_model
 from warehouse.cohorts import get_cohort
 from warehouse.runs import registered_run
 from warehouse.store import Warehouse
@@ -28,9 +31,24 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
     with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
-        result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress)
+        result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress,
+                                   report_epoch=epoch_reporter(system, cfg.epochs))
         run.config = {**config, "result": asdict(result)}
     return result
+
+
+def epoch_reporter(system: str, epochs: int) -> EpochReport:
+    """One log line per finished epoch: long trainings (an epoch takes minutes at MIMIC-IV scale) show
+    progress in the Prefect run's log and on the console."""
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # called outside a flow, e.g. from a notebook
+        logger = logging.getLogger(__name__)
+
+    def report(epoch: int, metrics: dict[str, float]) -> None:
+        logger.info("%s epoch %d/%d: train loss %.4f, tuning R@20 %.4f", system, epoch + 1, epochs,
+                    metrics.get("train_loss", float("nan")), metrics.get("val_recall_at_20", float("nan")))
+    return report
 
 
 def ensure_prior(data_dir: str, cohort_id: str, system: str, cfg: PriorConfig) -> str:

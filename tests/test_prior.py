@@ -155,6 +155,22 @@ def test_precision_recall_and_trim():
     assert short["codes"].shape == (2, 2, 4) and short["dx"].shape == (2, 2, 2)
 
 
+def test_epoch_metrics_are_means_of_plain_numbers():
+    module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
+    module._collect("train_loss", torch.tensor(2.0, requires_grad=True) * 1)
+    module._collect("train_loss", torch.tensor(4.0))
+    module._collect("val_recall_at_20", torch.tensor([1.0, 0.0, 0.5]))  # rows of one batch
+    module._collect("val_recall_at_20", torch.tensor([0.5]))
+    module._collect("router_load_l0", torch.tensor([0.5, 0.25, 0.25, 0.0]))
+    module._collect("router_load_l0", torch.tensor([0.5, 0.25, 0.0, 0.25]))
+    # Nothing tensor-backed is kept between steps (kept step tensors fragmented the heap at scale).
+    assert not any(isinstance(v, torch.Tensor) for values in module.epoch_stats.values() for v in values)
+    metrics = module.pop_epoch_metrics()
+    assert metrics["train_loss"] == 3.0 and metrics["val_recall_at_20"] == 0.5  # per row, not per batch
+    assert [metrics[f"router_load_l0_e{e}"] for e in range(4)] == [0.5, 0.25, 0.125, 0.125]
+    assert metrics["router_load_l0_max_over_uniform"] == 2.0 and module.epoch_stats == {}
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     wh = Warehouse(tmp_path_factory.mktemp("planted"))

@@ -6,6 +6,7 @@ import json
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,16 +49,23 @@ def net_config(system: str, cfg: PriorConfig, n_input: int, n_output: int) -> Ne
                      recurrence=arch != "gru")
 
 
-class MlflowEpochLogger(L.Callback):
-    """Logs every collected statistic once per epoch (after validation) to the active MLflow run."""
+EpochReport = Callable[[int, dict[str, float]], None]  # (0-based epoch, that epoch's metrics)
 
-    def __init__(self):
+
+class MlflowEpochLogger(L.Callback):
+    """Logs every collected statistic once per epoch (after validation) to the active MLflow run,
+    and hands them to `report` (progress for whoever runs the training)."""
+
+    def __init__(self, report: EpochReport | None = None):
         self.history: list[dict[str, float]] = []
+        self.report = report
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
         metrics = module.epoch_metrics()
         self.history.append(metrics)
         mlflow.log_metrics(metrics, step=trainer.current_epoch)
+        if self.report is not None:
+            self.report(trainer.current_epoch, metrics)
 
 
 class KeepBestEpoch(L.Callback):
@@ -106,14 +114,15 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
 
 
 def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
-                      data_dir: str | Path, progress: bool = False) -> TrainResult:
+                      data_dir: str | Path, progress: bool = False, report_epoch: EpochReport | None = None
+                      ) -> TrainResult:
     """Fit on train patients, validate on tuning pre-target records, log and register the model."""
     net_config(system, cfg, 0, 0)  # unknown system: fail before touching MLflow
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
     started = time.perf_counter()
     data = PriorDataModule(con, cohort_id, cfg)
     data.setup()
-    epoch_logger = MlflowEpochLogger()
+    epoch_logger = MlflowEpochLogger(report_epoch)
     name = tracking.registered_name(system, cohort_id)
     with mlflow.start_run(run_name=f"{system}-{cohort_id}") as run:
         mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system]})
