@@ -115,7 +115,7 @@ def test_no_held_out_or_tuning_target_reaches_training(trained):
     assert not forbidden & (set(logged["input_codes"]) | set(logged["output_codes"]))
 
 
-def test_cli_help_and_unknown_cohort():
+def test_cli_help_and_unknown_cohort(prefect_harness):
     runner = CliRunner()
     assert "dxr prior train --cohort default" in runner.invoke(main, ["prior", "train", "--help"]).output
     result = runner.invoke(main, ["--data-dir", "/nonexistent-dxr-test", "prior", "train", "--cohort", "nope"])
