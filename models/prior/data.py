@@ -132,7 +132,8 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     starts = timed.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
     with_dx = timed.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id").unique()
     visits = (starts.join(with_dx, on=[key, "encounter_id"], how="semi").sort(key, "start", "encounter_id")
-              .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"), pl.len().over(key).cast(pl.Int64).alias("n_visits")))
+              .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
+                            pl.len().over(key).cast(pl.Int64).alias("n_visits")))
     visits = visits.with_columns(
         (pl.col("visit") - (pl.col("n_visits") - V).clip(lower_bound=0)).alias("pos"),
         ((pl.col("start") - pl.col("start").shift(1).over(key)).dt.total_hours() / 24).fill_null(0.0).alias("gap"),

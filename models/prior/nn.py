@@ -156,6 +156,21 @@ class RecurrenceHead(nn.Module):
             scores = scores + seen * repeat
         return scores
 
+    def last_scores(self, h: torch.Tensor, history: SparseHistory) -> torch.Tensor:
+        """The same scores from the sparse history of the last visit: h (B, d) → (B, O).
+
+        The repeat term is computed only where a code is in the history, so the cost beyond the
+        generative projection is per history entry rather than per output code (inference with
+        tens of thousands of output codes).
+        """
+        scores = self.generate(h)  # (B, O)
+        if self.recurrence and history.rows.numel():
+            state = h[history.rows]  # (M, d)
+            repeat = ((state * self.repeat.weight[history.codes]).sum(-1) + self.repeat.bias[history.codes]
+                      + (history.features * self.feature_weights(state)).sum(-1))  # (M,)
+            scores.index_put_((history.rows, history.codes), repeat, accumulate=True)
+        return scores
+
     def unseen_code_scores(self, h: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """Scores of history codes outside the output vocabulary, as an average output code would get.
 
@@ -204,10 +219,10 @@ class PriorNet(nn.Module):
         dx (B, V, D) holds each visit's output-code ids, padded with O. Returns (scores, states, aux).
         """
         states, aux = self.encode(codes, numeric, lengths)  # (B, V, d)
-        history = history_features(dx, lengths, self.cfg.n_output_codes, last_only)  # (B, [V,] O, F)
         if last_only:
             states = states[torch.arange(states.shape[0]), lengths - 1]  # (B, d)
-        return self.head(states, history), states, aux
+            return self.head.last_scores(states, last_history(dx, lengths, self.cfg.n_output_codes)), states, aux
+        return self.head(states, history_features(dx, lengths, self.cfg.n_output_codes)), states, aux
 
 
 def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
@@ -217,13 +232,11 @@ def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
     return hot.scatter_(2, dx, 1.0)[..., :n_output_codes]
 
 
-def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int, last_only: bool) -> torch.Tensor:
-    """History features of every output code up to each position: (B, V, O, F), or (B, O, F) at the last.
+def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> torch.Tensor:
+    """History features of every output code up to each position: (B, V, O, F), the training path.
 
     Visits beyond each sequence's length are masked out whatever ids they hold.
     """
-    if last_only:
-        return last_history_features(dx, lengths, n_output_codes)
     hot = visit_multi_hot(dx, n_output_codes)  # (B, V, O)
     V = hot.shape[1]
     real = (torch.arange(V, device=dx.device)[None, :] < lengths[:, None]).float()  # (B, V)
@@ -235,25 +248,35 @@ def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: in
     return torch.stack([torch.log1p(count), recency, hot], dim=-1)
 
 
-def last_history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> torch.Tensor:
-    """The same features at each sequence's last real visit only, (B, O, F), by scattering the
-    diagnosis ids (B·V·D entries) instead of building a (B, V, O) multi-hot: the inference path.
+@dataclass
+class SparseHistory:
+    """The history features at each sequence's last visit, one entry per (sequence, code) in it."""
 
-    A repeated id within a visit is counted once, as the multi-hot would.
+    rows: torch.Tensor  # (M,) sequence index
+    codes: torch.Tensor  # (M,) output code id
+    features: torch.Tensor  # (M, F) as in `history_features`
+
+
+def last_history(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> SparseHistory:
+    """`history_features` at the last real visit of each sequence, for the codes in its history only
+    (the inference path: a record holds a few dozen codes, the output vocabulary up to tens of thousands).
+
+    dx (B, V, D) output ids padded with O; a repeated id within a visit is counted once.
     """
     B, V, D = dx.shape
     O = n_output_codes
-    ids, _ = dx.sort(-1)  # (B, V, D)
-    ids[..., 1:] = ids[..., 1:].masked_fill(ids[..., 1:] == ids[..., :-1], O)
-    visit = torch.arange(V, device=dx.device).view(1, V, 1).expand(B, V, D)  # (B, V, D)
-    ids = torch.where(visit < lengths.view(B, 1, 1), ids, O).reshape(B, V * D)  # padding → O
-    visit = visit.reshape(B, V * D).float()
-    count = dx.new_zeros(B, O + 1, dtype=torch.float32).scatter_add_(1, ids, torch.ones_like(visit))[:, :O]
-    last_seen = torch.full((B, O + 1), -1.0, device=dx.device).scatter_reduce_(1, ids, visit, "amax")[:, :O]
-    now = (lengths - 1).float().unsqueeze(-1)  # (B, 1)
-    recency = torch.where(count > 0, 1.0 / (1.0 + now - last_seen), 0.0)
-    latest = (last_seen == now).float()
-    return torch.stack([torch.log1p(count), recency, latest], dim=-1)
+    visit = torch.arange(V, device=dx.device).view(1, V, 1).expand(B, V, D)
+    row = torch.arange(B, device=dx.device).view(B, 1, 1).expand(B, V, D)
+    real = (dx < O) & (visit < lengths.view(B, 1, 1))
+    # One key per (row, code, visit), sorted: equal (row, code) pairs are consecutive, visits ascending.
+    key = torch.unique((row[real] * O + dx[real]) * V + visit[real])
+    pairs, count = torch.unique_consecutive(key // V, return_counts=True)
+    last_seen = (key % V)[count.cumsum(0) - 1].float()
+    rows, codes = pairs // O, pairs % O
+    now = (lengths[rows] - 1).float()
+    features = torch.stack([torch.log1p(count.float()), 1.0 / (1.0 + now - last_seen), (last_seen == now).float()],
+                           dim=-1)
+    return SparseHistory(rows, codes, features)
 
 
 def next_visit_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

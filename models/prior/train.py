@@ -146,8 +146,9 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
                 path = Path(tmp) / file
                 path.write_text(json.dumps(payload))
                 files.append(str(path))
+            torch_pin = f"torch=={torch.__version__.split('+')[0]}"
             info = mlflow.pytorch.log_model(net, name="model", registered_model_name=name, extra_files=files,
-                                            serialization_format="pickle", pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+                                            serialization_format="pickle", pip_requirements=[torch_pin])
         version = str(info.registered_model_version)
         alias = None
         if cfg.promote:
