@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import doctest
+import math
 
 import lightning as L
 import polars as pl
@@ -15,7 +16,7 @@ from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
 from models.prior.nn import (N_HISTORY_FEATURES, MoEFeedForward, NetConfig, PriorNet, SparseHistory,
-                             history_features, init_weights, last_history, next_visit_loss, visit_multi_hot)
+                             history_features, init_weights, next_visit_loss, visit_multi_hot)
 from models.prior.planted import dx, write_planted_cohort
 from models.prior.train import fit_network
 from warehouse.store import Warehouse
@@ -54,22 +55,28 @@ def test_shapes_and_padding_do_not_leak(arch):
     assert torch.allclose(again, last, atol=1e-5)
 
 
-def dense(history: SparseHistory, B: int, O: int) -> torch.Tensor:
-    """The sparse last-visit history as (B, O, F), zeros for codes not in the history."""
-    out = torch.zeros(B, O, N_HISTORY_FEATURES)
-    out[history.rows, history.codes] = history.features
+def dense(history: SparseHistory, B: int, V: int, O: int) -> torch.Tensor:
+    """The sparse history as (B, V, O, F), or (B, O, F) when at the last visit; zeros where no entry."""
+    if history.last_only:
+        out = torch.zeros(B, O, N_HISTORY_FEATURES)
+        out[history.rows, history.codes] = history.features
+    else:
+        out = torch.zeros(B, V, O, N_HISTORY_FEATURES)
+        out[history.rows, history.positions, history.codes] = history.features
     return out
 
 
 def test_history_features_count_recency_and_latest():
     dx_ids = torch.tensor([[[0, 3], [1, 3], [0, 3], [3, 3]]])  # O = 3, padding id 3; visit 3 is padding
     lengths = torch.tensor([3])
-    feats = dense(last_history(dx_ids, lengths, 3), 1, 3)[0]  # (O, F)
+    feats = dense(history_features(dx_ids, lengths, 3, last_only=True), 1, 4, 3)[0]  # (O, F)
     assert feats[:, 0].tolist() == pytest.approx([torch.log1p(torch.tensor(2.0)).item(), torch.log1p(torch.tensor(1.0)).item(), 0.0])
     assert feats[:, 1].tolist() == pytest.approx([1.0, 0.5, 0.0])  # code 0 seen now, code 1 one visit ago
     assert feats[:, 2].tolist() == [1.0, 0.0, 0.0]
-    every = history_features(dx_ids, lengths, 3)[0]  # (V, O, F)
+    every = dense(history_features(dx_ids, lengths, 3), 1, 4, 3)[0]  # (V, O, F)
     assert torch.equal(every[2], feats)
+    assert not every[0, 1:].any() and every[1, 1].tolist() == pytest.approx([math.log(2), 1.0, 1.0])
+    assert not every[3].any()  # nothing at a padded position
 
 
 def test_last_visit_history_features_match_the_per_position_ones():
@@ -77,10 +84,24 @@ def test_last_visit_history_features_match_the_per_position_ones():
     dx_ids[0, 1, 1] = 7  # a padded diagnosis slot inside a real visit
     dx_ids[1, 3] = torch.tensor([2, 5])  # ids beyond a sequence's length must not count
     dx_ids[0, 2] = torch.tensor([4, 4])  # a repeated id counts its visit once
-    every = history_features(dx_ids, lengths, 7)  # (B, V, O, F)
-    last = last_history(dx_ids, lengths, 7)
+    every = dense(history_features(dx_ids, lengths, 7), 3, 5, 7)  # (B, V, O, F)
+    last = history_features(dx_ids, lengths, 7, last_only=True)
     assert len(last.rows) == int((every[torch.arange(3), lengths - 1, :, 0] > 0).sum())  # history codes only
-    assert torch.allclose(dense(last, 3, 7), every[torch.arange(3), lengths - 1])
+    assert torch.allclose(dense(last, 3, 5, 7), every[torch.arange(3), lengths - 1])
+    assert not every[1, 2:].any()  # positions beyond the sequence's length hold nothing
+
+
+def test_sparse_repeat_term_equals_the_dense_formula():
+    torch.manual_seed(1)
+    net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, max_visits=5, **TINY)).eval()
+    codes, numeric, lengths, dx_ids = random_batch(O=7)
+    scores, states, _ = net(codes, numeric, lengths, dx_ids)  # (B, V, O)
+    history = dense(history_features(dx_ids, lengths, 7), 3, 5, 7)  # (B, V, O, F)
+    head = net.head
+    repeat = head.repeat(states) + (history * head.feature_weights(states).unsqueeze(-2)).sum(-1)
+    expected = head.generate(states) + (history[..., 0] > 0).float() * repeat
+    real = torch.arange(5)[None, :] < lengths[:, None]
+    assert torch.allclose(scores[real], expected[real], atol=1e-5)
 
 
 def test_loss_masks_pairs_beyond_each_sequence():

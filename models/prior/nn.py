@@ -146,29 +146,19 @@ class RecurrenceHead(nn.Module):
             self.repeat = nn.Linear(cfg.d_model, cfg.n_output_codes)
             self.feature_weights = nn.Linear(cfg.d_model, N_HISTORY_FEATURES)
 
-    def forward(self, h: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
-        """h (..., d), history features (..., O, F) → scores (..., O)."""
-        scores = self.generate(h)  # (..., O)
-        if self.recurrence and history is not None:
-            seen = (history[..., 0] > 0).float()  # (..., O)
-            weights = self.feature_weights(h).unsqueeze(-2)  # (..., 1, F)
-            repeat = self.repeat(h) + (history * weights).sum(-1)  # (..., O)
-            scores = scores + seen * repeat
-        return scores
+    def forward(self, h: torch.Tensor, history: SparseHistory) -> torch.Tensor:
+        """h (B, V, d) per position, or (B, d) at each last visit with `history.last_only` → scores (B, [V,] O).
 
-    def last_scores(self, h: torch.Tensor, history: SparseHistory) -> torch.Tensor:
-        """The same scores from the sparse history of the last visit: h (B, d) → (B, O).
-
-        The repeat term is computed only where a code is in the history, so the cost beyond the
-        generative projection is per history entry rather than per output code (inference with
-        tens of thousands of output codes).
+        The repeat term is computed only where a code is in the history, so beyond the generative
+        projection the cost grows with the history entries, not with the output vocabulary.
         """
-        scores = self.generate(h)  # (B, O)
+        scores = self.generate(h)  # (B, [V,] O)
         if self.recurrence and history.rows.numel():
-            state = h[history.rows]  # (M, d)
+            where = (history.rows,) if history.last_only else (history.rows, history.positions)
+            state = h[where]  # (M, d)
             repeat = ((state * self.repeat.weight[history.codes]).sum(-1) + self.repeat.bias[history.codes]
                       + (history.features * self.feature_weights(state)).sum(-1))  # (M,)
-            scores.index_put_((history.rows, history.codes), repeat, accumulate=True)
+            scores.index_put_((*where, history.codes), repeat, accumulate=True)
         return scores
 
     def unseen_code_scores(self, h: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -221,8 +211,8 @@ class PriorNet(nn.Module):
         states, aux = self.encode(codes, numeric, lengths)  # (B, V, d)
         if last_only:
             states = states[torch.arange(states.shape[0]), lengths - 1]  # (B, d)
-            return self.head.last_scores(states, last_history(dx, lengths, self.cfg.n_output_codes)), states, aux
-        return self.head(states, history_features(dx, lengths, self.cfg.n_output_codes)), states, aux
+        history = history_features(dx, lengths, self.cfg.n_output_codes, last_only)
+        return self.head(states, history), states, aux
 
 
 def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
@@ -232,51 +222,46 @@ def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
     return hot.scatter_(2, dx, 1.0)[..., :n_output_codes]
 
 
-def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> torch.Tensor:
-    """History features of every output code up to each position: (B, V, O, F), the training path.
-
-    Visits beyond each sequence's length are masked out whatever ids they hold.
-    """
-    hot = visit_multi_hot(dx, n_output_codes)  # (B, V, O)
-    V = hot.shape[1]
-    real = (torch.arange(V, device=dx.device)[None, :] < lengths[:, None]).float()  # (B, V)
-    hot = hot * real[:, :, None]
-    position = torch.arange(V, device=dx.device, dtype=torch.float32).view(1, V, 1)  # (1, V, 1)
-    count = hot.cumsum(1)  # (B, V, O)
-    last_seen = torch.where(hot > 0, position, -1.0).cummax(1).values  # (B, V, O)
-    recency = torch.where(count > 0, 1.0 / (1.0 + position - last_seen), 0.0)
-    return torch.stack([torch.log1p(count), recency, hot], dim=-1)
-
-
 @dataclass
 class SparseHistory:
-    """The history features at each sequence's last visit, one entry per (sequence, code) in it."""
+    """History features (F) of the codes in each sequence's history, one entry per (sequence, position,
+    code) with the code seen at or before that position; at the last visit only when `last_only`."""
 
     rows: torch.Tensor  # (M,) sequence index
+    positions: torch.Tensor  # (M,) visit position
     codes: torch.Tensor  # (M,) output code id
-    features: torch.Tensor  # (M, F) as in `history_features`
+    features: torch.Tensor  # (M, F): log1p(count), 1 / (1 + visits since last seen), seen at this position
+    last_only: bool
 
 
-def last_history(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int) -> SparseHistory:
-    """`history_features` at the last real visit of each sequence, for the codes in its history only
-    (the inference path: a record holds a few dozen codes, the output vocabulary up to tens of thousands).
+def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int, last_only: bool = False
+                     ) -> SparseHistory:
+    """The history features of every (sequence, code) pair of the record, at every real position from the
+    code's first visit on (or at the last visit only). A record holds a few dozen codes, the output
+    vocabulary up to tens of thousands, hence sparse.
 
-    dx (B, V, D) output ids padded with O; a repeated id within a visit is counted once.
+    dx (B, V, D) output ids padded with O; ids in visits beyond a sequence's length do not count, and a
+    repeated id within a visit counts once.
     """
     B, V, D = dx.shape
     O = n_output_codes
     visit = torch.arange(V, device=dx.device).view(1, V, 1).expand(B, V, D)
     row = torch.arange(B, device=dx.device).view(B, 1, 1).expand(B, V, D)
     real = (dx < O) & (visit < lengths.view(B, 1, 1))
-    # One key per (row, code, visit), sorted: equal (row, code) pairs are consecutive, visits ascending.
-    key = torch.unique((row[real] * O + dx[real]) * V + visit[real])
-    pairs, count = torch.unique_consecutive(key // V, return_counts=True)
-    last_seen = (key % V)[count.cumsum(0) - 1].float()
+    key = torch.unique((row[real] * O + dx[real]) * V + visit[real])  # one per (row, code, visit), sorted
+    pairs, pair_of_key = torch.unique_consecutive(key // V, return_inverse=True)  # (P,) row * O + code
+    hot = torch.zeros(len(pairs), V, device=dx.device)
+    hot[pair_of_key, key % V] = 1.0  # (P, V): the pair's code in that visit
+    position = torch.arange(V, device=dx.device)
+    count = hot.cumsum(1)  # (P, V)
+    last_seen = torch.where(hot > 0, position.float(), -1.0).cummax(1).values  # (P, V)
     rows, codes = pairs // O, pairs % O
-    now = (lengths[rows] - 1).float()
-    features = torch.stack([torch.log1p(count.float()), 1.0 / (1.0 + now - last_seen), (last_seen == now).float()],
-                           dim=-1)
-    return SparseHistory(rows, codes, features)
+    end = lengths[rows].unsqueeze(1)  # (P, 1)
+    valid = (count > 0) & ((position == end - 1) if last_only else (position < end))
+    pair, pos = valid.nonzero(as_tuple=True)  # (M,)
+    seen = last_seen[pair, pos]
+    features = torch.stack([torch.log1p(count[pair, pos]), 1.0 / (1.0 + pos - seen), (seen == pos).float()], dim=-1)
+    return SparseHistory(rows[pair], pos, codes[pair], features, last_only)
 
 
 def next_visit_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
