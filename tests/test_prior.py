@@ -150,6 +150,10 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
     out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_visits=4, max_codes_per_visit=3),
                         keys=["a", "empty"])
     assert out.lengths.tolist() == [2, 1]  # encounter 3 has no diagnosis: not a visit
+    assert out.codes.shape[1] == out.dx.shape[1] == 2  # padded to the longest record, not max_visits
+    assert out.codes.dtype == out.dx.dtype == torch.int32
+    assert trim({"codes": out.codes, "numeric": out.numeric, "lengths": out.lengths, "dx": out.dx})["dx"].dtype \
+        == torch.int64
     assert out.codes[0, 0].tolist() == [2, 4, 0]  # diagnosis X, then procedure P
     assert out.codes[0, 1].tolist() == [3, 1, 0]  # Y, then the unknown medication
     assert out.dx[0, :2, 0].tolist() == [1, 0]  # X is not an output code (padding id 1); Y is 0

@@ -110,10 +110,10 @@ class VisitTensors:
     """Padded per-sequence tensors (N sequences, V visits, C codes, D diagnoses per visit)."""
 
     keys: list  # sequence key (subject_id or trajectory_id), row order
-    codes: torch.Tensor  # (N, V, C) input ids, 0 = padding
+    codes: torch.Tensor  # (N, V, C) input ids, 0 = padding; int32 (`trim` widens a batch to int64)
     numeric: torch.Tensor  # (N, V, 2) log1p(gap days) / 5, age / 100 years
     lengths: torch.Tensor  # (N,) real visits, >= 1
-    dx: torch.Tensor  # (N, V, D) output ids, padded with O
+    dx: torch.Tensor  # (N, V, D) output ids, padded with O; int32 like `codes`
     history: pl.DataFrame  # (row, code) Ω diagnosis codes in the record that are not output codes
 
     def __len__(self) -> int:
@@ -125,15 +125,17 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     """Turn events (key, time, code, encounter_id) into the most recent `max_visits` visits per key.
 
     `keys` fixes the row order and keeps keys without any visit (they get one empty visit so the
-    model still scores them from age-free defaults and the generative head).
+    model still scores them from age-free defaults and the generative head). V is the longest kept
+    record, so short records are not padded to `max_visits`.
     """
-    V, C = cfg.max_visits, cfg.max_codes_per_visit
+    C = cfg.max_codes_per_visit
     timed = events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
     starts = timed.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
     with_dx = timed.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id").unique()
     visits = (starts.join(with_dx, on=[key, "encounter_id"], how="semi").sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
                             pl.len().over(key).cast(pl.Int64).alias("n_visits")))
+    V = max(1, min(cfg.max_visits, int(visits["n_visits"].max() or 0)))
     visits = visits.with_columns(
         (pl.col("visit") - (pl.col("n_visits") - V).clip(lower_bound=0)).alias("pos"),
         ((pl.col("start") - pl.col("start").shift(1).over(key)).dt.total_hours() / 24).fill_null(0.0).alias("gap"),
@@ -174,14 +176,14 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
               # Truncation to max_codes_per_visit drops labs first, then medications, then procedures.
               .sort("row", "pos", "kind_rank", "code")
               .with_columns(pl.int_range(pl.len()).over("row", "pos").alias("slot")))
-    codes = np.zeros((n, V, C), dtype=np.int64)
+    codes = np.zeros((n, V, C), dtype=np.int32)
     kept = tokens.filter(pl.col("slot") < C)
     codes[kept["row"].to_numpy(), kept["pos"].to_numpy(), kept["slot"].to_numpy()] = kept["id"].to_numpy()
 
     diagnoses = tokens.filter(pl.col("out").is_not_null()).with_columns(
         pl.int_range(pl.len()).over("row", "pos").alias("slot"))
     D = max(1, int(diagnoses["slot"].max() + 1) if diagnoses.height else 1)
-    dx = np.full((n, V, D), vocab.n_output, dtype=np.int64)
+    dx = np.full((n, V, D), vocab.n_output, dtype=np.int32)
     dx[diagnoses["row"].to_numpy(), diagnoses["pos"].to_numpy(), diagnoses["slot"].to_numpy()] = \
         diagnoses["out"].to_numpy()
     omega = pl.DataFrame({"code": vocab.omega}, schema={"code": pl.String})
@@ -239,7 +241,8 @@ def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.
 
 
 def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Cut padding beyond the longest sequence and the fullest visit of the batch.
+    """Cut padding beyond the longest sequence and the fullest visit of the batch, and widen its ids
+    to int64 (stored as int32 to halve the resident tensors; indexing ops want int64).
 
     Codes fill each visit's slots from the front, so slicing the slot axis drops padding only.
     """
@@ -247,4 +250,7 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     C = max(1, int((batch["codes"] > 0).sum(-1).max()))
     trimmed = {k: (v[:, :V] if k in ("codes", "numeric", "dx") else v) for k, v in batch.items()}
     trimmed["codes"] = trimmed["codes"][:, :, :C]
+    for ids in ("codes", "dx", "labels"):
+        if ids in trimmed:
+            trimmed[ids] = trimmed[ids].long()
     return trimmed
