@@ -135,6 +135,18 @@ class Block(nn.Module):
         return x + ffn_out, aux
 
 
+@dataclass
+class SparseHistory:
+    """History features (F) of the codes in each sequence's history, one entry per (sequence, position,
+    code) with the code seen at or before that position; at the last visit only when `last_only`."""
+
+    rows: torch.Tensor  # (M,) sequence index
+    positions: torch.Tensor  # (M,) visit position
+    codes: torch.Tensor  # (M,) output code id
+    features: torch.Tensor  # (M, F): log1p(count), 1 / (1 + visits since last seen), seen at this position
+    last_only: bool
+
+
 class RecurrenceHead(nn.Module):
     """Generative scores for every output code plus a repeat term for codes in the history."""
 
@@ -220,18 +232,6 @@ def visit_multi_hot(dx: torch.Tensor, n_output_codes: int) -> torch.Tensor:
     B, V, _ = dx.shape
     hot = torch.zeros(B, V, n_output_codes + 1, device=dx.device)
     return hot.scatter_(2, dx, 1.0)[..., :n_output_codes]
-
-
-@dataclass
-class SparseHistory:
-    """History features (F) of the codes in each sequence's history, one entry per (sequence, position,
-    code) with the code seen at or before that position; at the last visit only when `last_only`."""
-
-    rows: torch.Tensor  # (M,) sequence index
-    positions: torch.Tensor  # (M,) visit position
-    codes: torch.Tensor  # (M,) output code id
-    features: torch.Tensor  # (M, F): log1p(count), 1 / (1 + visits since last seen), seen at this position
-    last_only: bool
 
 
 def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: int, last_only: bool = False
