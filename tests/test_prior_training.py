@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import polars as pl
@@ -36,12 +37,29 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("prior_wh")
     wh = Warehouse(root)
     cohort = write_planted_cohort(wh, n_patients=N_PATIENTS, seed=2, extra_target_codes=SENTINELS)
-    result = train_prior(str(root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
-    return wh, cohort, result
+    progress = EpochLines()
+    logger = logging.getLogger("tasks.prior")  # outside a flow, the epoch lines go to the module logger
+    logger.addHandler(progress)
+    logger.setLevel(logging.INFO)
+    try:
+        result = train_prior(str(root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
+    finally:
+        logger.removeHandler(progress)
+        logger.setLevel(logging.NOTSET)
+    return wh, cohort, result, progress.lines
+
+
+class EpochLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
-    wh, cohort, result = trained
+    wh, cohort, result, _ = trained
     assert result.registered_model == f"ehr_prior-{cohort}" and result.version == "1" and result.alias == "champion"
     assert tracking.mlflow.get_tracking_uri() == f"sqlite:///{wh.root / 'mlflow' / 'mlflow.db'}"
     client = tracking.MlflowClient()
@@ -63,8 +81,18 @@ def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
     assert runs.select("kind", "status", "cohort_id").rows() == [("train:ehr_prior", "finished", cohort)]
 
 
+
+def test_each_epoch_logs_one_progress_line_with_its_tracked_metrics(trained):
+    _, _, result, lines = trained
+    client = tracking.MlflowClient()
+    history = {name: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, name),
+                                              key=lambda m: m.step)]
+               for name in ("train_loss", "val_recall_at_20")}
+    assert lines == [f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, "
+                     f"tuning R@20 {history['val_recall_at_20'][e]:.4f}" for e in range(2)]
+
 def test_prediction_resolves_the_registered_alias(trained):
-    wh, cohort, _ = trained
+    wh, cohort, _, _ = trained
     second = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=1, promote=False))
     assert (second.version, second.alias) == ("2", None)
     forecaster = RegisteredPrior()
@@ -80,7 +108,7 @@ def test_prediction_resolves_the_registered_alias(trained):
 
 
 def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(trained):
-    wh, cohort, _ = trained
+    wh, cohort, _, _ = trained
     trajectories = wh.read("trajectories", cohort_id=cohort)
     total = sum(forecast_shard_task.fn(str(wh.root), cohort, "ehr_prior", shard, "all", 20, "fc-test")
                 for shard in sorted(trajectories["shard"].unique()))
@@ -99,7 +127,7 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
 
 
 def test_no_held_out_or_tuning_target_reaches_training(trained):
-    wh, cohort, _ = trained
+    wh, cohort, _, _ = trained
     data = PriorDataModule(wh.connect(), cohort, PriorConfig(**TINY))
     data.setup()
     forbidden = set(SENTINELS.values())
