@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import polars as pl
 import pytest
@@ -148,3 +149,15 @@ def test_cli_help_and_unknown_cohort(prefect_harness):
     assert "dxr prior train --cohort default" in runner.invoke(main, ["prior", "train", "--help"]).output
     result = runner.invoke(main, ["--data-dir", "/nonexistent-dxr-test", "prior", "train", "--cohort", "nope"])
     assert result.exit_code != 0
+
+
+def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_path):
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", cohort,
+                                       "--system", "gru", "--system", "dense_prior", "--epochs", "1",
+                                       "--run-id", "cli-train-1"])
+    assert result.exit_code == 0, result.output
+    assert re.findall(r"(\w+): registered ", result.output) == ["gru", "dense_prior"]
+    runs = Warehouse(tmp_path).read("runs").sort("kind")
+    assert runs.select("run_id", "kind", "status", "cohort_id").rows() == [
+        ("cli-train-1", "train:dense_prior", "finished", cohort), ("cli-train-1", "train:gru", "finished", cohort)]

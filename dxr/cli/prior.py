@@ -27,9 +27,11 @@ def prior() -> None:
 @click.option("--max-train-patients", type=click.IntRange(min=1), default=None,
               help="Train on at most N train patients (quick runs).")
 @click.option("--seed", type=int, default=None, help="Override setting prior.seed.")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent); each system's training "
+              "is recorded under it with kind train:<system>.")
 @click.pass_context
 def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epochs: int | None,
-                max_train_patients: int | None, seed: int | None) -> None:
+                max_train_patients: int | None, seed: int | None, run_id: str | None) -> None:
     """Train on train patients, validate on tuning pre-target records, register in MLflow and set the alias.
 
     \b
@@ -42,7 +44,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed}.items()
                  if v is not None}
     cfg = s.prior.model_copy(update=overrides)
-    for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg):
+    for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; "
                    f"val R@20 {result['metrics'].get('val_recall_at_20', float('nan')):.3f} "
