@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dxr.config import load_settings
 from dxr.docs import PAGES, ROOT
 
 
@@ -26,3 +27,16 @@ def test_readme_links_resolve():
     readme = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(((?!https?:)[^)#]+)", readme):
         assert (ROOT / target).exists(), f"README links to missing {target}"
+
+
+TOML_EXAMPLES = [(path.name, block) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                 for block in re.findall(r"```toml\n(.*?)```", path.read_text(), flags=re.S)]
+
+
+@pytest.mark.parametrize("page, example", TOML_EXAMPLES, ids=[f"{page}-{i}" for i, (page, _) in
+                                                             enumerate(TOML_EXAMPLES)])
+def test_every_documented_settings_file_is_valid(page, example, tmp_path, monkeypatch):
+    config = tmp_path / "dxr.toml"
+    config.write_text(example)
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    load_settings()  # raises ConfigError naming the bad key or syntax
