@@ -13,7 +13,7 @@ import torch
 
 from models.prior import data as prior_data, lit as prior_lit
 from models.prior.config import PriorConfig
-from models.prior.data import Vocabulary, drop_last_visit, trim, visit_tensors
+from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
 from models.prior.nn import (N_HISTORY_FEATURES, MoEFeedForward, NetConfig, PriorNet, SparseHistory,
                              history_features, init_weights, next_visit_loss, visit_multi_hot)
@@ -213,6 +213,18 @@ def planted(tmp_path_factory):
     data.setup()
     return data, cfg
 
+
+
+def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(planted):
+    data, cfg = planted
+    whole, n_whole = training_sequences(data.con, data.cohort_id, data.vocab,
+                                        cfg.model_copy(update={"featurize_chunk_patients": 10**6}))
+    chunked, n_chunked = training_sequences(data.con, data.cohort_id, data.vocab,
+                                            cfg.model_copy(update={"featurize_chunk_patients": 7}))
+    assert n_whole == n_chunked == data.n_train_patients and len(whole) == len(data.train_set) > 7
+    assert chunked.keys == whole.keys == sorted(whole.keys)
+    for name in ("codes", "numeric", "lengths", "dx"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name  # chunks span 5 or 6 visits
 
 def test_training_is_deterministic_for_a_seed(planted):
     data, cfg = planted

@@ -37,6 +37,8 @@ class PriorConfig(BaseModel):
     # One thread: on a shared 2-core machine, two intra-op threads were measured 10-80x slower (spin-waits).
     threads: int = Field(1, ge=1, description="torch CPU threads")
     max_train_patients: int | None = Field(None, ge=1, description="cap for quick runs; None = every train patient")
+    featurize_chunk_patients: int = Field(20_000, ge=1, description="train patients featurized at a time "
+                                          "(bounds the memory of reading and joining their events)")
     # ---- tracking / inference ----
     tracking_uri: str | None = Field(None, description="MLflow tracking URI; None = sqlite under <data_dir>/mlflow")
     experiment: str = "dxr-ehr-prior"

@@ -224,12 +224,58 @@ class SequenceDataset(Dataset):
         return item
 
 
-def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, max_patients: int | None) -> pl.DataFrame:
-    """Events of train patients (the only split whose full records the forecasting store holds)."""
-    limit = "" if max_patients is None else f"AND subject_id IN (SELECT DISTINCT subject_id FROM train_events " \
-                                            f"WHERE cohort_id = $1 ORDER BY subject_id LIMIT {int(max_patients)})"
-    return sql_frame(con, f"""SELECT subject_id, time, code, numeric_value, encounter_id FROM train_events
-                             WHERE cohort_id = $1 {limit}""", [cohort_id])
+def train_subject_ranges(con: duckdb.DuckDBPyConnection, cohort_id: str, max_patients: int | None,
+                         chunk: int) -> list[tuple[int, int]]:
+    """Train patients in ascending subject_id, cut into (first, last) id ranges of `chunk` patients
+    (the first `max_patients` only, when set)."""
+    limit = "" if max_patients is None else f"LIMIT {int(max_patients)}"
+    ids = sql_frame(con, f"""SELECT DISTINCT subject_id FROM train_events WHERE cohort_id = ?
+                             ORDER BY subject_id {limit}""", [cohort_id])["subject_id"].to_numpy()
+    return [(int(ids[i]), int(ids[min(i + chunk, len(ids)) - 1])) for i in range(0, len(ids), chunk)]
+
+
+def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, first: int, last: int) -> pl.DataFrame:
+    """Events of the train patients with first <= subject_id <= last (train_events hold the full
+    records of train patients only, the one split whose full records the forecasting store holds)."""
+    return sql_frame(con, """SELECT subject_id, time, code, numeric_value, encounter_id FROM train_events
+                             WHERE cohort_id = ? AND subject_id BETWEEN ? AND ?""", [cohort_id, first, last])
+
+
+def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vocabulary, cfg: PriorConfig
+                       ) -> tuple[VisitTensors, int]:
+    """Tensors of every train patient with at least two visits (a pair needs a next visit), and the
+    number of train patients read; InputError when no patient has two visits.
+
+    Featurized `cfg.featurize_chunk_patients` patients at a time: the events frame and its joins
+    are what costs memory, so only one chunk's exist at once; the chunks' tensors are padded to
+    the widest chunk and concatenated in subject order (the result equals featurizing all at once).
+    """
+    parts, n_patients = [], 0
+    for first, last in train_subject_ranges(con, cohort_id, cfg.max_train_patients, cfg.featurize_chunk_patients):
+        chunk = visit_tensors(load_training_events(con, cohort_id, first, last), "subject_id", vocab, cfg)
+        n_patients += len(chunk)
+        keep = torch.nonzero(chunk.lengths >= 2).squeeze(1)
+        parts.append(VisitTensors([chunk.keys[i] for i in keep.tolist()], chunk.codes[keep], chunk.numeric[keep],
+                                  chunk.lengths[keep], chunk.dx[keep], chunk.history.head(0)))
+        del chunk
+    if not sum(len(t) for t in parts):
+        raise InputError(f"cohort {cohort_id}: no train patient has two visits with diagnoses; "
+                         "nothing to learn next-visit transitions from")
+    V = max(t.codes.shape[1] for t in parts)
+    D = max(t.dx.shape[2] for t in parts)
+
+    def padded(x: torch.Tensor, visits: int, slots: int | None, fill: int) -> torch.Tensor:
+        pad = [0, 0 if slots is None else slots - x.shape[2], 0, visits - x.shape[1]]
+        return torch.nn.functional.pad(x, pad, value=fill)
+
+    tensors = VisitTensors(
+        [key for t in parts for key in t.keys],
+        torch.cat([padded(t.codes, V, None, PAD) for t in parts]),
+        torch.cat([padded(t.numeric, V, None, 0) for t in parts]),
+        torch.cat([t.lengths for t in parts]),
+        torch.cat([padded(t.dx, V, D, vocab.n_output) for t in parts]),
+        parts[0].history)
+    return tensors, n_patients
 
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:

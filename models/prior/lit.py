@@ -10,10 +10,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dxr.errors import InputError
 from models.prior.config import PriorConfig
-from models.prior.data import (SequenceDataset, VisitTensors, build_vocabulary, drop_last_visit,
-                               load_training_events, load_tuning_pretarget, trim, visit_tensors)
+from models.prior.data import (SequenceDataset, build_vocabulary, drop_last_visit, load_tuning_pretarget,
+                               training_sequences, trim, visit_tensors)
 from models.prior.nn import PriorNet, next_visit_loss, router_losses, visit_multi_hot
 
 
@@ -130,20 +129,12 @@ class PriorDataModule(L.LightningDataModule):
         if hasattr(self, "train_set"):
             return
         self.vocab = build_vocabulary(self.con, self.cohort_id, self.cfg.min_code_count)
-        train = visit_tensors(load_training_events(self.con, self.cohort_id, self.cfg.max_train_patients),
-                              "subject_id", self.vocab, self.cfg)
-        keep = torch.nonzero(train.lengths >= 2).squeeze(1)  # a pair needs a next visit
-        if not len(keep):
-            raise InputError(f"cohort {self.cohort_id}: no train patient has two visits with diagnoses; "
-                             "nothing to learn next-visit transitions from")
-        self.train_set = SequenceDataset(VisitTensors(
-            [train.keys[i] for i in keep.tolist()], train.codes[keep], train.numeric[keep], train.lengths[keep],
-            train.dx[keep], train.history.head(0)))
+        train, self.n_train_patients = training_sequences(self.con, self.cohort_id, self.vocab, self.cfg)
+        self.train_set = SequenceDataset(train)
         tuning = load_tuning_pretarget(self.con, self.cohort_id)
         inputs, labels = drop_last_visit(visit_tensors(tuning, "trajectory_id", self.vocab, self.cfg),
                                          self.vocab.n_output)
         self.val_set = SequenceDataset(inputs, labels)
-        self.n_train_patients = train.lengths.numel()
 
     def train_dataloader(self) -> DataLoader:
         sampler = LengthBucketBatches(self.train_set.t.lengths, self.cfg.batch_size, self.cfg.seed)
