@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 import torch
 
-from models.prior import data as prior_data, lit as prior_lit
+from models.prior import data as prior_data, lit as prior_lit, tracking as prior_tracking
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
@@ -297,7 +297,14 @@ def test_training_keeps_the_best_validation_epoch(planted):
     assert validation_recall(last, data) == pytest.approx(recorded.values[-1], abs=1e-6)
 
 
-@pytest.mark.parametrize("module", [prior_data, prior_lit])
+@pytest.mark.parametrize("module", [prior_data, prior_lit, prior_tracking])
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("bad, message", [({"n_heads": 5}, "multiple of n_heads"),
+                                          ({"top_k": 5}, "cannot exceed n_experts")])
+def test_network_shapes_that_cannot_run_are_rejected_with_the_settings(bad, message):
+    with pytest.raises(ValueError, match=message):
+        PriorConfig(**bad)

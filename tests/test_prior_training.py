@@ -6,9 +6,11 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import polars as pl
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dxr.cli import main
@@ -139,7 +141,7 @@ def test_no_held_out_or_tuning_target_reaches_training(trained):
     # Validation pairs come from tuning pre-target records, whose targets (with sentinels) are gold only.
     assert all(":" in key for key in data.val_set.t.keys) and len(data.val_set) > 0
     # The registered model's learned vocabularies (not Ω, which lists them legitimately) exclude them too.
-    model_dir = next((wh.root / "mlflow" / "cache").glob("ehr_prior-*/v1"))
+    model_dir = next((wh.root / "mlflow" / "cache").glob("ehr_prior-*/v1-*"))
     logged = json.loads(next(model_dir.rglob("vocabulary.json")).read_text())
     assert not forbidden & (set(logged["input_codes"]) | set(logged["output_codes"]))
 
@@ -161,3 +163,23 @@ def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_pat
     runs = Warehouse(tmp_path).read("runs").sort("kind")
     assert runs.select("run_id", "kind", "status", "cohort_id").rows() == [
         ("cli-train-1", "train:dense_prior", "finished", cohort), ("cli-train-1", "train:gru", "finished", cohort)]
+
+
+def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_version(tmp_path):
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    cfg = PriorConfig(**{**TINY, "seed": 1}, epochs=1)
+    first = train_prior(str(tmp_path), cohort, "ehr_prior", cfg)
+    old = RegisteredPrior(cfg)
+    old.fit(wh.connect(), cohort)
+    # A new store (here: another sqlite file; likewise a reset one) numbers its versions from 1 again.
+    other = cfg.model_copy(update={"seed": 2, "tracking_uri": f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}"})
+    (tmp_path / "other").mkdir()
+    second = train_prior(str(tmp_path), cohort, "ehr_prior", other)
+    assert first.version == second.version == "1" and first.mlflow_run_id != second.mlflow_run_id
+    run = tracking.MlflowClient().get_run(second.mlflow_run_id)
+    assert run.info.artifact_uri.startswith((tmp_path / "other" / "artifacts").as_uri())  # beside its store
+    new = RegisteredPrior(other)
+    new.fit(wh.connect(), cohort)
+    assert new.run_id == second.mlflow_run_id
+    assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ARCHS = {"ehr_prior": "moe", "dense_prior": "dense", "gru": "gru"}
 
@@ -45,3 +45,12 @@ class PriorConfig(BaseModel):
     alias: str = Field("champion", description="registered-model alias that inference resolves")
     promote: bool = Field(True, description="point the alias at the newly registered version after training")
     predict_batch_size: int = Field(1024, ge=1)
+
+    @model_validator(mode="after")
+    def _network_shape(self) -> PriorConfig:
+        # Checked here so that a bad setting fails before minutes of featurization, not in the first step.
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} must be a multiple of n_heads {self.n_heads}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k {self.top_k} cannot exceed n_experts {self.n_experts}")
+        return self

@@ -77,9 +77,11 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
 
 
 def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl.DataFrame:
-    """Lab rows (…, code, numeric_value) → the same rows with code `{lab}//q{quintile}`; unknown labs dropped.
+    """Lab rows (…, code, numeric_value) → the same rows with code `{lab}//q{quintile}`; unknown labs and
+    missing or non-finite values dropped.
 
-    >>> rows = pl.DataFrame({"code": ["LAB//k//u"] * 3, "numeric_value": [1.0, 5.0, 9.0]})
+    >>> rows = pl.DataFrame({"code": ["LAB//k//u"] * 6, "numeric_value": [1.0, 5.0, 9.0, None, float("nan"),
+    ...                                                                     float("inf")]})
     >>> lab_value_tokens(rows, {"LAB//k//u": [2.0, 4.0, 6.0, 8.0]})["code"].to_list()
     ['LAB//k//u//q0', 'LAB//k//u//q2', 'LAB//k//u//q4']
     """
@@ -87,7 +89,8 @@ def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl
         return labs.head(0)
     cuts = pl.DataFrame({"code": list(lab_cuts), **{f"cut{i}": [c[i] for c in lab_cuts.values()]
                                                     for i in range(len(LAB_QUANTILES))}})
-    binned = labs.filter(pl.col("numeric_value").is_not_null()).join(cuts, on="code")
+    # Non-finite values have no quintile (the cut points leave them out too); NaN would compare above every cut.
+    binned = labs.filter(pl.col("numeric_value").is_finite()).join(cuts, on="code")
     quintile = pl.sum_horizontal((pl.col("numeric_value") > pl.col(f"cut{i}")).cast(pl.Int32)
                                  for i in range(len(LAB_QUANTILES)))
     return binned.with_columns(pl.format("{}//q{}", "code", quintile).alias("code")).select(labs.columns)
@@ -244,7 +247,7 @@ def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, first: 
 def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vocabulary, cfg: PriorConfig
                        ) -> tuple[VisitTensors, int]:
     """Tensors of every train patient with at least two visits (a pair needs a next visit), and the
-    number of train patients read; InputError when no patient has two visits.
+    number of train patients with at least one visit; InputError when no patient has two visits.
 
     Featurized `cfg.featurize_chunk_patients` patients at a time: the events frame and its joins
     are what costs memory, so only one chunk's exist at once; the chunks' tensors are padded to

@@ -1,7 +1,8 @@
 """MLflow layout of the EHR Prior: where runs live, how models are registered and resolved.
 
 Default store: `sqlite:///<data_dir>/mlflow/mlflow.db` with artifacts in `<data_dir>/mlflow/artifacts`;
-any tracking URI by configuration (`prior.tracking_uri`). One registered model per system and
+any tracking URI by configuration (`prior.tracking_uri`; a configured sqlite store keeps its artifacts
+beside it too). One registered model per system and
 cohort, named `{system}-{cohort_id}`; inference resolves `models:/{name}@{alias}`.
 """
 
@@ -32,13 +33,26 @@ def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
+def artifact_root(uri: str) -> str | None:
+    """Artifacts of a new experiment: beside a local sqlite store (MLflow's own default would be
+    `./mlruns` under whatever directory the process happens to run in); a server decides for itself.
+
+    >>> artifact_root("sqlite:////srv/dxr/mlflow/mlflow.db")
+    'file:///srv/dxr/mlflow/artifacts'
+    >>> artifact_root("http://mlflow.internal:5000") is None
+    True
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts").as_uri()
+
+
 def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
-    """Point mlflow at the store and experiment (created with a local artifact root when new)."""
+    """Point mlflow at the store and experiment (created with `artifact_root` when new)."""
     uri = tracking_uri(data_dir, configured)
     mlflow.set_tracking_uri(uri)
     if mlflow.get_experiment_by_name(experiment) is None:
-        artifacts = None if configured else (Path(data_dir).resolve() / "mlflow" / "artifacts").as_uri()
-        mlflow.create_experiment(experiment, artifact_location=artifacts)
+        mlflow.create_experiment(experiment, artifact_location=artifact_root(uri))
     mlflow.set_experiment(experiment)
     return uri
 
@@ -60,9 +74,10 @@ def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
 
 
 def download_model(system: str, cohort_id: str, alias: str, cache_dir: Path) -> tuple[Path, str, str]:
-    """Local copy of the aliased model (kept per version, so a second load reads the disk only)."""
+    """Local copy of the aliased model (kept per version and run, so a second load reads the disk only;
+    the run id keeps a reset or different tracking store, whose versions restart at 1, from reusing it)."""
     version, run_id = resolve_alias(system, cohort_id, alias)
-    target = cache_dir / registered_name(system, cohort_id) / f"v{version}"
+    target = cache_dir / registered_name(system, cohort_id) / f"v{version}-{run_id}"
     if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registered_name(system, cohort_id)}/{version}",
