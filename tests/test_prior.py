@@ -214,7 +214,6 @@ def planted(tmp_path_factory):
     return data, cfg
 
 
-
 def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(planted):
     data, cfg = planted
     whole, n_whole = training_sequences(data.con, data.cohort_id, data.vocab,
@@ -225,6 +224,7 @@ def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(pl
     assert chunked.keys == whole.keys == sorted(whole.keys)
     for name in ("codes", "numeric", "lengths", "dx"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name  # chunks span 5 or 6 visits
+
 
 def test_training_is_deterministic_for_a_seed(planted):
     data, cfg = planted

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import re
-import shutil
 
 import polars as pl
 import pytest
@@ -84,7 +83,6 @@ def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
     assert runs.select("kind", "status", "cohort_id").rows() == [("train:ehr_prior", "finished", cohort)]
 
 
-
 def test_each_epoch_logs_one_progress_line_with_its_tracked_metrics(trained):
     _, _, result, lines = trained
     client = tracking.MlflowClient()
@@ -93,6 +91,7 @@ def test_each_epoch_logs_one_progress_line_with_its_tracked_metrics(trained):
                for name in ("train_loss", "val_recall_at_20")}
     assert lines == [f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, "
                      f"tuning R@20 {history['val_recall_at_20'][e]:.4f}" for e in range(2)]
+
 
 def test_prediction_resolves_the_registered_alias(trained):
     wh, cohort, _, _ = trained
