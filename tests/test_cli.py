@@ -70,6 +70,10 @@ def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
 
 def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     assert "not allowed" in one_line_error(run("sql", "DROP VIEW rankings", data_dir=tmp_path))
+    hidden_write = f"SELECT 1; COPY (SELECT 1 AS a) TO '{tmp_path / 'forecast' / 'leak.csv'}'"
+    assert "exactly one read-only query" in one_line_error(run("sql", hidden_write, data_dir=tmp_path))
+    assert not (tmp_path / "forecast" / "leak.csv").exists()
+    assert "exactly one read-only query" in one_line_error(run("sql", "SELECT 1; SELECT 2", data_dir=tmp_path))
     line = one_line_error(run("sql", "SELECT * FROM targets", data_dir=tmp_path))
     assert "(gold tables need --with-gold)" in line
     result = run("sql", "SELECT count(*) AS n FROM targets", "--with-gold", "--format", "csv", data_dir=tmp_path)
