@@ -318,3 +318,10 @@ def test_coding_is_clinically_coherent(events):
         .alias("acute_and_chronic_hf"))
     assert per_stay["hypertension"].max() == 1
     assert not per_stay["acute_and_chronic_hf"].any()
+
+
+def test_invalid_dataset_json_is_a_one_line_error_naming_the_file(tmp_path):
+    generate(tmp_path, 12, SEED, shard_size=10)
+    (tmp_path / "metadata" / "dataset.json").write_text('{"dataset_name": "x",}')
+    with pytest.raises(InputError, match=r"dataset\.json: not valid JSON \(.* at line 1 column \d+\): fix it or remove"):
+        validate_meds_dir(tmp_path)

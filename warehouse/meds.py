@@ -152,7 +152,11 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         raise InputError(f"{root}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//...): "
                          "next-encounter forecasting needs diagnosis codes")
     metadata_path = root / meds.dataset_metadata_filepath
-    metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+    try:
+        metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
+                         "fix it or remove it (the file is optional)") from exc
     splits_path = root / meds.subject_splits_filepath
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards))
