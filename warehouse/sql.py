@@ -23,17 +23,14 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
                          "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
     con = wh.connect(gold=with_gold)
     try:
-        statements = con.extract_statements(query)
-    except duckdb.Error as exc:
-        raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
-    # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
-    # the connection may write inside the forecasting store it reads.
-    kinds = [st.type for st in statements]
-    pivot = head in ("pivot", "unpivot") and kinds == [duckdb.StatementType.MULTI]
-    if not pivot and (len(kinds) != 1 or kinds[0] not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)):
-        raise InputError(f"dxr sql runs exactly one read-only query; this text holds {len(kinds)} statement(s) of "
-                         f"kind {', '.join(k.name for k in kinds)}: send a single SELECT")
-    try:
+        # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
+        # the connection may write inside the forecasting store it reads.
+        kinds = [st.type for st in con.extract_statements(query)]
+        pivot = head in ("pivot", "unpivot") and kinds == [duckdb.StatementType.MULTI]
+        if not pivot and (len(kinds) != 1
+                          or kinds[0] not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)):
+            raise InputError(f"dxr sql runs exactly one read-only query; this text holds {len(kinds)} statement(s) "
+                             f"of kind {', '.join(k.name for k in kinds)}: send a single SELECT")
         cursor = con.execute(query)
     except duckdb.PermissionException as exc:
         raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
