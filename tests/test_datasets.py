@@ -1,13 +1,18 @@
-"""Dataset registration: synthetic generation is all-or-nothing, and a rerun is identical."""
+"""Dataset registration: generation and ingest are all-or-nothing, reruns are identical, and the
+registered files cannot change underneath a cohort build."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import warehouse.synthetic as synthetic
-from warehouse.datasets import create_synthetic, synthetic_is_current
+from dxr.errors import InputError
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import create_synthetic, ingest_meds, synthetic_is_current
 
 
 def data_files(root: Path) -> dict[str, bytes]:
@@ -35,3 +40,25 @@ def test_killed_generation_leaves_the_previous_dataset_and_rerun_is_identical(wh
     assert wh_vocab.read("datasets").height == 1
     assert not [p for p in wh_vocab.meds_dir("synthetic").parent.iterdir() if p.name.startswith(".")]
     assert not synthetic_is_current(wh_vocab, "synthetic", 121, 5)
+
+
+def test_ingest_copies_files_so_a_source_rewritten_in_place_leaves_the_dataset_unchanged(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    before = data_files(wh_vocab.meds_dir("tiny"))
+    for shard in sorted((tiny_meds / "data").rglob("*.parquet")):
+        with open(shard, "r+b") as f:  # same inode, new bytes: what a hard link would share
+            f.write(b"XXXX")
+    assert data_files(wh_vocab.meds_dir("tiny")) == before
+
+
+def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    shard = sorted((wh_vocab.meds_dir("tiny") / "data").rglob("*.parquet"))[0]
+    # What a kill between the data swap and the `datasets` write leaves: new files, old row.
+    table = pq.read_table(shard)
+    pq.write_table(pa.concat_tables([table, table.slice(0, 1)]), shard)
+    with pytest.raises(InputError, match=r"dataset 'tiny': the files in .* changed since they were registered.*"
+                                         r"rerun `dxr ingest meds`"):
+        build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)
+    ingest_meds(wh_vocab, wh_vocab.meds_dir("tiny"), "tiny")  # re-registering in place accepts the new files
+    assert build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)["cohort_id"]

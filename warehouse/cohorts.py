@@ -94,6 +94,11 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     check_name("cohort", name)
     dataset = get_dataset(wh, dataset_id)
     info = validate_meds_dir(dataset["meds_dir"])
+    if info.fingerprint != dataset["fingerprint"]:
+        remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
+        raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "
+                         f"(fingerprint {dataset['fingerprint']} -> {info.fingerprint}), e.g. by an interrupted "
+                         f"ingest or a file rewritten in place: rerun `dxr {remake}` for it")
     cohort_id = cohort_id_for(dataset, options, seed)
     # disable=None: bars only on a terminal, never in logs or captured output.
     steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=None if progress else True)

@@ -179,20 +179,21 @@ def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
 
 
 def copy_meds_dir(source: Path, target: Path) -> None:
-    """Copy a MEDS directory into the gold store (hard links where possible), replacing any older copy."""
+    """Copy a MEDS directory into the gold store, replacing any older copy.
+
+    A real copy, not hard links: a source file later rewritten in place must not change the
+    registered dataset under its fingerprint.
+    """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve():
         return
     staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-
-    def link_or_copy(src, dst):
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(source, staging, copy_function=link_or_copy)
-    replace_dir(staging, target)
+    try:
+        shutil.copytree(source, staging)
+        replace_dir(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
 
 
 def replace_dir(staging: Path, target: Path) -> None:
