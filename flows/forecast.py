@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.forecast import SPLITS, check_system, forecast_shard_task
+from tasks.forecast import (SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
+                            forecast_shard_task)
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
 from warehouse.runs import registered_run
@@ -21,9 +22,11 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     wh = Warehouse(data_dir)
     cohort_row = get_cohort(wh, cohort)
     cohort_id = cohort_row["cohort_id"]
-    config = {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
+    config = forecast_config(cohort_id, system, split, k, limit)
+    check_rerun(wh, run_id, config)
     shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
     with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
+        clear_outputs(wh, run.run_id, system)
         remaining = limit
         for shard in shards:
             done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining)

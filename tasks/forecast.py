@@ -7,6 +7,7 @@ and the materialized pre-target records of the shard.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 import polars as pl
@@ -27,6 +28,43 @@ def check_system(system: str) -> None:
     if system not in FORECASTERS and system not in LLM_SYSTEMS:
         available = ", ".join(sorted([*FORECASTERS, *LLM_SYSTEMS]))
         raise InputError(f"unknown or not yet available system {system!r}; available: {available}")
+
+
+def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int | None) -> dict:
+    """What a forecast run records in `runs.config_json`; a run id names one such configuration per system."""
+    return {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
+
+
+def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
+    """Refuse a run id that already holds this system's forecast under other options.
+
+    Rerunning with the same options redoes the forecast; with other options the run's rankings,
+    status and metrics would mix two configurations.
+    """
+    if run_id is None:
+        return
+    kind = f"forecast:{config['system']}"
+    if not wh.has_rows("runs", run_id=run_id, kind=kind):
+        return
+    recorded = json.loads(wh.read("runs", run_id=run_id, kind=kind)["config_json"][0])
+    current = json.loads(json.dumps(config, sort_keys=True, default=str))
+    changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current)
+               if recorded.get(key) != current.get(key)]
+    if changed:
+        raise InputError(f"run {run_id} already holds a {config['system']} forecast with other options "
+                         f"({', '.join(changed)}): rerun with the recorded options or pass a new --run-id")
+
+
+def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
+    """Remove a system's earlier rankings, status, metrics and LLM telemetry of a run before it is redone.
+
+    Every shard is recomputed anyway; clearing first means a shard that is not written this time
+    (the cohort was re-sharded) cannot survive as a stale partition.
+    """
+    for table in ("rankings", "ranking_status", "metrics"):
+        wh.delete(table, run_id=run_id, system=system)
+    if system in LLM_SYSTEMS:
+        wh.delete("llm_calls", run_id=run_id, stage=system)
 
 
 def make_forecaster(system: str) -> Forecaster:

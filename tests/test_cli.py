@@ -106,3 +106,24 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
                "--format", "csv", data_dir=data_dir)
     assert runs.output.splitlines() == ["run_id,kind,status,has_cohort", "coh-1,cohort,finished,True",
                                         "coh-2,cohort,failed,False", "ing-1,ingest:meds,finished,False"]
+
+
+def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tiny_meds, wh_vocab, monkeypatch):
+    data_dir = wh_vocab.root
+    status_rows = "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM ranking_status WHERE run_id = 'r1'"
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    monkeypatch.setenv("DXR_COHORT__SHARD_SIZE", "1")  # one trajectory per shard
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    forecast = ("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r1")
+    assert run(*forecast, data_dir=data_dir).exit_code == 0
+    assert run("sql", status_rows, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "3,3"
+
+    line = one_line_error(run(*forecast, "--limit", "1", data_dir=data_dir))
+    assert "run r1 already holds a repeat_history forecast with other options (limit None -> 1)" in line
+    assert "pass a new --run-id" in line
+
+    # The same cohort re-sharded into one shard: the rerun must not keep the old shards' rows.
+    monkeypatch.delenv("DXR_COHORT__SHARD_SIZE")
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    assert run(*forecast, data_dir=data_dir).exit_code == 0
+    assert run("sql", status_rows, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "3,3"

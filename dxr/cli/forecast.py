@@ -26,13 +26,14 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
       dxr forecast --cohort default --system repeat_history --split held_out --run-id demo-1
     """
     from flows.forecast import forecast_flow
-    from tasks.forecast import check_system
+    from tasks.forecast import check_rerun, check_system, forecast_config
     from warehouse.cohorts import get_cohort
     from warehouse.store import Warehouse
 
     data_dir = str(settings(ctx).data_dir)
     # Check the inputs here, so a typo is one line and not a failed flow run with a traceback.
     check_system(system)
-    get_cohort(Warehouse(data_dir), cohort)
+    wh = Warehouse(data_dir)
+    check_rerun(wh, run_id, forecast_config(get_cohort(wh, cohort)["cohort_id"], system, split, k, limit))
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
     click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split})")
