@@ -123,8 +123,9 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
                            "WHERE run_id = ?", [run_id])
     status = _query(con, "SELECT system, trajectory_id, status FROM ranking_status WHERE run_id = ?", [run_id])
     if rankings.is_empty() and status.is_empty():
-        raise NotFoundError(f"run {run_id!r} has no rankings: run a forecast first (dxr forecast …), "
-                            "or list runs with `dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
+        raise NotFoundError(f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first "
+                            "(dxr forecast …), check --data-dir, or list runs with "
+                            "`dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
     cohorts = rankings["cohort_id"].unique().to_list()
     if not cohorts:  # every trajectory failed: the registry still knows the run's cohort
         cohorts = _query(con, "SELECT DISTINCT cohort_id FROM runs WHERE run_id = ? AND kind <> ?",

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import polars as pl
 import pytest
 from click.testing import CliRunner
 
 from dxr.cli import main
 from tests.conftest import tiny_events, write_tiny_meds
+from warehouse.store import Warehouse
 
 
 def run(*args, data_dir=None):
@@ -65,7 +72,16 @@ def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
     line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
     assert "dataset name 'Bad Name' is not allowed" in line
     line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history", data_dir=tmp_path / "wh"))
-    assert line == "Error: cohort 'missing' not found; built cohorts: none (build one with `dxr cohort build`)"
+    assert line == (f"Error: cohort 'missing' not found in the warehouse at {tmp_path / 'wh'}; built cohorts: none "
+                    "(build one with `dxr cohort build`, or check --data-dir)")
+
+
+def test_file_system_errors_are_one_line_naming_the_path(tmp_path, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    monkeypatch.setenv("DXR_DATA_DIR", str(a_file))  # the option checks its own value; env and config do not
+    line = one_line_error(run("cohort", "list"))
+    assert line == f"Error: {a_file / 'forecast'}: Not a directory: a part of this path is a file; point to a directory"
 
 
 def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
@@ -127,3 +143,30 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
     assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
     assert run(*forecast, data_dir=data_dir).exit_code == 0
     assert run("sql", status_rows, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "3,3"
+
+    # A report written below a file (unwritable --out) is one line naming the path, not a traceback.
+    assert run("evaluate", "--run", "r1", data_dir=data_dir).exit_code == 0
+    (tmp_path / "a_file").write_text("not a directory")
+    line = one_line_error(run("report", "--run", "r1", "--out", tmp_path / "a_file" / "reports", data_dir=data_dir))
+    assert line.startswith(f"Error: {tmp_path / 'a_file' / 'reports'}") and "Not a directory" in line
+
+
+def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):
+    data_dir = tmp_path / "wh"
+    dxr = Path(sys.executable).parent / "dxr"
+    proc = subprocess.Popen([str(dxr), "--data-dir", str(data_dir), "synth", "--patients", "50000", "--run-id",
+                             "killed"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meds = data_dir / "gold" / "meds"
+
+    def generating() -> bool:  # the run is registered and its staging directory is being written
+        return meds.is_dir() and any(p.name.startswith(".") for p in meds.iterdir())
+
+    deadline = time.monotonic() + 120
+    while not generating() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert generating() and proc.poll() is None, "synth ended or never started writing"
+    proc.send_signal(signal.SIGTERM)  # what a scheduler or `kill` sends
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert Warehouse(data_dir).read("runs", run_id="killed")["status"].to_list() == ["failed"]
+    assert not list(meds.iterdir())  # the staging directory is gone and no dataset was swapped in
+

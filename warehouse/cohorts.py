@@ -243,6 +243,6 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
     match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
     if match.is_empty():
         known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
-        raise NotFoundError(f"cohort {name_or_id!r} not found; built cohorts: {known} "
-                            "(build one with `dxr cohort build`)")
+        raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
+                            f"{known} (build one with `dxr cohort build`, or check --data-dir)")
     return match.sort("created_at", descending=True).row(0, named=True)

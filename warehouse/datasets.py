@@ -51,8 +51,9 @@ def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
     rows = wh.read("datasets", dataset_id=dataset_id) if wh.has_rows("datasets", dataset_id=dataset_id) else None
     if rows is None or rows.is_empty():
         known = sorted(wh.read("datasets")["dataset_id"].to_list())
-        raise NotFoundError(f"dataset {dataset_id!r} is not registered; registered: {', '.join(known) or 'none'} "
-                            "(create one with `dxr synth` or `dxr ingest`)")
+        raise NotFoundError(f"dataset {dataset_id!r} is not registered in the warehouse at {wh.root}; registered: "
+                            f"{', '.join(known) or 'none'} (create one with `dxr synth` or `dxr ingest`, "
+                            "or check --data-dir)")
     return rows.row(0, named=True)
 
 

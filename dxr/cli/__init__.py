@@ -5,7 +5,11 @@ Library code raises `DxrError` subclasses; `main` turns them into one line on st
 
 from __future__ import annotations
 
+import errno
+import logging
+import signal
 import sys
+import threading
 
 import click
 
@@ -14,14 +18,54 @@ from dxr.config import Settings, load_settings
 from dxr.errors import DxrError
 
 
+def one_line(exc: OSError) -> str:
+    """An operating-system error as one line naming the path and the fix."""
+    if exc.filename is None:
+        return str(exc)
+    where = f"{exc.filename} -> {exc.filename2}" if exc.filename2 else exc.filename
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "make it writable or choose another location (--data-dir, --out, DXR_DATA_DIR)"
+    elif exc.errno == errno.ENOTDIR:
+        fix = "a part of this path is a file; point to a directory"
+    elif exc.errno == errno.ENOSPC:
+        fix = "free disk space or choose another location"
+    else:
+        fix = "check the path"
+    return f"{where}: {exc.strerror}: {fix}"
+
+
+class UserErrorTraceback(logging.Filter):
+    """Drop the traceback Prefect logs with a failed flow or task run when the error is the user's
+    to fix: its one-line message is the report, and the traceback only buries it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], (DxrError, OSError)):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 class DxrGroup(click.Group):
-    """A click group that reports library errors as one line instead of a traceback."""
+    """A click group that reports library and file-system errors as one line instead of a traceback."""
 
     def invoke(self, ctx: click.Context):
+        if threading.current_thread() is threading.main_thread():
+            # `kill` (SIGTERM, e.g. from a scheduler) unwinds like Ctrl-C, so runs are recorded `failed`
+            # and temporary files are removed instead of the process vanishing mid-write.
+            signal.signal(signal.SIGTERM, terminated)
+        for name in ("prefect.flow_runs", "prefect.task_runs"):
+            run_logger = logging.getLogger(name)
+            if not any(isinstance(f, UserErrorTraceback) for f in run_logger.filters):
+                run_logger.addFilter(UserErrorTraceback())
         try:
             return super().invoke(ctx)
         except DxrError as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:
+            raise click.ClickException(one_line(exc)) from exc
 
 
 @click.group(cls=DxrGroup, context_settings={"help_option_names": ["-h", "--help"]})
