@@ -309,8 +309,33 @@ BAD_INPUTS = {
                             "admissions.csv.gz: hadm_id 20000001 appears on several data rows (1, 8): "
                             "each admission must appear once"),
     "no diagnoses": (lambda hosp: edit_table(hosp, "diagnoses_icd", lambda lines: lines[:1]),
-                     "diagnoses_icd.csv.gz: no diagnosis row belongs to an admission in admissions.csv.gz: "
-                     "forecasting needs diagnoses"),
+                     "diagnoses_icd.csv.gz: a header but no data rows: MIMIC-IV needs the diagnoses_icd rows; "
+                     "restore the file from the official release"),
+    "no diagnosis of a known admission": (lambda hosp: edit_table(hosp, "diagnoses_icd", lambda lines: [
+                                              lines[0], *(line.replace(",2000000", ",3000000") for line in lines[1:])]),
+                                          "diagnoses_icd.csv.gz: no diagnosis row belongs to an admission in "
+                                          "admissions.csv.gz: forecasting needs diagnoses"),
+    "header only": (lambda hosp: edit_table(hosp, "patients", lambda lines: lines[:1]),
+                    "patients.csv.gz: a header but no data rows: MIMIC-IV needs the patients rows"),
+    "empty file": (lambda hosp: (hosp / "admissions.csv.gz").write_bytes(b""),
+                   "admissions.csv.gz: the file is empty: restore admissions from the official MIMIC-IV release"),
+    "row with an extra field": (lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(5, ",I10,", ",I10,X,")),
+                                "diagnoses_icd.csv.gz, data row 5: malformed CSV (6 fields where the header has 5): "
+                                "fix the row or re-download the file"),
+    "row with a missing field": (lambda hosp: edit_table(hosp, "procedures_icd", replace_on_line(2, ",02HV33Z", "")),
+                                 "procedures_icd.csv, data row 2: malformed CSV (5 fields where the header has 6)"),
+    "unterminated quote": (lambda hosp: edit_table(hosp, "procedures_icd",
+                                                   replace_on_line(2, "10000001,2", '10000001,"2')),
+                           'procedures_icd.csv, data row 2: malformed CSV (a quote (") opens a value that never '
+                           'closes): fix the row or re-download the file'),
+    "semicolon separated": (lambda hosp: edit_table(hosp, "patients", lambda lines: [
+                                line.replace(",", ";") for line in lines]),
+                            "patients.csv.gz: the columns are separated by ';', not by commas: use the official "
+                            "comma-separated file"),
+    "truncated gzip": (lambda hosp: (hosp / "diagnoses_icd.csv.gz").write_bytes(
+                           gzip.compress(b"subject_id,hadm_id,seq_num,icd_code,icd_version\n" * 2000)[:200]),
+                       "diagnoses_icd.csv.gz: malformed CSV (the gzip data ends early, as after an incomplete "
+                       "download or copy): re-download the file"),
     "both csv and csv.gz": (lambda hosp: shutil.copy(hosp / "procedures_icd.csv", hosp / "PROCEDURES_ICD.csv.gz"),
                             "table procedures_icd exists twice (PROCEDURES_ICD.csv.gz, procedures_icd.csv): "
                             "keep one of them"),
@@ -345,10 +370,31 @@ def test_wrong_directories(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(InputError, match="notes.txt is a file: pass the MIMIC-IV directory"):
         import_mimic4(tmp_path / "notes.txt", tmp_path / "out", seed=SEED)
-    with pytest.raises(InputError, match=r"is not a MIMIC-III directory: none of patients, admissions, "
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match=r"empty is not a MIMIC-III directory: none of patients, admissions, "
                                          r"diagnoses_icd \(.csv or .csv.gz\) is there"):
-        import_mimic3(FIXTURE, tmp_path / "out", seed=SEED)
+        import_mimic3(tmp_path / "empty", tmp_path / "out", seed=SEED)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mimic4_release_root_given_to_the_mimic3_importer_says_which_command_to_use(tmp_path):
+    with pytest.raises(InputError) as raised:
+        import_mimic3(FIXTURE, tmp_path / "out", seed=SEED)
+    assert str(raised.value) == (f"{FIXTURE} looks like a MIMIC-IV directory (hosp/ holds the tables): "
+                                 "use `dxr ingest mimic4`")
+
+
+def test_a_deleted_column_is_not_offered_an_unused_official_column_as_its_rename(tmp_path):
+    hosp = copy_fixture(tmp_path)
+    # Without dischtime the closest remaining names are official columns the importer ignores (edregtime, …).
+    edit_table(hosp, "admissions", lambda lines: [
+        ",".join(c for i, c in enumerate(line.split(",")) if i != 3) for line in lines])
+    with pytest.raises(InputError) as raised:
+        import_mimic4(hosp, tmp_path / "out", seed=SEED)
+    text = str(raised.value)
+    assert "rename" not in text, text
+    assert text.endswith("MIMIC-IV admissions needs subject_id, hadm_id, admittime, dischtime, deathtime, "
+                         "admission_type, discharge_location; restore the official file"), text
 
 
 def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_path):

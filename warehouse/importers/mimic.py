@@ -35,7 +35,10 @@ Pinned rules:
 
 from __future__ import annotations
 
+import csv
 import difflib
+import gzip
+import re
 import shutil
 import time
 import uuid
@@ -55,6 +58,16 @@ SUBJECTS_PER_SHARD = 25_000
 EXTENSION_COLUMNS = ("encounter_id", "seq_num", "time_imputed")
 _ICD_CODE = "[A-Z0-9]+"
 _FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "TIMESTAMP": "a timestamp (YYYY-MM-DD HH:MM:SS)"}
+# Official columns of the tables read (either release) that the importer does not use: a file lacking a needed
+# column still has them, so they are never suggested as the needed column under another name.
+_UNUSED_OFFICIAL_COLUMNS = frozenset({
+    "row_id", "admission_location", "insurance", "language", "religion", "marital_status", "ethnicity", "race",
+    "edregtime", "edouttime", "diagnosis", "hospital_expire_flag", "has_chartevents_data", "admit_provider_id",
+    "dod_hosp", "dod_ssn", "expire_flag", "anchor_year_group", "icustay_id", "pharmacy_id", "poe_id", "poe_seq",
+    "order_provider_id", "enddate", "stoptime", "drug_type", "drug_name_poe", "drug_name_generic",
+    "formulary_drug_cd", "gsn", "prod_strength", "form_rx", "dose_val_rx", "dose_unit_rx", "form_val_disp",
+    "form_unit_disp", "doses_per_24_hrs", "route", "short_title",
+})
 
 
 @dataclass(frozen=True)
@@ -391,6 +404,9 @@ def locate_tables(layout: Layout, src: Path) -> dict[str, Path]:
     required = [spec.stem for spec in layout.tables.values() if spec.required]
     missing = [spec.stem for name, spec in layout.tables.items() if spec.required and name not in found]
     if len(missing) == len(required):
+        if layout is MIMIC3 and (src / MIMIC4.subdirectory).is_dir():
+            raise InputError(f"{src} looks like a MIMIC-IV directory ({MIMIC4.subdirectory}/ holds the tables): "
+                             f"use `dxr ingest {MIMIC4.source}`")
         where = f" (or the release root holding {layout.subdirectory}/)" if layout.subdirectory else ""
         raise InputError(f"{folder} is not a {layout.title} directory: none of {', '.join(required)} "
                          f"(.csv or .csv.gz) is there; pass the folder holding the {layout.title} tables{where}")
@@ -400,10 +416,26 @@ def locate_tables(layout: Layout, src: Path) -> dict[str, Path]:
     return found
 
 
-def _read_csv(path: Path) -> str:
+def _read_header(path: Path) -> list[str]:
+    """The header row, read here rather than by DuckDB's sniffer, which fails on a damaged row without naming it."""
+    if path.stat().st_size == 0:
+        return []
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
+            return next(csv.reader(handle), [])
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"{path}: not a readable CSV file ({_first_line(exc)}): "
+                         "use the official comma-separated file, plain or gzipped") from exc
+
+
+def _read_csv(path: Path, header: list[str]) -> str:
     quoted = str(path).replace("'", "''")
-    # Everything as text: types are checked afterwards so a bad value is reported by row and column.
-    return f"read_csv('{quoted}', header = true, all_varchar = true, delim = ',', quote = '\"', escape = '\"')"
+    # Every column as text, typed afterwards so a bad value is reported by row and column; no sniffing, so a
+    # malformed row fails the read with its line number.
+    columns = ", ".join("'{}': 'VARCHAR'".format(column.replace("'", "''")) for column in header)
+    return (f"read_csv('{quoted}', header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
+            "quote = '\"', escape = '\"')")
 
 
 def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec: SourceTable,
@@ -413,28 +445,52 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
         columns = ", ".join(f"{column} VARCHAR" for column in spec.columns)
         con.execute(f"CREATE TABLE raw_{name} ({columns})")
     else:
-        try:
-            header = [d[0] for d in con.execute(f"SELECT * FROM {_read_csv(path)} LIMIT 0").description]
-        except duckdb.Error as exc:
-            raise InputError(f"{path}: not a readable CSV file ({_first_line(exc)}): "
-                             "use the official comma-separated file, plain or gzipped") from exc
+        header = _read_header(path)
+        if not header:
+            raise InputError(f"{path}: the file is empty: restore {spec.stem} from the official {layout.title} release")
+        separator = next((s for s in ";\t|" if len(header) == 1 and s in header[0]), None)
+        if separator:
+            raise InputError(f"{path}: the columns are separated by {separator!r}, not by commas: "
+                             "use the official comma-separated file (or export it again with commas)")
         by_lower = {column.lower(): column for column in header}
         missing = [column for column in spec.columns if column not in by_lower]
         if missing:
             raise InputError(_missing_column_message(layout, path, spec, header, missing[0]))
         select = ", ".join(f'"{by_lower[column]}" AS {column}' for column in spec.columns)
         try:
-            con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path)}")
+            con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, header)}")
         except duckdb.Error as exc:
-            raise InputError(f"{path}: malformed CSV ({_first_line(exc)}): fix or re-download the file") from exc
+            raise InputError(_malformed_csv_message(path, exc)) from exc
     casts = ", ".join(f"TRY_CAST({column} AS {kind}) AS {column}" for column, kind in spec.columns.items())
     con.execute(f"CREATE VIEW t_{name} AS SELECT {casts}, rowid + 1 AS src_row FROM raw_{name}")
-    return con.execute(f"SELECT count(*) FROM raw_{name}").fetchone()[0]
+    n_rows = con.execute(f"SELECT count(*) FROM raw_{name}").fetchone()[0]
+    if path is not None and spec.required and not n_rows:
+        raise InputError(f"{path}: a header but no data rows: {layout.title} needs the {spec.stem} rows; "
+                         "restore the file from the official release")
+    return n_rows
+
+
+def _malformed_csv_message(path: Path, exc: duckdb.Error) -> str:
+    text = str(exc)
+    line = re.search(r"CSV Error on Line: (\d+)", text)
+    fields = re.search(r"Expected Number of Columns: (\d+) Found: (\d+)", text)
+    if "unterminated quote" in text:
+        problem = 'a quote (") opens a value that never closes'
+    elif fields:
+        problem = f"{fields[2]} fields where the header has {fields[1]}"
+    elif "end of GZIP stream" in text:
+        problem = "the gzip data ends early, as after an incomplete download or copy"
+    else:
+        problem = _first_line(exc)
+    if line:  # DuckDB counts lines from the header, which is line 1
+        return f"{path}, data row {int(line[1]) - 1:,}: malformed CSV ({problem}): fix the row or re-download the file"
+    return f"{path}: malformed CSV ({problem}): re-download the file"
 
 
 def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, header: list[str], column: str) -> str:
     message = f"{path}: missing column '{column}' (columns found: {', '.join(header)})"
-    unexpected = [c.lower() for c in header if c.lower() not in spec.columns]
+    unexpected = [c.lower() for c in header
+                  if c.lower() not in spec.columns and c.lower() not in _UNUSED_OFFICIAL_COLUMNS]
     guess = difflib.get_close_matches(column, unexpected, n=1, cutoff=0.5)
     other = MIMIC4 if layout is MIMIC3 else MIMIC3
     other_spec = next((s for s in other.tables.values() if s.stem == spec.stem), None)
@@ -442,7 +498,7 @@ def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, heade
         return f"{message}: this file has the {other.title} layout; use `dxr ingest {other.source}`"
     if guess:
         return f"{message}: rename '{guess[0]}' back to the official name '{column}'"
-    return f"{message}: {layout.title} {spec.stem} needs {', '.join(spec.columns)}"
+    return f"{message}: {layout.title} {spec.stem} needs {', '.join(spec.columns)}; restore the official file"
 
 
 def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, path: Path | None) -> None:
