@@ -188,6 +188,16 @@ def test_precision_recall_and_trim():
     assert short["codes"].shape == (2, 2, 4) and short["dx"].shape == (2, 2, 2)
 
 
+def test_validation_metrics_skip_label_visits_without_output_codes():
+    module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
+    codes, numeric, lengths, dx_ids = random_batch()
+    labels = torch.tensor([[1, 3], [7, 7], [2, 7]])  # the middle label visit has only codes outside the vocabulary
+    module.validation_step({"codes": codes, "numeric": numeric, "lengths": lengths, "dx": dx_ids,
+                            "labels": labels}, 0)
+    assert [len(rows) for rows in module.epoch_stats["val_recall_at_20"]] == [2]
+    assert module.pop_epoch_metrics()["val_recall_at_20"] == 1.0  # 7 output codes: top-20 holds them all
+
+
 def test_epoch_metrics_are_means_of_plain_numbers():
     module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
     module._collect("train_loss", torch.tensor(2.0, requires_grad=True) * 1)

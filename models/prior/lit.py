@@ -58,6 +58,9 @@ class PriorModule(L.LightningModule):
         batch = trim(batch)
         scores, _, _ = self.net(batch["codes"], batch["numeric"], batch["lengths"], batch["dx"], last_only=True)
         labels = visit_multi_hot(batch["labels"].unsqueeze(1), scores.shape[-1]).squeeze(1)  # (B, O)
+        # A visit whose codes all lie outside the output vocabulary has no recall to measure.
+        has_label = labels.sum(1) > 0
+        scores, labels = scores[has_label], labels[has_label]
         for k in (10, 20):
             precision, recall = precision_recall_at_k(scores, labels, k)
             self._collect(f"val_precision_at_{k}", precision)
