@@ -205,6 +205,7 @@ def test_fixture_events_are_exactly_the_expected_rows(mimic4):
 def test_fixture_summary_and_metadata(mimic4):
     out, summary = mimic4
     assert (summary.n_subjects, summary.n_admissions, summary.n_encounters) == (4, 7, 6)
+    assert summary.n_admissions_discharged_before_admitted == 0
     assert (summary.n_diagnosis_rows, summary.n_diagnoses, summary.n_diagnoses_time_imputed) == (13, 11, 1)
     assert summary.diagnoses_by_icd_version == {"9": 4, "10": 7}
     assert (summary.n_procedures, summary.n_medications, summary.n_ages_capped) == (3, 4, 1)
@@ -336,6 +337,17 @@ BAD_INPUTS = {
                            gzip.compress(b"subject_id,hadm_id,seq_num,icd_code,icd_version\n" * 2000)[:200]),
                        "diagnoses_icd.csv.gz: malformed CSV (the gzip data ends early, as after an incomplete "
                        "download or copy): re-download the file"),
+    "duplicate patient": (lambda hosp: edit_table(hosp, "patients", lambda lines: lines + [lines[1]]),
+                          "patients.csv.gz: subject_id 10000001 appears on several data rows (1, 5): "
+                          "each patient must appear once"),
+    "diagnosis of another patient's admission": (
+        lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(5, "10000001,20000003", "10000002,20000003")),
+        "diagnoses_icd.csv.gz, data row 5: subject_id 10000002 but hadm_id 20000003 is an admission of subject_id "
+        "10000001 in admissions.csv.gz: use files of one release, unedited"),
+    "prescription of another patient's admission": (
+        lambda hosp: edit_table(hosp, "prescriptions", replace_on_line(3, "10000002,20000005", "10000003,20000005")),
+        "prescriptions.csv, data row 3: subject_id 10000003 but hadm_id 20000005 is an admission of subject_id "
+        "10000002"),
     "both csv and csv.gz": (lambda hosp: shutil.copy(hosp / "procedures_icd.csv", hosp / "PROCEDURES_ICD.csv.gz"),
                             "table procedures_icd exists twice (PROCEDURES_ICD.csv.gz, procedures_icd.csv): "
                             "keep one of them"),
@@ -402,6 +414,19 @@ def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_
     with pytest.raises(InputError, match=r"PATIENTS.csv: missing column 'anchor_age' .*: this file has the "
                                          r"MIMIC-III layout; use `dxr ingest mimic3`"):
         import_mimic4(src, tmp_path / "out", seed=SEED)
+
+
+def test_a_discharge_before_the_admission_is_kept_as_recorded_and_counted(tmp_path):
+    # Real MIMIC-III has a few such admissions (deaths, organ donors): rejecting them would refuse the release.
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "admissions", replace_on_line(1, "2150-03-05 14:00:00", "2150-02-25 14:00:00"))
+    summary = import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    assert summary.n_admissions_discharged_before_admitted == 1
+    [line] = [line for line in summary.table().splitlines() if "dischtime before admittime" in line]
+    assert line.split()[-1] == "1", line
+    dx = read_meds(tmp_path / "meds").filter(pl.col("code").str.starts_with("DIAGNOSIS//")
+                                             & (pl.col("encounter_id") == 20000001))
+    assert dx["time"].to_list() == [ts("2150-02-25 14:00")] * 2
 
 
 def test_header_case_is_ignored(tmp_path, mimic4):

@@ -259,6 +259,8 @@ class ImportSummary:
     tables_absent: list[str]
     n_subjects: int
     n_admissions: int
+    # Kept as recorded: real MIMIC-III has a few (deaths, organ donors); their diagnoses sit at the earlier dischtime.
+    n_admissions_discharged_before_admitted: int
     n_encounters: int  # admissions with at least one diagnosis: the ones cohorts count
     n_diagnosis_rows: int  # raw rows with a code
     n_diagnoses: int  # after duplicates collapse
@@ -280,6 +282,7 @@ class ImportSummary:
     def table(self) -> str:
         """A short two-column summary for the terminal."""
         rows = [("subjects", self.n_subjects), ("admissions", self.n_admissions),
+                ("  dischtime before admittime (kept as recorded)", self.n_admissions_discharged_before_admitted),
                 ("encounters (admissions with ≥ 1 diagnosis)", self.n_encounters),
                 ("diagnosis rows read", self.n_diagnosis_rows),
                 ("diagnoses written (duplicates collapsed)", self.n_diagnoses),
@@ -341,7 +344,10 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         mark = stage("read", mark)
         for name, spec in layout.tables.items():
             _check_values(con, name, spec, files.get(name))
-        _check_admissions_unique(con, files["admissions"])
+        _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
+        _check_unique(con, "patients", "subject_id", "patient", files["patients"])
+        for name in ("diagnoses_icd", "procedures_icd", "prescriptions"):
+            _check_admission_subjects(con, name, files.get(name), files["admissions"])
         con.execute(layout.normalize_sql)
         _check_codes(con, "dx", files["diagnoses_icd"])
         _check_codes(con, "px", files.get("procedures_icd"))
@@ -525,13 +531,33 @@ def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, 
                          f"{_FRIENDLY_TYPE[kind]}{more}: correct the value or restore the official file")
 
 
-def _check_admissions_unique(con: duckdb.DuckDBPyConnection, path: Path) -> None:
-    duplicate = con.execute("SELECT hadm_id, list(src_row ORDER BY src_row) FROM t_admissions GROUP BY hadm_id "
+def _check_unique(con: duckdb.DuckDBPyConnection, table: str, key: str, what: str, path: Path) -> None:
+    duplicate = con.execute(f"SELECT {key}, list(src_row ORDER BY src_row) FROM t_{table} GROUP BY {key} "
                             "HAVING count(*) > 1 ORDER BY min(src_row) LIMIT 1").fetchone()
     if duplicate:
         rows = ", ".join(f"{r:,}" for r in duplicate[1][:3])
-        raise InputError(f"{path}: hadm_id {duplicate[0]} appears on several data rows ({rows}): "
-                         "each admission must appear once")
+        raise InputError(f"{path}: {key} {duplicate[0]} appears on several data rows ({rows}): "
+                         f"each {what} must appear once")
+
+
+def _check_admission_subjects(con: duckdb.DuckDBPyConnection, table: str, path: Path | None,
+                              admissions: Path) -> None:
+    """A row's subject_id must be its admission's: the event would otherwise join another patient's encounter.
+
+    An error rather than a counted drop: in the official releases an hadm_id belongs to one patient in every
+    table, so a disagreement means edited or mixed files, and which of the two subjects is right is unknowable.
+    """
+    if path is None:
+        return
+    mismatch = f"FROM t_{table} r JOIN t_admissions a USING (hadm_id) WHERE r.subject_id <> a.subject_id"
+    count = con.execute(f"SELECT count(*) {mismatch}").fetchone()[0]
+    if not count:
+        return
+    row, hadm, subject, owner = con.execute(f"SELECT r.src_row, hadm_id, r.subject_id, a.subject_id {mismatch} "
+                                            "ORDER BY r.src_row LIMIT 1").fetchone()
+    more = f" ({count:,} rows like it)" if count > 1 else ""
+    raise InputError(f"{path}, data row {row:,}: subject_id {subject} but hadm_id {hadm} is an admission of "
+                     f"subject_id {owner} in {admissions.name}{more}: use files of one release, unedited")
 
 
 def _check_codes(con: duckdb.DuckDBPyConnection, view: str, path: Path | None) -> None:
@@ -592,11 +618,13 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, ro
         FROM events""").fetchone()
     versions = dict(con.execute("""SELECT split_part(code, '//', 3), count(*) FROM events
         WHERE code LIKE 'DIAGNOSIS//%' GROUP BY ALL ORDER BY ALL""").fetchall())
-    n_admissions = con.execute("SELECT count(*) FROM adm").fetchone()[0]
+    n_admissions, n_discharged_before_admitted = con.execute(
+        "SELECT count(*), count(*) FILTER (WHERE dischtime < admittime) FROM adm").fetchone()
     return ImportSummary(
         source=layout.source, out_dir=str(out_dir), rows_read=rows_read,
         tables_absent=[spec.stem for name, spec in layout.tables.items() if name not in files],
-        n_subjects=ev[0], n_admissions=n_admissions, n_encounters=ev[4], n_diagnosis_rows=dx[0],
+        n_subjects=ev[0], n_admissions=n_admissions,
+        n_admissions_discharged_before_admitted=n_discharged_before_admitted, n_encounters=ev[4], n_diagnosis_rows=dx[0],
         n_diagnoses=ev[2], n_diagnoses_time_imputed=ev[3], n_diagnoses_without_admission=dx[1],
         diagnoses_by_icd_version=versions, n_procedures=ev[5], n_medications=ev[6], n_ages_capped=ev[7],
         n_events=ev[1], n_shards=n_shards)
