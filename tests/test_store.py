@@ -6,6 +6,7 @@ import duckdb
 import polars as pl
 import pytest
 
+import warehouse.store as store
 from dxr.errors import InputError
 
 
@@ -27,6 +28,26 @@ def test_temporary_files_of_a_killed_writer_are_invisible(wh):
     stray = wh.partition_path("targets", cohort_id="a").with_name(".data.parquet.dead.tmp")
     stray.write_bytes(b"half a parquet file")
     assert wh.connect(gold=True).execute("SELECT count(*) FROM targets").fetchone() == (3,)
+
+
+def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_cleans_up(wh, monkeypatch):
+    for cohort in ("a", "b"):
+        wh.write("targets", targets(cohort, 3), cohort_id=cohort)
+    real_rmtree = store.shutil.rmtree
+
+    def killed(path, **kwargs):
+        raise KeyboardInterrupt("killed while removing files")
+
+    monkeypatch.setattr(store.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        wh.delete("targets", cohort_id="a")
+    assert any((wh.gold_dir / store.TRASH_DIR).iterdir())  # the files are still on disk …
+    con = wh.connect(gold=True)  # … but neither the views nor reads see them
+    assert con.execute("SELECT cohort_id, count(*) FROM targets GROUP BY 1").fetchall() == [("b", 3)]
+    assert wh.read("targets")["cohort_id"].unique().to_list() == ["b"]
+    monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)
+    wh.delete("targets", cohort_id="absent")
+    assert not any((wh.gold_dir / store.TRASH_DIR).iterdir())
 
 
 def test_forecasting_connection_cannot_read_the_gold_store(wh):

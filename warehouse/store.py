@@ -2,7 +2,8 @@
 
 A write replaces exactly one partition file atomically (temporary file + rename), so a rerun
 replaces its own partition, a killed writer leaves either the old or the new file, and rows are
-never duplicated. Readers see complete files only: temporaries do not match the view globs.
+never duplicated. Readers see complete files only: temporaries do not match the view globs, and a
+deleted partition is moved out of its table (into the store's `.trash`) before its files go.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse.schemas import FORECAST, GOLD, TABLES, Table
 
 PART_FILE = "data.parquet"
+TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
 
@@ -86,11 +88,15 @@ class Warehouse:
             if key not in keys:
                 break
             path = path / f"{key}={keys[key]}"
+        trash = self.store_dir(spec.store) / TRASH_DIR
         if path.exists():
-            # Rename first so a crash mid-delete never leaves a half-removed partition visible.
-            doomed = path.with_name(f".{path.name}.{uuid.uuid4().hex}.deleting")
-            os.replace(path, doomed)
-            shutil.rmtree(doomed)
+            # Move it out of the table first (one rename), so a kill during the removal never leaves
+            # part of a partition where a view or read could see it.
+            trash.mkdir(exist_ok=True)
+            os.replace(path, trash / uuid.uuid4().hex)
+        # What is in the trash is already unreachable: remove it, including what a killed delete left.
+        for doomed in trash.glob("*") if trash.is_dir() else ():
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- reads ----------------------------------------------------------------------------
     def connect(self, gold: bool = False) -> duckdb.DuckDBPyConnection:
@@ -132,7 +138,9 @@ class Warehouse:
         if not any(self._files(spec, {})):
             cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
             return f"SELECT {cols} WHERE false"
-        glob = "/".join([str(self.store_dir(spec.store) / spec.name)] + ["*"] * len(spec.partition_by) + [PART_FILE])
+        # `key=*`, not `*`: DuckDB's `*` also matches hidden names, which are never partitions.
+        glob = "/".join([str(self.store_dir(spec.store) / spec.name)] + [f"{key}=*" for key in spec.partition_by]
+                        + [PART_FILE])
         return f"SELECT * FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=false)"
 
 
