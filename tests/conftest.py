@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +52,15 @@ ENCOUNTERS = [
     (4, 403, 8, 9, ["J441", "J449"]),
 ]
 SPLITS = {1: "held_out", 2: "train", 3: "tuning", 4: "held_out"}
+
+
+def abandoned_scratch(target: Path, kind: str = "tmp") -> Path:
+    """The scratch sibling of `target` that a process killed with SIGKILL would have left."""
+    from warehouse.scratch import scratch_path
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    mine = scratch_path(target, kind)
+    return mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{int(ended.stdout)}-"))
 
 
 def tiny_events() -> pl.DataFrame:

@@ -11,6 +11,7 @@ import pytest
 
 import warehouse.synthetic as synthetic
 from dxr.errors import InputError
+from tests.conftest import abandoned_scratch
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, synthetic_is_current
 
@@ -34,6 +35,8 @@ def test_killed_generation_leaves_the_previous_dataset_and_rerun_is_identical(wh
         create_synthetic(wh_vocab, "synthetic", patients=120, seed=5, shard_size=50)
     assert data_files(wh_vocab.meds_dir("synthetic")) == files  # the registered dataset is untouched
     monkeypatch.setattr(synthetic, "generate", real_generate)
+    target = wh_vocab.meds_dir("synthetic")
+    (abandoned_scratch(target) / "data").mkdir(parents=True)  # a staging directory a SIGKILL left
     again = create_synthetic(wh_vocab, "synthetic", patients=120, seed=5, shard_size=50)
     assert data_files(wh_vocab.meds_dir("synthetic")) == files
     assert again["fingerprint"] == first["fingerprint"]

@@ -8,6 +8,8 @@ import pytest
 
 import warehouse.store as store
 from dxr.errors import InputError
+from tests.conftest import abandoned_scratch
+from warehouse.scratch import scratch_path
 
 
 def targets(cohort: str, n: int) -> pl.DataFrame:
@@ -23,11 +25,16 @@ def test_rewriting_a_partition_replaces_it(wh):
     assert counts == [("a", 1), ("b", 2)]
 
 
-def test_temporary_files_of_a_killed_writer_are_invisible(wh):
+def test_temporary_files_of_a_killed_writer_are_invisible_and_removed_by_the_next_write(wh):
     wh.write("targets", targets("a", 3), cohort_id="a")
-    stray = wh.partition_path("targets", cohort_id="a").with_name(".data.parquet.dead.tmp")
-    stray.write_bytes(b"half a parquet file")
+    partition = wh.partition_path("targets", cohort_id="a")
+    killed = abandoned_scratch(partition)  # what SIGKILL mid-write leaves
+    killed.write_bytes(b"half a parquet file")
+    live = scratch_path(partition, "tmp")  # a writer still running (this process)
+    live.write_bytes(b"being written")
     assert wh.connect(gold=True).execute("SELECT count(*) FROM targets").fetchone() == (3,)
+    wh.write("targets", targets("a", 2), cohort_id="a")
+    assert sorted(p.name for p in partition.parent.iterdir()) == sorted([partition.name, live.name])
 
 
 def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_cleans_up(wh, monkeypatch):

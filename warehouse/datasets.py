@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import polars as pl
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.meds import copy_meds_dir, validate_meds_dir
+from warehouse.scratch import remove_abandoned, scratch_path
 from warehouse.store import Warehouse
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
@@ -69,7 +69,8 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
 
     check_name("dataset", dataset_id)
     target = wh.meds_dir(dataset_id)
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    remove_abandoned(target)
+    staging = scratch_path(target, "tmp")
     try:
         generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
         replace_dir(staging, target)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.schemas import FORECAST, GOLD, TABLES, Table
+from warehouse.scratch import remove_abandoned, scratch_path
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
@@ -75,9 +76,13 @@ class Warehouse:
                                      f"partition {key}={keys[key]}")
         path = self.partition_path(table, **keys)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{PART_FILE}.{uuid.uuid4().hex}.tmp")
-        pq.write_table(arrow, tmp, compression="zstd")
-        os.replace(tmp, path)
+        remove_abandoned(path)
+        tmp = scratch_path(path, "tmp")
+        try:
+            pq.write_table(arrow, tmp, compression="zstd")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     def delete(self, table: str, **keys) -> None:
