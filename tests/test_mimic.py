@@ -205,7 +205,10 @@ def test_fixture_events_are_exactly_the_expected_rows(mimic4):
 def test_fixture_summary_and_metadata(mimic4):
     out, summary = mimic4
     assert (summary.n_subjects, summary.n_admissions, summary.n_encounters) == (4, 7, 6)
-    assert summary.n_admissions_discharged_before_admitted == 0
+    assert summary.n_admissions_discharged_before_admitted == summary.n_diagnosis_rows_without_code == 0
+    assert summary.n_procedure_rows_without_admission == summary.n_procedure_rows_without_code == 0
+    assert (summary.n_prescription_rows_without_admission, summary.n_prescription_rows_without_time,
+            summary.n_prescription_rows_without_drug) == (0, 0, 0)
     assert (summary.n_diagnosis_rows, summary.n_diagnoses, summary.n_diagnoses_time_imputed) == (13, 11, 1)
     assert summary.diagnoses_by_icd_version == {"9": 4, "10": 7}
     assert (summary.n_procedures, summary.n_medications, summary.n_ages_capped) == (3, 4, 1)
@@ -427,6 +430,32 @@ def test_a_discharge_before_the_admission_is_kept_as_recorded_and_counted(tmp_pa
     dx = read_meds(tmp_path / "meds").filter(pl.col("code").str.starts_with("DIAGNOSIS//")
                                              & (pl.col("encounter_id") == 20000001))
     assert dx["time"].to_list() == [ts("2150-02-25 14:00")] * 2
+
+
+def test_rows_that_cannot_become_events_are_dropped_and_counted_by_reason(tmp_path):
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "diagnoses_icd", replace_on_line(2, ",25000,", ",,"))
+    edit_table(hosp, "procedures_icd", replace_on_line(1, "10000001,20000001", "10000001,29999999"))
+    edit_table(hosp, "procedures_icd", replace_on_line(2, ",02HV33Z,", ",,"))
+    edit_table(hosp, "prescriptions", replace_on_line(1, "10000001,20000001", "10000001,29999999"))
+    edit_table(hosp, "prescriptions", replace_on_line(2, ",20000001,1002,", ",,1002,"))  # no admission …
+    edit_table(hosp, "prescriptions", replace_on_line(2, ",2150-03-01 10:00:00,", ",,"))  # … and no start time
+    edit_table(hosp, "prescriptions", replace_on_line(4, ",Omeprazole,", ",,"))
+    summary = import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    drops = {"n_diagnosis_rows_without_code": 1, "n_procedure_rows_without_admission": 1,
+             "n_procedure_rows_without_code": 1, "n_prescription_rows_without_admission": 1,
+             "n_prescription_rows_without_time": 1, "n_prescription_rows_without_drug": 1}
+    assert {name: getattr(summary, name) for name in drops} == drops
+    assert (summary.n_procedures, summary.n_medications) == (1, 1)
+    recorded = json.loads((tmp_path / "meds" / "metadata" / "dataset.json").read_text())["import_summary"]
+    assert {name: recorded[name] for name in drops} == drops
+    table = summary.table()
+    for label in ("dropped (rows without a code)", "dropped (rows whose admission is not in admissions)",
+                  "dropped (rows without a start time or admission)", "dropped (rows without an NDC or drug name)"):
+        counts = [line.split()[-1] for line in table.splitlines() if label in line]
+        assert counts and set(counts) == {"1"}, (label, table)
+    events = read_meds(tmp_path / "meds")
+    assert 29999999 not in events["encounter_id"].to_list()
 
 
 def test_header_case_is_ignored(tmp_path, mimic4):

@@ -182,6 +182,18 @@ MIMIC4 = Layout(
 # One normalization for every ICD code the importer emits: no dot, no spaces, upper case.
 _NORMALIZED = "upper(replace(trim({col}), '.', ''))"
 
+# A view: the events take its usable rows and the import summary counts the rest by reason.
+_MEDICATIONS_SQL = """
+CREATE VIEW rx_coded AS
+SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, r.hadm_id, r.starttime IS NULL AS time_imputed,
+       CASE WHEN regexp_full_match(replace(trim(r.ndc), '-', ''), '[0-9]*[1-9][0-9]*')
+            THEN 'MEDICATION//NDC//' || replace(trim(r.ndc), '-', '')
+            ELSE 'MEDICATION//NAME//' || lower(regexp_replace(nullif(trim(r.drug), ''), '\\s+', ' ', 'g'))
+       END AS code,
+       r.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
+FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id
+"""
+
 _EVENTS_SQL = f"""
 CREATE TABLE events AS
 WITH dx_rows AS (
@@ -194,15 +206,7 @@ dx_unique AS (
 px_unique AS (
     SELECT subject_id, hadm_id, icd_version, {_NORMALIZED.format(col="icd_code")} AS code, time,
            bool_or(time_imputed) AS time_imputed, min(seq_num) AS seq_num
-    FROM px WHERE nullif(trim(icd_code), '') IS NOT NULL AND time IS NOT NULL GROUP BY ALL
-),
-rx_coded AS (
-    SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, r.hadm_id, r.starttime IS NULL AS time_imputed,
-           CASE WHEN regexp_full_match(replace(trim(r.ndc), '-', ''), '[0-9]*[1-9][0-9]*')
-                THEN 'MEDICATION//NDC//' || replace(trim(r.ndc), '-', '')
-                ELSE 'MEDICATION//NAME//' || lower(regexp_replace(nullif(trim(r.drug), ''), '\\s+', ' ', 'g'))
-           END AS code
-    FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id
+    FROM px WHERE nullif(trim(icd_code), '') IS NOT NULL AND hadm_id IN (SELECT hadm_id FROM adm) GROUP BY ALL
 ),
 in_hospital_death AS (
     SELECT subject_id, max(deathtime) AS deathtime, arg_max(hadm_id, deathtime) AS hadm_id
@@ -227,7 +231,7 @@ UNION ALL SELECT d.subject_id, coalesce(a.dischtime, a.admittime), 'DIAGNOSIS//I
 UNION ALL SELECT subject_id, time, 'PROCEDURE//ICD//' || icd_version || '//' || code, hadm_id, seq_num, time_imputed
     FROM px_unique
 UNION ALL SELECT subject_id, time, code, hadm_id, NULL, time_imputed FROM rx_coded
-    WHERE time IS NOT NULL AND code IS NOT NULL
+    WHERE NOT without_admission AND time IS NOT NULL AND code IS NOT NULL
 """
 
 _CODES_SQL = f"""
@@ -263,12 +267,19 @@ class ImportSummary:
     n_admissions_discharged_before_admitted: int
     n_encounters: int  # admissions with at least one diagnosis: the ones cohorts count
     n_diagnosis_rows: int  # raw rows with a code
+    n_diagnosis_rows_without_code: int  # dropped: real MIMIC-III has rows with an empty icd9_code
     n_diagnoses: int  # after duplicates collapse
     n_diagnoses_time_imputed: int
     n_diagnoses_without_admission: int  # dropped: their hadm_id is not in admissions
     diagnoses_by_icd_version: dict[str, int]
     n_procedures: int
+    n_procedure_rows_without_admission: int  # dropped, like diagnoses: no encounter to attach them to
+    n_procedure_rows_without_code: int  # dropped
     n_medications: int
+    # Dropped prescription rows, each counted under the first reason that applies.
+    n_prescription_rows_without_admission: int  # hadm_id given but not in admissions
+    n_prescription_rows_without_time: int  # no start time and no admission to take admittime from
+    n_prescription_rows_without_drug: int  # neither an NDC nor a drug name
     n_ages_capped: int
     n_events: int
     n_shards: int
@@ -288,8 +299,15 @@ class ImportSummary:
                 ("diagnoses written (duplicates collapsed)", self.n_diagnoses),
                 ("  at admittime (no dischtime; time_imputed)", self.n_diagnoses_time_imputed),
                 ("  dropped (admission not in admissions)", self.n_diagnoses_without_admission),
+                ("  dropped (rows without a code)", self.n_diagnosis_rows_without_code),
                 *((f"  ICD-{v}", n) for v, n in sorted(self.diagnoses_by_icd_version.items())),
-                ("procedures", self.n_procedures), ("medications", self.n_medications),
+                ("procedures", self.n_procedures),
+                ("  dropped (rows whose admission is not in admissions)", self.n_procedure_rows_without_admission),
+                ("  dropped (rows without a code)", self.n_procedure_rows_without_code),
+                ("medications", self.n_medications),
+                ("  dropped (rows whose admission is not in admissions)", self.n_prescription_rows_without_admission),
+                ("  dropped (rows without a start time or admission)", self.n_prescription_rows_without_time),
+                ("  dropped (rows without an NDC or drug name)", self.n_prescription_rows_without_drug),
                 ("ages capped at 90", self.n_ages_capped), ("MEDS events", self.n_events),
                 ("shards", self.n_shards), ("seconds", f"{self.seconds:.1f}")]
         width = max(len(name) for name, _ in rows)
@@ -352,6 +370,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         _check_codes(con, "dx", files["diagnoses_icd"])
         _check_codes(con, "px", files.get("procedures_icd"))
         mark = stage("check", mark)
+        con.execute(_MEDICATIONS_SQL)
         con.execute(_EVENTS_SQL)
         if not con.sql("SELECT count(*) FROM events WHERE code LIKE 'DIAGNOSIS//%'").fetchall()[0][0]:
             raise InputError(f"{files['diagnoses_icd']}: no diagnosis row belongs to an admission in "
@@ -605,9 +624,18 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, ro
                files: dict[str, Path], n_shards: int) -> ImportSummary:
     dx = con.execute(f"""SELECT
         (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL),
+        (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NULL),
         (SELECT count(*) FROM (SELECT DISTINCT hadm_id, icd_version, {_NORMALIZED.format(col="icd_code")}
                                FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL
                                  AND hadm_id NOT IN (SELECT hadm_id FROM adm)))""").fetchone()
+    px = con.execute("""SELECT
+        count(*) FILTER (WHERE hadm_id NOT IN (SELECT hadm_id FROM adm)),
+        count(*) FILTER (WHERE hadm_id IN (SELECT hadm_id FROM adm) AND nullif(trim(icd_code), '') IS NULL)
+        FROM px""").fetchone()
+    rx = con.execute("""SELECT count(*) FILTER (WHERE without_admission),
+        count(*) FILTER (WHERE NOT without_admission AND time IS NULL),
+        count(*) FILTER (WHERE NOT without_admission AND time IS NOT NULL AND code IS NULL)
+        FROM rx_coded""").fetchone()
     ev = con.execute("""SELECT count(DISTINCT subject_id), count(*),
         count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%'),
         count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%' AND time_imputed),
@@ -625,8 +653,11 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, ro
         tables_absent=[spec.stem for name, spec in layout.tables.items() if name not in files],
         n_subjects=ev[0], n_admissions=n_admissions,
         n_admissions_discharged_before_admitted=n_discharged_before_admitted, n_encounters=ev[4], n_diagnosis_rows=dx[0],
-        n_diagnoses=ev[2], n_diagnoses_time_imputed=ev[3], n_diagnoses_without_admission=dx[1],
-        diagnoses_by_icd_version=versions, n_procedures=ev[5], n_medications=ev[6], n_ages_capped=ev[7],
+        n_diagnosis_rows_without_code=dx[1], n_diagnoses=ev[2], n_diagnoses_time_imputed=ev[3],
+        n_diagnoses_without_admission=dx[2], diagnoses_by_icd_version=versions,
+        n_procedures=ev[5], n_procedure_rows_without_admission=px[0], n_procedure_rows_without_code=px[1],
+        n_medications=ev[6], n_prescription_rows_without_admission=rx[0], n_prescription_rows_without_time=rx[1],
+        n_prescription_rows_without_drug=rx[2], n_ages_capped=ev[7],
         n_events=ev[1], n_shards=n_shards)
 
 
