@@ -8,6 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import simple_icd_10_cm as icd
 
@@ -325,3 +327,91 @@ def test_invalid_dataset_json_is_a_one_line_error_naming_the_file(tmp_path):
     (tmp_path / "metadata" / "dataset.json").write_text('{"dataset_name": "x",}')
     with pytest.raises(InputError, match=r"dataset\.json: not valid JSON \(.* at line 1 column \d+\): fix it or remove"):
         validate_meds_dir(tmp_path)
+
+
+# ---- validate_meds_dir: each bad event, a copied shard or a bad split name is one line naming it ----------
+
+def small_dataset(root: Path) -> Path:
+    """Twelve patients in two shards; returns the first shard."""
+    generate(root, 12, SEED, shard_size=10)
+    return root / "data" / "00000.parquet"
+
+
+def set_value(shard: Path, column: str, row: int, value) -> None:
+    """Overwrite one value (0-based row) of a shard, keeping the column's type."""
+    table = pq.read_table(shard)
+    values = table[column].to_pylist()
+    values[row] = value
+    field = table.schema.field(column)
+    pq.write_table(table.set_column(table.schema.get_field_index(column), field, pa.array(values, field.type)), shard)
+
+
+def first_diagnosis(shard: Path) -> tuple[int, str]:
+    codes = pq.read_table(shard)["code"].to_pylist()
+    row = next(i for i, code in enumerate(codes) if code.startswith(DIAGNOSIS))
+    return row, codes[row]
+
+
+def one_line_error(root: Path) -> str:
+    with pytest.raises(InputError) as raised:
+        validate_meds_dir(root)
+    text = str(raised.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("column, message", [
+    ("subject_id", "00000.parquet, row 4: subject_id is empty: every MEDS event needs its subject"),
+    ("code", "00000.parquet, row 4: code is empty: every MEDS event needs a code"),
+])
+def test_an_event_without_subject_or_code_is_named_by_file_and_row(column, message, tmp_path):
+    set_value(small_dataset(tmp_path), column, 3, None)
+    assert one_line_error(tmp_path).endswith(message)
+
+
+def test_a_diagnosis_without_encounter_is_named_by_file_and_row(tmp_path):
+    shard = small_dataset(tmp_path)
+    row, code = first_diagnosis(shard)
+    set_value(shard, "encounter_id", row, None)
+    assert one_line_error(tmp_path).endswith(
+        f"00000.parquet, row {row + 1}: diagnosis event {code!r} has no encounter_id: every diagnosis needs the "
+        "hospital encounter (admission) it was coded in")
+
+
+def test_a_lower_case_diagnosis_code_gets_the_exact_code_to_write(tmp_path):
+    shard = small_dataset(tmp_path)
+    row, code = first_diagnosis(shard)
+    set_value(shard, "code", row, code.lower())
+    assert one_line_error(tmp_path).endswith(
+        f"00000.parquet, row {row + 1}: diagnosis code {code.lower()!r} is not upper case: write it {code!r} "
+        "(prefix DIAGNOSIS//ICD//10//)")
+
+
+@pytest.mark.parametrize("rewrite", ["byte copy", "same rows, other compression"])
+def test_a_copied_shard_is_refused(rewrite, tmp_path):
+    shard = small_dataset(tmp_path)
+    copy = shard.with_name("00000_copy.parquet")
+    if rewrite == "byte copy":
+        shutil.copy(shard, copy)
+    else:
+        pq.write_table(pq.read_table(shard), copy, compression="snappy")
+    rows = pq.ParquetFile(shard).metadata.num_rows
+    assert one_line_error(tmp_path) == (f"{copy}: the same {rows:,} events as {shard} (a copied shard): remove one "
+                                        "of the two; every event must be stored once")
+
+
+def test_a_shard_with_as_many_rows_but_other_events_is_not_a_copy(tmp_path):
+    shard = small_dataset(tmp_path)
+    other = shard.with_name("00002.parquet")
+    shutil.copy(shard, other)
+    set_value(other, "subject_id", 0, 999)
+    assert validate_meds_dir(tmp_path).n_subjects == 13
+
+
+@pytest.mark.parametrize("name", ["test", None])
+def test_an_unknown_split_name_is_refused_when_the_dataset_is_validated(name, tmp_path):
+    small_dataset(tmp_path)
+    path = tmp_path / "metadata" / "subject_splits.parquet"
+    set_value(path, "split", 1, name)
+    assert one_line_error(tmp_path) == (f"{path}, row 2: split {name!r} is not one of train, tuning, held_out: "
+                                        "rename it to one of these")

@@ -138,13 +138,48 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     glob = str(data_dir / "**" / "*.parquet")
     con = duckdb.connect(":memory:")
     rel = f"read_parquet('{glob}', union_by_name=true)"
-    bad = con.execute(
-        f"SELECT code, filename FROM read_parquet('{glob}', union_by_name=true, filename=true) "
-        f"WHERE code LIKE 'DIAGNOSIS//%' AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}') LIMIT 1"
-    ).fetchall()
-    if bad:
-        raise InputError(f"{bad[0][1]}: unknown code system in diagnosis code {bad[0][0]!r}: diagnosis codes must be "
-                         "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
+    # Every event needs a subject and a code, every diagnosis a known code system and its encounter. The prefix
+    # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
+    is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
+    problems = {
+        "subject_id IS NULL": "subject_id is empty: every MEDS event needs its subject",
+        "code IS NULL": "code is empty: every MEDS event needs a code",
+        f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
+        f"{is_diagnosis} AND encounter_id IS NULL": "diagnosis event {code!r} has no encounter_id: every diagnosis "
+                                                    "needs the hospital encounter (admission) it was coded in",
+    }
+    located = f"read_parquet('{glob}', union_by_name=true, filename=true, file_row_number=true)"
+    counts = con.execute("SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
+                         + f" FROM {located}").fetchone()
+    for (condition, problem), count in zip(problems.items(), counts):
+        if not count:
+            continue
+        filename, row, code = con.execute(f"SELECT filename, file_row_number + 1, code FROM {located} "
+                                          f"WHERE {condition} ORDER BY filename, file_row_number LIMIT 1").fetchone()
+        more = f" ({count:,} events like it)" if count > 1 else ""
+        if problem is not None:
+            problem = problem.format(code=code)
+        elif _DIAGNOSIS_CODE.match(code.upper()):
+            prefix = code.upper().rsplit("//", 1)[0] + "//"
+            problem = f"diagnosis code {code!r} is not upper case: write it {code.upper()!r} (prefix {prefix})"
+        else:
+            problem = (f"unknown code system in diagnosis code {code!r}: diagnosis codes must be "
+                       "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
+        raise InputError(f"{filename}, row {row:,}: {problem}{more}")
+    # A shard copied under a second name would count its events twice. Only shards with equal row counts (from the
+    # Parquet footers) can hold the same events, so only those are read, each summed to an order-independent hash.
+    by_rows: dict[int, list[Path]] = {}
+    for shard in shards:
+        by_rows.setdefault(pq.ParquetFile(shard).metadata.num_rows, []).append(shard)
+    first_with_content: dict[tuple[int, int], Path] = {}
+    for n_rows, group in by_rows.items():
+        for shard in group if len(group) > 1 else ():
+            quoted = str(shard).replace("'", "''")
+            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet('{quoted}') t").fetchall()
+            earlier = first_with_content.setdefault((n_rows, content), shard)
+            if earlier != shard:
+                raise InputError(f"{shard}: the same {n_rows:,} events as {earlier} (a copied shard): remove one of "
+                                 "the two; every event must be stored once")
     [(n_subjects, n_events)] = con.execute(f"SELECT count(DISTINCT subject_id), count(*) FROM {rel}").fetchall()
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
@@ -158,6 +193,24 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
                          "fix it or remove it (the file is optional)") from exc
     splits_path = root / meds.subject_splits_filepath
+    if splits_path.is_file():
+        # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
+        try:
+            splits = pl.read_parquet(splits_path)
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"{splits_path} is not a readable Parquet file ({reason}): "
+                             "rewrite or remove it (the file is optional)") from exc
+        missing = [column for column in ("subject_id", "split") if column not in splits.columns]
+        if missing:
+            raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
+                             f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
+        unknown = splits.with_row_index("row", offset=1).filter(~pl.col("split").is_in(SPLITS).fill_null(False))
+        if unknown.height:
+            first = unknown.row(0, named=True)
+            more = f" ({unknown.height:,} rows like it)" if unknown.height > 1 else ""
+            raise InputError(f"{splits_path}, row {first['row']:,}: split {first['split']!r} is not one of "
+                             f"{', '.join(SPLITS)}{more}: rename it to one of these")
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards))
 
