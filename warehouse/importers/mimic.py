@@ -1,7 +1,8 @@
 """MIMIC-III and MIMIC-IV (`hosp` module) into MEDS.
 
 The official CSV files (plain or gzipped, header case ignored) are read by DuckDB as text, checked
-(required tables and columns present, every typed value castable, admissions unique), normalized
+(required tables and columns present and not empty, every typed value castable, patients and admissions
+unique, every diagnosis, procedure and prescription on an admission of its own patient), normalized
 into one view per concept by a small layout-specific SQL block, and turned into MEDS events by
 SQL shared by both releases. Nothing is held as Python objects; DuckDB works in a file-backed
 database next to the output so large releases spill to disk instead of exhausting memory.
@@ -30,6 +31,8 @@ Pinned rules:
   the smallest `seq_num`; identical procedure rows (same admission, code and time) likewise;
 - every admission is written, but only admissions with at least one diagnosis count as encounters
   for cohorts; the import summary (also in `metadata/dataset.json`) records both numbers;
+- rows that cannot become events (no code, an unknown admission, no time, no drug) are dropped and
+  counted per reason in the summary; admissions discharged before they began are kept and counted;
 - MIMIC ships no split, so `metadata/subject_splits.parquet` holds the seeded hash split.
 """
 
