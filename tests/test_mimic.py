@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from dxr.cli import main
 from dxr.errors import InputError
-from tests.conftest import shared_data
+from tests.conftest import abandoned_scratch, shared_data
 from warehouse.importers import import_mimic3, import_mimic4
 from warehouse.meds import hash_split, validate_meds_dir
 
@@ -499,3 +499,12 @@ def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):
     assert not (tmp_path / "wh" / "gold" / "meds" / "broken").exists()
     assert not (tmp_path / "wh" / "forecast" / "datasets").exists()
     assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-5", "failed")]
+
+
+def test_rerun_removes_the_scratch_of_a_killed_import(tmp_path, previous_import):
+    out, before = previous_import
+    for kind in ("staging", "work"):  # what SIGKILL (e.g. the OOM killer) mid-import leaves behind
+        (abandoned_scratch(out, kind) / "spill").mkdir(parents=True)
+    import_mimic4(FIXTURE, out, seed=SEED)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["meds"]
+    assert read_meds(out).equals(before)

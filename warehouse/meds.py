@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from flexible_schema.exceptions import SchemaValidationError
 
 from dxr.errors import InputError
+from warehouse.scratch import remove_abandoned, scratch_path
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
 EXTRA_COLUMNS = {"encounter_id": pa.int64()}
@@ -240,7 +241,8 @@ def copy_meds_dir(source: Path, target: Path) -> None:
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve():
         return
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    remove_abandoned(target)
+    staging = scratch_path(target, "tmp")
     try:
         shutil.copytree(source, staging)
         replace_dir(staging, target)
@@ -254,7 +256,7 @@ def replace_dir(staging: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.{uuid.uuid4().hex}.old")
+        old = scratch_path(target, "old")
         os.replace(target, old)
     os.replace(staging, target)
     if old is not None:

@@ -44,7 +44,6 @@ import gzip
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -55,6 +54,7 @@ import polars as pl
 from dxr import __version__
 from dxr.errors import InputError
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
+from warehouse.scratch import remove_abandoned, scratch_path
 
 # Subjects per data shard: a shard is built in memory as one Arrow table before it is written.
 SUBJECTS_PER_SHARD = 25_000
@@ -341,9 +341,9 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
     files = locate_tables(layout, Path(src))
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    token = uuid.uuid4().hex
-    staging = out_dir.with_name(f".{out_dir.name}.{token}.staging")
-    workdir = out_dir.with_name(f".{out_dir.name}.{token}.work")
+    remove_abandoned(out_dir)  # a killed import's work directory can hold gigabytes of DuckDB spill
+    staging = scratch_path(out_dir, "staging")
+    workdir = scratch_path(out_dir, "work")
     workdir.mkdir()
     stages: dict[str, float] = {}
 
