@@ -26,7 +26,10 @@ def check_name(kind: str, name: str) -> str:
 
 
 def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None) -> dict:
-    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` and write its `datasets` row."""
+    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` and write its `datasets` row.
+
+    Returns the row plus what the ingest should tell the user but the table does not keep.
+    """
     check_name("dataset", dataset_id)
     info = validate_meds_dir(wh.meds_dir(dataset_id))
     row = {
@@ -36,7 +39,7 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
         "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": datetime.now(),
     }
     wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)
-    return row
+    return {**row, "n_diagnoses_without_encounter": info.n_diagnoses_without_encounter}
 
 
 def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str) -> dict:

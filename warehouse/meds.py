@@ -104,6 +104,8 @@ class MedsInfo:
     icd_versions: tuple[int, ...]
     has_splits: bool
     fingerprint: str
+    # Diagnoses coded outside any encounter (outpatient, problem lists): history only, never a target.
+    n_diagnoses_without_encounter: int = 0
 
 
 def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
@@ -139,15 +141,13 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     glob = str(data_dir / "**" / "*.parquet")
     con = duckdb.connect(":memory:")
     rel = f"read_parquet('{glob}', union_by_name=true)"
-    # Every event needs a subject and a code, every diagnosis a known code system and its encounter. The prefix
+    # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
     is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
     problems = {
         "subject_id IS NULL": "subject_id is empty: every MEDS event needs its subject",
         "code IS NULL": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
-        f"{is_diagnosis} AND encounter_id IS NULL": "diagnosis event {code!r} has no encounter_id: every diagnosis "
-                                                    "needs the hospital encounter (admission) it was coded in",
     }
     located = f"read_parquet('{glob}', union_by_name=true, filename=true, file_row_number=true)"
     counts = con.execute("SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
@@ -181,7 +181,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             if earlier != shard:
                 raise InputError(f"{shard}: the same {n_rows:,} events as {earlier} (a copied shard): remove one of "
                                  "the two; every event must be stored once")
-    [(n_subjects, n_events)] = con.execute(f"SELECT count(DISTINCT subject_id), count(*) FROM {rel}").fetchall()
+    [(n_subjects, n_events, n_loose)] = con.execute(
+        f"SELECT count(DISTINCT subject_id), count(*), count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%' "
+        f"AND encounter_id IS NULL) FROM {rel}").fetchall()
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
     if not versions:
@@ -213,7 +215,8 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             raise InputError(f"{splits_path}, row {first['row']:,}: split {first['split']!r} is not one of "
                              f"{', '.join(SPLITS)}{more}: rename it to one of these")
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
-                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards))
+                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
+                    n_diagnoses_without_encounter=n_loose)
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:

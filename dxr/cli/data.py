@@ -112,6 +112,9 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, run_id: str | Non
         row = ingest_meds(wh, path, name)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
+    if row["n_diagnoses_without_encounter"]:
+        click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
+                   "in patients' histories but never form or join a target encounter")
 
 
 @main.group()
