@@ -76,15 +76,23 @@ def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
                     "(build one with `dxr cohort build`, or check --data-dir)")
 
 
-def test_file_system_errors_are_one_line_naming_the_path(tmp_path, monkeypatch):
+def test_file_system_errors_and_a_missing_warehouse_are_one_line_naming_the_path(tmp_path, tiny_meds, monkeypatch):
     a_file = tmp_path / "a_file"
     a_file.write_text("not a directory")
     monkeypatch.setenv("DXR_DATA_DIR", str(a_file))  # the option checks its own value; env and config do not
+    line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "x"))
+    assert line.startswith(f"Error: {a_file}/") and line.endswith(": Not a directory: a part of this path is a file; "
+                                                                  "point to a directory")
     line = one_line_error(run("cohort", "list"))
-    assert line == f"Error: {a_file / 'forecast'}: Not a directory: a part of this path is a file; point to a directory"
+    assert line == (f"Error: no warehouse at {a_file}: pass the right --data-dir (or DXR_DATA_DIR), or create one "
+                    "with `dxr synth` or `dxr ingest`")
+    monkeypatch.delenv("DXR_DATA_DIR")
+    assert one_line_error(run("sql", "SELECT 1", data_dir=tmp_path / "typo")).startswith("Error: no warehouse at")
+    assert not (tmp_path / "typo").exists()  # reading created nothing
 
 
 def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
+    (tmp_path / "forecast").mkdir()  # an empty warehouse
     assert "not allowed" in one_line_error(run("sql", "DROP VIEW rankings", data_dir=tmp_path))
     hidden_write = f"SELECT 1; COPY (SELECT 1 AS a) TO '{tmp_path / 'forecast' / 'leak.csv'}'"
     assert "exactly one read-only query" in one_line_error(run("sql", hidden_write, data_dir=tmp_path))

@@ -15,7 +15,7 @@ import click
 
 from dxr import __version__
 from dxr.config import Settings, load_settings
-from dxr.errors import DxrError
+from dxr.errors import DxrError, NotFoundError
 
 
 def one_line(exc: OSError) -> str:
@@ -89,10 +89,16 @@ def settings(ctx: click.Context) -> Settings:
     return load_settings(**({"data_dir": data_dir} if data_dir else {}))
 
 
-def warehouse(ctx: click.Context):
+def warehouse(ctx: click.Context, existing: bool = False):
+    """The warehouse at the configured data dir; with `existing`, refuse one that was never created
+    (reading commands would otherwise show a mistyped --data-dir as an empty warehouse)."""
     from warehouse.store import Warehouse
 
-    return Warehouse(settings(ctx).data_dir)
+    wh = Warehouse(settings(ctx).data_dir)
+    if existing and not (wh.forecast_dir.is_dir() or wh.gold_dir.is_dir()):
+        raise NotFoundError(f"no warehouse at {wh.root}: pass the right --data-dir (or DXR_DATA_DIR), or create "
+                            "one with `dxr synth` or `dxr ingest`")
+    return wh
 
 
 def echo_err(message: str) -> None:

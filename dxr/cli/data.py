@@ -51,7 +51,7 @@ def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool) -> None:
     """
     from warehouse.sql import run_query
 
-    click.echo(run_query(warehouse(ctx), query, fmt=fmt, with_gold=with_gold), nl=False)
+    click.echo(run_query(warehouse(ctx, existing=True), query, fmt=fmt, with_gold=with_gold), nl=False)
 
 
 @main.command()
@@ -173,5 +173,5 @@ def cohort_list(ctx: click.Context) -> None:
     """
     from warehouse.sql import run_query
 
-    click.echo(run_query(warehouse(ctx), "SELECT cohort_id, name, dataset_id, target_rule, harmonization, "
+    click.echo(run_query(warehouse(ctx, existing=True), "SELECT cohort_id, name, dataset_id, target_rule, harmonization, "
                          "min_history, n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at"), nl=False)

@@ -80,7 +80,7 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
 
     from tasks.evaluate import evaluate_repeated, evaluate_run
 
-    wh = warehouse(ctx)
+    wh = warehouse(ctx, existing=True)
     system_list, k_list = _names(systems), _ks(ks)
     pool_list = [tuple(p.split("+")) for p in pools] or None
     frames = []
@@ -106,6 +106,6 @@ def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None
     """
     from tasks.report import render_report
 
-    page = render_report(warehouse(ctx), run_id, out_dir)
+    page = render_report(warehouse(ctx, existing=True), run_id, out_dir)
     click.echo(f"report: {page}")
     click.echo(f"markdown: {page.with_name('report.md')}")
