@@ -233,6 +233,30 @@ def test_fixture_codes_hold_the_dictionaries_and_every_emitted_code(mimic4):
     assert codes.height == codes["code"].n_unique() and codes["code"].to_list() == sorted(codes["code"])
 
 
+def test_labs_are_imported_only_when_asked_for_with_labels_values_and_counted_drops(tmp_path, mimic4):
+    out, summary = mimic4
+    assert "labevents" not in summary.rows_read and "lab results" not in summary.table()  # the file is there
+    with_labs = import_mimic4(FIXTURE, tmp_path / "labs", seed=SEED, labs=True)
+    events = read_meds(tmp_path / "labs")
+    labs = events.filter(pl.col("code").str.starts_with("LAB//")).sort("subject_id", "time").with_columns(
+        pl.col("numeric_value").cast(pl.Float64).round(3))  # stored as float32
+    assert labs.select("subject_id", "code", "numeric_value", "text_value", "encounter_id").rows() == [
+        (S1, "LAB//Creatinine (Blood)//mg/dL", 1.4, None, 20000001),
+        (S1, "LAB//Sodium (Blood)//mEq/L", 134.0, None, 20000001),
+        (S1, "LAB//Creatinine (Blood)//mg/dL", 1.1, None, None),  # outpatient: no admission
+        (S2, "LAB//Leukocytes (Urine)//no unit", None, "NEG", 20000004),
+        (S3, "LAB//99999//U/L", 42.0, None, 20000006),  # not in d_labitems: the itemid stays
+    ]
+    assert events.filter(~pl.col("code").str.starts_with("LAB//")).equals(read_meds(out))  # nothing else changes
+    assert (with_labs.n_labs, with_labs.n_labs_outside_admissions, with_labs.n_lab_rows_without_admission,
+            with_labs.n_lab_rows_without_time) == (5, 1, 1, 1)
+    assert with_labs.rows_read["labevents"] == 7 and "  dropped (rows without a chart time)" in with_labs.table()
+    hosp = copy_fixture(tmp_path)
+    (hosp / "labevents.csv").unlink()
+    with pytest.raises(InputError, match="missing MIMIC-IV table labevents"):
+        import_mimic4(hosp, tmp_path / "no_labs", seed=SEED, labs=True)
+
+
 def test_fixture_hosp_folder_and_release_root_give_the_same_events(tmp_path, mimic4):
     out, _ = mimic4
     import_mimic4(FIXTURE / "hosp", tmp_path / "direct", seed=SEED)

@@ -10,7 +10,7 @@ from dxr.cli import echo_err, settings, warehouse
 from dxr.cli.data import ingest
 
 
-def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None,
+def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
                          run_id: str | None) -> None:
     from warehouse.datasets import check_name, register_dataset
     from warehouse.importers import import_mimic3, import_mimic4
@@ -19,10 +19,11 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
     wh = warehouse(ctx)
     importer = import_mimic3 if source == "mimic3" else import_mimic4
     seed = settings(ctx).seed if seed is None else seed
-    with registered_run(wh, f"ingest:{source}", {"path": str(path), "dataset": name, "seed": seed}, run_id):
+    config = {"path": str(path), "dataset": name, "seed": seed, "labs": labs}
+    with registered_run(wh, f"ingest:{source}", config, run_id):
         check_name("dataset", name)  # before any work: the name becomes a partition key
         # The MEDS directory appears at its final place only once complete; registration comes after.
-        summary = importer(path, wh.meds_dir(name), seed=seed, log=lambda message: echo_err(f"  {message}"))
+        summary = importer(path, wh.meds_dir(name), seed=seed, labs=labs, log=lambda message: echo_err(f"  {message}"))
         row = register_dataset(wh, name, source=source)
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
@@ -33,35 +34,40 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--name", default="mimic3", show_default=True, help="Dataset name (lower-case letters, digits, _ and -).")
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
+@click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
+              "table by far, so off by default.")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, run_id: str | None) -> None:
+def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, run_id: str | None) -> None:
     """Import MIMIC-III (ADMISSIONS, PATIENTS, DIAGNOSES_ICD, …; .csv or .csv.gz) as a MEDS dataset.
 
     Diagnoses are ICD-9 at discharge time; procedures, prescriptions, sex, birth (ages above 89
-    capped at 90) and death are imported too. See docs/bring-your-own-data.md.
+    capped at 90) and death are imported too, lab results with --labs. See docs/bring-your-own-data.md.
 
     \b
     Example:
       dxr ingest mimic3 ../shared/data/mimic-iii-demo --name mimic3demo
     """
-    _import_and_register(ctx, "mimic3", path, name, seed, run_id)
+    _import_and_register(ctx, "mimic3", path, name, seed, labs, run_id)
 
 
 @ingest.command("mimic4")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--name", default="mimic4", show_default=True, help="Dataset name (lower-case letters, digits, _ and -).")
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
+@click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
+              "table by far, so off by default.")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, run_id: str | None) -> None:
+def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, run_id: str | None) -> None:
     """Import a MIMIC-IV `hosp` module (the release root or hosp/ itself; .csv or .csv.gz) as a MEDS dataset.
 
     Diagnoses keep their ICD version (9 or 10, mixed within patients); harmonize them when building
-    a cohort (`dxr cohort build --harmonize icd10|category`). See docs/bring-your-own-data.md.
+    a cohort (`dxr cohort build --harmonize icd10|category`). Lab results come with --labs.
+    See docs/bring-your-own-data.md.
 
     \b
     Example:
       dxr ingest mimic4 /data/mimic-iv-3.1 --name mimic4
     """
-    _import_and_register(ctx, "mimic4", path, name, seed, run_id)
+    _import_and_register(ctx, "mimic4", path, name, seed, labs, run_id)

@@ -16,7 +16,11 @@ Events (all with `encounter_id` = `hadm_id` where there is an admission):
 - `DIAGNOSIS//ICD//{9|10}//{code without dot}` at `dischtime`, extra column `seq_num`;
 - `PROCEDURE//ICD//{9|10}//{code}` at `chartdate` (MIMIC-IV) or `dischtime` (MIMIC-III);
 - `MEDICATION//NDC//{ndc}` when the row has a real NDC, else `MEDICATION//NAME//{drug, lower case,
-  single spaces}`, at `starttime` (MIMIC-III: `startdate`).
+  single spaces}`, at `starttime` (MIMIC-III: `startdate`);
+- only when asked for (`labs`): `LAB//{label} ({fluid})//{unit}` from `labevents` and `d_labitems`
+  (the itemid when the item is not in the dictionary; `no unit` when none) at `charttime`, with
+  `numeric_value` = `valuenum`, else `text_value` = `value`; results without `hadm_id` (outpatient)
+  stay outside any encounter.
 
 Pinned rules:
 - an event whose own time is missing takes a stand-in time and gets `time_imputed = true`:
@@ -60,7 +64,8 @@ from warehouse.scratch import remove_abandoned, scratch_path
 SUBJECTS_PER_SHARD = 25_000
 EXTENSION_COLUMNS = ("encounter_id", "seq_num", "time_imputed")
 _ICD_CODE = "[A-Z0-9]+"
-_FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "TIMESTAMP": "a timestamp (YYYY-MM-DD HH:MM:SS)"}
+_FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "DOUBLE": "a number",
+                  "TIMESTAMP": "a timestamp (YYYY-MM-DD HH:MM:SS)"}
 # Official columns of the tables read (either release) that the importer does not use: a file lacking a needed
 # column still has them, so they are never suggested as the needed column under another name.
 _UNUSED_OFFICIAL_COLUMNS = frozenset({
@@ -69,7 +74,8 @@ _UNUSED_OFFICIAL_COLUMNS = frozenset({
     "dod_hosp", "dod_ssn", "expire_flag", "anchor_year_group", "icustay_id", "pharmacy_id", "poe_id", "poe_seq",
     "order_provider_id", "enddate", "stoptime", "drug_type", "drug_name_poe", "drug_name_generic",
     "formulary_drug_cd", "gsn", "prod_strength", "form_rx", "dose_val_rx", "dose_unit_rx", "form_val_disp",
-    "form_unit_disp", "doses_per_24_hrs", "route", "short_title",
+    "form_unit_disp", "doses_per_24_hrs", "route", "short_title", "labevent_id", "specimen_id", "storetime",
+    "ref_range_lower", "ref_range_upper", "flag", "priority", "comments", "category", "loinc_code",
 })
 
 
@@ -182,6 +188,30 @@ MIMIC4 = Layout(
     """,
 )
 
+# Laboratory results (`--labs`): the same columns in both releases. Opt-in because labevents is by far the
+# largest table (MIMIC-IV: over 100 million rows), which the import, the cohort build and training then carry.
+LAB_TABLES = {
+    "labevents": SourceTable("labevents", {"subject_id": "BIGINT", "hadm_id": "BIGINT", "itemid": "BIGINT",
+                                           "charttime": "TIMESTAMP", "value": "VARCHAR", "valuenum": "DOUBLE",
+                                           "valueuom": "VARCHAR"}, not_null=("subject_id", "itemid")),
+    "d_labitems": SourceTable("d_labitems", {"itemid": "BIGINT", "label": "VARCHAR", "fluid": "VARCHAR"},
+                              required=False),
+}
+# `LAB//<label> (<fluid>)//<unit>`: readable in prompts, and the EHR prior bins `numeric_value` per code. Items
+# missing from d_labitems keep their itemid. A lab of an admission the file does not have is dropped and counted,
+# like a prescription; one without an admission is an outpatient result and stays, outside any encounter.
+_LABS_SQL = """
+CREATE VIEW lab_coded AS
+SELECT l.subject_id, l.charttime AS time, l.hadm_id,
+       'LAB//' || replace(coalesce(nullif(trim(d.label), '') || coalesce(' (' || nullif(trim(d.fluid), '') || ')', ''),
+                                   l.itemid::VARCHAR), '//', '/')
+               || '//' || coalesce(nullif(trim(l.valueuom), ''), 'no unit') AS code,
+       l.valuenum AS numeric_value,
+       CASE WHEN l.valuenum IS NULL THEN nullif(trim(l.value), '') END AS text_value,
+       l.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
+FROM t_labevents l LEFT JOIN t_d_labitems d USING (itemid) LEFT JOIN adm a ON a.hadm_id = l.hadm_id
+"""
+
 # One normalization for every ICD code the importer emits: no dot, no spaces, upper case.
 _NORMALIZED = "upper(replace(trim({col}), '.', ''))"
 
@@ -220,21 +250,28 @@ death AS (
     FROM in_hospital_death d FULL OUTER JOIN (SELECT subject_id, dod FROM pat WHERE dod IS NOT NULL) p USING (subject_id)
 )
 SELECT subject_id, NULL::TIMESTAMP AS time, 'GENDER//' || upper(trim(gender)) AS code,
-       NULL::BIGINT AS encounter_id, NULL::INTEGER AS seq_num, false AS time_imputed
+       NULL::BIGINT AS encounter_id, NULL::INTEGER AS seq_num, false AS time_imputed,
+       NULL::DOUBLE AS numeric_value, NULL::VARCHAR AS text_value
     FROM pat WHERE nullif(trim(gender), '') IS NOT NULL
-UNION ALL SELECT subject_id, birth_time, 'MEDS_BIRTH', NULL, NULL, birth_capped FROM pat WHERE birth_time IS NOT NULL
-UNION ALL SELECT subject_id, time, 'MEDS_DEATH', hadm_id, NULL, false FROM death
+UNION ALL SELECT subject_id, birth_time, 'MEDS_BIRTH', NULL, NULL, birth_capped, NULL, NULL
+    FROM pat WHERE birth_time IS NOT NULL
+UNION ALL SELECT subject_id, time, 'MEDS_DEATH', hadm_id, NULL, false, NULL, NULL FROM death
 UNION ALL SELECT subject_id, admittime, 'HOSPITAL_ADMISSION//' || coalesce(nullif(trim(admission_type), ''), 'UNK'),
-                 hadm_id, NULL, false FROM adm
+                 hadm_id, NULL, false, NULL, NULL FROM adm
 UNION ALL SELECT subject_id, dischtime, 'HOSPITAL_DISCHARGE//' || coalesce(nullif(trim(discharge_location), ''), 'UNK'),
-                 hadm_id, NULL, false FROM adm WHERE dischtime IS NOT NULL
+                 hadm_id, NULL, false, NULL, NULL FROM adm WHERE dischtime IS NOT NULL
 UNION ALL SELECT d.subject_id, coalesce(a.dischtime, a.admittime), 'DIAGNOSIS//ICD//' || d.icd_version || '//' || d.code,
-                 d.hadm_id, d.seq_num, a.dischtime IS NULL
+                 d.hadm_id, d.seq_num, a.dischtime IS NULL, NULL, NULL
     FROM dx_unique d JOIN adm a ON a.hadm_id = d.hadm_id
-UNION ALL SELECT subject_id, time, 'PROCEDURE//ICD//' || icd_version || '//' || code, hadm_id, seq_num, time_imputed
+UNION ALL SELECT subject_id, time, 'PROCEDURE//ICD//' || icd_version || '//' || code, hadm_id, seq_num, time_imputed,
+                 NULL, NULL
     FROM px_unique
-UNION ALL SELECT subject_id, time, code, hadm_id, NULL, time_imputed FROM rx_coded
+UNION ALL SELECT subject_id, time, code, hadm_id, NULL, time_imputed, NULL, NULL FROM rx_coded
     WHERE NOT without_admission AND time IS NOT NULL AND code IS NOT NULL
+"""
+_LAB_EVENTS_SQL = """
+UNION ALL SELECT subject_id, time, code, hadm_id, NULL, false, numeric_value, text_value FROM lab_coded
+    WHERE NOT without_admission AND time IS NOT NULL
 """
 
 _CODES_SQL = f"""
@@ -283,6 +320,10 @@ class ImportSummary:
     n_prescription_rows_without_admission: int  # hadm_id given but not in admissions
     n_prescription_rows_without_time: int  # no start time and no admission to take admittime from
     n_prescription_rows_without_drug: int  # neither an NDC nor a drug name
+    n_labs: int  # lab results written (0 unless imported with labs)
+    n_labs_outside_admissions: int  # outpatient results: no hadm_id, kept outside any encounter
+    n_lab_rows_without_admission: int  # dropped: hadm_id given but not in admissions
+    n_lab_rows_without_time: int  # dropped: no charttime
     n_ages_capped: int
     n_events: int
     n_shards: int
@@ -311,6 +352,10 @@ class ImportSummary:
                 ("  dropped (rows whose admission is not in admissions)", self.n_prescription_rows_without_admission),
                 ("  dropped (rows without a start time or admission)", self.n_prescription_rows_without_time),
                 ("  dropped (rows without an NDC or drug name)", self.n_prescription_rows_without_drug),
+                *((("lab results", self.n_labs), ("  outside admissions (outpatient)", self.n_labs_outside_admissions),
+                   ("  dropped (rows whose admission is not in admissions)", self.n_lab_rows_without_admission),
+                   ("  dropped (rows without a chart time)", self.n_lab_rows_without_time))
+                  if "labevents" in self.rows_read else ()),
                 ("ages capped at 90", self.n_ages_capped), ("MEDS events", self.n_events),
                 ("shards", self.n_shards), ("seconds", f"{self.seconds:.1f}")]
         width = max(len(name) for name, _ in rows)
@@ -321,24 +366,28 @@ class ImportSummary:
         return "\n".join(lines)
 
 
-def import_mimic3(src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
+def import_mimic3(src: Path, out_dir: Path, *, seed: int, labs: bool = False, memory_limit: str = "2GB",
                   log: Callable[[str], None] | None = None) -> ImportSummary:
     """Import a MIMIC-III directory (ADMISSIONS.csv, PATIENTS.csv, DIAGNOSES_ICD.csv, …) into MEDS at `out_dir`."""
-    return import_mimic(MIMIC3, src, out_dir, seed=seed, memory_limit=memory_limit, log=log)
+    return import_mimic(MIMIC3, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log)
 
 
-def import_mimic4(src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
+def import_mimic4(src: Path, out_dir: Path, *, seed: int, labs: bool = False, memory_limit: str = "2GB",
                   log: Callable[[str], None] | None = None) -> ImportSummary:
     """Import a MIMIC-IV `hosp` directory (or the release root holding `hosp/`) into MEDS at `out_dir`."""
-    return import_mimic(MIMIC4, src, out_dir, seed=seed, memory_limit=memory_limit, log=log)
+    return import_mimic(MIMIC4, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log)
 
 
-def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_limit: str = "2GB",
-                 log: Callable[[str], None] | None = None) -> ImportSummary:
-    """Write a complete MEDS directory at `out_dir` from `src`; on any error nothing at `out_dir` changes."""
+def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: bool = False,
+                 memory_limit: str = "2GB", log: Callable[[str], None] | None = None) -> ImportSummary:
+    """Write a complete MEDS directory at `out_dir` from `src`; on any error nothing at `out_dir` changes.
+
+    With `labs`, lab results (labevents, with labels from d_labitems) are imported too.
+    """
     log = log or (lambda message: None)
     started = time.perf_counter()
-    files = locate_tables(layout, Path(src))
+    tables = {**layout.tables, **(LAB_TABLES if labs else {})}
+    files = locate_tables(layout, Path(src), tables)
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out_dir)  # a killed import's work directory can hold gigabytes of DuckDB spill
@@ -360,21 +409,23 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
         mark = time.perf_counter()
         rows_read = {}
-        for name, spec in layout.tables.items():
+        for name, spec in tables.items():
             rows_read[name] = _load_table(con, layout, name, spec, files.get(name))
         mark = stage("read", mark)
-        for name, spec in layout.tables.items():
+        for name, spec in tables.items():
             _check_values(con, name, spec, files.get(name))
         _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
         _check_unique(con, "patients", "subject_id", "patient", files["patients"])
-        for name in ("diagnoses_icd", "procedures_icd", "prescriptions"):
+        for name in ("diagnoses_icd", "procedures_icd", "prescriptions", *(("labevents",) if labs else ())):
             _check_admission_subjects(con, name, files.get(name), files["admissions"])
         con.execute(layout.normalize_sql)
         _check_codes(con, "dx", files["diagnoses_icd"])
         _check_codes(con, "px", files.get("procedures_icd"))
         mark = stage("check", mark)
         con.execute(_MEDICATIONS_SQL)
-        con.execute(_EVENTS_SQL)
+        if labs:
+            con.execute(_LABS_SQL)
+        con.execute(_EVENTS_SQL + (_LAB_EVENTS_SQL if labs else ""))
         if not con.sql("SELECT count(*) FROM events WHERE code LIKE 'DIAGNOSIS//%'").fetchall()[0][0]:
             raise InputError(f"{files['diagnoses_icd']}: no diagnosis row belongs to an admission in "
                              f"{files['admissions'].name}: forecasting needs diagnoses; check that both files come "
@@ -383,7 +434,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         n_shards = _write_shards(con, staging, workdir, seed)
         mark = stage("shards", mark)
         codes = con.sql(_CODES_SQL).to_arrow_table()
-        counts = _summarize(con, layout, out_dir, rows_read, files, n_shards)
+        counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards)
         con.close()
         mark = stage("codes and counts", mark)
         splits = pl.read_parquet(workdir / "splits.parquet")
@@ -405,7 +456,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, memory_
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def locate_tables(layout: Layout, src: Path) -> dict[str, Path]:
+def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> dict[str, Path]:
     """Map each table to its file (`<name>.csv` or `<name>.csv.gz`, any case); check the required ones exist."""
     if not src.exists():
         raise InputError(f"{layout.title} directory {src} does not exist: check the path")
@@ -422,15 +473,15 @@ def locate_tables(layout: Layout, src: Path) -> dict[str, Path]:
                 by_name.setdefault(lower[: -len(suffix)], []).append(path)
                 break
     found: dict[str, Path] = {}
-    for name, spec in layout.tables.items():
+    for name, spec in tables.items():
         candidates = sorted(by_name.get(spec.stem, []))
         if len(candidates) > 1:
             raise InputError(f"{folder}: table {spec.stem} exists twice ({', '.join(p.name for p in candidates)}): "
                              "keep one of them")
         if candidates:
             found[name] = candidates[0]
-    required = [spec.stem for spec in layout.tables.values() if spec.required]
-    missing = [spec.stem for name, spec in layout.tables.items() if spec.required and name not in found]
+    required = [spec.stem for spec in tables.values() if spec.required]
+    missing = [spec.stem for name, spec in tables.items() if spec.required and name not in found]
     if len(missing) == len(required):
         if layout is MIMIC3 and (src / MIMIC4.subdirectory).is_dir():
             raise InputError(f"{src} looks like a MIMIC-IV directory ({MIMIC4.subdirectory}/ holds the tables): "
@@ -613,7 +664,7 @@ def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, 
     shards = con.execute("SELECT DISTINCT split, shard FROM subject_shards ORDER BY split, shard").fetchall()
     for split, shard in shards:
         table = con.sql("""
-            SELECT e.subject_id, e.time, e.code, NULL::FLOAT AS numeric_value, NULL::VARCHAR AS text_value,
+            SELECT e.subject_id, e.time, e.code, e.numeric_value::FLOAT AS numeric_value, e.text_value,
                    e.encounter_id, e.seq_num, e.time_imputed
             FROM events e JOIN subject_shards s USING (subject_id)
             WHERE s.split = ? AND s.shard = ?
@@ -623,8 +674,8 @@ def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, 
     return len(shards)
 
 
-def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, rows_read: dict[str, int],
-               files: dict[str, Path], n_shards: int) -> ImportSummary:
+def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str, SourceTable], out_dir: Path,
+               rows_read: dict[str, int], files: dict[str, Path], n_shards: int) -> ImportSummary:
     dx = con.execute(f"""SELECT
         (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL),
         (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NULL),
@@ -647,20 +698,27 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, out_dir: Path, ro
         count(*) FILTER (WHERE code LIKE 'MEDICATION//%'),
         count(*) FILTER (WHERE code = 'MEDS_BIRTH' AND time_imputed)
         FROM events""").fetchone()
+    labs = (0, 0, 0, 0) if "labevents" not in tables else con.execute("""SELECT
+        count(*) FILTER (WHERE NOT without_admission AND time IS NOT NULL),
+        count(*) FILTER (WHERE hadm_id IS NULL AND time IS NOT NULL),
+        count(*) FILTER (WHERE without_admission),
+        count(*) FILTER (WHERE NOT without_admission AND time IS NULL)
+        FROM lab_coded""").fetchone()
     versions = dict(con.execute("""SELECT split_part(code, '//', 3), count(*) FROM events
         WHERE code LIKE 'DIAGNOSIS//%' GROUP BY ALL ORDER BY ALL""").fetchall())
     n_admissions, n_discharged_before_admitted = con.execute(
         "SELECT count(*), count(*) FILTER (WHERE dischtime < admittime) FROM adm").fetchone()
     return ImportSummary(
         source=layout.source, out_dir=str(out_dir), rows_read=rows_read,
-        tables_absent=[spec.stem for name, spec in layout.tables.items() if name not in files],
+        tables_absent=[spec.stem for name, spec in tables.items() if name not in files],
         n_subjects=ev[0], n_admissions=n_admissions,
         n_admissions_discharged_before_admitted=n_discharged_before_admitted, n_encounters=ev[4], n_diagnosis_rows=dx[0],
         n_diagnosis_rows_without_code=dx[1], n_diagnoses=ev[2], n_diagnoses_time_imputed=ev[3],
         n_diagnoses_without_admission=dx[2], diagnoses_by_icd_version=versions,
         n_procedures=ev[5], n_procedure_rows_without_admission=px[0], n_procedure_rows_without_code=px[1],
         n_medications=ev[6], n_prescription_rows_without_admission=rx[0], n_prescription_rows_without_time=rx[1],
-        n_prescription_rows_without_drug=rx[2], n_ages_capped=ev[7],
+        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1],
+        n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3], n_ages_capped=ev[7],
         n_events=ev[1], n_shards=n_shards)
 
 
