@@ -173,5 +173,6 @@ def cohort_list(ctx: click.Context) -> None:
     """
     from warehouse.sql import run_query
 
-    click.echo(run_query(warehouse(ctx, existing=True), "SELECT cohort_id, name, dataset_id, target_rule, harmonization, "
-                         "min_history, n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at"), nl=False)
+    click.echo(run_query(warehouse(ctx, existing=True),
+                         "SELECT cohort_id, name, dataset_id, target_rule, harmonization, min_history, n_trajectories, "
+                         "vocabulary_size FROM cohorts ORDER BY created_at"), nl=False)
