@@ -241,6 +241,69 @@ def test_parent_expansion_and_focused_passage(tmp_path):
     assert focused_passage("dialysis", "No match here. Nor here.", 10) == "No match here."[:10]
 
 
+
+class CountingEmbedder:
+    """Deterministic vectors from text; `stop_after` calls, it dies like a killed process would."""
+
+    name = "counting"
+
+    def __init__(self, stop_after: int | None = None):
+        self.stop_after, self.calls, self.texts = stop_after, 0, 0
+
+    def encode(self, texts):
+        import numpy as np
+
+        if self.stop_after is not None and self.calls >= self.stop_after:
+            raise KeyboardInterrupt
+        self.calls += 1
+        self.texts += len(texts)
+        vectors = np.array([[len(t) % 7 + 1.0, len(t) % 5 + 1.0, 1.0] for t in texts], dtype="float32")
+        return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def test_killed_build_keeps_the_old_index_and_the_rerun_resumes(tmp_path, monkeypatch):
+    import tools.index
+
+    monkeypatch.setattr(tools.index, "CHECKPOINT_ROWS", 2)
+    build_index(chunk_frame(TINY[:1]), tmp_path / "idx", CountingEmbedder())
+    grown = chunk_frame(TINY + [doc(f"extra{i}", f"Extra {i}", f"Extra text number {i}.") for i in range(4)])
+    with pytest.raises(KeyboardInterrupt):  # killed after one checkpoint of two embeddings
+        build_index(grown, tmp_path / "idx", CountingEmbedder(stop_after=1))
+    old = CorpusIndex(tmp_path / "idx")
+    assert old.manifest["n_chunks"] == 1 and old.chunks.height == 1
+    with pytest.raises(KeyboardInterrupt):  # killed again: the first checkpoint must survive this one
+        build_index(grown, tmp_path / "idx", CountingEmbedder(stop_after=1))
+    rerun = CountingEmbedder()
+    manifest = build_index(grown, tmp_path / "idx", rerun)
+    assert rerun.texts == 3 and (manifest["embedded"], manifest["embeddings_reused"]) == (3, 5)
+    index = CorpusIndex(tmp_path / "idx", rerun)
+    assert index.chunks.height == 8 and index.chunks["chunk_id"].n_unique() == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".idx.lock", "idx"]  # no staging left behind
+    assert {h.doc_id for h in index.search("extra text number", k=8, mode="bm25")} == {
+        f"tiny:extra{i}" for i in range(4)}
+
+
+def test_build_is_refused_while_another_build_holds_the_index(tmp_path):
+    import fcntl
+
+    (tmp_path / ".idx.lock").touch()
+    with open(tmp_path / ".idx.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(InputError, match=r"idx is being built by another process: wait for it to finish"):
+            build_index(chunk_frame(TINY), tmp_path / "idx", None)
+    assert not (tmp_path / "idx").exists()
+
+
+def test_an_index_whose_parts_disagree_asks_for_a_rebuild(tmp_path):
+    build_index(chunk_frame(TINY), tmp_path / "idx", None)
+    chunks = pl.read_parquet(tmp_path / "idx" / "chunks.parquet")
+    chunks.head(2).write_parquet(tmp_path / "idx" / "chunks.parquet")
+    with pytest.raises(InputError, match=r"inconsistent \(chunks\.parquet 2, tantivy 4 rows\): rebuild it with"):
+        CorpusIndex(tmp_path / "idx")
+    (tmp_path / "idx" / "chunks.parquet").unlink()
+    with pytest.raises(InputError, match=r"idx is unreadable \(.*\): rebuild it with `dxr corpus build`"):
+        CorpusIndex(tmp_path / "idx")
+
 # ---- ICD dictionary -------------------------------------------------------------------------------
 
 def tiny_vocabulary():

@@ -7,6 +7,9 @@ An index is a directory:
   dense.faiss         inner-product index over L2-normalized embeddings (absent for lexical-only)
   embeddings.npy      the vectors, reused by the next build for unchanged chunk texts
 
+A build writes `.<name>.building/` beside it and swaps it in by rename (the old index stays whole
+until then; embeddings are checkpointed there, so a killed build resumes).
+
 Search works on chunks and answers with documents: each retriever's chunk ranking is collapsed
 to a document ranking (best chunk per document, scored by that chunk), the two document lists are
 fused (default: a convex combination of per-query z-scored BM25 and cosine scores; reciprocal rank
@@ -16,7 +19,9 @@ passage from its best chunk and that chunk's neighbours in the same section (par
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
 import time
@@ -189,22 +194,52 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
                 share_embeddings_with: list[Path] = ()) -> dict:
     """Write an index directory for `chunks`; `embedder=None` builds a lexical-only index.
 
-    Embeddings of chunk texts already present in a previous build of this directory (or of the
-    index directories in `share_embeddings_with`) are reused.
+    The index is written to a staging directory beside `out_dir` and swapped in by rename, so a
+    build killed at any point leaves the previous index intact; embeddings are checkpointed in
+    batches there, so the next build resumes instead of re-embedding. Embeddings of chunk texts
+    already present in a previous build of this directory (or of the index directories in
+    `share_embeddings_with`) are reused. Two builds of one directory at once are refused.
     """
-    import tantivy
-
     if chunks.is_empty():
         raise InputError(f"no chunks to index for {out_dir}: ingest a corpus first (dxr corpus ingest FORMAT PATH)")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.with_name(f".{out_dir.name}.building")
+    retired = out_dir.with_name(f".{out_dir.name}.retired")
+    with _build_lock(out_dir):
+        if retired.exists() and not out_dir.exists():
+            os.replace(retired, out_dir)  # killed between the two renames of a swap: the old index is whole
+        shutil.rmtree(retired, ignore_errors=True)
+        cached: dict[str, np.ndarray] = {}
+        if embedder is not None:
+            for directory in [*share_embeddings_with, out_dir]:
+                cached.update(_load_cached_vectors(Path(directory)))
+            cached.update(_load_checkpoints(staging / CHECKPOINT_DIR))
+        _clear_staging(staging)
+        manifest = _write_index(chunks, staging, embedder, cached, index_titles=index_titles,
+                                name=name or out_dir.name, corpora=corpora)
+        if out_dir.exists():
+            os.replace(out_dir, retired)
+        os.replace(staging, out_dir)
+        shutil.rmtree(retired, ignore_errors=True)
+    return manifest
+
+
+# Embeddings are saved every this many chunks during a build: a killed build loses at most one batch.
+CHECKPOINT_ROWS = 512
+CHECKPOINT_DIR = "checkpoints"
+
+
+def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str, np.ndarray], *,
+                 index_titles: bool, name: str, corpora: list[str] | None) -> dict:
+    import tantivy
+
     started = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
     chunks = chunks.select(list(CHUNK_COLUMNS)).with_row_index("row")
     texts = chunks["text"].to_list()
     titles = chunks["title"].fill_null("").to_list()
 
     lexical_dir = out_dir / "tantivy"
-    if lexical_dir.exists():
-        shutil.rmtree(lexical_dir)
     lexical_dir.mkdir()
     builder = tantivy.SchemaBuilder()
     builder.add_integer_field("row", stored=True, indexed=False)
@@ -226,30 +261,26 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
         dense_started = time.perf_counter()
         inputs = [f"{t}. {x}" if index_titles and t else x for t, x in zip(titles, texts)]
         keys = [text_hash(f"{embedder.name}\n{x}") for x in inputs]
-        cached = {}
-        for directory in [*share_embeddings_with, out_dir]:
-            cached.update(_load_cached_vectors(Path(directory)))
-        missing = [i for i, k in enumerate(keys) if k not in cached]
-        fresh = embedder.encode([inputs[i] for i in missing]) if missing else None
-        dim = fresh.shape[1] if fresh is not None else len(next(iter(cached.values())))
-        vectors = np.zeros((len(inputs), dim), dtype="float32")
-        fresh_rows = {row: j for j, row in enumerate(missing)}
-        for row, key in enumerate(keys):
-            vectors[row] = fresh[fresh_rows[row]] if row in fresh_rows else cached[key]
+        missing = list(dict.fromkeys(k for k in keys if k not in cached))
+        input_of = dict(zip(keys, inputs))
+        for start in range(0, len(missing), CHECKPOINT_ROWS):
+            batch = missing[start:start + CHECKPOINT_ROWS]
+            vectors = embedder.encode([input_of[k] for k in batch])
+            _save_checkpoint(out_dir / CHECKPOINT_DIR / f"{text_hash(''.join(batch))}.npz", batch, vectors)
+            cached.update(zip(batch, vectors))
+        vectors = np.stack([cached[k] for k in keys]).astype("float32")
         embedded, reused = len(missing), len(keys) - len(missing)
-        dense = faiss.IndexFlatIP(dim)
+        dense = faiss.IndexFlatIP(vectors.shape[1])
         dense.add(vectors)
         faiss.write_index(dense, str(out_dir / "dense.faiss"))
         np.save(out_dir / "embeddings.npy", vectors)
         pl.DataFrame({"key": keys}).write_parquet(out_dir / "embedding_keys.parquet")
         dense_seconds = time.perf_counter() - dense_started
-    else:
-        for stale in ("dense.faiss", "embeddings.npy", "embedding_keys.parquet"):
-            (out_dir / stale).unlink(missing_ok=True)
 
+    shutil.rmtree(out_dir / CHECKPOINT_DIR)
     chunks.drop("row").write_parquet(out_dir / "chunks.parquet")
     manifest = {
-        "name": name or out_dir.name, "corpora": corpora or sorted(chunks["corpus"].unique().to_list()),
+        "name": name, "corpora": corpora or sorted(chunks["corpus"].unique().to_list()),
         "n_documents": chunks["doc_id"].n_unique(), "n_chunks": chunks.height, "index_titles": index_titles,
         "embedder": getattr(embedder, "name", None), "embedded": embedded, "embeddings_reused": reused,
         "lexical_seconds": round(lexical_seconds, 3), "dense_seconds": round(dense_seconds, 3),
@@ -258,6 +289,47 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
     manifest["bytes"] = directory_bytes(out_dir)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path):
+    """An exclusive lock per index directory, released by the kernel even when the process is killed."""
+    import fcntl
+
+    with open(out_dir.with_name(f".{out_dir.name}.lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"index {out_dir} is being built by another process: wait for it to finish, "
+                             "then rerun") from None
+        yield
+
+
+def _clear_staging(staging: Path) -> None:
+    """An empty staging directory except for the embedding checkpoints of interrupted builds
+    (keyed by embedder and text, so they stay valid whatever changed since)."""
+    (staging / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+    for child in staging.iterdir():
+        if child.name != CHECKPOINT_DIR:
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+
+def _save_checkpoint(path: Path, keys: list[str], vectors: np.ndarray) -> None:
+    partial = path.with_name(f"{path.stem}.partial.npz")
+    np.savez(partial, keys=np.array(keys), vectors=np.asarray(vectors, dtype="float32"))
+    os.replace(partial, path)  # a checkpoint is either whole or absent
+
+
+def _load_checkpoints(directory: Path) -> dict[str, np.ndarray]:
+    """Embeddings saved by an interrupted build (only whole checkpoints: they were renamed into place)."""
+    cached: dict[str, np.ndarray] = {}
+    for path in sorted(directory.glob("*[0-9a-f].npz")):
+        with np.load(path, allow_pickle=False) as saved:
+            cached.update(zip(saved["keys"].tolist(), saved["vectors"]))
+    return cached
 
 
 def _load_cached_vectors(out_dir: Path) -> dict[str, np.ndarray]:
@@ -285,15 +357,28 @@ class CorpusIndex:
         manifest_path = self.directory / "manifest.json"
         if not manifest_path.exists():
             raise NotFoundError(f"no corpus index at {self.directory}: build it with `dxr corpus build`")
-        self.manifest = json.loads(manifest_path.read_text())
-        self.chunks = pl.read_parquet(self.directory / "chunks.parquet")
-        self._lexical = tantivy.Index.open(str(self.directory / "tantivy"))
-        self._searcher = self._lexical.searcher()
-        self._dense = None
-        if (self.directory / "dense.faiss").exists():
-            import faiss
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+            self.chunks = pl.read_parquet(self.directory / "chunks.parquet")
+            self._lexical = tantivy.Index.open(str(self.directory / "tantivy"))
+            self._dense = None
+            if (self.directory / "dense.faiss").exists():
+                import faiss
 
-            self._dense = faiss.read_index(str(self.directory / "dense.faiss"))
+                self._dense = faiss.read_index(str(self.directory / "dense.faiss"))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise InputError(f"corpus index at {self.directory} is unreadable ({str(exc).splitlines()[0]}): "
+                             "rebuild it with `dxr corpus build`") from None
+        self._searcher = self._lexical.searcher()
+        # Both indexes address chunks by row number; an index whose parts disagree (left by a build
+        # interrupted before builds were staged) would answer with the wrong chunks.
+        counts = {"chunks.parquet": self.chunks.height, "tantivy": self._searcher.num_docs}
+        if self._dense is not None:
+            counts["dense.faiss"] = self._dense.ntotal
+        if len(set(counts.values())) > 1:
+            found = ", ".join(f"{part} {count}" for part, count in counts.items())
+            raise InputError(f"corpus index at {self.directory} is inconsistent ({found} rows): "
+                             "rebuild it with `dxr corpus build`")
         self.embedder = embedder
         # Columns as Python lists: per-hit access stays O(1) without frame indexing overhead.
         self._col = {name: self.chunks[name].to_list() for name in self.chunks.columns}
