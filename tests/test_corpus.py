@@ -142,6 +142,47 @@ def test_dedupe_by_identifier_then_url_and_title():
     assert normalize_url("https://www.site.org/p/") == normalize_url("http://site.org/p")
 
 
+
+@pytest.mark.parametrize(("reader", "content", "message"), [
+    (read_jsonl, '{"id": {"x": 1}, "text": "t"}\n', r"x:1: field 'id' must be a string or a number, got an object"),
+    (read_jsonl, '{"id": "a", "text": ["t"]}\n', r"x:1: field 'text' must be a string, got a list"),
+    (read_jsonl, '{"id": "a", "text": "t", "title": 5}\n', r"x:1: field 'title' must be a string, got a number"),
+    (read_pubmedqa, '{"7": "text"}', r"x: PMID 7: expected a JSON object with CONTEXTS, got a string"),
+    (read_pubmedqa, '{"7": {"CONTEXTS": "one string"}}',
+     r"x: PMID 7: field 'CONTEXTS' must be a non-empty list of strings, got a string"),
+    (read_pubmedqa, '{"7": {"CONTEXTS": ["a"], "LONG_ANSWER": 1}}', r"field 'LONG_ANSWER' must be a string"),
+    (read_medquad, '[{"doc_id": "1", "qa": [1]}]', r"x: document #0 \(unknown/1\): field 'qa' must be a list of"),
+    (read_medquad, '[{"doc_id": "1", "qa": [{"answer": 5}]}]',
+     r"x: document #0 qa #0: field 'answer' must be a string, got a number"),
+])
+def test_wrong_json_types_are_one_line_errors(tmp_path, reader, content, message):
+    path = tmp_path / "x"
+    path.write_text(content)
+    with pytest.raises(InputError, match=message):
+        list(reader(path, "c"))
+
+
+def test_encodings_and_compression_are_read_by_content(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "Heart failure."}\n')  # a Windows editor's BOM
+    assert [d.doc_id for d in read_jsonl(bom, "c")] == ["c:a"]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"id": "a", "text": "fine"}\n{"id": "b", "text": "Caf\xe9"}\n')
+    with pytest.raises(InputError, match=r"latin1\.jsonl: not UTF-8 at or after line 1 \(invalid continuation "
+                                         r"byte, byte 0xe9\); re-encode it as UTF-8"):
+        list(read_jsonl(latin1, "c"))
+    hidden_gzip = tmp_path / "citations.xml"  # gzip content under a plain name
+    hidden_gzip.write_bytes(shared_data("corpora", "samples", "medline16n0902.xml.gz").read_bytes())
+    assert len(list(read_medline(hidden_gzip, "medline"))) == 604
+
+
+def test_empty_files_are_named(tmp_path, wh):
+    (tmp_path / "fine.jsonl").write_text('{"id": "a", "text": "Heart failure."}\n')
+    (tmp_path / "cut.jsonl").touch()
+    with pytest.raises(InputError, match=r"cut\.jsonl: empty file \(0 bytes\); complete the download or remove it"):
+        ingest(wh, "jsonl", tmp_path)
+    assert not wh.has_rows("documents")
+
 # ---- index, fusion, passages ----------------------------------------------------------------------
 
 def test_rrf_is_exact():

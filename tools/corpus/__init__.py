@@ -64,10 +64,17 @@ def input_files(fmt: str, path: Path) -> list[Path]:
     if not path.exists():
         raise InputError(f"{path} does not exist: give a {fmt} file or a directory of them")
     if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FORMATS[fmt].suffixes))
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(FORMATS[fmt].suffixes))
     if not files:
         raise InputError(f"{path}: no files ending in {', '.join(FORMATS[fmt].suffixes)} for format {fmt}")
+    # An empty file is an interrupted download or copy; reading it would fail with a parser's
+    # less helpful message, or (JSON lines) silently contribute nothing.
+    empty = [f for f in files if f.stat().st_size == 0]
+    if empty:
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise InputError(f"{empty[0]}: empty file (0 bytes){more}; complete the download or remove it")
     return files
 
 

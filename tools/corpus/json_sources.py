@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 from collections import Counter
@@ -11,26 +10,29 @@ from pathlib import Path
 
 from dxr.errors import InputError
 from tools.corpus.documents import Document, clean_text, normalize_arxiv_id, stable_doc_id
+from tools.corpus.files import open_text
 
-
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+REENCODE = "re-encode it as UTF-8 (e.g. iconv -f <its encoding> -t utf-8)"
 
 
 def _load_json(path: Path):
     try:
-        with _open_text(path) as handle:
+        with open_text(path) as handle:
             return json.load(handle)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); "
                          "for one object per line use FORMAT jsonl") from None
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 ({exc.reason}, byte 0x{exc.object[exc.start]:02x}); {REENCODE}") \
+            from None
+    except (OSError, EOFError) as exc:
         raise InputError(f"{path}: cannot read ({exc}); check the file is complete UTF-8 JSON") from None
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    number = 0
     try:
-        with _open_text(path) as handle:
+        with open_text(path) as handle:
             for number, line in enumerate(handle, 1):
                 if not line.strip():
                     continue
@@ -42,15 +44,49 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
                 if not isinstance(record, dict):
                     raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
                 yield number, record
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        # Lines are decoded in blocks: the bad byte is on the line after the last one read, or soon after.
+        raise InputError(f"{path}: not UTF-8 at or after line {number + 1} ({exc.reason}, byte "
+                         f"0x{exc.object[exc.start]:02x}); {REENCODE}") from None
+    except (OSError, EOFError) as exc:
         raise InputError(f"{path}: cannot read ({exc}); check the file is complete UTF-8 JSON lines") from None
 
 
-def _require(record: dict, key: str, where: str):
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    return {dict: "an object", list: "a list", int: "a number", float: "a number"}.get(type(value), "a string")
+
+
+def _field(record: dict, key: str, where: str, *, required: bool = False, number_ok: bool = False) -> str | None:
+    """A text field of a JSON record (identifiers may be numbers); absent or blank is None unless required."""
     value = record.get(key)
     if value is None or (isinstance(value, str) and not value.strip()):
-        raise InputError(f"{where}: missing field '{key}'")
-    return value
+        if required:
+            raise InputError(f"{where}: missing field '{key}'")
+        return None
+    if isinstance(value, str):
+        return value
+    if number_ok and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    expected = "a string or a number" if number_ok else "a string"
+    raise InputError(f"{where}: field '{key}' must be {expected}, got {_json_type(value)}")
+
+
+def _strings(record: dict, key: str, where: str, *, required: bool = False) -> list[str] | None:
+    """A list-of-strings field (PubMedQA CONTEXTS, LABELS)."""
+    value = record.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    if value is None:
+        got = "nothing"
+    elif not isinstance(value, list):
+        got = _json_type(value)
+    else:
+        got = "a list with non-string items" if value else "an empty list"
+    raise InputError(f"{where}: field '{key}' must be a non-empty list of strings, got {got}")
 
 
 def read_arxiv(path: Path, corpus: str, fulltext_dir: Path | None = None) -> Iterator[Document]:
@@ -61,10 +97,10 @@ def read_arxiv(path: Path, corpus: str, fulltext_dir: Path | None = None) -> Ite
     """
     for number, record in _json_lines(path):
         where = f"{path}:{number}"
-        arxiv_id = normalize_arxiv_id(_require(record, "id", where))
-        title = clean_text(_require(record, "title", where))
-        sections = [("Abstract", clean_text(record.get("abstract", "")))]
-        full = record.get("full_text")
+        arxiv_id = normalize_arxiv_id(_field(record, "id", where, required=True, number_ok=True))
+        title = clean_text(_field(record, "title", where, required=True))
+        sections = [("Abstract", clean_text(_field(record, "abstract", where)))]
+        full = _field(record, "full_text", where)
         if not full and fulltext_dir is not None:
             candidate = fulltext_dir / f"{arxiv_id.replace('/', '_')}.txt"
             if candidate.is_file():
@@ -73,7 +109,7 @@ def read_arxiv(path: Path, corpus: str, fulltext_dir: Path | None = None) -> Ite
             sections.append(("Full text", clean_text(full)))
         yield Document(doc_id=stable_doc_id(corpus, arxiv_id=arxiv_id), corpus=corpus, source_format="arxiv",
                        title=title, sections=[s for s in sections if s[1]],
-                       url=f"https://arxiv.org/abs/{arxiv_id}", doi=record.get("doi") or None, arxiv_id=arxiv_id,
+                       url=f"https://arxiv.org/abs/{arxiv_id}", doi=_field(record, "doi", where), arxiv_id=arxiv_id,
                        meta={"authors": record.get("authors"), "categories": record.get("categories")})
 
 
@@ -95,24 +131,27 @@ def read_medquad(path: Path, corpus: str) -> Iterator[Document]:
             page = f"{record.get('url')}|{record.get('focus')}"
             native = f"{native}~{hashlib.sha1(page.encode()).hexdigest()[:8]}"
         qa = record.get("qa")
-        if not isinstance(qa, list):
+        if not isinstance(qa, list) or not all(isinstance(item, dict) for item in qa):
             raise InputError(f"{where} ({native}): field 'qa' must be a list of question/answer objects")
-        sections = [(clean_text(item.get("qtype", "answer")), clean_text(item.get("answer") or "")) for item in qa]
+        sections = [(clean_text(_field(item, "qtype", f"{where} qa #{number}") or "answer"),
+                     clean_text(_field(item, "answer", f"{where} qa #{number}")))
+                    for number, item in enumerate(qa)]
         yield Document(doc_id=stable_doc_id(corpus, native), corpus=corpus, source_format="medquad",
-                       title=clean_text(record.get("focus") or ""), sections=[s for s in sections if s[1]],
-                       url=record.get("url") or None, meta={"source": record.get("source")})
+                       title=clean_text(_field(record, "focus", where)), sections=[s for s in sections if s[1]],
+                       url=_field(record, "url", where), meta={"source": record.get("source")})
 
 
 def _medquad_native_id(record: dict, where: str) -> str:
     """`<source>/<doc_id>`; a record without doc_id falls back to the prefix of its first qid."""
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    doc_id = record.get("doc_id")
+    doc_id = _field(record, "doc_id", where, number_ok=True)
     if not doc_id:
         qa = record.get("qa") or [{}]
-        qid = str(_require(qa[0], "qid", f"{where}: no 'doc_id' and first qa item"))
+        first = qa[0] if isinstance(qa, list) and isinstance(qa[0], dict) else {}
+        qid = _field(first, "qid", f"{where}: no 'doc_id' and first qa item", required=True, number_ok=True)
         doc_id = qid.rsplit("-", 1)[0]
-    return f"{record.get('source') or 'unknown'}/{doc_id}"
+    return f"{_field(record, 'source', where) or 'unknown'}/{doc_id}"
 
 
 def read_pubmedqa(path: Path, corpus: str) -> Iterator[Document]:
@@ -125,13 +164,15 @@ def read_pubmedqa(path: Path, corpus: str) -> Iterator[Document]:
         raise InputError(f"{path}: expected a JSON object keyed by PMID, got {type(data).__name__}")
     for pmid, record in data.items():
         where = f"{path}: PMID {pmid}"
-        contexts = _require(record, "CONTEXTS", where)
-        labels = record.get("LABELS") or ["Abstract"] * len(contexts)
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: expected a JSON object with CONTEXTS, got {_json_type(record)}")
+        contexts = _strings(record, "CONTEXTS", where, required=True)
+        labels = _strings(record, "LABELS", where) or ["Abstract"] * len(contexts)
         if len(labels) != len(contexts):
             raise InputError(f"{where}: {len(labels)} LABELS for {len(contexts)} CONTEXTS")
         sections = [(clean_text(label).title(), clean_text(text)) for label, text in zip(labels, contexts)]
-        if record.get("LONG_ANSWER"):
-            sections.append(("Conclusions", clean_text(record["LONG_ANSWER"])))
+        if conclusion := _field(record, "LONG_ANSWER", where):
+            sections.append(("Conclusions", clean_text(conclusion)))
         yield Document(doc_id=stable_doc_id(corpus, pmid=pmid), corpus=corpus, source_format="pubmedqa",
                        title="", sections=sections, url=f"https://pubmed.ncbi.nlm.nih.gov/{pmid}/", pmid=str(pmid),
                        meta={"year": record.get("YEAR")})
@@ -141,9 +182,9 @@ def read_jsonl(path: Path, corpus: str) -> Iterator[Document]:
     """Generic JSON lines: `id` and `text` required; optional title, url, doi, pmcid, pmid, arxiv_id."""
     for number, record in _json_lines(path):
         where = f"{path}:{number}"
-        native = str(_require(record, "id", where))
-        text = clean_text(_require(record, "text", where))
-        ids = {k: (str(record[k]) if record.get(k) else None) for k in ("pmcid", "pmid", "arxiv_id", "doi")}
+        native = _field(record, "id", where, required=True, number_ok=True)
+        text = clean_text(_field(record, "text", where, required=True))
+        ids = {k: _field(record, k, where, number_ok=True) for k in ("pmcid", "pmid", "arxiv_id", "doi")}
         yield Document(doc_id=stable_doc_id(corpus, native, **ids), corpus=corpus, source_format="jsonl",
-                       title=clean_text(record.get("title") or ""), sections=[("Text", text)],
-                       url=record.get("url") or None, **ids)
+                       title=clean_text(_field(record, "title", where)), sections=[("Text", text)],
+                       url=_field(record, "url", where), **ids)

@@ -5,7 +5,6 @@ A malformed file or a missing required element raises InputError naming the file
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,21 +12,23 @@ from lxml import etree
 
 from dxr.errors import InputError
 from tools.corpus.documents import Document, clean_text, stable_doc_id
+from tools.corpus.files import open_binary
 
 # Never resolve entities or fetch DTDs: corpus files are untrusted input and we are offline.
 _PARSER = etree.XMLParser(resolve_entities=False, load_dtd=False, no_network=True, recover=False, huge_tree=True)
 
 
 def parse_xml(path: Path) -> etree._Element:
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as handle:
+        with open_binary(path) as handle:
             return etree.parse(handle, _PARSER).getroot()
     except etree.XMLSyntaxError as exc:
-        raise InputError(f"{path}: not well-formed XML ({exc.msg}, line {exc.lineno}); "
-                         "fix or remove the file") from None
+        # lxml's message usually ends with the position already; add the line only when it does not.
+        where = "" if f"line {exc.lineno}" in exc.msg else f", line {exc.lineno}"
+        raise InputError(f"{path}: not well-formed XML ({exc.msg}{where}); fix or remove the file") from None
     except (OSError, EOFError) as exc:
-        raise InputError(f"{path}: cannot read ({exc}); check the file is complete") from None
+        raise InputError(f"{path}: cannot read ({exc}); check the file is complete and in the encoding its "
+                         "XML declaration names") from None
 
 
 def _text(element) -> str:
