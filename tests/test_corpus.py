@@ -409,6 +409,44 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
 
 
+
+def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_path):
+    from dxr.cli import main
+
+    source = tmp_path / "tiny.jsonl"
+    source.write_text(json.dumps({"id": "hf", "text": "Heart failure readmission is frequent."}) + "\n")
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+
+    def error(*arguments: str) -> str:
+        result = runner.invoke(main, [*data, "corpus", *arguments])
+        assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+        return result.output
+
+    assert "--corpus web is reserved for pages read by the web channel" in error(
+        "ingest", "jsonl", str(source), "--corpus", "web")
+    assert "--corpus icd is reserved for the ICD dictionary" in error("ingest", "jsonl", str(source), "--corpus", "icd")
+    assert "--corpus '../x': use letters, digits and _.:- only" in error(
+        "ingest", "jsonl", str(source), "--corpus", "../x")
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source)]).exit_code == 0
+    for name in (".", "..", "../escaped", "a/b"):
+        assert f"index name {name!r}: use letters, digits and _.- only, not starting with a dot" in error(
+            "build", "--lexical-only", "--name", name)
+    assert not (tmp_path / "wh" / "forecast" / "escaped").exists()
+    assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
+    assert "query '  ' has no words to search for" in error("search", "  ")
+    assert "no corpus index named 'other' (built: literature)" in error("search", "heart", "--name", "other")
+
+
+def test_search_refuses_k_below_one_and_wordless_queries(tmp_path):
+    build_index(chunk_frame(TINY), tmp_path / "idx", None)
+    index = CorpusIndex(tmp_path / "idx")
+    for k in (0, -1):
+        with pytest.raises(InputError, match=rf"k = {k}: a search returns at least 1 hit"):
+            index.search("heart failure", k=k)
+    with pytest.raises(InputError, match=r"query '\?\?' has no words to search for"):
+        index.search("??")
+
 @pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
                                     "tools.sanitize", "tools.ledger", "tools.web.channel"])
 def test_doctests(module):

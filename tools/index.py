@@ -429,6 +429,9 @@ class CorpusIndex:
         retriever a mode does not use answers {}. A hybrid search on a lexical-only index is BM25."""
         if mode not in MODES:
             raise InputError(f"unknown search mode {mode!r}; choose one of {', '.join(MODES)}")
+        if not bm25_query_text(query):
+            # The dense side would still answer, with the neighbours of an empty embedding: noise.
+            raise InputError(f"query {query!r} has no words to search for: phrase it with clinical terms")
         if mode == "hybrid" and self._dense is None:
             mode = "bm25"
         lexical = self._best_chunk_per_doc(self.bm25_chunks(query, depth)) if mode in ("bm25", "hybrid") else {}
@@ -441,6 +444,8 @@ class CorpusIndex:
         """Top-k documents for `query` (one hit per document). In hybrid mode the two retrievers'
         lists are fused by `fusion` with `dense_share` of the weight on the dense side; a single
         retriever's hits carry its own score (BM25 or cosine)."""
+        if k < 1:
+            raise InputError(f"k = {k}: a search returns at least 1 hit; pass k >= 1")
         if mode == "hybrid" and self._dense is None:
             mode = "bm25"  # a lexical-only index: plain BM25 order and scores
         lexical, dense = self.retrieve(query, mode, depth)

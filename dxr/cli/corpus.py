@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from dxr.cli import main, settings, warehouse
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 
 FORMAT_NAMES = ["jats", "medline", "arxiv", "medquad", "pubmedqa", "jsonl", "icd"]
 LITERATURE = "literature"
+# Corpus names are warehouse partition values; index names are directories under the index root,
+# so neither may hold a path separator, and an index name may not start with a dot ('.', '..').
+CORPUS_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+INDEX_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+# Pages read by the web channel are stored as corpus `web`; an ingested corpus must not mix with them.
+WEB_CORPUS = "web"
+
+
+def checked_corpus_name(name: str, fmt: str) -> str:
+    from tools.dictionary import CORPUS as ICD
+
+    if not CORPUS_NAME.fullmatch(name):
+        raise InputError(f"--corpus {name!r}: use letters, digits and _.:- only (e.g. guidelines)")
+    if name == WEB_CORPUS:
+        raise InputError(f"--corpus {WEB_CORPUS} is reserved for pages read by the web channel: choose another name")
+    if name == ICD and fmt != "icd":
+        raise InputError(f"--corpus {ICD} is reserved for the ICD dictionary (dxr corpus ingest icd): "
+                         "choose another name")
+    return name
+
+
+def checked_index_name(name: str) -> str:
+    if not INDEX_NAME.fullmatch(name):
+        raise InputError(f"index name {name!r}: use letters, digits and _.- only, not starting with a dot "
+                         "(it names a directory under the index root)")
+    return name
 
 
 def index_root(ctx: click.Context) -> Path:
@@ -51,6 +78,8 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
     """
     from tools.corpus import FORMATS, ingest, source_key, store_documents
 
+    if corpus_name is not None:
+        checked_corpus_name(corpus_name, fmt)
     wh = warehouse(ctx)
     chunk_chars = settings(ctx).tools.chunk_chars
     if fmt == "icd":
@@ -98,9 +127,11 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     from tools.embeddings import make_embedder
     from tools.index import build_index, chunk_frame
 
+    if name is not None:
+        checked_index_name(name)
     config = settings(ctx)
     wh = warehouse(ctx)
-    ingested = sorted(set(wh.read("documents")["corpus"].unique().to_list()) - {"web"})
+    ingested = sorted(set(wh.read("documents")["corpus"].unique().to_list()) - {WEB_CORPUS})
     if not ingested:
         raise InputError("no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first")
     plans = []
@@ -149,7 +180,11 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     from tools.embeddings import make_embedder
     from tools.index import CorpusIndex
 
-    directory = index_root(ctx) / name
+    directory = index_root(ctx) / checked_index_name(name)
+    if not (directory / "manifest.json").exists():
+        built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
+        raise NotFoundError(f"no corpus index named {name!r} (built: {', '.join(built) or 'none'}): "
+                            "build it with `dxr corpus build`")
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
     embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
     index = CorpusIndex(directory, embedder)
