@@ -3,13 +3,14 @@
 Generates gzipped CSVs in the official MIMIC-IV layout (every official column, so parsing costs
 what it costs on the real files) — by default about 300k patients, 431k admissions, 4.8M diagnosis
 rows (ICD-9 and ICD-10 mixed within patients, some duplicates, a few missing dischtimes), 670k
-procedures and 3M prescriptions — then runs `import_mimic4` in a child process and reports wall
-time, rows/s and the child's peak resident memory. Prints a table; writes JSON to
-benchmarks/results/mimic_import.json.
+procedures and 3M prescriptions, and with `--labevents N` that many lab results (imported with
+`labs=True`) — then runs `import_mimic4` in a child process and reports wall time, rows/s and the
+child's peak resident memory. Prints a table; writes JSON to benchmarks/results/mimic_import.json.
 
     python benchmarks/mimic_import.py                      # full scale, files in a temp dir
     python benchmarks/mimic_import.py --workdir /tmp/mb --keep   # keep and reuse the generated files
     python benchmarks/mimic_import.py --scale 0.05         # quick check
+    python benchmarks/mimic_import.py --labevents 30000000 # with lab results (MIMIC-III has about 28M)
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _uniform(salt: int, key: str = "i") -> str:
     return f"((hb({key}, {salt}) % 1000003) / 1000003.0)"
 
 
-def generate(folder: Path, scale: float, prescriptions: int) -> dict[str, int]:
-    """Write the seven hosp tables as .csv.gz into `folder`; returns rows per table."""
+def generate(folder: Path, scale: float, prescriptions: int, labevents: int) -> dict[str, int]:
+    """Write the seven hosp tables (nine with lab results) as .csv.gz into `folder`; returns rows per table."""
     folder.mkdir(parents=True, exist_ok=True)
     n_patients = int(FULL["patients"] * scale)
     n_admitted = int(FULL["subjects_admitted"] * scale)
@@ -131,16 +132,40 @@ def generate(folder: Path, scale: float, prescriptions: int) -> dict[str, int]:
                '10 mg Tab' AS prod_strength, NULL AS form_rx, '10' AS dose_val_rx, 'mg' AS dose_unit_rx,
                '1' AS form_val_disp, 'TAB' AS form_unit_disp, 2 AS doses_per_24_hrs, 'PO' AS route
         FROM r JOIN adm a USING (i)""")
+    n_labs = int(labevents * scale)
+    if n_labs:
+        # A quarter are outpatient draws (no hadm_id); one in twenty is a text result; frequent items dominate.
+        rows["labevents"] = copy("labevents", f"""
+            WITH r AS (SELECT j, hb(j, 61) % {n_admissions} AS i,
+                              50800 + CAST({_uniform(62, "j")} * {_uniform(62, "j")} * 1000 AS INTEGER) AS itemid,
+                              hb(j, 63) % 20 = 0 AS text_result FROM range({n_labs}) t(j)),
+            timed AS (SELECT r.*, a.s, a.hadm_id,
+                             strftime(a.admittime + to_minutes(CAST(hb(j, 64) % 5000 AS BIGINT)), '%Y-%m-%d %H:%M:%S')
+                                 AS charttime
+                      FROM r JOIN adm a USING (i))
+            SELECT j AS labevent_id, 10000000 + s AS subject_id, CASE WHEN hb(j, 65) % 4 <> 0 THEN hadm_id END
+                       AS hadm_id, j // 8 AS specimen_id, itemid, NULL AS order_provider_id, charttime,
+                   charttime AS storetime,
+                   CASE WHEN text_result THEN 'NEG' ELSE CAST(round({_uniform(66, "j")} * 200, 1) AS VARCHAR) END
+                       AS value,
+                   CASE WHEN NOT text_result THEN round({_uniform(66, "j")} * 200, 1) END AS valuenum,
+                   CASE WHEN NOT text_result THEN ['mg/dL', 'mEq/L', 'K/uL', '%'][1 + itemid % 4] END AS valueuom,
+                   NULL AS ref_range_lower, NULL AS ref_range_upper, NULL AS flag, 'ROUTINE' AS priority,
+                   NULL AS comments
+            FROM timed""")
+        rows["d_labitems"] = copy("d_labitems", """
+            SELECT 50800 + k AS itemid, 'Generated lab ' || k AS label, ['Blood', 'Urine'][1 + k % 2] AS fluid,
+                   'Chemistry' AS category FROM range(1000) t(k)""")
     con.close()
     return rows
 
 
-def run_import(src: Path, out: Path, memory_limit: str) -> dict:
+def run_import(src: Path, out: Path, memory_limit: str, labs: bool) -> dict:
     """Run the importer in this process (called in a child so peak memory is the import's alone)."""
     sys.path.insert(0, str(REPO))
     from warehouse.importers import import_mimic4
 
-    summary = import_mimic4(src, out, seed=7, memory_limit=memory_limit)
+    summary = import_mimic4(src, out, seed=7, labs=labs, memory_limit=memory_limit)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"summary": asdict(summary), "peak_rss_mib": round(peak_kib / 1024, 1)}
 
@@ -150,33 +175,38 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the full-scale sizes")
     parser.add_argument("--prescriptions", type=int, default=FULL["prescriptions"],
                         help="prescription rows at scale 1 (MIMIC-IV v2.2 has 15.4M)")
+    parser.add_argument("--labevents", type=int, default=0,
+                        help="lab result rows at scale 1, imported with labs=True (default 0: no labs)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the generated files go (default: a temp dir)")
     parser.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit given to the importer")
     parser.add_argument("--keep", action="store_true", help="keep the generated files and the MEDS output")
     parser.add_argument("--child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_import(Path(args.child[0]), Path(args.child[1]), args.memory_limit), default=str))
+        print(json.dumps(run_import(Path(args.child[0]), Path(args.child[1]), args.memory_limit, args.labevents > 0),
+                         default=str))
         return
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mimic_bench_"))
     src, out = workdir / "mimic-iv" / "hosp", workdir / "meds"
     # Generation takes about as long as the import: reuse files made with the same sizes.
     marker = workdir / "generated.json"
-    wanted = {"scale": args.scale, "prescriptions": args.prescriptions}
+    wanted = {"scale": args.scale, "prescriptions": args.prescriptions, "labevents": args.labevents}
     started = time.perf_counter()
     if marker.is_file() and json.loads(marker.read_text())["sizes"] == wanted:
         rows = json.loads(marker.read_text())["rows"]
     else:
-        rows = generate(src, args.scale, args.prescriptions)
+        shutil.rmtree(src, ignore_errors=True)  # files of other sizes (e.g. a labevents table) must not stay
+        rows = generate(src, args.scale, args.prescriptions, args.labevents)
         marker.write_text(json.dumps({"sizes": wanted, "rows": rows}))
     generate_s = time.perf_counter() - started
     input_mib = sum(p.stat().st_size for p in src.iterdir()) / 2**20
 
     load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     started = time.perf_counter()
-    child = subprocess.run([sys.executable, __file__, "--memory-limit", args.memory_limit, "--child", str(src.parent),
-                            str(out)], capture_output=True, text=True, check=False)
+    child = subprocess.run([sys.executable, __file__, "--memory-limit", args.memory_limit, "--labevents",
+                            str(args.labevents), "--child", str(src.parent), str(out)],
+                           capture_output=True, text=True, check=False)
     wall_s = time.perf_counter() - started
     if child.returncode != 0:
         sys.exit(f"import failed:\n{child.stderr}")
@@ -194,11 +224,14 @@ def main() -> None:
         "duckdb_memory_limit": args.memory_limit, "cpus": os.cpu_count(),
         "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2), "python": platform.python_version(),
         "duckdb": duckdb.__version__, "admissions": summary["n_admissions"], "encounters": summary["n_encounters"],
-        "diagnoses_written": summary["n_diagnoses"], "subjects": summary["n_subjects"], "shards": summary["n_shards"],
+        "diagnoses_written": summary["n_diagnoses"], "lab_results_written": summary["n_labs"],
+        "subjects": summary["n_subjects"], "shards": summary["n_shards"],
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    table = [("input rows (7 tables)", f"{rows_read:,}"), ("  admissions", f"{rows['admissions']:,}"),
+    table = [(f"input rows ({len(rows)} tables)", f"{rows_read:,}"), ("  admissions", f"{rows['admissions']:,}"),
              ("  diagnoses_icd", f"{rows['diagnoses_icd']:,}"), ("  prescriptions", f"{rows['prescriptions']:,}"),
+             *((("  labevents", f"{rows['labevents']:,}"), ("lab results written", f"{summary['n_labs']:,}"))
+               if "labevents" in rows else ()),
              ("input size (gzip)", f"{input_mib:,.0f} MiB"), ("MEDS events written", f"{summary['n_events']:,}"),
              ("MEDS size", f"{output_mib:,.0f} MiB"), ("import time", f"{summary['seconds']:.1f} s"),
              *((f"  {stage}", f"{seconds:.1f} s") for stage, seconds in summary["stage_seconds"].items()),
