@@ -66,6 +66,11 @@ def test_real_medline_sample():
     assert sum(1 for d in documents if d.sections) == 526  # citations with an abstract
 
 
+def test_ingest_counts_documents_without_text(wh):
+    summary = ingest(wh, "medline", shared_data("corpora", "samples", "medline16n0902.xml.gz"))
+    assert (summary.documents, summary.without_text) == (604, 604 - 526)  # titles only: kept, not searchable
+
+
 def test_real_medquad_and_pubmedqa():
     medquad = list(read_medquad(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "medquad"))
     assert len(medquad) == 5486 and len({d.doc_id for d in medquad}) == 5486
@@ -83,7 +88,7 @@ def test_real_medquad_and_pubmedqa():
 
 def test_real_ingest_into_the_warehouse_embeds_a_handful(wh, tmp_path, embedder):
     summary = ingest(wh, "jats", shared_data("corpora", "samples"))
-    assert (summary.corpus, summary.documents, summary.duplicates) == ("pmc", 8, 0)
+    assert (summary.corpus, summary.documents, summary.duplicates, summary.without_text) == ("pmc", 8, 0, 0)
     chunks = wh.read("chunks", corpus="pmc")
     assert chunks.height == summary.chunks and chunks["chunk_id"].n_unique() == chunks.height
     again = ingest(wh, "jats", shared_data("corpora", "samples"))  # a rerun replaces its own rows
@@ -128,6 +133,13 @@ def test_chunks_respect_size_sections_and_parent_links():
     assert [c.ordinal for c in chunks] == list(range(len(chunks)))
     assert {c.doc_id for c in chunks} == {"t:1"} and chunks[-1].section == "B" and chunks[-1].text == "Short section."
     assert " ".join(c.text for c in chunks if c.section == "A") == ("One two three. " * 30).strip()
+
+
+def test_a_word_longer_than_a_chunk_is_split_not_truncated():
+    sequence = "ACGT" * 700  # 2,800 characters without a space
+    chunks = chunk_document(Document("t:1", "t", "jsonl", "T", [("A", f"Intro. {sequence} tail.")]), max_chars=1000)
+    assert [len(c.text) for c in chunks] == [6, 1000, 1000, 800 + len(" tail.")]
+    assert "".join(c.text for c in chunks[1:]).removesuffix(" tail.") == sequence
 
 
 def test_dedupe_by_identifier_then_url_and_title():

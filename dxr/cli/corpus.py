@@ -101,8 +101,9 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
         else:
             summary = ingest(wh, fmt, path, corpus_name, chunk_chars,
                              progress=lambda f: click.echo(f"  read {f}", err=True))
+    unsearchable = f", {summary.without_text} without text: not searchable" if summary.without_text else ""
     click.echo(f"corpus {summary.corpus} source {summary.source}: {summary.documents} documents "
-               f"({summary.duplicates} duplicates dropped), {summary.chunks} chunks")
+               f"({summary.duplicates} duplicates dropped{unsearchable}), {summary.chunks} chunks")
 
 
 @corpus.command("build")
@@ -148,8 +149,10 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     embedder = None
     for index_name, chosen, lexical in plans:
         documents, dropped = dedupe(load_documents(wh, chosen))
+        without_text = sum(1 for d in documents if not d.text)
+        unsearchable = f", {without_text} without text: not indexed" if without_text else ""
         click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
-                   f"({len(dropped)} cross-corpus duplicates dropped)", err=True)
+                   f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
         if not lexical and embedder is None:
             embedder = make_embedder(config.tools.embedding)
         manifest = build_index(chunk_frame(documents, config.tools.chunk_chars), root / index_name,

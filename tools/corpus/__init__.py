@@ -49,6 +49,8 @@ class IngestSummary:
     documents: int
     duplicates: int
     chunks: int
+    # Kept (they carry identifiers and titles) but not searchable: e.g. MEDLINE citations without abstract.
+    without_text: int = 0
 
 
 def source_key(path: Path) -> str:
@@ -116,7 +118,8 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
     chunks = chunks_frame(kept, corpus, source, max_chars)
     warehouse.write("documents", documents_frame(kept, corpus, source), corpus=corpus, source=source)
     warehouse.write("chunks", chunks, corpus=corpus, source=source)
-    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height)
+    without_text = sum(1 for d in kept if not d.text)
+    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text)
 
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,

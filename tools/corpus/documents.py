@@ -170,11 +170,13 @@ def _cut_words(sentence: str, max_chars: int) -> list[str]:
         return [sentence]
     pieces, current = [], ""
     for word in sentence.split(" "):
-        if current and len(current) + 1 + len(word) > max_chars:
-            pieces.append(current)
-            current = word[:max_chars]
-        else:
-            current = f"{current} {word}" if current else word[:max_chars]
+        # A "word" longer than a chunk (a sequence, an inlined table) is split, never truncated.
+        for part in [word[i:i + max_chars] for i in range(0, len(word), max_chars)]:
+            if current and len(current) + 1 + len(part) > max_chars:
+                pieces.append(current)
+                current = part
+            else:
+                current = f"{current} {part}" if current else part
     if current:
         pieces.append(current)
     return pieces
