@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from dxr.errors import ConfigError
 from tools.config import SerpMapping, WebConfig
 from tools.corpus.documents import Document
 from tools.index import CorpusIndex, build_index, chunk_frame
@@ -379,3 +380,92 @@ def test_provider_failures_rate_limit_is_no_result_and_bad_key_is_a_config_error
 
     ledger = asyncio.run(scenario())
     assert [(r.state, r.detail) for r in ledger.rows] == [("no_result", "provider unavailable (HTTP 429)")]
+
+
+class HostileSite:
+    """Misbehaving pages and SERP answers on loopback, each at its own path."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        medical = page("Heart failure", "Heart failure readmission in older patients.")
+        routes = {
+            "/robots.txt": lambda: web.Response(status=404),
+            "/loop": lambda: web.HTTPFound("/loop-again"),
+            "/loop-again": lambda: web.HTTPFound("/loop"),
+            "/to-file": lambda: web.HTTPFound("file:///etc/passwd"),
+            # A charset Python has no codec for, and a byte that is not valid in the declared UTF-8.
+            "/unknown-charset": lambda: web.Response(body=medical.encode(),
+                                                     headers={"Content-Type": "text/html; charset=x-no-such"}),
+            "/latin1": lambda: web.Response(body=medical.replace("older", "\xe9lder").encode("latin-1"),
+                                            headers={"Content-Type": "text/html; charset=utf-8"}),
+            "/broken-links": lambda: web.Response(text=medical.replace(
+                "</article>", '<a href="http://[broken">b</a><a href="javascript:x()">j</a><a href="/ok">ok</a>'
+                "</article>"), content_type="text/html"),
+            "/no-type": lambda: web.Response(body=medical.encode()),
+            "/serp-html": lambda: web.Response(text="<html>login</html>", content_type="text/html"),
+            "/serp-latin1": lambda: web.Response(
+                body=b'{"results": [{"url": "%s/latin1", "title": "T\xe9"}]}' % self.base.encode(),
+                content_type="application/json"),
+            "/serp-bad-urls": lambda: web.json_response({"results": [
+                {"url": 5}, {"url": "http://[broken"}, {"url": "file:///etc/passwd"}, {"url": "javascript:x()"},
+                "not an object", {"url": f"{self.base}/no-type"}]}),
+        }
+        if request.path not in routes:
+            return web.Response(status=404)
+        response = routes[request.path]()
+        if isinstance(response, web.HTTPException):
+            raise response
+        return response
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def test_hostile_pages_are_page_errors_never_exceptions():
+    async def scenario():
+        async with HostileSite() as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config())
+            paths = ["/loop", "/to-file", "/unknown-charset", "/latin1", "/broken-links", "/no-type"]
+            pages = {path: await reader.read(site.base + path) for path in paths}
+            for url in ("http://[broken", "file:///etc/passwd", "javascript:x()"):
+                pages[url] = await reader.read(url)
+            return site, reader, pages
+
+    site, reader, pages = asyncio.run(scenario())
+    errors = {path: p.error for path, p in pages.items()}
+    assert errors == {
+        "/loop": "more than 5 redirects (a redirect loop?)",
+        "/to-file": "redirect to a non-http(s) URL (file:///etc/passwd)",
+        "/unknown-charset": None, "/latin1": None, "/broken-links": None,
+        "/no-type": "content type application/octet-stream not accepted",
+        "http://[broken": "not an http(s) URL", "file:///etc/passwd": "not an http(s) URL",
+        "javascript:x()": "not an http(s) URL"}
+    assert "older patients" in pages["/unknown-charset"].text and "\ufffdlder patients" in pages["/latin1"].text
+    assert pages["/broken-links"].links == [f"{site.base}/ok"]
+    assert reader.cache.get(site.base + "/loop") is not None  # permanent errors are cached, unlike timeouts
+
+
+def test_provider_answers_that_are_not_usable_json():
+    async def scenario(path: str):
+        async with HostileSite() as site, aiohttp.ClientSession() as session:
+            provider = SerpJsonProvider("searxng", site.base + path, SerpMapping(), None, 0.0, 2.0)
+            return site, await provider.search(session, "heart failure", 10)
+
+    with pytest.raises(ConfigError, match=r"^search provider searxng answered text/html \(18 bytes\), not JSON, at "
+                                          r"http://127\.0\.0\.1:\d+/serp-html: check tools\.web\.endpoint"):
+        asyncio.run(scenario("/serp-html"))
+    site, hits = asyncio.run(scenario("/serp-latin1"))
+    assert [(h.url.removeprefix(site.base), h.title) for h in hits] == [("/latin1", "T\ufffd")]
+    site, hits = asyncio.run(scenario("/serp-bad-urls"))
+    assert [(h.rank, h.url.removeprefix(site.base)) for h in hits] == [(1, "/no-type")]

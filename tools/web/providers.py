@@ -8,6 +8,7 @@ Brave and generic SERP-JSON were exercised only against local emulation (see doc
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import aiohttp
 
 from dxr.errors import ConfigError, InputError
 from tools.config import SerpMapping, WebConfig
+from tools.web.reader import http_url
 
 BRAVE_ENDPOINT = "https://api.search.brave.com/res/v1/web/search"
 BRAVE_MAPPING = SerpMapping(query_param="q", results_path="web.results", title_field="title", url_field="url",
@@ -74,9 +76,17 @@ class SerpJsonProvider(SearchProvider):
                                           f"{response.status}) at {self.endpoint}: check the API key variable")
                     if response.status != 200:
                         raise ProviderUnavailable(f"HTTP {response.status}")
-                    payload = await response.json(content_type=None)
+                    body = await response.read()
+                    content_type = response.content_type
             finally:
                 self._last = time.monotonic()
+        try:
+            payload = json.loads(body.decode("utf-8", errors="replace"))
+        except json.JSONDecodeError:
+            # Deterministic, not transient: e.g. SearXNG without `json` in search.formats, or a login page.
+            raise ConfigError(f"search provider {self.name} answered {content_type or 'without a content type'} "
+                              f"({len(body)} bytes), not JSON, at {self.endpoint}: check tools.web.endpoint "
+                              "(SearXNG needs `json` in search.formats)") from None
         return self._hits(payload, limit)
 
     def _hits(self, payload, limit: int) -> list[SerpHit]:
@@ -89,8 +99,8 @@ class SerpJsonProvider(SearchProvider):
         hits = []
         for item in node:
             url = item.get(self.mapping.url_field) if isinstance(item, dict) else None
-            if not url:
-                continue
+            if not http_url(url):
+                continue  # nothing the reader could fetch (missing, not a string, javascript:, file:)
             hits.append(SerpHit(len(hits) + 1, str(item.get(self.mapping.title_field) or ""), str(url),
                                 str(item.get(self.mapping.snippet_field) or "")))
             if len(hits) == limit:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 import urllib.robotparser
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ import polars as pl
 from tools.config import WebConfig
 from tools.corpus.documents import clean_text
 
+# Page errors that a later run may not meet again: such pages are not cached.
+TRANSIENT_ERRORS = ("timeout", "connection")
+# readability logs a whole traceback for markup it cannot parse, then raises; extract() handles the failure.
+logging.getLogger("readability.readability").setLevel(logging.CRITICAL)
 _SKIP_SUFFIXES = (".pdf", ".jpg", ".jpeg", ".png", ".gif", ".svg", ".zip", ".gz", ".mp4", ".mp3", ".css", ".js")
 
 
@@ -55,16 +60,28 @@ def extract(html: str, base_url: str) -> tuple[str, str, list[str]]:
             text = alternative
     links, seen = [], set()
     for anchor in soup.find_all("a", href=True):
-        absolute, _ = urldefrag(urljoin(base_url, anchor["href"].strip()))
-        if urlsplit(absolute).scheme in ("http", "https") and absolute not in seen:
+        try:
+            absolute, _ = urldefrag(urljoin(base_url, anchor["href"].strip()))
+            scheme = urlsplit(absolute).scheme
+        except ValueError:  # e.g. 'http://[bad': pages carry broken hrefs; skip them, keep the page
+            continue
+        if scheme in ("http", "https") and absolute not in seen:
             seen.add(absolute)
             links.append(absolute)
     return title, clean_text(text), links
 
 
+def http_url(url) -> bool:
+    """Whether `url` is a parsable http(s) URL with a host (what the reader can fetch)."""
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        return parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        return False
+
+
 def eligible_link(url: str, blocked_domains) -> bool:
-    parts = urlsplit(url)
-    return parts.scheme in ("http", "https") and not parts.path.lower().endswith(_SKIP_SUFFIXES) \
+    return http_url(url) and not urlsplit(url).path.lower().endswith(_SKIP_SUFFIXES) \
         and not is_blocked(url, blocked_domains)
 
 
@@ -95,7 +112,7 @@ class PageCache:
 
     def put(self, page: Page) -> None:
         # Transient failures are not cached: a later run may succeed.
-        if page.error and (page.error.startswith("timeout") or page.error.startswith("connection")):
+        if page.error and page.error.startswith(TRANSIENT_ERRORS):
             return
         self.pages[page.url] = page
         self._dirty.add(page.url)
@@ -139,6 +156,8 @@ class PageReader:
         return page
 
     async def _read(self, url: str) -> Page:
+        if not http_url(url):
+            return Page(url, error="not an http(s) URL")
         if not await self.allowed(url):
             return Page(url, error="disallowed by robots.txt")
         try:
@@ -152,7 +171,7 @@ class PageReader:
                         page.error = f"HTTP {response.status}"
                         return page
                     if page.content_type not in self.config.content_types:
-                        page.error = f"content type {page.content_type} not accepted"
+                        page.error = f"content type {page.content_type or '(none declared)'} not accepted"
                         return page
                     declared = response.content_length
                     if declared is not None and declared > self.config.max_bytes:
@@ -167,9 +186,16 @@ class PageReader:
                     charset = response.charset or "utf-8"
         except (asyncio.TimeoutError, TimeoutError):
             return Page(url, error=f"timeout after {self.config.timeout_seconds:g} s")
+        except aiohttp.TooManyRedirects:
+            return Page(url, error="more than 5 redirects (a redirect loop?)")
+        except aiohttp.NonHttpUrlRedirectClientError as exc:
+            return Page(url, error=f"redirect to a non-http(s) URL ({exc})")
         except aiohttp.ClientError as exc:
             return Page(url, error=f"connection error ({type(exc).__name__})")
-        html = bytes(body).decode(charset, errors="replace")
+        try:
+            html = bytes(body).decode(charset, errors="replace")
+        except LookupError:  # a charset Python does not know (e.g. 'x-user-defined'): most pages are UTF-8 anyway
+            html = bytes(body).decode("utf-8", errors="replace")
         if page.content_type == "text/plain":
             page.title, page.text, page.links = "", clean_text(html), []
         else:
