@@ -131,3 +131,31 @@ def test_merge_across_channels_dedupes_by_document_then_url_and_title():
     assert [(r.evidence_id, r.doc_id, r.provenance) for r in merged] == [
         ("E1", "pmc:PMC1", "searxng hit 2"), ("E3", "web:a", "brave hit 1")]
     assert ledger.rows[0].provenance is None  # the ledger itself is never rewritten
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"code": None}, r"search job code must be a non-empty string, got None"),
+    ({"trajectory_id": " "}, r"search job trajectory_id must be a non-empty string, got ' '"),
+    ({"query": None}, r"search job query must be a non-empty string, got None"),
+    ({"iteration": "1"}, r"search job iteration must be a whole number >= 0, got '1'"),
+    ({"iteration": -1}, r"search job iteration must be a whole number >= 0, got -1"),
+    # A bare string would be split into letters, and letters occur in every excerpt.
+    ({"entity_terms": "chronic kidney disease"},
+     r"search job entity_terms must be a list of strings, got 'chronic kidney disease'"),
+    ({"endpoint_terms": [1]}, r"search job endpoint_terms must be a list of strings, got \[1\]"),
+])
+def test_bad_job_fields_are_refused_before_anything_is_recorded(change, message):
+    ledger = Ledger("r1", 0)
+    with pytest.raises(InputError, match=message):
+        ledger.job(**{"trajectory_id": "t1", "query": "chronic kidney disease dialysis", **JOB, **change})
+    assert ledger.jobs == {} and ledger.rows == []
+
+
+def test_a_job_of_another_ledger_cannot_be_recorded(wh):
+    mine, other = Ledger("r1", 0, wh), Ledger("r2", 3)
+    foreign = other.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB)
+    with pytest.raises(InputError, match=rf"search job {foreign.job_id} \(run r2\) was not created by this ledger "
+                                         r"\(run r1, shard 0\): create it with this Ledger's job\(\)"):
+        mine.record(foreign, engine="pmc", state="no_result")
+    mine.flush()  # the ledger partition never holds a row whose job is missing from search_jobs
+    assert wh.read("ledger").height == 0

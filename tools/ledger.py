@@ -150,6 +150,16 @@ class Ledger:
         """A sanitized search job; the same (trajectory, code, class, sanitized query) returns the same job."""
         if purpose not in PURPOSES:
             raise InputError(f"search job purpose {purpose!r} is not one of {', '.join(PURPOSES)}")
+        for name, value in (("trajectory_id", trajectory_id), ("code", code), ("temporal_class", temporal_class),
+                            ("query", query)):
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"search job {name} must be a non-empty string, got {value!r}")
+        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+            raise InputError(f"search job iteration must be a whole number >= 0, got {iteration!r}")
+        for name, terms in (("entity_terms", entity_terms), ("endpoint_terms", endpoint_terms)):
+            # A bare string would become a tuple of single letters, each 'present' in almost any text.
+            if isinstance(terms, str) or not all(isinstance(term, str) for term in terms):
+                raise InputError(f"search job {name} must be a list of strings, got {terms!r}")
         clean = sanitize_query(query, patient_text, self.max_verbatim_words, forbidden).text
         job_id = job_id_for(trajectory_id, code, temporal_class, clean)
         if job_id in self.jobs:
@@ -167,6 +177,9 @@ class Ledger:
         """Append one retrieval record. `state` is `readable` (text obtained; the ledger decides
         supported/unsupported), `unreadable` or `no_result`. `source_text` (the whole page or
         document) is scanned for instruction-like content; only the excerpt is stored."""
+        if self.jobs.get(job.job_id) is not job:
+            raise InputError(f"search job {job.job_id} (run {job.run_id}) was not created by this ledger (run "
+                             f"{self.run_id}, shard {self.shard}): create it with this Ledger's job()")
         if state not in (READABLE, "unreadable", "no_result"):
             raise InputError(f"ledger state {state!r}: pass 'readable', 'unreadable' or 'no_result'")
         channel = channel or job.channel
