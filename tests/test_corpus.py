@@ -459,6 +459,27 @@ def test_search_refuses_k_below_one_and_wordless_queries(tmp_path):
     with pytest.raises(InputError, match=r"query '\?\?' has no words to search for"):
         index.search("??")
 
+
+def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_path):
+    from dxr.cli import main
+
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "meta" / "a.jsonl").write_text(json.dumps({"id": "2101.00001v2", "title": "T",
+                                                            "abstract": "Heart failure."}) + "\n")
+    (tmp_path / "texts" / "2101.00001.txt").write_text("Full text about heart failure readmission.")
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
+                                  "--fulltext-dir", str(tmp_path / "texts")])
+    assert result.exit_code == 0 and result.stdout.endswith(": 1 documents (0 duplicates dropped), 2 chunks\n")
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "meta" / "a.jsonl"),
+                                  "--fulltext-dir", str(tmp_path / "texts")])
+    assert result.exit_code == 1 and "--fulltext-dir applies to FORMAT arxiv only, not jsonl" in result.output
+    result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
+                                  "--fulltext-dir", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
 @pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
                                     "tools.sanitize", "tools.ledger", "tools.web.channel"])
 def test_doctests(module):

@@ -61,7 +61,7 @@ def corpus() -> None:
 @click.argument("fmt", metavar="FORMAT", type=click.Choice(FORMAT_NAMES))
 @click.argument("path", required=False, type=click.Path(path_type=Path))
 @click.option("--corpus", "corpus_name", default=None, help="Corpus name (default: per format, e.g. pmc, medquad).")
-@click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+@click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="arXiv only: directory of <id>.txt full texts.")
 @click.pass_context
 def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name: str | None,
@@ -76,10 +76,12 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
       dxr corpus ingest jats ../shared/data/corpora/samples
       dxr corpus ingest icd
     """
-    from tools.corpus import FORMATS, ingest, source_key, store_documents
+    from tools.corpus import FORMATS, ingest, input_files, source_key, store_documents
 
     if corpus_name is not None:
         checked_corpus_name(corpus_name, fmt)
+    if fulltext_dir is not None and fmt != "arxiv":
+        raise InputError(f"--fulltext-dir applies to FORMAT arxiv only, not {fmt}: drop it")
     wh = warehouse(ctx)
     chunk_chars = settings(ctx).tools.chunk_chars
     if fmt == "icd":
@@ -96,8 +98,9 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
             from tools.corpus.json_sources import read_arxiv
 
             name = corpus_name or FORMATS["arxiv"].default_corpus
-            documents = list(read_arxiv(path, name, fulltext_dir))
-            summary = store_documents(wh, documents, name, source_key(path), chunk_chars)
+            files = input_files(fmt, path)
+            documents = [d for file in files for d in read_arxiv(file, name, fulltext_dir)]
+            summary = store_documents(wh, documents, name, source_key(path), chunk_chars, len(files))
         else:
             summary = ingest(wh, fmt, path, corpus_name, chunk_chars,
                              progress=lambda f: click.echo(f"  read {f}", err=True))
