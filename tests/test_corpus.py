@@ -448,6 +448,7 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
     assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
     assert "query '  ' has no words to search for" in error("search", "  ")
     assert "no corpus index named 'other' (built: literature)" in error("search", "heart", "--name", "other")
+    assert "has no dense vectors (built lexical-only): use mode bm25" in error("search", "heart", "--mode", "dense")
 
 
 def test_search_refuses_k_below_one_and_wordless_queries(tmp_path):

@@ -194,7 +194,7 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
     embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
     index = CorpusIndex(directory, embedder)
-    hits = index.search(query, k=k, mode=mode if index.has_dense else "bm25", fusion=fusion, dense_share=dense_share)
+    hits = index.search(query, k=k, mode=mode, fusion=fusion, dense_share=dense_share)
     if not hits:
         click.echo("no result")
     for hit in hits:
