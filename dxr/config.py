@@ -39,6 +39,8 @@ class CohortConfig(BaseModel):
     min_history: int = Field(1, ge=0)
     # Trajectories per pre-target shard; later stages run one Prefect task per shard.
     shard_size: int = Field(500, ge=1)
+    # DuckDB memory of a build; beyond it DuckDB spills to a scratch directory beside the gold store.
+    memory_limit: str = Field("2GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 
 
 class Settings(BaseSettings):

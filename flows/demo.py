@@ -43,7 +43,8 @@ def synthetic_dataset_task(wh: Warehouse, patients: int, seed: int, shard_size: 
 def build_cohort_task(wh: Warehouse, dataset_id: str, settings: Settings) -> dict:
     return build_cohort(wh, dataset_id, DEMO_COHORT, CohortOptions(min_history=settings.cohort.min_history),
                         seed=settings.seed, shard_size=settings.cohort.shard_size,
-                        oracle_draws=settings.synth.oracle_draws, progress=True)
+                        oracle_draws=settings.synth.oracle_draws, memory_limit=settings.cohort.memory_limit,
+                        progress=True)
 
 
 @task(name="ensure-ehr-prior")

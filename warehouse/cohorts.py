@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import partial
@@ -36,6 +39,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse import vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.meds import read_splits, validate_meds_dir
+from warehouse.scratch import remove_abandoned, scratch_path
 from warehouse.store import Warehouse, fetch_frame
 
 TARGET_RULES = ("final", "every")
@@ -89,7 +93,8 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 
 
 def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
-                 shard_size: int = 500, oracle_draws: int = 200, progress: bool = False) -> dict:
+                 shard_size: int = 500, oracle_draws: int = 200, memory_limit: str = "2GB",
+                 progress: bool = False) -> dict:
     """Build (or rebuild) a cohort; returns its `cohorts` row."""
     check_name("cohort", name)
     dataset = get_dataset(wh, dataset_id)
@@ -109,84 +114,85 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
                   "oracle_probabilities", "record_oracle_probabilities"):
         wh.delete(table, cohort_id=cohort_id)
 
-    vocab.load_vocabularies(wh)
-    gem = wh.read("gem_map")
-    con = duckdb.connect(":memory:")
-    con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
-                    FROM read_parquet('{info.root}/data/**/*.parquet', union_by_name=true)""")
-    steps.update()
+    with _spilling_connection(wh, cohort_id, memory_limit) as con:
+        vocab.load_vocabularies(wh)
+        gem = wh.read("gem_map")
+        con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
+                        FROM read_parquet('{info.root}/data/**/*.parquet', union_by_name=true)""")
+        steps.update()
 
-    # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
-    dx_codes = [c for (c,) in con.execute("SELECT DISTINCT code FROM raw WHERE code LIKE 'DIAGNOSIS//%'").fetchall()]
-    dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem)
-    unmapped = len(set(dx_codes) - set(dx_map["source_code"].to_list()))
-    con.register("dx_map_frame", dx_map.to_arrow())
-    con.execute("""CREATE TEMP TABLE events AS
-        SELECT r.subject_id, r.time, coalesce(m.code, r.code) AS code, r.numeric_value, r.text_value, r.encounter_id
-        FROM raw r LEFT JOIN dx_map_frame m ON r.code = m.source_code
-        WHERE r.code NOT LIKE 'DIAGNOSIS//%' OR m.code IS NOT NULL""")
-    con.execute("""CREATE TEMP TABLE encounter_starts AS
-        SELECT encounter_id, any_value(subject_id) AS subject_id,
-               coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
-               count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx
-        FROM raw WHERE encounter_id IS NOT NULL GROUP BY encounter_id""")
-    steps.update()
+        # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
+        dx_codes = [c for (c,) in con.execute(
+            "SELECT DISTINCT code FROM raw WHERE code LIKE 'DIAGNOSIS//%'").fetchall()]
+        dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem)
+        unmapped = len(set(dx_codes) - set(dx_map["source_code"].to_list()))
+        con.register("dx_map_frame", dx_map.to_arrow())
+        con.execute("""CREATE TEMP TABLE events AS
+            SELECT r.subject_id, r.time, coalesce(m.code, r.code) AS code, r.numeric_value, r.text_value, r.encounter_id
+            FROM raw r LEFT JOIN dx_map_frame m ON r.code = m.source_code
+            WHERE r.code NOT LIKE 'DIAGNOSIS//%' OR m.code IS NOT NULL""")
+        con.execute("""CREATE TEMP TABLE encounter_starts AS
+            SELECT encounter_id, any_value(subject_id) AS subject_id,
+                   coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
+                   count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx
+            FROM raw WHERE encounter_id IS NOT NULL GROUP BY encounter_id""")
+        steps.update()
 
-    splits = read_splits(info, seed)
-    con.register("splits_frame", splits.to_arrow())
-    # Encounters with at least one raw diagnosis, ordered per patient; prior = earlier counted encounters.
-    con.execute(f"""CREATE TEMP TABLE counted AS
-        SELECT s.subject_id, s.encounter_id, s.start_time,
-               row_number() OVER (PARTITION BY s.subject_id ORDER BY s.start_time, s.encounter_id) - 1 AS n_prior,
-               count(*) OVER (PARTITION BY s.subject_id) AS n_total
-        FROM encounter_starts s WHERE s.n_dx > 0 AND s.start_time IS NOT NULL""")
-    target_filter = "n_prior = n_total - 1" if options.target == "final" else "TRUE"
-    con.execute(f"""CREATE TEMP TABLE candidate_targets AS
-        SELECT c.*, sp.split FROM counted c
-        LEFT JOIN splits_frame sp USING (subject_id)
-        WHERE {target_filter} AND n_prior >= {int(options.min_history)}""")
-    con.execute(f"""CREATE TEMP TABLE target_codes AS
-        SELECT DISTINCT '{cohort_id}:' || t.subject_id || ':' || t.encounter_id AS trajectory_id, e.code
-        FROM candidate_targets t JOIN events e
-          ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
-    missing_split = con.execute("SELECT count(*) FROM candidate_targets c ANTI JOIN splits_frame USING (subject_id)"
-                                ).fetchall()[0][0]
-    if missing_split:
-        raise InputError(f"{info.root}/metadata/subject_splits.parquet has no split for {missing_split} subject(s): "
-                         "list every subject or remove the file to use hash splits")
-    trajectories = fetch_frame(con, f"""
-        SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
-               subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
-               CAST(n_prior AS INTEGER) AS n_prior_encounters
-        FROM candidate_targets
-        WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
-        ORDER BY subject_id, cutoff_time, target_encounter_id""")
-    if trajectories.is_empty():
-        raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
-                         "patients need that many earlier encounters with diagnoses; lower --min-history")
-    trajectories = trajectories.with_columns(
-        (pl.int_range(pl.len(), dtype=pl.Int32) // shard_size).alias("shard"))
-    con.register("traj", trajectories.to_arrow())
-    steps.update()
+        splits = read_splits(info, seed)
+        con.register("splits_frame", splits.to_arrow())
+        # Encounters with at least one raw diagnosis, ordered per patient; prior = earlier counted encounters.
+        con.execute(f"""CREATE TEMP TABLE counted AS
+            SELECT s.subject_id, s.encounter_id, s.start_time,
+                   row_number() OVER (PARTITION BY s.subject_id ORDER BY s.start_time, s.encounter_id) - 1 AS n_prior,
+                   count(*) OVER (PARTITION BY s.subject_id) AS n_total
+            FROM encounter_starts s WHERE s.n_dx > 0 AND s.start_time IS NOT NULL""")
+        target_filter = "n_prior = n_total - 1" if options.target == "final" else "TRUE"
+        con.execute(f"""CREATE TEMP TABLE candidate_targets AS
+            SELECT c.*, sp.split FROM counted c
+            LEFT JOIN splits_frame sp USING (subject_id)
+            WHERE {target_filter} AND n_prior >= {int(options.min_history)}""")
+        con.execute(f"""CREATE TEMP TABLE target_codes AS
+            SELECT DISTINCT '{cohort_id}:' || t.subject_id || ':' || t.encounter_id AS trajectory_id, e.code
+            FROM candidate_targets t JOIN events e
+              ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
+        missing_split = con.execute("SELECT count(*) FROM candidate_targets c ANTI JOIN splits_frame USING (subject_id)"
+                                    ).fetchall()[0][0]
+        if missing_split:
+            raise InputError(f"{info.root}/metadata/subject_splits.parquet has no split for {missing_split} "
+                             "subject(s): list every subject or remove the file to use hash splits")
+        trajectories = fetch_frame(con, f"""
+            SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
+                   subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
+                   CAST(n_prior AS INTEGER) AS n_prior_encounters
+            FROM candidate_targets
+            WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
+            ORDER BY subject_id, cutoff_time, target_encounter_id""")
+        if trajectories.is_empty():
+            raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
+                             "patients need that many earlier encounters with diagnoses; lower --min-history")
+        trajectories = trajectories.with_columns(
+            (pl.int_range(pl.len(), dtype=pl.Int32) // shard_size).alias("shard"))
+        con.register("traj", trajectories.to_arrow())
+        steps.update()
 
-    omega, omega_source = _vocabulary(wh, con, info, options, gem, cohort_id)
-    wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
-    steps.update()
+        omega, omega_source = _vocabulary(wh, con, info, options, gem, cohort_id)
+        wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
+        steps.update()
 
-    wh.write("trajectories", trajectories, cohort_id=cohort_id)
-    for shard in range(int(trajectories["shard"].max()) + 1):
-        rows = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
-            "events", "(SELECT * FROM traj WHERE shard = " + str(shard) + ")", "encounter_starts")}) p
-            ORDER BY trajectory_id, time NULLS FIRST, code""").to_arrow_table()
-        wh.write("pretarget_events", rows, cohort_id=cohort_id, shard=shard)
-    train = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
-        JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'
-        ORDER BY subject_id, time NULLS FIRST, code""").to_arrow_table()
-    wh.write("train_events", train, cohort_id=cohort_id)
-    targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
-                             "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
-    wh.write("targets", targets, cohort_id=cohort_id)
-    steps.update()
+        wh.write("trajectories", trajectories, cohort_id=cohort_id)
+        for shard in range(int(trajectories["shard"].max()) + 1):
+            rows = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
+                "events", "(SELECT * FROM traj WHERE shard = " + str(shard) + ")", "encounter_starts")}) p
+                ORDER BY trajectory_id, time NULLS FIRST, code""").to_arrow_table()
+            wh.write("pretarget_events", rows, cohort_id=cohort_id, shard=shard)
+        # Most of a dataset's events: streamed to Parquet by DuckDB rather than held as one Arrow table.
+        wh.write_query("train_events", con, f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
+            JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'
+            ORDER BY subject_id, time NULLS FIRST, code""", cohort_id=cohort_id)
+        targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
+                                 "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
+        wh.write("targets", targets, cohort_id=cohort_id)
+        steps.update()
 
     if dataset["source"] == "synthetic":
         from warehouse.synthetic import oracle
@@ -209,6 +215,29 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
     return row
+
+
+@contextmanager
+def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB connection that spills beyond `memory_limit` to a scratch directory.
+
+    A MEDS export with lab results runs to tens or hundreds of millions of events; without a limit
+    DuckDB would keep them all in memory. The scratch directory is on the gold side, because the
+    spilled rows include target encounters, and is removed afterwards (or by the next build of the
+    cohort when a SIGKILL left it).
+    """
+    target = wh.gold_dir / f"cohort-build-{cohort_id}"
+    remove_abandoned(target)
+    workdir = scratch_path(target, "work")
+    workdir.mkdir(parents=True)
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(f"SET memory_limit = '{memory_limit}'")
+        con.execute(f"SET temp_directory = '{workdir}'")
+        yield con
+    finally:
+        con.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: CohortOptions,

@@ -85,6 +85,41 @@ class Warehouse:
             tmp.unlink(missing_ok=True)
         return path
 
+    def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
+        """Replace one partition with the rows of a DuckDB query, streamed to Parquet by DuckDB.
+
+        For partitions too large to hold as one Arrow table (a cohort's train events): the same
+        checks as `write`, done as queries, and the same atomic replacement.
+        """
+        spec = _spec(table)
+        columns = con.sql(f"SELECT * FROM ({query}) LIMIT 0").columns
+        missing = [c for c in spec.columns if c not in columns]
+        if missing:
+            raise InputError(f"table {spec.name}: missing column(s) {missing}; expected {list(spec.columns)}")
+        required = [c for c in spec.columns if c not in spec.nullable]
+        keyed = [k for k in spec.partition_by if k in spec.columns]
+        checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
+            f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
+        counts = con.execute(f"SELECT {', '.join(checks)} FROM ({query})", [keys[k] for k in keyed]).fetchone()
+        for name, nulls in zip(required, counts):
+            if nulls:
+                raise InputError(f"table {spec.name}: column {name} has {nulls} null value(s); it is required")
+        for key, others in zip(keyed, counts[len(required):]):
+            if others:
+                raise ValueError(f"{table}: {others} row(s) with {key} other than {keys[key]} written to partition "
+                                 f"{key}={keys[key]}")
+        path = self.partition_path(table, **keys)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned(path)
+        tmp = scratch_path(path, "tmp")
+        cast = ", ".join(f'CAST("{n}" AS {_duck_type(t)}) AS "{n}"' for n, t in spec.columns.items())
+        try:
+            con.execute(f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
     def delete(self, table: str, **keys) -> None:
         """Remove every partition matching the given leading keys (e.g. one cohort's shards)."""
         spec = _spec(table)

@@ -156,7 +156,7 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
     with registered_run(wh, "cohort", {"dataset": dataset, "name": name, **asdict(options)}, run_id) as run:
         row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
-                           oracle_draws=cfg.synth.oracle_draws, progress=True)
+                           oracle_draws=cfg.synth.oracle_draws, memory_limit=cfg.cohort.memory_limit, progress=True)
         run.cohort_id = row["cohort_id"]
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
