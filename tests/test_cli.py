@@ -178,3 +178,15 @@ def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_pat
     assert Warehouse(data_dir).read("runs", run_id="killed")["status"].to_list() == ["failed"]
     assert not list(meds.iterdir())  # the staging directory is gone and no dataset was swapped in
 
+
+
+def test_a_closed_output_pipe_ends_quietly(tmp_path, monkeypatch):
+    import warehouse.sql
+
+    def reader_gone(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")  # what writing to `dxr … | head` raises once head exits
+
+    monkeypatch.setattr(warehouse.sql, "run_query", reader_gone)
+    (tmp_path / "forecast").mkdir()
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"])
+    assert result.exit_code == 1 and "Error" not in result.output

@@ -64,6 +64,8 @@ class DxrGroup(click.Group):
             return super().invoke(ctx)
         except DxrError as exc:
             raise click.ClickException(str(exc)) from exc
+        except BrokenPipeError:
+            raise  # the reader went away (`dxr … | head`): click's main exits quietly
         except OSError as exc:
             raise click.ClickException(one_line(exc)) from exc
 
