@@ -85,3 +85,17 @@ def test_empty_tables_are_typed_views(wh):
     assert con.execute("SELECT count(*) FROM rankings").fetchone() == (0,)
     types = dict(con.execute("SELECT column_name, column_type FROM (DESCRIBE rankings)").fetchall())
     assert types["rank"] == "INTEGER" and types["native"] == "BOOLEAN"
+
+
+def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
+    con = duckdb.connect()
+    rows = "SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, 0 AS extra " \
+           "FROM range(3) t(i)"
+    wh.write_query("targets", con, rows, cohort_id="a")
+    assert wh.read("targets").columns == ["cohort_id", "trajectory_id", "code"]  # declared columns only
+    assert wh.read("targets", cohort_id="a")["trajectory_id"].to_list() == ["a:0:1", "a:1:1", "a:2:1"]
+    with pytest.raises(InputError, match="column code has 1 null value"):
+        wh.write_query("targets", con, "SELECT 'a' AS cohort_id, 'a:9:1' AS trajectory_id, NULL AS code", cohort_id="a")
+    with pytest.raises(ValueError, match="1 row\\(s\\) with cohort_id other than b"):
+        wh.write_query("targets", con, rows.replace("FROM range(3)", "FROM range(1)"), cohort_id="b")
+    assert wh.read("targets")["cohort_id"].to_list() == ["a"] * 3  # refused writes changed nothing
