@@ -89,8 +89,8 @@ def test_empty_tables_are_typed_views(wh):
 
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
-    rows = "SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, 0 AS extra " \
-           "FROM range(3) t(i)"
+    rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "
+            "0 AS extra FROM range(3) t(i)")
     wh.write_query("targets", con, rows, cohort_id="a")
     assert wh.read("targets").columns == ["cohort_id", "trajectory_id", "code"]  # declared columns only
     assert wh.read("targets", cohort_id="a")["trajectory_id"].to_list() == ["a:0:1", "a:1:1", "a:2:1"]
