@@ -8,7 +8,8 @@ from tasks.forecast import (SPLITS, check_rerun, check_system, clear_outputs, fo
                             forecast_shard_task)
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
-from warehouse.runs import registered_run
+from warehouse.locks import held
+from warehouse.runs import new_run_id, registered_run
 from warehouse.store import Warehouse
 
 
@@ -23,15 +24,23 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     cohort_row = get_cohort(wh, cohort)
     cohort_id = cohort_row["cohort_id"]
     config = forecast_config(cohort_id, system, split, k, limit)
-    check_rerun(wh, run_id, config)
-    shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
-    with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
-        clear_outputs(wh, run.run_id, system)
-        remaining = limit
-        for shard in shards:
-            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining)
-            if remaining is not None:
-                remaining -= done
-                if remaining <= 0:
-                    break
+    run_id = run_id or new_run_id("forecast")
+    # Other systems may forecast into the same run at the same time; the same system, a rebuild of
+    # the cohort or an evaluation of the run may not.
+    with (held(wh, f"cohort:{cohort_id}", shared=True,
+               busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
+          held(wh, f"run:{run_id}", shared=True, busy=f"run {run_id!r} is being evaluated by another dxr process"),
+          held(wh, f"run:{run_id}:{system}", shared=False,
+               busy=f"run {run_id!r} is already being forecast by {system} in another dxr process")):
+        check_rerun(wh, run_id, config)
+        shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+        with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
+            clear_outputs(wh, run.run_id, system)
+            remaining = limit
+            for shard in shards:
+                done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining)
+                if remaining is not None:
+                    remaining -= done
+                    if remaining <= 0:
+                        break
     return run.run_id

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import combinations
@@ -57,6 +58,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.locks import held
 from warehouse.runs import record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
@@ -577,13 +579,20 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     The evaluation registers itself in `runs` under the evaluated run id with kind `evaluate`.
     """
     started = datetime.now()
-    evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
-    write_evaluation(wh, evaluation)
+    with evaluating(wh, run_id):
+        evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
+        write_evaluation(wh, evaluation)
     config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
               "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
     record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
                datetime.now())
     return evaluation.metrics
+
+
+def evaluating(wh: Warehouse, run_id: str):
+    """The run's exclusive lock: no forecast writes into it while it is read and its metrics written."""
+    return held(wh, f"run:{run_id}", shared=False,
+                busy=f"run {run_id!r} is being forecast or evaluated by another dxr process")
 
 
 @task(name="evaluate-run")
@@ -624,8 +633,11 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     if len(set(run_ids)) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
     all_ks = _ks(ks, natural)
-    runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
-            for r in run_ids]
+    with ExitStack() as locks:
+        for run_id in sorted(set(run_ids)):
+            locks.enter_context(evaluating(wh, run_id))
+        runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
+                for r in run_ids]
     first = runs[0]
     for other in runs[1:]:
         if other.cohort_id != first.cohort_id or other.trajectory_ids != first.trajectory_ids:

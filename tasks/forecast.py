@@ -36,13 +36,21 @@ def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int 
 
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
-    """Refuse a run id that already holds this system's forecast under other options.
+    """Refuse a run id that holds forecasts of another cohort, or this system's forecast under other
+    options.
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
     """
     if run_id is None:
         return
+    other_cohorts = wh.read("runs", run_id=run_id).filter(
+        pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
+    if other_cohorts.height:
+        first = other_cohorts.row(0, named=True)
+        raise InputError(f"run {run_id} already holds forecasts of cohort {first['cohort_id']} ({first['kind']}), "
+                         f"this one is of cohort {config['cohort']} (was the cohort rebuilt with other options?): "
+                         "one run compares systems on one cohort; pass a new --run-id")
     kind = f"forecast:{config['system']}"
     if not wh.has_rows("runs", run_id=run_id, kind=kind):
         return

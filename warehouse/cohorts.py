@@ -38,6 +38,7 @@ from tqdm import tqdm
 from dxr.errors import InputError, NotFoundError
 from warehouse import vocab
 from warehouse.datasets import check_name, get_dataset
+from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
 from warehouse.scratch import remove_abandoned, scratch_path
 from warehouse.store import Warehouse, fetch_frame
@@ -95,16 +96,33 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
                  shard_size: int = 500, oracle_draws: int = 200, memory_limit: str = "2GB",
                  progress: bool = False) -> dict:
-    """Build (or rebuild) a cohort; returns its `cohorts` row."""
+    """Build (or rebuild) a cohort; returns its `cohorts` row.
+
+    The dataset stays locked for reading (no synth or ingest replaces it meanwhile) and the cohort
+    for writing (no forecast reads it while it is rebuilt).
+    """
     check_name("cohort", name)
-    dataset = get_dataset(wh, dataset_id)
-    info = validate_meds_dir(dataset["meds_dir"])
-    if info.fingerprint != dataset["fingerprint"]:
-        remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
-        raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "
-                         f"(fingerprint {dataset['fingerprint']} -> {info.fingerprint}), e.g. by an interrupted "
-                         f"ingest or a file rewritten in place: rerun `dxr {remake}` for it")
-    cohort_id = cohort_id_for(dataset, options, seed)
+    get_dataset(wh, dataset_id)  # an unknown dataset is named before any lock file is made
+    with held(wh, f"dataset:{dataset_id}", shared=True,
+              busy=f"dataset {dataset_id!r} is being written by another dxr process (synth or ingest)"):
+        dataset = get_dataset(wh, dataset_id)
+        info = validate_meds_dir(dataset["meds_dir"])
+        if info.fingerprint != dataset["fingerprint"]:
+            remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
+            raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "
+                             f"(fingerprint {dataset['fingerprint']} -> {info.fingerprint}), e.g. by an interrupted "
+                             f"ingest or a file rewritten in place: rerun `dxr {remake}` for it")
+        cohort_id = cohort_id_for(dataset, options, seed)
+        with held(wh, f"cohort:{cohort_id}", shared=False,
+                  busy=f"cohort {name} ({cohort_id}) is in use by another dxr process (a forecast or a build)"):
+            return _write_cohort(wh, dataset, info, cohort_id, name, options, seed=seed, shard_size=shard_size,
+                                 oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
+
+
+def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions, *,
+                  seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
+    """Every table of a cohort, its `cohorts` row last (the caller holds the locks)."""
+    dataset_id = dataset["dataset_id"]
     # disable=None: bars only on a terminal, never in logs or captured output.
     steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=None if progress else True)
 

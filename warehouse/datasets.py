@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.locks import held
 from warehouse.meds import copy_meds_dir, validate_meds_dir
 from warehouse.scratch import remove_abandoned, scratch_path
 from warehouse.store import Warehouse
@@ -42,12 +43,19 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
     return {**row, "n_diagnoses_without_encounter": info.n_diagnoses_without_encounter}
 
 
+def writing_dataset(wh: Warehouse, dataset_id: str):
+    """The exclusive lock of a dataset, held while its files are replaced and registered."""
+    return held(wh, f"dataset:{dataset_id}", shared=False,
+                busy=f"dataset {dataset_id!r} is being written, or read by a cohort build, in another dxr process")
+
+
 def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str) -> dict:
     """Copy an external MEDS dataset into the gold store and register it (`dxr ingest meds`)."""
     check_name("dataset", dataset_id)
     validate_meds_dir(source_dir)  # fail before copying anything
-    copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
-    return register_dataset(wh, dataset_id, source="meds")
+    with writing_dataset(wh, dataset_id):
+        copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
+        return register_dataset(wh, dataset_id, source="meds")
 
 
 def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
@@ -72,15 +80,16 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
 
     check_name("dataset", dataset_id)
     target = wh.meds_dir(dataset_id)
-    remove_abandoned(target)
-    staging = scratch_path(target, "tmp")
-    try:
-        generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
-        replace_dir(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
+    with writing_dataset(wh, dataset_id):
+        remove_abandoned(target)
+        staging = scratch_path(target, "tmp")
+        try:
+            generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
+            replace_dir(staging, target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+        return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
 
 
 def synthetic_is_current(wh: Warehouse, dataset_id: str, patients: int, seed: int) -> bool:

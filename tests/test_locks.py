@@ -1,0 +1,90 @@
+"""Processes sharing a warehouse: what one holds, another is refused with one line, and a killed
+holder leaves no stale lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dxr.errors import InputError
+from flows.forecast import forecast_flow
+from tasks.evaluate import evaluate_run
+from tasks.forecast import check_rerun, forecast_config
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds, writing_dataset
+from warehouse.locks import held
+
+
+@pytest.fixture
+def tiny_cohort(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    return wh_vocab, build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+
+
+def test_a_build_refuses_a_dataset_being_written_and_an_ingest_one_being_read(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    with writing_dataset(wh_vocab, "tiny"):  # as `dxr synth` or an ingest holds it
+        with pytest.raises(InputError, match="dataset 'tiny' is being written by another dxr process .*retry"):
+            build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    with pytest.raises(InputError, match="is being written, or read by a cohort build"):
+        with held(wh_vocab, "dataset:tiny", shared=True, busy="a cohort build"):  # the build's hold …
+            ingest_meds(wh_vocab, tiny_meds, "tiny")  # … refuses a new ingest of the same name
+    assert build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["n_trajectories"] == 3
+
+
+def test_a_cohort_in_use_is_not_rebuilt_and_a_cohort_being_rebuilt_is_not_forecast(tiny_cohort, prefect_harness):
+    wh, cohort_id = tiny_cohort
+    with held(wh, f"cohort:{cohort_id}", shared=True, busy="a forecast"):  # a forecast reading it
+        with pytest.raises(InputError, match=rf"cohort default \({cohort_id}\) is in use by another dxr process"):
+            build_cohort(wh, "tiny", "default", CohortOptions(), seed=7)
+    with held(wh, f"cohort:{cohort_id}", shared=False, busy="a build"):  # a rebuild in progress
+        with pytest.raises(InputError, match="is being rebuilt by another dxr process"):
+            forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    assert not wh.has_rows("rankings", run_id="r1")
+
+
+def test_one_system_forecasts_a_run_at_a_time_and_evaluation_waits_for_forecasts(tiny_cohort, prefect_harness):
+    wh, _ = tiny_cohort
+    with held(wh, "run:r1:repeat_history", shared=False, busy="a forecast"):
+        with pytest.raises(InputError, match="run 'r1' is already being forecast by repeat_history"):
+            forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+        # another system may forecast into the same run meanwhile
+        forecast_flow(str(wh.root), "default", "global_frequency", split="all", run_id="r1")
+    with held(wh, "run:r1", shared=True, busy="a forecast"):
+        with pytest.raises(InputError, match="run 'r1' is being forecast or evaluated by another dxr process"):
+            evaluate_run(wh, "r1", ks=(20,), n_boot=10)
+    assert not wh.has_rows("metrics", run_id="r1")
+    assert evaluate_run(wh, "r1", ks=(20,), n_boot=10).height
+
+
+def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):
+    wh, cohort_id = tiny_cohort
+    forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    with pytest.raises(InputError, match=rf"run r1 already holds forecasts of cohort {cohort_id} "
+                                         rf"\(forecast:repeat_history\), this one is of cohort {other}"):
+        check_rerun(wh, "r1", forecast_config(other, "global_frequency", "all", 20, None))
+
+
+def test_a_holder_killed_by_sigkill_leaves_no_stale_lock(wh):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from warehouse.store import Warehouse; from warehouse.locks import held\n"
+        f"with held(Warehouse({str(wh.root)!r}), 'cohort:c1', shared=False, busy='x'):\n"
+        "    print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(InputError, match="busy elsewhere"):
+        with held(wh, "cohort:c1", shared=True, busy="busy elsewhere"):
+            pass
+    holder.kill()
+    holder.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while True:  # the kernel drops the lock with the process
+        try:
+            with held(wh, "cohort:c1", shared=False, busy="still held"):
+                break
+        except InputError:
+            assert time.monotonic() < deadline, "the lock outlived its holder"
+            time.sleep(0.1)

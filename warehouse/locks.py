@@ -1,0 +1,44 @@
+"""Advisory locks between dxr processes that share a warehouse.
+
+Writers of one thing exclude each other, and readers that need it stable while they work (a cohort
+build reading its dataset, a forecast reading its cohort, an evaluation reading its run) exclude
+its writers. The locks are `flock` locks on files under `<data_dir>/.locks`: the kernel releases
+them when a process ends, even by SIGKILL, so a crash never leaves a stale lock. A lock that is
+held elsewhere is refused at once with a one-line error instead of waited for: a scheduler retries,
+and a person sees at once that something else is running.
+
+Resources, and who holds them:
+- `dataset:<id>`: exclusive while `synth` or an ingest writes it; shared during a cohort build;
+- `cohort:<id>`: exclusive during its build; shared during a forecast;
+- `run:<id>`: shared during each forecast into it; exclusive during its evaluation;
+- `run:<id>:<system>`: exclusive during that system's forecast into the run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dxr.errors import InputError
+from warehouse.store import Warehouse
+
+LOCK_DIR = ".locks"
+
+
+@contextmanager
+def held(wh: Warehouse, resource: str, *, shared: bool, busy: str) -> Iterator[None]:
+    """Hold the lock of `resource` for the block; `busy` says what holds it when it is taken."""
+    directory = wh.root / LOCK_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    # Run ids and names are user input: keep the file name tame, and the hash keeps it unique.
+    tame = re.sub(r"[^A-Za-z0-9_-]", "_", resource)[:80]
+    path = directory / f"{tame}-{hashlib.sha256(resource.encode()).hexdigest()[:8]}.lock"
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(f"{busy}: retry when it has finished") from None
+        yield
