@@ -21,25 +21,31 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
     if head not in _READ_ONLY_PREFIXES:
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
                          "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
-    con = wh.connect(gold=with_gold)
-    try:
-        # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
-        # the connection may write inside the forecasting store it reads.
-        kinds = [st.type for st in con.extract_statements(query)]
-        pivot = head in ("pivot", "unpivot") and kinds == [duckdb.StatementType.MULTI]
-        if not pivot and (len(kinds) != 1
-                          or kinds[0] not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)):
-            raise InputError(f"dxr sql runs exactly one read-only query; this text holds {len(kinds)} statement(s) "
-                             f"of kind {', '.join(k.name for k in kinds)}: send a single SELECT")
-        cursor = con.execute(query)
-    except duckdb.PermissionException as exc:
-        raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
-                         "add --with-gold to read gold tables") from exc
-    except duckdb.CatalogException as exc:
-        hint = " (gold tables need --with-gold)" if not with_gold else ""
-        raise InputError(f"{exc.args[0].splitlines()[0]}{hint}") from exc
-    except duckdb.Error as exc:
-        raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+    for attempt in (1, 2):
+        con = wh.connect(gold=with_gold)
+        try:
+            # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
+            # the connection may write inside the forecasting store it reads.
+            kinds = [st.type for st in con.extract_statements(query)]
+            pivot = head in ("pivot", "unpivot") and kinds == [duckdb.StatementType.MULTI]
+            if not pivot and (len(kinds) != 1
+                              or kinds[0] not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)):
+                raise InputError(f"dxr sql runs exactly one read-only query; this text holds {len(kinds)} "
+                                 f"statement(s) of kind {', '.join(k.name for k in kinds)}: send a single SELECT")
+            cursor = con.execute(query)
+            break
+        except duckdb.PermissionException as exc:
+            raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
+                             "add --with-gold to read gold tables") from exc
+        except duckdb.CatalogException as exc:
+            hint = " (gold tables need --with-gold)" if not with_gold else ""
+            raise InputError(f"{exc.args[0].splitlines()[0]}{hint}") from exc
+        except duckdb.Error as exc:
+            # Another process removed a table's last partition after the views were made (a cohort
+            # rebuild): the views of a new connection show the tables as they are now.
+            if attempt == 1 and isinstance(exc, duckdb.IOException) and "No files found" in exc.args[0]:
+                continue
+            raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
     columns = [d[0] for d in cursor.description]
     rows = cursor.fetchall()
     if fmt == "json":
