@@ -20,6 +20,7 @@ from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.train import EpochReport, TrainResult, train_prior_model
 from warehouse.cohorts import get_cohort
+from warehouse.locks import held
 from warehouse.runs import registered_run
 from warehouse.store import Warehouse
 
@@ -30,7 +31,9 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
-    with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
+    with (held(wh, f"cohort:{cohort_id}", shared=True,
+               busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
+          registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run):
         result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress,
                                    report_epoch=epoch_reporter(system, cfg.epochs))
         run.config = {**config, "result": asdict(result)}

@@ -88,3 +88,14 @@ def test_a_holder_killed_by_sigkill_leaves_no_stale_lock(wh):
         except InputError:
             assert time.monotonic() < deadline, "the lock outlived its holder"
             time.sleep(0.1)
+
+
+def test_a_prior_is_not_trained_on_a_cohort_being_rebuilt(tiny_cohort):
+    from models.prior.config import PriorConfig
+    from tasks.prior import train_prior
+
+    wh, cohort_id = tiny_cohort
+    with held(wh, f"cohort:{cohort_id}", shared=False, busy="a build"):
+        with pytest.raises(InputError, match="is being rebuilt by another dxr process"):
+            train_prior(str(wh.root), "default", "ehr_prior", PriorConfig(epochs=1))
+    assert not wh.has_rows("runs")

@@ -9,7 +9,7 @@ and a person sees at once that something else is running.
 
 Resources, and who holds them:
 - `dataset:<id>`: exclusive while `synth` or an ingest writes it; shared during a cohort build;
-- `cohort:<id>`: exclusive during its build; shared during a forecast;
+- `cohort:<id>`: exclusive during its build; shared during a forecast or a prior's training;
 - `run:<id>`: shared during each forecast into it; exclusive during its evaluation;
 - `run:<id>:<system>`: exclusive during that system's forecast into the run.
 """
