@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 from prefect import flow
 
-from tasks.forecast import (SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
+from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
                             forecast_shard_task)
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
@@ -31,7 +33,12 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
                busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
           held(wh, f"run:{run_id}", shared=True, busy=f"run {run_id!r} is being evaluated by another dxr process"),
           held(wh, f"run:{run_id}:{system}", shared=False,
-               busy=f"run {run_id!r} is already being forecast by {system} in another dxr process")):
+               busy=f"run {run_id!r} is already being forecast by {system} in another dxr process"),
+          ExitStack() as inputs):
+        for source in FUSED_INPUTS.get(system, ()):  # a fused system reads other systems' lists of the run
+            inputs.enter_context(held(wh, f"run:{run_id}:{source}", shared=True,
+                                      busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
+                                           "fuses, in another dxr process"))
         check_rerun(wh, run_id, config)
         shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
         with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:

@@ -22,6 +22,7 @@ from models.llm.client import CallContext, LLMClient
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
+from tasks.forecast import FUSED_INPUTS
 from warehouse.store import Warehouse
 from warehouse.vocab import Vocabulary
 
@@ -167,7 +168,7 @@ def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectori
                            run_id: str) -> int:
     """Fuse the run's `ehr_prior` and `direct` lists of one shard into `rrf_prior_direct`."""
     inputs = {}
-    for system in ("ehr_prior", DIRECT):
+    for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]:
         if not wh.has_rows("rankings", run_id=run_id, system=system):
             raise NotFoundError(
                 f"run {run_id!r} has no {system} rankings; Union + RRF fuses lists of the same run: first run "

@@ -22,6 +22,8 @@ SPLITS = ("train", "tuning", "held_out", "all")
 # LLM stages write their own telemetry and read other systems' lists of the run, so they are stage
 # functions (tasks/direct.py) rather than fit/predict Forecasters.
 LLM_SYSTEMS = ("direct", "rrf_prior_direct")
+# The systems whose lists of the same run a fused system reads.
+FUSED_INPUTS = {"rrf_prior_direct": ("ehr_prior", "direct")}
 
 
 def check_system(system: str) -> None:

@@ -53,6 +53,10 @@ def test_one_system_forecasts_a_run_at_a_time_and_evaluation_waits_for_forecasts
             forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
         # another system may forecast into the same run meanwhile
         forecast_flow(str(wh.root), "default", "global_frequency", split="all", run_id="r1")
+    with held(wh, "run:r1:ehr_prior", shared=False, busy="a forecast"):  # the fusion would read it half-written
+        with pytest.raises(InputError, match="run 'r1' is being forecast by ehr_prior, whose lists rrf_prior_direct "
+                                             "fuses"):
+            forecast_flow(str(wh.root), "default", "rrf_prior_direct", split="all", run_id="r1")
     with held(wh, "run:r1", shared=True, busy="a forecast"):
         with pytest.raises(InputError, match="run 'r1' is being forecast or evaluated by another dxr process"):
             evaluate_run(wh, "r1", ks=(20,), n_boot=10)

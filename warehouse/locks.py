@@ -11,7 +11,8 @@ Resources, and who holds them:
 - `dataset:<id>`: exclusive while `synth` or an ingest writes it; shared during a cohort build;
 - `cohort:<id>`: exclusive during its build; shared during a forecast or a prior's training;
 - `run:<id>`: shared during each forecast into it; exclusive during its evaluation;
-- `run:<id>:<system>`: exclusive during that system's forecast into the run.
+- `run:<id>:<system>`: exclusive during that system's forecast into the run; shared while a fused
+  system (`rrf_prior_direct`) reads that system's lists of the run.
 """
 
 from __future__ import annotations
