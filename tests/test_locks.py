@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
 from tasks.forecast import check_rerun, forecast_config
@@ -103,3 +103,13 @@ def test_a_prior_is_not_trained_on_a_cohort_being_rebuilt(tiny_cohort):
         with pytest.raises(InputError, match="is being rebuilt by another dxr process"):
             train_prior(str(wh.root), "default", "ehr_prior", PriorConfig(epochs=1))
     assert not wh.has_rows("runs")
+
+
+def test_a_forecast_of_a_cohort_being_built_says_so(wh_vocab, tiny_meds):
+    from warehouse.cohorts import get_cohort
+    from warehouse.runs import registered_run
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    with registered_run(wh_vocab, "cohort", {"dataset": "tiny", "name": "nightly"}, "coh-1"):  # `dxr cohort build`
+        with pytest.raises(NotFoundError, match=r"cohort 'nightly' is being built \(run coh-1, started .*\): retry"):
+            get_cohort(wh_vocab, "nightly")

@@ -289,6 +289,13 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
     cohorts = wh.read("cohorts")
     match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
     if match.is_empty():
+        running = wh.read("runs").filter((pl.col("kind") == "cohort") & (pl.col("status") == "running"))
+        building = [row for row in running.iter_rows(named=True)
+                    if json.loads(row["config_json"]).get("name") == name_or_id]
+        if building:  # a rebuild unregisters the cohort until it is complete
+            raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
+                                f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished, or "
+                                "rebuild it with `dxr cohort build` if that build was killed")
         known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
         raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
                             f"{known} (build one with `dxr cohort build`, or check --data-dir)")
