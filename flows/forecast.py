@@ -11,7 +11,7 @@ from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, cle
 from dxr.errors import InputError
 from warehouse.cohorts import get_cohort
 from warehouse.locks import held
-from warehouse.runs import new_run_id, registered_run
+from warehouse.runs import check_run_id, new_run_id, registered_run
 from warehouse.store import Warehouse
 
 
@@ -26,17 +26,17 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     cohort_row = get_cohort(wh, cohort)
     cohort_id = cohort_row["cohort_id"]
     config = forecast_config(cohort_id, system, split, k, limit)
-    run_id = run_id or new_run_id("forecast")
+    run_id = check_run_id(run_id) if run_id else new_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
     # the cohort or an evaluation of the run may not.
     with (held(wh, f"cohort:{cohort_id}", shared=True,
                busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
           held(wh, f"run:{run_id}", shared=True, busy=f"run {run_id!r} is being evaluated by another dxr process"),
-          held(wh, f"run:{run_id}:{system}", shared=False,
+          held(wh, f"run-system:{run_id}|{system}", shared=False,
                busy=f"run {run_id!r} is already being forecast by {system} in another dxr process"),
           ExitStack() as inputs):
         for source in FUSED_INPUTS.get(system, ()):  # a fused system reads other systems' lists of the run
-            inputs.enter_context(held(wh, f"run:{run_id}:{source}", shared=True,
+            inputs.enter_context(held(wh, f"run-system:{run_id}|{source}", shared=True,
                                       busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
                                            "fuses, in another dxr process"))
         check_rerun(wh, run_id, config)

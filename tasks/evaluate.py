@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import combinations
@@ -59,7 +60,7 @@ from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.locks import held
-from warehouse.runs import record_run
+from warehouse.runs import check_run_id, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
@@ -589,10 +590,19 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     return evaluation.metrics
 
 
-def evaluating(wh: Warehouse, run_id: str):
-    """The run's exclusive lock: no forecast writes into it while it is read and its metrics written."""
-    return held(wh, f"run:{run_id}", shared=False,
-                busy=f"run {run_id!r} is being forecast or evaluated by another dxr process")
+@contextmanager
+def evaluating(wh: Warehouse, run_id: str) -> Iterator[None]:
+    """The run's exclusive lock (no forecast writes into it while it is read and its metrics written)
+    and its cohort's shared lock (no rebuild replaces the targets and oracles meanwhile)."""
+    check_run_id(run_id)
+    with held(wh, f"run:{run_id}", shared=False,
+              busy=f"run {run_id!r} is being forecast or evaluated by another dxr process"), ExitStack() as cohorts:
+        registered = wh.read("runs", run_id=run_id)["cohort_id"].drop_nulls().unique().sort().to_list()
+        for cohort_id in registered:
+            cohorts.enter_context(held(wh, f"cohort:{cohort_id}", shared=True,
+                                       busy=f"cohort {cohort_id} of run {run_id!r} is being rebuilt by another dxr "
+                                            "process"))
+        yield
 
 
 @task(name="evaluate-run")

@@ -16,6 +16,7 @@ from prefect import task
 from dxr.errors import InputError
 from models.baselines import Forecaster
 from models.registry import FORECASTERS, forecaster_class
+from warehouse.runs import check_run_id
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
@@ -46,6 +47,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     """
     if run_id is None:
         return
+    check_run_id(run_id)  # before it is used in a file pattern or a lock name
     other_cohorts = wh.read("runs", run_id=run_id).filter(
         pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
     if other_cohorts.height:
@@ -66,13 +68,16 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
 
 
 def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
-    """Remove a system's earlier rankings, status, metrics and LLM telemetry of a run before it is redone.
+    """Remove a system's earlier rankings, status, LLM telemetry and evaluation of a run before it is redone.
 
     Every shard is recomputed anyway; clearing first means a shard that is not written this time
-    (the cohort was re-sharded) cannot survive as a stale partition.
+    (the cohort was re-sharded) cannot survive as a stale partition. The run's paired comparisons
+    and headroom involve every system, so they go too: `dxr evaluate` writes them again.
     """
-    for table in ("rankings", "ranking_status", "metrics"):
+    for table in ("rankings", "ranking_status", "metrics", "evaluation_coverage"):
         wh.delete(table, run_id=run_id, system=system)
+    for table in ("paired_comparisons", "headroom"):
+        wh.delete(table, run_id=run_id)
     if system in LLM_SYSTEMS:
         wh.delete("llm_calls", run_id=run_id, stage=system)
 

@@ -158,6 +158,15 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
     line = one_line_error(run("report", "--run", "r1", "--out", tmp_path / "a_file" / "reports", data_dir=data_dir))
     assert line.startswith(f"Error: {tmp_path / 'a_file' / 'reports'}") and "Not a directory" in line
 
+    # Redoing the forecast removes the evaluation of the old rankings; `dxr evaluate` makes it again.
+    evaluated = ("SELECT (SELECT count(*) FROM metrics WHERE run_id = 'r1') "
+                 "+ (SELECT count(*) FROM evaluation_coverage WHERE run_id = 'r1') "
+                 "+ (SELECT count(*) FROM paired_comparisons WHERE run_id = 'r1') AS n")
+    assert run(*forecast, data_dir=data_dir).exit_code == 0
+    assert run("sql", evaluated, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "0"
+    line = one_line_error(run(*forecast[:-1], "demo[1]", data_dir=data_dir))
+    assert line == "Error: run id 'demo[1]' has unsafe characters: use letters, digits and _.:-"
+
 
 def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):
     data_dir = tmp_path / "wh"

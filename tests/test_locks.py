@@ -47,21 +47,26 @@ def test_a_cohort_in_use_is_not_rebuilt_and_a_cohort_being_rebuilt_is_not_foreca
 
 
 def test_one_system_forecasts_a_run_at_a_time_and_evaluation_waits_for_forecasts(tiny_cohort, prefect_harness):
-    wh, _ = tiny_cohort
-    with held(wh, "run:r1:repeat_history", shared=False, busy="a forecast"):
+    wh, cohort_id = tiny_cohort
+    with held(wh, "run-system:r1|repeat_history", shared=False, busy="a forecast"):
         with pytest.raises(InputError, match="run 'r1' is already being forecast by repeat_history"):
             forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
         # another system may forecast into the same run meanwhile
         forecast_flow(str(wh.root), "default", "global_frequency", split="all", run_id="r1")
-    with held(wh, "run:r1:ehr_prior", shared=False, busy="a forecast"):  # the fusion would read it half-written
+    with held(wh, "run-system:r1|ehr_prior", shared=False, busy="a forecast"):  # the fusion would read it half-written
         with pytest.raises(InputError, match="run 'r1' is being forecast by ehr_prior, whose lists rrf_prior_direct "
                                              "fuses"):
             forecast_flow(str(wh.root), "default", "rrf_prior_direct", split="all", run_id="r1")
     with held(wh, "run:r1", shared=True, busy="a forecast"):
         with pytest.raises(InputError, match="run 'r1' is being forecast or evaluated by another dxr process"):
             evaluate_run(wh, "r1", ks=(20,), n_boot=10)
+    with held(wh, f"cohort:{cohort_id}", shared=False, busy="a build"):  # targets and oracles being replaced
+        with pytest.raises(InputError, match=f"cohort {cohort_id} of run 'r1' is being rebuilt"):
+            evaluate_run(wh, "r1", ks=(20,), n_boot=10)
     assert not wh.has_rows("metrics", run_id="r1")
     assert evaluate_run(wh, "r1", ks=(20,), n_boot=10).height
+    with held(wh, "run-system:r1|ehr_prior", shared=False, busy="a forecast"):  # no clash with run 'r1:ehr_prior'
+        forecast_flow(str(wh.root), "default", "global_frequency", split="all", run_id="r1:ehr_prior")
 
 
 def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):

@@ -419,3 +419,13 @@ def test_an_unknown_split_name_is_refused_when_the_dataset_is_validated(name, tm
     set_value(path, "split", 1, name)
     assert one_line_error(tmp_path) == (f"{path}, row 2: split {name!r} is not one of train, tuning, held_out: "
                                         "rename it to one of these")
+
+
+def test_empty_shards_are_not_copies_of_each_other(tmp_path):
+    shard = small_dataset(tmp_path)
+    empty = pq.read_table(shard).slice(0, 0)
+    for split in ("tuning", "held_out"):  # splits without patients, as an ETL may write them
+        (tmp_path / "data" / split).mkdir()
+        pq.write_table(empty, tmp_path / "data" / split / "0.parquet")
+    assert validate_meds_dir(tmp_path).n_subjects == 12
+

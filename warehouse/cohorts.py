@@ -114,7 +114,8 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
                              f"ingest or a file rewritten in place: rerun `dxr {remake}` for it")
         cohort_id = cohort_id_for(dataset, options, seed)
         with held(wh, f"cohort:{cohort_id}", shared=False,
-                  busy=f"cohort {name} ({cohort_id}) is in use by another dxr process (a forecast or a build)"):
+                  busy=f"cohort {name} ({cohort_id}) is in use by another dxr process (a forecast, a prior's "
+                       "training or a build)"):
             return _write_cohort(wh, dataset, info, cohort_id, name, options, seed=seed, shard_size=shard_size,
                                  oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
 

@@ -174,7 +174,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         by_rows.setdefault(pq.ParquetFile(shard).metadata.num_rows, []).append(shard)
     first_with_content: dict[tuple[int, int], Path] = {}
     for n_rows, group in by_rows.items():
-        for shard in group if len(group) > 1 else ():
+        for shard in group if len(group) > 1 and n_rows else ():  # empty shards (a split without patients) are fine
             quoted = str(shard).replace("'", "''")
             [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet('{quoted}') t").fetchall()
             earlier = first_with_content.setdefault((n_rows, content), shard)

@@ -25,7 +25,7 @@ from warehouse.scratch import remove_abandoned, scratch_path
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
-_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 
 
 class Warehouse:
@@ -53,7 +53,7 @@ class Warehouse:
         path = self.table_dir(table)
         for key in spec.partition_by:
             value = str(keys[key])
-            if not _SAFE_VALUE.match(value):
+            if not SAFE_VALUE.match(value):
                 raise InputError(f"partition value {key}={value!r} of table {table} has unsafe characters: "
                                  "use letters, digits and _.:-")
             path = path / f"{key}={value}"
