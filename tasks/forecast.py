@@ -48,17 +48,18 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     if run_id is None:
         return
     check_run_id(run_id)  # before it is used in a file pattern or a lock name
-    other_cohorts = wh.read("runs", run_id=run_id).filter(
+    registered = wh.read("runs", run_id=run_id)
+    other_cohorts = registered.filter(
         pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
     if other_cohorts.height:
         first = other_cohorts.row(0, named=True)
         raise InputError(f"run {run_id} already holds forecasts of cohort {first['cohort_id']} ({first['kind']}), "
                          f"this one is of cohort {config['cohort']} (was the cohort rebuilt with other options?): "
                          "one run compares systems on one cohort; pass a new --run-id")
-    kind = f"forecast:{config['system']}"
-    if not wh.has_rows("runs", run_id=run_id, kind=kind):
+    own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
+    if own.is_empty():
         return
-    recorded = json.loads(wh.read("runs", run_id=run_id, kind=kind)["config_json"][0])
+    recorded = json.loads(own["config_json"][0])
     current = json.loads(json.dumps(config, sort_keys=True, default=str))
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current)
                if recorded.get(key) != current.get(key)]

@@ -58,14 +58,35 @@ PAGES = {
 ROBOTS = "User-agent: *\nDisallow: /private/\n"
 
 
-class Site:
+class LoopbackSite:
+    """An aiohttp server on a free loopback port for the life of an `async with`; `handle` answers."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_route("GET", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+class Site(LoopbackSite):
     """The loopback server: SERP endpoints + pages; records every request path."""
 
     def __init__(self):
+        super().__init__()
         self.requests: list[str] = []
         self.queries: list[str] = []
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
 
     def serp_results(self, query: str) -> list[dict]:
         if "nothing" in query:
@@ -118,17 +139,6 @@ class Site:
         if path in PAGES:
             return web.Response(text=PAGES[path], content_type="text/html")
         return web.Response(status=404, text="not found")
-
-    async def __aenter__(self):
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
 
 
 def _free_port() -> int:
@@ -382,12 +392,8 @@ def test_provider_failures_rate_limit_is_no_result_and_bad_key_is_a_config_error
     assert [(r.state, r.detail) for r in ledger.rows] == [("no_result", "provider unavailable (HTTP 429)")]
 
 
-class HostileSite:
+class HostileSite(LoopbackSite):
     """Misbehaving pages and SERP answers on loopback, each at its own path."""
-
-    def __init__(self):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         medical = page("Heart failure", "Heart failure readmission in older patients.")
@@ -419,17 +425,6 @@ class HostileSite:
         if isinstance(response, web.HTTPException):
             raise response
         return response
-
-    async def __aenter__(self):
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
 
 
 def test_hostile_pages_are_page_errors_never_exceptions():

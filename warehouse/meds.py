@@ -150,8 +150,11 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
     located = f"read_parquet('{glob}', union_by_name=true, filename=true, file_row_number=true)"
-    counts = con.execute("SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
-                         + f" FROM {located}").fetchone()
+    # One pass: the problem counts and the dataset summary.
+    *counts, n_subjects, n_events, n_loose = con.execute(
+        "SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
+        + ", count(DISTINCT subject_id), count(*), count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%' "
+        f"AND encounter_id IS NULL) FROM {located}").fetchone()
     for (condition, problem), count in zip(problems.items(), counts):
         if not count:
             continue
@@ -181,9 +184,6 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             if earlier != shard:
                 raise InputError(f"{shard}: the same {n_rows:,} events as {earlier} (a copied shard): remove one of "
                                  "the two; every event must be stored once")
-    [(n_subjects, n_events, n_loose)] = con.execute(
-        f"SELECT count(DISTINCT subject_id), count(*), count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%' "
-        f"AND encounter_id IS NULL) FROM {rel}").fetchall()
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
     if not versions:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import duckdb
@@ -74,16 +75,7 @@ class Warehouse:
                 if values - {keys[key]} and len(arrow):
                     raise ValueError(f"{table}: rows with {key} in {sorted(map(str, values))} written to "
                                      f"partition {key}={keys[key]}")
-        path = self.partition_path(table, **keys)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_abandoned(path)
-        tmp = scratch_path(path, "tmp")
-        try:
-            pq.write_table(arrow, tmp, compression="zstd")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return self._replace_partition(table, keys, lambda tmp: pq.write_table(arrow, tmp, compression="zstd"))
 
     def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
         """Replace one partition with the rows of a DuckDB query, streamed to Parquet by DuckDB.
@@ -108,13 +100,18 @@ class Warehouse:
             if others:
                 raise ValueError(f"{table}: {others} row(s) with {key} other than {keys[key]} written to partition "
                                  f"{key}={keys[key]}")
+        cast = ", ".join(f'CAST("{n}" AS {_duck_type(t)}) AS "{n}"' for n, t in spec.columns.items())
+        return self._replace_partition(table, keys, lambda tmp: con.execute(
+            f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)"))
+
+    def _replace_partition(self, table: str, keys: dict, write_file: Callable[[Path], object]) -> Path:
+        """Write a partition's file beside it under a scratch name, then rename it over the old one."""
         path = self.partition_path(table, **keys)
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_abandoned(path)
         tmp = scratch_path(path, "tmp")
-        cast = ", ".join(f'CAST("{n}" AS {_duck_type(t)}) AS "{n}"' for n, t in spec.columns.items())
         try:
-            con.execute(f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)")
+            write_file(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
