@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from dataclasses import replace
@@ -11,6 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from polars.testing import assert_frame_equal
 import simple_icd_10_cm as icd
 from click.testing import CliRunner
 
@@ -178,6 +180,15 @@ def test_oracle_probabilities_are_valid_and_sorted(dataset, cohort):
         p = group["probability"].to_list()
         assert p == sorted(p, reverse=True) and len(p) <= 100
     assert probs["code"].str.starts_with(DIAGNOSIS).all()
+
+
+def test_oracle_in_worker_processes_equals_the_oracle_in_one(dataset, cohort, monkeypatch):
+    oracle_module = importlib.import_module("warehouse.synthetic.oracle")  # the package exports the function
+
+    sample = cohort.head(40)
+    serial = oracle(dataset, sample, harmonize=None, draws=20)
+    monkeypatch.setattr(oracle_module, "PARALLEL_FROM", 1)  # large cohorts are split across two processes
+    assert_frame_equal(oracle(dataset, sample, harmonize=None, draws=20), serial)
 
 
 def test_oracle_mass_matches_the_realized_target_size(dataset, cohort):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -81,9 +80,10 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
         from tqdm import tqdm
         bar = tqdm(total=n_patients, unit="patient", desc="synthetic", disable=None)  # None: only on a terminal
     if workers > 1 and len(jobs) > 1:
-        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for (name, first, last), _ in zip(plan, pool.map(_write_shard, jobs)):
+        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock.
+        # A Pool's exit terminates its workers, so SIGTERM or Ctrl-C does not wait for the shards left.
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            for (name, first, last), _ in zip(plan, pool.imap(_write_shard, jobs)):
                 if bar:
                     bar.update(last - first + 1)
     else:

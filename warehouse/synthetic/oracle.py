@@ -26,7 +26,6 @@ import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -111,9 +110,11 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
     chunks = [subjects[i::workers] for i in range(workers)]
     jobs = [(meds_dir, seed, chunk, draws, top, harmonize, information) for chunk in chunks]
     if workers > 1:
-        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = list(pool.map(_oracle_chunk, jobs))
+        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock.
+        # A Pool's exit terminates its workers at once, so SIGTERM or Ctrl-C stops the build without
+        # waiting minutes for the chunks in flight.
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            parts = pool.map(_oracle_chunk, jobs)
     else:
         parts = [_oracle_chunk(job) for job in jobs]
     return pl.concat(parts).sort("trajectory_id", "probability", "code", descending=[False, True, False])
