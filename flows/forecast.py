@@ -9,7 +9,7 @@ from prefect import flow
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
                             forecast_shard_task)
 from dxr.errors import InputError
-from warehouse.cohorts import get_cohort
+from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
 from warehouse.runs import check_run_id, new_run_id, registered_run
 from warehouse.store import Warehouse
@@ -23,14 +23,10 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
     check_system(system)  # fail fast on an unknown system, before registering a run
     wh = Warehouse(data_dir)
-    cohort_row = get_cohort(wh, cohort)
-    cohort_id = cohort_row["cohort_id"]
-    config = forecast_config(cohort_id, system, split, k, limit)
     run_id = check_run_id(run_id) if run_id else new_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
     # the cohort or an evaluation of the run may not.
-    with (held(wh, f"cohort:{cohort_id}", shared=True,
-               busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
+    with (reading_cohort(wh, cohort) as cohort_row,
           held(wh, f"run:{run_id}", shared=True, busy=f"run {run_id!r} is being evaluated by another dxr process"),
           held(wh, f"run-system:{run_id}|{system}", shared=False,
                busy=f"run {run_id!r} is already being forecast by {system} in another dxr process"),
@@ -39,6 +35,8 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
             inputs.enter_context(held(wh, f"run-system:{run_id}|{source}", shared=True,
                                       busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
                                            "fuses, in another dxr process"))
+        cohort_id = cohort_row["cohort_id"]
+        config = forecast_config(cohort_id, system, split, k, limit)
         check_rerun(wh, run_id, config)
         shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
         with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:

@@ -47,8 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import combinations
@@ -59,8 +58,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.locks import held
-from warehouse.runs import check_run_id, record_run
+from warehouse.runs import holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
@@ -580,7 +578,7 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     The evaluation registers itself in `runs` under the evaluated run id with kind `evaluate`.
     """
     started = datetime.now()
-    with evaluating(wh, run_id):
+    with holding_run(wh, run_id, exclusive=True):
         evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
         write_evaluation(wh, evaluation)
     config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
@@ -588,21 +586,6 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
                datetime.now())
     return evaluation.metrics
-
-
-@contextmanager
-def evaluating(wh: Warehouse, run_id: str) -> Iterator[None]:
-    """The run's exclusive lock (no forecast writes into it while it is read and its metrics written)
-    and its cohort's shared lock (no rebuild replaces the targets and oracles meanwhile)."""
-    check_run_id(run_id)
-    with held(wh, f"run:{run_id}", shared=False,
-              busy=f"run {run_id!r} is being forecast or evaluated by another dxr process"), ExitStack() as cohorts:
-        registered = wh.read("runs", run_id=run_id)["cohort_id"].drop_nulls().unique().sort().to_list()
-        for cohort_id in registered:
-            cohorts.enter_context(held(wh, f"cohort:{cohort_id}", shared=True,
-                                       busy=f"cohort {cohort_id} of run {run_id!r} is being rebuilt by another dxr "
-                                            "process"))
-        yield
 
 
 @task(name="evaluate-run")
@@ -645,7 +628,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     all_ks = _ks(ks, natural)
     with ExitStack() as locks:
         for run_id in sorted(set(run_ids)):
-            locks.enter_context(evaluating(wh, run_id))
+            locks.enter_context(holding_run(wh, run_id, exclusive=True))
         runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
                 for r in run_ids]
     first = runs[0]

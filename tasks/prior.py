@@ -19,8 +19,7 @@ from dxr.errors import NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.train import EpochReport, TrainResult, train_prior_model
-from warehouse.cohorts import get_cohort
-from warehouse.locks import held
+from warehouse.cohorts import reading_cohort
 from warehouse.runs import registered_run
 from warehouse.store import Warehouse
 
@@ -29,14 +28,13 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
                 progress: bool = False) -> TrainResult:
     """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`."""
     wh = Warehouse(data_dir)
-    cohort_id = get_cohort(wh, cohort)["cohort_id"]
-    config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
-    with (held(wh, f"cohort:{cohort_id}", shared=True,
-               busy=f"cohort {cohort} ({cohort_id}) is being rebuilt by another dxr process"),
-          registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run):
-        result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress,
-                                   report_epoch=epoch_reporter(system, cfg.epochs))
-        run.config = {**config, "result": asdict(result)}
+    with reading_cohort(wh, cohort) as cohort_row:
+        cohort_id = cohort_row["cohort_id"]
+        config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
+        with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
+            result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress,
+                                       report_epoch=epoch_reporter(system, cfg.epochs))
+            run.config = {**config, "result": asdict(result)}
     return result
 
 

@@ -28,6 +28,7 @@ from dxr.errors import NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
+from warehouse.runs import holding_run  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 SWEEP_MAX_K = 20
@@ -385,7 +386,8 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
 
     Default directory: `<warehouse root>/reports/<run_id>/`.
     """
-    blocks = build_report(wh, run_id)
+    with holding_run(wh, run_id, exclusive=False):  # no evaluation rewrites the metrics meanwhile
+        blocks = build_report(wh, run_id)
     out = Path(out_dir) if out_dir is not None else wh.root / "reports" / run_id
     out.mkdir(parents=True, exist_ok=True)
     for block in blocks:

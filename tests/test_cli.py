@@ -188,6 +188,29 @@ def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_pat
     assert not list(meds.iterdir())  # the staging directory is gone and no dataset was swapped in
 
 
+def test_a_signal_that_surfaces_as_another_error_still_ends_as_terminated(tmp_path, monkeypatch):
+    import warehouse.sql
+
+    def interrupted_query(*args, **kwargs):
+        # What DuckDB does when SIGTERM arrives while it runs a query: it takes the pending exception
+        # of the Python handler and raises its own.
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except SystemExit:
+            raise RuntimeError("Query interrupted") from None
+
+    monkeypatch.setattr(warehouse.sql, "run_query", interrupted_query)
+    default = signal.getsignal(signal.SIGTERM)
+    (tmp_path / "forecast").mkdir()
+    try:
+        result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"])
+    finally:
+        signal.signal(signal.SIGTERM, default)  # the command installed dxr's handler in this process
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert result.output.strip().splitlines() == ["dxr: stopped by SIGTERM"]
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"]).exit_code == 0  # forgotten
+
 
 def test_a_closed_output_pipe_ends_quietly(tmp_path, monkeypatch):
     import warehouse.sql

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from datetime import datetime
 
 import pytest
 
@@ -118,3 +120,99 @@ def test_a_forecast_of_a_cohort_being_built_says_so(wh_vocab, tiny_meds):
     with registered_run(wh_vocab, "cohort", {"dataset": "tiny", "name": "nightly"}, "coh-1"):  # `dxr cohort build`
         with pytest.raises(NotFoundError, match=r"cohort 'nightly' is being built \(run coh-1, started .*\): retry"):
             get_cohort(wh_vocab, "nightly")
+
+
+def _registered_run_in_another_process(wh, run_id: str) -> subprocess.Popen:
+    """A `dxr`-like process inside a registered cohort run, waiting to be killed."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from warehouse.store import Warehouse; from warehouse.runs import registered_run\n"
+        f"with registered_run(Warehouse({str(wh.root)!r}), 'cohort', {{'name': 'nightly'}}, {run_id!r}):\n"
+        "    print('running', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "running"
+    return holder
+
+
+def test_a_run_killed_by_sigkill_is_marked_killed_by_the_next_run_and_a_live_one_is_left(wh):
+    import os
+    import socket
+
+    from warehouse.runs import mark_killed, registered_run
+
+    live, doomed = (_registered_run_in_another_process(wh, run_id) for run_id in ("live-1", "doomed-1"))
+    try:
+        doomed.kill()
+        doomed.wait(timeout=30)
+        with registered_run(wh, "synth", {}, "next-1"):
+            pass
+        runs = {row["run_id"]: row for row in wh.read("runs").iter_rows(named=True)}
+        assert runs["doomed-1"]["status"] == "killed"
+        assert runs["doomed-1"]["pid"] == doomed.pid and runs["doomed-1"]["host"] == socket.gethostname()
+        assert runs["doomed-1"]["finished_at"] is None
+        assert runs["live-1"]["status"] == "running" and runs["live-1"]["pid"] == live.pid
+        assert runs["next-1"]["status"] == "finished" and runs["next-1"]["pid"] == os.getpid()
+        assert mark_killed(wh) == []  # nothing new: the live run still holds its record lock
+    finally:
+        live.kill()
+        live.wait(timeout=30)
+    assert mark_killed(wh) == [("live-1", "cohort")]
+
+
+def test_a_killed_build_is_not_reported_as_being_built(wh_vocab):
+    from warehouse.cohorts import get_cohort
+
+    build = _registered_run_in_another_process(wh_vocab, "coh-1")
+    with pytest.raises(NotFoundError, match="'nightly' is being built"):
+        get_cohort(wh_vocab, "nightly")
+    build.kill()
+    build.wait(timeout=30)
+    with pytest.raises(NotFoundError, match="cohort 'nightly' not found in the warehouse"):
+        get_cohort(wh_vocab, "nightly")
+    assert wh_vocab.read("runs", run_id="coh-1")["status"].to_list() == ["killed"]
+
+
+def test_runs_rows_written_before_host_and_pid_read_as_null(wh):
+    import polars as pl
+
+    from warehouse.runs import record_run
+
+    old = pl.DataFrame({"run_id": ["old-1"], "cohort_id": [None], "kind": ["synth"], "config_json": ["{}"],
+                        "code_version": ["0.1.0"], "started_at": [datetime(2026, 11, 1)],
+                        "finished_at": [datetime(2026, 11, 1, 1)], "status": ["finished"]})
+    path = wh.partition_path("runs", run_id="old-1", kind="synth")
+    path.parent.mkdir(parents=True)
+    old.write_parquet(path)
+    assert wh.read("runs")[["host", "pid"]].row(0) == (None, None)
+    record_run(wh, "new-1", None, "synth", {}, "finished", datetime(2026, 12, 1))
+    assert wh.connect().sql("SELECT run_id, pid IS NULL FROM runs ORDER BY run_id").fetchall() == [
+        ("new-1", False), ("old-1", True)]
+
+
+def test_a_forecast_refuses_a_cohort_unregistered_while_it_waited_for_the_lock(tiny_cohort, monkeypatch):
+    import warehouse.cohorts as cohorts
+
+    wh, cohort_id = tiny_cohort
+    real_held = cohorts.held
+
+    @contextmanager
+    def held_after_a_failed_build(*args, **kwargs):
+        wh.delete("cohorts", cohort_id=cohort_id)  # a rebuild unregistered it, then was killed
+        with real_held(*args, **kwargs):
+            yield
+
+    monkeypatch.setattr(cohorts, "held", held_after_a_failed_build)
+    with pytest.raises(NotFoundError, match=rf"cohort default \({cohort_id}\) was unregistered by a build that "
+                                            "did not finish: rebuild it"):
+        with cohorts.reading_cohort(wh, "default"):
+            pass
+
+
+def test_a_report_waits_for_the_evaluation_of_its_run(tiny_cohort, prefect_harness):
+    from tasks.report import render_report
+
+    wh, _ = tiny_cohort
+    forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    evaluate_run(wh, "r1", ks=(20,), n_boot=10)
+    with held(wh, "run:r1", shared=False, busy="an evaluation"):
+        with pytest.raises(InputError, match="run 'r1' is being evaluated by another dxr process"):
+            render_report(wh, "r1", wh.root / "report")
+    assert not (wh.root / "report").exists()

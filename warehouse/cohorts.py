@@ -40,6 +40,7 @@ from warehouse import vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
+from warehouse.runs import mark_killed
 from warehouse.scratch import remove_abandoned, scratch_path
 from warehouse.store import Warehouse, fetch_frame
 
@@ -285,18 +286,35 @@ def harmonize_with(mapping: dict[str, list[str]], codes: list[str]) -> list[str]
     return sorted({h for c in codes for h in mapping.get(c, [])})
 
 
+@contextmanager
+def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
+    """A cohort's `cohorts` row, with the cohort held for reading (no rebuild) for the block.
+
+    The row is looked up again under the lock: a build that failed or was killed between the first
+    lookup and the lock has unregistered the cohort, and its tables may be partial.
+    """
+    cohort_id = get_cohort(wh, name_or_id)["cohort_id"]
+    with held(wh, f"cohort:{cohort_id}", shared=True,
+              busy=f"cohort {name_or_id} ({cohort_id}) is being rebuilt by another dxr process"):
+        row = wh.read("cohorts", cohort_id=cohort_id)
+        if row.is_empty():
+            raise NotFoundError(f"cohort {name_or_id} ({cohort_id}) was unregistered by a build that did not "
+                                "finish: rebuild it with `dxr cohort build`")
+        yield row.row(0, named=True)
+
+
 def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
     """Look a cohort up by id or by name (the most recently built cohort of that name)."""
     cohorts = wh.read("cohorts")
     match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
     if match.is_empty():
+        mark_killed(wh)  # a killed build no longer counts as being built
         running = wh.read("runs").filter((pl.col("kind") == "cohort") & (pl.col("status") == "running"))
         building = [row for row in running.iter_rows(named=True)
                     if json.loads(row["config_json"]).get("name") == name_or_id]
         if building:  # a rebuild unregisters the cohort until it is complete
             raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
-                                f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished, or "
-                                "rebuild it with `dxr cohort build` if that build was killed")
+                                f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished")
         known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
         raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
                             f"{known} (build one with `dxr cohort build`, or check --data-dir)")

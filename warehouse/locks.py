@@ -12,8 +12,11 @@ Resources, and who holds them:
 - `cohort:<id>`: exclusive during its build; shared during a forecast or a prior's training;
 - `cohort:<id>` is also held shared by an evaluation of a run of that cohort;
 - `run:<id>`: shared during each forecast into it; exclusive during its evaluation;
+- `run:<id>` is also held shared while a report or the realism table reads the run's evaluation;
 - `run-system:<id>|<system>` (`|` cannot occur in a run id): exclusive during that system's forecast
-  into the run; shared while a fused system (`rrf_prior_direct`) reads that system's lists of the run.
+  into the run; shared while a fused system (`rrf_prior_direct`) reads that system's lists of the run;
+- `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a `running` row whose
+  lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`).
 
 One host, on a local file system or one whose `flock` works across its clients; `fcntl` is POSIX.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,16 +37,24 @@ LOCK_DIR = ".locks"
 
 
 @contextmanager
-def held(wh: Warehouse, resource: str, *, shared: bool, busy: str) -> Iterator[None]:
-    """Hold the lock of `resource` for the block; `busy` says what holds it when it is taken."""
+def held(wh: Warehouse, resource: str, *, shared: bool, busy: str, wait: float = 0.0) -> Iterator[None]:
+    """Hold the lock of `resource` for the block; `busy` says what holds it when it is taken.
+
+    `wait` retries for that many seconds first, for locks that others hold only for a moment.
+    """
     directory = wh.root / LOCK_DIR
     directory.mkdir(parents=True, exist_ok=True)
     # Run ids and names are user input: keep the file name tame, and the hash keeps it unique.
     tame = re.sub(r"[^A-Za-z0-9_-]", "_", resource)[:80]
     path = directory / f"{tame}-{hashlib.sha256(resource.encode()).hexdigest()[:8]}.lock"
+    deadline = time.monotonic() + wait
     with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise InputError(f"{busy}: retry when it has finished") from None
+        while True:
+            try:
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise InputError(f"{busy}: retry when it has finished") from None
+                time.sleep(0.05)
         yield

@@ -100,8 +100,12 @@ TABLES: dict[str, Table] = {
         _t("runs", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "kind": pa.string(), "config_json": pa.string(),
             "code_version": pa.string(), "started_at": TS, "finished_at": TS, "status": pa.string(),
+            "host": pa.string(), "pid": pa.int64(),
         }, ["run_id", "kind"], "Every producing command registers its run here (`cohort_id` is null for "
-           "dataset-level runs such as `synth` and `ingest`).", nullable=["cohort_id", "finished_at"]),
+           "dataset-level runs such as `synth` and `ingest`). `status` is running, finished, failed, or killed "
+           "(the process ended without recording how, e.g. SIGKILL or out of memory; set by the next run that "
+           "starts). `host` and `pid` are the recording process (null in rows written before they were added).",
+           nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),

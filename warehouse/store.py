@@ -80,29 +80,36 @@ class Warehouse:
     def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
         """Replace one partition with the rows of a DuckDB query, streamed to Parquet by DuckDB.
 
-        For partitions too large to hold as one Arrow table (a cohort's train events): the same
-        checks as `write`, done as queries, and the same atomic replacement.
+        For partitions too large to hold as one Arrow table (a cohort's train events): the query runs
+        once, into the scratch file, and the checks of `write` run on that file before it replaces
+        the partition.
         """
         spec = _spec(table)
         columns = con.sql(f"SELECT * FROM ({query}) LIMIT 0").columns
         missing = [c for c in spec.columns if c not in columns]
         if missing:
             raise InputError(f"table {spec.name}: missing column(s) {missing}; expected {list(spec.columns)}")
-        required = [c for c in spec.columns if c not in spec.nullable]
-        keyed = [k for k in spec.partition_by if k in spec.columns]
-        checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
-            f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
-        counts = con.execute(f"SELECT {', '.join(checks)} FROM ({query})", [keys[k] for k in keyed]).fetchone()
-        for name, nulls in zip(required, counts):
-            if nulls:
-                raise InputError(f"table {spec.name}: column {name} has {nulls} null value(s); it is required")
-        for key, others in zip(keyed, counts[len(required):]):
-            if others:
-                raise ValueError(f"{table}: {others} row(s) with {key} other than {keys[key]} written to partition "
-                                 f"{key}={keys[key]}")
         cast = ", ".join(f'CAST("{n}" AS {_duck_type(t)}) AS "{n}"' for n, t in spec.columns.items())
-        return self._replace_partition(table, keys, lambda tmp: con.execute(
-            f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)"))
+
+        def write_checked(tmp: Path) -> None:
+            con.execute(f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)"
+                        ).fetchall()  # DuckDB 2: finish each result before the next statement
+            required = [c for c in spec.columns if c not in spec.nullable]
+            keyed = [k for k in spec.partition_by if k in spec.columns]
+            checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
+                f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
+            # hive_partitioning=false: the file's own values, not the `key=value` of its directory.
+            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet('{tmp}', hive_partitioning=false)",
+                                   [keys[k] for k in keyed]).fetchall()
+            for name, nulls in zip(required, counts):
+                if nulls:
+                    raise InputError(f"table {spec.name}: column {name} has {nulls} null value(s); it is required")
+            for key, others in zip(keyed, counts[len(required):]):
+                if others:
+                    raise ValueError(f"{table}: {others} row(s) with {key} other than {keys[key]} written to "
+                                     f"partition {key}={keys[key]}")
+
+        return self._replace_partition(table, keys, write_checked)
 
     def _replace_partition(self, table: str, keys: dict, write_file: Callable[[Path], object]) -> Path:
         """Write a partition's file beside it under a scratch name, then rename it over the old one."""
@@ -159,10 +166,11 @@ class Warehouse:
     def read(self, table: str, **keys) -> pl.DataFrame:
         """All rows of the partitions matching the given leading keys (empty frame if none)."""
         spec = _spec(table)
-        files = sorted(self._files(spec, keys))
-        if not files:
-            return pl.from_arrow(spec.schema.empty_table())
-        return pl.concat([pl.read_parquet(f) for f in files], how="vertical_relaxed")
+        # The empty frame first: every declared column in order and type, null in partitions written
+        # before a (nullable) column was added.
+        empty = pl.from_arrow(spec.schema.empty_table())
+        return pl.concat([empty, *(pl.read_parquet(f) for f in sorted(self._files(spec, keys)))],
+                         how="diagonal_relaxed")
 
     def _files(self, spec: Table, keys: dict):
         path = self.store_dir(spec.store) / spec.name

@@ -44,7 +44,12 @@ class UserErrorTraceback(logging.Filter):
         return True
 
 
+_received: list[int] = []  # the terminating signal, once it has arrived
+
+
 def terminated(signum: int, frame) -> None:
+    _received.append(signum)
+    click.echo(f"dxr: stopped by {signal.Signals(signum).name}", err=True)
     raise SystemExit(128 + signum)
 
 
@@ -56,18 +61,21 @@ class DxrGroup(click.Group):
             # `kill` (SIGTERM, e.g. from a scheduler) unwinds like Ctrl-C, so runs are recorded `failed`
             # and temporary files are removed instead of the process vanishing mid-write.
             signal.signal(signal.SIGTERM, terminated)
+        _received.clear()  # a signal handled in an earlier invocation of this process is not this one's
         for name in ("prefect.flow_runs", "prefect.task_runs"):
             run_logger = logging.getLogger(name)
             if not any(isinstance(f, UserErrorTraceback) for f in run_logger.filters):
                 run_logger.addFilter(UserErrorTraceback())
         try:
             return super().invoke(ctx)
-        except DxrError as exc:
-            raise click.ClickException(str(exc)) from exc
-        except BrokenPipeError:
-            raise  # the reader went away (`dxr … | head`): click's main exits quietly
-        except OSError as exc:
-            raise click.ClickException(one_line(exc)) from exc
+        except Exception as exc:
+            if _received:  # the signal surfaced as another error, e.g. DuckDB's "Query interrupted"
+                raise SystemExit(128 + _received[0]) from exc
+            if isinstance(exc, DxrError):
+                raise click.ClickException(str(exc)) from exc
+            if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError):
+                raise click.ClickException(one_line(exc)) from exc
+            raise  # a broken pipe (`dxr … | head`) ends quietly in click's main; anything else is a bug
 
 
 @click.group(cls=DxrGroup, context_settings={"help_option_names": ["-h", "--help"]})
