@@ -55,12 +55,22 @@ SPLITS = {1: "held_out", 2: "train", 3: "tuning", 4: "held_out"}
 
 
 def abandoned_scratch(target: Path, kind: str = "tmp") -> Path:
-    """The scratch sibling of `target` that a process killed with SIGKILL would have left."""
-    from warehouse.scratch import scratch_path
+    """The scratch sibling of `target` (not yet created) and the free lock file that a process killed
+    by SIGKILL leaves: a process takes it, then ends without unwinding."""
+    code = ("import os; from pathlib import Path; from warehouse.scratch import scratch\n"
+            f"with scratch(Path({str(target)!r}), {kind!r}) as path:\n"
+            "    print(path, flush=True)\n"
+            "    os._exit(0)  # no cleanup, as under SIGKILL")
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return Path(ended.stdout.strip())
+
+
+def legacy_scratch(target: Path, kind: str = "tmp") -> Path:
+    """A scratch name of an ended process on this host, without a lock file (as earlier versions wrote)."""
+    from warehouse.scratch import _HOST
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    mine = scratch_path(target, kind)
-    return mine.with_name(mine.name.replace(f"-{os.getpid()}-", f"-{int(ended.stdout)}-"))
+    return target.with_name(f".{target.name}.{_HOST}-{int(ended.stdout)}-0123abcd.{kind}")
 
 
 def tiny_events() -> pl.DataFrame:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import duckdb
 import polars as pl
 import pytest
 
 import warehouse.store as store
 from dxr.errors import InputError
-from tests.conftest import abandoned_scratch
-from warehouse.scratch import scratch_path
+from tests.conftest import abandoned_scratch, legacy_scratch
+from warehouse.scratch import _HOST, remove_abandoned, scratch
 
 
 def targets(cohort: str, n: int) -> pl.DataFrame:
@@ -28,13 +32,39 @@ def test_rewriting_a_partition_replaces_it(wh):
 def test_temporary_files_of_a_killed_writer_are_invisible_and_removed_by_the_next_write(wh):
     wh.write("targets", targets("a", 3), cohort_id="a")
     partition = wh.partition_path("targets", cohort_id="a")
-    killed = abandoned_scratch(partition)  # what SIGKILL mid-write leaves
+    killed = abandoned_scratch(partition)  # what SIGKILL mid-write leaves: a partial file, a free lock file
     killed.write_bytes(b"half a parquet file")
-    live = scratch_path(partition, "tmp")  # a writer still running (this process)
-    live.write_bytes(b"being written")
-    assert wh.connect(gold=True).execute("SELECT count(*) FROM targets").fetchone() == (3,)
-    wh.write("targets", targets("a", 2), cohort_id="a")
-    assert sorted(p.name for p in partition.parent.iterdir()) == sorted([partition.name, live.name])
+    older = legacy_scratch(partition)  # the same, from a version without lock files
+    older.write_bytes(b"half a parquet file")
+    with scratch(partition, "tmp") as live:  # a writer still running (this process)
+        live.write_bytes(b"being written")
+        assert wh.connect(gold=True).execute("SELECT count(*) FROM targets").fetchone() == (3,)
+        wh.write("targets", targets("a", 2), cohort_id="a")
+        lock = live.with_suffix(".lock")
+        assert sorted(p.name for p in partition.parent.iterdir()) == sorted([partition.name, live.name, lock.name])
+    assert [p.name for p in partition.parent.iterdir()] == [partition.name]
+
+
+def test_scratch_is_judged_by_its_lock_not_by_host_and_process_id(wh):
+    """Containers sharing a volume: another host's scratch is removed once its owner has ended, and kept
+    while it runs, even where this host's process ids say otherwise."""
+    target = wh.partition_path("targets", cohort_id="a")
+    left = abandoned_scratch(target)
+    foreign = left.with_name(left.name.replace(_HOST, "other_pod"))  # as if another host had written it
+    left.with_suffix(".lock").rename(foreign.with_suffix(".lock"))
+    foreign.write_bytes(b"left by a pod that was killed")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import os, time; from pathlib import Path; from warehouse.scratch import scratch\n"
+        f"with scratch(Path({str(target)!r}), 'tmp') as path:\n"
+        "    path.write_bytes(b'x'); print(path, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        running = Path(holder.stdout.readline().strip())
+        assert remove_abandoned(target) == [foreign, foreign.with_suffix(".lock")]
+        assert running.exists() and running.with_suffix(".lock").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert remove_abandoned(target) == [running, running.with_suffix(".lock")]
 
 
 def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_cleans_up(wh, monkeypatch):

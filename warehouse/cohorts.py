@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -41,7 +40,7 @@ from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
 from warehouse.runs import mark_killed
-from warehouse.scratch import remove_abandoned, scratch_path
+from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
 TARGET_RULES = ("final", "every")
@@ -248,16 +247,15 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
     """
     target = wh.gold_dir / f"cohort-build-{cohort_id}"
     remove_abandoned(target)
-    workdir = scratch_path(target, "work")
-    workdir.mkdir(parents=True)
-    con = duckdb.connect(":memory:")
-    try:
-        con.execute(f"SET memory_limit = '{memory_limit}'")
-        con.execute(f"SET temp_directory = '{workdir}'")
-        yield con
-    finally:
-        con.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with scratch(target, "work") as workdir:
+        workdir.mkdir()
+        con = duckdb.connect(":memory:")
+        try:
+            con.execute(f"SET memory_limit = '{memory_limit}'")
+            con.execute(f"SET temp_directory = '{workdir}'")
+            yield con
+        finally:
+            con.close()
 
 
 def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: CohortOptions,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import polars as pl
 from dxr.errors import InputError, NotFoundError
 from warehouse.locks import held
 from warehouse.meds import copy_meds_dir, validate_meds_dir
-from warehouse.scratch import remove_abandoned, scratch_path
+from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
@@ -82,13 +81,9 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
     target = wh.meds_dir(dataset_id)
     with writing_dataset(wh, dataset_id):
         remove_abandoned(target)
-        staging = scratch_path(target, "tmp")
-        try:
+        with scratch(target, "tmp") as staging:
             generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
             replace_dir(staging, target)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging)
         return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
 
 

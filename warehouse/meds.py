@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from flexible_schema.exceptions import SchemaValidationError
 
 from dxr.errors import InputError
-from warehouse.scratch import remove_abandoned, scratch_path
+from warehouse.scratch import remove_abandoned, scratch
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
 EXTRA_COLUMNS = {"encounter_id": pa.int64()}
@@ -245,25 +245,17 @@ def copy_meds_dir(source: Path, target: Path) -> None:
     if source == target.resolve():
         return
     remove_abandoned(target)
-    staging = scratch_path(target, "tmp")
-    try:
+    with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
         replace_dir(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
 
 
 def replace_dir(staging: Path, target: Path) -> None:
     """Swap a fully written directory into place; the old one is removed only after the swap."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if target.exists():
-        old = scratch_path(target, "old")
-        os.replace(target, old)
-    os.replace(staging, target)
-    if old is not None:
-        shutil.rmtree(old)
+    with scratch(target, "old") as old:
+        if target.exists():
+            os.replace(target, old)
+        os.replace(staging, target)
 
 
 def read_splits(info: MedsInfo, seed: int) -> pl.DataFrame:

@@ -1,44 +1,96 @@
 """Scratch siblings for writes that are swapped into place, and cleanup of those a killed process left.
 
-A file or directory is written under a hidden sibling name that records this host and process, then
-renamed over its target. SIGTERM and Ctrl-C unwind and remove the scratch; SIGKILL (the OOM killer,
-a node going away) cannot, so the next writer of the same target removes siblings whose process is
-gone. Only this host's are judged: a live writer on another host sharing the directory is not
-visible from here.
+A file or directory is written under a hidden sibling name that records its owner (host, process,
+a random token), then renamed over its target. SIGTERM and Ctrl-C unwind and remove the scratch;
+SIGKILL (the OOM killer, a node going away) cannot, so the next writer of the same target removes
+the siblings whose owner has ended.
+
+The owner is judged by a lock file beside the scratch (`.<target>.<owner>.lock`) on which the owner
+holds an `flock` while the scratch exists. The kernel releases it when the process ends, so this
+holds for processes on other hosts or in other containers sharing the directory, wherever `flock`
+works. Scratch without a lock file (left by earlier versions) is judged by host and process id.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import socket
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+LOCK_KIND = "lock"
 
 
-def scratch_path(target: Path, kind: str) -> Path:
-    """A hidden sibling of `target` owned by this process, e.g. `.data.parquet.host-123-9f2c1a0b.tmp`."""
-    return target.with_name(f".{target.name}.{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}.{kind}")
+@contextmanager
+def scratch(target: Path, kind: str) -> Iterator[Path]:
+    """A hidden sibling of `target` owned by this process for the block, e.g.
+    `.data.parquet.host-123-9f2c1a0b.tmp`; whatever is left at it at the end is removed.
+
+    The body creates the file or directory itself (or renames it into place).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    owner = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    lock_path = target.with_name(f".{target.name}.{owner}.{LOCK_KIND}")
+    path = target.with_name(f".{target.name}.{owner}.{kind}")
+    with open(lock_path, "x") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            yield path
+        finally:
+            _remove(path)
+            lock_path.unlink(missing_ok=True)
 
 
 def remove_abandoned(target: Path) -> list[Path]:
-    """Remove the scratch siblings of `target` whose process on this host has ended; returns them."""
-    owned = re.compile(rf"^\.{re.escape(target.name)}\.{_HOST}-(\d+)-[0-9a-f]{{8}}\.\w+$")
-    removed = []
+    """Remove the scratch siblings of `target` whose owner has ended; returns them."""
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(([A-Za-z0-9_]+)-(\d+)-[0-9a-f]{{8}})\.(\w+)$")
     if not target.parent.is_dir():
-        return removed
+        return []
+    by_owner: dict[str, list[Path]] = {}
+    legacy: dict[str, tuple[str, int]] = {}
     for sibling in target.parent.iterdir():
-        match = owned.match(sibling.name)
-        if match and not _alive(int(match.group(1))):
-            if sibling.is_dir() and not sibling.is_symlink():
-                shutil.rmtree(sibling, ignore_errors=True)
-            else:
-                sibling.unlink(missing_ok=True)
-            removed.append(sibling)
+        match = pattern.match(sibling.name)
+        if match:
+            owner, host, pid, _ = match.groups()
+            by_owner.setdefault(owner, []).append(sibling)
+            legacy[owner] = (host, int(pid))
+    removed = []
+    for owner, siblings in by_owner.items():
+        lock_path = target.with_name(f".{target.name}.{owner}.{LOCK_KIND}")
+        if lock_path in siblings:
+            ended = _lock_is_free(lock_path)
+        else:  # left by a version without lock files
+            host, pid = legacy[owner]
+            ended = host == _HOST and not _alive(pid)
+        if ended:
+            for sibling in sorted(siblings, key=lambda p: p == lock_path):  # the lock file last
+                _remove(sibling)
+                removed.append(sibling)
     return removed
+
+
+def _lock_is_free(lock_path: Path) -> bool:
+    try:
+        with open(lock_path) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+    except BlockingIOError:
+        return False
+    except FileNotFoundError:  # its owner has just finished and removed it
+        return False
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

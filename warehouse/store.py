@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.schemas import FORECAST, GOLD, TABLES, Table
-from warehouse.scratch import remove_abandoned, scratch_path
+from warehouse.scratch import remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
@@ -114,14 +114,10 @@ class Warehouse:
     def _replace_partition(self, table: str, keys: dict, write_file: Callable[[Path], object]) -> Path:
         """Write a partition's file beside it under a scratch name, then rename it over the old one."""
         path = self.partition_path(table, **keys)
-        path.parent.mkdir(parents=True, exist_ok=True)
         remove_abandoned(path)
-        tmp = scratch_path(path, "tmp")
-        try:
+        with scratch(path, "tmp") as tmp:
             write_file(tmp)
             os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return path
 
     def delete(self, table: str, **keys) -> None:

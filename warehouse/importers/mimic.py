@@ -46,9 +46,9 @@ import csv
 import difflib
 import gzip
 import re
-import shutil
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -58,7 +58,7 @@ import polars as pl
 from dxr import __version__
 from dxr.errors import InputError
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
-from warehouse.scratch import remove_abandoned, scratch_path
+from warehouse.scratch import remove_abandoned, scratch
 
 # Subjects per data shard: a shard is built in memory as one Arrow table before it is written.
 SUBJECTS_PER_SHARD = 25_000
@@ -391,9 +391,9 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out_dir)  # a killed import's work directory can hold gigabytes of DuckDB spill
-    staging = scratch_path(out_dir, "staging")
-    workdir = scratch_path(out_dir, "work")
-    workdir.mkdir()
+    scratches = ExitStack()  # closed (removing both) in the `finally` below
+    staging = scratches.enter_context(scratch(out_dir, "staging"))
+    workdir = scratches.enter_context(scratch(out_dir, "work"))
     stages: dict[str, float] = {}
 
     def stage(name: str, mark: float) -> float:
@@ -404,6 +404,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
 
     con = None
     try:
+        workdir.mkdir()
         con = duckdb.connect(str(workdir / "import.duckdb"))
         con.execute(f"SET memory_limit = '{memory_limit}'")
         con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
@@ -452,8 +453,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
     finally:
         if con is not None:
             con.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        scratches.close()
 
 
 def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> dict[str, Path]:
