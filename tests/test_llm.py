@@ -208,6 +208,38 @@ def test_a_backend_that_times_out_is_retried_then_reported():
     assert calls["latency_ms"][0] >= 400
 
 
+def test_a_backend_that_keeps_computing_timed_out_requests_uses_its_own_timeout_and_does_not_retry():
+    class LocalLike(OpenAIBackend):  # as the embedded llama.cpp backend declares itself
+        max_concurrency = 1
+        retry_timeouts = False
+
+        def __init__(self, url: str, timeout_s: float):
+            super().__init__(url, timeout_s)
+            self.timeout_s = timeout_s
+
+    async def scenario():
+        state = new_state()
+        async with chat_server(2.0, state) as url:
+            config = LLMConfig(backend="openai", base_url=url, model="served", timeout_s=30.0, transport_retries=3)
+            client = LLMClient(config, LocalLike(url, 0.2))
+            with pytest.raises(TransportError, match="gave up after 1 attempts: timeout after 0.2s"):
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            await client.close()
+        return state, client.telemetry()
+
+    state, calls = asyncio.run(scenario())
+    assert len(state["requests"]) == 1  # a retry would only queue behind the request still being computed
+    assert calls["status"].to_list() == ["transport_error"]
+
+
+def test_the_embedded_backend_takes_the_local_timeout(tmp_path):
+    from models.llm.backends import make_backend
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # not started here: the server starts on the first request
+    backend = make_backend(LLMConfig(local_timeout_s=600.0, local_model_path=tmp_path / "m.gguf"), tmp_path)
+    assert (backend.timeout_s, backend.retry_timeouts, backend.max_concurrency) == (600.0, False, 1)
+
+
 def test_backend_totals_count_cache_hits_as_calls_without_tokens_or_cost():
     from models.llm.telemetry import backend_totals
 

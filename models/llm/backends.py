@@ -163,4 +163,4 @@ def make_backend(config, data_dir: Path) -> Backend:
     model = config.local_model_path or packaged_model_path(Path(data_dir) / "models")
     server = LocalServer(model, config.context_window, config.local_threads,
                          Path(data_dir) / "logs" / "llama_server.log", config.local_startup_timeout_s)
-    return LocalBackend(server, config.timeout_s)
+    return LocalBackend(server, config.local_timeout_s)

@@ -82,6 +82,9 @@ class LLMClient:
         # A backend may admit fewer requests in flight than configured (the embedded server: one).
         in_flight = min(self.config.max_concurrency, getattr(self.backend, "max_concurrency", self.config.max_concurrency))
         self._limit = asyncio.Semaphore(in_flight)
+        # The embedded backend has its own, longer timeout and does not retry timeouts (see LocalBackend).
+        self._timeout_s = getattr(self.backend, "timeout_s", self.config.timeout_s)
+        self._retry_timeouts = getattr(self.backend, "retry_timeouts", True)
         self._pace = asyncio.Lock()
         self._next_start = 0.0
 
@@ -178,7 +181,7 @@ class LLMClient:
                     await self._wait_for_rate_limit()
                     sent = time.perf_counter()
                     try:
-                        completion = await asyncio.wait_for(self.backend.complete(request), self.config.timeout_s)
+                        completion = await asyncio.wait_for(self.backend.complete(request), self._timeout_s)
                     finally:
                         in_flight += time.perf_counter() - sent
                 break
@@ -186,8 +189,9 @@ class LLMClient:
                 row.update(status="rejected", error=str(exc)[:1000], latency_ms=in_flight * 1000)
                 raise
             except (TransportError, TimeoutError) as exc:
-                message = str(exc) or f"timeout after {self.config.timeout_s}s"
-                if attempt == self.config.transport_retries:
+                message = str(exc) or f"timeout after {self._timeout_s}s"
+                timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+                if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
                     row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
                     raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
                 await asyncio.sleep(delay)

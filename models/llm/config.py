@@ -48,6 +48,9 @@ class LLMConfig(BaseModel):
     # Hosted endpoints cap requests per minute; 0 means no cap (local servers).
     requests_per_minute: float = Field(0.0, ge=0, description="request starts per minute per process; 0 = no cap")
     timeout_s: float = Field(120.0, gt=0, description="per request")
+    # The embedded server computes on the local CPU, one request at a time: a long record can take
+    # minutes on a slow machine, and a request it timed out on keeps it busy anyway.
+    local_timeout_s: float = Field(900.0, gt=0, description="per request to the embedded server (backend local)")
     transport_retries: int = Field(3, ge=0, description="retries on timeouts, connection errors, 429 and 5xx")
     backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles per retry")
     validation_retries: int = Field(2, ge=0, description="re-asks with the structural errors appended")

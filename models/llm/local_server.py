@@ -167,6 +167,9 @@ class LocalBackend:
     # It computes one completion at a time: more requests in flight would only queue inside the server,
     # where the wait counts against each request's timeout and latency.
     max_concurrency = 1
+    # A timed-out request is not cancelled inside the server, which goes on computing it: a retry
+    # would queue behind it, wait as long again, and time out in turn.
+    retry_timeouts = False
 
     def __init__(self, server: LocalServer, timeout_s: float):
         self.server = server
