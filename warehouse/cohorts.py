@@ -39,7 +39,7 @@ from warehouse import vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
-from warehouse.runs import mark_killed
+from warehouse.runs import mark_killed, registered_run
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
@@ -95,13 +95,24 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 
 def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
                  shard_size: int = 500, oracle_draws: int = 200, memory_limit: str = "2GB",
-                 progress: bool = False) -> dict:
-    """Build (or rebuild) a cohort; returns its `cohorts` row.
+                 progress: bool = False, run_id: str | None = None) -> dict:
+    """Build (or rebuild) a cohort, registered in `runs` (kind `cohort`); returns its `cohorts` row.
 
     The dataset stays locked for reading (no synth or ingest replaces it meanwhile) and the cohort
     for writing (no forecast reads it while it is rebuilt).
     """
     check_name("cohort", name)
+    config = {"dataset": dataset_id, "name": name, **asdict(options), "seed": seed, "shard_size": shard_size,
+              "oracle_draws": oracle_draws}
+    with registered_run(wh, "cohort", config, run_id) as run:
+        row = _build_locked(wh, dataset_id, name, options, seed=seed, shard_size=shard_size,
+                            oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
+        run.cohort_id = row["cohort_id"]
+    return row
+
+
+def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
+                  shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
     get_dataset(wh, dataset_id)  # an unknown dataset is named before any lock file is made
     with held(wh, f"dataset:{dataset_id}", shared=True,
               busy=f"dataset {dataset_id!r} is being written by another dxr process (synth or ingest)"):

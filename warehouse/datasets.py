@@ -11,6 +11,7 @@ import polars as pl
 from dxr.errors import InputError, NotFoundError
 from warehouse.locks import held
 from warehouse.meds import copy_meds_dir, validate_meds_dir
+from warehouse.runs import registered_run
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse
 
@@ -68,8 +69,8 @@ def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
 
 
 def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, shard_size: int = 2000,
-                     progress: bool = False) -> dict:
-    """Generate the synthetic dataset into the gold store and register it.
+                     progress: bool = False, run_id: str | None = None) -> dict:
+    """Generate the synthetic dataset into the gold store and register it (and the run, kind `synth`).
 
     Generation writes into a staging directory that is swapped in only when complete, so a killed
     run leaves the previous dataset (or none) and a rerun produces identical files.
@@ -79,7 +80,8 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
 
     check_name("dataset", dataset_id)
     target = wh.meds_dir(dataset_id)
-    with writing_dataset(wh, dataset_id):
+    params = {"dataset": dataset_id, "patients": patients, "seed": seed, "shard_size": shard_size}
+    with registered_run(wh, "synth", params, run_id), writing_dataset(wh, dataset_id):
         remove_abandoned(target)
         with scratch(target, "tmp") as staging:
             generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)

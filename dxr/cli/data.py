@@ -69,12 +69,10 @@ def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None,
       dxr synth --patients 5000 --seed 7 --name synthetic
     """
     from warehouse.datasets import create_synthetic
-    from warehouse.runs import registered_run
 
     cfg, wh = settings(ctx), warehouse(ctx)
-    params = {"dataset": name, "patients": patients or cfg.synth.patients, "seed": cfg.seed if seed is None else seed}
-    with registered_run(wh, "synth", params, run_id):
-        row = create_synthetic(wh, name, params["patients"], params["seed"], cfg.synth.shard_size, progress=True)
+    row = create_synthetic(wh, name, patients or cfg.synth.patients, cfg.seed if seed is None else seed,
+                           cfg.synth.shard_size, progress=True, run_id=run_id)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
                f"({row['meds_dir']})")
 
@@ -146,18 +144,14 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     Example:
       dxr cohort build --dataset synthetic --name default --target final --harmonize native --min-history 1
     """
-    from dataclasses import asdict
-
     from warehouse.cohorts import CohortOptions, build_cohort
-    from warehouse.runs import registered_run
 
     cfg, wh = settings(ctx), warehouse(ctx)
     options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
-    with registered_run(wh, "cohort", {"dataset": dataset, "name": name, **asdict(options)}, run_id) as run:
-        row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
-                           oracle_draws=cfg.synth.oracle_draws, memory_limit=cfg.cohort.memory_limit, progress=True)
-        run.cohort_id = row["cohort_id"]
+    row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
+                       oracle_draws=cfg.synth.oracle_draws, memory_limit=cfg.cohort.memory_limit, progress=True,
+                       run_id=run_id)
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
 
