@@ -8,7 +8,7 @@ Embedded backend (`--embedded-data-dir`, a warehouse holding the demo's `default
 `data/` after `dxr demo`): server start-up time, generation tokens/s on a short fixed prompt, and
 Direct Forecast on the first `--embedded-patients` held_out trajectories with the response cache
 off (every call reaches the model): wall time including start-up, patients/hour, tokens per
-patient, ranking statuses. Prints tables; writes JSON to benchmarks/results/llm.json.
+patient, the server's peak resident memory, ranking statuses. Prints tables; writes JSON to benchmarks/results/llm.json.
 
     python benchmarks/llm.py [--calls 500] [--embedded-data-dir data --embedded-patients 8]
 """
@@ -113,6 +113,14 @@ async def generation_speed(config: LLMConfig, data_dir: Path, repeats: int = 3) 
             "generation_tokens_per_s": round(tokens / seconds, 1)}
 
 
+def server_peak_rss_mib(pid: int) -> int:
+    """Peak resident memory of the llama.cpp server process so far (Linux `VmHWM`)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
 def embedded_direct(data_dir: Path, patients: int) -> dict:
     """Direct Forecast with the embedded backend on the first `patients` held_out trajectories, cache off."""
     from tasks.direct import forecast_direct
@@ -131,12 +139,13 @@ def embedded_direct(data_dir: Path, patients: int) -> dict:
 
     async def run():
         try:
-            return await forecast_direct(client, trajectories, pretarget, vocabulary, "bench", cohort_id, 20)
+            result = await forecast_direct(client, trajectories, pretarget, vocabulary, "bench", cohort_id, 20)
+            return result, server_peak_rss_mib(client.backend.server.process.pid)
         finally:
             await client.close()
 
     started = time.perf_counter()
-    ranked, status = asyncio.run(run())
+    (ranked, status), peak_rss = asyncio.run(run())
     wall = time.perf_counter() - started
     calls = client.telemetry()
     n = trajectories.height
@@ -147,6 +156,7 @@ def embedded_direct(data_dir: Path, patients: int) -> dict:
             "tokens_in_per_patient": round(calls["tokens_in"].sum() / n, 1),
             "tokens_out_per_patient": round(calls["tokens_out"].sum() / n, 1),
             "direct_output_tokens_per_s": round(calls["tokens_out"].sum() / (calls["latency_ms"].sum() / 1000), 1),
+            "server_peak_rss_mib": peak_rss,
             "status": dict(status.group_by("status").len().sort("status").iter_rows()),
             "valid_codes_per_patient": round(ranked.height / n, 1)}
 
