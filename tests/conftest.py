@@ -139,9 +139,13 @@ def wh_vocab(wh, vocab_cache):
     return wh
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def prefect_harness():
-    """One ephemeral Prefect API for the whole session (each start costs seconds)."""
+    """One ephemeral Prefect API for the whole session (each start costs seconds).
+
+    Autouse: a test that reaches Prefect without it would start a temporary server of its own,
+    whose shutdown then logs to pytest's closed output ("Logging error" after the summary).
+    """
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness():
