@@ -148,7 +148,8 @@ def prefect_harness():
     """
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    # The harness waits 30 s for its server by default; a busy CI machine can need more.
+    with prefect_test_harness(server_startup_timeout=180):
         yield
 
 

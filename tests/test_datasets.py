@@ -13,7 +13,7 @@ import warehouse.synthetic as synthetic
 from dxr.errors import InputError
 from tests.conftest import abandoned_scratch
 from warehouse.cohorts import CohortOptions, build_cohort
-from warehouse.datasets import create_synthetic, ingest_meds, synthetic_is_current
+from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
 
 
 def data_files(root: Path) -> dict[str, bytes]:
@@ -52,6 +52,20 @@ def test_ingest_copies_files_so_a_source_rewritten_in_place_leaves_the_dataset_u
         with open(shard, "r+b") as f:  # same inode, new bytes: what a hard link would share
             f.write(b"XXXX")
     assert data_files(wh_vocab.meds_dir("tiny")) == before
+
+
+def test_ingests_register_their_runs_also_when_called_from_python(wh_vocab, tiny_meds):
+    mimic4 = Path(__file__).resolve().parent / "fixtures" / "mimic4"
+    ingest_meds(wh_vocab, tiny_meds, "tiny", run_id="ing-meds")
+    with pytest.raises(InputError, match="dataset name 'Bad Name' is not allowed"):
+        ingest_mimic(wh_vocab, "mimic4", mimic4, "Bad Name", seed=0, run_id="ing-bad")
+    row, summary = ingest_mimic(wh_vocab, "mimic4", mimic4, "fixture", seed=0, run_id="ing-mimic")
+    assert (row["source"], row["n_events"], summary.n_shards > 0) == ("mimic4", 40, True)
+    runs = wh_vocab.read("runs").sort("run_id").select("run_id", "kind", "status").rows()
+    assert runs == [("ing-bad", "ingest:mimic4", "failed"), ("ing-meds", "ingest:meds", "finished"),
+                    ("ing-mimic", "ingest:mimic4", "finished")]
+    with pytest.raises(InputError, match="unknown MIMIC source 'mimic5'"):
+        ingest_mimic(wh_vocab, "mimic5", mimic4, "fixture", seed=0)
 
 
 def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import polars as pl
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.importers import ImportSummary, import_mimic3, import_mimic4
 from warehouse.locks import held
 from warehouse.meds import copy_meds_dir, validate_meds_dir
 from warehouse.runs import registered_run
@@ -49,13 +51,36 @@ def writing_dataset(wh: Warehouse, dataset_id: str):
                 busy=f"dataset {dataset_id!r} is being written, or read by a cohort build, in another dxr process")
 
 
-def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str) -> dict:
-    """Copy an external MEDS dataset into the gold store and register it (`dxr ingest meds`)."""
-    check_name("dataset", dataset_id)
-    validate_meds_dir(source_dir)  # fail before copying anything
-    with writing_dataset(wh, dataset_id):
-        copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
-        return register_dataset(wh, dataset_id, source="meds")
+def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | None = None) -> dict:
+    """Copy an external MEDS dataset into the gold store and register it (and the run, kind
+    `ingest:meds`; `dxr ingest meds`)."""
+    config = {"path": str(source_dir), "dataset": dataset_id}
+    with registered_run(wh, "ingest:meds", config, run_id):
+        check_name("dataset", dataset_id)
+        validate_meds_dir(source_dir)  # fail before copying anything
+        with writing_dataset(wh, dataset_id):
+            copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
+            return register_dataset(wh, dataset_id, source="meds")
+
+
+def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,
+                 log: Callable[[str], None] | None = None, run_id: str | None = None) -> tuple[dict, ImportSummary]:
+    """Import the official MIMIC-III (`source="mimic3"`) or MIMIC-IV `hosp` files as a MEDS dataset
+    and register it (and the run, kind `ingest:<source>`; `dxr ingest mimic3|mimic4`).
+
+    Returns the dataset row and the importer's `ImportSummary`.
+    """
+    importers = {"mimic3": import_mimic3, "mimic4": import_mimic4}
+    if source not in importers:
+        raise InputError(f"unknown MIMIC source {source!r}: use one of {', '.join(importers)}")
+    config = {"path": str(source_dir), "dataset": dataset_id, "seed": seed, "labs": labs}
+    with registered_run(wh, f"ingest:{source}", config, run_id):
+        check_name("dataset", dataset_id)  # before any work: the name becomes a partition key
+        # The MEDS directory appears at its final place only once complete; registration comes after.
+        with writing_dataset(wh, dataset_id):
+            summary = importers[source](Path(source_dir), wh.meds_dir(dataset_id), seed=seed, labs=labs,
+                                        log=log)
+            return register_dataset(wh, dataset_id, source=source), summary
 
 
 def get_dataset(wh: Warehouse, dataset_id: str) -> dict:

@@ -103,11 +103,8 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, run_id: str | Non
       dxr ingest meds ./exports/meds --name hospital_a
     """
     from warehouse.datasets import ingest_meds
-    from warehouse.runs import registered_run
 
-    wh = warehouse(ctx)
-    with registered_run(wh, "ingest:meds", {"path": str(path), "dataset": name}, run_id):
-        row = ingest_meds(wh, path, name)
+    row = ingest_meds(warehouse(ctx), path, name, run_id=run_id)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
     if row["n_diagnoses_without_encounter"]:

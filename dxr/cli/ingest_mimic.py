@@ -12,21 +12,11 @@ from dxr.cli.data import ingest
 
 def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
                          run_id: str | None) -> None:
-    from warehouse.datasets import check_name, register_dataset, writing_dataset
-    from warehouse.importers import import_mimic3, import_mimic4
-    from warehouse.runs import registered_run
+    from warehouse.datasets import ingest_mimic
 
-    wh = warehouse(ctx)
-    importer = import_mimic3 if source == "mimic3" else import_mimic4
     seed = settings(ctx).seed if seed is None else seed
-    config = {"path": str(path), "dataset": name, "seed": seed, "labs": labs}
-    with registered_run(wh, f"ingest:{source}", config, run_id):
-        check_name("dataset", name)  # before any work: the name becomes a partition key
-        # The MEDS directory appears at its final place only once complete; registration comes after.
-        with writing_dataset(wh, name):
-            summary = importer(path, wh.meds_dir(name), seed=seed, labs=labs,
-                               log=lambda message: echo_err(f"  {message}"))
-            row = register_dataset(wh, name, source=source)
+    row, summary = ingest_mimic(warehouse(ctx), source, path, name, seed=seed, labs=labs,
+                                log=lambda message: echo_err(f"  {message}"), run_id=run_id)
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
