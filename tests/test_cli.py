@@ -188,6 +188,28 @@ def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_pat
     assert not list(meds.iterdir())  # the staging directory is gone and no dataset was swapped in
 
 
+@pytest.mark.parametrize(("signum", "exit_code", "last_line"), [(signal.SIGTERM, 143, "dxr: stopped by SIGTERM"),
+                                                               (signal.SIGINT, 130, "dxr: stopped by SIGINT")])
+def test_a_signal_stops_a_long_duckdb_query_at_once(tmp_path, signum, exit_code, last_line):
+    # A multi-threaded query kept running after Python's handler had raised (once for 96 s, until
+    # finished); the handlers now interrupt DuckDB's queries as well.
+    dxr = Path(sys.executable).parent / "dxr"
+    (tmp_path / "forecast").mkdir()
+    proc = subprocess.Popen([str(dxr), "--data-dir", str(tmp_path), "sql",
+                             "SELECT sum(hash(range)) FROM range(1000000000000)"],  # hours if not stopped
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(8)  # start-up, then well into the query
+        assert proc.poll() is None, proc.stderr.read()
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == exit_code
+        assert time.monotonic() - sent < 30
+        assert proc.stderr.read().strip().splitlines()[-1] == last_line
+    finally:
+        proc.kill()  # a query that went on would otherwise outlive the test by hours
+
+
 def test_a_signal_that_surfaces_as_another_error_still_ends_as_terminated(tmp_path, monkeypatch):
     import warehouse.sql
 
@@ -204,8 +226,9 @@ def test_a_signal_that_surfaces_as_another_error_still_ends_as_terminated(tmp_pa
     (tmp_path / "forecast").mkdir()
     try:
         result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"])
-    finally:
-        signal.signal(signal.SIGTERM, default)  # the command installed dxr's handler in this process
+    finally:  # the command installed dxr's handlers in this process
+        signal.signal(signal.SIGTERM, default)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     assert result.exit_code == 128 + signal.SIGTERM
     assert result.output.strip().splitlines() == ["dxr: stopped by SIGTERM"]
     monkeypatch.undo()

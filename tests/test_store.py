@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -147,3 +148,27 @@ def test_sql_sees_a_table_removed_after_its_views_were_made_as_empty(wh, monkeyp
     monkeypatch.setattr(wh, "connect", connect_then_rebuild)
     assert run_query(wh, "SELECT count(*) AS n FROM targets", fmt="csv", with_gold=True) == "n\n0\n"
     assert len(calls) == 2
+
+
+def test_interrupt_queries_stops_a_query_running_in_another_thread(wh):
+    import threading
+
+    from warehouse.duck import interrupt_queries
+
+    con = wh.connect()
+    outcome: list[BaseException] = []
+
+    def long_query() -> None:
+        try:
+            con.execute("SELECT sum(hash(range)) FROM range(1000000000000)").fetchall()  # hours if not stopped
+        except duckdb.Error as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=long_query)
+    worker.start()
+    time.sleep(1.0)
+    assert worker.is_alive()
+    assert interrupt_queries() >= 1
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the query went on after interrupt_queries()"
+    assert isinstance(outcome[0], duckdb.InterruptException)

@@ -35,7 +35,7 @@ import polars as pl
 from tqdm import tqdm
 
 from dxr.errors import InputError, NotFoundError
-from warehouse import vocab
+from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
@@ -260,7 +260,7 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
     remove_abandoned(target)
     with scratch(target, "work") as workdir:
         workdir.mkdir()
-        con = duckdb.connect(":memory:")
+        con = duck.connect(":memory:")
         try:
             con.execute(f"SET memory_limit = '{memory_limit}'")
             con.execute(f"SET temp_directory = '{workdir}'")

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import duckdb
 import meds
 import polars as pl
 import pyarrow as pa
@@ -25,6 +24,7 @@ import pyarrow.parquet as pq
 from flexible_schema.exceptions import SchemaValidationError
 
 from dxr.errors import InputError
+from warehouse import duck
 from warehouse.scratch import remove_abandoned, scratch
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
@@ -139,7 +139,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     glob = str(data_dir / "**" / "*.parquet")
-    con = duckdb.connect(":memory:")
+    con = duck.connect(":memory:")
     rel = f"read_parquet('{glob}', union_by_name=true)"
     # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
@@ -267,7 +267,7 @@ def read_splits(info: MedsInfo, seed: int) -> pl.DataFrame:
             raise InputError(f"{info.root / meds.subject_splits_filepath}: unknown split name(s) {sorted(unknown)}; "
                              f"use {', '.join(SPLITS)}")
         return splits
-    con = duckdb.connect(":memory:")
+    con = duck.connect(":memory:")
     ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet('{info.root}/data/**/*.parquet') "
                       "ORDER BY subject_id").fetchnumpy()["subject_id"]
     return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},

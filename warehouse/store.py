@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dxr.errors import InputError, NotFoundError
+from warehouse import duck
 from warehouse.schemas import FORECAST, GOLD, TABLES, Table
 from warehouse.scratch import remove_abandoned, scratch
 
@@ -146,7 +147,7 @@ class Warehouse:
         restricted to that directory, and it cannot be re-enabled on this connection.
         """
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
-        con = duckdb.connect(":memory:")
+        con = duck.connect(":memory:")
         for spec in TABLES.values():
             if spec.store == GOLD and not gold:
                 continue

@@ -48,8 +48,12 @@ _received: list[int] = []  # the terminating signal, once it has arrived
 
 
 def terminated(signum: int, frame) -> None:
+    """SIGTERM and Ctrl-C (SIGINT): stop DuckDB's queries in flight and unwind with exit code 128 + signal."""
+    from warehouse.duck import interrupt_queries
+
     _received.append(signum)
     click.echo(f"dxr: stopped by {signal.Signals(signum).name}", err=True)
+    interrupt_queries()  # the exception below alone does not stop a multi-threaded DuckDB query
     raise SystemExit(128 + signum)
 
 
@@ -58,9 +62,11 @@ class DxrGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         if threading.current_thread() is threading.main_thread():
-            # `kill` (SIGTERM, e.g. from a scheduler) unwinds like Ctrl-C, so runs are recorded `failed`
+            # `kill` (SIGTERM, e.g. from a scheduler) and Ctrl-C unwind, so runs are recorded `failed`
             # and temporary files are removed instead of the process vanishing mid-write.
             signal.signal(signal.SIGTERM, terminated)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when Ctrl-C is ignored
+                signal.signal(signal.SIGINT, terminated)
         _received.clear()  # a signal handled in an earlier invocation of this process is not this one's
         for name in ("prefect.flow_runs", "prefect.task_runs"):
             run_logger = logging.getLogger(name)

@@ -57,6 +57,7 @@ import polars as pl
 
 from dxr import __version__
 from dxr.errors import InputError
+from warehouse import duck
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
 from warehouse.scratch import remove_abandoned, scratch
 
@@ -405,7 +406,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
     con = None
     try:
         workdir.mkdir()
-        con = duckdb.connect(str(workdir / "import.duckdb"))
+        con = duck.connect(str(workdir / "import.duckdb"))
         con.execute(f"SET memory_limit = '{memory_limit}'")
         con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
         mark = time.perf_counter()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import duckdb
 import meds
 import polars as pl
 
+from warehouse import duck
 from warehouse.meds import hash_split
 from warehouse.synthetic.conditions import CODE_OWNER
 from warehouse.synthetic.oracle import oracle
@@ -34,7 +34,7 @@ REALISM_BANDS: dict[str, tuple[float, float]] = {
 def diagnosis_encounters(meds_dir: Path) -> pl.DataFrame:
     """(subject_id, encounter_id, admit, code) for every diagnosis of every encounter."""
     glob = str(Path(meds_dir) / meds.data_subdirectory / "**" / "*.parquet")
-    con = duckdb.connect(":memory:")
+    con = duck.connect(":memory:")
     return con.sql(f"""
         WITH ev AS (SELECT subject_id, encounter_id, time, code FROM read_parquet('{glob}')
                     WHERE encounter_id IS NOT NULL),

@@ -1,0 +1,35 @@
+"""DuckDB connections that a signal can stop.
+
+Every DuckDB connection dxr opens comes from `connect`, so that `interrupt_queries` can reach the
+queries in flight. The CLI's SIGTERM handler calls it: Python's exception alone stops a
+multi-threaded DuckDB query late or not at all (measured: a query went on for 96 s after the
+handler had run), while `interrupt()` stops it at once. Queries running in worker threads, which
+never see the signal, are stopped too.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import duckdb
+
+_open: weakref.WeakSet[duckdb.DuckDBPyConnection] = weakref.WeakSet()
+
+
+def connect(database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+    """A new DuckDB connection, tracked until it is garbage-collected."""
+    con = duckdb.connect(database)
+    _open.add(con)
+    return con
+
+
+def interrupt_queries() -> int:
+    """Interrupt the running query of every open connection of this process; returns how many were asked."""
+    asked = 0
+    for con in list(_open):
+        try:
+            con.interrupt()
+            asked += 1
+        except duckdb.Error:  # closed already
+            pass
+    return asked
