@@ -43,6 +43,24 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["forecast", "--split", "bogus"], "Error: Invalid value for '--split': 'bogus' is not one of 'train', 'tuning', "
+                                       "'held_out', 'all'. (usage: dxr forecast -h)"),
+    (["forecast", "--cohrt", "x"], "Error: No such option '--cohrt'. Did you mean '--cohort'? (usage: dxr forecast -h)"),
+    (["cohort", "build", "--dataset", "x"], "Error: Missing option '--name'. (usage: dxr cohort build -h)"),
+    (["--bogus"], "Error: No such option '--bogus'. (usage: dxr -h)"),
+    (["nosuch"], "Error: No such command 'nosuch'. (usage: dxr -h)"),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(args, line):
+    result = CliRunner().invoke(main, args, prog_name="dxr")
+    assert (result.exit_code, result.output.strip().splitlines()) == (2, [line])
+
+
+def test_a_bare_group_still_shows_its_help():
+    result = CliRunner().invoke(main, ["cohort"], prog_name="dxr")
+    assert result.output.startswith("Usage: dxr cohort [OPTIONS] COMMAND [ARGS]...") and "build" in result.output
+
+
 def test_ingest_missing_path(tmp_path):
     line = one_line_error(run("ingest", "meds", tmp_path / "nope", "--name", "x", data_dir=tmp_path / "wh"))
     assert line == f"Error: MEDS directory {tmp_path / 'nope'} does not exist: check the path"

@@ -57,8 +57,32 @@ def terminated(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+class OneLineUsageError(click.UsageError):
+    """A usage error (unknown option, bad choice, missing option) as one line, still with exit code 2."""
+
+    def show(self, file=None) -> None:
+        command = self.ctx.command_path if self.ctx is not None else "dxr"
+        click.echo(f"Error: {self.format_message()} (usage: {command} -h)", err=True, file=file)
+
+
+def _in_one_line(exc: click.UsageError) -> click.UsageError:
+    """The usage error as one line; a bare `dxr` or `dxr cohort` keeps showing its help."""
+    if isinstance(exc, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
+        return exc
+    one = OneLineUsageError(exc.format_message(), exc.ctx)
+    one.__cause__ = exc
+    return one
+
+
 class DxrGroup(click.Group):
-    """A click group that reports library and file-system errors as one line instead of a traceback."""
+    """A click group that reports library, file-system and usage errors as one line instead of a
+    traceback or Click's usage block."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:  # the group's own options
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _in_one_line(exc)
 
     def invoke(self, ctx: click.Context):
         if threading.current_thread() is threading.main_thread():
@@ -77,6 +101,8 @@ class DxrGroup(click.Group):
         except Exception as exc:
             if _received:  # the signal surfaced as another error, e.g. DuckDB's "Query interrupted"
                 raise SystemExit(128 + _received[0]) from exc
+            if isinstance(exc, click.UsageError):
+                raise _in_one_line(exc)
             if isinstance(exc, DxrError):
                 raise click.ClickException(str(exc)) from exc
             if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError):
