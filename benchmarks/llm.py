@@ -52,7 +52,8 @@ def questions(n: int) -> list[list[dict]]:
 async def time_calls(client: LLMClient, batch: list[list[dict]]) -> float:
     """Seconds for all calls of `batch`, issued concurrently as a stage would."""
     started = time.perf_counter()
-    await asyncio.gather(*(client.complete_json(m, PROMPT.schema, PROMPT.version, CallContext("bench", "direct", str(i)))
+    await asyncio.gather(*(client.complete_json(m, PROMPT.schema, PROMPT.version,
+                                                CallContext("bench", "direct", str(i)))
                            for i, m in enumerate(batch)))
     return time.perf_counter() - started
 

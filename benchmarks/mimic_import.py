@@ -110,7 +110,8 @@ def generate(folder: Path, scale: float, prescriptions: int, labevents: int) -> 
     rows["procedures_icd"] = copy("procedures_icd", f"""
         SELECT 10000000 + s AS subject_id, hadm_id, n.k + 1 AS seq_num, strftime(admittime, '%Y-%m-%d') AS chartdate,
                CASE WHEN hb(i, 31) % 100 < 45 THEN lpad(CAST(hb(i * 8 + n.k, 41) % 3000 AS VARCHAR), 4, '0')
-                    ELSE '0' || chr(CAST(65 + hb(i * 8 + n.k, 42) % 26 AS INTEGER)) || 'H' || lpad(CAST(hb(i * 8 + n.k, 43) % 1000 AS VARCHAR), 3, '0') || 'Z'
+                    ELSE '0' || chr(CAST(65 + hb(i * 8 + n.k, 42) % 26 AS INTEGER)) || 'H'
+                         || lpad(CAST(hb(i * 8 + n.k, 43) % 1000 AS VARCHAR), 3, '0') || 'Z'
                END AS icd_code,
                CASE WHEN hb(i, 31) % 100 < 45 THEN 9 ELSE 10 END AS icd_version
         FROM adm, LATERAL (SELECT unnest(range(CAST(hb(i, 44) % 5 AS INTEGER))) AS k) n
@@ -121,14 +122,16 @@ def generate(folder: Path, scale: float, prescriptions: int, labevents: int) -> 
     n_rx = int(prescriptions * scale)
     rows["prescriptions"] = copy("prescriptions", f"""
         WITH r AS (SELECT j, hb(j, 51) % {n_admissions} AS i FROM range({n_rx}) t(j))
-        SELECT 10000000 + a.s AS subject_id, a.hadm_id, j AS pharmacy_id, CAST(a.hadm_id AS VARCHAR) || '-' || j AS poe_id,
+        SELECT 10000000 + a.s AS subject_id, a.hadm_id, j AS pharmacy_id,
+               CAST(a.hadm_id AS VARCHAR) || '-' || j AS poe_id,
                j % 100 AS poe_seq, 'P00001' AS order_provider_id,
                CASE WHEN hb(j, 52) % 200 <> 0
                     THEN strftime(a.admittime + to_minutes(CAST(hb(j, 53) % 5000 AS BIGINT)), '%Y-%m-%d %H:%M:%S') END
                    AS starttime,
                NULL AS stoptime, 'MAIN' AS drug_type, 'Drug ' || (hb(j, 54) % 4000) AS drug,
                'FORM' || (hb(j, 54) % 4000) AS formulary_drug_cd, NULL AS gsn,
-               CASE WHEN hb(j, 55) % 10 = 0 THEN '0' ELSE lpad(CAST(hb(j, 54) % 4000 + 1 AS VARCHAR), 11, '0') END AS ndc,
+               CASE WHEN hb(j, 55) % 10 = 0 THEN '0' ELSE lpad(CAST(hb(j, 54) % 4000 + 1 AS VARCHAR), 11, '0')
+                    END AS ndc,
                '10 mg Tab' AS prod_strength, NULL AS form_rx, '10' AS dose_val_rx, 'mg' AS dose_unit_rx,
                '1' AS form_val_disp, 'TAB' AS form_unit_disp, 2 AS doses_per_24_hrs, 'PO' AS route
         FROM r JOIN adm a USING (i)""")
@@ -222,7 +225,8 @@ def main() -> None:
         "rows_per_s": round(rows_read / summary["seconds"]), "meds_events": summary["n_events"],
         "events_per_s": round(summary["n_events"] / summary["seconds"]), "peak_rss_mib": result["peak_rss_mib"],
         "duckdb_memory_limit": args.memory_limit, "cpus": os.cpu_count(),
-        "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2), "python": platform.python_version(),
+        "load_avg_1m_before": round(load_before, 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
         "duckdb": duckdb.__version__, "admissions": summary["n_admissions"], "encounters": summary["n_encounters"],
         "diagnoses_written": summary["n_diagnoses"], "lab_results_written": summary["n_labs"],
         "subjects": summary["n_subjects"], "shards": summary["n_shards"],

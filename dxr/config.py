@@ -65,7 +65,8 @@ class Settings(BaseSettings):
         return self.data_dir / "gold"
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
         # Precedence: explicit arguments, then DXR_* variables, then the TOML file.
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path()))
 

@@ -81,7 +81,8 @@ class RepeatHistory:
             history.select("trajectory_id", "code", "score", "native", pl.lit(-1).alias("pad_order"),
                            pl.int_range(pl.len()).over("trajectory_id").alias("order")),
             trajectories.select("trajectory_id").join(padding, how="cross")
-            .select("trajectory_id", "code", "score", "native", "pad_order", (pl.col("pad_order") + 10**9).alias("order")),
+            .select("trajectory_id", "code", "score", "native", "pad_order",
+                    (pl.col("pad_order") + 10**9).alias("order")),
         ], how="vertical_relaxed")
         return (candidates.sort("trajectory_id", "order")
                 .unique(["trajectory_id", "code"], keep="first", maintain_order=True)

@@ -198,8 +198,8 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         if invalid.height:
             row = invalid.row(0, named=True)
             raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
-                             f"{row['code']!r} (rank {row['rank']}), which is not in cohort {cohort_id}'s vocabulary Ω "
-                             f"({invalid.height} such rows): a ranking lists valid codes only; map or drop them")
+                             f"{row['code']!r} (rank {row['rank']}), which is not in cohort {cohort_id}'s vocabulary "
+                             f"Ω ({invalid.height} such rows): a ranking lists valid codes only; map or drop them")
     check_rankings(rankings, status, trajectory_ids, systems, max(ks, default=0), run_id)
     rankings = rankings.with_columns(
         pl.col("rank").rank("ordinal").over("system", "trajectory_id").cast(pl.Int32).alias("position"))
@@ -278,7 +278,8 @@ def system_counts(run: RunData, ks: tuple[int, ...]) -> Counts:
     lists = run.rankings.join(traj_index, on="trajectory_id").join(sys_index, on="system")
     lengths = np.bincount(lists["m"].to_numpy() * n + lists["i"].to_numpy(), minlength=n_sys * n).reshape(n_sys, n)
     predictions = np.stack([lengths if k == NATURAL_K else np.full((n_sys, n), k) for k in ks], axis=1)
-    return Counts(list(run.systems), tuple(ks), hits, predictions.astype(float), targets.reshape(n_sub, n).astype(float))
+    return Counts(list(run.systems), tuple(ks), hits, predictions.astype(float),
+                  targets.reshape(n_sub, n).astype(float))
 
 
 def pool_oracle_counts(run: RunData, pools: list[tuple[str, ...]], ks: tuple[int, ...]) -> tuple[Counts, np.ndarray]:
@@ -427,7 +428,8 @@ def metric_frame(names: list[str], ks: tuple[int, ...], point: np.ndarray, boot:
     frame = pl.DataFrame({
         "system": np.array(names)[m.ravel()], "subset": np.array(SUBSETS)[s.ravel()],
         "k": np.array(ks, dtype=np.int32)[kk.ravel()], "metric": np.array(METRICS)[q.ravel()],
-        "value": point.ravel().astype(float), "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float),
+        "value": point.ravel().astype(float), "ci_low": low.ravel().astype(float),
+        "ci_high": high.ravel().astype(float),
         "n": n[s.ravel()],
     })
     return frame.filter(pl.col("n") > 0).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
@@ -551,7 +553,8 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     paired = paired_rows(est, pairs).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
     coverage = coverage_rows(run, all_ks).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
     return Evaluation(*(_conform(name, frame) for name, frame in (
-        ("metrics", metrics), ("paired_comparisons", paired), ("headroom", headroom), ("evaluation_coverage", coverage))))
+        ("metrics", metrics), ("paired_comparisons", paired), ("headroom", headroom),
+        ("evaluation_coverage", coverage))))
 
 
 def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:

@@ -23,7 +23,8 @@ def realism_statistics(wh: Warehouse, cohort_id: str, run_id: str, split: str = 
         SELECT g.trajectory_id, g.code FROM targets g JOIN trajectories t USING (cohort_id, trajectory_id)
         WHERE g.cohort_id = ? AND t.split = ?""", params)
     history = fetch_frame(con, """
-        SELECT DISTINCT p.trajectory_id, p.code FROM pretarget_events p JOIN trajectories t USING (cohort_id, trajectory_id)
+        SELECT DISTINCT p.trajectory_id, p.code
+        FROM pretarget_events p JOIN trajectories t USING (cohort_id, trajectory_id)
         WHERE p.cohort_id = ? AND t.split = ? AND p.code LIKE 'DIAGNOSIS//%'""", params)
     [(mean_prior,)] = con.execute("SELECT avg(n_prior_encounters) FROM trajectories WHERE cohort_id = ? AND split = ?",
                                   params).fetchall()

@@ -115,7 +115,8 @@ def paired_table(paired: pl.DataFrame, k: int, metric: str = "micro_f1") -> Tabl
                   "worsened", "tied", "sign test p"],
                  [[r["system_a"], r["system_b"], f"{r['value_a']:.3f}", f"{r['value_b']:.3f}",
                    with_interval(r["difference"], r["ci_low"], r["ci_high"]), str(r["n_improved"]),
-                   str(r["n_worsened"]), str(r["n_tied"]), f"{r['sign_test_p']:.3g}"] for r in rows.iter_rows(named=True)])
+                   str(r["n_worsened"]), str(r["n_tied"]), f"{r['sign_test_p']:.3g}"]
+                  for r in rows.iter_rows(named=True)])
 
 
 def headroom_table(headroom: pl.DataFrame, metrics: pl.DataFrame, k: int) -> Table:
@@ -215,7 +216,8 @@ def _png(fig) -> bytes:
 
 def _errors(frame: pl.DataFrame) -> list[list[float]]:
     """Asymmetric error bar lengths; zero where an interval is missing."""
-    values, low, high = frame["value"], frame["ci_low"].fill_null(frame["value"]), frame["ci_high"].fill_null(frame["value"])
+    values, low, high = (frame["value"], frame["ci_low"].fill_null(frame["value"]),
+                         frame["ci_high"].fill_null(frame["value"]))
     return [(values - low).clip(lower_bound=0).to_list(), (high - values).clip(lower_bound=0).to_list()]
 
 
@@ -355,7 +357,8 @@ def to_markdown(blocks: list) -> str:
 
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+table{border-collapse:collapse;margin:1em 0;font-size:0.9em}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}figure{margin:1em 0}img{max-width:100%}
 figcaption{color:#555;font-size:0.9em}"""
 

@@ -381,7 +381,8 @@ def test_dictionary_definitions_and_lexical_icd_index(tmp_path):
     codes, notes = tiny_vocabulary()
     dictionary = Dictionary(codes, notes)
     definition = dictionary.define("DIAGNOSIS//ICD//10//E119")
-    assert (definition.doc_id, definition.title) == ("icd10:E11.9", "E11.9 Type 2 diabetes mellitus without complications")
+    assert (definition.doc_id, definition.title) == ("icd10:E11.9",
+                                                     "E11.9 Type 2 diabetes mellitus without complications")
     assert "Use additional code" not in definition.text  # headings are section names, text is the notes
     assert "long term (current) use of insulin (Z79.4) (from E11)" in definition.text
     assert dictionary.define("E11.9", icd_version=10) == definition

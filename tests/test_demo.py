@@ -36,7 +36,8 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
     assert first_calls["trajectory_id"].n_unique() == 4 and not first_calls["cache_hit"].any()
     assert (first_calls["backend"] == "local").all() and (first_calls["tokens_out"] > 0).all()
     con = wh.connect()
-    rows = con.execute("SELECT count(*), count(DISTINCT (run_id, system, trajectory_id, rank)) FROM rankings").fetchall()
+    rows = con.execute("SELECT count(*), count(DISTINCT (run_id, system, trajectory_id, rank)) "
+                       "FROM rankings").fetchall()
     metrics = wh.read("metrics").sort(pl.all())
     # A rerun reuses the dataset and replaces its own partitions: no duplicates, same numbers.
     again = CliRunner().invoke(main, ["demo", "--run-id", "demo-test"], catch_exceptions=False)

@@ -30,7 +30,8 @@ def replay_client(tmp_path, pairs, cache=False, **overrides) -> LLMClient:
     config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="m", **overrides)
     probe = LLMClient(config, backend=None)
     for messages, text, tokens_in, tokens_out in pairs:
-        append_recording(config.replay_file, probe.request(messages, SCHEMA), Completion(text, tokens_in, 0, tokens_out))
+        append_recording(config.replay_file, probe.request(messages, SCHEMA),
+                         Completion(text, tokens_in, 0, tokens_out))
     return LLMClient(config, ReplayBackend(config.replay_file), ResponseCache(tmp_path / "cache") if cache else None)
 
 
@@ -48,7 +49,8 @@ def re_ask(bad: str, *errors: str) -> list[dict]:
     return QUESTION + [
         {"role": "assistant", "content": bad},
         {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
-         + "".join(f"- {e}\n" for e in errors) + "Reply again with only a JSON object that fixes every listed problem."}]
+         + "".join(f"- {e}\n" for e in errors)
+         + "Reply again with only a JSON object that fixes every listed problem."}]
 
 
 def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
@@ -106,10 +108,12 @@ def test_cache_files_are_complete_json_named_by_their_key(tmp_path):
 
 
 def test_cost_is_computed_from_the_price_table():
-    calls = pl.DataFrame({"model": ["m", "m", "free"], "tokens_in": [1_000_000, 0, 5], "tokens_cached_in": [500_000, 0, 0],
-                          "tokens_out": [100_000, 0, 5], "tokens_reasoning": [0, 0, 0], "cache_hit": [False, True, False]})
+    calls = pl.DataFrame({"model": ["m", "m", "free"], "tokens_in": [1_000_000, 0, 5],
+                          "tokens_cached_in": [500_000, 0, 0], "tokens_out": [100_000, 0, 5],
+                          "tokens_reasoning": [0, 0, 0], "cache_hit": [False, True, False]})
     prices = {"m": ModelPrice(input=2.0, cached_input=0.5, output=10.0)}
-    # 500k uncached at $2/M + 500k cached at $0.5/M + 100k out at $10/M = 1 + 0.25 + 1 = 2.25; unpriced models cost null.
+    # 500k uncached at $2/M + 500k cached at $0.5/M + 100k out at $10/M = 1 + 0.25 + 1 = 2.25;
+    # unpriced models cost null.
     assert call_costs(calls, prices)["cost_usd"].to_list() == [2.25, 0.0, None]
 
 
@@ -247,7 +251,8 @@ def test_backend_totals_count_cache_hits_as_calls_without_tokens_or_cost():
                           "trajectory_id": ["a", "a", "b"], "tokens_in": [1000, 1200, 900],
                           "tokens_cached_in": [0, 0, 400], "tokens_out": [300, 250, 280], "tokens_reasoning": [0, 0, 0],
                           "latency_ms": [1000.0, 2.0, 3000.0], "cache_hit": [False, True, False]})
-    totals = backend_totals(calls, {"m": ModelPrice(input=1.0, cached_input=0.5, output=2.0)}, ["stage"]).row(0, named=True)
+    totals = backend_totals(calls, {"m": ModelPrice(input=1.0, cached_input=0.5, output=2.0)},
+                            ["stage"]).row(0, named=True)
     assert (totals["llm_calls"], totals["backend_calls"], totals["cache_hits"]) == (3, 2, 1)
     assert (totals["tokens_in"], totals["tokens_cached_in"], totals["tokens_out"]) == (1900, 400, 580)
     assert (totals["latency_ms_p50"], totals["latency_ms_total"]) == (2000.0, 4000.0)

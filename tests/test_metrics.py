@@ -48,7 +48,8 @@ def write_cohort(wh: Warehouse, targets=TARGETS, pretarget=PRETARGET, train_coun
                                       "code": [c for t in ids for c in targets[t]]}), cohort_id=COHORT)
     rows = [(t, c) for t in ids for c in pretarget.get(t, [])]
     wh.write("pretarget_events", pl.DataFrame({
-        "cohort_id": COHORT, "trajectory_id": [r[0] for r in rows], "subject_id": [int(r[0].split(":")[1]) for r in rows],
+        "cohort_id": COHORT, "trajectory_id": [r[0] for r in rows],
+        "subject_id": [int(r[0].split(":")[1]) for r in rows],
         "time": datetime(2019, 1, 1), "code": [r[1] for r in rows], "numeric_value": None, "text_value": None,
         "encounter_id": 1}, schema_overrides={"numeric_value": pl.Float32, "text_value": pl.String,
                                               "time": pl.Datetime("us"), "code": pl.String, "trajectory_id": pl.String,

@@ -70,7 +70,8 @@ def test_history_features_count_recency_and_latest():
     dx_ids = torch.tensor([[[0, 3], [1, 3], [0, 3], [3, 3]]])  # O = 3, padding id 3; visit 3 is padding
     lengths = torch.tensor([3])
     feats = dense(history_features(dx_ids, lengths, 3, last_only=True), 1, 4, 3)[0]  # (O, F)
-    assert feats[:, 0].tolist() == pytest.approx([torch.log1p(torch.tensor(2.0)).item(), torch.log1p(torch.tensor(1.0)).item(), 0.0])
+    assert feats[:, 0].tolist() == pytest.approx([torch.log1p(torch.tensor(2.0)).item(),
+                                                  torch.log1p(torch.tensor(1.0)).item(), 0.0])
     assert feats[:, 1].tolist() == pytest.approx([1.0, 0.5, 0.0])  # code 0 seen now, code 1 one visit ago
     assert feats[:, 2].tolist() == [1.0, 0.0, 0.0]
     every = dense(history_features(dx_ids, lengths, 3), 1, 4, 3)[0]  # (V, O, F)

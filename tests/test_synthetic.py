@@ -322,7 +322,8 @@ def test_coding_is_clinically_coherent(events):
     sex = events.filter(pl.col("code").str.starts_with("GENDER//")).select(
         "subject_id", pl.col("code").str.strip_prefix("GENDER//").alias("sex"))
     dx = events.filter(pl.col("code").str.starts_with(DIAGNOSIS)).select(
-        "subject_id", "encounter_id", pl.col("code").str.strip_prefix(DIAGNOSIS).alias("icd")).join(sex, on="subject_id")
+        "subject_id", "encounter_id",
+        pl.col("code").str.strip_prefix(DIAGNOSIS).alias("icd")).join(sex, on="subject_id")
     female_only = dx.filter(pl.col("icd").str.contains(r"^(O|Z3A|Z37|Z33)"))
     male_only = dx.filter(pl.col("icd").str.contains(r"^(C61|N40|Z85\.?46)"))
     assert female_only.height > 0 and (female_only["sex"] == "F").all()
@@ -338,7 +339,8 @@ def test_coding_is_clinically_coherent(events):
 def test_invalid_dataset_json_is_a_one_line_error_naming_the_file(tmp_path):
     generate(tmp_path, 12, SEED, shard_size=10)
     (tmp_path / "metadata" / "dataset.json").write_text('{"dataset_name": "x",}')
-    with pytest.raises(InputError, match=r"dataset\.json: not valid JSON \(.* at line 1 column \d+\): fix it or remove"):
+    with pytest.raises(InputError,
+                       match=r"dataset\.json: not valid JSON \(.* at line 1 column \d+\): fix it or remove"):
         validate_meds_dir(tmp_path)
 
 

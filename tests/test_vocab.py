@@ -180,7 +180,8 @@ def test_load_vocabularies_is_idempotent(tmp_path, tables):
     }
     assert load_vocabularies(wh) == {}
     with wh.connect() as con:
-        counts = con.execute("SELECT icd_version, count(*), sum(billable::INT) FROM icd_codes GROUP BY 1 ORDER BY 1").fetchall()
+        counts = con.execute("SELECT icd_version, count(*), sum(billable::INT) FROM icd_codes "
+                             "GROUP BY 1 ORDER BY 1").fetchall()
         assert counts == [(9, 17_726, 14_567), (10, 98_466, 74_731)]
         assert con.execute("SELECT count(*) FROM gem_map").fetchone() == (102_750,)
     wh.delete("gem_map", direction="10to9")

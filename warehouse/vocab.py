@@ -617,7 +617,8 @@ class Vocabulary:
     def _resolve_token(self, token: str, version: int | None) -> tuple[str | None, str | None]:
         raw = token.replace(".", "")
         # Which versions the written form allows: a dot position or an explicit tag disambiguates.
-        shaped = [v for v, shape in ((10, _ICD10_SHAPE), (9, _ICD9_SHAPE)) if shape.match(token) and version in (None, v)]
+        shaped = [v for v, shape in ((10, _ICD10_SHAPE), (9, _ICD9_SHAPE))
+                  if shape.match(token) and version in (None, v)]
         for v in shaped:
             code = self._by_version[v].get(raw)
             if code is not None:

@@ -80,7 +80,8 @@ class LLMClient:
 
     def __post_init__(self):
         # A backend may admit fewer requests in flight than configured (the embedded server: one).
-        in_flight = min(self.config.max_concurrency, getattr(self.backend, "max_concurrency", self.config.max_concurrency))
+        in_flight = min(self.config.max_concurrency,
+                        getattr(self.backend, "max_concurrency", self.config.max_concurrency))
         self._limit = asyncio.Semaphore(in_flight)
         # The embedded backend has its own, longer timeout and does not retry timeouts (see LocalBackend).
         self._timeout_s = getattr(self.backend, "timeout_s", self.config.timeout_s)

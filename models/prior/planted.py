@@ -106,7 +106,8 @@ def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, co
     wh.write("train_events", train.with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
     targets = (joined.filter((pl.col("encounter_id") == pl.col("target_encounter_id"))
                              & pl.col("code").str.starts_with("DIAGNOSIS//"))
-               .select(pl.lit(cohort_id).alias("cohort_id"), "trajectory_id", "code").unique().sort("trajectory_id", "code"))
+               .select(pl.lit(cohort_id).alias("cohort_id"), "trajectory_id", "code").unique()
+               .sort("trajectory_id", "code"))
     wh.write("targets", targets, cohort_id=cohort_id)
     wh.write("cohorts", pl.DataFrame([{
         "cohort_id": cohort_id, "dataset_id": "planted", "name": cohort_id, "target_rule": "final",

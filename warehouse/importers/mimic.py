@@ -146,8 +146,10 @@ MIMIC3 = Layout(
                    p.src_row, coalesce(a.dischtime, a.admittime) AS time, a.dischtime IS NULL AS time_imputed
             FROM t_procedures_icd p LEFT JOIN t_admissions a ON a.hadm_id = p.hadm_id;
         CREATE VIEW rx AS SELECT subject_id, hadm_id, startdate AS starttime, drug, ndc FROM t_prescriptions;
-        CREATE VIEW dict_dx AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title FROM t_d_icd_diagnoses;
-        CREATE VIEW dict_px AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title FROM t_d_icd_procedures;
+        CREATE VIEW dict_dx AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title
+            FROM t_d_icd_diagnoses;
+        CREATE VIEW dict_px AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title
+            FROM t_d_icd_procedures;
     """,
 )
 
@@ -248,7 +250,8 @@ in_hospital_death AS (
 ),
 death AS (
     SELECT subject_id, coalesce(d.deathtime, p.dod) AS time, d.hadm_id
-    FROM in_hospital_death d FULL OUTER JOIN (SELECT subject_id, dod FROM pat WHERE dod IS NOT NULL) p USING (subject_id)
+    FROM in_hospital_death d
+    FULL OUTER JOIN (SELECT subject_id, dod FROM pat WHERE dod IS NOT NULL) p USING (subject_id)
 )
 SELECT subject_id, NULL::TIMESTAMP AS time, 'GENDER//' || upper(trim(gender)) AS code,
        NULL::BIGINT AS encounter_id, NULL::INTEGER AS seq_num, false AS time_imputed,
@@ -261,7 +264,8 @@ UNION ALL SELECT subject_id, admittime, 'HOSPITAL_ADMISSION//' || coalesce(nulli
                  hadm_id, NULL, false, NULL, NULL FROM adm
 UNION ALL SELECT subject_id, dischtime, 'HOSPITAL_DISCHARGE//' || coalesce(nullif(trim(discharge_location), ''), 'UNK'),
                  hadm_id, NULL, false, NULL, NULL FROM adm WHERE dischtime IS NOT NULL
-UNION ALL SELECT d.subject_id, coalesce(a.dischtime, a.admittime), 'DIAGNOSIS//ICD//' || d.icd_version || '//' || d.code,
+UNION ALL SELECT d.subject_id, coalesce(a.dischtime, a.admittime),
+                 'DIAGNOSIS//ICD//' || d.icd_version || '//' || d.code,
                  d.hadm_id, d.seq_num, a.dischtime IS NULL, NULL, NULL
     FROM dx_unique d JOIN adm a ON a.hadm_id = d.hadm_id
 UNION ALL SELECT subject_id, time, 'PROCEDURE//ICD//' || icd_version || '//' || code, hadm_id, seq_num, time_imputed,
@@ -669,7 +673,8 @@ def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, 
                    e.encounter_id, e.seq_num, e.time_imputed
             FROM events e JOIN subject_shards s USING (subject_id)
             WHERE s.split = ? AND s.shard = ?
-            ORDER BY e.subject_id, e.time NULLS FIRST, e.code, e.encounter_id""", params=[split, shard]).to_arrow_table()
+            ORDER BY e.subject_id, e.time NULLS FIRST, e.code, e.encounter_id""",
+                        params=[split, shard]).to_arrow_table()
         write_data_shard(staging, f"{split}/{shard}", table)
     assert {s for s, _ in shards} <= set(SPLITS), f"unexpected split names {shards}"
     return len(shards)
