@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def all_commands(group=main, prefix=()):
             yield from all_commands(command, prefix + (name,))
 
 
-@pytest.mark.parametrize("path,command", list(all_commands()), ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+@pytest.mark.parametrize("path,command", list(all_commands()),
+                         ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
 def test_every_command_has_help_with_an_example(path, command):
     result = run(*path, "--help")
     assert result.exit_code == 0, result.output
@@ -46,7 +48,8 @@ def one_line_error(result) -> str:
 @pytest.mark.parametrize(("args", "line"), [
     (["forecast", "--split", "bogus"], "Error: Invalid value for '--split': 'bogus' is not one of 'train', 'tuning', "
                                        "'held_out', 'all'. (usage: dxr forecast -h)"),
-    (["forecast", "--cohrt", "x"], "Error: No such option '--cohrt'. Did you mean '--cohort'? (usage: dxr forecast -h)"),
+    (["forecast", "--cohrt", "x"], "Error: No such option '--cohrt'. Did you mean '--cohort'? "
+                                   "(usage: dxr forecast -h)"),
     (["cohort", "build", "--dataset", "x"], "Error: Missing option '--name'. (usage: dxr cohort build -h)"),
     (["--bogus"], "Error: No such option '--bogus'. (usage: dxr -h)"),
     (["nosuch"], "Error: No such command 'nosuch'. (usage: dxr -h)"),
@@ -75,11 +78,13 @@ def test_ingest_malformed_directory(tmp_path):
 def test_ingest_missing_column(tmp_path):
     root = write_tiny_meds(tmp_path / "m", tiny_events().drop("encounter_id"))
     line = one_line_error(run("ingest", "meds", root, "--name", "x", data_dir=tmp_path / "wh"))
-    assert line.endswith("missing column 'encounter_id' (int64): add the hospital encounter (admission) id to every event")
+    assert line.endswith("missing column 'encounter_id' (int64): add the hospital encounter (admission) id "
+                         "to every event")
 
 
 def test_ingest_unknown_code_system(tmp_path):
-    events = tiny_events().with_columns(pl.col("code").str.replace("DIAGNOSIS//ICD//10//J449", "DIAGNOSIS//ICD//11//CA22"))
+    events = tiny_events().with_columns(pl.col("code").str.replace("DIAGNOSIS//ICD//10//J449",
+                                                                   "DIAGNOSIS//ICD//11//CA22"))
     root = write_tiny_meds(tmp_path / "m", events)
     line = one_line_error(run("ingest", "meds", root, "--name", "x", data_dir=tmp_path / "wh"))
     assert "unknown code system in diagnosis code 'DIAGNOSIS//ICD//11//CA22'" in line
@@ -89,7 +94,8 @@ def test_ingest_unknown_code_system(tmp_path):
 def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
     line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
     assert "dataset name 'Bad Name' is not allowed" in line
-    line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history", data_dir=tmp_path / "wh"))
+    line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history",
+                              data_dir=tmp_path / "wh"))
     assert line == (f"Error: cohort 'missing' not found in the warehouse at {tmp_path / 'wh'}; built cohorts: none "
                     "(build one with `dxr cohort build`, or check --data-dir)")
 
@@ -263,3 +269,27 @@ def test_a_closed_output_pipe_ends_quietly(tmp_path, monkeypatch):
     (tmp_path / "forecast").mkdir()
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"])
     assert result.exit_code == 1 and "Error" not in result.output
+
+
+def test_prefects_temporary_server_ends_with_a_sigkilled_dxr(tmp_path):
+    # What the CLI does before a flow, in a process that is then SIGKILLed (a scheduler's hard timeout).
+    script = ("import sys, time\nfrom flows.api_server import start_temporary_api\n"
+              "from prefect.server.api.server import SubprocessASGIServer\n"
+              "start_temporary_api()\nprint(SubprocessASGIServer().server_process.pid, flush=True)\ntime.sleep(600)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**env, "PREFECT_HOME": str(tmp_path / "prefect")}, cwd=Path(__file__).parents[1])
+    server = None
+    try:
+        server = int(proc.stdout.readline())
+        os.kill(server, 0)  # the server is up
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{server}").exists():
+            time.sleep(0.2)
+        assert not Path(f"/proc/{server}").exists(), "the temporary Prefect server outlived its dxr process"
+    finally:
+        proc.kill()
+        if server is not None and Path(f"/proc/{server}").exists():
+            os.kill(server, signal.SIGKILL)

@@ -27,12 +27,14 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
     Example:
       dxr demo --patients 5000 --llm-sample 4
     """
+    from flows.api_server import start_temporary_api
     from flows.demo import demo_flow
     from warehouse.sql import format_table
 
     cfg = settings(ctx)
     if patients:
         cfg = cfg.model_copy(update={"synth": cfg.synth.model_copy(update={"patients": patients})})
+    start_temporary_api()
     result = demo_flow(cfg, run_id=run_id, llm_sample=llm_sample)
     cohort = result["cohort"]
     click.echo(f"\ncohort {cohort['name']} ({cohort['cohort_id']}): {cohort['n_trajectories']:,} trajectories; "

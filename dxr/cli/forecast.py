@@ -25,6 +25,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     Example:
       dxr forecast --cohort default --system repeat_history --split held_out --run-id demo-1
     """
+    from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
     from tasks.forecast import check_rerun, check_system, forecast_config
     from warehouse.cohorts import get_cohort
@@ -35,5 +36,6 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     check_system(system)
     wh = Warehouse(data_dir)
     check_rerun(wh, run_id, forecast_config(get_cohort(wh, cohort)["cohort_id"], system, split, k, limit))
+    start_temporary_api()
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
     click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split})")

@@ -38,12 +38,14 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     Example:
       dxr prior train --cohort default --system ehr_prior --system gru --epochs 4
     """
+    from flows.api_server import start_temporary_api
     from flows.train_prior import train_prior_flow
 
     s = settings(ctx)
     overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed}.items()
                  if v is not None}
     cfg = s.prior.model_copy(update=overrides)
+    start_temporary_api()
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; "

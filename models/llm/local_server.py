@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from dxr.errors import ConfigError
+from dxr.processes import die_with_parent
 from models.llm.backends import Completion, OpenAIBackend
 
 PACKAGED_MODEL = "gemma3-270m-q4-k-m"
@@ -56,14 +56,6 @@ def default_threads() -> int:
     """Every core but one: the orchestrating process needs one, and llama.cpp's spinning worker threads
     slow down many-fold when they compete with another busy process for a core."""
     return max(1, (os.cpu_count() or 1) - 1)
-
-
-def _die_with_parent() -> None:
-    """Child-side hook: ask Linux to send SIGTERM to the server when the process that started it dies."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class LocalServer:
@@ -109,7 +101,7 @@ class LocalServer:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                        preexec_fn=die_with_parent if sys.platform == "linux" else None)
         log.close()
         atexit.register(self.stop)
         self.base_url = f"http://127.0.0.1:{port}/v1"

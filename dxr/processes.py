@@ -1,0 +1,49 @@
+"""Child processes that end with the dxr process that started them, even when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+# Run by the guard process of Prefect's temporary server (see `guard_process`). It imports nothing
+# heavy, so it starts in milliseconds and holds a few MB.
+_GUARD = """
+import os, select, signal, sys
+target, parent = int(sys.argv[1]), int(sys.argv[2])
+handle = os.pidfd_open(target)  # names the process itself, immune to the reuse of its PID
+
+def stop(*_):
+    try:
+        signal.pidfd_send_signal(handle, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    os._exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+if os.getppid() != parent:  # dxr died before the death signal was armed
+    stop()
+select.select([handle], [], [])  # readable once the target has ended on its own
+"""
+
+
+def die_with_parent() -> None:
+    """Child-side hook (`preexec_fn`): ask Linux to send SIGTERM to this process when the thread
+    that started it ends, which for dxr's main thread is when the dxr process ends."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def guard_process(target_pid: int, parent_pid: int) -> subprocess.Popen | None:
+    """Start a guard that stops `target_pid` (SIGTERM) when this process dies, for a child whose
+    start we do not control; None where Linux's parent-death signal or pidfds are missing.
+
+    Call it from the main thread: the parent-death signal follows the thread that started the child.
+    """
+    if sys.platform != "linux" or not hasattr(signal, "pidfd_send_signal"):
+        return None
+    return subprocess.Popen([sys.executable, "-c", _GUARD, str(target_pid), str(parent_pid)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
