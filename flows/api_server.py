@@ -29,6 +29,8 @@ def start_temporary_api() -> None:
     if PREFECT_API_URL.value():  # a real server (deployments, the test harness): nothing of ours to stop
         return
     server = SubprocessASGIServer()  # Prefect keeps one instance per process; its client reuses it
+    if server.running:
+        return
     launch = server._run_uvicorn_command  # Prefect's own launch, wrapped to guard each server at birth
 
     def launch_guarded() -> subprocess.Popen:

@@ -215,8 +215,8 @@ def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_pat
 @pytest.mark.parametrize(("signum", "exit_code", "last_line"), [(signal.SIGTERM, 143, "dxr: stopped by SIGTERM"),
                                                                (signal.SIGINT, 130, "dxr: stopped by SIGINT")])
 def test_a_signal_stops_a_long_duckdb_query_at_once(tmp_path, signum, exit_code, last_line):
-    # A multi-threaded query kept running after Python's handler had raised (once for 96 s, until
-    # finished); the handlers now interrupt DuckDB's queries as well.
+    # A multi-threaded query kept running after Python's handler had raised (once for 96 s, until a
+    # timeout killed it); the handlers now interrupt DuckDB's queries as well.
     dxr = Path(sys.executable).parent / "dxr"
     (tmp_path / "forecast").mkdir()
     proc = subprocess.Popen([str(dxr), "--data-dir", str(tmp_path), "sql",

@@ -1,10 +1,10 @@
 """DuckDB connections that a signal can stop.
 
 Every DuckDB connection dxr opens comes from `connect`, so that `interrupt_queries` can reach the
-queries in flight. The CLI's SIGTERM handler calls it: Python's exception alone stops a
-multi-threaded DuckDB query late or not at all (measured: a query went on for 96 s after the
-handler had run), while `interrupt()` stops it at once. Queries running in worker threads, which
-never see the signal, are stopped too.
+queries in flight. The CLI's SIGTERM and Ctrl-C handler calls it: Python's exception alone stops
+a multi-threaded DuckDB query late or not at all (measured: a query still ran 96 s after the
+handler had raised, until a timeout killed it), while `interrupt()` stops it at once. Queries
+running in worker threads, which never see the signal, are stopped too.
 """
 
 from __future__ import annotations
