@@ -164,7 +164,7 @@ def test_interrupt_queries_stops_a_query_running_in_another_thread(wh):
         except duckdb.Error as exc:
             outcome.append(exc)
 
-    worker = threading.Thread(target=long_query)
+    worker = threading.Thread(target=long_query, daemon=True)  # a query that went on must not hold up pytest
     worker.start()
     time.sleep(1.0)
     assert worker.is_alive()
