@@ -25,8 +25,17 @@ def connect(database: str = ":memory:") -> duckdb.DuckDBPyConnection:
 
 def interrupt_queries() -> int:
     """Interrupt the running query of every open connection of this process; returns how many were asked."""
+    # No lock: this runs in a signal handler, possibly while the main thread is inside `connect`.
+    # A worker thread adding a connection during the copy makes it fail; the next copy is taken.
+    connections: list[duckdb.DuckDBPyConnection] = []
+    for _ in range(10):
+        try:
+            connections = list(_open)
+            break
+        except RuntimeError:  # "Set changed size during iteration"
+            continue
     asked = 0
-    for con in list(_open):
+    for con in connections:
         try:
             con.interrupt()
             asked += 1
