@@ -10,7 +10,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
 
 from dxr.errors import ConfigError
@@ -43,6 +43,34 @@ class CohortConfig(BaseModel):
     memory_limit: str = Field("2GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 
 
+class BackfillConfig(BaseModel):
+    """One scheduled cohort backfill served by `dxr serve` (a `[[backfills]]` table in the TOML file)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]*$", description="deployment name, e.g. nightly")
+    cohort: str = Field(..., description="cohort name or id")
+    systems: list[str] = Field(["global_frequency", "repeat_history", "ehr_prior"], min_length=1,
+                               description="forecast in this order into one run, then evaluated")
+    split: str = Field("held_out", pattern="^(train|tuning|held_out|all)$")
+    k: int = Field(20, ge=1)
+    limit: int | None = Field(None, ge=1)
+    cron: str = Field(..., description="five-field cron expression, e.g. '0 2 * * *'")
+    timezone: str = Field("UTC", description="IANA time zone the cron expression is read in")
+
+    @field_validator("cron", "timezone")
+    @classmethod
+    def _schedulable(cls, value: str, info) -> str:
+        # Prefect's own schedule model decides what its scheduler accepts; imported only when a
+        # backfill is configured, so other commands do not pay for importing Prefect.
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(**{"cron": "0 0 * * *", "timezone": "UTC", info.field_name: value})
+        except ValidationError as exc:
+            raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        return value
+
+
 class Settings(BaseSettings):
     """Everything configurable. Secrets never live here: they come from the environment only."""
 
@@ -55,6 +83,16 @@ class Settings(BaseSettings):
     prior: PriorConfig = PriorConfig()
     tools: ToolsConfig = ToolsConfig()
     llm: LLMConfig = LLMConfig()
+    backfills: list[BackfillConfig] = Field([], description="scheduled cohort backfills served by `dxr serve`")
+
+    @field_validator("backfills")
+    @classmethod
+    def _unique_backfill_names(cls, backfills: list[BackfillConfig]) -> list[BackfillConfig]:
+        names = [b.name for b in backfills]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"backfill names must be unique; repeated: {', '.join(repeated)}")
+        return backfills
 
     @property
     def forecast_dir(self) -> Path:

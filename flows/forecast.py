@@ -7,7 +7,7 @@ from contextlib import ExitStack
 from prefect import flow
 
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
-                            forecast_shard_task)
+                            forecast_shard_task, forecast_shards)
 from dxr.errors import InputError
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
@@ -15,10 +15,13 @@ from warehouse.runs import check_run_id, new_run_id, registered_run
 from warehouse.store import Warehouse
 
 
-@flow(name="forecast", log_prints=False)
+@flow(name="forecast", flow_run_name="forecast-{system}", log_prints=False)
 def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_out", k: int = 20,
-                  limit: int | None = None, run_id: str | None = None) -> str:
-    """Rank codes for every trajectory of a cohort split with `system`; returns the run id."""
+                  limit: int | None = None, run_id: str | None = None, subject_id: int | None = None) -> str:
+    """Rank codes for every trajectory of a cohort split with `system`; returns the run id.
+
+    `subject_id` restricts the run to one patient's trajectories (an ad-hoc rerun of one patient).
+    """
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
     check_system(system)  # fail fast on an unknown system, before registering a run
@@ -36,14 +39,15 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
                                       busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
                                            "fuses, in another dxr process"))
         cohort_id = cohort_row["cohort_id"]
-        config = forecast_config(cohort_id, system, split, k, limit)
+        config = forecast_config(cohort_id, system, split, k, limit, subject_id)
         check_rerun(wh, run_id, config)
-        shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+        shards = forecast_shards(wh, cohort_id, split, subject_id)
         with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
             clear_outputs(wh, run.run_id, system)
             remaining = limit
             for shard in shards:
-                done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining)
+                done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining,
+                                           subject_id)
                 if remaining is not None:
                     remaining -= done
                     if remaining <= 0:

@@ -33,9 +33,29 @@ def check_system(system: str) -> None:
         raise InputError(f"unknown or not yet available system {system!r}; available: {available}")
 
 
-def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int | None) -> dict:
-    """What a forecast run records in `runs.config_json`; a run id names one such configuration per system."""
-    return {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
+def check_system_order(systems: tuple[str, ...]) -> None:
+    """Each system is known and every fused system comes after the systems whose lists it fuses."""
+    if not systems:
+        raise InputError("no system given: name at least one, e.g. repeat_history")
+    for position, system in enumerate(systems):
+        check_system(system)
+        missing = [source for source in FUSED_INPUTS.get(system, ()) if source not in systems[:position]]
+        if missing:
+            raise InputError(f"{system} fuses the lists of {', '.join(FUSED_INPUTS[system])}: put "
+                             f"{', '.join(missing)} before it in systems")
+
+
+def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int | None,
+                    subject_id: int | None = None) -> dict:
+    """What a forecast run records in `runs.config_json`; a run id names one such configuration per system.
+
+    `subject_id` (one patient's trajectories, an ad-hoc rerun) is recorded only when given, so a
+    cohort run's configuration reads as it always has.
+    """
+    config = {"system": system, "split": split, "k": k, "limit": limit, "cohort": cohort_id}
+    if subject_id is not None:
+        config["subject_id"] = subject_id
+    return config
 
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
@@ -61,7 +81,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
         return
     recorded = json.loads(own["config_json"][0])
     current = json.loads(json.dumps(config, sort_keys=True, default=str))
-    changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current)
+    changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current.keys() | recorded.keys())
                if recorded.get(key) != current.get(key)]
     if changed:
         raise InputError(f"run {run_id} already holds a {config['system']} forecast with other options "
@@ -96,12 +116,30 @@ def fitted_forecaster(wh_root: str, cohort_id: str, system: str) -> Forecaster:
     return forecaster
 
 
-def shard_inputs(wh: Warehouse, cohort_id: str, shard: int, split: str, limit: int | None = None
-                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Trajectories of one shard (restricted to a split and an optional limit) and their pre-target events."""
+def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:
+    """The shards a forecast visits: all of the cohort's, or those holding the patient's trajectories
+    in the split (none is an input error: a mistyped id or a patient outside the split)."""
+    trajectories = wh.read("trajectories", cohort_id=cohort_id)
+    if subject_id is not None:
+        trajectories = trajectories.filter(pl.col("subject_id") == subject_id)
+        if split != "all":
+            trajectories = trajectories.filter(pl.col("split") == split)
+        if trajectories.is_empty():
+            where = "" if split == "all" else f" in split {split} (split all covers every split)"
+            raise InputError(f"patient {subject_id} has no trajectory in cohort {cohort_id}{where}: check the "
+                             "subject id against the cohort's trajectories table")
+    return sorted(trajectories["shard"].unique().to_list())
+
+
+def shard_inputs(wh: Warehouse, cohort_id: str, shard: int, split: str, limit: int | None = None,
+                 subject_id: int | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Trajectories of one shard (restricted to a split, an optional patient and an optional limit) and
+    their pre-target events."""
     trajectories = wh.read("trajectories", cohort_id=cohort_id).filter(pl.col("shard") == shard)
     if split != "all":
         trajectories = trajectories.filter(pl.col("split") == split)
+    if subject_id is not None:
+        trajectories = trajectories.filter(pl.col("subject_id") == subject_id)
     if limit is not None:
         trajectories = trajectories.head(limit)
     pretarget = wh.read("pretarget_events", cohort_id=cohort_id, shard=shard).join(
@@ -134,10 +172,10 @@ def status_counts(wh: Warehouse, run_id: str) -> pl.DataFrame:
 
 @task(name="forecast-shard")
 def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, split: str, k: int, run_id: str,
-                        limit: int | None = None) -> int:
+                        limit: int | None = None, subject_id: int | None = None) -> int:
     """Prefect wrapper: fit (from the forecasting store only), predict one shard, write its partitions."""
     wh = Warehouse(wh_root)
-    trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit)
+    trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit, subject_id)
     if trajectories.is_empty():
         return 0
     if system in LLM_SYSTEMS:

@@ -14,11 +14,13 @@ from dxr.cli import main, settings
               show_default=True, help="Which trajectories to forecast.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Forecast at most N trajectories.")
 @click.option("--k", type=click.IntRange(min=1), default=20, show_default=True, help="Codes per trajectory.")
+@click.option("--subject-id", type=int, default=None, help="Forecast only this patient's trajectories (an ad-hoc "
+              "rerun of one patient).")
 @click.option("--run-id", default=None, help="Run id to write under (generated when absent); reuse it to put "
               "several systems in one run.")
 @click.pass_context
 def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: int | None, k: int,
-             run_id: str | None) -> None:
+             run_id: str | None, subject_id: int | None) -> None:
     """Rank the next encounter's diagnosis codes for a cohort's trajectories.
 
     \b
@@ -27,7 +29,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     """
     from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
-    from tasks.forecast import check_rerun, check_system, forecast_config
+    from tasks.forecast import check_rerun, check_system, forecast_config, forecast_shards
     from warehouse.cohorts import get_cohort
     from warehouse.store import Warehouse
 
@@ -35,7 +37,11 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     # Check the inputs here, so a typo is one line and not a failed flow run with a traceback.
     check_system(system)
     wh = Warehouse(data_dir)
-    check_rerun(wh, run_id, forecast_config(get_cohort(wh, cohort)["cohort_id"], system, split, k, limit))
+    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id))
+    if subject_id is not None:
+        forecast_shards(wh, cohort_id, split, subject_id)
     start_temporary_api()
-    run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
-    click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split})")
+    run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
+    whom = "" if subject_id is None else f", patient {subject_id}"
+    click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split}{whom})")

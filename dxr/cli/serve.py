@@ -1,0 +1,41 @@
+"""`dxr serve`: offer the deployments to a Prefect server and run what it schedules."""
+
+from __future__ import annotations
+
+import click
+
+from dxr.cli import main, settings
+from dxr.errors import ConfigError
+
+
+@main.command()
+@click.option("--limit", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Flow runs executed at the same time.")
+@click.pass_context
+def serve(ctx: click.Context, limit: int) -> None:
+    """Serve patient reruns and scheduled cohort backfills to a Prefect server until stopped.
+
+    Registers `forecast-patient/adhoc` (start it from the Prefect UI with a cohort and a subject id)
+    and one `cohort-backfill/<name>` per `[[backfills]]` table of the configuration, on its cron
+    schedule; then executes their flow runs here. Needs a running Prefect server named by
+    PREFECT_API_URL. Stopping (Ctrl-C, SIGTERM) pauses the schedules.
+
+    \b
+    Example:
+      export PREFECT_API_URL=http://127.0.0.1:4200/api
+      dxr serve
+    """
+    from prefect import serve as prefect_serve
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.deployments import build_deployments
+
+    if not PREFECT_API_URL.value():
+        raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
+                          "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
+    deployments = build_deployments(settings(ctx))
+    for deployment in deployments:
+        schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
+        click.echo(f"deployment {deployment.flow_name}/{deployment.name}: {schedules or 'ad hoc'}")
+    click.echo(f"serving to {PREFECT_API_URL.value()}; stop with Ctrl-C")
+    prefect_serve(*deployments, limit=limit, print_starting_message=False)

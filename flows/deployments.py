@@ -1,0 +1,40 @@
+"""The deployments `dxr serve` offers a Prefect server: ad-hoc patient reruns and scheduled backfills.
+
+`forecast-patient/adhoc` has no schedule: it is started from the Prefect UI (or `prefect deployment
+run`) with a cohort and a subject id. Each `[[backfills]]` entry of the configuration becomes
+`cohort-backfill/<name>` on its cron schedule. Entry points are module paths, so a served flow run
+imports the installed packages wherever `dxr serve` was started.
+"""
+
+from __future__ import annotations
+
+from prefect.client.schemas.schedules import CronSchedule
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
+
+from dxr.config import Settings
+from flows.backfill import cohort_backfill_flow
+from flows.patient import forecast_patient_flow
+from tasks.forecast import check_system_order
+
+PATIENT_DEPLOYMENT = "adhoc"
+TAGS = ["dxr"]
+
+
+def build_deployments(settings: Settings) -> list[RunnerDeployment]:
+    """The patient-rerun deployment plus one scheduled deployment per configured backfill."""
+    data_dir = str(settings.data_dir.resolve())  # served runs must not depend on the server's working directory
+    deployments = [forecast_patient_flow.to_deployment(
+        name=PATIENT_DEPLOYMENT, parameters={"data_dir": data_dir}, tags=TAGS,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        description="Forecast one patient of a cohort with each system into a new run; the ranked codes are "
+                    "in the flow run's log.")]
+    for backfill in settings.backfills:
+        check_system_order(tuple(backfill.systems))
+        deployments.append(cohort_backfill_flow.to_deployment(
+            name=backfill.name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
+            parameters={"data_dir": data_dir, "cohort": backfill.cohort, "systems": backfill.systems,
+                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit},
+            tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH,
+            description=f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
+                        "into a new run and evaluate it."))
+    return deployments

@@ -1,0 +1,201 @@
+"""Ad-hoc patient reruns and scheduled cohort backfills: the flows, their configuration, and `dxr serve`
+executing a run that was requested through the Prefect API (what the UI's "Run" button does)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from dxr.config import load_settings
+from dxr.errors import ConfigError, InputError
+from flows.backfill import cohort_backfill_flow
+from flows.forecast import forecast_flow
+from flows.patient import forecast_patient_flow, ranking_lines
+from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
+from tests.sentinel import assert_no_leak, forecast_store_texts
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_cohort_id(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    fitted_forecaster.cache_clear()  # fitted per (warehouse, cohort): earlier tests' warehouses are gone
+    return build_cohort(wh_vocab, "tiny", "default", CohortOptions(target="every"), seed=7)["cohort_id"]
+
+
+def test_patient_flow_forecasts_only_that_patient_and_no_target_event_reaches_it(planted_cohort):
+    wh, cohort_id, sentinels = planted_cohort
+    fitted_forecaster.cache_clear()
+    trajectories = wh.read("trajectories", cohort_id=cohort_id)
+    subject = trajectories.filter(pl.col("split") != "train")["subject_id"][0]  # a patient with a planted target
+    run_id = forecast_patient_flow(str(wh.root), "default", subject, systems=("global_frequency", "repeat_history"))
+
+    rankings = wh.read("rankings", run_id=run_id)
+    assert set(rankings["trajectory_id"]) == set(trajectories.filter(pl.col("subject_id") == subject)["trajectory_id"])
+    statuses = wh.read("ranking_status", run_id=run_id)
+    assert sorted(statuses["system"]) == ["global_frequency", "repeat_history"]  # one trajectory, two systems
+    assert set(rankings["system"]) == {"global_frequency", "repeat_history"}
+    configs = [json.loads(c) for c in wh.read("runs", run_id=run_id)["config_json"]]
+    assert {(c["system"], c["split"], c["subject_id"]) for c in configs} == {
+        ("global_frequency", "all", subject), ("repeat_history", "all", subject)}
+    assert_no_leak(sentinels, forecast_store_texts(wh.forecast_dir))
+
+    lines = ranking_lines(wh, run_id, ("repeat_history", "global_frequency"))
+    assert [line.split(" ")[1] for line in lines] == ["repeat_history:", "global_frequency:"]
+    first = rankings.filter((pl.col("system") == "repeat_history") & (pl.col("rank") == 1))["code"][0]
+    dotted, title = wh.read("icd_codes").filter(pl.col("code") == first).select("dotted", "title").row(0)
+    assert lines[0].split(": ", 1)[1].startswith(f"{dotted} {title}; ")
+
+
+def test_a_patient_outside_the_cohort_or_split_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
+    trajectories = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)
+    train_subject = trajectories.filter(pl.col("split") == "train")["subject_id"][0]
+    with pytest.raises(InputError, match=rf"patient {train_subject} has no trajectory in cohort "
+                                         rf"{tiny_cohort_id} in split held_out \(split all covers every split\)"):
+        forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="held_out", subject_id=train_subject,
+                      run_id="r-split")
+    with pytest.raises(InputError, match="patient 999999 has no trajectory"):
+        forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", subject_id=999999, run_id="r-none")
+    assert wh_vocab.read("runs").filter(pl.col("run_id").is_in(["r-split", "r-none"])).is_empty()
+
+
+def test_a_run_of_one_patient_cannot_be_redone_as_a_cohort_run(wh_vocab, tiny_cohort_id):
+    subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
+    forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", subject_id=subject, run_id="r1")
+    check_rerun(wh_vocab, "r1", forecast_config(tiny_cohort_id, "repeat_history", "all", 20, None, subject))
+    with pytest.raises(InputError, match=f"other options \\(subject_id {subject} -> None\\)"):
+        check_rerun(wh_vocab, "r1", forecast_config(tiny_cohort_id, "repeat_history", "all", 20, None))
+
+
+@pytest.mark.parametrize(("systems", "message"), [
+    ((), "no system given"),
+    (("repeat_history", "nosuch"), "unknown or not yet available system 'nosuch'"),
+    (("ehr_prior", "rrf_prior_direct", "direct"), "rrf_prior_direct fuses the lists of ehr_prior, direct: put "
+                                                  "direct before it in systems"),
+])
+def test_system_order_is_checked(systems, message):
+    with pytest.raises(InputError, match=message):
+        check_system_order(systems)
+
+
+def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(wh_vocab, tiny_cohort_id):
+    first = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("global_frequency", "repeat_history"),
+                                 split="all")
+    second = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("repeat_history",), split="all")
+    assert first != second and first.startswith("backfill-")
+    runs = wh_vocab.read("runs").filter(pl.col("run_id") == first)
+    assert sorted(runs["kind"]) == ["evaluate", "forecast:global_frequency", "forecast:repeat_history"]
+    metrics = wh_vocab.read("metrics", run_id=first)
+    assert {"global_frequency", "repeat_history"} <= set(metrics["system"])
+    n_trajectories = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id).height
+    assert set(metrics.filter(pl.col("subset") == "all")["n"]) == {n_trajectories}
+
+
+def write_config(tmp_path: Path, monkeypatch, text: str) -> Path:
+    path = tmp_path / "dxr.toml"
+    path.write_text(text)
+    monkeypatch.setenv("DXR_CONFIG", str(path))
+    return path
+
+
+BACKFILL = '[[backfills]]\nname = "nightly"\ncohort = "default"\ncron = "{cron}"\ntimezone = "{tz}"\n'
+
+
+@pytest.mark.parametrize(("cron", "tz", "message"), [
+    ("0 25 * * *", "UTC", "invalid setting 'backfills.0.cron' .*Invalid cron string: \"0 25 \\* \\* \\*\""),
+    ("0 2 * * *", "Mars/Base", "invalid setting 'backfills.0.timezone' .*Invalid timezone: \"Mars/Base\""),
+])
+def test_a_bad_backfill_schedule_is_a_config_error_naming_the_key(tmp_path, monkeypatch, cron, tz, message):
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron=cron, tz=tz))
+    with pytest.raises(ConfigError, match=message):
+        load_settings()
+
+
+def test_backfill_names_are_unique(tmp_path, monkeypatch):
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC") * 2)
+    with pytest.raises(ConfigError, match="backfill names must be unique; repeated: nightly"):
+        load_settings()
+
+
+def test_deployments_are_the_patient_rerun_and_one_per_backfill(tmp_path, monkeypatch):
+    from flows.deployments import build_deployments
+
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron="30 2 * * 1-5", tz="Europe/Berlin")
+                 + 'systems = ["ehr_prior", "direct", "rrf_prior_direct"]\nlimit = 100\n')
+    patient, nightly = build_deployments(load_settings(data_dir=tmp_path / "wh"))
+    assert (patient.flow_name, patient.name, patient.schedules) == ("forecast-patient", "adhoc", [])
+    assert patient.entrypoint == "flows.patient.forecast_patient_flow"
+    assert patient.parameters == {"data_dir": str(tmp_path / "wh")}
+    assert (nightly.flow_name, nightly.name, nightly.entrypoint) == ("cohort-backfill", "nightly",
+                                                                    "flows.backfill.cohort_backfill_flow")
+    assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("30 2 * * 1-5", "Europe/Berlin")]
+    assert nightly.parameters == {"data_dir": str(tmp_path / "wh"), "cohort": "default", "split": "held_out", "k": 20,
+                                  "systems": ["ehr_prior", "direct", "rrf_prior_direct"], "limit": 100}
+
+
+def test_serve_needs_a_prefect_server(tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "serve"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` and export "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api"]
+
+
+def wait_for_deployment(name: str, log: Path, timeout: float = 180) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                client.read_deployment_by_name(name)
+                return
+            except ObjectNotFound:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"dxr serve registered no {name} within {timeout} s:\n{log.read_text()}")
+                time.sleep(0.5)
+
+
+def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_vocab, tiny_cohort_id, tmp_path):
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL
+
+    subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
+    (tmp_path / "none.toml").write_text("")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
+    log = tmp_path / "serve.log"
+    dxr = Path(sys.executable).parent / "dxr"
+    with log.open("w") as out:  # a file, not a pipe: nobody reads the runner's log while the test waits
+        server = subprocess.Popen([str(dxr), "--data-dir", str(wh_vocab.root), "serve"], env=env, cwd=tmp_path,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_deployment("forecast-patient/adhoc", log)
+        # Requested as the UI's Run button does; the deployment adds the parameters it fixes (data_dir).
+        flow_run = run_deployment("forecast-patient/adhoc", timeout=300, parameters={
+            "cohort": "default", "subject_id": subject, "systems": ["repeat_history"]})
+        assert flow_run.state.is_completed(), (flow_run.state, log.read_text())
+        rankings = wh_vocab.read("rankings").filter(pl.col("run_id").str.starts_with("patient-"))
+        assert rankings["trajectory_id"].str.split(":").list.get(1).cast(pl.Int64).unique().to_list() == [subject]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    output = log.read_text()
+    assert output.startswith("deployment forecast-patient/adhoc: ad hoc\n")
+    assert "Pausing all deployments" in output
