@@ -121,7 +121,7 @@ def retrieval_part(con, run_id: str, patients: pl.DataFrame) -> pl.DataFrame:
 
 def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice]) -> pl.DataFrame:
     """One row per system of the run (sorted by name) with the `SCHEMA` columns; empty for a run without rankings."""
-    con = wh.connect()
+    con = wh.connect(run_id=run_id)  # only this run's partitions are opened
     patients = matched_patients(con, run_id)
     if patients.is_empty():
         return pl.DataFrame(schema=SCHEMA)
@@ -161,7 +161,7 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice]) ->
 
 def efficiency_notes(wh: Warehouse, run_id: str) -> list[str]:
     """What the per-system numbers leave out or share: unmatched LLM stages or patients, unclaimed retrieval."""
-    con = wh.connect()
+    con = wh.connect(run_id=run_id)
     patients = matched_patients(con, run_id)
     systems = sorted(patients["system"].unique().to_list())
     notes = []

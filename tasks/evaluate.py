@@ -119,7 +119,7 @@ class RunData:
 def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS,
              include_oracle: bool = True) -> RunData:
     """Read one run's rankings and statuses, the gold targets and the oracle; refuse silent gaps."""
-    con = wh.connect(gold=True)
+    con = wh.connect(gold=True, run_id=run_id)  # only this run's partitions are opened
     rankings = _query(con, "SELECT cohort_id, system, trajectory_id, rank, code, native FROM rankings "
                            "WHERE run_id = ?", [run_id])
     status = _query(con, "SELECT system, trajectory_id, status FROM ranking_status WHERE run_id = ?", [run_id])

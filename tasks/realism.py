@@ -17,7 +17,7 @@ from warehouse.synthetic.realism import REALISM_BANDS
 
 def realism_statistics(wh: Warehouse, cohort_id: str, run_id: str, split: str = "held_out") -> dict[str, float]:
     """Band statistics of one cohort split; recall values are the run's R@20 metrics on `all` codes."""
-    con = wh.connect(gold=True)
+    con = wh.connect(gold=True, run_id=run_id)
     params = [cohort_id, split]
     targets = fetch_frame(con, """
         SELECT g.trajectory_id, g.code FROM targets g JOIN trajectories t USING (cohort_id, trajectory_id)

@@ -157,6 +157,41 @@ def test_a_run_killed_by_sigkill_is_marked_killed_by_the_next_run_and_a_live_one
     assert mark_killed(wh) == [("live-1", "cohort")]
 
 
+def test_only_runs_in_progress_keep_a_marker_and_finding_killed_runs_does_not_read_the_registry(wh, monkeypatch):
+    from warehouse.runs import RUNNING_DIR, mark_killed, registered_run
+    from warehouse.store import Warehouse
+
+    with registered_run(wh, "synth", {}, "ok-1"):
+        assert len(list((wh.root / RUNNING_DIR).glob("*.json"))) == 1
+    with pytest.raises(RuntimeError), registered_run(wh, "synth", {}, "bad-1"):
+        raise RuntimeError("the body failed")
+    assert list((wh.root / RUNNING_DIR).glob("*.json")) == []
+    doomed = _registered_run_in_another_process(wh, "doomed-1")
+    doomed.kill()
+    doomed.wait(timeout=30)
+
+    def no_scan(self):
+        raise AssertionError("mark_killed scanned the whole run registry")
+
+    monkeypatch.setattr(Warehouse, "connect", no_scan)
+    assert mark_killed(wh) == [("doomed-1", "cohort")]
+    assert list((wh.root / RUNNING_DIR).glob("*.json")) == []
+    assert wh.read("runs", run_id="doomed-1")["status"].to_list() == ["killed"]
+
+
+def test_running_rows_written_before_the_markers_are_still_found_once(wh):
+    from datetime import datetime
+
+    from warehouse.runs import RUNNING_DIR, mark_killed, record_run
+
+    # A registry row left `running` by a version without markers, whose process is gone.
+    record_run(wh, "old-1", None, "synth", {}, "running", datetime.now())
+    assert not (wh.root / RUNNING_DIR).exists()
+    assert mark_killed(wh) == [("old-1", "synth")]
+    assert mark_killed(wh) == []
+    assert wh.read("runs", run_id="old-1")["status"].to_list() == ["killed"]
+
+
 def test_a_killed_build_is_not_reported_as_being_built(wh_vocab):
     from warehouse.cohorts import get_cohort
 

@@ -118,6 +118,23 @@ def test_empty_tables_are_typed_views(wh):
     assert types["rank"] == "INTEGER" and types["native"] == "BOOLEAN"
 
 
+def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(wh):
+    from datetime import datetime
+
+    from warehouse.runs import record_run
+
+    for run_id in ("a", "b", "a.b"):  # "a.b" would match a careless prefix or pattern for "a"
+        record_run(wh, run_id, "c1", "synth", {}, "finished", datetime.now(), datetime.now())
+    wh.write("targets", targets("c1", 2), cohort_id="c1")
+    con = wh.connect(gold=True, run_id="a")
+    assert con.execute("SELECT run_id FROM runs").fetchall() == [("a",)]
+    assert con.execute("SELECT count(*) FROM rankings").fetchone() == (0,)  # none for run a: an empty typed view
+    assert con.execute("SELECT count(*) FROM targets").fetchone() == (2,)  # not keyed by run: whole
+    assert sorted(wh.connect().execute("SELECT run_id FROM runs").fetchall()) == [("a",), ("a.b",), ("b",)]
+    with pytest.raises(InputError, match="run id 'a/\\*' has unsafe characters"):
+        wh.connect(run_id="a/*")
+
+
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
     rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "

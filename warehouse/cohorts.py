@@ -39,7 +39,7 @@ from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
 from warehouse.meds import read_splits, validate_meds_dir
-from warehouse.runs import mark_killed, registered_run
+from warehouse.runs import registered_run, runs_in_progress
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
@@ -317,8 +317,7 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
     cohorts = wh.read("cohorts")
     match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
     if match.is_empty():
-        mark_killed(wh)  # a killed build no longer counts as being built
-        running = wh.read("runs").filter((pl.col("kind") == "cohort") & (pl.col("status") == "running"))
+        running = runs_in_progress(wh).filter(pl.col("kind") == "cohort")  # a killed build is not being built
         building = [row for row in running.iter_rows(named=True)
                     if json.loads(row["config_json"]).get("name") == name_or_id]
         if building:  # a rebuild unregisters the cohort until it is complete

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import uuid
@@ -19,6 +21,8 @@ import polars as pl
 from dxr import __version__
 from dxr.errors import InputError
 from warehouse.locks import held
+from warehouse.schemas import TABLES
+from warehouse.scratch import scratch
 from warehouse.store import SAFE_VALUE, Warehouse
 
 
@@ -72,13 +76,35 @@ def _record_lock(run_id: str, kind: str) -> str:
     return f"record:{run_id}|{kind}"
 
 
+# One marker file per registered run in progress, so finding the runs a killed process left does not
+# read the whole registry (one Parquet file per run and kind: seconds at ten thousand runs).
+RUNNING_DIR = ".running"
+# Written once the `running` rows of a warehouse from before the markers have been given theirs.
+INDEXED_FLAG = "indexed"
+
+
+def _marker(wh: Warehouse, run_id: str, kind: str) -> Path:
+    name = f"{run_id}|{kind}"
+    tame = re.sub(r"[^A-Za-z0-9_.:-]", "_", name)[:120]
+    return wh.root / RUNNING_DIR / f"{tame}-{hashlib.sha256(name.encode()).hexdigest()[:8]}.json"
+
+
+def _write_marker(wh: Warehouse, run_id: str, kind: str) -> Path:
+    marker = _marker(wh, run_id, kind)
+    with scratch(marker, "tmp") as tmp:
+        tmp.write_text(json.dumps({"run_id": run_id, "kind": kind}))
+        os.replace(tmp, marker)
+    return marker
+
+
 @contextmanager
 def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = None,
                    cohort_id: str | None = None) -> Iterator[Run]:
     """Record a run as `running`, then `finished` or `failed` (re-raising) when the body ends.
 
-    The run's record lock is held from before the `running` row until after the last one, so a
-    `running` row whose lock is free was left by a killed process (`mark_killed`).
+    The run's record lock is held from before its marker and `running` row until after the last
+    row and the marker's removal, so a marker whose lock is free was left by a killed process
+    (`mark_killed`).
     """
     run = Run(run_id or new_run_id(kind.split(":")[0]), kind, config, cohort_id)
     mark_killed(wh)
@@ -86,40 +112,74 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
     with held(wh, _record_lock(run.run_id, kind), shared=False, wait=5.0,
               busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"):
         started = datetime.now()
+        marker = _write_marker(wh, run.run_id, kind)
         record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
         try:
             yield run
         except BaseException:
             record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, datetime.now())
+            marker.unlink(missing_ok=True)
             raise
         record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", started, datetime.now())
+        marker.unlink(missing_ok=True)
 
 
 def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     """Rewrite as `killed` the `running` rows whose process ended without recording how (SIGKILL,
     the OOM killer, a lost node); returns their (run_id, kind).
 
-    SIGTERM and Ctrl-C unwind and record `failed` themselves. A row is judged by its record lock,
+    SIGTERM and Ctrl-C unwind and record `failed` themselves. A run is judged by its record lock,
     which the kernel releases when the process ends, so this holds across hosts and containers that
-    share the warehouse on a file system with working `flock`.
+    share the warehouse on a file system with working `flock`. Only the runs with a marker are
+    looked at, so the cost follows the runs in progress, not the size of the registry.
     """
+    _index_legacy_running(wh)
     killed = []
-    if not wh.has_rows("runs"):
-        return killed
-    # A DuckDB scan: a warehouse of a few thousand runs is read in a fraction of a second.
-    running = wh.connect().execute("SELECT run_id, kind FROM runs WHERE status = 'running' ORDER BY ALL").fetchall()
-    for run_id, kind in running:
+    for marker, run_id, kind in _markers(wh):
         try:
             with held(wh, _record_lock(run_id, kind), shared=False, busy="alive"):
-                # Read again under the lock: the run may have ended normally since the first read.
+                # Read under the lock: the run may have ended normally since the marker was listed.
                 current = wh.read("runs", run_id=run_id, kind=kind)
-                if current.is_empty() or current["status"][0] != "running":
-                    continue
-                wh.write("runs", current.with_columns(pl.lit("killed").alias("status")), run_id=run_id, kind=kind)
-                killed.append((run_id, kind))
+                if not current.is_empty() and current["status"][0] == "running":
+                    wh.write("runs", current.with_columns(pl.lit("killed").alias("status")), run_id=run_id, kind=kind)
+                    killed.append((run_id, kind))
+                marker.unlink(missing_ok=True)
         except InputError:  # its process still holds the lock
             continue
     return killed
+
+
+def runs_in_progress(wh: Warehouse) -> pl.DataFrame:
+    """The `runs` rows of the runs in progress now (those a killed process left are marked first)."""
+    mark_killed(wh)
+    rows = [wh.read("runs", run_id=run_id, kind=kind) for _, run_id, kind in _markers(wh)]
+    empty = pl.from_arrow(TABLES["runs"].schema.empty_table())  # typed, for when nothing is in progress
+    return pl.concat([empty, *rows], how="diagonal_relaxed").filter(pl.col("status") == "running")
+
+
+def _markers(wh: Warehouse) -> list[tuple[Path, str, str]]:
+    """(marker, run_id, kind) of every marked run, in name order."""
+    found = []
+    for marker in sorted((wh.root / RUNNING_DIR).glob("*.json")):
+        try:
+            entry = json.loads(marker.read_text())
+        except FileNotFoundError:  # its run ended meanwhile
+            continue
+        found.append((marker, entry["run_id"], entry["kind"]))
+    return found
+
+
+def _index_legacy_running(wh: Warehouse) -> None:
+    """Give a marker to every `running` row of a registry written before the markers existed (once)."""
+    flag = wh.root / RUNNING_DIR / INDEXED_FLAG
+    if flag.exists():
+        return
+    if wh.has_rows("runs"):
+        running = wh.connect().execute("SELECT run_id, kind FROM runs WHERE status = 'running'").fetchall()
+        for run_id, kind in running:
+            _write_marker(wh, run_id, kind)
+    flag.parent.mkdir(parents=True, exist_ok=True)
+    flag.touch()
 
 
 @contextmanager

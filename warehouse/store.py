@@ -140,18 +140,24 @@ class Warehouse:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- reads ----------------------------------------------------------------------------
-    def connect(self, gold: bool = False) -> duckdb.DuckDBPyConnection:
+    def connect(self, gold: bool = False, run_id: str | None = None) -> duckdb.DuckDBPyConnection:
         """A fresh in-memory DuckDB connection with every table as a view.
 
         Without `gold`, the connection can read only the forecasting store: external access is
         restricted to that directory, and it cannot be re-enabled on this connection.
+        With `run_id`, the tables partitioned by run (rankings, runs, metrics, llm_calls, ...) show
+        only that run's rows: a query then opens that run's files instead of every run's, which
+        matters once a warehouse holds thousands of runs.
         """
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
+        if run_id is not None and not SAFE_VALUE.match(run_id):
+            raise InputError(f"run id {run_id!r} has unsafe characters: use letters, digits and _.:-")
         con = duck.connect(":memory:")
         for spec in TABLES.values():
             if spec.store == GOLD and not gold:
                 continue
-            con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec)}")
+            scope = {"run_id": run_id} if run_id is not None and spec.partition_by[:1] == ("run_id",) else {}
+            con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec, scope)}")
         if not gold:
             con.execute(f"SET allowed_directories=['{self.forecast_dir}/']")
             con.execute("SET enable_external_access=false")
@@ -176,12 +182,13 @@ class Warehouse:
             pattern.append(f"{key}={keys[key]}" if key in keys else f"{key}=*")
         return path.glob("/".join(pattern + [PART_FILE]))
 
-    def _view_sql(self, spec: Table) -> str:
-        if not any(self._files(spec, {})):
+    def _view_sql(self, spec: Table, keys: dict) -> str:
+        if not any(self._files(spec, keys)):
             cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
             return f"SELECT {cols} WHERE false"
         # `key=*`, not `*`: DuckDB's `*` also matches hidden names, which are never partitions.
-        glob = "/".join([str(self.store_dir(spec.store) / spec.name)] + [f"{key}=*" for key in spec.partition_by]
+        glob = "/".join([str(self.store_dir(spec.store) / spec.name)]
+                        + [f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
                         + [PART_FILE])
         return f"SELECT * FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=false)"
 
