@@ -1,9 +1,9 @@
 """Flow `demo`: the main job on the embedded default data, end to end.
 
 synthetic dataset -> default cohort -> EHR prior (trained once per cohort build) -> baselines and
-the prior on held_out -> metrics (+ oracle) -> report; then, on a small held_out sample, Direct
-Forecast with the configured LLM (the embedded model by default) and Union + RRF of the prior and
-Direct lists, evaluated as their own run `<run_id>-llm` on exactly those patients.
+the prior on held_out, evaluated (the `cohort-backfill` flow) -> report; then, on a small held_out
+sample, Direct Forecast with the configured LLM (the embedded model by default) and Union + RRF of
+the prior and Direct lists, evaluated as their own run `<run_id>-llm` on exactly those patients.
 Every step is idempotent: a rerun reuses an identical dataset, the registered prior and the LLM
 response cache, and replaces its own partitions.
 """
@@ -15,8 +15,7 @@ from pathlib import Path
 from prefect import flow, task
 
 from dxr.config import Settings
-from flows.forecast import forecast_flow
-from tasks.evaluate import evaluate_run
+from flows.backfill import cohort_backfill_flow
 from tasks.forecast import status_counts
 from tasks.prior import ensure_prior
 from tasks.realism import realism_table
@@ -52,11 +51,6 @@ def ensure_prior_task(wh: Warehouse, cohort_id: str, settings: Settings) -> str:
     return ensure_prior(str(wh.root), cohort_id, "ehr_prior", settings.prior)
 
 
-@task(name="evaluate")
-def evaluate_task(wh: Warehouse, run_id: str):
-    return evaluate_run(wh, run_id, ks=(10, 20))
-
-
 @flow(name="demo")
 def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4) -> dict:
     """Run the demo; returns the run ids, metrics frames, the realism table and the report paths.
@@ -69,16 +63,15 @@ def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4
     cohort_id = cohort["cohort_id"]
     ensure_prior_task(wh, cohort_id, settings)
     run_id = run_id or new_run_id("demo")
-    for system in DEMO_SYSTEMS:
-        forecast_flow(str(wh.root), cohort_id, system, split="held_out", run_id=run_id)
-    metrics = evaluate_task(wh, run_id)
+    cohort_backfill_flow(str(wh.root), cohort_id, DEMO_SYSTEMS, split="held_out", run_id=run_id)
     report = render_report(wh, run_id, Path(wh.root) / "reports" / run_id)
-    result = {"run_id": run_id, "cohort": cohort, "metrics": metrics, "realism": realism_table(wh, cohort_id, run_id),
-              "report": report, "llm": None}
+    result = {"run_id": run_id, "cohort": cohort, "metrics": wh.read("metrics", run_id=run_id),
+              "realism": realism_table(wh, cohort_id, run_id), "report": report, "llm": None}
     if llm_sample:
         llm_run = f"{run_id}-llm"
-        for system in LLM_SAMPLE_SYSTEMS:
-            forecast_flow(str(wh.root), cohort_id, system, split="held_out", limit=llm_sample, run_id=llm_run)
-        result["llm"] = {"run_id": llm_run, "metrics": evaluate_task(wh, llm_run), "status": status_counts(wh, llm_run),
+        cohort_backfill_flow(str(wh.root), cohort_id, LLM_SAMPLE_SYSTEMS, split="held_out", limit=llm_sample,
+                             run_id=llm_run)
+        result["llm"] = {"run_id": llm_run, "metrics": wh.read("metrics", run_id=llm_run),
+                         "status": status_counts(wh, llm_run),
                          "report": render_report(wh, llm_run, Path(wh.root) / "reports" / llm_run)}
     return result
