@@ -69,7 +69,13 @@ def test_a_patient_outside_the_cohort_or_split_is_refused_before_a_run_is_regist
                       run_id="r-split")
     with pytest.raises(InputError, match="patient 999999 has no trajectory"):
         forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", subject_id=999999, run_id="r-none")
-    assert wh_vocab.read("runs").filter(pl.col("run_id").is_in(["r-split", "r-none"])).is_empty()
+    result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "forecast", "--cohort", "default", "--system",
+                                       "repeat_history", "--subject-id", str(train_subject), "--run-id", "r-cli"])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"Error: patient {train_subject} has no trajectory in cohort {tiny_cohort_id} in split held_out (split all "
+        "covers every split): check the subject id against the cohort's trajectories table"]
+    assert wh_vocab.read("runs").filter(pl.col("run_id").is_in(["r-split", "r-none", "r-cli"])).is_empty()
 
 
 def test_a_run_of_one_patient_cannot_be_redone_as_a_cohort_run(wh_vocab, tiny_cohort_id):
