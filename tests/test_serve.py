@@ -26,8 +26,6 @@ from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
 def tiny_cohort_id(wh_vocab, tiny_meds):
