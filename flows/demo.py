@@ -1,7 +1,7 @@
 """Flow `demo`: the main job on the embedded default data, end to end.
 
 synthetic dataset -> default cohort -> EHR prior (trained once per cohort build) -> baselines and
-the prior on held_out, evaluated (the `cohort-backfill` flow) -> report; then, on a small held_out
+the prior on held_out, evaluated and reported (the `cohort-backfill` flow); then, on a small held_out
 sample, Direct Forecast with the configured LLM (the embedded model by default) and Union + RRF of
 the prior and Direct lists, evaluated as their own run `<run_id>-llm` on exactly those patients.
 Every step is idempotent: a rerun reuses an identical dataset, the registered prior and the LLM
@@ -10,8 +10,6 @@ response cache, and replaces its own partitions.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow, task
 
 from dxr.config import Settings
@@ -19,7 +17,7 @@ from flows.backfill import cohort_backfill_flow
 from tasks.forecast import status_counts
 from tasks.prior import ensure_prior
 from tasks.realism import realism_table
-from tasks.report import render_report
+from tasks.report import report_path
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, synthetic_is_current
 from warehouse.runs import new_run_id
@@ -64,14 +62,12 @@ def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4
     ensure_prior_task(wh, cohort_id, settings)
     run_id = run_id or new_run_id("demo")
     cohort_backfill_flow(str(wh.root), cohort_id, DEMO_SYSTEMS, split="held_out", run_id=run_id)
-    report = render_report(wh, run_id, Path(wh.root) / "reports" / run_id)
     result = {"run_id": run_id, "cohort": cohort, "metrics": wh.read("metrics", run_id=run_id),
-              "realism": realism_table(wh, cohort_id, run_id), "report": report, "llm": None}
+              "realism": realism_table(wh, cohort_id, run_id), "report": report_path(wh, run_id), "llm": None}
     if llm_sample:
         llm_run = f"{run_id}-llm"
         cohort_backfill_flow(str(wh.root), cohort_id, LLM_SAMPLE_SYSTEMS, split="held_out", limit=llm_sample,
                              run_id=llm_run)
         result["llm"] = {"run_id": llm_run, "metrics": wh.read("metrics", run_id=llm_run),
-                         "status": status_counts(wh, llm_run),
-                         "report": render_report(wh, llm_run, Path(wh.root) / "reports" / llm_run)}
+                         "status": status_counts(wh, llm_run), "report": report_path(wh, llm_run)}
     return result

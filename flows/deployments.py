@@ -36,5 +36,5 @@ def build_deployments(settings: Settings) -> list[RunnerDeployment]:
                         "split": backfill.split, "k": backfill.k, "limit": backfill.limit},
             tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH,
             description=f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
-                        "into a new run and evaluate it."))
+                        "into a new run, evaluate it and render its report."))
     return deployments

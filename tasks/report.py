@@ -384,14 +384,16 @@ def to_html(blocks: list) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None) -> Path:
-    """Write report.md (+ PNGs) and report.html for a run; returns the HTML path.
+def report_path(wh: Warehouse, run_id: str) -> Path:
+    """Where `render_report` writes a run's HTML report by default: `<warehouse root>/reports/<run_id>/`."""
+    return wh.root / "reports" / run_id / "report.html"
 
-    Default directory: `<warehouse root>/reports/<run_id>/`.
-    """
+
+def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None) -> Path:
+    """Write report.md (+ PNGs) and report.html for a run; returns the HTML path (`report_path` by default)."""
     with holding_run(wh, run_id, exclusive=False):  # no evaluation rewrites the metrics meanwhile
         blocks = build_report(wh, run_id)
-    out = Path(out_dir) if out_dir is not None else wh.root / "reports" / run_id
+    out = Path(out_dir) if out_dir is not None else report_path(wh, run_id).parent
     out.mkdir(parents=True, exist_ok=True)
     for block in blocks:
         if isinstance(block, Figure):

@@ -20,8 +20,9 @@ from dxr.config import load_settings
 from dxr.errors import ConfigError, InputError
 from flows.backfill import cohort_backfill_flow
 from flows.forecast import forecast_flow
-from flows.patient import forecast_patient_flow, ranking_lines
+from flows.patient import forecast_patient_flow, labelled_rankings, ranking_lines
 from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
+from tasks.report import report_path
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -51,11 +52,17 @@ def test_patient_flow_forecasts_only_that_patient_and_no_target_event_reaches_it
         ("global_frequency", "all", subject), ("repeat_history", "all", subject)}
     assert_no_leak(sentinels, forecast_store_texts(wh.forecast_dir))
 
-    lines = ranking_lines(wh, run_id, ("repeat_history", "global_frequency"))
+    lines = ranking_lines(labelled_rankings(wh, run_id), ("repeat_history", "global_frequency"))
     assert [line.split(" ")[1] for line in lines] == ["repeat_history:", "global_frequency:"]
     first = rankings.filter((pl.col("system") == "repeat_history") & (pl.col("rank") == 1))["code"][0]
     dotted, title = wh.read("icd_codes").filter(pl.col("code") == first).select("dotted", "title").row(0)
     assert lines[0].split(": ", 1)[1].startswith(f"{dotted} {title}; ")
+
+    [artifact] = artifacts(f"patient-{subject}")
+    table = json.loads(artifact.data)
+    assert [list(row) for row in table[:1]] == [["trajectory_id", "rank", "global_frequency", "repeat_history"]]
+    assert table[0]["repeat_history"] == f"{dotted} {title}" and table[0]["rank"] == 1
+    assert len(table) == rankings.group_by("system").len()["len"].max()
 
 
 def test_a_patient_outside_the_cohort_or_split_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
@@ -106,6 +113,22 @@ def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(
     assert {"global_frequency", "repeat_history"} <= set(metrics["system"])
     n_trajectories = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id).height
     assert set(metrics.filter(pl.col("subset") == "all")["n"]) == {n_trajectories}
+    assert report_path(wh_vocab, first).is_file() and report_path(wh_vocab, second).is_file()
+    # One artifact key per cohort: the Prefect UI lists the firings as versions of it, newest first.
+    latest, earlier = artifacts("backfill-default")
+    assert f"Run `{second}`" in latest.data and f"Run `{first}`" in earlier.data
+    assert "| repeat_history |" in earlier.data and "| global_frequency |" in earlier.data
+
+
+def artifacts(key: str) -> list:
+    """The Prefect artifacts of a key, newest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                     sort=ArtifactSort.CREATED_DESC)
 
 
 def write_config(tmp_path: Path, monkeypatch, text: str) -> Path:
