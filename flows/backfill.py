@@ -10,20 +10,18 @@ how each firing did without opening the warehouse.
 
 from __future__ import annotations
 
-import re
-
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from dxr.config import BackfillConfig
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run_task
 from tasks.forecast import check_system_order
-from tasks.report import Paragraph, render_report_task, system_table, to_markdown
+from tasks.report import artifact_key, headline_markdown, render_report_task
 from warehouse.runs import new_run_id
 from warehouse.store import Warehouse
 
-BACKFILL_SYSTEMS = ("global_frequency", "repeat_history", "ehr_prior")
-ARTIFACT_K = 20
+BACKFILL_SYSTEMS = tuple(BackfillConfig.model_fields["systems"].default)  # one default for flow and settings
 
 
 @flow(name="cohort-backfill")
@@ -43,15 +41,3 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
                              key=artifact_key("backfill", cohort),
                              description=f"cohort {cohort}, {split}: run {run_id}")
     return run_id
-
-
-def headline_markdown(wh: Warehouse, run_id: str, report: str) -> str:
-    """The report's system table at K = 20 (all codes), under the run id and the report's path."""
-    table = system_table(wh.read("metrics", run_id=run_id), wh.read("evaluation_coverage", run_id=run_id),
-                         ARTIFACT_K)
-    return to_markdown([Paragraph(f"Run `{run_id}`, K = {ARTIFACT_K}, all codes; report: `{report}`"), table])
-
-
-def artifact_key(prefix: str, name: str) -> str:
-    """A Prefect artifact key (lower-case letters, digits and dashes) for a cohort or patient name."""
-    return f"{prefix}-{re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -408,3 +409,46 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
 def render_report_task(data_dir: str, run_id: str, out_dir: str | None = None) -> str:
     """Prefect wrapper: render one run's report; returns the HTML path."""
     return str(render_report(Warehouse(data_dir), run_id, out_dir))
+
+
+# ---- what the Prefect UI shows of a patient rerun or a backfill (flows/patient.py, flows/backfill.py) ---
+
+LOGGED_CODES = 10
+ARTIFACT_K = 20
+
+
+def labelled_rankings(wh: Warehouse, run_id: str) -> pl.DataFrame:
+    """A run's rankings, each code shown as its dotted code and title (the MEDS code when it has none)."""
+    titles = wh.read("icd_codes").select("code", "dotted", "title")
+    return (wh.read("rankings", run_id=run_id).join(titles, on="code", how="left")
+            .with_columns(pl.when(pl.col("dotted").is_null()).then(pl.col("code"))
+                          .otherwise(pl.format("{} {}", "dotted", "title")).alias("shown"))
+            .sort("trajectory_id", "rank"))
+
+
+def ranking_lines(rankings: pl.DataFrame, systems: tuple[str, ...], codes: int = LOGGED_CODES) -> list[str]:
+    """One line per (trajectory, system), systems in the order given: the top codes with their titles."""
+    lines = []
+    for trajectory_id in rankings["trajectory_id"].unique(maintain_order=True).to_list():
+        for system in systems:
+            top = rankings.filter((pl.col("trajectory_id") == trajectory_id) & (pl.col("system") == system))
+            lines.append(f"{trajectory_id} {system}: {'; '.join(top['shown'].head(codes).to_list())}")
+    return lines
+
+
+def ranking_table(rankings: pl.DataFrame, systems: tuple[str, ...]) -> list[dict]:
+    """One row per (trajectory, rank) with a column per system, in the order given: the Prefect artifact."""
+    wide = rankings.pivot(on="system", index=["trajectory_id", "rank"], values="shown").sort("trajectory_id", "rank")
+    return wide.select("trajectory_id", "rank", *[s for s in systems if s in wide.columns]).to_dicts()
+
+
+def headline_markdown(wh: Warehouse, run_id: str, report: str) -> str:
+    """The report's system table at K = 20 (all codes), under the run id and the report's path."""
+    table = system_table(wh.read("metrics", run_id=run_id), wh.read("evaluation_coverage", run_id=run_id),
+                         ARTIFACT_K)
+    return to_markdown([Paragraph(f"Run `{run_id}`, K = {ARTIFACT_K}, all codes; report: `{report}`"), table])
+
+
+def artifact_key(prefix: str, name: str) -> str:
+    """A Prefect artifact key (lower-case letters, digits and dashes) for a cohort or patient name."""
+    return f"{prefix}-{re.sub(r'[^a-z0-9-]+', '-', name.lower()).strip('-')}"

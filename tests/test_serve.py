@@ -20,9 +20,9 @@ from dxr.config import load_settings
 from dxr.errors import ConfigError, InputError
 from flows.backfill import cohort_backfill_flow
 from flows.forecast import forecast_flow
-from flows.patient import forecast_patient_flow, labelled_rankings, ranking_lines
+from flows.patient import forecast_patient_flow
 from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
-from tasks.report import report_path
+from tasks.report import labelled_rankings, ranking_lines, report_path
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds

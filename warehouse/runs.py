@@ -23,14 +23,7 @@ from dxr.errors import InputError
 from warehouse.locks import held
 from warehouse.schemas import TABLES
 from warehouse.scratch import scratch
-from warehouse.store import SAFE_VALUE, Warehouse
-
-
-def check_run_id(run_id: str) -> str:
-    """A run id becomes a partition value and part of lock names: letters, digits and _.:- only."""
-    if not SAFE_VALUE.match(run_id):
-        raise InputError(f"run id {run_id!r} has unsafe characters: use letters, digits and _.:-")
-    return run_id
+from warehouse.store import Warehouse, check_run_id
 
 
 def new_run_id(kind: str) -> str:

@@ -150,8 +150,8 @@ class Warehouse:
         matters once a warehouse holds thousands of runs.
         """
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
-        if run_id is not None and not SAFE_VALUE.match(run_id):
-            raise InputError(f"run id {run_id!r} has unsafe characters: use letters, digits and _.:-")
+        if run_id is not None:
+            check_run_id(run_id)  # it goes into the views' file patterns
         con = duck.connect(":memory:")
         for spec in TABLES.values():
             if spec.store == GOLD and not gold:
@@ -191,6 +191,13 @@ class Warehouse:
                         + [f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
                         + [PART_FILE])
         return f"SELECT * FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=false)"
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id becomes a partition value, part of file patterns and of lock names: letters, digits and _.:- only."""
+    if not SAFE_VALUE.match(run_id):
+        raise InputError(f"run id {run_id!r} has unsafe characters: use letters, digits and _.:-")
+    return run_id
 
 
 def conform(spec: Table, data: pl.DataFrame | pa.Table) -> pa.Table:
