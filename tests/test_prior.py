@@ -30,20 +30,21 @@ def random_batch(B=3, V=5, C=4, O=7, seed=0):
     codes = torch.randint(2, 20, (B, V, C), generator=g)
     dx_ids = torch.randint(0, O, (B, V, 2), generator=g)
     numeric = torch.rand(B, V, 2, generator=g)
+    static = torch.tensor([[2, 3], [4, 0], [0, 0]])[:B]  # the last sequence has no static code
     pad = torch.arange(V)[None, :] >= lengths[:, None]
     codes[pad], dx_ids[pad], numeric[pad] = 0, O, 0.0
-    return codes, numeric, lengths, dx_ids
+    return codes, numeric, static, lengths, dx_ids
 
 
 @pytest.mark.parametrize("arch", ["moe", "dense", "gru"])
 def test_shapes_and_padding_do_not_leak(arch):
     torch.manual_seed(0)
     net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, arch=arch, max_visits=5, **TINY)).eval()
-    codes, numeric, lengths, dx_ids = random_batch()
-    scores, states, aux = net(codes, numeric, lengths, dx_ids)
+    codes, numeric, static, lengths, dx_ids = random_batch()
+    scores, states, aux = net(codes, numeric, static, lengths, dx_ids)
     assert scores.shape == (3, 5, 7) and states.shape == (3, 5, 16)
     assert len(aux) == (0 if arch == "gru" else 1)
-    last, last_states, _ = net(codes, numeric, lengths, dx_ids, last_only=True)
+    last, last_states, _ = net(codes, numeric, static, lengths, dx_ids, last_only=True)
     assert last.shape == (3, 7) and last_states.shape == (3, 16)
     assert torch.allclose(last, scores[torch.arange(3), lengths - 1], atol=1e-5)
     # Garbage in padded visits must not change any real position's scores (causal + token mask).
@@ -51,8 +52,14 @@ def test_shapes_and_padding_do_not_leak(arch):
     noisy[1, 2:] = 5
     noisy_dx = dx_ids.clone()
     noisy_dx[2, 1:] = 3
-    again, _, _ = net(noisy, numeric, lengths, noisy_dx, last_only=True)
+    again, _, _ = net(noisy, numeric, static, lengths, noisy_dx, last_only=True)
     assert torch.allclose(again, last, atol=1e-5)
+    # Static codes change every position of their own sequence only.
+    other_sex = static.clone()
+    other_sex[0, 0] = 5
+    moved, _, _ = net(codes, numeric, other_sex, lengths, dx_ids)
+    assert not torch.allclose(moved[0], scores[0], atol=1e-4)
+    assert torch.allclose(moved[1:], scores[1:], atol=1e-5)
 
 
 def dense(history: SparseHistory, B: int, V: int, O: int) -> torch.Tensor:
@@ -81,7 +88,7 @@ def test_history_features_count_recency_and_latest():
 
 
 def test_last_visit_history_features_match_the_per_position_ones():
-    codes, numeric, lengths, dx_ids = random_batch(O=7)
+    codes, numeric, static, lengths, dx_ids = random_batch(O=7)
     dx_ids[0, 1, 1] = 7  # a padded diagnosis slot inside a real visit
     dx_ids[1, 3] = torch.tensor([2, 5])  # ids beyond a sequence's length must not count
     dx_ids[0, 2] = torch.tensor([4, 4])  # a repeated id counts its visit once
@@ -95,8 +102,8 @@ def test_last_visit_history_features_match_the_per_position_ones():
 def test_sparse_repeat_term_equals_the_dense_formula():
     torch.manual_seed(1)
     net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, max_visits=5, **TINY)).eval()
-    codes, numeric, lengths, dx_ids = random_batch(O=7)
-    scores, states, _ = net(codes, numeric, lengths, dx_ids)  # (B, V, O)
+    codes, numeric, static, lengths, dx_ids = random_batch(O=7)
+    scores, states, _ = net(codes, numeric, static, lengths, dx_ids)  # (B, V, O)
     history = dense(history_features(dx_ids, lengths, 7), 3, 5, 7)  # (B, V, O, F)
     head = net.head
     repeat = head.repeat(states) + (history * head.feature_weights(states).unsqueeze(-2)).sum(-1)
@@ -106,7 +113,7 @@ def test_sparse_repeat_term_equals_the_dense_formula():
 
 
 def test_loss_masks_pairs_beyond_each_sequence():
-    codes, numeric, lengths, dx_ids = random_batch()
+    codes, numeric, static, lengths, dx_ids = random_batch()
     scores = torch.zeros(3, 5, 7)
     # With zero logits each code costs log 2; only the 4 + 1 + 0 real pairs count.
     assert next_visit_loss(scores, dx_ids, lengths).item() == pytest.approx(7 * torch.log(torch.tensor(2.0)).item())
@@ -167,6 +174,20 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
     assert inputs.codes[0, 1].sum() == 0
 
 
+def test_static_codes_become_per_record_ids():
+    t = dt.datetime(2020, 1, 1)
+    events = pl.DataFrame({
+        "trajectory_id": ["a", "a", "a", "b", "b"],
+        "time": [None, None, t, None, t],
+        "code": ["GENDER//F", "ETHNICITY//X", dx("X"), "GENDER//M", dx("X")],
+        "encounter_id": [None, None, 1, None, 2]})
+    vocab = Vocabulary(input_codes=["GENDER//F", "GENDER//M", dx("X")], output_codes=[dx("X")], omega=[dx("X")])
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["b", "a", "none"])
+    # Row order follows `keys`; a static code outside the vocabulary is dropped, not made unknown.
+    assert out.static.tolist() == [[3], [2], [0]] and out.static.dtype == torch.int32
+    assert drop_last_visit(out, vocab.n_output)[0].static.tolist() == []  # no record has two visits
+
+
 def test_a_full_visit_keeps_diagnoses_then_procedures_then_medications_then_labs():
     at = dt.datetime(2020, 1, 1)
     codes = [dx("X"), "LAB//k//u", "MEDICATION//NAME//m", "PROCEDURE//ICD//10//P"]
@@ -184,16 +205,18 @@ def test_a_full_visit_keeps_diagnoses_then_procedures_then_medications_then_labs
 def test_precision_recall_and_trim():
     p, r = precision_recall_at_k(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), 2)
     assert (p.item(), r.item()) == (0.5, pytest.approx(1 / 3))
-    codes, numeric, lengths, dx_ids = random_batch()
-    short = trim({"codes": codes[1:], "numeric": numeric[1:], "lengths": lengths[1:], "dx": dx_ids[1:]})
+    codes, numeric, static, lengths, dx_ids = random_batch()
+    short = trim({"codes": codes[1:], "numeric": numeric[1:], "static": static[1:].int(), "lengths": lengths[1:],
+                  "dx": dx_ids[1:]})
     assert short["codes"].shape == (2, 2, 4) and short["dx"].shape == (2, 2, 2)
+    assert short["static"].dtype == torch.int64
 
 
 def test_validation_metrics_skip_label_visits_without_output_codes():
     module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
-    codes, numeric, lengths, dx_ids = random_batch()
+    codes, numeric, static, lengths, dx_ids = random_batch()
     labels = torch.tensor([[1, 3], [7, 7], [2, 7]])  # the middle label visit has only codes outside the vocabulary
-    module.validation_step({"codes": codes, "numeric": numeric, "lengths": lengths, "dx": dx_ids,
+    module.validation_step({"codes": codes, "numeric": numeric, "static": static, "lengths": lengths, "dx": dx_ids,
                             "labels": labels}, 0)
     assert [len(rows) for rows in module.epoch_stats["val_recall_at_20"]] == [2]
     assert module.pop_epoch_metrics()["val_recall_at_20"] == 1.0  # 7 output codes: top-20 holds them all
@@ -233,7 +256,7 @@ def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(pl
                                             cfg.model_copy(update={"featurize_chunk_patients": 7}))
     assert n_whole == n_chunked == data.n_train_patients and len(whole) == len(data.train_set) > 7
     assert chunked.keys == whole.keys == sorted(whole.keys)
-    for name in ("codes", "numeric", "lengths", "dx"):
+    for name in ("codes", "numeric", "static", "lengths", "dx"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name  # chunks span 5 or 6 visits
 
 
@@ -251,7 +274,7 @@ def test_tiny_run_learns_the_planted_successor(planted):
     net, _, _ = fit_network(data, "ehr_prior", cfg)
     val = data.val_set
     with torch.no_grad():
-        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.lengths, val.t.dx, last_only=True)
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx, last_only=True)
     # The planted successor S_j of the input's last trigger T_j is in the label by construction.
     codes = data.vocab.output_codes
     last = val.t.dx[torch.arange(len(val)), val.t.lengths - 1]
@@ -262,6 +285,31 @@ def test_tiny_run_learns_the_planted_successor(planted):
         successor = codes.index(triggers[0].replace("//T", "//S"))
         hits += successor in top3[row].tolist()
     assert hits / len(val) >= 0.9, f"planted successor in the top 3 for {hits} of {len(val)} tuning pairs"
+
+
+def test_static_codes_enter_the_vocabulary_and_foretell_a_sex_linked_code(tmp_path):
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=300, seed=5, sex_linked=True)
+    cfg = PriorConfig(**TINY, epochs=6, batch_size=16, lr=1e-2, min_code_count=1, seed=11)
+    data = PriorDataModule(wh.connect(), cohort, cfg)
+    data.setup()
+    assert {"GENDER//F", "GENDER//M"} <= set(data.vocab.input_codes)
+    net, _, _ = fit_network(data, "ehr_prior", cfg)
+    val = data.val_set
+    # Pairs whose label is the second visit: only the patient's sex tells F0 from M0 there.
+    second = torch.nonzero(val.t.lengths == 1).squeeze(1)
+    female, male = (data.vocab.output_codes.index(dx(c)) for c in ("F0", "M0"))
+    is_female = torch.tensor([data.vocab.input_codes[i - 2] == "GENDER//F" for i in val.t.static[second, 0].tolist()])
+
+    def right_sex_ranked_first(static: torch.Tensor) -> float:
+        with torch.no_grad():
+            scores, _, _ = net(val.t.codes[second], val.t.numeric[second], static, val.t.lengths[second],
+                               val.t.dx[second], last_only=True)
+        return float(((scores[:, female] > scores[:, male]) == is_female).float().mean())
+
+    assert len(second) >= 10
+    assert right_sex_ranked_first(val.t.static[second]) >= 0.9
+    assert right_sex_ranked_first(torch.zeros_like(val.t.static[second])) <= 0.75  # without them, a guess
 
 
 class ValidationRecall(L.Callback):
@@ -275,7 +323,7 @@ class ValidationRecall(L.Callback):
 def validation_recall(net: PriorNet, data: PriorDataModule) -> float:
     val = data.val_set
     with torch.no_grad():
-        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.lengths, val.t.dx, last_only=True)
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx, last_only=True)
     labels = visit_multi_hot(val.labels.unsqueeze(1), scores.shape[-1]).squeeze(1)
     return float(precision_recall_at_k(scores, labels, 20)[1].mean())
 

@@ -8,8 +8,10 @@ Sources (forecasting store only, through `Warehouse.connect()`):
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
-(`LAB//…//q0`…`q4`, cut points from train patients' values); the output vocabulary is the cohort's
-Ω restricted to diagnosis codes seen in `train_events`.
+(`LAB//…//q0`…`q4`, cut points from train patients' values). A record's static codes (MEDS rows
+without a time, such as `GENDER//F`) are the patient's own tokens, embedded apart from the visits and
+added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis codes seen in
+`train_events`.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ class Vocabulary:
 
 
 def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_count: int) -> Vocabulary:
-    """Vocabularies from train patients only (counts of encounters carrying each code)."""
+    """Vocabularies from train patients only (counts of encounters carrying each code; of patients
+    carrying each static code)."""
     prefixes = " OR ".join(f"code LIKE '{p}%'" for p in TOKEN_PREFIXES)
     inputs = sql_frame(con, f"""SELECT code FROM train_events WHERE cohort_id = ? AND ({prefixes})
                                 GROUP BY code HAVING count(DISTINCT encounter_id) >= ? ORDER BY code""",
+                       [cohort_id, min_code_count])["code"].to_list()
+    static = sql_frame(con, """SELECT code FROM train_events WHERE cohort_id = ? AND time IS NULL
+                               GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ? ORDER BY code",
                       [cohort_id])["code"].to_list()
@@ -73,7 +79,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
                               GROUP BY code HAVING count(*) >= ? ORDER BY code""", [cohort_id, min_code_count])
     lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
     lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
-    return Vocabulary(sorted(inputs + lab_tokens), outputs, omega, lab_cuts)
+    return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts)
 
 
 def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl.DataFrame:
@@ -115,6 +121,7 @@ class VisitTensors:
     keys: list  # sequence key (subject_id or trajectory_id), row order
     codes: torch.Tensor  # (N, V, C) input ids, 0 = padding; int32 (`trim` widens a batch to int64)
     numeric: torch.Tensor  # (N, V, 2) log1p(gap days) / 5, age / 100 years
+    static: torch.Tensor  # (N, S) input ids of the record's static codes (sex, …), 0 = padding; int32
     lengths: torch.Tensor  # (N,) real visits, >= 1
     dx: torch.Tensor  # (N, V, D) output ids, padded with O; int32 like `codes`
     history: pl.DataFrame  # (row, code) Ω diagnosis codes in the record that are not output codes
@@ -192,8 +199,24 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     omega = pl.DataFrame({"code": vocab.omega}, schema={"code": pl.String})
     unseen = (tokens.filter(pl.col("is_dx") & pl.col("out").is_null()).join(omega, on="code", how="semi")
               .select("row", "pos", "code"))
-    return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric), torch.from_numpy(lengths),
-                        torch.from_numpy(dx), unseen)
+    return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
+                        static_ids(events, key, rows, input_ids), torch.from_numpy(lengths), torch.from_numpy(dx),
+                        unseen)
+
+
+def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:
+    """(N, S) input ids of each row's static codes (events without a time), padded with 0.
+
+    A static code outside the input vocabulary is left out rather than mapped to the unknown token:
+    it tells the model nothing, and a network trained before static codes were used has none in its
+    vocabulary, so it sees exactly the inputs it was trained on.
+    """
+    static = (events.filter(pl.col("time").is_null()).select(key, "code").unique()
+              .join(rows, on=key).join(input_ids, on="code").sort("row", "id")
+              .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
+    ids = np.zeros((rows.height, max(1, int(static["slot"].max() + 1) if static.height else 1)), dtype=np.int32)
+    ids[static["row"].to_numpy(), static["slot"].to_numpy()] = static["id"].to_numpy()
+    return torch.from_numpy(ids)
 
 
 def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch.Tensor]:
@@ -209,7 +232,8 @@ def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch
     codes = t.codes[keep] * visible[:, :, None]
     numeric = t.numeric[keep] * visible[:, :, None]
     dx = torch.where(visible[:, :, None], t.dx[keep], n_output)
-    return VisitTensors([t.keys[i] for i in keep.tolist()], codes, numeric, lengths, dx, t.history.head(0)), labels
+    return VisitTensors([t.keys[i] for i in keep.tolist()], codes, numeric, t.static[keep], lengths, dx,
+                        t.history.head(0)), labels
 
 
 class SequenceDataset(Dataset):
@@ -220,8 +244,8 @@ class SequenceDataset(Dataset):
         return len(self.t)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = {"codes": self.t.codes[i], "numeric": self.t.numeric[i], "lengths": self.t.lengths[i],
-                "dx": self.t.dx[i]}
+        item = {"codes": self.t.codes[i], "numeric": self.t.numeric[i], "static": self.t.static[i],
+                "lengths": self.t.lengths[i], "dx": self.t.dx[i]}
         if self.labels is not None:
             item["labels"] = self.labels[i]
         return item
@@ -259,13 +283,14 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
         n_patients += len(chunk)
         keep = torch.nonzero(chunk.lengths >= 2).squeeze(1)
         parts.append(VisitTensors([chunk.keys[i] for i in keep.tolist()], chunk.codes[keep], chunk.numeric[keep],
-                                  chunk.lengths[keep], chunk.dx[keep], chunk.history.head(0)))
+                                  chunk.static[keep], chunk.lengths[keep], chunk.dx[keep], chunk.history.head(0)))
         del chunk
     if not sum(len(t) for t in parts):
         raise InputError(f"cohort {cohort_id}: no train patient has two visits with diagnoses; "
                          "nothing to learn next-visit transitions from")
     V = max(t.codes.shape[1] for t in parts)
     D = max(t.dx.shape[2] for t in parts)
+    S = max(t.static.shape[1] for t in parts)
 
     def padded(x: torch.Tensor, visits: int, slots: int | None, fill: int) -> torch.Tensor:
         pad = [0, 0 if slots is None else slots - x.shape[2], 0, visits - x.shape[1]]
@@ -275,6 +300,7 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
         [key for t in parts for key in t.keys],
         torch.cat([padded(t.codes, V, None, PAD) for t in parts]),
         torch.cat([padded(t.numeric, V, None, 0) for t in parts]),
+        torch.cat([torch.nn.functional.pad(t.static, [0, S - t.static.shape[1]], value=PAD) for t in parts]),
         torch.cat([t.lengths for t in parts]),
         torch.cat([padded(t.dx, V, D, vocab.n_output) for t in parts]),
         parts[0].history)
@@ -299,7 +325,7 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     C = max(1, int((batch["codes"] > 0).sum(-1).max()))
     trimmed = {k: (v[:, :V] if k in ("codes", "numeric", "dx") else v) for k, v in batch.items()}
     trimmed["codes"] = trimmed["codes"][:, :, :C]
-    for ids in ("codes", "dx", "labels"):
+    for ids in ("codes", "static", "dx", "labels"):
         if ids in trimmed:
             trimmed[ids] = trimmed[ids].long()
     return trimmed

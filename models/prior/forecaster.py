@@ -78,10 +78,10 @@ class RegisteredPrior:
         scores, codes, states = [], [], []
         for start in range(0, len(keys), self.batch_size):
             part = slice(start, start + self.batch_size)
-            batch = trim({"codes": t.codes[part], "numeric": t.numeric[part], "lengths": t.lengths[part],
-                          "dx": t.dx[part]})
-            logits, state, _ = self.net(batch["codes"], batch["numeric"], batch["lengths"], batch["dx"],
-                                        last_only=True)
+            batch = trim({"codes": t.codes[part], "numeric": t.numeric[part], "static": t.static[part],
+                          "lengths": t.lengths[part], "dx": t.dx[part]})
+            logits, state, _ = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"],
+                                        batch["dx"], last_only=True)
             best = logits.topk(top_k, dim=1)
             scores.append(best.values)
             codes.append(best.indices)

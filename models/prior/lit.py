@@ -42,7 +42,7 @@ class PriorModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         batch = trim(batch)
-        scores, _, aux = self.net(batch["codes"], batch["numeric"], batch["lengths"], batch["dx"])
+        scores, _, aux = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])
         task = next_visit_loss(scores, batch["dx"], batch["lengths"])
         balance, z = router_losses(aux)
         loss = task + self.cfg.balance_loss_weight * balance + self.cfg.z_loss_weight * z
@@ -56,7 +56,8 @@ class PriorModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         batch = trim(batch)
-        scores, _, _ = self.net(batch["codes"], batch["numeric"], batch["lengths"], batch["dx"], last_only=True)
+        scores, _, _ = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"],
+                                last_only=True)
         labels = visit_multi_hot(batch["labels"].unsqueeze(1), scores.shape[-1]).squeeze(1)  # (B, O)
         # A visit whose codes all lie outside the output vocabulary has no recall to measure.
         has_label = labels.sum(1) > 0

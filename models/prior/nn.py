@@ -1,8 +1,9 @@
 """The EHR Prior networks: plain `nn.Module`s over padded visit tensors.
 
 Shapes: B sequences, V visits (right-padded), C codes per visit, O output (diagnosis) codes,
-d model width, E routed experts. A visit is embedded as the mean of its code embeddings plus a
-projection of (time gap, age) and a visit-position embedding. Three sequence encoders share that
+d model width, E routed experts. A visit is embedded as the mean of its code embeddings plus the
+mean of the patient's static-code embeddings (sex, …), a projection of (time gap, age) and a
+visit-position embedding. Three sequence encoders share that
 visit encoder and the output head:
 
 - `moe`: causal transformer whose feed-forward blocks are a sparse mixture of experts (top-k
@@ -52,11 +53,14 @@ class VisitEncoder(nn.Module):
         self.position = nn.Embedding(cfg.max_visits, cfg.d_model)
         self.norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, codes: torch.Tensor, numeric: torch.Tensor) -> torch.Tensor:
+    def forward(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor) -> torch.Tensor:
+        """codes (B, V, C), numeric (B, V, 2), static (B, S) → (B, V, d)."""
         B, V, C = codes.shape
         mean = self.codes(codes.reshape(B * V, C)).view(B, V, -1)  # (B, V, d); an empty visit gives zeros
+        # Static codes share the code embeddings (the vocabulary holds them); no static code gives zeros.
+        patient = self.codes(static).unsqueeze(1)  # (B, 1, d)
         positions = torch.arange(codes.shape[1], device=codes.device)  # (V,)
-        return self.norm(mean + self.numeric(numeric) + self.position(positions))  # (B, V, d)
+        return self.norm(mean + patient + self.numeric(numeric) + self.position(positions))  # (B, V, d)
 
 
 def expert_mlp(d_model: int, hidden: int, dropout: float) -> nn.Sequential:
@@ -200,10 +204,10 @@ class PriorNet(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = RecurrenceHead(cfg)
 
-    def encode(self, codes: torch.Tensor, numeric: torch.Tensor, lengths: torch.Tensor
+    def encode(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor, lengths: torch.Tensor
                ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """codes (B, V, C), numeric (B, V, 2), lengths (B,) → states (B, V, d), per-layer router stats."""
-        x = self.visits(codes, numeric)  # (B, V, d)
+        """codes (B, V, C), numeric (B, V, 2), static (B, S), lengths (B,) → states (B, V, d), router stats."""
+        x = self.visits(codes, numeric, static)  # (B, V, d)
         token_mask = torch.arange(codes.shape[1], device=codes.device)[None, :] < lengths[:, None]  # (B, V)
         aux = []
         if self.cfg.arch == "gru":
@@ -214,13 +218,15 @@ class PriorNet(nn.Module):
                 aux.append(layer_aux)
         return self.norm(x), aux
 
-    def forward(self, codes: torch.Tensor, numeric: torch.Tensor, lengths: torch.Tensor, dx: torch.Tensor,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+    def forward(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor, lengths: torch.Tensor,
+                dx: torch.Tensor, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
         """Scores for the visit after each position (B, V, O), or after the last real one (B, O).
 
-        dx (B, V, D) holds each visit's output-code ids, padded with O. Returns (scores, states, aux).
+        static (B, S) holds the static-code ids, padded with 0; dx (B, V, D) each visit's output-code
+        ids, padded with O. Returns (scores, states, aux).
         """
-        states, aux = self.encode(codes, numeric, lengths)  # (B, V, d)
+        states, aux = self.encode(codes, numeric, static, lengths)  # (B, V, d)
         if last_only:
             states = states[torch.arange(states.shape[0]), lengths - 1]  # (B, d)
         history = history_features(dx, lengths, self.cfg.n_output_codes, last_only)

@@ -4,7 +4,9 @@ For unit tests and smoke runs when no generated dataset is at hand. Every patien
 chronic diagnosis at every visit (repeat signal) and, at each visit, a trigger diagnosis `T{j}`
 whose planted successor `S{j}` appears at the next visit (new-onset signal), plus one noise code.
 Splits are assigned round-robin (train, train, train, tuning, held_out), so small cohorts still
-have every split. The target encounter is each patient's last visit.
+have every split. The target encounter is each patient's last visit. With `sex_linked`, each
+patient's second visit also carries `F0` (women) or `M0` (men): a new code that only the static
+`GENDER//…` row foretells.
 """
 
 from __future__ import annotations
@@ -24,19 +26,21 @@ def dx(name: str) -> str:
     return f"DIAGNOSIS//ICD//10//{name}"
 
 
-def planted_vocabulary() -> list[str]:
+def planted_vocabulary(sex_linked: bool = False) -> list[str]:
     names = ([f"C{i}" for i in range(N_CHRONIC)] + [f"T{j}" for j in range(N_TRIGGER)]
-             + [f"S{j}" for j in range(N_TRIGGER)] + [f"N{i}" for i in range(N_NOISE)])
+             + [f"S{j}" for j in range(N_TRIGGER)] + [f"N{i}" for i in range(N_NOISE)]
+             + (["F0", "M0"] if sex_linked else []))
     return sorted(dx(n) for n in names)
 
 
-def planted_events(n_patients: int, seed: int) -> pl.DataFrame:
+def planted_events(n_patients: int, seed: int, sex_linked: bool = False) -> pl.DataFrame:
     """MEDS-like events (subject_id, time, code, numeric_value, text_value, encounter_id)."""
     rng = random.Random(seed)
     rows = []
     for subject in range(1, n_patients + 1):
         birth = datetime(1940, 1, 1) + timedelta(days=rng.randrange(15000))
-        rows.append((subject, None, "GENDER//" + rng.choice("FM"), None))
+        sex = rng.choice("FM")
+        rows.append((subject, None, "GENDER//" + sex, None))
         rows.append((subject, birth, "MEDS_BIRTH", None))
         chronic = rng.randrange(N_CHRONIC)
         time = datetime(2015, 1, 1) + timedelta(days=rng.randrange(365))
@@ -50,6 +54,8 @@ def planted_events(n_patients: int, seed: int) -> pl.DataFrame:
                 codes.add(dx(f"S{previous_trigger}"))
             trigger = rng.randrange(N_TRIGGER)
             codes.add(dx(f"T{trigger}"))
+            if sex_linked and visit == 1:
+                codes.add(dx(f"{sex}0"))
             previous_trigger = trigger
             rows.extend((subject, discharge, code, encounter) for code in sorted(codes))
             rows.append((subject, discharge, f"PROCEDURE//ICD//10//P{trigger}", encounter))
@@ -62,13 +68,14 @@ def planted_events(n_patients: int, seed: int) -> pl.DataFrame:
 
 
 def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, cohort_id: str = "cplanted",
-                         shard_size: int = 50, extra_target_codes: dict[int, str] | None = None) -> str:
+                         shard_size: int = 50, extra_target_codes: dict[int, str] | None = None,
+                         sex_linked: bool = False) -> str:
     """Write every cohort table (forecasting and gold) for a planted cohort; returns its id.
 
     `extra_target_codes` maps subject → a code added to that patient's target encounter only
     (used by boundary sentinel tests: such a code must never reach training).
     """
-    events = planted_events(n_patients, seed)
+    events = planted_events(n_patients, seed, sex_linked)
     last_encounter = (events.filter(pl.col("encounter_id").is_not_null())
                       .group_by("subject_id").agg(pl.col("encounter_id").max().alias("target_encounter_id")))
     if extra_target_codes:
@@ -95,7 +102,7 @@ def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, co
     pretarget = joined.filter((pl.col("time").is_null() | (pl.col("time") < pl.col("cutoff_time")))
                               & (pl.col("encounter_id").is_null()
                                  | (pl.col("encounter_id") != pl.col("target_encounter_id"))))
-    omega = sorted(set(planted_vocabulary()) | set((extra_target_codes or {}).values()))
+    omega = sorted(set(planted_vocabulary(sex_linked)) | set((extra_target_codes or {}).values()))
     wh.write("cohort_vocabulary", pl.DataFrame({"cohort_id": cohort_id, "code": omega, "icd_version": 10,
                                                 "title": omega}), cohort_id=cohort_id)
     wh.write("trajectories", trajectories, cohort_id=cohort_id)
