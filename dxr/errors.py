@@ -3,6 +3,10 @@
 Every message names the offending value and says how to fix it.
 """
 
+import logging
+
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
 
 class DxrError(Exception):
     """Base class for every error a user can act on."""
@@ -22,3 +26,21 @@ class NotFoundError(DxrError):
 
 class BoundaryError(DxrError):
     """An operation would let target-encounter information reach a forecasting step."""
+
+
+class UserErrorTraceback(logging.Filter):
+    """Drop the traceback Prefect logs with a failed flow or task run when the error is the user's
+    to fix: its one-line message is the report, and the traceback only buries it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], (DxrError, OSError)):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_user_error_tracebacks() -> None:
+    """Install `UserErrorTraceback` on Prefect's run loggers, once per process."""
+    for name in RUN_LOGGERS:
+        run_logger = logging.getLogger(name)
+        if not any(isinstance(f, UserErrorTraceback) for f in run_logger.filters):
+            run_logger.addFilter(UserErrorTraceback())

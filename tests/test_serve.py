@@ -200,6 +200,21 @@ def wait_for_deployment(name: str, log: Path, timeout: float = 180) -> None:
                 time.sleep(0.5)
 
 
+def flow_run_log(flow_run_id, expected: str, timeout: float = 60) -> list[str]:
+    """The messages a flow run logged to the API, once one contains `expected` (logs arrive in batches)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            messages = [entry.message for entry in logs]
+            if any(expected in m for m in messages) or time.monotonic() > deadline:
+                return messages
+            time.sleep(0.5)
+
+
 def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_vocab, tiny_cohort_id, tmp_path):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL
@@ -220,6 +235,13 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
         assert flow_run.state.is_completed(), (flow_run.state, log.read_text())
         rankings = wh_vocab.read("rankings").filter(pl.col("run_id").str.starts_with("patient-"))
         assert rankings["trajectory_id"].str.split(":").list.get(1).cast(pl.Int64).unique().to_list() == [subject]
+        # A mistyped patient fails the run with the one-line error in its log, and no traceback.
+        failed = run_deployment("forecast-patient/adhoc", timeout=300, parameters={
+            "cohort": "default", "subject_id": 987654, "systems": ["repeat_history"]})
+        assert failed.state.is_failed(), (failed.state, log.read_text())
+        messages = flow_run_log(failed.id, "has no trajectory in cohort")
+        assert any("InputError: patient 987654 has no trajectory in cohort" in m for m in messages), messages
+        assert not any("Traceback" in m for m in messages), messages
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

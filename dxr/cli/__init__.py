@@ -6,7 +6,6 @@ Library code raises `DxrError` subclasses; `main` turns them into one line on st
 from __future__ import annotations
 
 import errno
-import logging
 import signal
 import sys
 import threading
@@ -15,7 +14,7 @@ import click
 
 from dxr import __version__
 from dxr.config import Settings, load_settings
-from dxr.errors import DxrError, NotFoundError
+from dxr.errors import DxrError, NotFoundError, quiet_user_error_tracebacks
 
 
 def one_line(exc: OSError) -> str:
@@ -32,16 +31,6 @@ def one_line(exc: OSError) -> str:
     else:
         fix = "check the path"
     return f"{where}: {exc.strerror}: {fix}"
-
-
-class UserErrorTraceback(logging.Filter):
-    """Drop the traceback Prefect logs with a failed flow or task run when the error is the user's
-    to fix: its one-line message is the report, and the traceback only buries it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], (DxrError, OSError)):
-            record.exc_info = record.exc_text = None
-        return True
 
 
 _received: list[int] = []  # the terminating signal, once it has arrived
@@ -92,10 +81,7 @@ class DxrGroup(click.Group):
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when Ctrl-C is ignored
                 signal.signal(signal.SIGINT, terminated)
         _received.clear()  # a signal handled in an earlier invocation of this process is not this one's
-        for name in ("prefect.flow_runs", "prefect.task_runs"):
-            run_logger = logging.getLogger(name)
-            if not any(isinstance(f, UserErrorTraceback) for f in run_logger.filters):
-                run_logger.addFilter(UserErrorTraceback())
+        quiet_user_error_tracebacks()
         try:
             return super().invoke(ctx)
         except Exception as exc:
