@@ -3,6 +3,7 @@ holder leaves no stale lock."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from tasks.evaluate import evaluate_run
 from tasks.forecast import check_rerun, forecast_config
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds, writing_dataset
-from warehouse.locks import held
+from warehouse.locks import LOCK_DIR, held
 
 
 @pytest.fixture
@@ -99,6 +100,45 @@ def test_a_holder_killed_by_sigkill_leaves_no_stale_lock(wh):
         except InputError:
             assert time.monotonic() < deadline, "the lock outlived its holder"
             time.sleep(0.1)
+
+
+def test_a_lock_file_lives_only_while_the_lock_is_held(wh):
+    locks = wh.root / LOCK_DIR
+    with held(wh, "run:r1", shared=False, busy="x"):
+        assert len(list(locks.iterdir())) == 1
+    assert list(locks.iterdir()) == []
+    other = held(wh, "run:r2", shared=True, busy="x")
+    with held(wh, "run:r2", shared=True, busy="x"):
+        other.__enter__()  # a second shared holder
+    # One shared holder released: the file stays, and the lock with the other holder …
+    assert len(list(locks.iterdir())) == 1
+    with pytest.raises(InputError, match="still held"):
+        with held(wh, "run:r2", shared=False, busy="still held"):
+            pass
+    other.__exit__(None, None, None)  # … which unlinks it when it releases
+    assert list(locks.iterdir()) == []
+
+
+def test_a_lock_taken_on_a_file_that_was_unlinked_meanwhile_is_taken_again_on_the_new_file(wh, monkeypatch):
+    import warehouse.locks as locks
+
+    opened = []
+
+    def open_then_lose_the_race(path, mode):
+        handle = open(path, mode)
+        if not opened:  # the previous holder releases and unlinks the file between our open and our flock
+            os.unlink(path)
+        opened.append(handle)
+        return handle
+
+    monkeypatch.setattr(locks, "open", open_then_lose_the_race, raising=False)
+    with held(wh, "run:r1", shared=False, busy="x"):
+        assert len(opened) == 2 and opened[0].closed and not opened[1].closed
+        monkeypatch.undo()
+        # Held on the file the path names: another holder is refused (on the orphan it would not be).
+        with pytest.raises(InputError, match="held here"):
+            with held(wh, "run:r1", shared=True, busy="held here"):
+                pass
 
 
 def test_a_prior_is_not_trained_on_a_cohort_being_rebuilt(tiny_cohort):

@@ -18,6 +18,12 @@ Resources, and who holds them:
 - `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a run marked in progress
   (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`).
 
+A lock file lives only while the lock is held: the last holder to release it (the one that can
+take it exclusively) unlinks it, so `.locks` holds the locks in use rather than one file per run
+ever made. Unlinking while another process has the file open but not yet locked is safe because a
+lock counts only on the file the path names: after `flock` succeeds, the holder checks that the
+path still names the inode it locked, and otherwise starts over on the new file.
+
 One host, on a local file system or one whose `flock` works across its clients; `fcntl` is POSIX.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -48,13 +55,45 @@ def held(wh: Warehouse, resource: str, *, shared: bool, busy: str, wait: float =
     tame = re.sub(r"[^A-Za-z0-9_-]", "_", resource)[:80]
     path = directory / f"{tame}-{hashlib.sha256(resource.encode()).hexdigest()[:8]}.lock"
     deadline = time.monotonic() + wait
-    with open(path, "a") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise InputError(f"{busy}: retry when it has finished") from None
-                time.sleep(0.05)
+    while True:
+        handle = open(path, "a")
+        try:
+            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            if time.monotonic() >= deadline:
+                raise InputError(f"{busy}: retry when it has finished") from None
+            time.sleep(0.05)
+            continue
+        if names_inode(path, handle):
+            break
+        handle.close()  # its last holder unlinked the file after we opened it: lock the one the path names now
+    try:
         yield
+    finally:
+        release(path, handle)
+
+
+def names_inode(path, handle) -> bool:
+    """Whether `path` still names the file `handle` has open."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def release(path, handle) -> None:
+    """Release the lock; unlink its file first when no other process holds it.
+
+    Taking the lock exclusively proves that nobody else holds it. For a shared holder that attempt
+    may drop its own lock first (`flock` converts non-atomically), harmless at release.
+    """
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass  # another holder remains: the last one unlinks
+    else:
+        if names_inode(path, handle):
+            os.unlink(path)
+    finally:
+        handle.close()
