@@ -3,8 +3,7 @@
 Shapes: B sequences, V visits (right-padded), C codes per visit, O output (diagnosis) codes,
 d model width, E routed experts. A visit is embedded as the mean of its code embeddings plus the
 mean of the patient's static-code embeddings (sex, …), a projection of (time gap, age) and a
-visit-position embedding. Three sequence encoders share that
-visit encoder and the output head:
+visit-position embedding. Three sequence encoders share that visit encoder and the output head:
 
 - `moe`: causal transformer whose feed-forward blocks are a sparse mixture of experts (top-k
   routing over E experts plus one always-on shared expert; load-balancing and router z-losses);
