@@ -111,9 +111,13 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
             "warm_patients_per_second": n / (done - loaded), "peak_rss_mb": peak_mb()}
 
 
-def ensure_cohort(wh: Warehouse, args) -> str:
+def ensure_cohort(data_dir: str, args) -> str:
+    """The cohort's id, building the dataset and cohort first when needed. Runs in a child of its
+    own: Linux carries a process's peak RSS across exec, so a parent that generated the data would
+    lend its peak to every training and inference child measured after it."""
     from warehouse.cohorts import CohortOptions, build_cohort
 
+    wh = Warehouse(data_dir)
     if args.planted:
         from models.prior.planted import write_planted_cohort
 
@@ -155,7 +159,7 @@ def main() -> None:
     wh = Warehouse(args.data_dir)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    cohort_id = ensure_cohort(wh, args)
+    cohort_id = in_child(ensure_cohort, str(wh.root), args)
     timings["dataset_and_cohort_seconds"] = time.perf_counter() - started
     trajectories = wh.read("trajectories", cohort_id=cohort_id)
     counts = dict(trajectories.group_by("split").len().iter_rows())
