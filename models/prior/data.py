@@ -214,7 +214,7 @@ def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl
     static = (events.filter(pl.col("time").is_null()).select(key, "code").unique()
               .join(rows, on=key).join(input_ids, on="code").sort("row", "id")
               .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
-    ids = np.zeros((rows.height, max(1, int(static["slot"].max() + 1) if static.height else 1)), dtype=np.int32)
+    ids = np.zeros((rows.height, int(static["slot"].max()) + 1 if static.height else 1), dtype=np.int32)
     ids[static["row"].to_numpy(), static["slot"].to_numpy()] = static["id"].to_numpy()
     return torch.from_numpy(ids)
 
