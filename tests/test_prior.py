@@ -36,17 +36,21 @@ def random_batch(B=3, V=5, C=4, O=7, seed=0):
     return codes, numeric, static, lengths, dx_ids
 
 
+@pytest.mark.parametrize("n_layers", [1, 2])
 @pytest.mark.parametrize("arch", ["moe", "dense", "gru"])
-def test_shapes_and_padding_do_not_leak(arch):
+def test_shapes_and_padding_do_not_leak(arch, n_layers):
     torch.manual_seed(0)
-    net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, arch=arch, max_visits=5, **TINY)).eval()
+    net = PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, arch=arch, max_visits=5,
+                             **{**TINY, "n_layers": n_layers})).eval()
     codes, numeric, static, lengths, dx_ids = random_batch()
     scores, states, aux = net(codes, numeric, static, lengths, dx_ids)
     assert scores.shape == (3, 5, 7) and states.shape == (3, 5, 16)
-    assert len(aux) == (0 if arch == "gru" else 1)
+    assert len(aux) == (0 if arch == "gru" else n_layers)
+    # The last-visit forecast runs its final block for the last positions only: same scores and states.
     last, last_states, _ = net(codes, numeric, static, lengths, dx_ids, last_only=True)
     assert last.shape == (3, 7) and last_states.shape == (3, 16)
     assert torch.allclose(last, scores[torch.arange(3), lengths - 1], atol=1e-5)
+    assert torch.allclose(last_states, states[torch.arange(3), lengths - 1], atol=1e-5)
     # Garbage in padded visits must not change any real position's scores (causal + token mask).
     noisy = codes.clone()
     noisy[1, 2:] = 5

@@ -17,6 +17,7 @@ added to each of them. The output vocabulary is the cohort's Ω restricted to di
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import duckdb
 import numpy as np
@@ -52,6 +53,23 @@ class Vocabulary:
     def to_json(self) -> dict:
         return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
                 "lab_cuts": self.lab_cuts}
+
+    @cached_property
+    def input_ids(self) -> pl.DataFrame:
+        """(code, id) of every input code."""
+        return pl.DataFrame({"code": self.input_codes, "id": np.arange(2, self.n_input)},
+                            schema={"code": pl.String, "id": pl.Int64})
+
+    @cached_property
+    def code_ids(self) -> pl.DataFrame:
+        """(code, id, out, in_omega) for every input, output and Ω code, null where a code is not an input
+        (id) or output (out) code: the one lookup a record's codes are joined with, built once per vocabulary."""
+        outputs = pl.DataFrame({"code": self.output_codes, "out": np.arange(self.n_output)},
+                               schema={"code": pl.String, "out": pl.Int64})
+        omega = pl.DataFrame({"code": self.omega, "in_omega": True}, schema={"code": pl.String, "in_omega": pl.Boolean})
+        return (self.input_ids.join(outputs, on="code", how="full", coalesce=True)
+                .join(omega, on="code", how="full", coalesce=True)
+                .with_columns(pl.col("in_omega").fill_null(False)))
 
 
 def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_count: int) -> Vocabulary:
@@ -175,12 +193,8 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
         coded = pl.concat([coded, labs])
     tokens = (coded.select(key, "encounter_id", "code").unique()
               .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
-    input_ids = pl.DataFrame({"code": vocab.input_codes, "id": np.arange(2, vocab.n_input)},
-                             schema={"code": pl.String, "id": pl.Int64})
-    output_ids = pl.DataFrame({"code": vocab.output_codes, "out": np.arange(vocab.n_output)},
-                              schema={"code": pl.String, "out": pl.Int64})
-    tokens = (tokens.join(input_ids, on="code", how="left").join(output_ids, on="code", how="left")
-              .with_columns(pl.col("id").fill_null(UNKNOWN),
+    tokens = (tokens.join(vocab.code_ids, on="code", how="left")
+              .with_columns(pl.col("id").fill_null(UNKNOWN), pl.col("in_omega").fill_null(False),
                             pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"),
                             token_rank(pl.col("code")).alias("kind_rank"))
               # Truncation to max_codes_per_visit drops labs first, then medications, then procedures.
@@ -196,12 +210,10 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     dx = np.full((n, V, D), vocab.n_output, dtype=np.int32)
     dx[diagnoses["row"].to_numpy(), diagnoses["pos"].to_numpy(), diagnoses["slot"].to_numpy()] = \
         diagnoses["out"].to_numpy()
-    omega = pl.DataFrame({"code": vocab.omega}, schema={"code": pl.String})
-    unseen = (tokens.filter(pl.col("is_dx") & pl.col("out").is_null()).join(omega, on="code", how="semi")
-              .select("row", "pos", "code"))
+    unseen = tokens.filter(pl.col("is_dx") & pl.col("out").is_null() & pl.col("in_omega")).select("row", "pos", "code")
     return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
-                        static_ids(events, key, rows, input_ids), torch.from_numpy(lengths), torch.from_numpy(dx),
-                        unseen)
+                        static_ids(events, key, rows, vocab.input_ids), torch.from_numpy(lengths),
+                        torch.from_numpy(dx), unseen)
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:

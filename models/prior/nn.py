@@ -126,14 +126,28 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.ffn = MoEFeedForward(cfg) if cfg.arch == "moe" else DenseFeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, last: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """x (B, V, d) → (B, V, d); with `last` (B,) positions, only those rows' outputs → (B, 1, d).
+
+        Only the final block of a last-visit forecast takes `last`: nothing after it reads the other
+        positions, so their queries and feed-forward passes would be wasted work.
+        """
         B, V, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)  # 3 × (B, V, d)
-        q, k, v = (t.view(B, V, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, h, V, d/h)
+        if last is None:
+            mask, causal = None, True
+        else:
+            x = x[torch.arange(B), last].unsqueeze(1)  # (B, 1, d)
+            q = q[torch.arange(B), last].unsqueeze(1)  # (B, 1, d)
+            mask = (torch.arange(V, device=x.device)[None, :] <= last[:, None]).view(B, 1, 1, V)  # (B, 1, 1, V)
+            causal = False
+            token_mask = token_mask.new_ones(B, 1)
+        heads = (lambda t: t.view(B, -1, self.n_heads, d // self.n_heads).transpose(1, 2))  # → (B, h, ·, d/h)
         # Right padding + causal mask: a real visit never attends to a padded (later) one.
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)  # (B, h, V, d/h)
-        x = x + self.proj(att.transpose(1, 2).reshape(B, V, d))  # (B, V, d)
+        att = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout if self.training else 0.0)  # (B, h, ·, d/h)
+        x = x + self.proj(att.transpose(1, 2).reshape(B, -1, d))  # (B, ·, d)
         ffn_out, aux = self.ffn(self.norm2(x), token_mask)
         return x + ffn_out, aux
 
@@ -203,18 +217,25 @@ class PriorNet(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = RecurrenceHead(cfg)
 
-    def encode(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor, lengths: torch.Tensor
-               ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """codes (B, V, C), numeric (B, V, 2), static (B, S), lengths (B,) → states (B, V, d), router stats."""
+    def encode(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor, lengths: torch.Tensor,
+               last_only: bool = False) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """codes (B, V, C), numeric (B, V, 2), static (B, S), lengths (B,) → states (B, V, d), or (B, d) at
+        each last real visit with `last_only`; router stats."""
         x = self.visits(codes, numeric, static)  # (B, V, d)
         token_mask = torch.arange(codes.shape[1], device=codes.device)[None, :] < lengths[:, None]  # (B, V)
+        last = lengths - 1
         aux = []
         if self.cfg.arch == "gru":
             x, _ = self.gru(x)  # (B, V, d); causal by construction
+            if last_only:
+                x = x[torch.arange(x.shape[0]), last]  # (B, d)
         else:
-            for block in self.blocks:
-                x, layer_aux = block(x, token_mask)
+            for i, block in enumerate(self.blocks):
+                final = last_only and i == len(self.blocks) - 1
+                x, layer_aux = block(x, token_mask, last if final else None)
                 aux.append(layer_aux)
+            if last_only:
+                x = x.squeeze(1)  # (B, d)
         return self.norm(x), aux
 
     def forward(self, codes: torch.Tensor, numeric: torch.Tensor, static: torch.Tensor, lengths: torch.Tensor,
@@ -225,9 +246,7 @@ class PriorNet(nn.Module):
         static (B, S) holds the static-code ids, padded with 0; dx (B, V, D) each visit's output-code
         ids, padded with O. Returns (scores, states, aux).
         """
-        states, aux = self.encode(codes, numeric, static, lengths)  # (B, V, d)
-        if last_only:
-            states = states[torch.arange(states.shape[0]), lengths - 1]  # (B, d)
+        states, aux = self.encode(codes, numeric, static, lengths, last_only)  # (B, [V,] d)
         history = history_features(dx, lengths, self.cfg.n_output_codes, last_only)
         return self.head(states, history), states, aux
 
