@@ -22,7 +22,7 @@ from models.llm.client import CallContext, LLMClient
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
-from tasks.forecast import FUSED_INPUTS
+from tasks.forecast import FUSED_INPUTS, write_shard_outputs
 from warehouse.store import Warehouse
 from warehouse.vocab import Vocabulary
 
@@ -102,7 +102,8 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
 
 def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
                  k: int, run_id: str, config: LLMConfig) -> int:
-    """Run Direct Forecast over one shard and write rankings, ranking_status and llm_calls partitions."""
+    """Run Direct Forecast over one shard and write its rankings, candidates, ranking_status and llm_calls
+    partitions."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
     client = LLMClient.from_config(config, wh.root)
 
@@ -113,8 +114,7 @@ def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.Dat
             await client.close()
 
     ranked, status = asyncio.run(run())
-    wh.write("rankings", ranked, run_id=run_id, system=DIRECT, shard=shard)
-    wh.write("ranking_status", status, run_id=run_id, system=DIRECT, shard=shard)
+    write_shard_outputs(wh, DIRECT, shard, run_id, ranked, status, pretarget)
     wh.write("llm_calls", client.telemetry(), run_id=run_id, stage=DIRECT, shard=shard)
     return trajectories.height
 

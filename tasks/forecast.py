@@ -25,6 +25,9 @@ SPLITS = ("train", "tuning", "held_out", "all")
 LLM_SYSTEMS = ("direct", "rrf_prior_direct")
 # The systems whose lists of the same run a fused system reads.
 FUSED_INPUTS = {"rrf_prior_direct": ("ehr_prior", "direct")}
+# Systems that are a stage of the forecasting pipeline (spec §2): their lists are also written as that
+# stage's `candidates`, the input of the stages after them.
+CANDIDATE_STAGES = {"ehr_prior": "candidate_generation", "direct": "direct_forecast"}
 
 
 def check_system(system: str) -> None:
@@ -89,7 +92,8 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
 
 
 def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
-    """Remove a system's earlier rankings, status, LLM telemetry and evaluation of a run before it is redone.
+    """Remove a system's earlier rankings, status, stage candidates, LLM telemetry and evaluation of a run
+    before it is redone.
 
     Every shard is recomputed anyway; clearing first means a shard that is not written this time
     (the cohort was re-sharded) cannot survive as a stale partition. The run's paired comparisons
@@ -99,6 +103,8 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
         wh.delete(table, run_id=run_id, system=system)
     for table in ("paired_comparisons", "headroom"):
         wh.delete(table, run_id=run_id)
+    if system in CANDIDATE_STAGES:
+        wh.delete("candidates", run_id=run_id, stage=CANDIDATE_STAGES[system])
     if system in LLM_SYSTEMS:
         wh.delete("llm_calls", run_id=run_id, stage=system)
 
@@ -165,6 +171,34 @@ def forecast_shard(forecaster: Forecaster, trajectories: pl.DataFrame, pretarget
     return ranked, status
 
 
+def stage_candidates(ranked: pl.DataFrame, pretarget: pl.DataFrame, stage: str) -> pl.DataFrame:
+    """A stage's `candidates` rows: the native codes of its rankings (run_id, cohort_id and system filled)
+    with the number of pre-target encounters that record each code in the trajectory's own record.
+
+    Diagnosis events without an encounter count together as one encounter.
+    """
+    history = (pretarget.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
+               .unique(["trajectory_id", "code", "encounter_id"])
+               .group_by("trajectory_id", "code").agg(pl.len().cast(pl.Int32).alias("history_count")))
+    return (ranked.filter(pl.col("native"))
+            .join(history, on=["trajectory_id", "code"], how="left")
+            .with_columns(pl.col("history_count").fill_null(0), pl.lit(stage).alias("stage"))
+            .select("run_id", "cohort_id", "stage", "system", "trajectory_id", "rank", "code", "score",
+                    "history_count")
+            .sort("trajectory_id", "rank"))
+
+
+def write_shard_outputs(wh: Warehouse, system: str, shard: int, run_id: str, ranked: pl.DataFrame,
+                        status: pl.DataFrame, pretarget: pl.DataFrame) -> None:
+    """Write a system's rankings of one shard, its stage candidates when it is a pipeline stage, then the
+    per-trajectory status."""
+    wh.write("rankings", ranked, run_id=run_id, system=system, shard=shard)
+    if system in CANDIDATE_STAGES:
+        stage = CANDIDATE_STAGES[system]
+        wh.write("candidates", stage_candidates(ranked, pretarget, stage), run_id=run_id, stage=stage, shard=shard)
+    wh.write("ranking_status", status, run_id=run_id, system=system, shard=shard)
+
+
 def status_counts(wh: Warehouse, run_id: str) -> pl.DataFrame:
     """Trajectories per (system, status) in a run's `ranking_status`: (system, status, len)."""
     return wh.read("ranking_status", run_id=run_id).group_by("system", "status").len().sort("system", "status")
@@ -182,8 +216,7 @@ def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, s
         return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
     forecaster = fitted_forecaster(wh_root, cohort_id, system)
     ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
-    wh.write("rankings", ranked, run_id=run_id, system=system, shard=shard)
-    wh.write("ranking_status", status, run_id=run_id, system=system, shard=shard)
+    write_shard_outputs(wh, system, shard, run_id, ranked, status, pretarget)
     return trajectories.height
 
 

@@ -37,3 +37,24 @@ def test_global_frequency_uses_train_patients_only(wh_vocab, tiny_meds):
     model = GlobalFrequency()
     model.fit(wh_vocab.connect(), cid)
     assert model.frequency.rows() == [(dx("I10"), 2.0), (dx("E119"), 1.0), (dx("J189"), 1.0)]
+
+
+def test_stage_candidates_keep_native_codes_and_count_history_encounters():
+    from tasks.forecast import stage_candidates
+
+    ranked = pl.DataFrame({
+        "run_id": "r1", "cohort_id": "c", "system": "ehr_prior", "trajectory_id": ["t1", "t1", "t1", "t2"],
+        "rank": [1, 2, 3, 1], "code": [dx("I5022"), dx("N179"), dx("I10"), dx("I5022")],
+        "score": [3.0, 2.0, 1.0, 5.0], "native": [True, True, False, True]})
+    pretarget = pl.DataFrame({
+        "trajectory_id": ["t1"] * 5 + ["t2"],
+        # I50.22 in encounters 10 and 11 (twice in 11), N17.9 twice without an encounter, a procedure
+        # with I50.22's digits; t2's history is its own.
+        "code": [dx("I5022"), dx("I5022"), dx("I5022"), dx("N179"), dx("N179"), "PROCEDURE//ICD//10//I5022"],
+        "encounter_id": [10, 11, 11, None, None, 20]})
+    candidates = stage_candidates(ranked, pretarget, "candidate_generation")
+    assert candidates.columns == ["run_id", "cohort_id", "stage", "system", "trajectory_id", "rank", "code", "score",
+                                  "history_count"]
+    assert candidates.select("trajectory_id", "rank", "code", "history_count").rows() == [
+        ("t1", 1, dx("I5022"), 2), ("t1", 2, dx("N179"), 1), ("t2", 1, dx("I5022"), 0)]
+    assert candidates["stage"].unique().to_list() == ["candidate_generation"]

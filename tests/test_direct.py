@@ -77,6 +77,16 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     assert second["code"].to_list() == [f"DIAGNOSIS//ICD//10//{c.replace('.', '')}" for c in VALID]
     assert second["score"].to_list() == [95.0 - i for i in range(21)]
     assert second["native"].all() and rankings["cohort_id"].unique().to_list() == [cohort_id]
+    # D is also the Direct Forecast stage's candidates, confidences as scores, with the number of
+    # pre-target encounters that record each code.
+    candidates = wh.read("candidates", run_id="run-d", stage="direct_forecast")
+    own = candidates.filter(pl.col("trajectory_id") == ids[1]).sort("rank")
+    assert own.select("code", "score").equals(second.select("code", "score"))
+    assert candidates.height == rankings.height
+    recorded = {(t, c): n for t, c, n in pretarget.group_by("trajectory_id", "code").agg(
+        pl.col("encounter_id").n_unique()).iter_rows()}
+    counts = [recorded.get((t, c), 0) for t, c in candidates.select("trajectory_id", "code").iter_rows()]
+    assert candidates["history_count"].to_list() == counts and max(counts) > 0
 
     calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
     assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [

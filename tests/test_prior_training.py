@@ -19,7 +19,7 @@ from models.prior.config import PriorConfig
 from models.prior.lit import PriorDataModule
 from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
-from tasks.forecast import forecast_shard_task
+from tasks.forecast import clear_outputs, forecast_shard_task
 from tasks.prior import train_prior
 from warehouse.store import Warehouse
 
@@ -126,6 +126,23 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
     assert not rankings["code"].is_in(list(SENTINELS.values())).any()
     status = wh.read("ranking_status", run_id="fc-test", system="ehr_prior")
     assert status["status"].unique().to_list() == ["ok"]
+    # The same lists are the Candidate Generation stage's candidates (pi_F), each code with the number
+    # of pre-target encounters that record it, checked against SQL over the pre-target events.
+    key = ["trajectory_id", "rank"]
+    candidates = wh.read("candidates", run_id="fc-test", stage="candidate_generation").sort(key)
+    assert candidates.select(*key, "code", "score").equals(rankings.sort(key).select(*key, "code", "score"))
+    assert candidates["system"].unique().to_list() == ["ehr_prior"]
+    expected = wh.connect().sql("""
+        SELECT c.trajectory_id, c.rank, count(DISTINCT p.encounter_id)::INT AS history_count
+        FROM candidates c LEFT JOIN pretarget_events p ON p.trajectory_id = c.trajectory_id AND p.code = c.code
+        WHERE c.run_id = 'fc-test' GROUP BY ALL ORDER BY ALL""").pl()
+    assert candidates.select(*key, "history_count").equals(expected)
+    assert (candidates["history_count"] > 0).any() and (candidates["history_count"] == 0).any()
+    # A rerun of the system first clears its own stage's candidates, not another stage's of the run.
+    wh.write("candidates", candidates.with_columns(pl.lit("direct_forecast").alias("stage")), run_id="fc-test",
+             stage="direct_forecast", shard=0)
+    clear_outputs(wh, "fc-test", "ehr_prior")
+    assert wh.read("candidates", run_id="fc-test")["stage"].unique().to_list() == ["direct_forecast"]
 
 
 def test_no_held_out_or_tuning_target_reaches_training(trained):

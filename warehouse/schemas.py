@@ -110,6 +110,14 @@ TABLES: dict[str, Table] = {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
         }, ["run_id", "system", "shard"], "Ordered code lists per trajectory; `native` is false for padding."),
+        _t("candidates", FORECAST, {
+            "run_id": pa.string(), "cohort_id": pa.string(), "stage": pa.string(), "system": pa.string(),
+            "trajectory_id": pa.string(), "rank": pa.int32(), "code": pa.string(), "score": pa.float64(),
+            "history_count": pa.int32(),
+        }, ["run_id", "stage", "shard"], "Each forecasting stage's candidate codes per trajectory, in the stage's "
+           "order: `candidate_generation` is the EHR prior's pi_F (its set is the research seed B), "
+           "`direct_forecast` Direct's list D (score = its confidence). `history_count` is the number of "
+           "pre-target encounters of the trajectory that record the code (0 = new to the record)."),
         _t("ranking_status", FORECAST, {
             "run_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(), "status": pa.string(),
             "detail": pa.string(),
