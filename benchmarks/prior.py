@@ -88,7 +88,8 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     """Every shard through the forecast stage; times the model resolution/loading and the shard loop apart.
 
     `load_seconds`: `fit` (for learned systems: resolve the alias in MLflow, load the model).
-    `shard_seconds`: per shard read the pre-target tables, predict, write rankings and statuses.
+    `shard_seconds`: per shard read the pre-target tables, predict, write rankings, candidates, the
+    prediction cache entry and statuses.
     End to end = both; module imports (torch, mlflow and its SQL store, polars) are process start-up
     and excluded.
     """
@@ -101,6 +102,8 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     wh = Warehouse(data_dir)
     shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+    # Lists of an earlier run with the same model would be read back, not predicted: time the model.
+    wh.delete("prediction_cache", system=system)
     started = time.perf_counter()
     fitted_forecaster(str(wh.root), cohort_id, system)
     loaded = time.perf_counter()

@@ -20,6 +20,9 @@ RANKING_COLUMNS = {"trajectory_id": pl.String, "rank": pl.Int32, "code": pl.Stri
 
 class Forecaster(Protocol):
     system: str
+    # What identifies the fitted model (e.g. a registered model version), set by `fit` on forecasters
+    # whose predictions the forecast stage may cache; None for those recomputed every time.
+    model_key: dict | None = None
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None: ...
 

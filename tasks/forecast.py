@@ -7,6 +7,7 @@ and the materialized pre-target records of the shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 
@@ -14,9 +15,10 @@ import polars as pl
 from prefect import task
 
 from dxr.errors import InputError
-from models.baselines import Forecaster
+from models.baselines import RANKING_COLUMNS, Forecaster
 from models.registry import FORECASTERS, forecaster_class
-from warehouse.runs import check_run_id
+from tasks import stage_logger
+from warehouse.runs import check_run_id, code_version
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
@@ -159,16 +161,66 @@ def forecast_shard(forecaster: Forecaster, trajectories: pl.DataFrame, pretarget
     ranked = forecaster.predict(trajectories, pretarget, k)
     if ranked.select(pl.struct("trajectory_id", "code").is_duplicated().any()).item():
         raise AssertionError(f"{forecaster.system} returned duplicate codes in run {run_id}")
-    ranked = ranked.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(cohort_id).alias("cohort_id"),
-                                 pl.lit(forecaster.system).alias("system"))
+    return with_run(ranked, run_id, cohort_id, forecaster.system), shard_status(
+        ranked, trajectories, k, run_id, forecaster.system)
+
+
+def with_run(ranked: pl.DataFrame, run_id: str, cohort_id: str, system: str) -> pl.DataFrame:
+    return ranked.with_columns(pl.lit(run_id).alias("run_id"), pl.lit(cohort_id).alias("cohort_id"),
+                               pl.lit(system).alias("system"))
+
+
+def shard_status(ranked: pl.DataFrame, trajectories: pl.DataFrame, k: int, run_id: str, system: str) -> pl.DataFrame:
+    """`ranking_status` rows of a shard: ok, or short with `n of k codes` when a list holds fewer than k."""
     lengths = trajectories.select("trajectory_id").join(
         ranked.group_by("trajectory_id").agg(pl.len().alias("n")), on="trajectory_id", how="left"
     ).with_columns(pl.col("n").fill_null(0))
-    status = lengths.select(
-        pl.lit(run_id).alias("run_id"), pl.lit(forecaster.system).alias("system"), "trajectory_id",
+    return lengths.select(
+        pl.lit(run_id).alias("run_id"), pl.lit(system).alias("system"), "trajectory_id",
         pl.when(pl.col("n") >= k).then(pl.lit("ok")).otherwise(pl.lit("short")).alias("status"),
         pl.when(pl.col("n") >= k).then(None).otherwise(pl.format("{} of {} codes", "n", pl.lit(k))).alias("detail"))
-    return ranked, status
+
+
+def prediction_key(wh: Warehouse, forecaster: Forecaster, cohort_id: str, shard: int, trajectories: pl.DataFrame,
+                   k: int) -> dict | None:
+    """The inputs that fix a shard's predictions by a fitted model, or None for a forecaster without a
+    `model_key` (recomputed every time).
+
+    The registered model version, the trajectories and their pre-target records (the shard's file, by
+    content), K and the code version (featurization is code too) decide the ranked lists.
+    """
+    model = getattr(forecaster, "model_key", None)
+    if model is None:
+        return None
+    pretarget_file = wh.partition_path("pretarget_events", cohort_id=cohort_id, shard=shard)
+    ids = "\n".join(sorted(trajectories["trajectory_id"].to_list()))
+    return {"system": forecaster.system, "model": model, "cohort_id": cohort_id, "shard": shard, "k": k,
+            "code_version": code_version(), "n_trajectories": trajectories.height,
+            "trajectory_ids_sha256": hashlib.sha256(ids.encode()).hexdigest(),
+            "pretarget_sha256": hashlib.sha256(pretarget_file.read_bytes()).hexdigest()}
+
+
+def cached_forecast_shard(wh: Warehouse, forecaster: Forecaster, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
+                          k: int, run_id: str, cohort_id: str, shard: int) -> tuple[pl.DataFrame, pl.DataFrame, bool]:
+    """`forecast_shard` through `prediction_cache`: (rankings, status, whether they came from the cache).
+
+    A model's predictions depend only on the key's inputs, so a later run (a nightly backfill, a rerun
+    under another run id) with the same registered version reads them instead of recomputing them.
+    """
+    key_inputs = prediction_key(wh, forecaster, cohort_id, shard, trajectories, k)
+    if key_inputs is None:
+        return *forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id), False
+    key_json = json.dumps(key_inputs, sort_keys=True)
+    key = hashlib.sha256(key_json.encode()).hexdigest()[:32]
+    system = forecaster.system
+    if wh.has_rows("prediction_cache", system=system, cache_key=key):
+        ranked = wh.read("prediction_cache", system=system, cache_key=key).select(*RANKING_COLUMNS)
+        return with_run(ranked, run_id, cohort_id, system), shard_status(ranked, trajectories, k, run_id, system), True
+    ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
+    wh.write("prediction_cache", ranked.select(
+        pl.lit(system).alias("system"), pl.lit(key).alias("cache_key"), pl.lit(key_json).alias("key_json"),
+        *RANKING_COLUMNS), system=system, cache_key=key)
+    return ranked, status, False
 
 
 def stage_candidates(ranked: pl.DataFrame, pretarget: pl.DataFrame, stage: str) -> pl.DataFrame:
@@ -215,9 +267,13 @@ def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, s
     if system in LLM_SYSTEMS:
         return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
     forecaster = fitted_forecaster(wh_root, cohort_id, system)
-    ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
+    ranked, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, run_id, cohort_id, shard)
+    if cached:
+        stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache", system, shard,
+                           trajectories.height)
     write_shard_outputs(wh, system, shard, run_id, ranked, status, pretarget)
     return trajectories.height
+
 
 
 def llm_shard(wh: Warehouse, cohort_id: str, system: str, shard: int, trajectories: pl.DataFrame,

@@ -8,17 +8,15 @@ nothing (the demo's once-per-cohort-build training).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
 
 from prefect import task
-from prefect.exceptions import MissingContextError
-from prefect.logging import get_run_logger
 
 from dxr.errors import NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.train import EpochReport, TrainResult, train_prior_model
+from tasks import stage_logger
 from warehouse.cohorts import reading_cohort
 from warehouse.runs import registered_run
 from warehouse.store import Warehouse
@@ -41,10 +39,7 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
 def epoch_reporter(system: str, epochs: int) -> EpochReport:
     """One log line per finished epoch: long trainings (an epoch takes minutes at MIMIC-IV scale) show
     progress in the Prefect run's log and on the console."""
-    try:
-        logger = get_run_logger()
-    except MissingContextError:  # called outside a flow, e.g. from a notebook
-        logger = logging.getLogger(__name__)
+    logger = stage_logger(__name__)
 
     def report(epoch: int, metrics: dict[str, float]) -> None:
         logger.info("%s epoch %d/%d: train loss %.4f, tuning R@20 %.4f", system, epoch + 1, epochs,

@@ -19,7 +19,7 @@ from models.prior.config import PriorConfig
 from models.prior.lit import PriorDataModule
 from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
-from tasks.forecast import clear_outputs, forecast_shard_task
+from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import train_prior
 from warehouse.store import Warehouse
 
@@ -143,6 +143,51 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
              stage="direct_forecast", shard=0)
     clear_outputs(wh, "fc-test", "ehr_prior")
     assert wh.read("candidates", run_id="fc-test")["stage"].unique().to_list() == ["direct_forecast"]
+
+
+def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache(trained, monkeypatch):
+    wh, cohort, _, _ = trained
+    trajectories, pretarget = shard_inputs(wh, cohort, 0, "all")
+    forecaster = RegisteredPrior()
+    forecaster.fit(wh.connect(), cohort)
+    k = 15  # a K no other test forecasts with: the first call below cannot find its key
+    first, first_status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "cache-1", cohort, 0)
+    assert not cached and first.height == k * trajectories.height
+    entry = wh.read("prediction_cache", system="ehr_prior")
+    key_inputs = json.loads(entry.filter(pl.col("key_json").str.contains('"k": 15'))["key_json"][0])
+    assert key_inputs["model"] == {"registered_model": f"ehr_prior-{cohort}", "version": "1",
+                                   "mlflow_run_id": forecaster.run_id}
+    assert (key_inputs["cohort_id"], key_inputs["shard"], key_inputs["n_trajectories"]) == (cohort, 0,
+                                                                                           trajectories.height)
+
+    def no_prediction(*args):
+        raise AssertionError("the model was asked again for lists the cache holds")
+
+    # Another run id, a fresh process's forecaster: the same lists, from the cache, without the model.
+    again = RegisteredPrior()
+    again.fit(wh.connect(), cohort)
+    monkeypatch.setattr(again, "predict", no_prediction)
+    second, second_status, cached = cached_forecast_shard(wh, again, trajectories, pretarget, k, "cache-2", cohort, 0)
+    assert cached
+    assert second.drop("run_id").equals(first.drop("run_id")) and second["run_id"].unique().to_list() == ["cache-2"]
+    assert second_status.drop("run_id").equals(first_status.drop("run_id"))
+
+    # Fewer trajectories, another pre-target file or another model version: other keys, so predicted anew.
+    assert not cached_forecast_shard(wh, forecaster, trajectories.head(2), pretarget, k, "cache-3", cohort, 0)[2]
+    pretarget_file = wh.partition_path("pretarget_events", cohort_id=cohort, shard=0)
+    original = pretarget_file.read_bytes()
+    try:
+        wh.write("pretarget_events", wh.read("pretarget_events", cohort_id=cohort, shard=0).head(-1),
+                 cohort_id=cohort, shard=0)
+        assert not cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "cache-4", cohort, 0)[2]
+    finally:
+        pretarget_file.write_bytes(original)
+    other = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=1, promote=False))
+    tracking.MlflowClient().set_registered_model_alias(other.registered_model, "cache-test", other.version)
+    challenger = RegisteredPrior(PriorConfig(alias="cache-test"))
+    challenger.fit(wh.connect(), cohort)
+    assert challenger.model_key["version"] == other.version != "1"
+    assert not cached_forecast_shard(wh, challenger, trajectories, pretarget, k, "cache-5", cohort, 0)[2]
 
 
 def test_no_held_out_or_tuning_target_reaches_training(trained):

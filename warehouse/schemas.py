@@ -118,6 +118,13 @@ TABLES: dict[str, Table] = {
            "order: `candidate_generation` is the EHR prior's pi_F (its set is the research seed B), "
            "`direct_forecast` Direct's list D (score = its confidence). `history_count` is the number of "
            "pre-target encounters of the trajectory that record the code (0 = new to the record)."),
+        _t("prediction_cache", FORECAST, {
+            "system": pa.string(), "cache_key": pa.string(), "key_json": pa.string(), "trajectory_id": pa.string(),
+            "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
+        }, ["system", "cache_key"], "Ranked lists of a registered model over one shard's trajectories, reused by "
+           "any later forecast with the same key. `key_json` holds the key's inputs: system, registered model "
+           "version and MLflow run, cohort, shard, K, code version, and SHA-256 digests of the trajectory ids "
+           "and of the shard's pre-target file. Safe to delete at any time (it is only recomputed)."),
         _t("ranking_status", FORECAST, {
             "run_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(), "status": pa.string(),
             "detail": pa.string(),

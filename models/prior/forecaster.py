@@ -55,6 +55,7 @@ class RegisteredPrior:
 
     def __init__(self, config: PriorConfig | None = None):
         self.config = config
+        self.model_key = None  # set by fit
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
         root = warehouse_root(con)
@@ -62,6 +63,9 @@ class RegisteredPrior:
         tracking.use_tracking(root, cfg.tracking_uri, cfg.experiment)
         model_dir, self.version, self.run_id = tracking.download_model(
             self.system, cohort_id, cfg.alias, root / "mlflow" / "cache")
+        # The run id too: another (or a reset) tracking store numbers its versions from 1 again.
+        self.model_key = {"registered_model": tracking.registered_name(self.system, cohort_id),
+                          "version": self.version, "mlflow_run_id": self.run_id}
         bundle = tracking.read_bundle(model_dir)
         self.vocab = Vocabulary(**bundle["vocabulary.json"])
         self.train_cfg = PriorConfig(**bundle["prior_config.json"])
