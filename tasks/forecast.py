@@ -1,4 +1,5 @@
-"""Forecast stage: run one system over a cohort's trajectories, shard by shard, into `rankings`.
+"""Forecast stage: run one system over a cohort's trajectories, shard by shard, into `rankings` (and the
+`candidates` of the pipeline stage it is, if any); a registered model's lists go through `prediction_cache`.
 
 `forecast_shard` is the plain stage function; `forecast_shard_task` is its Prefect wrapper. The
 forecaster only ever sees a forecasting-store connection (the gold store is unreachable from it)
@@ -197,7 +198,8 @@ def prediction_key(wh: Warehouse, forecaster: Forecaster, cohort_id: str, shard:
     return {"system": forecaster.system, "model": model, "cohort_id": cohort_id, "shard": shard, "k": k,
             "code_version": code_version(), "n_trajectories": trajectories.height,
             "trajectory_ids_sha256": hashlib.sha256(ids.encode()).hexdigest(),
-            "pretarget_sha256": hashlib.sha256(pretarget_file.read_bytes()).hexdigest()}
+            "pretarget_sha256": hashlib.sha256(pretarget_file.read_bytes() if pretarget_file.is_file() else b"")
+            .hexdigest()}
 
 
 def cached_forecast_shard(wh: Warehouse, forecaster: Forecaster, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
@@ -269,11 +271,10 @@ def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, s
     forecaster = fitted_forecaster(wh_root, cohort_id, system)
     ranked, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, run_id, cohort_id, shard)
     if cached:
-        stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache", system, shard,
-                           trajectories.height)
+        stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache",
+                                    system, shard, trajectories.height)
     write_shard_outputs(wh, system, shard, run_id, ranked, status, pretarget)
     return trajectories.height
-
 
 
 def llm_shard(wh: Warehouse, cohort_id: str, system: str, shard: int, trajectories: pl.DataFrame,
