@@ -21,6 +21,7 @@ from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import train_prior
+from tests.sentinel import forecast_store_texts
 from warehouse.store import Warehouse
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -138,6 +139,11 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
         WHERE c.run_id = 'fc-test' GROUP BY ALL ORDER BY ALL""").pl()
     assert candidates.select(*key, "history_count").equals(expected)
     assert (candidates["history_count"] > 0).any() and (candidates["history_count"] == 0).any()
+    # No planted target code anywhere in the forecasting store the forecast wrote to (Ω lists them
+    # legitimately and is not scanned): rankings, candidates, the prediction cache, statuses.
+    texts = forecast_store_texts(wh.forecast_dir)
+    assert {"rankings", "candidates", "prediction_cache"} <= {name.split("/")[0] for name in texts}
+    assert not [name for name, values in texts.items() if any("ZZSENT" in value for value in values)]
     # A rerun of the system first clears its own stage's candidates, not another stage's of the run.
     wh.write("candidates", candidates.with_columns(pl.lit("direct_forecast").alias("stage")), run_id="fc-test",
              stage="direct_forecast", shard=0)
