@@ -215,8 +215,8 @@ def cached_forecast_shard(wh: Warehouse, forecaster: Forecaster, trajectories: p
     key_json = json.dumps(key_inputs, sort_keys=True)
     key = hashlib.sha256(key_json.encode()).hexdigest()[:32]
     system = forecaster.system
-    if wh.has_rows("prediction_cache", system=system, cache_key=key):
-        ranked = wh.read("prediction_cache", system=system, cache_key=key).select(*RANKING_COLUMNS)
+    ranked = wh.read("prediction_cache", system=system, cache_key=key).select(*RANKING_COLUMNS)
+    if ranked.height:
         return with_run(ranked, run_id, cohort_id, system), shard_status(ranked, trajectories, k, run_id, system), True
     ranked, status = forecast_shard(forecaster, trajectories, pretarget, k, run_id, cohort_id)
     wh.write("prediction_cache", ranked.select(
