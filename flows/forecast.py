@@ -7,7 +7,7 @@ from contextlib import ExitStack
 from prefect import flow
 
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
-                            forecast_shard_task, forecast_shards)
+                            forecast_shard_task, forecast_shards, pinned_model)
 from dxr.errors import InputError
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
@@ -42,12 +42,15 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         config = forecast_config(cohort_id, system, split, k, limit, subject_id)
         check_rerun(wh, run_id, config)
         shards = forecast_shards(wh, cohort_id, split, subject_id)
+        model = pinned_model(wh, cohort_id, system)
+        if model is not None:
+            config["model"] = model
         with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
             clear_outputs(wh, run.run_id, system)
             remaining = limit
             for shard in shards:
                 done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining,
-                                           subject_id)
+                                           subject_id, model["version"] if model else None)
                 if remaining is not None:
                     remaining -= done
                     if remaining <= 0:

@@ -17,6 +17,7 @@ from prefect import task
 
 from dxr.errors import InputError
 from models.baselines import RANKING_COLUMNS, Forecaster
+from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
 from warehouse.runs import check_run_id, code_version
@@ -85,7 +86,8 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
     if own.is_empty():
         return
-    recorded = json.loads(own["config_json"][0])
+    # The model version is what the alias resolved to, not an option: a rerun uses the current one.
+    recorded = {key: value for key, value in json.loads(own["config_json"][0]).items() if key != "model"}
     current = json.loads(json.dumps(config, sort_keys=True, default=str))
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current.keys() | recorded.keys())
                if recorded.get(key) != current.get(key)]
@@ -112,15 +114,28 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
         wh.delete("llm_calls", run_id=run_id, stage=system)
 
 
-def make_forecaster(system: str) -> Forecaster:
+def pinned_model(wh: Warehouse, cohort_id: str, system: str) -> dict | None:
+    """The registered model version a learned system's run will use (None for a system without one).
+
+    Resolved from the alias once, before the run starts: every shard then loads this version even if
+    the alias moves meanwhile, and the run records it (`runs.config_json` key `model`).
+    """
+    if system not in ARCHS:
+        return None
+    return forecaster_class(system).resolve(wh.root, cohort_id)
+
+
+def make_forecaster(system: str, model_version: str | None = None) -> Forecaster:
     check_system(system)
-    return forecaster_class(system)()
+    cls = forecaster_class(system)
+    return cls() if model_version is None else cls(version=model_version)
 
 
 @lru_cache(maxsize=8)
-def fitted_forecaster(wh_root: str, cohort_id: str, system: str) -> Forecaster:
-    """Fit once per process and cohort; every shard task of a run reuses it."""
-    forecaster = make_forecaster(system)
+def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None) -> Forecaster:
+    """Fit once per process, cohort and registered version (None: the one the alias points to at the first
+    call); every shard task of a run reuses it."""
+    forecaster = make_forecaster(system, model_version)
     forecaster.fit(Warehouse(wh_root).connect(), cohort_id)
     return forecaster
 
@@ -260,15 +275,18 @@ def status_counts(wh: Warehouse, run_id: str) -> pl.DataFrame:
 
 @task(name="forecast-shard")
 def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, split: str, k: int, run_id: str,
-                        limit: int | None = None, subject_id: int | None = None) -> int:
-    """Prefect wrapper: fit (from the forecasting store only), predict one shard, write its partitions."""
+                        limit: int | None = None, subject_id: int | None = None,
+                        model_version: str | None = None) -> int:
+    """Prefect wrapper: fit (from the forecasting store only), predict one shard, write its partitions.
+
+    `model_version` pins a learned system's registered version (see `pinned_model`)."""
     wh = Warehouse(wh_root)
     trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit, subject_id)
     if trajectories.is_empty():
         return 0
     if system in LLM_SYSTEMS:
         return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
-    forecaster = fitted_forecaster(wh_root, cohort_id, system)
+    forecaster = fitted_forecaster(wh_root, cohort_id, system, model_version)
     ranked, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, run_id, cohort_id, shard)
     if cached:
         stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache",

@@ -3,28 +3,34 @@
 `train_prior` is the plain stage function: forecasting-store connection in (train patients' full
 records, tuning pre-target records), a registered MLflow model out, a `runs` row recorded.
 `train_prior_task` is its Prefect wrapper. `ensure_prior` trains only when the alias resolves to
-nothing (the demo's once-per-cohort-build training).
+nothing (the demo's once-per-cohort-build training). `prior_versions` and `promote_prior` list the
+registered versions and move the alias.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from prefect import task
 
 from dxr.errors import NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.train import EpochReport, TrainResult, train_prior_model
 from tasks import stage_logger
-from warehouse.cohorts import reading_cohort
+from warehouse.cohorts import get_cohort, reading_cohort
 from warehouse.runs import registered_run
 from warehouse.store import Warehouse
+
+if TYPE_CHECKING:
+    from models.prior.train import EpochReport, TrainResult
 
 
 def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_id: str | None = None,
                 progress: bool = False) -> TrainResult:
     """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`."""
+    from models.prior.train import train_prior_model  # imports Lightning (seconds): listing and promoting do not
+
     wh = Warehouse(data_dir)
     with reading_cohort(wh, cohort) as cohort_row:
         cohort_id = cohort_row["cohort_id"]
@@ -55,6 +61,30 @@ def ensure_prior(data_dir: str, cohort_id: str, system: str, cfg: PriorConfig) -
         return tracking.resolve_alias(system, cohort_id, cfg.alias)[0]
     except NotFoundError:
         return train_prior(data_dir, cohort_id, system, cfg, progress=True).version
+
+
+def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: PriorConfig) -> list[dict]:
+    """Every registered version of the systems' models for a cohort (by name or id), newest first per system."""
+    wh = Warehouse(data_dir)
+    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
+    return [{"cohort_id": cohort_id, **row} for system in systems
+            for row in tracking.registered_versions(system, cohort_id)]
+
+
+def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: PriorConfig) -> dict:
+    """Point the configured alias of a system's registered model for a cohort at `version` (a rollback,
+    or a model trained with `promote = false` made champion); recorded in `runs` as `promote:<system>`
+    with the version the alias pointed to before. Forecasts started afterwards use the new version."""
+    wh = Warehouse(data_dir)
+    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
+    tracking.version_run(system, cohort_id, version)  # a typo fails here, before a run is recorded
+    config = {"system": system, "cohort": cohort_id, "alias": cfg.alias, "version": version}
+    with registered_run(wh, f"promote:{system}", config, cohort_id=cohort_id) as run:
+        previous = tracking.set_alias(system, cohort_id, version, cfg.alias)
+        run.config = {**config, "previous_version": previous}
+    return {"run_id": run.run_id, **run.config}
 
 
 @task(name="train-prior")

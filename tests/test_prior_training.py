@@ -250,3 +250,64 @@ def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_vers
     new.fit(wh.connect(), cohort)
     assert new.run_id == second.mlflow_run_id
     assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))
+
+
+def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path):
+    from flows.forecast import forecast_flow
+    from tasks.forecast import fitted_forecaster
+
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    first = train_prior(str(tmp_path), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2))
+    runner = CliRunner()
+    trained = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", cohort, "--epochs", "1",
+                                   "--no-promote", "--run-id", "challenger-1"])
+    assert trained.exit_code == 0, trained.output
+    assert "ehr_prior: registered ehr_prior-" in trained.output and " v2;" in trained.output
+    assert "@champion" not in trained.output  # --no-promote left the alias on version 1
+
+    listed = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort])
+    assert listed.exit_code == 0, listed.output
+    rows = [line.split() for line in listed.output.splitlines()[2:-1]]
+    assert [(r[0], r[1]) for r in rows] == [("ehr_prior", "2"), ("ehr_prior", "1")]  # newest first; no gru trained
+    assert rows[1][2] == "champion" and rows[1][-1] == first.mlflow_run_id
+    # The listed tuning R@20 is the selected epoch's, which training reported.
+    assert float(rows[1][6]) == pytest.approx(first.metrics["val_recall_at_20"], abs=5e-5)
+
+    with pytest.raises(NotFoundError, match=r"has no version '9' .*\(versions: 2, 1\)"):
+        fitted_forecaster(str(tmp_path), cohort, "ehr_prior", "9")
+    missing = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
+                                   "--version", "9"])
+    assert missing.exit_code != 0 and "has no version '9'" in missing.output
+    assert Warehouse(tmp_path).read("runs").filter(pl.col("kind") == "promote:ehr_prior").is_empty()
+
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-1")
+    promoted = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
+                                    "--version", "2"])
+    assert promoted.exit_code == 0, promoted.output
+    assert f"ehr_prior-{cohort}: @champion -> v2 (was v1; recorded as run promote-" in promoted.output
+    promotion = json.loads(wh.read("runs").filter(pl.col("kind") == "promote:ehr_prior")["config_json"][0])
+    assert (promotion["version"], promotion["previous_version"], promotion["alias"]) == ("2", "1", "champion")
+    # A rerun of the same run is allowed and uses the version the alias points to now.
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-2")
+
+    def recorded_model(run_id: str) -> dict:
+        return json.loads(wh.read("runs", run_id=run_id, kind="forecast:ehr_prior")["config_json"][0])["model"]
+
+    assert recorded_model("pinned-1") == {"registered_model": f"ehr_prior-{cohort}", "alias": "champion",
+                                          "version": "1", "mlflow_run_id": first.mlflow_run_id}
+    assert recorded_model("pinned-2")["version"] == "2"
+    one, two = (wh.read("rankings", run_id=r, system="ehr_prior").sort("trajectory_id", "rank") for r in
+                ("pinned-1", "pinned-2"))
+    assert one.height == two.height and not one["score"].equals(two["score"])
+    # A pinned version is loaded even where the alias points elsewhere (the alias moving mid-run).
+    assert fitted_forecaster(str(tmp_path), cohort, "ehr_prior", "1").run_id == first.mlflow_run_id
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-2")
+    assert recorded_model("pinned-2")["version"] == "2"
+    # A learned system with nothing registered: one line naming the fix, before any run is recorded.
+    runs_before = wh.read("runs").height
+    untrained = runner.invoke(main, ["--data-dir", str(tmp_path), "forecast", "--cohort", cohort, "--system", "gru"])
+    assert untrained.exit_code != 0
+    assert f"no registered model 'gru-{cohort}' with alias 'champion'" in untrained.output
+    assert f"dxr prior train --cohort {cohort} --system gru" in untrained.output
+    assert wh.read("runs").height == runs_before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from dxr.cli import main, settings
@@ -29,7 +31,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     """
     from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
-    from tasks.forecast import check_rerun, check_system, forecast_config, forecast_shards
+    from tasks.forecast import check_rerun, check_system, forecast_config, forecast_shards, pinned_model
     from warehouse.cohorts import get_cohort
     from warehouse.store import Warehouse
 
@@ -41,7 +43,11 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id))
     if subject_id is not None:
         forecast_shards(wh, cohort_id, split, subject_id)
+    pinned_model(wh, cohort_id, system)  # a learned system without a registered model
     start_temporary_api()
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
     whom = "" if subject_id is None else f", patient {subject_id}"
-    click.echo(f"run {run}: system {system} wrote rankings for cohort {cohort} ({split}{whom})")
+    recorded = json.loads(wh.read("runs", run_id=run, kind=f"forecast:{system}")["config_json"][0])
+    model = recorded.get("model")
+    using = "" if model is None else f" with {model['registered_model']} v{model['version']} (@{model['alias']})"
+    click.echo(f"run {run}: system {system}{using} wrote rankings for cohort {cohort} ({split}{whom})")

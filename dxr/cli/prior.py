@@ -11,11 +11,12 @@ PRIOR_SYSTEMS = ("ehr_prior", "dense_prior", "gru")
 
 @main.group()
 def prior() -> None:
-    """Train and inspect the learned EHR priors.
+    """Train the learned EHR priors, list their registered versions and choose the one forecasts use.
 
     \b
     Example:
       dxr prior train --cohort default
+      dxr prior models --cohort default
     """
 
 
@@ -27,11 +28,13 @@ def prior() -> None:
 @click.option("--max-train-patients", type=click.IntRange(min=1), default=None,
               help="Train on at most N train patients (quick runs).")
 @click.option("--seed", type=int, default=None, help="Override setting prior.seed.")
+@click.option("--promote/--no-promote", default=None, help="Override setting prior.promote: point the alias at the "
+              "new version (or leave it where it is, to compare first).")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent); each system's training "
               "is recorded under it with kind train:<system>.")
 @click.pass_context
 def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epochs: int | None,
-                max_train_patients: int | None, seed: int | None, run_id: str | None) -> None:
+                max_train_patients: int | None, seed: int | None, promote: bool | None, run_id: str | None) -> None:
     """Train on train patients, validate on tuning pre-target records, register in MLflow and set the alias.
 
     \b
@@ -42,8 +45,8 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     from flows.train_prior import train_prior_flow
 
     s = settings(ctx)
-    overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed}.items()
-                 if v is not None}
+    overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed,
+                                   "promote": promote}.items() if v is not None}
     cfg = s.prior.model_copy(update=overrides)
     start_temporary_api()
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
@@ -53,3 +56,52 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
                    f"(epoch {int(result['metrics']['selected_epoch']) + 1}), "
                    f"{result['n_train_patients']} train patients in {result['train_seconds']:.0f} s "
                    f"(mlflow run {result['mlflow_run_id']})")
+
+
+@prior.command("models")
+@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--system", "systems", type=click.Choice(PRIOR_SYSTEMS), multiple=True, default=PRIOR_SYSTEMS,
+              help="System(s) to list; repeat the option for several.  [default: all]")
+@click.pass_context
+def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> None:
+    """List the registered versions of the learned priors of a cohort, with their aliases and tuning metrics.
+
+    The metrics are those of the epoch whose weights the version holds.
+
+    \b
+    Example:
+      dxr prior models --cohort default --system ehr_prior
+    """
+    from tasks.prior import prior_versions
+    from warehouse.sql import format_table
+
+    rows = prior_versions(str(settings(ctx).data_dir), cohort, tuple(systems), settings(ctx).prior)
+    columns = ["system", "version", "aliases", "created_at", "selected_epoch", "val_recall_at_20",
+               "val_precision_at_20", "mlflow_run_id"]
+    click.echo(format_table(columns, [(r["system"], r["version"], ",".join(r["aliases"]),
+                                       f"{r['created_at']:%Y-%m-%d %H:%M:%S}", r["selected_epoch"],
+                                       r["val_recall_at_20"], r["val_precision_at_20"], r["mlflow_run_id"])
+                                      for r in rows]), nl=False)
+
+
+@prior.command("promote")
+@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--system", type=click.Choice(PRIOR_SYSTEMS), default="ehr_prior", show_default=True,
+              help="System whose alias moves.")
+@click.option("--version", "version", required=True, help="Registered version the alias should point to.")
+@click.pass_context
+def prior_promote(ctx: click.Context, cohort: str, system: str, version: str) -> None:
+    """Point the alias (setting prior.alias, default champion) at a registered version: a rollback, or a
+    model trained with --no-promote put into service. Forecasts started afterwards use it.
+
+    \b
+    Example:
+      dxr prior promote --cohort default --system ehr_prior --version 2
+    """
+    from tasks.prior import promote_prior
+
+    s = settings(ctx)
+    done = promote_prior(str(s.data_dir), cohort, system, version, s.prior)
+    before = "was unset" if done["previous_version"] is None else f"was v{done['previous_version']}"
+    click.echo(f"{system}-{done['cohort']}: @{done['alias']} -> v{version} ({before}; "
+               f"recorded as run {done['run_id']})")

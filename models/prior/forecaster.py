@@ -1,8 +1,8 @@
 """Forecasters backed by a registered MLflow model: `ehr_prior` (MoE), `dense_prior`, `gru`.
 
-`fit` does not train: it resolves the registered model `{system}-{cohort_id}` by alias (setting
-`prior.alias`, default `champion`) and loads it once; `predict` is a batched tensor computation
-over the pre-target records of a shard.
+`fit` does not train: it loads a version of the registered model `{system}-{cohort_id}`, the pinned
+one or the one the alias (setting `prior.alias`, default `champion`) points to; `predict` is a batched
+tensor computation over the pre-target records of a shard.
 """
 
 from __future__ import annotations
@@ -49,20 +49,35 @@ def load_network(model_dir: Path) -> PriorNet:
 
 
 class RegisteredPrior:
-    """Ranks Ω codes with the aliased registered model of one system."""
+    """Ranks Ω codes with a registered model of one system: the version `version` when pinned (a forecast
+    run resolves its alias once, so that every shard uses one version), else the one the alias points to."""
 
     system = "ehr_prior"
 
-    def __init__(self, config: PriorConfig | None = None):
+    def __init__(self, config: PriorConfig | None = None, version: str | None = None):
         self.config = config
+        self.version = version
         self.model_key = None  # set by fit
+
+    @classmethod
+    def resolve(cls, root: Path, cohort_id: str, config: PriorConfig | None = None) -> dict:
+        """The registered version the configured alias points to now, as a forecast run records it."""
+        cfg = config or load_settings(data_dir=root).prior
+        tracking.use_tracking(root, cfg.tracking_uri, cfg.experiment)
+        version, run_id = tracking.resolve_alias(cls.system, cohort_id, cfg.alias)
+        return {"registered_model": tracking.registered_name(cls.system, cohort_id), "alias": cfg.alias,
+                "version": version, "mlflow_run_id": run_id}
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
         root = warehouse_root(con)
         cfg = self.config or load_settings(data_dir=root).prior
         tracking.use_tracking(root, cfg.tracking_uri, cfg.experiment)
-        model_dir, self.version, self.run_id = tracking.download_model(
-            self.system, cohort_id, cfg.alias, root / "mlflow" / "cache")
+        if self.version is None:
+            self.version, self.run_id = tracking.resolve_alias(self.system, cohort_id, cfg.alias)
+        else:
+            self.run_id = tracking.version_run(self.system, cohort_id, self.version)
+        model_dir = tracking.download_model(self.system, cohort_id, self.version, self.run_id,
+                                            root / "mlflow" / "cache")
         # The run id too: another (or a reset) tracking store numbers its versions from 1 again.
         self.model_key = {"registered_model": tracking.registered_name(self.system, cohort_id),
                           "version": self.version, "mlflow_run_id": self.run_id}

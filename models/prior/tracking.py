@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 from dxr.errors import NotFoundError
@@ -73,16 +74,62 @@ def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
     return str(version.version), version.run_id
 
 
-def download_model(system: str, cohort_id: str, alias: str, cache_dir: Path) -> tuple[Path, str, str]:
-    """Local copy of the aliased model (kept per version and run, so a second load reads the disk only;
+def version_run(system: str, cohort_id: str, version: str) -> str:
+    """The run id of a registered version; a clear error naming the versions there are."""
+    name = registered_name(system, cohort_id)
+    try:
+        return MlflowClient().get_model_version(name, version).run_id
+    except MlflowException as exc:
+        known = [row["version"] for row in registered_versions(system, cohort_id)]
+        raise NotFoundError(f"registered model {name!r} has no version {version!r} in {mlflow.get_tracking_uri()} "
+                            f"(versions: {', '.join(known) or 'none'}): list them with "
+                            f"`dxr prior models --cohort {cohort_id} --system {system}`") from exc
+
+
+def registered_versions(system: str, cohort_id: str) -> list[dict]:
+    """Every registered version of a system's model for a cohort, newest first, with its aliases and the
+    tuning metrics of the epoch whose weights it holds."""
+    client = MlflowClient()
+    name = registered_name(system, cohort_id)
+    versions = client.search_model_versions(f"name = '{name}'")
+    # A search leaves the versions' aliases empty; the registered model holds them (alias -> version).
+    aliases = client.get_registered_model(name).aliases if versions else {}
+    rows = []
+    for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
+        run = client.get_run(v.run_id)
+        selected = run.data.metrics.get("selected_epoch")
+        # A run's plain metric is its last epoch's; the registered weights are the selected epoch's.
+        chosen = {metric: next((m.value for m in client.get_metric_history(v.run_id, metric)
+                                if selected is not None and m.step == int(selected)), None)
+                  for metric in ("val_recall_at_20", "val_precision_at_20")}
+        rows.append({"system": system, "version": str(v.version),
+                     "aliases": sorted(alias for alias, of in aliases.items() if str(of) == str(v.version)),
+                     "created_at": datetime.fromtimestamp(v.creation_timestamp / 1000, timezone.utc),
+                     "selected_epoch": None if selected is None else int(selected) + 1, **chosen,
+                     "mlflow_run_id": v.run_id})
+    return rows
+
+
+def set_alias(system: str, cohort_id: str, version: str, alias: str) -> str | None:
+    """Point `alias` at a registered version; returns the version it pointed to before (None: unset)."""
+    version_run(system, cohort_id, version)  # an unknown version is an error, not a dangling alias
+    try:
+        previous = resolve_alias(system, cohort_id, alias)[0]
+    except NotFoundError:
+        previous = None
+    MlflowClient().set_registered_model_alias(registered_name(system, cohort_id), alias, version)
+    return previous
+
+
+def download_model(system: str, cohort_id: str, version: str, run_id: str, cache_dir: Path) -> Path:
+    """Local copy of a registered version (kept per version and run, so a second load reads the disk only;
     the run id keeps a reset or different tracking store, whose versions restart at 1, from reusing it)."""
-    version, run_id = resolve_alias(system, cohort_id, alias)
     target = cache_dir / registered_name(system, cohort_id) / f"v{version}-{run_id}"
     if not (target / "MLmodel").is_file():
         target.mkdir(parents=True, exist_ok=True)
         mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registered_name(system, cohort_id)}/{version}",
                                             dst_path=str(target))
-    return target, version, run_id
+    return target
 
 
 def read_bundle(model_dir: Path) -> dict[str, dict]:
