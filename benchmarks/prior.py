@@ -87,14 +87,14 @@ def train_one(data_dir: str, cohort_id: str, system: str, cfg_json: str) -> dict
 def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id: str) -> dict:
     """Every shard through the forecast stage; times the model resolution/loading and the shard loop apart.
 
-    `load_seconds`: `fit` (for learned systems: resolve the alias in MLflow, load the model).
+    `load_seconds`: for learned systems, resolve the alias in MLflow and load that version (`fit`).
     `shard_seconds`: per shard read the pre-target tables, predict, write rankings, candidates, the
     prediction cache entry and statuses.
     End to end = both; module imports (torch, mlflow and its SQL store, polars) are process start-up
     and excluded.
     """
     from models.registry import forecaster_class
-    from tasks.forecast import fitted_forecaster, forecast_shard_task
+    from tasks.forecast import fitted_forecaster, forecast_shard_task, pinned_model
 
     forecaster_class(system)  # module imports are process start-up, not inference
     # So is MLflow's SQL store, which fit imports lazily when it resolves the alias (≈ 0.7 s).
@@ -105,9 +105,12 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     # Lists of an earlier run with the same model would be read back, not predicted: time the model.
     wh.delete("prediction_cache", system=system)
     started = time.perf_counter()
-    fitted_forecaster(str(wh.root), cohort_id, system)
+    model = pinned_model(wh, cohort_id, system)  # as the forecast flow does: resolve the alias once
+    version = model["version"] if model else None
+    fitted_forecaster(str(wh.root), cohort_id, system, version)
     loaded = time.perf_counter()
-    n = sum(forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id) for shard in shards)
+    n = sum(forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id, model_version=version)
+            for shard in shards)
     done = time.perf_counter()
     return {"system": system, "split": split, "trajectories": n, "load_seconds": loaded - started,
             "shard_seconds": done - loaded, "seconds": done - started, "patients_per_second": n / (done - started),

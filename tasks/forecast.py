@@ -132,12 +132,21 @@ def make_forecaster(system: str, model_version: str | None = None) -> Forecaster
 
 
 @lru_cache(maxsize=8)
-def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None) -> Forecaster:
-    """Fit once per process, cohort and registered version (None: the one the alias points to at the first
-    call); every shard task of a run reuses it."""
+def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None) -> Forecaster:
     forecaster = make_forecaster(system, model_version)
     forecaster.fit(Warehouse(wh_root).connect(), cohort_id)
     return forecaster
+
+
+def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None) -> Forecaster:
+    """Fit once per process, cohort and registered version (None: the one the alias points to at the first
+    call); every shard task of a run reuses it."""
+    # Through one positional form: lru_cache keys `f(a, b, c)` and `f(a, b, c, None)` apart, and a
+    # second key would load the same model twice.
+    return _fitted(wh_root, cohort_id, system, model_version)
+
+
+fitted_forecaster.cache_clear = _fitted.cache_clear
 
 
 def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:
