@@ -252,7 +252,8 @@ def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_vers
     assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))
 
 
-def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path):
+def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, monkeypatch):
+    import flows.forecast
     from flows.forecast import forecast_flow
     from tasks.forecast import fitted_forecaster
 
@@ -281,29 +282,40 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path):
     assert missing.exit_code != 0 and "has no version '9'" in missing.output
     assert Warehouse(tmp_path).read("runs").filter(pl.col("kind") == "promote:ehr_prior").is_empty()
 
+    def recorded_model(run_id: str) -> dict:
+        return json.loads(wh.read("runs", run_id=run_id, kind="forecast:ehr_prior")["config_json"][0])["model"]
+
+    def lists(run_id: str) -> pl.DataFrame:
+        return wh.read("rankings", run_id=run_id, system="ehr_prior").sort("trajectory_id", "rank")
+
     forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-1")
+    assert recorded_model("pinned-1") == {"registered_model": f"ehr_prior-{cohort}", "alias": "champion",
+                                          "version": "1", "mlflow_run_id": first.mlflow_run_id}
+    by_first = lists("pinned-1")
     promoted = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
                                     "--version", "2"])
     assert promoted.exit_code == 0, promoted.output
     assert f"ehr_prior-{cohort}: @champion -> v2 (was v1; recorded as run promote-" in promoted.output
     promotion = json.loads(wh.read("runs").filter(pl.col("kind") == "promote:ehr_prior")["config_json"][0])
     assert (promotion["version"], promotion["previous_version"], promotion["alias"]) == ("2", "1", "champion")
-    # A rerun of the same run is allowed and uses the version the alias points to now.
+    # A rerun of the same run id is allowed; it uses, and records, the version the alias points to now.
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-1")
+    assert recorded_model("pinned-1")["version"] == "2"
+    by_second = lists("pinned-1")
+    assert by_first.height == by_second.height and not by_first["score"].equals(by_second["score"])
+    # The alias moving while a run is under way (here: as its shard starts) does not change the version it uses.
+    real_task = flows.forecast.forecast_shard_task
+
+    def alias_moves_meanwhile(*args):
+        tracking.set_alias("ehr_prior", cohort, "1", "champion")
+        return real_task.fn(*args)
+
+    monkeypatch.setattr(flows.forecast, "forecast_shard_task", alias_moves_meanwhile)
     forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-2")
-
-    def recorded_model(run_id: str) -> dict:
-        return json.loads(wh.read("runs", run_id=run_id, kind="forecast:ehr_prior")["config_json"][0])["model"]
-
-    assert recorded_model("pinned-1") == {"registered_model": f"ehr_prior-{cohort}", "alias": "champion",
-                                          "version": "1", "mlflow_run_id": first.mlflow_run_id}
+    assert tracking.resolve_alias("ehr_prior", cohort, "champion")[0] == "1"
     assert recorded_model("pinned-2")["version"] == "2"
-    one, two = (wh.read("rankings", run_id=r, system="ehr_prior").sort("trajectory_id", "rank") for r in
-                ("pinned-1", "pinned-2"))
-    assert one.height == two.height and not one["score"].equals(two["score"])
-    # A pinned version is loaded even where the alias points elsewhere (the alias moving mid-run).
+    assert lists("pinned-2").drop("run_id").equals(by_second.drop("run_id"))
     assert fitted_forecaster(str(tmp_path), cohort, "ehr_prior", "1").run_id == first.mlflow_run_id
-    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-2")
-    assert recorded_model("pinned-2")["version"] == "2"
     # A learned system with nothing registered: one line naming the fix, before any run is recorded.
     runs_before = wh.read("runs").height
     untrained = runner.invoke(main, ["--data-dir", str(tmp_path), "forecast", "--cohort", cohort, "--system", "gru"])
