@@ -104,7 +104,9 @@ TABLES: dict[str, Table] = {
         }, ["run_id", "kind"], "Every producing command registers its run here (`cohort_id` is null for "
            "dataset-level runs such as `synth` and `ingest`). `status` is running, finished, failed, or killed "
            "(the process ended without recording how, e.g. SIGKILL or out of memory; set by the next run that "
-           "starts). `host` and `pid` are the recording process (null in rows written before they were added).",
+           "starts). `host` and `pid` are the recording process (null in rows written before they were added). "
+           "A learned system's forecast records the registered model version it used under `model` in "
+           "`config_json`.",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
