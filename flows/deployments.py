@@ -1,7 +1,9 @@
-"""The deployments `dxr serve` offers a Prefect server: ad-hoc patient reruns and scheduled backfills.
+"""The deployments `dxr serve` offers a Prefect server: ad-hoc patient reruns, ad-hoc prior training and
+scheduled backfills.
 
 `forecast-patient/adhoc` has no schedule: it is started from the Prefect UI (or `prefect deployment
-run`) with a cohort and a subject id. Each `[[backfills]]` entry of the configuration becomes
+run`) with a cohort and a subject id. `train_prior/adhoc` retrains learned priors of a cohort, with
+the configured `prior` settings as its editable defaults. Each `[[backfills]]` entry of the configuration becomes
 `cohort-backfill/<name>` on its cron schedule. Entry points are module paths, so a served flow run
 imports the installed packages wherever `dxr serve` was started.
 """
@@ -14,20 +16,27 @@ from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from dxr.config import Settings
 from flows.backfill import cohort_backfill_flow
 from flows.patient import forecast_patient_flow
+from flows.train_prior import train_prior_flow
 from tasks.forecast import check_system_order
 
 PATIENT_DEPLOYMENT = "adhoc"
+TRAIN_DEPLOYMENT = "adhoc"
 TAGS = ["dxr"]
 
 
 def build_deployments(settings: Settings) -> list[RunnerDeployment]:
-    """The patient-rerun deployment plus one scheduled deployment per configured backfill."""
+    """The patient-rerun and training deployments plus one scheduled deployment per configured backfill."""
     data_dir = str(settings.data_dir.resolve())  # served runs must not depend on the server's working directory
     deployments = [forecast_patient_flow.to_deployment(
         name=PATIENT_DEPLOYMENT, parameters={"data_dir": data_dir}, tags=TAGS,
         entrypoint_type=EntrypointType.MODULE_PATH,
         description="Forecast one patient of a cohort with each system into a new run; the ranked codes are "
-                    "in the flow run's log.")]
+                    "in the flow run's log."),
+        train_prior_flow.to_deployment(
+            name=TRAIN_DEPLOYMENT, parameters={"data_dir": data_dir, "cfg": settings.prior.model_dump()}, tags=TAGS,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            description="Train learned priors of a cohort on its train patients and register them in MLflow; "
+                        "set cfg.promote to false to register a challenger without moving the alias.")]
     for backfill in settings.backfills:
         check_system_order(tuple(backfill.systems))
         deployments.append(cohort_backfill_flow.to_deployment(

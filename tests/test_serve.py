@@ -157,15 +157,25 @@ def test_backfill_names_are_unique(tmp_path, monkeypatch):
         load_settings()
 
 
-def test_deployments_are_the_patient_rerun_and_one_per_backfill(tmp_path, monkeypatch):
+def test_deployments_are_the_patient_rerun_prior_training_and_one_per_backfill(tmp_path, monkeypatch):
+    from prefect.utilities.callables import parameter_schema
+
     from flows.deployments import build_deployments
+    from flows.train_prior import train_prior_flow
 
     write_config(tmp_path, monkeypatch, BACKFILL.format(cron="30 2 * * 1-5", tz="Europe/Berlin")
                  + 'systems = ["ehr_prior", "direct", "rrf_prior_direct"]\nlimit = 100\n')
-    patient, nightly = build_deployments(load_settings(data_dir=tmp_path / "wh"))
+    settings = load_settings(data_dir=tmp_path / "wh")
+    patient, training, nightly = build_deployments(settings)
     assert (patient.flow_name, patient.name, patient.schedules) == ("forecast-patient", "adhoc", [])
     assert patient.entrypoint == "flows.patient.forecast_patient_flow"
     assert patient.parameters == {"data_dir": str(tmp_path / "wh")}
+    assert (training.flow_name, training.name, training.schedules) == ("train_prior", "adhoc", [])
+    assert training.entrypoint == "flows.train_prior.train_prior_flow"
+    # The configured prior settings are the run form's defaults; cohort (required) and systems are chosen per run.
+    assert training.parameters == {"data_dir": str(tmp_path / "wh"), "cfg": settings.prior.model_dump()}
+    form = parameter_schema(train_prior_flow)  # what the UI's run form is built from
+    assert form.required == ["data_dir", "cohort"] and "PriorConfig" in form.definitions
     assert (nightly.flow_name, nightly.name, nightly.entrypoint) == ("cohort-backfill", "nightly",
                                                                     "flows.backfill.cohort_backfill_flow")
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("30 2 * * 1-5", "Europe/Berlin")]
@@ -242,6 +252,15 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
         messages = flow_run_log(failed.id, "has no trajectory in cohort")
         assert any("InputError: patient 987654 has no trajectory in cohort" in m for m in messages), messages
         assert not any("Traceback" in m for m in messages), messages
+        # Retraining from the UI: a challenger registered without moving the alias.
+        trained = run_deployment("train_prior/adhoc", timeout=300, parameters={
+            "cohort": "default", "systems": ["gru"],
+            "cfg": {"epochs": 1, "d_model": 16, "n_heads": 2, "expert_hidden": 16, "promote": False}})
+        assert trained.state.is_completed(), (trained.state, log.read_text())
+        runs = wh_vocab.read("runs").filter(pl.col("kind") == "train:gru")
+        assert runs["status"].to_list() == ["finished"]
+        result = json.loads(runs["config_json"][0])["result"]
+        assert (result["version"], result["alias"], result["system"]) == ("1", None, "gru")
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

@@ -13,11 +13,12 @@ from dxr.errors import ConfigError
               help="Flow runs executed at the same time.")
 @click.pass_context
 def serve(ctx: click.Context, limit: int) -> None:
-    """Serve patient reruns and scheduled cohort backfills to a Prefect server until stopped.
+    """Serve patient reruns, prior retraining and scheduled cohort backfills to a Prefect server until stopped.
 
-    Registers `forecast-patient/adhoc` (start it from the Prefect UI with a cohort and a subject id)
-    and one `cohort-backfill/<name>` per `[[backfills]]` table of the configuration, on its cron
-    schedule; then executes their flow runs here. Needs a running Prefect server named by
+    Registers `forecast-patient/adhoc` (start it from the Prefect UI with a cohort and a subject id),
+    `train_prior/adhoc` (a cohort; the prior settings are editable per run) and one
+    `cohort-backfill/<name>` per `[[backfills]]` table of the configuration, on its cron schedule;
+    then executes their flow runs here. Needs a running Prefect server named by
     PREFECT_API_URL. Stopping (Ctrl-C, SIGTERM) pauses the schedules.
 
     \b
