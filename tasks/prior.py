@@ -3,7 +3,7 @@
 `train_prior` is the plain stage function: forecasting-store connection in (train patients' full
 records, tuning pre-target records), a registered MLflow model out, a `runs` row recorded.
 `train_prior_task` is its Prefect wrapper. `ensure_prior` trains only when the alias resolves to
-nothing (the demo's once-per-cohort-build training). `prior_versions` and `promote_prior` list the
+nothing (the demo's once-per-cohort-build training), and then puts that model in service. `prior_versions` and `promote_prior` list the
 registered versions and move the alias.
 """
 
@@ -54,13 +54,19 @@ def epoch_reporter(system: str, epochs: int) -> EpochReport:
 
 
 def ensure_prior(data_dir: str, cohort_id: str, system: str, cfg: PriorConfig) -> str:
-    """The version the configured alias of `system` points to for the cohort; trained and registered
-    first when nothing is registered yet (a rerun reuses it)."""
+    """The version the configured alias of `system` points to for the cohort; when the alias points
+    nowhere, a model is trained, registered and put in service first (a rerun reuses it).
+
+    The alias is set whatever `prior.promote` says: nothing is in service to be protected from a
+    challenger, and the caller forecasts with the alias next. Without it every call would train
+    another unaliased version and the forecast would still find none.
+    """
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
     try:
         return tracking.resolve_alias(system, cohort_id, cfg.alias)[0]
     except NotFoundError:
-        return train_prior(data_dir, cohort_id, system, cfg, progress=True).version
+        return train_prior(data_dir, cohort_id, system, cfg.model_copy(update={"promote": True}),
+                           progress=True).version
 
 
 def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: PriorConfig) -> list[dict]:

@@ -20,7 +20,7 @@ from models.prior.lit import PriorDataModule
 from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
-from tasks.prior import train_prior
+from tasks.prior import ensure_prior, train_prior
 from tests.sentinel import forecast_store_texts
 from warehouse.store import Warehouse
 
@@ -250,6 +250,18 @@ def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_vers
     new.fit(wh.connect(), cohort)
     assert new.run_id == second.mlflow_run_id
     assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))
+
+
+def test_ensure_prior_puts_its_model_in_service_once_even_when_training_does_not_promote(tmp_path):
+    from tasks.forecast import pinned_model
+
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1, promote=False)  # a deployment that registers challengers only
+    assert ensure_prior(str(tmp_path), cohort, "ehr_prior", cfg) == "1"
+    assert ensure_prior(str(tmp_path), cohort, "ehr_prior", cfg) == "1"  # reused, not trained again
+    assert [v["version"] for v in tracking.registered_versions("ehr_prior", cohort)] == ["1"]
+    assert pinned_model(wh, cohort, "ehr_prior")["version"] == "1"  # the forecast that follows finds it
 
 
 def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, monkeypatch):
