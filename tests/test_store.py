@@ -189,3 +189,37 @@ def test_interrupt_queries_stops_a_query_running_in_another_thread(wh):
     worker.join(timeout=30)
     assert not worker.is_alive(), "the query went on after interrupt_queries()"
     assert isinstance(outcome[0], duckdb.InterruptException)
+
+
+def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path):
+    from dxr import __version__
+    from warehouse.runs import checkout_version
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert checkout_version(tmp_path) == __version__  # not a checkout
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("data/\n")
+    (tmp_path / "model.py").write_text("WIDTH = 64\n")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    clean = f"{__version__}+{git('rev-parse', '--short=12', 'HEAD')}"
+    assert checkout_version(tmp_path) == clean
+    (tmp_path / "model.py").write_text("WIDTH = 32\n")
+    narrow = checkout_version(tmp_path)
+    (tmp_path / "model.py").write_text("WIDTH = 16\n")
+    narrower = checkout_version(tmp_path)
+    assert narrow.startswith(f"{clean}.dirty.") and narrower.startswith(f"{clean}.dirty.") and narrow != narrower
+    (tmp_path / "model.py").write_text("WIDTH = 32\n")
+    assert checkout_version(tmp_path) == narrow  # the same change, the same version
+    (tmp_path / "features.py").write_text("LAGS = 3\n")  # a new module counts before it is added
+    with_module = checkout_version(tmp_path)
+    assert with_module not in (clean, narrow, narrower)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.parquet").write_bytes(b"ignored")
+    assert checkout_version(tmp_path) == with_module  # ignored files are not code
+    (tmp_path / "model.py").write_text("WIDTH = 64\n")
+    (tmp_path / "features.py").unlink()
+    assert checkout_version(tmp_path) == clean

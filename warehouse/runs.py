@@ -33,16 +33,34 @@ def new_run_id(kind: str) -> str:
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """Package version plus the git commit (and `+dirty`) when running from a checkout."""
-    root = Path(__file__).resolve().parents[1]
+    """The version of the running code (see `checkout_version`), computed once per process."""
+    return checkout_version(Path(__file__).resolve().parents[1])
+
+
+def checkout_version(root: Path) -> str:
+    """Package version plus the git commit when `root` is a checkout, and for a checkout with
+    uncommitted changes `.dirty.` and a digest of them.
+
+    The digest covers the diff against the commit and the untracked files git does not ignore, so
+    each uncommitted state of the code is a version of its own: the prediction cache, keyed by it,
+    never serves lists that other code computed.
+    """
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=30, check=True).stdout
+
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return f"{__version__}+{sha}{'.dirty' if dirty else ''}"
+        sha = git("rev-parse", "--short=12", "HEAD").decode().strip()
+        diff = git("diff", "HEAD", "--binary")
+        untracked = [root / name.decode() for name in git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
+                     if name and (root / name.decode()).is_file()]
+        if not diff and not untracked:
+            return f"{__version__}+{sha}"
+        change = hashlib.sha256(diff)
+        for path in sorted(untracked):
+            change.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes())
     except (OSError, subprocess.SubprocessError):
         return __version__
+    return f"{__version__}+{sha}.dirty.{change.hexdigest()[:12]}"
 
 
 def record_run(wh: Warehouse, run_id: str, cohort_id: str | None, kind: str, config: dict, status: str,
