@@ -6,9 +6,10 @@ from contextlib import ExitStack
 
 from prefect import flow
 
+from dxr.errors import InputError
+from tasks import stage_logger
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
                             forecast_shard_task, forecast_shards, pinned_model)
-from dxr.errors import InputError
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
 from warehouse.runs import check_run_id, new_run_id, registered_run
@@ -25,6 +26,11 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
     check_system(system)  # fail fast on an unknown system, before registering a run
+    # Checked here too, not only by the CLI: deployments take their parameters from the Prefect UI.
+    if k < 1:
+        raise InputError(f"k must be at least 1, got {k}")
+    if limit is not None and limit < 1:
+        raise InputError(f"limit must be at least 1 (or none for every trajectory), got {limit}")
     wh = Warehouse(data_dir)
     run_id = check_run_id(run_id) if run_id else new_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
@@ -33,26 +39,33 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
           held(wh, f"run:{run_id}", shared=True, busy=f"run {run_id!r} is being evaluated by another dxr process"),
           held(wh, f"run-system:{run_id}|{system}", shared=False,
                busy=f"run {run_id!r} is already being forecast by {system} in another dxr process"),
-          ExitStack() as inputs):
+          ExitStack() as stack):
         for source in FUSED_INPUTS.get(system, ()):  # a fused system reads other systems' lists of the run
-            inputs.enter_context(held(wh, f"run-system:{run_id}|{source}", shared=True,
-                                      busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
-                                           "fuses, in another dxr process"))
+            stack.enter_context(held(wh, f"run-system:{run_id}|{source}", shared=True,
+                                     busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
+                                          "fuses, in another dxr process"))
         cohort_id = cohort_row["cohort_id"]
         config = forecast_config(cohort_id, system, split, k, limit, subject_id)
-        check_rerun(wh, run_id, config)
         shards = forecast_shards(wh, cohort_id, split, subject_id)
         model = pinned_model(wh, cohort_id, system)
         if model is not None:
             config["model"] = model
-        with registered_run(wh, f"forecast:{system}", config, run_id, cohort_id) as run:
-            clear_outputs(wh, run.run_id, system)
-            remaining = limit
-            for shard in shards:
-                done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining,
-                                           subject_id, model["version"] if model else None)
-                if remaining is not None:
-                    remaining -= done
-                    if remaining <= 0:
-                        break
+        # The check and the `running` row under one lock: two systems started together into one new run on
+        # different cohorts would otherwise both pass the check before either is recorded.
+        with held(wh, f"run-register:{run_id}", shared=False, wait=10.0,
+                  busy=f"run {run_id!r} is being registered by another dxr process"):
+            check_rerun(wh, run_id, config)
+            run = stack.enter_context(registered_run(wh, f"forecast:{system}", config, run_id, cohort_id))
+        for fused in clear_outputs(wh, run.run_id, system):
+            stage_logger(__name__).warning(
+                "removed %s's lists of run %s: they fused the %s lists this run replaces; forecast %s "
+                "again with --run-id %s", fused, run.run_id, system, fused, run.run_id)
+        remaining = limit
+        for shard in shards:
+            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining,
+                                       subject_id, model["version"] if model else None)
+            if remaining is not None:
+                remaining -= done
+                if remaining <= 0:
+                    break
     return run.run_id

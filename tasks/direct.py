@@ -166,17 +166,31 @@ def fuse_prior_direct(prior: pl.DataFrame, direct: pl.DataFrame, trajectories: p
 
 def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, k: int,
                            run_id: str) -> int:
-    """Fuse the run's `ehr_prior` and `direct` lists of one shard into `rrf_prior_direct`."""
-    inputs = {}
-    for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]:
-        if not wh.has_rows("rankings", run_id=run_id, system=system):
-            raise NotFoundError(
-                f"run {run_id!r} has no {system} rankings; Union + RRF fuses lists of the same run: first run "
-                f"dxr forecast --cohort … --system {system} --run-id {run_id}")
-        inputs[system] = wh.read("rankings", run_id=run_id, system=system, shard=shard)
+    """Fuse the run's `ehr_prior` and `direct` lists of one shard's trajectories into `rrf_prior_direct`."""
+    inputs = {system: fused_input(wh, run_id, system, trajectories) for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]}
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
     ranked, status = fuse_prior_direct(inputs["ehr_prior"], inputs[DIRECT], trajectories, vocabulary, run_id,
                                        cohort_id, k)
     wh.write("rankings", ranked, run_id=run_id, system=RRF_PRIOR_DIRECT, shard=shard)
     wh.write("ranking_status", status, run_id=run_id, system=RRF_PRIOR_DIRECT, shard=shard)
     return trajectories.height
+
+
+def fused_input(wh: Warehouse, run_id: str, system: str, trajectories: pl.DataFrame) -> pl.DataFrame:
+    """The run's `system` rankings of these trajectories; an error unless that forecast addressed every one.
+
+    A trajectory the input forecast addressed has a `ranking_status` row, written after its list, so a
+    list that is absent there failed rather than went missing (a killed forecast, another split or
+    limit). Read by trajectory, not by shard number: a cohort rebuilt with another shard size keeps
+    its id and trajectories but moves them between shards.
+    """
+    wanted = trajectories.select("trajectory_id")
+    addressed = wh.read("ranking_status", run_id=run_id, system=system).join(wanted, on="trajectory_id", how="semi")
+    if addressed.height < wanted.height:
+        missing = wanted.join(addressed, on="trajectory_id", how="anti")["trajectory_id"]
+        coverage = (f" for {missing.len()} of the {wanted.height} trajectories to fuse (e.g. {missing[0]})"
+                    if addressed.height else "")
+        raise NotFoundError(
+            f"run {run_id!r} has no {system} rankings{coverage}; Union + RRF fuses lists of the same run: first run "
+            f"dxr forecast --cohort … --system {system} --run-id {run_id} with the same split and limit")
+    return wh.read("rankings", run_id=run_id, system=system).join(wanted, on="trajectory_id", how="semi")

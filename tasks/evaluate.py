@@ -116,6 +116,23 @@ class RunData:
     labelled: pl.DataFrame             # trajectory_id, code, subset
 
 
+def check_forecasts_finished(con, run_id: str, systems: list[str]) -> None:
+    """Refuse to evaluate a system whose forecast of the run did not finish: its lists may stop part way.
+
+    The caller holds the run's lock exclusively and every forecast holds it while it writes, so a
+    forecast still recorded as `running` here has ended without recording how (killed).
+    """
+    forecasts = _query(con, "SELECT kind, status FROM runs WHERE run_id = ? AND starts_with(kind, 'forecast:')",
+                       [run_id]).with_columns(pl.col("kind").str.strip_prefix("forecast:").alias("system"))
+    unfinished = forecasts.filter(pl.col("system").is_in(systems) & (pl.col("status") != "finished")).sort("system")
+    if unfinished.height:
+        system, status = unfinished.select("system", "status").row(0)
+        how = "was killed" if status in ("running", "killed") else status
+        raise InputError(f"run {run_id!r}: its {system} forecast {how}, so its lists may stop part way: rerun "
+                         f"dxr forecast --cohort … --system {system} --run-id {run_id} with the same options, or "
+                         f"leave {system} out with --systems")
+
+
 def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS,
              include_oracle: bool = True) -> RunData:
     """Read one run's rankings and statuses, the gold targets and the oracle; refuse silent gaps."""
@@ -155,6 +172,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         if absent:
             raise NotFoundError(f"cohort {cohort_id} has no {ORACLES[absent[0]]} (only synthetic cohorts have "
                                 f"oracles): drop {absent[0]!r} from --systems")
+    check_forecasts_finished(con, run_id, systems)
     rankings = rankings.filter(pl.col("system").is_in(systems)).drop("cohort_id")
     status = status.filter(pl.col("system").is_in(systems))
 

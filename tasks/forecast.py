@@ -96,22 +96,28 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
                          f"({', '.join(changed)}): rerun with the recorded options or pass a new --run-id")
 
 
-def clear_outputs(wh: Warehouse, run_id: str, system: str) -> None:
+def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
     """Remove a system's earlier rankings, status, stage candidates, LLM telemetry and evaluation of a run
-    before it is redone.
+    before it is redone, with those of the fused systems that read its lists; returns those fused systems.
 
     Every shard is recomputed anyway; clearing first means a shard that is not written this time
-    (the cohort was re-sharded) cannot survive as a stale partition. The run's paired comparisons
-    and headroom involve every system, so they go too: `dxr evaluate` writes them again.
+    (the cohort was re-sharded) cannot survive as a stale partition. A fused system's lists of the
+    run were made from the lists being replaced, so they go too and are forecast again after this
+    one. The run's paired comparisons and headroom involve every system, so they go too: `dxr
+    evaluate` writes them again.
     """
-    for table in ("rankings", "ranking_status", "metrics", "evaluation_coverage"):
-        wh.delete(table, run_id=run_id, system=system)
+    fused = [other for other, sources in FUSED_INPUTS.items()
+             if system in sources and wh.has_rows("ranking_status", run_id=run_id, system=other)]
+    for cleared in (system, *fused):
+        for table in ("rankings", "ranking_status", "metrics", "evaluation_coverage"):
+            wh.delete(table, run_id=run_id, system=cleared)
+        if cleared in CANDIDATE_STAGES:
+            wh.delete("candidates", run_id=run_id, stage=CANDIDATE_STAGES[cleared])
+        if cleared in LLM_SYSTEMS:
+            wh.delete("llm_calls", run_id=run_id, stage=cleared)
     for table in ("paired_comparisons", "headroom"):
         wh.delete(table, run_id=run_id)
-    if system in CANDIDATE_STAGES:
-        wh.delete("candidates", run_id=run_id, stage=CANDIDATE_STAGES[system])
-    if system in LLM_SYSTEMS:
-        wh.delete("llm_calls", run_id=run_id, stage=system)
+    return fused
 
 
 def pinned_model(wh: Warehouse, cohort_id: str, system: str) -> dict | None:

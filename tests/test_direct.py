@@ -137,10 +137,25 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
                              "score": [1.0] * len(codes), "native": True},
                             schema_overrides={"rank": pl.Int32})
 
-    with pytest.raises(Exception, match="run 'run-r' has no ehr_prior rankings"):
+    def statuses(system, trajectory_ids):
+        return pl.DataFrame({"run_id": "run-r", "system": system, "trajectory_id": trajectory_ids,
+                             "status": ["short" if t == first else "failed" for t in trajectory_ids],
+                             "detail": None}, schema_overrides={"detail": pl.String})
+
+    with pytest.raises(Exception, match="run 'run-r' has no ehr_prior rankings; Union"):
         rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
-    wh.write("rankings", ranking("ehr_prior", ["I10", "E119", "N179"]), run_id="run-r", system="ehr_prior", shard=0)
+    # Written to another shard number, as after a rebuild of the cohort with another shard size.
+    wh.write("rankings", ranking("ehr_prior", ["I10", "E119", "N179"]), run_id="run-r", system="ehr_prior", shard=7)
     wh.write("rankings", ranking("direct", ["N179", "I10", "J189"]), run_id="run-r", system="direct", shard=0)
+    wh.write("ranking_status", statuses("direct", trajectories["trajectory_id"]), run_id="run-r", system="direct",
+             shard=0)
+    # A forecast that never reached some of the trajectories (killed, or run on a smaller limit) is no input.
+    wh.write("ranking_status", statuses("ehr_prior", [first]), run_id="run-r", system="ehr_prior", shard=7)
+    with pytest.raises(Exception, match=f"run 'run-r' has no ehr_prior rankings for 2 of the 3 trajectories to "
+                                        f"fuse \\(e.g. {trajectories['trajectory_id'][1]}\\)"):
+        rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
+    wh.write("ranking_status", statuses("ehr_prior", trajectories["trajectory_id"]), run_id="run-r",
+             system="ehr_prior", shard=7)
     rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
     fused = wh.read("rankings", run_id="run-r", system="rrf_prior_direct").filter(pl.col("trajectory_id") == first)
     assert fused.sort("rank").select("rank", "code", "score").rows() == [

@@ -3,6 +3,7 @@ holder leaves no stale lock."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,61 @@ def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):
     with pytest.raises(InputError, match=rf"run r1 already holds forecasts of cohort {cohort_id} "
                                          rf"\(forecast:repeat_history\), this one is of cohort {other}"):
         check_rerun(wh, "r1", forecast_config(other, "global_frequency", "all", 20, None))
+
+
+def test_two_systems_started_together_into_a_new_run_on_two_cohorts_are_not_both_recorded(tiny_cohort, monkeypatch):
+    import threading
+
+    import flows.forecast
+    from tasks.forecast import forecast_shard_task
+
+    wh, cohort_id = tiny_cohort
+    other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    real_check = flows.forecast.check_rerun
+
+    def slow_check(*args):  # the window between a run's check and its `running` row, widened
+        real_check(*args)
+        time.sleep(1.0)
+
+    monkeypatch.setattr(flows.forecast, "check_rerun", slow_check)
+    monkeypatch.setattr(flows.forecast, "forecast_shard_task", forecast_shard_task.fn)  # no task engine in threads
+    errors = {}
+
+    def forecast(cohort: str, system: str) -> None:
+        try:
+            forecast_flow.fn(str(wh.root), cohort, system, split="all", run_id="r2")
+        except InputError as exc:
+            errors[system] = str(exc)
+
+    threads = [threading.Thread(target=forecast, args=args)
+               for args in (("default", "repeat_history"), ("every", "global_frequency"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 1, errors  # the later one was refused, after waiting for the earlier's registration
+    assert "run r2 already holds forecasts of cohort" in next(iter(errors.values()))
+    assert wh.read("rankings", run_id="r2")["cohort_id"].unique().len() == 1
+    assert set(wh.read("runs", run_id="r2")["cohort_id"]) in ({cohort_id}, {other})
+
+
+def test_a_forecast_that_did_not_finish_is_not_evaluated(tiny_cohort, prefect_harness):
+    import polars as pl
+
+    from warehouse.runs import record_run
+
+    wh, cohort_id = tiny_cohort
+    for system in ("repeat_history", "global_frequency"):
+        forecast_flow(str(wh.root), "default", system, split="all", run_id="r3")
+    row = wh.read("runs", run_id="r3", kind="forecast:repeat_history").row(0, named=True)
+    for status, how in (("running", "was killed"), ("killed", "was killed"), ("failed", "failed")):
+        # `running` under the evaluation's exclusive lock: a process that ended without recording how.
+        record_run(wh, "r3", cohort_id, row["kind"], json.loads(row["config_json"]), status, row["started_at"])
+        with pytest.raises(InputError, match=f"run 'r3': its repeat_history forecast {how}, so its lists may stop "
+                                             "part way: rerun dxr forecast --cohort … --system repeat_history"):
+            evaluate_run(wh, "r3", n_boot=10)
+    metrics = evaluate_run(wh, "r3", systems=["global_frequency"], n_boot=10)  # the finished one still can be
+    assert set(metrics["system"]) == {"global_frequency"} and metrics.filter(pl.col("n") > 0).height
 
 
 def test_a_holder_killed_by_sigkill_leaves_no_stale_lock(wh):

@@ -421,7 +421,7 @@ def test_run_where_every_trajectory_failed_counts_zero_hits(wh):
                                              "status": "failed", "detail": "backend timeout"}),
              run_id="r8", system="s9", shard=0)
     started = datetime(2026, 1, 1)
-    record_run(wh, "r8", COHORT, "forecast:s9", {"k": 2}, "failed", started, started)
+    record_run(wh, "r8", COHORT, "forecast:s9", {"k": 2}, "finished", started, started)
     result = evaluate(wh, "r8", ks=(2,), n_boot=10)
     assert value(result.metrics, "s9", "micro_f1", 2) == 0.0
     assert result.coverage.filter(pl.col("k") == 2)["n_failed"].item() == 3

@@ -147,8 +147,16 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
     # A rerun of the system first clears its own stage's candidates, not another stage's of the run.
     wh.write("candidates", candidates.with_columns(pl.lit("direct_forecast").alias("stage")), run_id="fc-test",
              stage="direct_forecast", shard=0)
-    clear_outputs(wh, "fc-test", "ehr_prior")
+    # ...and the lists of a system that fused its lists (made from the lists being replaced), not others'.
+    for other in ("rrf_prior_direct", "repeat_history"):
+        wh.write("rankings", rankings.with_columns(pl.lit(other).alias("system")), run_id="fc-test", system=other,
+                 shard=0)
+        wh.write("ranking_status", status.with_columns(pl.lit(other).alias("system")), run_id="fc-test",
+                 system=other, shard=0)
+    assert clear_outputs(wh, "fc-test", "ehr_prior") == ["rrf_prior_direct"]
     assert wh.read("candidates", run_id="fc-test")["stage"].unique().to_list() == ["direct_forecast"]
+    for table in ("rankings", "ranking_status"):
+        assert wh.read(table, run_id="fc-test")["system"].unique().to_list() == ["repeat_history"]
 
 
 def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache(trained, monkeypatch):

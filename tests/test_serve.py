@@ -65,7 +65,7 @@ def test_patient_flow_forecasts_only_that_patient_and_no_target_event_reaches_it
     assert len(table) == rankings.group_by("system").len()["len"].max()
 
 
-def test_a_patient_outside_the_cohort_or_split_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
+def test_a_stray_patient_or_a_bad_k_or_limit_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
     trajectories = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)
     train_subject = trajectories.filter(pl.col("split") == "train")["subject_id"][0]
     with pytest.raises(InputError, match=rf"patient {train_subject} has no trajectory in cohort "
@@ -80,7 +80,13 @@ def test_a_patient_outside_the_cohort_or_split_is_refused_before_a_run_is_regist
     assert result.output.splitlines() == [
         f"Error: patient {train_subject} has no trajectory in cohort {tiny_cohort_id} in split held_out (split all "
         "covers every split): check the subject id against the cohort's trajectories table"]
-    assert wh_vocab.read("runs").filter(pl.col("run_id").is_in(["r-split", "r-none", "r-cli"])).is_empty()
+    # Parameters typed into the Prefect UI reach the flow without the CLI's checks.
+    with pytest.raises(InputError, match="k must be at least 1, got 0"):
+        forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", k=0, run_id="r-k")
+    with pytest.raises(InputError, match="limit must be at least 1 .* got -2"):
+        forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", limit=-2, run_id="r-limit")
+    assert wh_vocab.read("runs").filter(
+        pl.col("run_id").is_in(["r-split", "r-none", "r-cli", "r-k", "r-limit"])).is_empty()
 
 
 def test_a_run_of_one_patient_cannot_be_redone_as_a_cohort_run(wh_vocab, tiny_cohort_id):
