@@ -181,11 +181,14 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
 def test_static_codes_become_per_record_ids():
     t = dt.datetime(2020, 1, 1)
     events = pl.DataFrame({
-        "trajectory_id": ["a", "a", "a", "a", "b", "b"],
-        "time": [None, None, t, dt.datetime(2020, 6, 1), None, t],
-        "code": ["GENDER//F", "ETHNICITY//X", dx("X"), dx("X"), "GENDER//M", dx("X")],
-        "encounter_id": [None, None, 1, 3, None, 2]})
-    vocab = Vocabulary(input_codes=["GENDER//F", "GENDER//M", dx("X")], output_codes=[dx("X")], omega=[dx("X")])
+        "trajectory_id": ["a", "a", "a", "a", "a", "b", "b"],
+        "time": [None, None, t, dt.datetime(2020, 6, 1), None, None, t],
+        "code": ["GENDER//F", "ETHNICITY//X", dx("X"), dx("X"), dx("Y"), "GENDER//M", dx("X")],
+        # Y has no time but belongs to encounter 3: an undated event of a visit, not a fact of the patient
+        # (as a static code, a later visit's diagnosis would reach every earlier visit's input).
+        "encounter_id": [None, None, 1, 3, 3, None, 2]})
+    vocab = Vocabulary(input_codes=["GENDER//F", "GENDER//M", dx("X"), dx("Y")], output_codes=[dx("X")],
+                       omega=[dx("X")])
     out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["b", "a", "none"])
     # Row order follows `keys`; a static code outside the vocabulary is dropped, not made unknown.
     assert out.static.tolist() == [[3], [2], [0]] and out.static.dtype == torch.int32

@@ -9,8 +9,8 @@ Sources (forecasting store only, through `Warehouse.connect()`):
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
 (`LAB//…//q0`…`q4`, cut points from train patients' values). A record's static codes (MEDS rows
-without a time, such as `GENDER//F`) are the patient's own tokens, embedded apart from the visits and
-added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis codes seen in
+without a time or an encounter, such as `GENDER//F`) are the patient's own tokens, embedded apart from
+the visits and added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis codes seen in
 `train_events`.
 """
 
@@ -80,7 +80,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
                                 GROUP BY code HAVING count(DISTINCT encounter_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     static = sql_frame(con, """SELECT code FROM train_events WHERE cohort_id = ? AND time IS NULL
-                               GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
+                               AND encounter_id IS NULL GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ? ORDER BY code",
                       [cohort_id])["code"].to_list()
@@ -217,13 +217,15 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:
-    """(N, S) input ids of each row's static codes (events without a time), padded with 0.
+    """(N, S) input ids of each row's static codes (events without a time or an encounter), padded with 0.
 
     A static code outside the input vocabulary is left out rather than mapped to the unknown token:
     it tells the model nothing, and a network trained before static codes were used has none in its
     vocabulary, so it sees exactly the inputs it was trained on.
     """
-    static = (events.filter(pl.col("time").is_null()).select(key, "code").unique()
+    # An undated event of an encounter is no fact of the patient: as a static code a later visit's
+    # diagnosis would reach the inputs of every earlier visit of a training record.
+    static = (events.filter(pl.col("time").is_null() & pl.col("encounter_id").is_null()).select(key, "code").unique()
               .join(rows, on=key).join(input_ids, on="code").sort("row", "id")
               .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
     ids = np.zeros((rows.height, int(static["slot"].max()) + 1 if static.height else 1), dtype=np.int32)
