@@ -207,6 +207,9 @@ def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path):
     git("commit", "-qm", "first")
     clean = f"{__version__}+{git('rev-parse', '--short=12', 'HEAD')}"
     assert checkout_version(tmp_path) == clean
+    (tmp_path / "site-packages").mkdir()  # an installed copy inside the checkout is not the checkout's code
+    assert checkout_version(tmp_path / "site-packages") == __version__
+    (tmp_path / "site-packages").rmdir()
     (tmp_path / "model.py").write_text("WIDTH = 32\n")
     narrow = checkout_version(tmp_path)
     (tmp_path / "model.py").write_text("WIDTH = 16\n")

@@ -49,14 +49,17 @@ def checkout_version(root: Path) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=30, check=True).stdout
 
     try:
+        # An installed copy (site-packages) may sit, untracked, inside some checkout whose commit is not its code's.
+        if not git("ls-files", "--", "."):
+            return __version__
         sha = git("rev-parse", "--short=12", "HEAD").decode().strip()
-        diff = git("diff", "HEAD", "--binary")
-        untracked = [root / name.decode() for name in git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
-                     if name and (root / name.decode()).is_file()]
+        diff = git("diff", "HEAD", "--binary", "--", ".")
+        names = git("ls-files", "--others", "--exclude-standard", "-z").decode().split("\0")
+        untracked = sorted(root / name for name in names if name and (root / name).is_file())
         if not diff and not untracked:
             return f"{__version__}+{sha}"
         change = hashlib.sha256(diff)
-        for path in sorted(untracked):
+        for path in untracked:
             change.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes())
     except (OSError, subprocess.SubprocessError):
         return __version__
