@@ -255,13 +255,16 @@ def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids:
     lengths = rankings.group_by("system", "trajectory_id").agg(pl.len().alias("n"))
     explicit = status.filter(pl.col("status").is_in(EXPLICIT_INCOMPLETE)).select("system", "trajectory_id")
     grid = pl.DataFrame({"system": systems}).join(pl.DataFrame({"trajectory_id": trajectory_ids}), how="cross")
+    # With natural list sizes only (k = 0) a list may have any length, but it must exist.
+    needed = max(k, 1)
     silent = (grid.join(lengths, on=["system", "trajectory_id"], how="left").with_columns(pl.col("n").fill_null(0))
-              .filter(pl.col("n") < k).join(explicit, on=["system", "trajectory_id"], how="anti")
+              .filter(pl.col("n") < needed).join(explicit, on=["system", "trajectory_id"], how="anti")
               .sort("system", "trajectory_id"))
     if silent.height:
         row = silent.row(0, named=True)
+        bound = f"K={k}" if k else "1 (natural list sizes still need a list)"
         raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
-                         f"{row['n']} code(s) < K={k} with no ranking_status 'short' or 'failed' row "
+                         f"{row['n']} code(s) < {bound} with no ranking_status 'short' or 'failed' row "
                          f"({silent.height} such trajectories): fix the system's output or record its status")
 
 

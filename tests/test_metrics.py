@@ -152,9 +152,12 @@ def test_missing_trajectory_without_status_is_refused(wh):
                    status={})
     with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code"):
         evaluate(wh, "r3", ks=(2,), n_boot=0)
-    # Asking for K = 1 does not make it acceptable: a missing list is short at every K.
+    # Asking for K = 1 does not make it acceptable: a missing list is short at every K...
     with pytest.raises(InputError, match="'s4'"):
         evaluate(wh, "r3", ks=(1,), n_boot=0)
+    # ...and at the natural list size, the one "K" that any list length satisfies.
+    with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code\\(s\\) < 1 \\(natural"):
+        evaluate(wh, "r3", ks=(), natural=True, n_boot=0)
 
 
 def test_explicit_short_and_failed_are_counted(wh):
