@@ -108,7 +108,13 @@ def test_demo_is_valid_meds_with_the_dictionary(demo):
     titles = dict(zip(codes["code"], codes["description"]))
     dictionary = raw_rows(src, "D_ICD_DIAGNOSES")
     assert all(titles[f"DIAGNOSIS//ICD//9//{row['icd9_code']}"] == row["long_title"] for row in dictionary)
-    assert set(read_meds(out)["code"]) <= set(titles)
+    # Every emitted code is listed, but a diagnosis only from the dictionary: cohorts take Ω from the listed
+    # diagnoses, and codes listed because the data holds them would put codes of held-out targets there.
+    emitted = set(read_meds(out)["code"])
+    assert {c for c in emitted if not c.startswith("DIAGNOSIS//")} <= set(titles)
+    listed = {c for c in titles if c.startswith("DIAGNOSIS//")}
+    assert listed == {f"DIAGNOSIS//ICD//9//{row['icd9_code']}" for row in dictionary}
+    assert len({c for c in emitted if c.startswith("DIAGNOSIS//")} - listed) == 20  # used, but not in the dictionary
     splits = pl.read_parquet(out / "metadata" / "subject_splits.parquet")
     assert dict(zip(splits["subject_id"], splits["split"])) == {s: hash_split(s, SEED) for s in splits["subject_id"]}
 
@@ -181,6 +187,8 @@ EXPECTED = [
     # An admission without diagnoses is kept as events but is not an encounter for cohorts.
     (S3, ts("2171-01-10 08:00"), "HOSPITAL_ADMISSION//SURGICAL SAME DAY ADMISSION", 20000007, None, False),
     (S3, ts("2171-01-11 09:00"), "HOSPITAL_DISCHARGE//HOME", 20000007, None, False),
+    # Known by its date only (dod): the end of that day, never before an admission of the same day.
+    (S3, ts("2171-01-11 23:59:59"), "MEDS_DEATH", None, None, True),
     (S4, None, "GENDER//M", None, None, False),  # a patient without admissions
     (S4, ts("2080-01-01"), "MEDS_BIRTH", None, None, False),
 ]
@@ -241,6 +249,8 @@ def test_labs_are_imported_only_when_asked_for_with_labels_values_and_counted_dr
     labs = events.filter(pl.col("code").str.starts_with("LAB//")).sort("subject_id", "time").with_columns(
         pl.col("numeric_value").cast(pl.Float64).round(3))  # stored as float32
     assert labs.select("subject_id", "code", "numeric_value", "text_value", "encounter_id").rows() == [
+        # No hadm_id, drawn in the emergency department (from edregtime) before admission 20000001: part of it.
+        (S1, "LAB//Creatinine (Blood)//mg/dL", 1.3, None, 20000001),
         (S1, "LAB//Creatinine (Blood)//mg/dL", 1.4, None, 20000001),
         (S1, "LAB//Sodium (Blood)//mEq/L", 134.0, None, 20000001),
         (S1, "LAB//Creatinine (Blood)//mg/dL", 1.1, None, None),  # outpatient: no admission
@@ -248,9 +258,9 @@ def test_labs_are_imported_only_when_asked_for_with_labels_values_and_counted_dr
         (S3, "LAB//99999//U/L", 42.0, None, 20000006),  # not in d_labitems: the itemid stays
     ]
     assert events.filter(~pl.col("code").str.starts_with("LAB//")).equals(read_meds(out))  # nothing else changes
-    assert (with_labs.n_labs, with_labs.n_labs_outside_admissions, with_labs.n_lab_rows_without_admission,
-            with_labs.n_lab_rows_without_time) == (5, 1, 1, 1)
-    assert with_labs.rows_read["labevents"] == 7 and "  dropped (rows without a chart time)" in with_labs.table()
+    assert (with_labs.n_labs, with_labs.n_labs_outside_admissions, with_labs.n_labs_within_stays,
+            with_labs.n_lab_rows_without_admission, with_labs.n_lab_rows_without_time) == (6, 1, 1, 1, 1)
+    assert with_labs.rows_read["labevents"] == 8 and "  dropped (rows without a chart time)" in with_labs.table()
     hosp = copy_fixture(tmp_path)
     (hosp / "labevents.csv").unlink()
     with pytest.raises(InputError, match="missing MIMIC-IV table labevents"):
@@ -425,7 +435,7 @@ def test_a_mimic4_release_root_given_to_the_mimic3_importer_says_which_command_t
 
 def test_a_deleted_column_is_not_offered_an_unused_official_column_as_its_rename(tmp_path):
     hosp = copy_fixture(tmp_path)
-    # Without dischtime the closest remaining names are official columns the importer ignores (edregtime, …).
+    # Without dischtime the closest remaining names are official columns the importer ignores (edouttime, …).
     edit_table(hosp, "admissions", lambda lines: [
         ",".join(c for i, c in enumerate(line.split(",")) if i != 3) for line in lines])
     with pytest.raises(InputError) as raised:
@@ -434,6 +444,16 @@ def test_a_deleted_column_is_not_offered_an_unused_official_column_as_its_rename
     assert "rename" not in text, text
     assert text.endswith("MIMIC-IV admissions needs subject_id, hadm_id, admittime, dischtime, deathtime, "
                          "admission_type, discharge_location; restore the official file"), text
+
+
+def test_admissions_without_edregtime_are_read_and_then_only_the_hospital_stay_claims_labs(tmp_path):
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "admissions", lambda lines: [  # a trimmed export: no ED registration time
+        ",".join(c for i, c in enumerate(line.split(",")) if i != 13) for line in lines])
+    summary = import_mimic4(hosp, tmp_path / "out", seed=SEED, labs=True)
+    ed_draw = read_meds(tmp_path / "out").filter(pl.col("time") == ts("2150-03-01 07:00"))
+    assert ed_draw.select("code", "encounter_id").rows() == [("LAB//Creatinine (Blood)//mg/dL", None)]
+    assert (summary.n_labs_outside_admissions, summary.n_labs_within_stays) == (2, 0)
 
 
 def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_path):
@@ -503,10 +523,10 @@ def test_cli_ingest_mimic4_registers_the_dataset_and_its_run(tmp_path):
     result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "fixture", "--run-id", "ing-4")
     assert result.exit_code == 0, result.output
     assert "encounters (admissions with ≥ 1 diagnosis)" in result.output
-    assert result.output.strip().endswith("dataset fixture: 4 patients, 40 events, ICD versions 9,10")
+    assert result.output.strip().endswith("dataset fixture: 4 patients, 41 events, ICD versions 9,10")
     wh = Warehouse(tmp_path / "wh")
     row = wh.read("datasets").row(0, named=True)
-    assert (row["dataset_id"], row["source"], row["n_events"]) == ("fixture", "mimic4", 40)
+    assert (row["dataset_id"], row["source"], row["n_events"]) == ("fixture", "mimic4", 41)
     assert wh.read("runs").select("run_id", "kind", "status").rows() == [("ing-4", "ingest:mimic4", "finished")]
 
 

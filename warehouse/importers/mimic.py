@@ -10,7 +10,8 @@ database next to the output so large releases spill to disk instead of exhaustin
 Events (all with `encounter_id` = `hadm_id` where there is an admission):
 - `GENDER//F|M` static; `MEDS_BIRTH` (MIMIC-III: `dob`; MIMIC-IV: 1 January of anchor_year −
   anchor_age); `MEDS_DEATH` (the admission's `deathtime` when the patient died in hospital, else
-  the patient's `dod`);
+  the end of the patient's `dod` day, 23:59:59 with `time_imputed = true`, so that a death known
+  by its date never precedes an admission of that day);
 - `HOSPITAL_ADMISSION//{admission_type}` at `admittime`, `HOSPITAL_DISCHARGE//{discharge_location}`
   at `dischtime`;
 - `DIAGNOSIS//ICD//{9|10}//{code without dot}` at `dischtime`, extra column `seq_num`;
@@ -19,8 +20,10 @@ Events (all with `encounter_id` = `hadm_id` where there is an admission):
   single spaces}`, at `starttime` (MIMIC-III: `startdate`);
 - only when asked for (`labs`): `LAB//{label} ({fluid})//{unit}` from `labevents` and `d_labitems`
   (the itemid when the item is not in the dictionary; `no unit` when none) at `charttime`, with
-  `numeric_value` = `valuenum`, else `text_value` = `value`; results without `hadm_id` (outpatient)
-  stay outside any encounter.
+  `numeric_value` = `valuenum`, else `text_value` = `value`; a result without `hadm_id` belongs to
+  the admission whose stay it falls in (from `edregtime`, else `admittime`, to `dischtime`: the
+  emergency-department draws before an admission), any other (outpatient) stays outside any
+  encounter.
 
 Pinned rules:
 - an event whose own time is missing takes a stand-in time and gets `time_imputed = true`:
@@ -71,7 +74,7 @@ _FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "DOUBLE": "a 
 # column still has them, so they are never suggested as the needed column under another name.
 _UNUSED_OFFICIAL_COLUMNS = frozenset({
     "row_id", "admission_location", "insurance", "language", "religion", "marital_status", "ethnicity", "race",
-    "edregtime", "edouttime", "diagnosis", "hospital_expire_flag", "has_chartevents_data", "admit_provider_id",
+    "edouttime", "diagnosis", "hospital_expire_flag", "has_chartevents_data", "admit_provider_id",
     "dod_hosp", "dod_ssn", "expire_flag", "anchor_year_group", "icustay_id", "pharmacy_id", "poe_id", "poe_seq",
     "order_provider_id", "enddate", "stoptime", "drug_type", "drug_name_poe", "drug_name_generic",
     "formulary_drug_cd", "gsn", "prod_strength", "form_rx", "dose_val_rx", "dose_unit_rx", "form_val_disp",
@@ -88,6 +91,7 @@ class SourceTable:
     columns: dict[str, str]
     required: bool = True
     not_null: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()  # columns a file may lack (read as empty), e.g. from a trimmed export
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,8 @@ class Layout:
 
 _ADMISSIONS = SourceTable("admissions", {
     "subject_id": "BIGINT", "hadm_id": "BIGINT", "admittime": "TIMESTAMP", "dischtime": "TIMESTAMP",
-    "deathtime": "TIMESTAMP", "admission_type": "VARCHAR", "discharge_location": "VARCHAR",
-}, not_null=("subject_id", "hadm_id", "admittime"))
+    "deathtime": "TIMESTAMP", "admission_type": "VARCHAR", "discharge_location": "VARCHAR", "edregtime": "TIMESTAMP",
+}, not_null=("subject_id", "hadm_id", "admittime"), optional=("edregtime",))
 
 MIMIC3 = Layout(
     source="mimic3", title="MIMIC-III",
@@ -202,10 +206,20 @@ LAB_TABLES = {
 }
 # `LAB//<label> (<fluid>)//<unit>`: readable in prompts, and the EHR prior bins `numeric_value` per code. Items
 # missing from d_labitems keep their itemid. A lab of an admission the file does not have is dropped and counted,
-# like a prescription; one without an admission is an outpatient result and stays, outside any encounter.
+# like a prescription. One without an admission belongs to the admission whose stay it falls in, from the
+# emergency-department registration (`edregtime`, else `admittime`) to `dischtime`: MIMIC leaves hadm_id empty on
+# the ED draws that precede an admission, which would otherwise sit in the pre-target record of that very
+# admission. Any other is an outpatient result and stays outside any encounter.
 _LABS_SQL = """
+CREATE VIEW lab_stay AS
+SELECT l.src_row, arg_max(a.hadm_id, a.admittime) AS hadm_id
+FROM t_labevents l JOIN adm a ON a.subject_id = l.subject_id
+     AND l.charttime >= least(coalesce(a.edregtime, a.admittime), a.admittime)
+     AND l.charttime <= greatest(coalesce(a.dischtime, a.admittime), a.admittime)
+WHERE l.hadm_id IS NULL GROUP BY l.src_row;
 CREATE VIEW lab_coded AS
-SELECT l.subject_id, l.charttime AS time, l.hadm_id,
+SELECT l.subject_id, l.charttime AS time, coalesce(l.hadm_id, s.hadm_id) AS hadm_id,
+       l.hadm_id IS NULL AND s.hadm_id IS NOT NULL AS within_stay,
        'LAB//' || replace(coalesce(nullif(trim(d.label), '') || coalesce(' (' || nullif(trim(d.fluid), '') || ')', ''),
                                    l.itemid::VARCHAR), '//', '/')
                || '//' || coalesce(nullif(trim(l.valueuom), ''), 'no unit') AS code,
@@ -213,6 +227,7 @@ SELECT l.subject_id, l.charttime AS time, l.hadm_id,
        CASE WHEN l.valuenum IS NULL THEN nullif(trim(l.value), '') END AS text_value,
        l.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
 FROM t_labevents l LEFT JOIN t_d_labitems d USING (itemid) LEFT JOIN adm a ON a.hadm_id = l.hadm_id
+     LEFT JOIN lab_stay s ON s.src_row = l.src_row
 """
 
 # One normalization for every ICD code the importer emits: no dot, no spaces, upper case.
@@ -249,7 +264,10 @@ in_hospital_death AS (
     FROM adm WHERE deathtime IS NOT NULL GROUP BY ALL
 ),
 death AS (
-    SELECT subject_id, coalesce(d.deathtime, p.dod) AS time, d.hadm_id
+    -- A death known by its date only is put at the end of that day: at midnight it would precede an
+    -- admission of the same day and sit in that admission's pre-target record.
+    SELECT subject_id, coalesce(d.deathtime, date_trunc('day', p.dod) + INTERVAL 1 DAY - INTERVAL 1 SECOND) AS time,
+           d.hadm_id, d.deathtime IS NULL AS time_imputed
     FROM in_hospital_death d
     FULL OUTER JOIN (SELECT subject_id, dod FROM pat WHERE dod IS NOT NULL) p USING (subject_id)
 )
@@ -259,7 +277,7 @@ SELECT subject_id, NULL::TIMESTAMP AS time, 'GENDER//' || upper(trim(gender)) AS
     FROM pat WHERE nullif(trim(gender), '') IS NOT NULL
 UNION ALL SELECT subject_id, birth_time, 'MEDS_BIRTH', NULL, NULL, birth_capped, NULL, NULL
     FROM pat WHERE birth_time IS NOT NULL
-UNION ALL SELECT subject_id, time, 'MEDS_DEATH', hadm_id, NULL, false, NULL, NULL FROM death
+UNION ALL SELECT subject_id, time, 'MEDS_DEATH', hadm_id, NULL, time_imputed, NULL, NULL FROM death
 UNION ALL SELECT subject_id, admittime, 'HOSPITAL_ADMISSION//' || coalesce(nullif(trim(admission_type), ''), 'UNK'),
                  hadm_id, NULL, false, NULL, NULL FROM adm
 UNION ALL SELECT subject_id, dischtime, 'HOSPITAL_DISCHARGE//' || coalesce(nullif(trim(discharge_location), ''), 'UNK'),
@@ -293,7 +311,7 @@ WITH dictionary AS (
 SELECT code, description, NULL::VARCHAR[] AS parent_codes FROM dictionary
 UNION ALL
 SELECT code, NULL, NULL::VARCHAR[] FROM (SELECT DISTINCT code FROM events)
-WHERE code NOT IN (SELECT code FROM dictionary)
+WHERE code NOT IN (SELECT code FROM dictionary) AND code NOT LIKE 'DIAGNOSIS//%'
 ORDER BY code
 """
 
@@ -327,6 +345,7 @@ class ImportSummary:
     n_prescription_rows_without_drug: int  # neither an NDC nor a drug name
     n_labs: int  # lab results written (0 unless imported with labs)
     n_labs_outside_admissions: int  # outpatient results: no hadm_id, kept outside any encounter
+    n_labs_within_stays: int  # no hadm_id but within an admission's stay (ED draws): given that admission
     n_lab_rows_without_admission: int  # dropped: hadm_id given but not in admissions
     n_lab_rows_without_time: int  # dropped: no charttime
     n_ages_capped: int
@@ -358,6 +377,7 @@ class ImportSummary:
                 ("  dropped (rows without a start time or admission)", self.n_prescription_rows_without_time),
                 ("  dropped (rows without an NDC or drug name)", self.n_prescription_rows_without_drug),
                 *((("lab results", self.n_labs), ("  outside admissions (outpatient)", self.n_labs_outside_admissions),
+                   ("  without hadm_id, within an admission's ED or hospital stay (given it)", self.n_labs_within_stays),
                    ("  dropped (rows whose admission is not in admissions)", self.n_lab_rows_without_admission),
                    ("  dropped (rows without a chart time)", self.n_lab_rows_without_time))
                   if "labevents" in self.rows_read else ()),
@@ -537,10 +557,11 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
             raise InputError(f"{path}: the columns are separated by {separator!r}, not by commas: "
                              "use the official comma-separated file (or export it again with commas)")
         by_lower = {column.lower(): column for column in header}
-        missing = [column for column in spec.columns if column not in by_lower]
+        missing = [column for column in spec.columns if column not in by_lower and column not in spec.optional]
         if missing:
             raise InputError(_missing_column_message(layout, path, spec, header, missing[0]))
-        select = ", ".join(f'"{by_lower[column]}" AS {column}' for column in spec.columns)
+        select = ", ".join(f'"{by_lower[column]}" AS {column}' if column in by_lower else f"NULL::VARCHAR AS {column}"
+                           for column in spec.columns)
         try:
             con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, header)}")
         except duckdb.Error as exc:
@@ -578,11 +599,12 @@ def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, heade
     guess = difflib.get_close_matches(column, unexpected, n=1, cutoff=0.5)
     other = MIMIC4 if layout is MIMIC3 else MIMIC3
     other_spec = next((s for s in other.tables.values() if s.stem == spec.stem), None)
-    if other_spec and set(other_spec.columns) <= {c.lower() for c in header}:
+    if other_spec and set(other_spec.columns) - set(other_spec.optional) <= {c.lower() for c in header}:
         return f"{message}: this file has the {other.title} layout; use `dxr ingest {other.source}`"
     if guess:
         return f"{message}: rename '{guess[0]}' back to the official name '{column}'"
-    return f"{message}: {layout.title} {spec.stem} needs {', '.join(spec.columns)}; restore the official file"
+    needed = [column for column in spec.columns if column not in spec.optional]
+    return f"{message}: {layout.title} {spec.stem} needs {', '.join(needed)}; restore the official file"
 
 
 def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, path: Path | None) -> None:
@@ -704,11 +726,12 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         count(*) FILTER (WHERE code LIKE 'MEDICATION//%'),
         count(*) FILTER (WHERE code = 'MEDS_BIRTH' AND time_imputed)
         FROM events""").fetchone()
-    labs = (0, 0, 0, 0) if "labevents" not in tables else con.execute("""SELECT
+    labs = (0, 0, 0, 0, 0) if "labevents" not in tables else con.execute("""SELECT
         count(*) FILTER (WHERE NOT without_admission AND time IS NOT NULL),
         count(*) FILTER (WHERE hadm_id IS NULL AND time IS NOT NULL),
         count(*) FILTER (WHERE without_admission),
-        count(*) FILTER (WHERE NOT without_admission AND time IS NULL)
+        count(*) FILTER (WHERE NOT without_admission AND time IS NULL),
+        count(*) FILTER (WHERE within_stay)
         FROM lab_coded""").fetchone()
     versions = dict(con.execute("""SELECT split_part(code, '//', 3), count(*) FROM events
         WHERE code LIKE 'DIAGNOSIS//%' GROUP BY ALL ORDER BY ALL""").fetchall())
@@ -724,7 +747,7 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         n_diagnoses_without_admission=dx[2], diagnoses_by_icd_version=versions,
         n_procedures=ev[5], n_procedure_rows_without_admission=px[0], n_procedure_rows_without_code=px[1],
         n_medications=ev[6], n_prescription_rows_without_admission=rx[0], n_prescription_rows_without_time=rx[1],
-        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1],
+        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1], n_labs_within_stays=labs[4],
         n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3], n_ages_capped=ev[7],
         n_events=ev[1], n_shards=n_shards)
 
