@@ -60,7 +60,7 @@ def test_ingests_register_their_runs_also_when_called_from_python(wh_vocab, tiny
     with pytest.raises(InputError, match="dataset name 'Bad Name' is not allowed"):
         ingest_mimic(wh_vocab, "mimic4", mimic4, "Bad Name", seed=0, run_id="ing-bad")
     row, summary = ingest_mimic(wh_vocab, "mimic4", mimic4, "fixture", seed=0, run_id="ing-mimic")
-    assert (row["source"], row["n_events"], summary.n_shards > 0) == ("mimic4", 40, True)
+    assert (row["source"], row["n_events"], summary.n_shards > 0) == ("mimic4", 41, True)
     runs = wh_vocab.read("runs").sort("run_id").select("run_id", "kind", "status").rows()
     assert runs == [("ing-bad", "ingest:mimic4", "failed"), ("ing-meds", "ingest:meds", "finished"),
                     ("ing-mimic", "ingest:mimic4", "finished")]
