@@ -88,7 +88,8 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
         return
     # The model version is what the alias resolved to, not an option: a rerun uses the current one.
     recorded = {key: value for key, value in json.loads(own["config_json"][0]).items() if key != "model"}
-    current = json.loads(json.dumps(config, sort_keys=True, default=str))
+    current = {key: value for key, value in json.loads(json.dumps(config, sort_keys=True, default=str)).items()
+               if key != "model"}
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current.keys() | recorded.keys())
                if recorded.get(key) != current.get(key)]
     if changed:
