@@ -86,10 +86,12 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
     if own.is_empty():
         return
-    # The model version is what the alias resolved to, not an option: a rerun uses the current one.
-    recorded = {key: value for key, value in json.loads(own["config_json"][0]).items() if key != "model"}
-    current = {key: value for key, value in json.loads(json.dumps(config, sort_keys=True, default=str)).items()
-               if key != "model"}
+    def options(config: dict) -> dict:
+        # The model version is what the alias resolved to, not an option: a rerun uses the current one.
+        return {key: value for key, value in config.items() if key != "model"}
+
+    recorded = options(json.loads(own["config_json"][0]))
+    current = options(json.loads(json.dumps(config, sort_keys=True, default=str)))
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current.keys() | recorded.keys())
                if recorded.get(key) != current.get(key)]
     if changed:
@@ -103,8 +105,8 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
 
     Every shard is recomputed anyway; clearing first means a shard that is not written this time
     (the cohort was re-sharded) cannot survive as a stale partition. A fused system's lists of the
-    run were made from the lists being replaced, so they go too and are forecast again after this
-    one. The run's paired comparisons and headroom involve every system, so they go too: `dxr
+    run were made from the lists being replaced, so they go too (the caller says to forecast it
+    again). The run's paired comparisons and headroom involve every system, so they go too: `dxr
     evaluate` writes them again.
     """
     fused = [other for other, sources in FUSED_INPUTS.items()

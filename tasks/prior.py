@@ -3,8 +3,8 @@
 `train_prior` is the plain stage function: forecasting-store connection in (train patients' full
 records, tuning pre-target records), a registered MLflow model out, a `runs` row recorded.
 `train_prior_task` is its Prefect wrapper. `ensure_prior` trains only when the alias resolves to
-nothing (the demo's once-per-cohort-build training), and then puts that model in service. `prior_versions` and `promote_prior` list the
-registered versions and move the alias.
+nothing (the demo's once-per-cohort-build training), and then puts that model in service.
+`prior_versions` and `promote_prior` list the registered versions and move the alias.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ A visit is an encounter with at least one diagnosis event; it starts at its earl
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
 (`LAB//…//q0`…`q4`, cut points from train patients' values). A record's static codes (MEDS rows
 without a time or an encounter, such as `GENDER//F`) are the patient's own tokens, embedded apart from
-the visits and added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis codes seen in
-`train_events`.
+the visits and added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis
+codes seen in `train_events`.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     inputs = sql_frame(con, f"""SELECT code FROM train_events WHERE cohort_id = ? AND ({prefixes})
                                 GROUP BY code HAVING count(DISTINCT encounter_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
-    static = sql_frame(con, """SELECT code FROM train_events WHERE cohort_id = ? AND time IS NULL
-                               AND encounter_id IS NULL GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
+    static = sql_frame(con, """SELECT code FROM train_events
+                               WHERE cohort_id = ? AND time IS NULL AND encounter_id IS NULL
+                               GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ? ORDER BY code",
                       [cohort_id])["code"].to_list()

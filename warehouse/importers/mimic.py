@@ -377,7 +377,8 @@ class ImportSummary:
                 ("  dropped (rows without a start time or admission)", self.n_prescription_rows_without_time),
                 ("  dropped (rows without an NDC or drug name)", self.n_prescription_rows_without_drug),
                 *((("lab results", self.n_labs), ("  outside admissions (outpatient)", self.n_labs_outside_admissions),
-                   ("  without hadm_id, within an admission's ED or hospital stay (given it)", self.n_labs_within_stays),
+                   ("  without hadm_id, within an admission's ED or hospital stay (given it)",
+                    self.n_labs_within_stays),
                    ("  dropped (rows whose admission is not in admissions)", self.n_lab_rows_without_admission),
                    ("  dropped (rows without a chart time)", self.n_lab_rows_without_time))
                   if "labevents" in self.rows_read else ()),
@@ -747,9 +748,9 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         n_diagnoses_without_admission=dx[2], diagnoses_by_icd_version=versions,
         n_procedures=ev[5], n_procedure_rows_without_admission=px[0], n_procedure_rows_without_code=px[1],
         n_medications=ev[6], n_prescription_rows_without_admission=rx[0], n_prescription_rows_without_time=rx[1],
-        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1], n_labs_within_stays=labs[4],
-        n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3], n_ages_capped=ev[7],
-        n_events=ev[1], n_shards=n_shards)
+        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1],
+        n_labs_within_stays=labs[4], n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3],
+        n_ages_capped=ev[7], n_events=ev[1], n_shards=n_shards)
 
 
 def _first_line(exc: Exception) -> str:
