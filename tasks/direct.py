@@ -185,11 +185,11 @@ def fused_input(wh: Warehouse, run_id: str, system: str, trajectories: pl.DataFr
     its id and trajectories but moves them between shards.
     """
     wanted = trajectories.select("trajectory_id")
-    addressed = wh.read("ranking_status", run_id=run_id, system=system).join(wanted, on="trajectory_id", how="semi")
-    if addressed.height < wanted.height:
-        missing = wanted.join(addressed, on="trajectory_id", how="anti")["trajectory_id"]
+    missing = wanted.join(wh.read("ranking_status", run_id=run_id, system=system), on="trajectory_id",
+                          how="anti")["trajectory_id"]
+    if missing.len():
         coverage = (f" for {missing.len()} of the {wanted.height} trajectories to fuse (e.g. {missing[0]})"
-                    if addressed.height else "")
+                    if missing.len() < wanted.height else "")
         raise NotFoundError(
             f"run {run_id!r} has no {system} rankings{coverage}; Union + RRF fuses lists of the same run: first run "
             f"dxr forecast --cohort … --system {system} --run-id {run_id} with the same split and limit")

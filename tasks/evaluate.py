@@ -232,10 +232,11 @@ def _query(con, sql: str, params) -> pl.DataFrame:
 
 
 def _oracle_status(name: str, oracle: pl.DataFrame, trajectory_ids: list[str], k: int) -> pl.DataFrame:
-    """The generator lists its top codes only; a trajectory with fewer than K is explicitly short."""
+    """The generator lists its top codes only; a trajectory with fewer than K is explicitly short, and
+    one without a list is short at natural list sizes too (k = 0)."""
     lengths = dict(oracle.group_by("trajectory_id").len().iter_rows())
     return pl.DataFrame({"system": name, "trajectory_id": trajectory_ids,
-                         "status": ["ok" if lengths.get(t, 0) >= k else "short" for t in trajectory_ids]})
+                         "status": ["ok" if lengths.get(t, 0) >= max(k, 1) else "short" for t in trajectory_ids]})
 
 
 def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids: list[str], systems: list[str],

@@ -112,7 +112,8 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
     fused = [other for other, sources in FUSED_INPUTS.items()
              if system in sources and wh.has_rows("ranking_status", run_id=run_id, system=other)]
     for cleared in (system, *fused):
-        for table in ("rankings", "ranking_status", "metrics", "evaluation_coverage"):
+        # Statuses before lists: a status row tells a fused system that the trajectory's list exists.
+        for table in ("ranking_status", "rankings", "metrics", "evaluation_coverage"):
             wh.delete(table, run_id=run_id, system=cleared)
         if cleared in CANDIDATE_STAGES:
             wh.delete("candidates", run_id=run_id, stage=CANDIDATE_STAGES[cleared])

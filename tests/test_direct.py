@@ -149,11 +149,14 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     wh.write("rankings", ranking("direct", ["N179", "I10", "J189"]), run_id="run-r", system="direct", shard=0)
     wh.write("ranking_status", statuses("direct", trajectories["trajectory_id"]), run_id="run-r", system="direct",
              shard=0)
-    # A forecast that never reached some of the trajectories (killed, or run on a smaller limit) is no input.
+    # A forecast that never reached some of the trajectories (killed, or run on a smaller limit) is no input,
+    # even when a stale partition repeats the status of one it did reach.
     wh.write("ranking_status", statuses("ehr_prior", [first]), run_id="run-r", system="ehr_prior", shard=7)
+    wh.write("ranking_status", statuses("ehr_prior", [first, first]), run_id="run-r", system="ehr_prior", shard=8)
     with pytest.raises(Exception, match=f"run 'run-r' has no ehr_prior rankings for 2 of the 3 trajectories to "
                                         f"fuse \\(e.g. {trajectories['trajectory_id'][1]}\\)"):
         rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
+    wh.delete("ranking_status", run_id="run-r", system="ehr_prior", shard=8)
     wh.write("ranking_status", statuses("ehr_prior", trajectories["trajectory_id"]), run_id="run-r",
              system="ehr_prior", shard=7)
     rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")

@@ -195,6 +195,11 @@ def test_oracle_from_gold_probabilities(wh):
     assert "record_oracle" not in set(result.metrics["system"])  # no record-oracle rows for this cohort
     with pytest.raises(NotFoundError, match="no record_oracle_probabilities"):
         evaluate(wh, "r1", systems=["s1", "record_oracle"], ks=(2,), n_boot=0)
+    # A trajectory the generator gave no list is explicitly short, at natural list sizes too.
+    wh.write("oracle_probabilities", pl.DataFrame({"cohort_id": COHORT, "trajectory_id": [T1, T2],
+                                                   "code": [A, D], "probability": [0.5, 0.9]}), cohort_id=COHORT)
+    natural = evaluate(wh, "r1", ks=(), natural=True, n_boot=0)
+    assert natural.coverage.filter(pl.col("system") == "oracle")["n_short"].to_list() == [1]
 
 
 def test_record_oracle_from_gold_probabilities(wh):

@@ -191,7 +191,7 @@ def test_interrupt_queries_stops_a_query_running_in_another_thread(wh):
     assert isinstance(outcome[0], duckdb.InterruptException)
 
 
-def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path):
+def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path, monkeypatch):
     from dxr import __version__
     from warehouse.runs import checkout_version
 
@@ -222,7 +222,14 @@ def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path):
     assert with_module not in (clean, narrow, narrower)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "rows.parquet").write_bytes(b"ignored")
-    assert checkout_version(tmp_path) == with_module  # ignored files are not code
+    (tmp_path / "scratch.csv").write_text("a,b\n")
+    assert checkout_version(tmp_path) == with_module  # ignored files and data are not code
+    # A configured external diff tool that prints nothing does not hide a change.
+    (tmp_path / "model.py").write_text("WIDTH = 8\n")
+    monkeypatch.setenv("GIT_EXTERNAL_DIFF", "true")
+    assert checkout_version(tmp_path).startswith(f"{clean}.dirty.")
+    monkeypatch.delenv("GIT_EXTERNAL_DIFF")
     (tmp_path / "model.py").write_text("WIDTH = 64\n")
-    (tmp_path / "features.py").unlink()
+    for name in ("features.py", "scratch.csv"):
+        (tmp_path / name).unlink()
     assert checkout_version(tmp_path) == clean

@@ -31,6 +31,10 @@ def new_run_id(kind: str) -> str:
     return f"{kind}-{datetime.utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
+# The kinds of file the code is made of: Python modules and the TOML prompt files.
+CODE_SUFFIXES = (".py", ".toml")
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """The version of the running code (see `checkout_version`), computed once per process."""
@@ -41,8 +45,8 @@ def checkout_version(root: Path) -> str:
     """Package version plus the git commit when `root` is a checkout, and for a checkout with
     uncommitted changes `.dirty.` and a digest of them.
 
-    The digest covers the diff against the commit and the untracked files git does not ignore, so
-    each uncommitted state of the code is a version of its own: the prediction cache, keyed by it,
+    The digest covers the diff against the commit and the untracked code files (`CODE_SUFFIXES`) git
+    does not ignore, so each uncommitted state of the code is a version of its own: the prediction cache, keyed by it,
     never serves lists that other code computed.
     """
     def git(*args: str) -> bytes:
@@ -53,14 +57,21 @@ def checkout_version(root: Path) -> str:
         if not git("ls-files", "--", "."):
             return __version__
         sha = git("rev-parse", "--short=12", "HEAD").decode().strip()
-        diff = git("diff", "HEAD", "--binary", "--", ".")
+        # No external diff tool or text conversion: they could print nothing for a real change.
+        diff = git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--", ".")
         names = git("ls-files", "--others", "--exclude-standard", "-z").decode().split("\0")
-        untracked = sorted(root / name for name in names if name and (root / name).is_file())
+        # Untracked files count when they are code (modules, prompt files), not data someone keeps here.
+        untracked = sorted(root / name for name in names
+                           if name and name.endswith(CODE_SUFFIXES) and (root / name).is_file())
         if not diff and not untracked:
             return f"{__version__}+{sha}"
         change = hashlib.sha256(diff)
         for path in untracked:
-            change.update(f"{path.relative_to(root)}\0".encode() + path.read_bytes())
+            try:
+                content = path.read_bytes()
+            except OSError:  # unreadable here, so not importable either: its name still marks the state
+                content = b"<unreadable>"
+            change.update(f"{path.relative_to(root)}\0".encode() + content)
     except (OSError, subprocess.SubprocessError):
         return __version__
     return f"{__version__}+{sha}.dirty.{change.hexdigest()[:12]}"
