@@ -29,7 +29,9 @@ def dx(version: int, raw: str) -> str:
 @pytest.fixture(scope="session")
 def tables() -> dict[str, pl.DataFrame]:
     """Every vocabulary table, built once (about 6 s)."""
-    return {"icd10": icd10_codes(), "icd9": icd9_codes(), "notes": icd10_notes(), "gem": gem_table()}
+    icd10, icd9 = icd10_codes(), icd9_codes()
+    return {"icd10": icd10, "icd9": icd9, "notes": icd10_notes(), "gem": gem_table(),
+            "titles": pl.concat([icd10, icd9]).select("code", "title")}
 
 
 @pytest.fixture(scope="session")
@@ -196,24 +198,44 @@ SOURCES = [dx(9, "4280"), dx(9, "99859"), dx(9, "V4581"), dx(9, "E8497"), dx(9, 
 
 
 def test_harmonize_native_is_identity(tables):
-    out = harmonize_codes(SOURCES, "native", tables["gem"])
+    out = harmonize_codes(SOURCES, "native", tables["gem"], tables["titles"])
     assert out.rows() == [(c, c) for c in sorted(set(SOURCES))]
 
 
-def test_harmonize_icd10_uses_every_forward_target(tables):
-    out = harmonize_codes(pl.Series(SOURCES), "icd10", tables["gem"])
+def test_harmonize_icd10_one_code_per_choice_list(tables):
+    out = harmonize_codes(pl.Series(SOURCES), "icd10", tables["gem"], tables["titles"])
     assert out.rows() == [
         (dx(10, "I5022"), dx(10, "I5022")),
         (dx(9, "4280"), dx(10, "I509")),
+        # Two alternatives, neither title sharing a word with "Other postoperative infection" (T81.4XXA
+        # was split after the GEM's release and has no title): the lower code.
         (dx(9, "99859"), dx(10, "K6811")),
-        (dx(9, "99859"), dx(10, "T814XXA")),
         (dx(9, "E8497"), dx(10, "Y92199")),
         (dx(9, "V4581"), dx(10, "Z951")),
     ]  # E934.2 maps to NoDx only: no row
 
 
+def test_harmonize_icd10_picks_alternatives_by_title_and_keeps_combinations(tables):
+    sources = [dx(9, "78060"), dx(9, "27669"), dx(9, "0730")]
+    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    # The GEM lists R50.2 (drug induced fever) and R50.9 for 780.60 "Fever, unspecified", E87.70 and
+    # E87.79 for 276.69 "Other fluid overload": one alternative each, the one named like the source.
+    # Ornithosis with pneumonia needs two codes (one per choice list of its combination): both stay.
+    assert out.rows() == [(dx(9, "0730"), dx(10, "A70")), (dx(9, "0730"), dx(10, "J17")),
+                          (dx(9, "27669"), dx(10, "E8779")), (dx(9, "78060"), dx(10, "R509"))]
+
+
+def test_harmonize_icd10_maps_codes_missing_from_the_gem_through_their_children(tables):
+    # 585 and 276.6 were billable before being split (585.1-585.9, 276.61/276.69), so the GEM does
+    # not list them; their children's codes share N18 and E87.7. 780.6's children spread over R50
+    # and R68, and the V45 category's over several Z categories: no common category, no row.
+    sources = [dx(9, "585"), dx(9, "2766"), dx(9, "7806"), dx(9, "V45")]
+    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    assert out.rows() == [(dx(9, "2766"), dx(10, "E877")), (dx(9, "585"), dx(10, "N18"))]
+
+
 def test_harmonize_category_truncates_within_version(tables):
-    out = harmonize_codes(SOURCES, "category", tables["gem"])
+    out = harmonize_codes(SOURCES, "category", tables["gem"], tables["titles"])
     assert out.rows() == [
         (dx(10, "I5022"), dx(10, "I50")),
         (dx(9, "4280"), dx(9, "428")),
@@ -226,13 +248,13 @@ def test_harmonize_category_truncates_within_version(tables):
 
 def test_harmonize_rejects_bad_codes(tables):
     with pytest.raises(InputError, match="cannot harmonize 'PROCEDURE//ICD//9//3615' to icd10"):
-        harmonize_codes(["PROCEDURE//ICD//9//3615"], "icd10", tables["gem"])
+        harmonize_codes(["PROCEDURE//ICD//9//3615"], "icd10", tables["gem"], tables["titles"])
     with pytest.raises(InputError, match="cannot harmonize 'DIAGNOSIS//ICD//10//I50.22' to category"):
-        harmonize_codes([dx(10, "I50.22")], "category", tables["gem"])
-    assert harmonize_codes(["DIAGNOSIS//SNOMED//84114007"], "native", tables["gem"]).rows() == [
+        harmonize_codes([dx(10, "I50.22")], "category", tables["gem"], tables["titles"])
+    assert harmonize_codes(["DIAGNOSIS//SNOMED//84114007"], "native", tables["gem"], tables["titles"]).rows() == [
         ("DIAGNOSIS//SNOMED//84114007", "DIAGNOSIS//SNOMED//84114007")]
     with pytest.raises(InputError, match="harmonization 'icd11' is unknown"):
-        harmonize_codes([dx(10, "I5022")], "icd11", tables["gem"])
+        harmonize_codes([dx(10, "I5022")], "icd11", tables["gem"], tables["titles"])
 
 
 def test_harmonized_vocabulary_titles(tables):

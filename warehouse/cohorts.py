@@ -154,7 +154,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
         dx_codes = [c for (c,) in con.execute(
             "SELECT DISTINCT code FROM raw WHERE code LIKE 'DIAGNOSIS//%'").fetchall()]
-        dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem)
+        dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem, wh.read("icd_codes").select("code", "title"))
         unmapped = len(set(dx_codes) - set(dx_map["source_code"].to_list()))
         con.register("dx_map_frame", dx_map.to_arrow())
         con.execute("""CREATE TEMP TABLE events AS

@@ -410,18 +410,74 @@ def load_vocabularies(wh, force: bool = False) -> dict[str, int]:
 
 # ---- harmonization ---------------------------------------------------------------------------------
 
-def _forward_gem(gem: pl.DataFrame) -> pl.DataFrame:
+def _title_words(title: str | None) -> frozenset[str]:
+    return frozenset(re.findall(r"[a-z0-9]+", (title or "").lower()))
+
+
+def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
+    """One ICD-10 rendering of each ICD-9 code of the forward GEM: (source_code, target_code) rows.
+
+    A GEM source has one or more scenarios (ways to express it), each a set of choice lists, and
+    lists every alternative of a choice list as its own row. Taking every row would put all the
+    alternatives into a target set at once (alternatives are approximations of one condition, e.g.
+    fever → R50.2 drug-induced fever or R50.9 fever unspecified), so the first scenario is kept,
+    with one code per choice list (several only for true combinations, e.g. ornithosis with
+    pneumonia → A70 + J17): the alternative whose title shares most words with the ICD-9 title
+    (Jaccard), ties to the lower code.
+    """
     if "direction" in gem.columns:
         gem = gem.filter(pl.col("direction") == "9to10")
-    return gem.filter(pl.col("target_code").is_not_null()).select("source_code", "target_code")
+    rows = gem.filter(pl.col("target_code").is_not_null())
+    rows = rows.filter(pl.col("scenario") == pl.col("scenario").min().over("source_code"))
+    words = {code: _title_words(title) for code, title in titles.select("code", "title").iter_rows()}
+
+    def overlap(source: str, target: str) -> float:
+        a, b = words.get(source, frozenset()), words.get(target, frozenset())
+        return len(a & b) / len(a | b) if a | b else 0.0
+
+    similarity = [overlap(source, target) for source, target in rows.select("source_code", "target_code").iter_rows()]
+    return (rows.with_columns(similarity=pl.Series(similarity, dtype=pl.Float64))
+            .sort(["source_code", "choice_list", "similarity", "target_code"], descending=[False, False, True, False])
+            .unique(["source_code", "choice_list"], keep="first")
+            .select("source_code", "target_code"))
 
 
-def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFrame) -> pl.DataFrame:
+def _parent_fallback(parents: pl.Series, mapped: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
+    """ICD-10 renderings of ICD-9 codes the GEM does not list, from their children's renderings.
+
+    Such codes are mostly categories that were billable before being split (585 chronic kidney
+    disease before 585.1–585.9): they map to the most specific ICD-10 code above every child's
+    rendering (585 → N18), provided that is at least a category; otherwise they stay unmapped.
+    """
+    known = set(titles["code"].to_list())
+    children = mapped.with_columns(raw=pl.col("source_code").str.split("//").list.get(3))
+    rows = []
+    for parent in parents.to_list():
+        raw = parse_meds_code(parent)[2]
+        below = children.filter(pl.col("raw").str.starts_with(raw) & (pl.col("raw") != raw))["target_code"]
+        if below.is_empty():
+            continue
+        codes = [parse_meds_code(code)[2] for code in below.unique().to_list()]
+        common = codes[0]
+        for code in codes[1:]:
+            common = common[:next((i for i, (x, y) in enumerate(zip(common, code)) if x != y), min(len(common), len(code)))]
+        while len(common) >= 3 and f"{DIAGNOSIS}//ICD//10//{common}" not in known:
+            common = common[:-1]  # e.g. a placeholder X, which is no code of its own
+        if len(common) >= 3:
+            rows.append((parent, f"{DIAGNOSIS}//ICD//10//{common}"))
+    return pl.DataFrame(rows, schema={"source_code": pl.String, "code": pl.String}, orient="row")
+
+
+def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFrame,
+                    titles: pl.DataFrame) -> pl.DataFrame:
     """Map MEDS diagnosis codes to the cohort's harmonized codes: one row per (source_code, code).
 
-    `native` keeps codes; `icd10` maps each ICD-9 code to every non-NoDx target of its forward GEM
-    rows (no row when it has none; callers count those) and keeps ICD-10 codes; `category`
-    truncates to the category of the same version. Rows are sorted by source, then code.
+    `native` keeps codes; `icd10` keeps ICD-10 codes and maps each ICD-9 code to one ICD-10 code
+    per choice list of its forward GEM (see `_forward_gem`), or, when the GEM does not list it, to
+    the common ICD-10 ancestor of its children's codes (see `_parent_fallback`); a code mapped to
+    NoDx only, or without such an ancestor, gets no row (callers count those). `category`
+    truncates to the category of the same version. `titles` is (code, title) of the ICD tables
+    (e.g. `icd_codes`). Rows are sorted by source, then code.
     """
     _check_mode(mode)
     sources = pl.Series("source_code", list(codes), dtype=pl.String).drop_nulls().unique(maintain_order=True)
@@ -436,10 +492,12 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
         versions = pl.Series([v for _, v, _ in parsed], dtype=pl.Int8)
         frame = pl.DataFrame({"source_code": sources, "version": versions})
         kept = frame.filter(pl.col("version") == 10).select("source_code", code="source_code")
-        mapped = (frame.filter(pl.col("version") == 9)
-                  .join(_forward_gem(gem), on="source_code")
-                  .select("source_code", code="target_code"))
-        out = pl.concat([kept, mapped])
+        forward = _forward_gem(gem, titles)
+        icd9 = frame.filter(pl.col("version") == 9).select("source_code")
+        mapped = icd9.join(forward, on="source_code").select("source_code", code="target_code")
+        listed = gem.filter(pl.col("direction") == "9to10") if "direction" in gem.columns else gem
+        unlisted = icd9.join(listed.select("source_code").unique(), on="source_code", how="anti")["source_code"]
+        out = pl.concat([kept, mapped, _parent_fallback(unlisted, forward, titles)])
     return out.unique().sort("source_code", "code")
 
 
@@ -457,7 +515,7 @@ def harmonized_vocabulary(omega: pl.DataFrame, mode: str, gem: pl.DataFrame, tit
     already in Ω keeps Ω's title.
     """
     _check_mode(mode)
-    mapped = harmonize_codes(omega["code"], mode, gem).select("code").unique()
+    mapped = harmonize_codes(omega["code"], mode, gem, titles).select("code").unique()
     known = pl.concat([
         omega.select("code", pl.col("title").cast(pl.String), rank=pl.lit(0)),
         titles.select("code", pl.col("title").cast(pl.String), rank=pl.lit(1)),
