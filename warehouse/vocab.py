@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import pickle
 import re
 import time
@@ -457,10 +458,7 @@ def _parent_fallback(parents: pl.Series, mapped: pl.DataFrame, titles: pl.DataFr
         below = children.filter(pl.col("raw").str.starts_with(raw) & (pl.col("raw") != raw))["target_code"]
         if below.is_empty():
             continue
-        codes = [parse_meds_code(code)[2] for code in below.unique().to_list()]
-        common = codes[0]
-        for code in codes[1:]:
-            common = common[:next((i for i, (x, y) in enumerate(zip(common, code)) if x != y), min(len(common), len(code)))]
+        common = os.path.commonprefix([parse_meds_code(code)[2] for code in below.unique().to_list()])
         while len(common) >= 3 and f"{DIAGNOSIS}//ICD//10//{common}" not in known:
             common = common[:-1]  # e.g. a placeholder X, which is no code of its own
         if len(common) >= 3:
