@@ -68,6 +68,33 @@ def test_every_target_rule_and_min_history(wh_vocab, tiny_meds):
     assert every["cohort_id"] != zero["cohort_id"]
 
 
+def test_history_counts_only_encounters_whose_diagnoses_precede_the_cutoff(wh_vocab, tmp_path):
+    from tests.conftest import tiny_events, write_tiny_meds
+
+    # Subject 2's first stay (201) now lasts to day 10, so 202 (day 5) is admitted while it is still open:
+    # 201's diagnoses, coded at its discharge, are not in 202's record. Subject 1 gets an encounter (104)
+    # admitted at the same moment as 103, whose diagnoses are therefore not in 103's record either.
+    events = tiny_events()
+    events = events.with_columns(
+        pl.when((pl.col("encounter_id") == 201) & (pl.col("time") == t(3))).then(pl.lit(t(10)))
+        .otherwise(pl.col("time")).alias("time"))
+    extra = events.filter(pl.col("encounter_id") == 101).with_columns(
+        pl.lit(104, dtype=pl.Int64).alias("encounter_id"), (pl.col("time") + pl.duration(days=20)).alias("time"))
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "nested", pl.concat([events, extra])), "nested")
+    every = build_cohort(wh_vocab, "nested", "every", CohortOptions(target="every", min_history=0), seed=7)
+    trajectories = wh_vocab.read("trajectories", cohort_id=every["cohort_id"])
+    priors = dict(trajectories.select("target_encounter_id", "n_prior_encounters").iter_rows())
+    assert priors == {101: 0, 102: 1, 103: 2, 104: 2, 201: 0, 202: 0, 301: 0, 401: 0, 403: 1}
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=every["cohort_id"])
+    for trajectory_id, encounter, n_prior in trajectories.select(
+            "trajectory_id", "target_encounter_id", "n_prior_encounters").iter_rows():
+        seen = pretarget.filter(pl.col("trajectory_id") == trajectory_id, pl.col("code").str.starts_with("DIAGNOSIS//"))
+        assert seen["encounter_id"].n_unique() == n_prior, encounter  # the count is what H shows
+    final = build_cohort(wh_vocab, "nested", "final", CohortOptions(), seed=7)
+    # Subject 2's 202 has no diagnosed history before it began, so min-history 1 leaves it out.
+    assert sorted(wh_vocab.read("trajectories", cohort_id=final["cohort_id"])["target_encounter_id"]) == [104, 403]
+
+
 def test_cohort_id_is_stable_and_rebuild_never_duplicates(tiny_cohort):
     wh, row = tiny_cohort
     before = {table: wh.read(table, cohort_id=row["cohort_id"]).sort(pl.all()) for table in

@@ -164,19 +164,32 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.execute("""CREATE TEMP TABLE encounter_starts AS
             SELECT encounter_id, any_value(subject_id) AS subject_id,
                    coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
-                   count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx
+                   count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
+                   -- From when the encounter's diagnoses are in later records: its first dated one (none
+                   -- when one is undated, as an undated event is in every record).
+                   CASE WHEN bool_or(time IS NULL) FILTER (WHERE code LIKE 'DIAGNOSIS//%') THEN NULL
+                        ELSE min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%') END AS dx_time
             FROM raw WHERE encounter_id IS NOT NULL GROUP BY encounter_id""")
         steps.update()
 
         splits = read_splits(info, seed)
         con.register("splits_frame", splits.to_arrow())
-        # Encounters with at least one raw diagnosis, ordered per patient; prior = earlier counted encounters.
-        con.execute(f"""CREATE TEMP TABLE counted AS
-            SELECT s.subject_id, s.encounter_id, s.start_time,
-                   row_number() OVER (PARTITION BY s.subject_id ORDER BY s.start_time, s.encounter_id) - 1 AS n_prior,
-                   count(*) OVER (PARTITION BY s.subject_id) AS n_total
-            FROM encounter_starts s WHERE s.n_dx > 0 AND s.start_time IS NOT NULL""")
-        target_filter = "n_prior = n_total - 1" if options.target == "final" else "TRUE"
+        # Encounters with at least one raw diagnosis, ordered per patient. The prior encounters of one are those
+        # whose diagnoses its pre-target record shows: begun before it and coded before it began. A stay still
+        # open at the next admission (a transfer, a nested stay) has its diagnoses at discharge, after that
+        # cutoff, so it is not history yet.
+        con.execute("""CREATE TEMP TABLE ordered AS
+            SELECT subject_id, encounter_id, start_time, dx_time,
+                   row_number() OVER (PARTITION BY subject_id ORDER BY start_time, encounter_id) - 1 AS position,
+                   count(*) OVER (PARTITION BY subject_id) AS n_total
+            FROM encounter_starts WHERE n_dx > 0 AND start_time IS NOT NULL""")
+        con.execute("""CREATE TEMP TABLE counted AS
+            SELECT o.subject_id, o.encounter_id, o.start_time, o.position, o.n_total, count(p.encounter_id) AS n_prior
+            FROM ordered o LEFT JOIN ordered p
+              ON p.subject_id = o.subject_id AND p.start_time < o.start_time
+             AND (p.dx_time IS NULL OR p.dx_time < o.start_time)
+            GROUP BY ALL""")
+        target_filter = "position = n_total - 1" if options.target == "final" else "TRUE"
         con.execute(f"""CREATE TEMP TABLE candidate_targets AS
             SELECT c.*, sp.split FROM counted c
             LEFT JOIN splits_frame sp USING (subject_id)
@@ -199,7 +212,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             ORDER BY subject_id, cutoff_time, target_encounter_id""")
         if trajectories.is_empty():
             raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
-                             "patients need that many earlier encounters with diagnoses; lower --min-history")
+                             "patients need that many earlier encounters with diagnoses coded before the target "
+                             "encounter began; lower --min-history")
         trajectories = trajectories.with_columns(
             (pl.int_range(pl.len(), dtype=pl.Int32) // shard_size).alias("shard"))
         con.register("traj", trajectories.to_arrow())
