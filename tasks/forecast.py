@@ -160,13 +160,13 @@ fitted_forecaster.cache_clear = _fitted.cache_clear
 
 
 def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:
-    """The shards a forecast visits: all of the cohort's, or those holding the patient's trajectories
-    in the split (none is an input error: a mistyped id or a patient outside the split)."""
+    """The shards a forecast visits: those holding trajectories of the split, or of the patient in the
+    split (none for a patient is an input error: a mistyped id or a patient outside the split)."""
     trajectories = wh.read("trajectories", cohort_id=cohort_id)
+    if split != "all":
+        trajectories = trajectories.filter(pl.col("split") == split)
     if subject_id is not None:
         trajectories = trajectories.filter(pl.col("subject_id") == subject_id)
-        if split != "all":
-            trajectories = trajectories.filter(pl.col("split") == split)
         if trajectories.is_empty():
             where = "" if split == "all" else f" in split {split} (split all covers every split)"
             raise InputError(f"patient {subject_id} has no trajectory in cohort {cohort_id}{where}: check the "

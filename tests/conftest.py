@@ -91,6 +91,16 @@ def tiny_events() -> pl.DataFrame:
                                       "encounter_id": pl.Int64}, orient="row")
 
 
+def cohort_inputs(wh, cohort_id: str, split: str = "all") -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Every trajectory of a split and its pre-target events, gathered over the split's shards (each
+    shard holds one split), for tests that hand them to a stage function as one batch."""
+    from tasks.forecast import forecast_shards, shard_inputs
+
+    parts = [shard_inputs(wh, cohort_id, shard, split) for shard in forecast_shards(wh, cohort_id, split)]
+    return (pl.concat([trajectories for trajectories, _ in parts]).sort("trajectory_id"),
+            pl.concat([pretarget for _, pretarget in parts]))
+
+
 def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:
     from warehouse.meds import write_data_shard, write_metadata
 

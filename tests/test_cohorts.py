@@ -95,6 +95,25 @@ def test_history_counts_only_encounters_whose_diagnoses_precede_the_cutoff(wh_vo
     assert sorted(wh_vocab.read("trajectories", cohort_id=final["cohort_id"])["target_encounter_id"]) == [104, 403]
 
 
+def test_shards_hold_one_split_each_and_a_split_forecast_visits_only_its_own(wh_vocab, tiny_meds):
+    from tasks.forecast import forecast_shards
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "every0", CohortOptions(target="every", min_history=0), seed=7,
+                       shard_size=2)["cohort_id"]
+    trajectories = wh_vocab.read("trajectories", cohort_id=cid).sort("shard", "subject_id", "cutoff_time")
+    assert trajectories.select("shard", "split", "target_encounter_id").rows() == [
+        (0, "held_out", 101), (0, "held_out", 102), (1, "held_out", 103), (1, "held_out", 401),
+        (2, "held_out", 403), (3, "train", 201), (3, "train", 202), (4, "tuning", 301)]
+    assert forecast_shards(wh_vocab, cid, "held_out") == [0, 1, 2]
+    assert forecast_shards(wh_vocab, cid, "tuning") == [4]
+    assert forecast_shards(wh_vocab, cid, "all") == [0, 1, 2, 3, 4]
+    assert forecast_shards(wh_vocab, cid, "held_out", subject_id=4) == [1, 2]
+    for shard in range(5):  # each shard's pre-target file holds its own trajectories' records only
+        records = wh_vocab.read("pretarget_events", cohort_id=cid, shard=shard)
+        assert set(records["trajectory_id"]) == set(trajectories.filter(pl.col("shard") == shard)["trajectory_id"])
+
+
 def test_cohort_id_is_stable_and_rebuild_never_duplicates(tiny_cohort):
     wh, row = tiny_cohort
     before = {table: wh.read(table, cohort_id=row["cohort_id"]).sort(pl.all()) for table in

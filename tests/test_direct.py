@@ -14,6 +14,7 @@ from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
                           rrf_prior_direct_shard)
 from tasks.forecast import shard_inputs
+from tests.conftest import cohort_inputs
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.vocab import Vocabulary
 
@@ -50,7 +51,7 @@ def record_replies(config: LLMConfig, wh, cohort_id, trajectories, pretarget, re
 
 def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_path):
     wh, cohort_id, sentinels = planted_cohort
-    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all")
+    trajectories, pretarget = cohort_inputs(wh, cohort_id)
     assert trajectories.height == 3
     config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
                        response_format="json_object_schema", validation_retries=0)
@@ -127,7 +128,7 @@ def test_history_is_truncated_oldest_first_to_the_context_window(planted_cohort)
 
 def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     wh, cohort_id, _ = planted_cohort
-    trajectories, _ = shard_inputs(wh, cohort_id, 0, "all")
+    trajectories, _ = cohort_inputs(wh, cohort_id)
     first = trajectories["trajectory_id"][0]
     dx = "DIAGNOSIS//ICD//10//"
 

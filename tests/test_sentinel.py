@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import warehouse.cohorts as cohorts
-from tasks.forecast import forecast_shard, fitted_forecaster, shard_inputs
-from tests.conftest import write_tiny_meds
+from tasks.forecast import forecast_shard, fitted_forecaster
+from tests.conftest import cohort_inputs, write_tiny_meds
 from tests.sentinel import LeakError, assert_no_leak, forecast_store_texts, plant_sentinels
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -19,7 +19,7 @@ def build_and_forecast(wh, meds_dir, target="final"):
     fitted_forecaster.cache_clear()
     for system in ("global_frequency", "repeat_history"):
         model = fitted_forecaster(str(wh.root), cid, system)
-        trajectories, pretarget = shard_inputs(wh, cid, 0, "all")
+        trajectories, pretarget = cohort_inputs(wh, cid)
         ranked, status = forecast_shard(model, trajectories, pretarget, 20, "sentinel-run", cid)
         wh.write("rankings", ranked, run_id="sentinel-run", system=system, shard=0)
         wh.write("ranking_status", status, run_id="sentinel-run", system=system, shard=0)

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 import polars as pl
 
+from warehouse.cohorts import assign_shards
 from warehouse.store import Warehouse
 
 N_CHRONIC, N_TRIGGER, N_NOISE = 4, 6, 8
@@ -95,8 +96,8 @@ def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, co
                     .with_columns(pl.lit(cohort_id).alias("cohort_id"),
                                   pl.format("{}:{}:{}", pl.lit(cohort_id), "subject_id", "target_encounter_id")
                                   .alias("trajectory_id"),
-                                  (pl.col("target_encounter_id") % 100).cast(pl.Int32).alias("n_prior_encounters"),
-                                  (pl.int_range(pl.len(), dtype=pl.Int32) // shard_size).alias("shard")))
+                                  (pl.col("target_encounter_id") % 100).cast(pl.Int32).alias("n_prior_encounters")))
+    trajectories = assign_shards(trajectories, shard_size)
     joined = events.join(trajectories.select("subject_id", "trajectory_id", "target_encounter_id", "cutoff_time",
                                              "shard"), on="subject_id")
     pretarget = joined.filter((pl.col("time").is_null() | (pl.col("time") < pl.col("cutoff_time")))
