@@ -85,7 +85,7 @@ def train_one(data_dir: str, cohort_id: str, system: str, cfg_json: str) -> dict
 
 
 def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id: str) -> dict:
-    """Every shard through the forecast stage; times the model resolution/loading and the shard loop apart.
+    """Every shard of the split through the forecast stage; times the model resolution/loading and the shard loop apart.
 
     `load_seconds`: for learned systems, resolve the alias in MLflow and load that version (`fit`).
     `shard_seconds`: per shard read the pre-target tables, predict, write rankings, candidates, the
@@ -94,14 +94,14 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     and excluded.
     """
     from models.registry import forecaster_class
-    from tasks.forecast import fitted_forecaster, forecast_shard_task, pinned_model
+    from tasks.forecast import fitted_forecaster, forecast_shard_task, forecast_shards, pinned_model
 
     forecaster_class(system)  # module imports are process start-up, not inference
     # So is MLflow's SQL store, which fit imports lazily when it resolves the alias (≈ 0.7 s).
     import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     wh = Warehouse(data_dir)
-    shards = sorted(wh.read("trajectories", cohort_id=cohort_id)["shard"].unique().to_list())
+    shards = forecast_shards(wh, cohort_id, split)  # as the forecast flow does
     # Lists of an earlier run with the same model would be read back, not predicted: time the model.
     wh.delete("prediction_cache", system=system)
     started = time.perf_counter()

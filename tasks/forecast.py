@@ -92,8 +92,8 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
 
     recorded = options(json.loads(own["config_json"][0]))
     current = options(json.loads(json.dumps(config, sort_keys=True, default=str)))
-    changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}" for key in sorted(current.keys() | recorded.keys())
-               if recorded.get(key) != current.get(key)]
+    changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+               for key in sorted(current.keys() | recorded.keys()) if recorded.get(key) != current.get(key)]
     if changed:
         raise InputError(f"run {run_id} already holds a {config['system']} forecast with other options "
                          f"({', '.join(changed)}): rerun with the recorded options or pass a new --run-id")

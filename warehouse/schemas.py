@@ -84,8 +84,9 @@ TABLES: dict[str, Table] = {
             "target_encounter_id": pa.int64(), "cutoff_time": TS, "split": pa.string(), "shard": pa.int32(),
             "n_prior_encounters": pa.int32(),
         }, ["cohort_id"], "One row per (patient, target encounter); `trajectory_id` = "
-           "`{cohort_id}:{subject_id}:{target_encounter_id}`; `n_prior_encounters` counts the earlier encounters "
-           "whose diagnoses the pre-target record holds (begun and coded before the cutoff)."),
+           "`{cohort_id}:{subject_id}:{target_encounter_id}`; a `shard` holds trajectories of one split; "
+           "`n_prior_encounters` counts the earlier encounters whose diagnoses the pre-target record holds "
+           "(begun and coded before the cutoff)."),
         _t("pretarget_events", FORECAST, {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "time": TS, "code": pa.string(), "numeric_value": pa.float32(), "text_value": pa.large_string(),

@@ -130,7 +130,8 @@ def cohort() -> None:
 @click.option("--harmonize", type=click.Choice(["native", "icd10", "category"]), default=None,
               help="ICD harmonization of codes and vocabulary.")
 @click.option("--min-history", type=click.IntRange(min=0), default=None,
-              help="Earlier encounters whose diagnoses are in a trajectory's record (begun and coded before its cutoff) that it needs (default 1).")
+              help="Earlier encounters whose diagnoses are in a trajectory's record (begun and coded "
+                   "before its cutoff) that it needs (default 1).")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
 def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
