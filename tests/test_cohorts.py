@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from tests.conftest import dx, t
+from tests.conftest import dx, t, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -69,8 +69,6 @@ def test_every_target_rule_and_min_history(wh_vocab, tiny_meds):
 
 
 def test_history_counts_only_encounters_whose_diagnoses_precede_the_cutoff(wh_vocab, tmp_path):
-    from tests.conftest import tiny_events, write_tiny_meds
-
     # Subject 2's first stay (201) now lasts to day 10, so 202 (day 5) is admitted while it is still open:
     # 201's diagnoses, coded at its discharge, are not in 202's record. Subject 1 gets an encounter (104)
     # admitted at the same moment as 103, whose diagnoses are therefore not in 103's record either.

@@ -161,7 +161,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
 
     with _spilling_connection(wh, cohort_id, memory_limit) as con:
         vocab.load_vocabularies(wh)
-        gem = wh.read("gem_map")
+        gem, icd_codes = wh.read("gem_map"), wh.read("icd_codes")
         con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
                         FROM read_parquet('{info.root}/data/**/*.parquet', union_by_name=true)""")
         steps.update()
@@ -169,7 +169,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
         dx_codes = [c for (c,) in con.execute(
             "SELECT DISTINCT code FROM raw WHERE code LIKE 'DIAGNOSIS//%'").fetchall()]
-        dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem, wh.read("icd_codes").select("code", "title"))
+        dx_map = vocab.harmonize_codes(dx_codes, options.harmonize, gem, icd_codes.select("code", "title"))
         unmapped = len(set(dx_codes) - set(dx_map["source_code"].to_list()))
         con.register("dx_map_frame", dx_map.to_arrow())
         con.execute("""CREATE TEMP TABLE events AS
@@ -233,7 +233,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.register("traj", trajectories.to_arrow())
         steps.update()
 
-        omega, omega_source = _vocabulary(wh, con, info, options, gem, cohort_id)
+        omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id)
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
         steps.update()
 
@@ -297,8 +297,8 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
             con.close()
 
 
-def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: CohortOptions,
-                gem: pl.DataFrame, cohort_id: str) -> tuple[pl.DataFrame, str]:
+def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.DataFrame,
+                cohort_id: str) -> tuple[pl.DataFrame, str]:
     """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized."""
     codes_file = info.root / "metadata" / "codes.parquet"
     shipped = pl.DataFrame(schema={"code": pl.String, "title": pl.String})
@@ -310,11 +310,10 @@ def _vocabulary(wh: Warehouse, con: duckdb.DuckDBPyConnection, info, options: Co
         omega, source = shipped, "dataset_dictionary"
     else:
         versions = list(info.icd_versions)
-        omega = (wh.read("icd_codes").filter(pl.col("billable") & pl.col("icd_version").is_in(versions))
+        omega = (icd_codes.filter(pl.col("billable") & pl.col("icd_version").is_in(versions))
                  .select("code", "title"))
         source = "official_billable_icd" + "_".join(map(str, versions))
-    titles = wh.read("icd_codes").select("code", "title")
-    harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, titles)
+    harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, icd_codes.select("code", "title"))
     return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
 
 

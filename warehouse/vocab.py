@@ -415,6 +415,11 @@ def _title_words(title: str | None) -> frozenset[str]:
     return frozenset(re.findall(r"[a-z0-9]+", (title or "").lower()))
 
 
+def _forward_rows(gem: pl.DataFrame) -> pl.DataFrame:
+    """The ICD-9 → ICD-10 rows of a GEM table (all of them when it has no `direction`)."""
+    return gem.filter(pl.col("direction") == "9to10") if "direction" in gem.columns else gem
+
+
 def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
     """One ICD-10 rendering of each ICD-9 code of the forward GEM: (source_code, target_code) rows.
 
@@ -426,21 +431,25 @@ def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
     pneumonia → A70 + J17): the alternative whose title shares most words with the ICD-9 title
     (Jaccard), ties to the lower code.
     """
-    if "direction" in gem.columns:
-        gem = gem.filter(pl.col("direction") == "9to10")
-    rows = gem.filter(pl.col("target_code").is_not_null())
+    rows = _forward_rows(gem).filter(pl.col("target_code").is_not_null())
     rows = rows.filter(pl.col("scenario") == pl.col("scenario").min().over("source_code"))
-    words = {code: _title_words(title) for code, title in titles.select("code", "title").iter_rows()}
+    # Only choice lists with alternatives need titles (about a fifth of the rows).
+    alternatives = pl.len().over("source_code", "choice_list") > 1
+    contested = rows.filter(alternatives)
+    needed = pl.concat([contested["source_code"], contested["target_code"]]).unique()
+    named = titles.filter(pl.col("code").is_in(needed.implode())).select("code", "title")
+    words = {code: _title_words(title) for code, title in named.iter_rows()}
 
     def overlap(source: str, target: str) -> float:
         a, b = words.get(source, frozenset()), words.get(target, frozenset())
         return len(a & b) / len(a | b) if a | b else 0.0
 
-    similarity = [overlap(source, target) for source, target in rows.select("source_code", "target_code").iter_rows()]
-    return (rows.with_columns(similarity=pl.Series(similarity, dtype=pl.Float64))
-            .sort(["source_code", "choice_list", "similarity", "target_code"], descending=[False, False, True, False])
-            .unique(["source_code", "choice_list"], keep="first")
-            .select("source_code", "target_code"))
+    pairs = contested.select("source_code", "target_code").iter_rows()
+    similarity = [overlap(source, target) for source, target in pairs]
+    chosen = (contested.with_columns(similarity=pl.Series(similarity, dtype=pl.Float64))
+              .sort(["source_code", "choice_list", "similarity", "target_code"], descending=[False, False, True, False])
+              .unique(["source_code", "choice_list"], keep="first"))
+    return pl.concat([rows.filter(~alternatives), chosen.drop("similarity")]).select("source_code", "target_code")
 
 
 def _parent_fallback(parents: pl.Series, mapped: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
@@ -493,8 +502,8 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
         forward = _forward_gem(gem, titles)
         icd9 = frame.filter(pl.col("version") == 9).select("source_code")
         mapped = icd9.join(forward, on="source_code").select("source_code", code="target_code")
-        listed = gem.filter(pl.col("direction") == "9to10") if "direction" in gem.columns else gem
-        unlisted = icd9.join(listed.select("source_code").unique(), on="source_code", how="anti")["source_code"]
+        listed = _forward_rows(gem).select("source_code").unique()
+        unlisted = icd9.join(listed, on="source_code", how="anti")["source_code"]
         out = pl.concat([kept, mapped, _parent_fallback(unlisted, forward, titles)])
     return out.unique().sort("source_code", "code")
 
