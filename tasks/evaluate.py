@@ -58,7 +58,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.runs import holding_run, record_run
+from warehouse.runs import EVALUATE_KIND, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
@@ -71,7 +71,6 @@ SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b i
 # Keys that differ between repeats of one configuration without changing what it is.
 CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate")
 EXPLICIT_INCOMPLETE = ("short", "failed")
-EVALUATE_KIND = "evaluate"
 
 
 # ---- target classes ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from models.baselines import RANKING_COLUMNS, Forecaster
 from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
-from warehouse.runs import check_run_id, code_version
+from warehouse.runs import EVALUATE_KIND, check_run_id, code_version, mark_stale
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
@@ -121,6 +121,11 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
             wh.delete("llm_calls", run_id=run_id, stage=cleared)
     for table in ("paired_comparisons", "headroom"):
         wh.delete(table, run_id=run_id)
+    # The registry must not go on calling finished what is gone: the fused systems' forecasts and the
+    # run's evaluation are `stale` until they are run again.
+    for cleared in fused:
+        mark_stale(wh, run_id, f"forecast:{cleared}")
+    mark_stale(wh, run_id, EVALUATE_KIND)
     return fused
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+from datetime import datetime
 
 import polars as pl
 import pytest
@@ -22,6 +23,7 @@ from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import ensure_prior, train_prior
 from tests.sentinel import forecast_store_texts
+from warehouse.runs import record_run
 from warehouse.store import Warehouse
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -153,10 +155,16 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
                  shard=0)
         wh.write("ranking_status", status.with_columns(pl.lit(other).alias("system")), run_id="fc-test",
                  system=other, shard=0)
+    for kind in ("forecast:rrf_prior_direct", "forecast:repeat_history", "evaluate"):
+        record_run(wh, "fc-test", cohort, kind, {}, "finished", datetime.now(), datetime.now())
     assert clear_outputs(wh, "fc-test", "ehr_prior") == ["rrf_prior_direct"]
     assert wh.read("candidates", run_id="fc-test")["stage"].unique().to_list() == ["direct_forecast"]
     for table in ("rankings", "ranking_status"):
         assert wh.read(table, run_id="fc-test")["system"].unique().to_list() == ["repeat_history"]
+    # The registry no longer calls finished what was removed: the fused forecast and the evaluation.
+    statuses = dict(wh.read("runs", run_id="fc-test").select("kind", "status").iter_rows())
+    assert statuses == {"forecast:rrf_prior_direct": "stale", "forecast:repeat_history": "finished",
+                        "evaluate": "stale"}
 
 
 def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache(trained, monkeypatch):

@@ -26,6 +26,10 @@ from warehouse.scratch import scratch
 from warehouse.store import Warehouse, check_run_id
 
 
+# The `runs` kind of an evaluation, recorded under the run id it evaluated.
+EVALUATE_KIND = "evaluate"
+
+
 def new_run_id(kind: str) -> str:
     """A readable, unique run id: kind, UTC timestamp, random suffix."""
     return f"{kind}-{datetime.utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
@@ -172,6 +176,20 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
         except InputError:  # its process still holds the lock
             continue
     return killed
+
+
+def mark_stale(wh: Warehouse, run_id: str, kind: str) -> bool:
+    """Rewrite as `stale` the `finished` row of a run whose outputs were removed because an input it
+    read is being redone (a fused system's lists, an evaluation's metrics); True if there was one.
+
+    The caller holds the locks that keep that run from writing meanwhile. A `failed` or `killed` row
+    keeps its status: it says more about what happened.
+    """
+    current = wh.read("runs", run_id=run_id, kind=kind)
+    if current.is_empty() or current["status"][0] != "finished":
+        return False
+    wh.write("runs", current.with_columns(pl.lit("stale").alias("status")), run_id=run_id, kind=kind)
+    return True
 
 
 def runs_in_progress(wh: Warehouse) -> pl.DataFrame:
