@@ -7,6 +7,7 @@ constrained by the schema, validation, telemetry, caching), not the clinical qua
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import polars as pl
@@ -16,6 +17,7 @@ from dxr.errors import ConfigError
 from models.llm.client import CallContext, LLMClient
 from models.llm.config import LLMConfig
 from models.llm.local_server import LocalServer, fold_system_messages, packaged_model_path
+from models.llm.prompts import load_prompt
 from tasks.direct import direct_shard
 from tasks.forecast import shard_inputs
 from warehouse.vocab import Vocabulary
@@ -40,6 +42,48 @@ def test_a_server_that_cannot_load_its_model_fails_with_its_log(tmp_path):
     assert server.process is None  # reaped, and its exit hook withdrawn
     with pytest.raises(ConfigError, match="does not exist"):
         LocalServer(tmp_path / "missing.gguf", 2048, 1, tmp_path / "server.log")
+
+
+def test_lazy_grammar_sampling_emits_the_tokens_of_full_grammar_sampling(tmp_path, monkeypatch):
+    import llama_cpp
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from models.llm.llama_serve import LazyGrammarLlama
+
+    model = packaged_model_path(tmp_path)
+    schema = json.dumps(load_prompt("direct_forecast").schema)
+    # A prompt that asks for prose: at first the best token is one the grammar rejects, so both the
+    # check of the best token alone and the fall back to the whole vocabulary are exercised.
+    prompt = ("<start_of_turn>user\nTell me a short story about a heart failure patient, then list "
+              "likely ICD-10-CM codes.<end_of_turn>\n<start_of_turn>model\n")
+    applied_sizes = []
+    apply = llama_cpp.llama_sampler_apply
+
+    def counting_apply(sampler, array):
+        applied_sizes.append(array._obj.size)
+        return apply(sampler, array)
+
+    outputs = {}
+    for cls in (llama_cpp.Llama, LazyGrammarLlama):
+        llm = cls(model_path=str(model), n_ctx=512, n_threads=1, verbose=False)
+        tokens = llm.tokenize(prompt.encode())
+        grammar = LlamaGrammar.from_json_schema(schema, verbose=False)
+        with monkeypatch.context() as patch:
+            if cls is LazyGrammarLlama:  # the chain's own sampling must not run: every token is sampled lazily
+                patch.setattr(llama_cpp.Llama, "sample", lambda *a, **k: pytest.fail("full chain sampled"))
+                patch.setattr(llama_cpp, "llama_sampler_apply", counting_apply)
+            generated = []
+            for token in llm.generate(tokens, temp=0.0, repeat_penalty=1.1, grammar=grammar):
+                generated.append(token)
+                if len(generated) == 60 or token == llm.token_eos():
+                    break
+        outputs[cls] = generated
+        llm.close()
+    assert outputs[LazyGrammarLlama] == outputs[llama_cpp.Llama]
+    assert len(outputs[LazyGrammarLlama]) == 60
+    vocabulary = max(applied_sizes)
+    # Per token: penalties on the vocabulary, the grammar on the best token, and sometimes a full match.
+    assert applied_sizes.count(1) == 60 and 0 < applied_sizes.count(vocabulary) - 60 < 60, applied_sizes.count(vocabulary)
 
 
 def test_direct_forecast_on_two_patients_with_the_embedded_server(planted_cohort):

