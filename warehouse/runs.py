@@ -178,18 +178,16 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     return killed
 
 
-def mark_stale(wh: Warehouse, run_id: str, kind: str) -> bool:
+def mark_stale(wh: Warehouse, run_id: str, kind: str) -> None:
     """Rewrite as `stale` the `finished` row of a run whose outputs were removed because an input it
-    read is being redone (a fused system's lists, an evaluation's metrics); True if there was one.
+    read is being redone (a fused system's lists, an evaluation's metrics).
 
     The caller holds the locks that keep that run from writing meanwhile. A `failed` or `killed` row
     keeps its status: it says more about what happened.
     """
     current = wh.read("runs", run_id=run_id, kind=kind)
-    if current.is_empty() or current["status"][0] != "finished":
-        return False
-    wh.write("runs", current.with_columns(pl.lit("stale").alias("status")), run_id=run_id, kind=kind)
-    return True
+    if not current.is_empty() and current["status"][0] == "finished":
+        wh.write("runs", current.with_columns(pl.lit("stale").alias("status")), run_id=run_id, kind=kind)
 
 
 def runs_in_progress(wh: Warehouse) -> pl.DataFrame:

@@ -5,8 +5,8 @@ llama-cpp-python samples a grammar-constrained token by matching every one of th
 tokens against the grammar (262,144 for Gemma 3), at every step. With greedy decoding the answer is
 the best-scoring token the grammar allows, so it is enough to check the best-scoring token alone and
 to fall back to the full match only when the grammar rejects it (llama.cpp's own `common` sampler
-does the same). The tokens produced are identical; on the packaged model this took the cost of a
-generated token from about 220 to 150 ms on one core (tests/test_local_llm.py checks the identity).
+does the same). The tokens produced are identical (tests/test_local_llm.py checks it on the packaged
+model); Direct Forecast on four demo patients took 383 s instead of 519 s (docs/llm.md).
 
 Every other sampling configuration (a temperature, a logits processor, no grammar) goes through
 llama-cpp-python unchanged. Run as `python -m models.llm.llama_serve <llama_cpp.server arguments>`.
