@@ -107,7 +107,8 @@ TABLES: dict[str, Table] = {
            "dataset-level runs such as `synth` and `ingest`). `status` is running, finished, failed, killed "
            "(the process ended without recording how, e.g. SIGKILL or out of memory; set by the next run that "
            "starts), or stale (a finished fused forecast or evaluation whose outputs were removed because a "
-           "forecast it read was run again into the run; run it again). `host` and `pid` are the recording process (null in rows written before they were added). "
+           "forecast it read was run again into the run; run it again). `host` and `pid` are the recording "
+           "process (null in rows written before they were added). "
            "A learned system's forecast records the registered model version it used under `model` in "
            "`config_json`.",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
