@@ -10,7 +10,7 @@ Direct Forecast on the first `--embedded-patients` held_out trajectories with th
 off (every call reaches the model): wall time including start-up, patients/hour, tokens per
 patient, the server's peak resident memory, ranking statuses. Prints tables; writes JSON to benchmarks/results/llm.json.
 
-    python benchmarks/llm.py [--calls 500] [--embedded-data-dir data --embedded-patients 8]
+    python benchmarks/llm.py [--calls 500] [--embedded-data-dir data --embedded-patients 8 [--embedded-threads N]]
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def server_peak_rss_mib(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def embedded_direct(data_dir: Path, patients: int) -> dict:
-    """Direct Forecast with the embedded backend on the first `patients` held_out trajectories, cache off."""
+def embedded_direct(data_dir: Path, patients: int, threads: int = 0) -> dict:
+    """Direct Forecast with the embedded backend on the first `patients` held_out trajectories, cache off;
+    `threads` as `llm.local_threads` (0 = the default)."""
     from tasks.direct import forecast_direct
     from tasks.forecast import shard_inputs
     from warehouse.cohorts import get_cohort
@@ -133,7 +134,7 @@ def embedded_direct(data_dir: Path, patients: int) -> dict:
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, "default")["cohort_id"]
     trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "held_out", limit=patients)
-    config = LLMConfig(backend="local", cache=False)
+    config = LLMConfig(backend="local", cache=False, local_threads=threads)
     speed = asyncio.run(generation_speed(config, data_dir))
     client = LLMClient.from_config(config, data_dir)
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
@@ -168,6 +169,8 @@ def main() -> None:
     parser.add_argument("--embedded-data-dir", type=Path, default=None,
                         help="warehouse with the demo's default cohort; runs the embedded backend part")
     parser.add_argument("--embedded-patients", type=int, default=8)
+    parser.add_argument("--embedded-threads", type=int, default=0,
+                        help="generation threads of the embedded server (llm.local_threads; 0 = the default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         timings = asyncio.run(replay_rows(args.calls, Path(workdir))) + asyncio.run(http_rows(args.calls))
@@ -179,7 +182,7 @@ def main() -> None:
     result = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
               "load_average_at_start": os.getloadavg()[0], "rows": rows}
     if args.embedded_data_dir is not None:
-        embedded = embedded_direct(args.embedded_data_dir.resolve(), args.embedded_patients)
+        embedded = embedded_direct(args.embedded_data_dir.resolve(), args.embedded_patients, args.embedded_threads)
         result["embedded"] = embedded
         print("\nembedded backend (llama.cpp server, packaged Gemma 3 270M GGUF)")
         for key, value in embedded.items():
