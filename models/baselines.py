@@ -14,6 +14,8 @@ import polars as pl
 
 from warehouse.store import fetch_frame
 
+# What `predict` receives of each trajectory: its identity, not its target encounter nor its cutoff.
+FORECASTER_COLUMNS = ("trajectory_id", "subject_id")
 RANKING_COLUMNS = {"trajectory_id": pl.String, "rank": pl.Int32, "code": pl.String, "score": pl.Float64,
                    "native": pl.Boolean}
 
@@ -60,7 +62,13 @@ class GlobalFrequency:
 
 
 class RepeatHistory:
-    """The patient's own diagnoses by count then recency, padded with train-split global frequency."""
+    """The patient's own diagnoses by count then recency, padded with train-split global frequency.
+
+    The count is that of pre-target encounters recording the code (diagnoses without an encounter
+    count together as one), as `candidates.history_count` counts: a code listed twice in one stay, or
+    two source codes harmonized to one, is still one encounter. Recency is the latest dated event;
+    a code known only from undated rows is the least recent.
+    """
 
     system = "repeat_history"
 
@@ -72,8 +80,9 @@ class RepeatHistory:
         history = (pretarget.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
                    .join(self.vocabulary, on="code", how="semi")
                    .group_by("trajectory_id", "code")
-                   .agg(pl.len().alias("count"), pl.col("time").max().alias("last_time"))
-                   .sort(["trajectory_id", "count", "last_time", "code"], descending=[False, True, True, False])
+                   .agg(pl.col("encounter_id").n_unique().alias("count"), pl.col("time").max().alias("last_time"))
+                   .sort(["trajectory_id", "count", "last_time", "code"], descending=[False, True, True, False],
+                         nulls_last=True)
                    .with_columns(pl.lit(True).alias("native"),
                                  pl.col("count").cast(pl.Float64).alias("score")))
         # Padding scores sit below every history score (history counts are >= 1).

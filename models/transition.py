@@ -28,7 +28,8 @@ def train_diagnosis_frequency(con: duckdb.DuckDBPyConnection, cohort_id: str) ->
 def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
     """(key, visit, code) for diagnosis codes; `visit` numbers a key's encounters by start time from 0.
 
-    An encounter starts at its earliest event; encounters without diagnoses are not visits.
+    An encounter starts at its earliest dated event; its undated diagnoses are still its own.
+    Encounters without diagnoses are not visits.
 
     >>> import datetime as dt
     >>> e = pl.DataFrame({"subject_id": [1, 1, 1], "time": [dt.datetime(2020, 1, 2), dt.datetime(2020, 1, 1),
@@ -37,8 +38,9 @@ def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
     >>> visit_diagnoses(e, "subject_id").sort("visit").rows()
     [(1, 0, 'DIAGNOSIS//B'), (1, 1, 'DIAGNOSIS//A')]
     """
-    with_encounter = events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
-    starts = with_encounter.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
+    with_encounter = events.filter(pl.col("encounter_id").is_not_null())
+    starts = (with_encounter.filter(pl.col("time").is_not_null())
+              .group_by(key, "encounter_id").agg(pl.col("time").min().alias("start")))
     dx = with_encounter.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id", "code")
     visits = (starts.join(dx.select(key, "encounter_id").unique(), on=[key, "encounter_id"], how="semi")
               .sort(key, "start", "encounter_id")

@@ -16,7 +16,7 @@ import polars as pl
 from prefect import task
 
 from dxr.errors import InputError
-from models.baselines import RANKING_COLUMNS, Forecaster
+from models.baselines import FORECASTER_COLUMNS, RANKING_COLUMNS, Forecaster
 from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
@@ -197,8 +197,12 @@ def shard_inputs(wh: Warehouse, cohort_id: str, shard: int, split: str, limit: i
 
 def forecast_shard(forecaster: Forecaster, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int,
                    run_id: str, cohort_id: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Rankings and per-trajectory status of one shard; a list shorter than k is marked `short`."""
-    ranked = forecaster.predict(trajectories, pretarget, k)
+    """Rankings and per-trajectory status of one shard; a list shorter than k is marked `short`.
+
+    The forecaster gets each trajectory's identity only: its cutoff time and target encounter are the
+    boundary's, not a forecasting input.
+    """
+    ranked = forecaster.predict(trajectories.select(FORECASTER_COLUMNS), pretarget, k)
     if ranked.select(pl.struct("trajectory_id", "code").is_duplicated().any()).item():
         raise AssertionError(f"{forecaster.system} returned duplicate codes in run {run_id}")
     return with_run(ranked, run_id, cohort_id, forecaster.system), shard_status(

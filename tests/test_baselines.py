@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import polars as pl
 
 from models.baselines import GlobalFrequency, RepeatHistory
@@ -29,6 +31,42 @@ def test_repeat_history_then_padding(wh_vocab, tiny_meds):
         (f"{cid}:1:103", "ok", None), (f"{cid}:4:403", "short", "4 of 5 codes")]
     ranked, status = forecast_shard(model, trajectories, pretarget, 20, "r1", cid)
     assert status.filter(pl.col("trajectory_id") == f"{cid}:1:103").row(0, named=True)["detail"] == "5 of 20 codes"
+
+
+def test_repeat_history_counts_encounters_and_ranks_undated_codes_least_recent():
+    t = dt.datetime
+    # A: one encounter, listed twice in it; B: two encounters; C: two encounters, the later one more
+    # recent than B's; D: undated, outside any encounter (one occurrence); E: dated once, before D's rows.
+    pretarget = pl.DataFrame({
+        "trajectory_id": "t1",
+        "time": [t(2020, 1, 1), t(2020, 1, 1), t(2020, 1, 1), t(2020, 3, 1), t(2020, 2, 1), t(2020, 4, 1),
+                 None, None, t(2019, 1, 1)],
+        "code": [dx("A"), dx("A"), dx("B"), dx("B"), dx("C"), dx("C"), dx("D"), dx("D"), dx("E")],
+        "encounter_id": [1, 1, 1, 3, 2, 4, None, None, 5]})
+    model = RepeatHistory()
+    model.vocabulary = pl.DataFrame({"code": [dx(c) for c in "ABCDE"]})
+    model.frequency = pl.DataFrame({"code": [dx("Z")], "count": [5.0]})
+    ranked = model.predict(pl.DataFrame({"trajectory_id": ["t1"]}), pretarget, 6)
+    assert ranked.select("code", "score").rows() == [
+        (dx("C"), 2.0), (dx("B"), 2.0), (dx("A"), 1.0), (dx("E"), 1.0), (dx("D"), 1.0), (dx("Z"), 5 / 6)]
+
+
+def test_forecasters_see_each_trajectorys_identity_but_not_its_target_or_cutoff(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    trajectories, pretarget = shard_inputs(wh_vocab, cid, 0, "held_out")
+    assert {"target_encounter_id", "cutoff_time"} <= set(trajectories.columns)
+    seen = []
+
+    class Recording(GlobalFrequency):
+        def predict(self, trajectories, pretarget, k):
+            seen.append(trajectories.columns)
+            return super().predict(trajectories, pretarget, k)
+
+    model = Recording()
+    model.fit(wh_vocab.connect(), cid)
+    forecast_shard(model, trajectories, pretarget, 3, "r1", cid)
+    assert seen == [["trajectory_id", "subject_id"]]
 
 
 def test_global_frequency_uses_train_patients_only(wh_vocab, tiny_meds):

@@ -178,6 +178,24 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
     assert inputs.codes[0, 1].sum() == 0
 
 
+def test_an_encounters_undated_diagnoses_belong_to_its_visit():
+    # A source may keep diagnoses undated (the cohort counts such an encounter as history): encounter 2
+    # is a visit that starts at its dated lab and holds its undated diagnosis.
+    t = dt.datetime
+    events = pl.DataFrame({
+        "trajectory_id": ["a"] * 4,
+        "time": [t(2020, 1, 1), t(2020, 2, 1), None, t(2020, 2, 1)],
+        "code": [dx("X"), "LAB//k//u", dx("Y"), "MEDICATION//NAME//m"],
+        "encounter_id": [1, 2, 2, 2]})
+    vocab = Vocabulary(input_codes=[dx("X"), dx("Y"), "MEDICATION//NAME//m"], output_codes=[dx("X"), dx("Y")],
+                       omega=[dx("X"), dx("Y")])
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["a"])
+    assert out.lengths.tolist() == [2]
+    assert out.codes[0, 1, :2].tolist() == [3, 4]  # Y, then the medication
+    assert out.dx[0, :, 0].tolist() == [0, 1]
+    assert out.numeric[0, 1, 0].item() == pytest.approx(torch.log1p(torch.tensor(31.0)).item() / 5)
+
+
 def test_static_codes_become_per_record_ids():
     t = dt.datetime(2020, 1, 1)
     events = pl.DataFrame({

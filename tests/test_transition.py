@@ -67,3 +67,9 @@ def test_transition_recovers_planted_successors(tmp_path):
     expected = last_trigger.select("trajectory_id", pl.col("code").str.replace("//T", "//S"))
     top = ranked.filter(pl.col("rank") <= 3).select("trajectory_id", "code")
     assert expected.join(top, on=["trajectory_id", "code"], how="anti").is_empty()
+
+
+def test_an_encounters_undated_diagnoses_belong_to_its_visit():
+    events = pl.DataFrame({"subject_id": [1, 1, 1], "time": [D(2020, 1, 1), D(2020, 2, 1), None],
+                           "code": [dx("A"), "LAB//x", dx("B")], "encounter_id": [10, 11, 11]})
+    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A")), (1, 1, dx("B"))]

@@ -158,9 +158,13 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     record, so short records are not padded to `max_visits`.
     """
     C = cfg.max_codes_per_visit
-    timed = events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
-    starts = timed.group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"))
-    with_dx = timed.filter(pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "encounter_id").unique()
+    # An encounter's events belong to its visit whether dated or not (a source may keep diagnoses
+    # undated: the cohort counts them as history); the visit starts at its earliest dated event.
+    in_encounter = events.filter(pl.col("encounter_id").is_not_null())
+    starts = (in_encounter.filter(pl.col("time").is_not_null())
+              .group_by(key, "encounter_id").agg(pl.col("time").min().alias("start")))
+    with_dx = (in_encounter.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
+               .select(key, "encounter_id").unique())
     visits = (starts.join(with_dx, on=[key, "encounter_id"], how="semi").sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
                             pl.len().over(key).cast(pl.Int64).alias("n_visits")))
@@ -188,9 +192,9 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
         lengths_frame = visits.group_by("row").agg(pl.col("pos").max() + 1)
         lengths[lengths_frame["row"].to_numpy()] = lengths_frame["pos"].to_numpy()
 
-    coded = timed.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
-    if "numeric_value" in timed.columns:
-        labs = lab_value_tokens(timed.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts)
+    coded = in_encounter.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
+    if "numeric_value" in in_encounter.columns:
+        labs = lab_value_tokens(in_encounter.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts)
         coded = pl.concat([coded, labs])
     tokens = (coded.select(key, "encounter_id", "code").unique()
               .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
