@@ -404,6 +404,19 @@ def test_a_lower_case_diagnosis_code_gets_the_exact_code_to_write(tmp_path):
         "(prefix DIAGNOSIS//ICD//10//)")
 
 
+def test_an_encounter_id_of_two_patients_is_refused(tmp_path):
+    shard = small_dataset(tmp_path)
+    table = pq.read_table(shard)
+    subjects, encounters = table["subject_id"].to_pylist(), table["encounter_id"].to_pylist()
+    row = next(i for i, e in enumerate(encounters) if e is not None and subjects[i] != subjects[0])
+    first_encounter = next(e for e in encounters if e is not None)
+    set_value(shard, "encounter_id", row, first_encounter)
+    assert one_line_error(tmp_path).endswith(
+        f"00000.parquet, row {row + 1}: encounter_id {first_encounter} belongs to subjects {subjects[0]} and "
+        f"{subjects[row]}: encounter ids must be unique across the dataset (e.g. the admission id); number them "
+        "per dataset, not per patient")
+
+
 @pytest.mark.parametrize("rewrite", ["byte copy", "same rows, other compression"])
 def test_a_copied_shard_is_refused(rewrite, tmp_path):
     shard = small_dataset(tmp_path)

@@ -170,6 +170,20 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             problem = (f"unknown code system in diagnosis code {code!r}: diagnosis codes must be "
                        "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
         raise InputError(f"{filename}, row {row:,}: {problem}{more}")
+    # Encounters are told apart by encounter_id alone (cohorts order them and cut records by it): an id that
+    # a second patient reuses would merge two stays.
+    shared = con.execute(f"""SELECT encounter_id, min(subject_id), max(subject_id), count(*) OVER ()
+                             FROM {rel} WHERE encounter_id IS NOT NULL GROUP BY encounter_id
+                             HAVING count(DISTINCT subject_id) > 1 ORDER BY encounter_id LIMIT 1""").fetchone()
+    if shared:
+        encounter, first, second, n_shared = shared
+        filename, row = con.execute(f"SELECT filename, file_row_number + 1 FROM {located} WHERE encounter_id = ? "
+                                    "AND subject_id = ? ORDER BY filename, file_row_number LIMIT 1",
+                                    [encounter, second]).fetchone()
+        more = f" ({n_shared:,} encounter ids like it)" if n_shared > 1 else ""
+        raise InputError(f"{filename}, row {row:,}: encounter_id {encounter} belongs to subjects {first} and {second}"
+                         f"{more}: encounter ids must be unique across the dataset (e.g. the admission id); "
+                         "number them per dataset, not per patient")
     # A shard copied under a second name would count its events twice. Only shards with equal row counts (from the
     # Parquet footers) can hold the same events, so only those are read, each summed to an order-independent hash.
     by_rows: dict[int, list[Path]] = {}
