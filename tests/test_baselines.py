@@ -36,7 +36,8 @@ def test_repeat_history_then_padding(wh_vocab, tiny_meds):
 def test_repeat_history_counts_encounters_and_ranks_undated_codes_least_recent():
     t = dt.datetime
     # A: one encounter, listed twice in it; B: two encounters; C: two encounters, the later one more
-    # recent than B's; D: undated, outside any encounter (one occurrence); E: dated once, before D's rows.
+    # recent than B's; D: twice undated outside any encounter (one occurrence); E: one encounter in
+    # 2019, the oldest dated code, yet more recent than the undated D.
     pretarget = pl.DataFrame({
         "trajectory_id": "t1",
         "time": [t(2020, 1, 1), t(2020, 1, 1), t(2020, 1, 1), t(2020, 3, 1), t(2020, 2, 1), t(2020, 4, 1),
