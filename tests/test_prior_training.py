@@ -12,9 +12,10 @@ import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
+from mlflow.exceptions import MlflowException
 
 from dxr.cli import main
-from dxr.errors import NotFoundError
+from dxr.errors import ConfigError, NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.lit import PriorDataModule
@@ -351,3 +352,62 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
     assert f"no registered model 'gru-{cohort}' with alias 'champion'" in untrained.output
     assert f"dxr prior train --cohort {cohort} --system gru" in untrained.output
     assert wh.read("runs").height == runs_before
+
+
+def test_an_interrupted_model_download_leaves_nothing_a_later_load_takes_for_a_model(trained, monkeypatch):
+    import shutil
+
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+    wh, cohort, _, _ = trained
+    cache = wh.root / "mlflow" / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    download_file = LocalArtifactRepository._download_file
+
+    def connection_lost_at_the_weights(self, remote_file_path, local_path):
+        if remote_file_path.endswith("model.pth"):
+            raise OSError("connection reset by peer")
+        return download_file(self, remote_file_path, local_path)
+
+    monkeypatch.setattr(LocalArtifactRepository, "_download_file", connection_lost_at_the_weights)
+    with pytest.raises(ConfigError, match=r"failed while downloading ehr_prior-\w+ version 1"):
+        RegisteredPrior(PriorConfig(**TINY)).fit(wh.connect(), cohort)
+    assert list(cache.rglob("MLmodel")) == []  # neither a partial copy nor scratch is left behind
+
+    # What an interrupted download of an earlier dxr left in place: the model's files but no weights.
+    version, run_id = tracking.resolve_alias("ehr_prior", cohort, "champion")
+    partial = cache / f"ehr_prior-{cohort}" / f"v{version}-{run_id}"
+    partial.mkdir(parents=True)
+    (partial / "MLmodel").write_text("flavors: {}\n")
+    monkeypatch.setattr(LocalArtifactRepository, "_download_file", download_file)  # the connection is back
+    again = RegisteredPrior(PriorConfig(**TINY))
+    again.fit(wh.connect(), cohort)
+    assert again.version == "1" and (partial / tracking.WEIGHTS).is_file()
+
+
+def test_a_failing_tracking_store_is_reported_not_taken_for_a_missing_model(tmp_path, monkeypatch):
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1)
+    assert ensure_prior(str(tmp_path), cohort, "ehr_prior", cfg) == "1"
+
+    def locked(self, name, alias):
+        raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    monkeypatch.setattr(tracking.MlflowClient, "get_model_version_by_alias", locked)
+    # Taken for "nothing registered", this would train version 2 and move the champion to it.
+    with pytest.raises(ConfigError, match="failed while resolving ehr_prior-.*database is locked"):
+        ensure_prior(str(tmp_path), cohort, "ehr_prior", cfg)
+    monkeypatch.undo()
+    assert [v["version"] for v in tracking.registered_versions("ehr_prior", cohort)] == ["1"]
+
+
+def test_an_unreachable_tracking_server_is_one_line_naming_the_store(trained, monkeypatch):
+    wh, cohort, _, _ = trained
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's retries would take minutes
+    result = CliRunner(env={"DXR_PRIOR__TRACKING_URI": "http://127.0.0.1:9"}).invoke(
+        main, ["--data-dir", str(wh.root), "forecast", "--cohort", cohort, "--system", "ehr_prior"])
+    assert result.exit_code == 1 and not isinstance(result.exception, MlflowException), result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("Error: MLflow store http://127.0.0.1:9 failed while opening experiment"), error
+    assert "DXR_PRIOR__TRACKING_URI" in error

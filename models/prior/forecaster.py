@@ -38,9 +38,9 @@ def load_network(model_dir: Path) -> PriorNet:
     `mlflow.pytorch.load_model` would import its Lightning autologging (seconds per process) for
     a file that `torch.load` reads as is; the directory is our own registered artifact.
     """
-    weights = model_dir / "data" / "model.pth"
+    weights = model_dir / tracking.WEIGHTS
     if not weights.is_file():
-        raise ConfigError(f"{model_dir} holds no data/model.pth: it is not an mlflow.pytorch model "
+        raise ConfigError(f"{model_dir} holds no {tracking.WEIGHTS}: it is not an mlflow.pytorch model "
                           "logged by `dxr prior train`; retrain or point the alias at such a version")
     net = torch.load(weights, map_location="cpu", weights_only=False)
     if not isinstance(net, PriorNet):

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dxr.errors import NotFoundError
+from dxr.errors import ConfigError, NotFoundError
+from warehouse.scratch import remove_abandoned, scratch
 
 # Offline hygiene: no telemetry from MLflow (set before mlflow is imported).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -24,6 +28,10 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 
 BUNDLE_FILES = ("vocabulary.json", "prior_config.json", "net_config.json")
+WEIGHTS = Path("data") / "model.pth"  # an `mlflow.pytorch` model's network, the last file a load needs
+# What a store answers for a registered model, version or alias that does not exist (an unknown alias
+# is an invalid parameter to MLflow); any other error is the store's, not a missing model.
+ABSENT = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"})
 
 
 def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
@@ -48,13 +56,34 @@ def artifact_root(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts").as_uri()
 
 
+def store_error(exc: MlflowException, action: str) -> ConfigError:
+    """One line for an MLflow failure (server down, database locked, no permission) naming the store
+    and the setting that chooses it, instead of a traceback from deep inside MLflow."""
+    reason = " ".join(str(exc).split())[:300]
+    return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: {reason}: check that it "
+                       "is reachable and writable, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)")
+
+
+@contextmanager
+def store_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except MlflowException as exc:
+        raise store_error(exc, action) from exc
+
+
 def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
     """Point mlflow at the store and experiment (created with `artifact_root` when new)."""
     uri = tracking_uri(data_dir, configured)
     mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
-        mlflow.create_experiment(experiment, artifact_location=artifact_root(uri))
-    mlflow.set_experiment(experiment)
+    with store_errors(f"opening experiment {experiment!r}"):
+        if mlflow.get_experiment_by_name(experiment) is None:
+            try:
+                mlflow.create_experiment(experiment, artifact_location=artifact_root(uri))
+            except MlflowException:
+                if mlflow.get_experiment_by_name(experiment) is None:  # not made by another process meanwhile
+                    raise
+        mlflow.set_experiment(experiment)
     return uri
 
 
@@ -68,6 +97,8 @@ def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
     try:
         version = MlflowClient().get_model_version_by_alias(name, alias)
     except MlflowException as exc:
+        if exc.error_code not in ABSENT:
+            raise store_error(exc, f"resolving {name}@{alias}") from exc
         raise NotFoundError(
             f"no registered model {name!r} with alias {alias!r} in {mlflow.get_tracking_uri()}: train one with "
             f"`dxr prior train --cohort {cohort_id} --system {system}`") from exc
@@ -80,6 +111,8 @@ def version_run(system: str, cohort_id: str, version: str) -> str:
     try:
         return MlflowClient().get_model_version(name, version).run_id
     except MlflowException as exc:
+        if exc.error_code not in ABSENT:
+            raise store_error(exc, f"looking up {name} version {version}") from exc
         known = [row["version"] for row in registered_versions(system, cohort_id)]
         raise NotFoundError(f"registered model {name!r} has no version {version!r} in {mlflow.get_tracking_uri()} "
                             f"(versions: {', '.join(known) or 'none'}): list them with "
@@ -91,22 +124,23 @@ def registered_versions(system: str, cohort_id: str) -> list[dict]:
     tuning metrics of the epoch whose weights it holds."""
     client = MlflowClient()
     name = registered_name(system, cohort_id)
-    versions = client.search_model_versions(f"name = '{name}'")
-    # A search leaves the versions' aliases empty; the registered model holds them (alias -> version).
-    aliases = client.get_registered_model(name).aliases if versions else {}
     rows = []
-    for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
-        run = client.get_run(v.run_id)
-        selected = run.data.metrics.get("selected_epoch")
-        # A run's plain metric is its last epoch's; the registered weights are the selected epoch's.
-        chosen = {metric: next((m.value for m in client.get_metric_history(v.run_id, metric)
-                                if selected is not None and m.step == int(selected)), None)
-                  for metric in ("val_recall_at_20", "val_precision_at_20")}
-        rows.append({"system": system, "version": str(v.version),
-                     "aliases": sorted(alias for alias, of in aliases.items() if str(of) == str(v.version)),
-                     "created_at": datetime.fromtimestamp(v.creation_timestamp / 1000, timezone.utc),
-                     "selected_epoch": None if selected is None else int(selected) + 1, **chosen,
-                     "mlflow_run_id": v.run_id})
+    with store_errors(f"listing the versions of {name}"):
+        versions = client.search_model_versions(f"name = '{name}'")
+        # A search leaves the versions' aliases empty; the registered model holds them (alias -> version).
+        aliases = client.get_registered_model(name).aliases if versions else {}
+        for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
+            run = client.get_run(v.run_id)
+            selected = run.data.metrics.get("selected_epoch")
+            # A run's plain metric is its last epoch's; the registered weights are the selected epoch's.
+            chosen = {metric: next((m.value for m in client.get_metric_history(v.run_id, metric)
+                                    if selected is not None and m.step == int(selected)), None)
+                      for metric in ("val_recall_at_20", "val_precision_at_20")}
+            rows.append({"system": system, "version": str(v.version),
+                         "aliases": sorted(alias for alias, of in aliases.items() if str(of) == str(v.version)),
+                         "created_at": datetime.fromtimestamp(v.creation_timestamp / 1000, timezone.utc),
+                         "selected_epoch": None if selected is None else int(selected) + 1, **chosen,
+                         "mlflow_run_id": v.run_id})
     return rows
 
 
@@ -117,18 +151,32 @@ def set_alias(system: str, cohort_id: str, version: str, alias: str) -> str | No
         previous = resolve_alias(system, cohort_id, alias)[0]
     except NotFoundError:
         previous = None
-    MlflowClient().set_registered_model_alias(registered_name(system, cohort_id), alias, version)
+    with store_errors(f"pointing {registered_name(system, cohort_id)}@{alias} at version {version}"):
+        MlflowClient().set_registered_model_alias(registered_name(system, cohort_id), alias, version)
     return previous
 
 
 def download_model(system: str, cohort_id: str, version: str, run_id: str, cache_dir: Path) -> Path:
     """Local copy of a registered version (kept per version and run, so a second load reads the disk only;
-    the run id keeps a reset or different tracking store, whose versions restart at 1, from reusing it)."""
-    target = cache_dir / registered_name(system, cohort_id) / f"v{version}-{run_id}"
-    if not (target / "MLmodel").is_file():
-        target.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{registered_name(system, cohort_id)}/{version}",
-                                            dst_path=str(target))
+    the run id keeps a reset or different tracking store, whose versions restart at 1, from reusing it).
+
+    The copy is downloaded beside its place and renamed into it whole: an interrupted download leaves
+    nothing a later load would take for a model, and a load never reads a copy still being written.
+    """
+    name = registered_name(system, cohort_id)
+    target = cache_dir / name / f"v{version}-{run_id}"
+    if (target / WEIGHTS).is_file():
+        return target
+    remove_abandoned(target)
+    with scratch(target, "download") as staging:
+        staging.mkdir()
+        with store_errors(f"downloading {name} version {version}"):
+            mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging))
+        if (target / WEIGHTS).is_file():  # another process finished the same download first
+            return target
+        if target.exists():  # an incomplete copy (left by an older dxr) or one without weights
+            shutil.rmtree(target)
+        os.replace(staging, target)
     return target
 
 

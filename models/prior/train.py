@@ -124,7 +124,8 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
     data.setup()
     epoch_logger = MlflowEpochLogger(report_epoch)
     name = tracking.registered_name(system, cohort_id)
-    with mlflow.start_run(run_name=f"{system}-{cohort_id}") as run:
+    with (tracking.store_errors(f"recording the training of {name}"),
+          mlflow.start_run(run_name=f"{system}-{cohort_id}") as run):
         mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system]})
         mlflow.log_params({**{f"prior.{k}": v for k, v in cfg.model_dump().items()},
                            "system": system, "cohort_id": cohort_id, "n_input_codes": data.vocab.n_input,
