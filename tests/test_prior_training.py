@@ -405,8 +405,12 @@ def test_a_failing_tracking_store_is_reported_not_taken_for_a_missing_model(tmp_
 def test_an_unreachable_tracking_server_is_one_line_naming_the_store(trained, monkeypatch):
     wh, cohort, _, _ = trained
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's retries would take minutes
-    result = CliRunner(env={"DXR_PRIOR__TRACKING_URI": "http://127.0.0.1:9"}).invoke(
-        main, ["--data-dir", str(wh.root), "forecast", "--cohort", cohort, "--system", "ehr_prior"])
+    store = tracking.mlflow.get_tracking_uri()
+    try:
+        result = CliRunner(env={"DXR_PRIOR__TRACKING_URI": "http://127.0.0.1:9"}).invoke(
+            main, ["--data-dir", str(wh.root), "forecast", "--cohort", cohort, "--system", "ehr_prior"])
+    finally:
+        tracking.mlflow.set_tracking_uri(store)  # process-wide: later tests must not meet the dead server
     assert result.exit_code == 1 and not isinstance(result.exception, MlflowException), result.output
     error = result.output.strip().splitlines()[-1]
     assert error.startswith("Error: MLflow store http://127.0.0.1:9 failed while opening experiment"), error
