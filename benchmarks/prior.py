@@ -5,8 +5,9 @@ its peak RSS is its own):
 1. synthetic dataset (`--patients`, `--seed`) and its default cohort, unless already built;
 2. train `gru`, `dense_prior`, `ehr_prior` (train patients; validation on tuning pre-target views),
    registered in MLflow under the warehouse;
-3. forecast `held_out` with every system into one run (plain stage functions, shard by shard:
-   model resolution/loading, pre-target tables in, rankings written), timed end to end;
+3. forecast `held_out` with every system into one run (plain stage functions, `forecast.shard_workers`
+   shards at a time as the forecast flow runs them: model resolution/loading, pre-target tables in,
+   rankings written), timed end to end;
 4. inference throughput of each system over every trajectory of the cohort (split `all`);
 5. evaluation on held_out: P@10/R@10/P@20/R@20 with patient bootstrap 95% CIs, recall on
    new-onset and repeated target codes, paired differences of ehr_prior against each peer and
@@ -85,7 +86,8 @@ def train_one(data_dir: str, cohort_id: str, system: str, cfg_json: str) -> dict
 
 
 def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id: str) -> dict:
-    """Every shard of the split through the forecast stage; times the model resolution/loading and the shard loop apart.
+    """Every shard of the split through the forecast stage, `forecast.shard_workers` at a time as the forecast
+    flow runs them; times the model resolution/loading and the shard loop apart.
 
     `load_seconds`: for learned systems, resolve the alias in MLflow and load that version (`fit`).
     `shard_seconds`: per shard read the pre-target tables, predict, write rankings, candidates, the
@@ -93,8 +95,10 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     End to end = both; module imports (torch, mlflow and its SQL store, polars) are process start-up
     and excluded.
     """
+    from dxr.config import load_settings
     from models.registry import forecaster_class
-    from tasks.forecast import fitted_forecaster, forecast_shard_task, forecast_shards, pinned_model
+    from tasks.forecast import (fitted_forecaster, forecast_shard_task, forecast_shards, pinned_model, run_shards,
+                                shard_workers)
 
     forecaster_class(system)  # module imports are process start-up, not inference
     # So is MLflow's SQL store, which fit imports lazily when it resolves the alias (≈ 0.7 s).
@@ -102,6 +106,7 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     wh = Warehouse(data_dir)
     shards = forecast_shards(wh, cohort_id, split)  # as the forecast flow does
+    workers = shard_workers(system, None, load_settings(data_dir=data_dir).forecast.shard_workers)
     # Lists of an earlier run with the same model would be read back, not predicted: time the model.
     wh.delete("prediction_cache", system=system)
     started = time.perf_counter()
@@ -109,10 +114,11 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     version = model["version"] if model else None
     fitted_forecaster(str(wh.root), cohort_id, system, version)
     loaded = time.perf_counter()
-    n = sum(forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id, model_version=version)
-            for shard in shards)
+    n = run_shards(lambda shard, _: forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id,
+                                                           model_version=version), shards, workers)
     done = time.perf_counter()
-    return {"system": system, "split": split, "trajectories": n, "load_seconds": loaded - started,
+    return {"system": system, "split": split, "trajectories": n, "shard_workers": workers,
+            "load_seconds": loaded - started,
             "shard_seconds": done - loaded, "seconds": done - started, "patients_per_second": n / (done - started),
             "warm_patients_per_second": n / (done - loaded), "peak_rss_mb": peak_mb()}
 

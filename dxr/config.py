@@ -43,6 +43,16 @@ class CohortConfig(BaseModel):
     memory_limit: str = Field("2GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
 
 
+class ForecastConfig(BaseModel):
+    """How `dxr forecast` runs a cohort's shards."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Two at a time on two cores: one shard's featurization (polars) overlaps another's network (one
+    # torch thread); benchmarks/prior.py measures it. LLM systems and `--limit` runs go one at a time.
+    # Each worker runs `prior.threads` torch threads: keep workers × threads at most the cores.
+    shard_workers: int = Field(2, ge=1, description="shards of a model or baseline forecast run at once")
+
+
 class BackfillConfig(BaseModel):
     """One scheduled cohort backfill served by `dxr serve` (a `[[backfills]]` table in the TOML file)."""
 
@@ -80,6 +90,7 @@ class Settings(BaseSettings):
     seed: int = Field(7, description="global seed: splits, generator, shuffles")
     synth: SynthConfig = SynthConfig()
     cohort: CohortConfig = CohortConfig()
+    forecast: ForecastConfig = ForecastConfig()
     prior: PriorConfig = PriorConfig()
     tools: ToolsConfig = ToolsConfig()
     llm: LLMConfig = LLMConfig()

@@ -1,4 +1,4 @@
-"""Flow: one forecasting system over a cohort, one task per trajectory shard."""
+"""Flow: one forecasting system over a cohort, one task per trajectory shard (`forecast.shard_workers` at once)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ from contextlib import ExitStack
 
 from prefect import flow
 
+from dxr.config import load_settings
 from dxr.errors import InputError
 from tasks import stage_logger
-from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, forecast_config,
-                            forecast_shard_task, forecast_shards, pinned_model)
+from models.registry import FORECASTERS
+from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, fitted_forecaster,
+                            forecast_config, forecast_shard_task, forecast_shards, pinned_model, run_shards,
+                            shard_workers)
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
 from warehouse.runs import check_run_id, new_run_id, registered_run
@@ -31,6 +34,7 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         raise InputError(f"k must be at least 1, got {k}")
     if limit is not None and limit < 1:
         raise InputError(f"limit must be at least 1 (or none for every trajectory), got {limit}")
+    workers = shard_workers(system, limit, load_settings(data_dir=data_dir).forecast.shard_workers)
     wh = Warehouse(data_dir)
     run_id = check_run_id(run_id) if run_id else new_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
@@ -60,12 +64,10 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
             stage_logger(__name__).warning(
                 "removed %s's lists of run %s: they fused the %s lists this run replaces; forecast %s "
                 "again with --run-id %s", fused, run.run_id, system, fused, run.run_id)
-        remaining = limit
-        for shard in shards:
-            done = forecast_shard_task(str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining,
-                                       subject_id, model["version"] if model else None)
-            if remaining is not None:
-                remaining -= done
-                if remaining <= 0:
-                    break
+        version = model["version"] if model else None
+        if system in FORECASTERS:  # load the model here, once: a failing load is one error, not one per shard
+            fitted_forecaster(str(wh.root), cohort_id, system, version)
+        run_shards(lambda shard, remaining: forecast_shard_task(
+                       str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining, subject_id, version),
+                   shards, workers, limit)
     return run.run_id

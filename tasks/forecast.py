@@ -1,5 +1,6 @@
-"""Forecast stage: run one system over a cohort's trajectories, shard by shard, into `rankings` (and the
-`candidates` of the pipeline stage it is, if any); a registered model's lists go through `prediction_cache`.
+"""Forecast stage: run one system over a cohort's trajectories, shard by shard (`forecast.shard_workers` at a
+time), into `rankings` (and the `candidates` of the pipeline stage it is, if any); a registered model's
+lists go through `prediction_cache`.
 
 `forecast_shard` is the plain stage function; `forecast_shard_task` is its Prefect wrapper. The
 forecaster only ever sees a forecasting-store connection (the gold store is unreachable from it)
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextvars import copy_context
 from functools import lru_cache
+from itertools import islice
 
 import polars as pl
 from prefect import task
@@ -153,15 +159,61 @@ def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None
     return forecaster
 
 
+_fitting = threading.Lock()
+
+
 def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None) -> Forecaster:
     """Fit once per process, cohort and registered version (None: the one the alias points to at the first
     call); every shard task of a run reuses it."""
     # Through one positional form: lru_cache keys `f(a, b, c)` and `f(a, b, c, None)` apart, and a
-    # second key would load the same model twice.
-    return _fitted(wh_root, cohort_id, system, model_version)
+    # second key would load the same model twice. Under a lock: shards running at once would each
+    # fit it (lru_cache does not make concurrent callers of one key wait for the first). The forecast
+    # flow fits before its shards start, so that a failing load fails once.
+    with _fitting:
+        return _fitted(wh_root, cohort_id, system, model_version)
 
 
 fitted_forecaster.cache_clear = _fitted.cache_clear
+
+
+def shard_workers(system: str, limit: int | None, configured: int) -> int:
+    """How many shards of a forecast run at once: `forecast.shard_workers` for models and baselines, one
+    for LLM systems (their client already keeps the server busy with concurrent calls) and under a
+    limit (each shard's count decides how many trajectories the next one may take)."""
+    return 1 if system in LLM_SYSTEMS or limit is not None else configured
+
+
+def run_shards(run: Callable[[int, int | None], int], shards: list[int], workers: int,
+               limit: int | None = None) -> int:
+    """Call `run(shard, remaining)` for each shard, `workers` at a time, and return the trajectories forecast.
+
+    One worker runs the shards in this thread, in order, passing what is left of `limit` (None without
+    one): a signal stops the shard under way, as it stops any command. More workers run them in
+    threads, each in a copy of this thread's context (a Prefect task called there is a task run of
+    the flow). After a failure no shard starts, and the error is raised only once the shards under
+    way have ended (written or failed too): nothing is written into a run after it is recorded failed.
+    """
+    if workers == 1:
+        done = 0
+        for shard in shards:
+            if limit is not None and done >= limit:
+                break
+            done += run(shard, None if limit is None else limit - done)
+        return done
+    if limit is not None:
+        raise ValueError("a forecast with a limit runs one shard at a time")
+    queue, done = iter(shards), 0
+    with ThreadPoolExecutor(workers, thread_name_prefix="shard") as pool:
+        under_way = {pool.submit(copy_context().run, run, shard, None) for shard in islice(queue, workers)}
+        while under_way:
+            ended, under_way = wait(under_way, return_when=FIRST_COMPLETED)
+            failed = [future.exception() for future in ended if future.exception() is not None]
+            if failed:
+                wait(under_way)
+                raise failed[0]
+            done += sum(future.result() for future in ended)
+            under_way |= {pool.submit(copy_context().run, run, shard, None) for shard in islice(queue, len(ended))}
+    return done
 
 
 def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:

@@ -1,0 +1,134 @@
+"""The forecast flow runs a cohort's shards `forecast.shard_workers` at a time, with the same lists as one by one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import polars as pl
+import pytest
+
+import tasks.forecast
+from dxr.errors import InputError
+from tasks.forecast import run_shards, shard_workers
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+
+
+class ShardLog:
+    """A stand-in for the shard task: records how many shards ran at once, the limits they got and which ended."""
+
+    def __init__(self, sizes: dict[int, int], fail: int | None = None):
+        self.sizes, self.fail = sizes, fail
+        self.lock = threading.Lock()
+        self.running = self.most = 0
+        self.started: list[tuple[int, int | None]] = []
+        self.ended: list[int] = []
+
+    def __call__(self, shard: int, remaining: int | None) -> int:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.started.append((shard, remaining))
+        try:
+            if shard == self.fail:
+                raise RuntimeError(f"shard {shard} failed")
+            time.sleep(0.2)  # long enough for the other workers to start meanwhile
+            return self.sizes[shard] if remaining is None else min(self.sizes[shard], remaining)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.ended.append(shard)
+
+
+def test_shards_run_at_most_workers_at_once_and_a_limit_runs_them_one_by_one():
+    sizes = {0: 3, 1: 3, 2: 3, 3: 2, 4: 1}
+    for workers in (1, 2, 3):
+        log = ShardLog(sizes)
+        assert run_shards(log, list(sizes), workers) == 12
+        assert log.most == workers and sorted(log.started) == [(s, None) for s in sizes]
+
+    log = ShardLog(sizes)
+    assert run_shards(log, list(sizes), 1, limit=7) == 7
+    assert log.started == [(0, 7), (1, 4), (2, 1)]  # each shard gets what is left; none after the limit
+    with pytest.raises(ValueError, match="one shard at a time"):
+        run_shards(log, [0], 2, limit=7)
+
+    assert shard_workers("ehr_prior", None, 3) == 3
+    assert shard_workers("ehr_prior", 10, 3) == 1  # a limit counts down shard by shard
+    assert shard_workers("direct", None, 3) == 1  # the LLM client bounds its own concurrency
+
+
+def test_after_a_failing_shard_none_starts_and_the_error_waits_for_the_shards_under_way():
+    log = ShardLog({0: 1, 1: 1, 2: 1, 3: 1}, fail=1)
+    with pytest.raises(RuntimeError, match="shard 1 failed"):
+        run_shards(log, [0, 1, 2, 3], 2)
+    assert sorted(log.ended) == [0, 1] and log.running == 0  # shard 0 ended before the error was raised
+
+
+@pytest.fixture
+def sharded(wh_vocab, tiny_meds):
+    """The tiny dataset's every-encounter cohort in five shards of at most two trajectories."""
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "every0", CohortOptions(target="every", min_history=0), seed=7,
+                       shard_size=2)["cohort_id"]
+    assert wh_vocab.read("trajectories", cohort_id=cid)["shard"].n_unique() == 5
+    return wh_vocab, cid
+
+
+def test_the_flow_runs_shards_concurrently_with_the_same_lists(sharded, monkeypatch):
+    from flows.forecast import forecast_flow
+
+    wh, cid = sharded
+
+    def lists(run_id: str) -> pl.DataFrame:
+        return wh.read("rankings", run_id=run_id).drop("run_id").sort("trajectory_id", "rank")
+
+    monkeypatch.setenv("DXR_FORECAST__SHARD_WORKERS", "1")
+    forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="one-by-one")
+
+    # Two shard tasks must be inside shard_inputs together, or the barrier breaks and the forecast fails.
+    together = threading.Barrier(2, timeout=20)
+    real_inputs = tasks.forecast.shard_inputs
+
+    def meet_then_read(wh, cohort_id, shard, *args):
+        if shard in (0, 1):
+            together.wait()
+        return real_inputs(wh, cohort_id, shard, *args)
+
+    monkeypatch.setattr(tasks.forecast, "shard_inputs", meet_then_read)
+    monkeypatch.setenv("DXR_FORECAST__SHARD_WORKERS", "2")
+    forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="two-at-once")
+    assert lists("two-at-once").equals(lists("one-by-one"))
+    status = wh.read("ranking_status", run_id="two-at-once")
+    assert status["trajectory_id"].sort().to_list() == wh.read("trajectories", cohort_id=cid)[
+        "trajectory_id"].sort().to_list()
+
+
+def test_a_failing_shard_fails_the_run_and_nothing_is_written_into_it_afterwards(sharded, monkeypatch):
+    from flows.forecast import forecast_flow
+
+    wh, cid = sharded
+    real_inputs = tasks.forecast.shard_inputs
+
+    def slow_first_failing_second(wh, cohort_id, shard, *args):
+        if shard == 1:
+            raise InputError("shard 1: unreadable pre-target file")
+        if shard == 0:
+            time.sleep(1.0)  # still under way when shard 1 fails
+        return real_inputs(wh, cohort_id, shard, *args)
+
+    monkeypatch.setattr(tasks.forecast, "shard_inputs", slow_first_failing_second)
+    monkeypatch.setenv("DXR_FORECAST__SHARD_WORKERS", "2")
+    with pytest.raises(InputError, match="shard 1: unreadable"):
+        forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="broken")
+
+    def written() -> list[int]:
+        return sorted(wh.read("ranking_status", run_id="broken")["trajectory_id"].to_list())
+
+    assert wh.read("runs", run_id="broken")["status"].to_list() == ["failed"]
+    shard0 = wh.read("trajectories", cohort_id=cid).filter(pl.col("shard") == 0)["trajectory_id"].sort().to_list()
+    at_failure = written()
+    assert at_failure == shard0  # shard 0 ended before the run was recorded failed; no later shard started
+    time.sleep(1.5)
+    assert written() == at_failure
