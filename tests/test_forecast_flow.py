@@ -24,6 +24,7 @@ class ShardLog:
         self.running = self.most = 0
         self.started: list[tuple[int, int | None]] = []
         self.ended: list[int] = []
+        self.failing = threading.Event()
 
     def __call__(self, shard: int, remaining: int | None) -> int:
         with self.lock:
@@ -32,7 +33,10 @@ class ShardLog:
             self.started.append((shard, remaining))
         try:
             if shard == self.fail:
+                self.failing.set()
                 raise RuntimeError(f"shard {shard} failed")
+            if self.fail is not None:
+                self.failing.wait(20)  # still under way when the failing shard fails
             time.sleep(0.2)  # long enough for the other workers to start meanwhile
             return self.sizes[shard] if remaining is None else min(self.sizes[shard], remaining)
         finally:
@@ -110,12 +114,15 @@ def test_a_failing_shard_fails_the_run_and_nothing_is_written_into_it_afterwards
 
     wh, cid = sharded
     real_inputs = tasks.forecast.shard_inputs
+    failing = threading.Event()
 
     def slow_first_failing_second(wh, cohort_id, shard, *args):
         if shard == 1:
+            failing.set()
             raise InputError("shard 1: unreadable pre-target file")
-        if shard == 0:
-            time.sleep(1.0)  # still under way when shard 1 fails
+        if shard == 0:  # still under way when shard 1 fails
+            failing.wait(20)
+            time.sleep(1.0)
         return real_inputs(wh, cohort_id, shard, *args)
 
     monkeypatch.setattr(tasks.forecast, "shard_inputs", slow_first_failing_second)
