@@ -128,6 +128,7 @@ def embedded_direct(data_dir: Path, patients: int, threads: int = 0) -> dict:
     from tasks.direct import forecast_direct
     from tasks.forecast import shard_inputs
     from warehouse.cohorts import get_cohort
+    from warehouse.schemas import NON_RUN_TABLES
     from warehouse.store import Warehouse
     from warehouse.vocab import Vocabulary
 
@@ -137,7 +138,7 @@ def embedded_direct(data_dir: Path, patients: int, threads: int = 0) -> dict:
     config = LLMConfig(backend="local", cache=False, local_threads=threads)
     speed = asyncio.run(generation_speed(config, data_dir))
     client = LLMClient.from_config(config, data_dir)
-    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
 
     async def run():
         try:

@@ -4,7 +4,9 @@ Every producing command (and each system of a patient rerun or backfill) enters 
 which first looks for runs that a killed process left `running`. This measures that entry plus the
 `running` and `finished` rows with an empty body, on registries of growing size (one Parquet file
 per run and kind, as the warehouse keeps them); reading one run's rows (by partition, and through
-DuckDB on a plain and on a run-scoped connection, `Warehouse.connect(run_id=…)`) and the whole registry.
+DuckDB on a plain and on a run-scoped connection, `Warehouse.connect(run_id=…)`) and the whole registry;
+opening a connection with every table as a view, and the one that model fitting and training use
+(`Warehouse.connect(tables=NON_RUN_TABLES)`); `dxr sql` over a table that is not partitioned by run.
 Prints a table; writes JSON to benchmarks/results/registry.json.
 
     python benchmarks/registry.py [--sizes 0,1000,10000] [--repeats 20]
@@ -27,6 +29,8 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
 from warehouse.runs import mark_killed, record_run, registered_run  # noqa: E402
+from warehouse.schemas import NON_RUN_TABLES  # noqa: E402
+from warehouse.sql import run_query  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 
@@ -81,6 +85,11 @@ def main() -> None:
                 "sql_one_run_ms": round(1000 * seconds(lambda: sql_one_run(wh, "r0", scoped=False), 3), 2),
                 "sql_one_run_scoped_ms": round(1000 * seconds(lambda: sql_one_run(wh, "r0", scoped=True),
                                                               args.repeats), 2),
+                "connect_ms": round(1000 * seconds(wh.connect, 3), 2),
+                "connect_non_run_ms": round(1000 * seconds(lambda: wh.connect(tables=NON_RUN_TABLES), args.repeats),
+                                            2),
+                "sql_cohorts_ms": round(1000 * seconds(lambda: run_query(wh, "SELECT count(*) FROM cohorts"),
+                                                       args.repeats), 2),
                 "read_registry_s": round(seconds(lambda: wh.read("runs"), 1), 2),
             })
             rows[-1]["registry_runs"] += counter[0]  # the benchmark's own runs are in the registry too

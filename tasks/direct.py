@@ -23,6 +23,7 @@ from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
 from tasks.forecast import FUSED_INPUTS, write_shard_outputs
+from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 from warehouse.vocab import Vocabulary
 
@@ -104,7 +105,7 @@ def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.Dat
                  k: int, run_id: str, config: LLMConfig) -> int:
     """Run Direct Forecast over one shard and write its rankings, candidates, ranking_status and llm_calls
     partitions."""
-    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
     client = LLMClient.from_config(config, wh.root)
 
     async def run():
@@ -168,7 +169,7 @@ def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectori
                            run_id: str) -> int:
     """Fuse the run's `ehr_prior` and `direct` lists of one shard's trajectories into `rrf_prior_direct`."""
     inputs = {system: fused_input(wh, run_id, system, trajectories) for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]}
-    vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
     ranked, status = fuse_prior_direct(inputs["ehr_prior"], inputs[DIRECT], trajectories, vocabulary, run_id,
                                        cohort_id, k)
     wh.write("rankings", ranked, run_id=run_id, system=RRF_PRIOR_DIRECT, shard=shard)

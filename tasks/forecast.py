@@ -27,6 +27,7 @@ from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
 from warehouse.runs import EVALUATE_KIND, check_run_id, code_version, mark_stale
+from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
@@ -155,7 +156,7 @@ def make_forecaster(system: str, model_version: str | None = None) -> Forecaster
 @lru_cache(maxsize=8)
 def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None) -> Forecaster:
     forecaster = make_forecaster(system, model_version)
-    forecaster.fit(Warehouse(wh_root).connect(), cohort_id)
+    forecaster.fit(Warehouse(wh_root).connect(tables=NON_RUN_TABLES), cohort_id)
     return forecaster
 
 

@@ -20,6 +20,7 @@ from models.prior.config import PriorConfig
 from tasks import stage_logger
 from warehouse.cohorts import get_cohort, reading_cohort
 from warehouse.runs import registered_run
+from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
         cohort_id = cohort_row["cohort_id"]
         config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
         with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
-            result = train_prior_model(wh.connect(), cohort_id, system, cfg, wh.root, progress=progress,
-                                       report_epoch=epoch_reporter(system, cfg.epochs))
+            result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
+                                       progress=progress, report_epoch=epoch_reporter(system, cfg.epochs))
             run.config = {**config, "result": asdict(result)}
     return result
 

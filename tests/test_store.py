@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 import warehouse.store as store
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 from tests.conftest import abandoned_scratch, legacy_scratch
 from warehouse.scratch import _HOST, remove_abandoned, scratch
 
@@ -135,6 +135,48 @@ def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(w
         wh.connect(run_id="a/*")
 
 
+def damage(wh, table: str, **keys) -> Path:
+    """A partition file that is not Parquet (what a disk fault or a careless copy leaves)."""
+    path = wh.partition_path(table, **keys)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"not a parquet file")
+    return path
+
+
+def test_a_connection_limited_to_some_tables_opens_no_file_of_the_others(wh):
+    from warehouse.schemas import NON_RUN_TABLES, RUN_TABLES
+
+    assert {"rankings", "runs", "metrics", "llm_calls", "ledger"} <= RUN_TABLES
+    assert {"cohorts", "train_events", "pretarget_events", "cohort_vocabulary"} <= NON_RUN_TABLES
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    damaged = damage(wh, "rankings", run_id="r1", system="repeat_history", shard=0)
+    # Creating a view opens every file of its table: the damaged one fails a connection with every view,
+    # naming the file and the fix.
+    with pytest.raises(InputError, match=f"table rankings: .*'{damaged}'.*move that file out of the warehouse"):
+        wh.connect()
+    con = wh.connect(gold=True, tables=NON_RUN_TABLES)
+    assert con.execute("SELECT count(*) FROM targets").fetchone() == (3,)
+    with pytest.raises(duckdb.CatalogException):
+        con.execute("SELECT * FROM rankings")
+    assert wh.connect(tables=["targets", "cohorts"]).execute("SHOW TABLES").fetchall() == [("cohorts",)]  # no gold
+    with pytest.raises(NotFoundError, match="unknown table 'ranking'"):
+        wh.connect(tables=["ranking"])
+
+
+def test_sql_makes_views_of_the_tables_its_query_names_or_of_every_table(wh):
+    from warehouse.sql import named_tables, run_query
+
+    assert named_tables("SELECT r.code FROM Rankings r JOIN \"runs\" USING (run_id)") == {"rankings", "runs"}
+    assert named_tables("SELECT * FROM information_schema.tables") is None
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    damage(wh, "rankings", run_id="r1", system="repeat_history", shard=0)
+    assert run_query(wh, "SELECT count(*) AS n FROM targets", fmt="csv", with_gold=True) == "n\n3\n"
+    with pytest.raises(InputError, match="table rankings: .*magic bytes"):
+        run_query(wh, "SELECT count(*) FROM rankings")
+    with pytest.raises(InputError, match="table rankings"):
+        run_query(wh, "SHOW TABLES")  # names no table: every view, the damaged one's too
+
+
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
     rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "
@@ -155,8 +197,8 @@ def test_sql_sees_a_table_removed_after_its_views_were_made_as_empty(wh, monkeyp
     wh.write("targets", targets("a", 3), cohort_id="a")
     real_connect, calls = wh.connect, []
 
-    def connect_then_rebuild(gold=False):
-        con = real_connect(gold=gold)
+    def connect_then_rebuild(gold=False, tables=None):
+        con = real_connect(gold=gold, tables=tables)
         if not calls:  # a cohort rebuild removes the partition between view creation and the read
             wh.delete("targets", cohort_id="a")
         calls.append(gold)

@@ -216,7 +216,8 @@ def _index_legacy_running(wh: Warehouse) -> None:
     if flag.exists():
         return
     if wh.has_rows("runs"):
-        running = wh.connect().execute("SELECT run_id, kind FROM runs WHERE status = 'running'").fetchall()
+        registry = wh.connect(tables=["runs"])
+        running = registry.execute("SELECT run_id, kind FROM runs WHERE status = 'running'").fetchall()
         for run_id, kind in running:
             _write_marker(wh, run_id, kind)
     flag.parent.mkdir(parents=True, exist_ok=True)

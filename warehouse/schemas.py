@@ -261,3 +261,10 @@ TABLES.update({
            nullable=["trajectory_id", "error"]),
     ]
 })
+
+# Tables partitioned by run first: one partition or more per run, so they grow with every run a
+# warehouse keeps. Model fitting, training and vocabularies read none of them; their connections
+# leave them out (`Warehouse.connect(tables=NON_RUN_TABLES)`), because a view's creation opens
+# every file it covers.
+RUN_TABLES = frozenset(name for name, spec in TABLES.items() if spec.partition_by[0] == "run_id")
+NON_RUN_TABLES = frozenset(TABLES) - RUN_TABLES

@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import duckdb
 
 from dxr.errors import InputError
+from warehouse.schemas import TABLES
 from warehouse.store import Warehouse
 
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _READ_ONLY_PREFIXES = ("select", "with", "from", "describe", "show", "summarize", "pivot", "unpivot", "explain",
                        "values", "table")
 
@@ -22,7 +25,7 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
                          "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
     for attempt in (1, 2):
-        con = wh.connect(gold=with_gold)
+        con = wh.connect(gold=with_gold, tables=named_tables(query))
         try:
             # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
             # the connection may write inside the forecasting store it reads.
@@ -57,6 +60,18 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
         writer.writerows(rows)
         return out.getvalue()
     return format_table(columns, rows)
+
+
+def named_tables(query: str) -> set[str] | None:
+    """The warehouse tables a query's text names, or None (every table) when it names none.
+
+    A view's creation opens every file of its table (about 1.4 s for a registry of 10,000 runs,
+    `benchmarks/registry.py`); a query about cohorts should not pay for the runs. Any word equal to a table's
+    name counts (a column or an alias of that name only adds a view), and a query that names no table,
+    such as `SHOW TABLES` or one over `information_schema`, sees them all.
+    """
+    named = {word.lower() for word in _WORD.findall(query)} & TABLES.keys()
+    return named or None
 
 
 def format_table(columns: list[str], rows: list[tuple]) -> str:

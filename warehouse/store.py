@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import duckdb
@@ -140,24 +140,32 @@ class Warehouse:
             shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- reads ----------------------------------------------------------------------------
-    def connect(self, gold: bool = False, run_id: str | None = None) -> duckdb.DuckDBPyConnection:
-        """A fresh in-memory DuckDB connection with every table as a view.
+    def connect(self, gold: bool = False, run_id: str | None = None,
+                tables: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory DuckDB connection with every table (or every one of `tables`) as a view.
 
         Without `gold`, the connection can read only the forecasting store: external access is
         restricted to that directory, and it cannot be re-enabled on this connection.
         With `run_id`, the tables partitioned by run (rankings, runs, metrics, llm_calls, ...) show
         only that run's rows: a query then opens that run's files instead of every run's, which
         matters once a warehouse holds thousands of runs.
+        DuckDB reads the footer of every file a view covers when it creates the view, so a
+        connection that reads a few tables names them in `tables`; the others are not views on it.
         """
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
         if run_id is not None:
             check_run_id(run_id)  # it goes into the views' file patterns
+        wanted = set(TABLES) if tables is None else {_spec(name).name for name in tables}
         con = duck.connect(":memory:")
         for spec in TABLES.values():
-            if spec.store == GOLD and not gold:
+            if spec.name not in wanted or (spec.store == GOLD and not gold):
                 continue
             scope = {"run_id": run_id} if run_id is not None and spec.partition_by[:1] == ("run_id",) else {}
-            con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec, scope)}")
+            try:
+                con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec, scope)}")
+            except duckdb.InvalidInputException as exc:  # a file our atomic writes cannot have left: damaged since
+                raise InputError(f"table {spec.name}: {exc.args[0].splitlines()[0]}; move that file out of the "
+                                 "warehouse and rerun the command that wrote it") from exc
         if not gold:
             con.execute(f"SET allowed_directories=['{self.forecast_dir}/']")
             con.execute("SET enable_external_access=false")
