@@ -154,6 +154,12 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
                "--format", "csv", data_dir=data_dir)
     assert runs.output.splitlines() == ["run_id,kind,status,has_cohort", "coh-1,cohort,finished,True",
                                         "coh-2,cohort,failed,False", "ing-1,ingest:meds,finished,False"]
+    one_run = run("sql", "--run", "coh-2", "SELECT run_id, kind FROM runs", "--format", "csv", data_dir=data_dir)
+    assert one_run.output.splitlines() == ["run_id,kind", "coh-2,cohort"]
+    assert "no run 'coh-3' in the warehouse" in one_line_error(run("sql", "--run", "coh-3", "SELECT 1",
+                                                                    data_dir=data_dir))
+    assert "run id 'coh/*' has unsafe characters" in one_line_error(run("sql", "--run", "coh/*", "SELECT 1",
+                                                                         data_dir=data_dir))
 
 
 def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tiny_meds, wh_vocab, monkeypatch):

@@ -197,8 +197,8 @@ def test_sql_sees_a_table_removed_after_its_views_were_made_as_empty(wh, monkeyp
     wh.write("targets", targets("a", 3), cohort_id="a")
     real_connect, calls = wh.connect, []
 
-    def connect_then_rebuild(gold=False, tables=None):
-        con = real_connect(gold=gold, tables=tables)
+    def connect_then_rebuild(gold=False, run_id=None, tables=None):
+        con = real_connect(gold=gold, run_id=run_id, tables=tables)
         if not calls:  # a cohort rebuild removes the partition between view creation and the read
             wh.delete("targets", cohort_id="a")
         calls.append(gold)

@@ -9,23 +9,30 @@ import re
 
 import duckdb
 
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 from warehouse.schemas import TABLES
-from warehouse.store import Warehouse
+from warehouse.store import Warehouse, check_run_id
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _READ_ONLY_PREFIXES = ("select", "with", "from", "describe", "show", "summarize", "pivot", "unpivot", "explain",
                        "values", "table")
 
 
-def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False) -> str:
-    """Run one read-only statement and format the result as an aligned table, CSV or JSON lines."""
+def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False,
+              run_id: str | None = None) -> str:
+    """Run one read-only statement and format the result as an aligned table, CSV or JSON lines.
+
+    With `run_id`, the tables partitioned by run show only that run's rows (`Warehouse.connect`).
+    """
     head = query.lstrip().split(None, 1)[0].lower() if query.strip() else ""
     if head not in _READ_ONLY_PREFIXES:
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
                          "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
+    if run_id is not None and not wh.has_rows("runs", run_id=check_run_id(run_id)):
+        raise NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with "
+                            "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
     for attempt in (1, 2):
-        con = wh.connect(gold=with_gold, tables=named_tables(query))
+        con = wh.connect(gold=with_gold, run_id=run_id, tables=named_tables(query))
         try:
             # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
             # the connection may write inside the forecasting store it reads.

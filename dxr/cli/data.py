@@ -41,17 +41,21 @@ def config_show(ctx: click.Context) -> None:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @click.option("--with-gold", is_flag=True, help="Also open the gold store (targets, raw MEDS, oracle).")
+@click.option("--run", "run_id", default=None, metavar="RUN_ID",
+              help="Show only this run's rows of the tables partitioned by run (runs, rankings, metrics, ledger, "
+                   "llm_calls, ...): the query then opens that run's files only.")
 @click.pass_context
-def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool) -> None:
+def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool, run_id: str | None) -> None:
     """Run read-only SQL over the warehouse views.
 
     \b
     Example:
       dxr sql "SELECT system, count(*) FROM rankings GROUP BY ALL" --format csv
+      dxr sql --run r1 "SELECT stage, sum(tokens_in) FROM llm_calls GROUP BY ALL"
     """
     from warehouse.sql import run_query
 
-    click.echo(run_query(warehouse(ctx, existing=True), query, fmt=fmt, with_gold=with_gold), nl=False)
+    click.echo(run_query(warehouse(ctx, existing=True), query, fmt=fmt, with_gold=with_gold, run_id=run_id), nl=False)
 
 
 @main.command()
