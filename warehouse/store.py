@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck
-from warehouse.schemas import FORECAST, GOLD, TABLES, Table
+from warehouse.schemas import FORECAST, GOLD, RUN_TABLES, TABLES, Table
 from warehouse.scratch import remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
@@ -160,7 +160,7 @@ class Warehouse:
         for spec in TABLES.values():
             if spec.name not in wanted or (spec.store == GOLD and not gold):
                 continue
-            scope = {"run_id": run_id} if run_id is not None and spec.partition_by[:1] == ("run_id",) else {}
+            scope = {"run_id": run_id} if run_id is not None and spec.name in RUN_TABLES else {}
             try:
                 con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec, scope)}")
             except duckdb.InvalidInputException as exc:  # a file our atomic writes cannot have left: damaged since
