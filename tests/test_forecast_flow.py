@@ -130,7 +130,7 @@ def test_a_failing_shard_fails_the_run_and_nothing_is_written_into_it_afterwards
     with pytest.raises(InputError, match="shard 1: unreadable"):
         forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="broken")
 
-    def written() -> list[int]:
+    def written() -> list[str]:
         return sorted(wh.read("ranking_status", run_id="broken")["trajectory_id"].to_list())
 
     assert wh.read("runs", run_id="broken")["status"].to_list() == ["failed"]
