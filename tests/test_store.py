@@ -135,6 +135,29 @@ def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(w
         wh.connect(run_id="a/*")
 
 
+def ranking_rows(run_id: str, n: int) -> pl.DataFrame:
+    return pl.DataFrame({"run_id": [run_id] * n, "cohort_id": ["c"] * n, "system": ["repeat_history"] * n,
+                         "trajectory_id": [f"c:{i}:1" for i in range(n)], "rank": [1] * n,
+                         "code": ["DIAGNOSIS//ICD//10//I10"] * n, "score": [1.0] * n, "native": [True] * n})
+
+
+def test_a_filter_on_a_partition_key_reads_only_the_matching_partitions(wh):
+    from warehouse.schemas import TABLES
+
+    for run_id, shards in (("r1", 2), ("r2", 3)):
+        for shard in range(shards):
+            wh.write("rankings", ranking_rows(run_id, 2), run_id=run_id, system="repeat_history", shard=shard)
+    con = wh.connect()
+    # The view has the declared columns (not the directory-only key `shard`) with the declared types.
+    described = con.execute("DESCRIBE rankings").fetchall()
+    assert [row[0] for row in described] == list(TABLES["rankings"].columns)
+    assert [row[1] for row in described][:3] == ["VARCHAR"] * 3
+    [(_, plan)] = con.execute("EXPLAIN ANALYZE SELECT count(*) FROM rankings WHERE run_id = 'r1'").fetchall()
+    assert "Total Files Read: 2" in plan  # r1's two shards, not r2's three
+    assert con.execute("SELECT count(*) FROM rankings WHERE run_id = 'r1'").fetchone() == (4,)
+    assert con.execute("SELECT count(*) FROM rankings").fetchone() == (10,)
+
+
 def damage(wh, table: str, **keys) -> Path:
     """A partition file that is not Parquet (what a disk fault or a careless copy leaves)."""
     path = wh.partition_path(table, **keys)

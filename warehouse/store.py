@@ -149,8 +149,9 @@ class Warehouse:
         With `run_id`, the tables partitioned by run (rankings, runs, metrics, llm_calls, ...) show
         only that run's rows: a query then opens that run's files instead of every run's, which
         matters once a warehouse holds thousands of runs.
-        DuckDB reads the footer of every file a view covers when it creates the view, so a
-        connection that reads a few tables names them in `tables`; the others are not views on it.
+        DuckDB reads the footer of every file a view covers when it creates the view (and when a query
+        binds it), so a connection that reads a few tables names them in `tables`; the others are not
+        views on it. A filter on a partition key skips the other partitions' files when the query scans.
         """
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
         if run_id is not None:
@@ -198,7 +199,15 @@ class Warehouse:
         glob = "/".join([str(self.store_dir(spec.store) / spec.name)]
                         + [f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
                         + [PART_FILE])
-        return f"SELECT * FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=false)"
+        # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other
+        # partitions' files. Its values come from the directory names, which `write` made equal to
+        # the file's own, typed as declared; a key that is no column (`shard`) stays out of the view.
+        types = ", ".join(f"'{key}': {_duck_type(spec.columns[key]) if key in spec.columns else 'VARCHAR'}"
+                          for key in spec.partition_by)
+        hidden = [key for key in spec.partition_by if key not in spec.columns]
+        select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
+        return (f"SELECT {select} FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=true, "
+                f"hive_types={{{types}}})")
 
 
 def check_run_id(run_id: str) -> str:
