@@ -185,20 +185,13 @@ class Warehouse:
                          how="diagonal_relaxed")
 
     def _files(self, spec: Table, keys: dict):
-        path = self.store_dir(spec.store) / spec.name
-        pattern = []
-        for key in spec.partition_by:
-            pattern.append(f"{key}={keys[key]}" if key in keys else f"{key}=*")
-        return path.glob("/".join(pattern + [PART_FILE]))
+        return (self.store_dir(spec.store) / spec.name).glob(_partition_pattern(spec, keys))
 
     def _view_sql(self, spec: Table, keys: dict) -> str:
         if not any(self._files(spec, keys)):
             cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
             return f"SELECT {cols} WHERE false"
-        # `key=*`, not `*`: DuckDB's `*` also matches hidden names, which are never partitions.
-        glob = "/".join([str(self.store_dir(spec.store) / spec.name)]
-                        + [f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
-                        + [PART_FILE])
+        glob = f"{self.store_dir(spec.store) / spec.name}/{_partition_pattern(spec, keys)}"
         # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other
         # partitions' files. Its values come from the directory names, which `write` made equal to
         # the file's own, typed as declared; a key that is no column (`shard`) stays out of the view.
@@ -208,6 +201,15 @@ class Warehouse:
         select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
         return (f"SELECT {select} FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=true, "
                 f"hive_types={{{types}}})")
+
+
+def _partition_pattern(spec: Table, keys: dict) -> str:
+    """The files of the partitions matching the given leading keys, relative to the table's directory.
+
+    `key=*`, not `*`: DuckDB's `*` also matches hidden names, which are never partitions.
+    """
+    return "/".join([f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
+                    + [PART_FILE])
 
 
 def check_run_id(run_id: str) -> str:
