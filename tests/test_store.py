@@ -158,6 +158,18 @@ def test_a_filter_on_a_partition_key_reads_only_the_matching_partitions(wh):
     assert con.execute("SELECT count(*) FROM rankings").fetchone() == (10,)
 
 
+def test_a_partition_value_that_duckdb_reads_as_null_is_refused(wh):
+    # Through the hive-partitioned views this directory value would come back as NULL, not as itself.
+    null_marker = "__HIVE_DEFAULT_PARTITION__"
+    with pytest.raises(InputError, match=f"partition value run_id='{null_marker}' of table rankings would read back"):
+        wh.write("rankings", ranking_rows(null_marker, 1), run_id=null_marker, system="repeat_history", shard=0)
+    with pytest.raises(InputError, match=f"run id '{null_marker}' would read back as NULL"):
+        wh.connect(run_id=null_marker)
+    with pytest.raises(InputError, match=f"partition value cohort_id='{null_marker}' of table targets would read back"):
+        wh.write("targets", targets(null_marker, 1), cohort_id=null_marker)
+    assert not any(wh.root.rglob("*.parquet"))
+
+
 def damage(wh, table: str, **keys) -> Path:
     """A partition file that is not Parquet (what a disk fault or a careless copy leaves)."""
     path = wh.partition_path(table, **keys)

@@ -28,6 +28,7 @@ from warehouse.scratch import remove_abandoned, scratch
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
 
 
 class Warehouse:
@@ -55,9 +56,8 @@ class Warehouse:
         path = self.table_dir(table)
         for key in spec.partition_by:
             value = str(keys[key])
-            if not SAFE_VALUE.match(value):
-                raise InputError(f"partition value {key}={value!r} of table {table} has unsafe characters: "
-                                 "use letters, digits and _.:-")
+            if problem := unsafe(value):
+                raise InputError(f"partition value {key}={value!r} of table {table} {problem}")
             path = path / f"{key}={value}"
         return path / PART_FILE
 
@@ -214,9 +214,18 @@ def _partition_pattern(spec: Table, keys: dict) -> str:
 
 def check_run_id(run_id: str) -> str:
     """A run id becomes a partition value, part of file patterns and of lock names: letters, digits and _.:- only."""
-    if not SAFE_VALUE.match(run_id):
-        raise InputError(f"run id {run_id!r} has unsafe characters: use letters, digits and _.:-")
+    if problem := unsafe(run_id):
+        raise InputError(f"run id {run_id!r} {problem}")
     return run_id
+
+
+def unsafe(value: str) -> str | None:
+    """Why a value cannot be a partition directory's value (None when it can)."""
+    if not SAFE_VALUE.match(value):
+        return "has unsafe characters: use letters, digits and _.:-"
+    if value == HIVE_NULL:
+        return "would read back as NULL through the warehouse views: use another value"
+    return None
 
 
 def conform(spec: Table, data: pl.DataFrame | pa.Table) -> pa.Table:
