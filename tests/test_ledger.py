@@ -42,20 +42,32 @@ def test_support_cue_needs_entity_and_endpoint():
     assert support_cue("Chronic kidney disease leads to dialysis.", ["chronic kidney disease"], ["dialysis"]) == \
         (True, 1.0)
     assert support_cue("Chronic kidney diseases and anemia.", ["chronic kidney disease"], ["dialysis"]) == (False, 0.5)
+    # Without terms to look for (none, or stopwords only) nothing is support, however readable the text.
+    assert support_cue("The stock market fell on Tuesday.", [], []) == (False, 0.0)
+    assert support_cue("Chronic kidney disease leads to dialysis.", ["chronic kidney disease"], ["the", "after"]) \
+        == (False, 0.5)
 
 
-def test_jobs_are_reused_only_within_a_trajectory_for_the_same_code_class_and_query():
+def test_jobs_are_reused_only_for_the_same_trajectory_hypothesis_code_class_purpose_iteration_and_query():
     ledger = Ledger("r1", 0)
     a = ledger.job(trajectory_id="t1", query="CKD  progression Dialysis", **JOB)
     same = ledger.job(trajectory_id="t1", query="ckd progression dialysis",
                       **{**JOB, "code": "diagnosis//icd//10//n18.4"})
-    other_trajectory = ledger.job(trajectory_id="t2", query="ckd progression dialysis", **JOB)
-    other_class = ledger.job(trajectory_id="t1", query="ckd progression dialysis",
-                             **{**JOB, "temporal_class": "acute_active"})
-    assert same is a and other_trajectory.job_id != a.job_id and other_class.job_id != a.job_id
-    assert a.job_id == job_id_for("t1", "DIAGNOSIS//ICD//10//N184", "chronic_active", "CKD progression Dialysis")
-    assert len(ledger.jobs) == 3 and a.channel == "relation"
-    assert ledger.job(trajectory_id="t1", query="x y", **{**JOB, "purpose": "force_carry"}).channel == "discovery"
+    assert same is a
+    assert a.job_id == job_id_for("t1", "DIAGNOSIS//ICD//10//N184", "chronic_active", "CKD progression Dialysis",
+                                  "validation", 1, "H2")
+    others = [ledger.job(trajectory_id="t2", query="ckd progression dialysis", **JOB)] + [
+        ledger.job(trajectory_id="t1", query="ckd progression dialysis", **{**JOB, field: value})
+        for field, value in (("temporal_class", "acute_active"), ("hypothesis_id", "H7"),
+                             ("purpose", "force_carry"), ("iteration", 2))]
+    assert len({job.job_id for job in others} | {a.job_id}) == 6 and len(ledger.jobs) == 6
+    # A force-carried repeat of the same query is a job of its own: its records keep its iteration and hypothesis.
+    carried = ledger.job(trajectory_id="t1", query="ckd progression dialysis",
+                         **{**JOB, "purpose": "force_carry", "iteration": 2, "hypothesis_id": "H7"})
+    row = ledger.record(carried, engine="pmc", state="readable", excerpt="Chronic kidney disease leads to dialysis.")
+    assert (row.job_id, row.iteration, row.hypothesis_id, row.channel) == (carried.job_id, 2, "H7", "discovery")
+    with pytest.raises(InputError, match=f"search job {a.job_id} .* was created with other terms or anchor"):
+        ledger.job(trajectory_id="t1", query="ckd progression dialysis", **{**JOB, "endpoint_terms": ["transplant"]})
     with pytest.raises(InputError, match="purpose 'guess'"):
         ledger.job(trajectory_id="t1", query="x", **{**JOB, "purpose": "guess"})
 

@@ -76,14 +76,18 @@ class SearchJob:
         return "relation" if self.purpose == "validation" else "discovery"
 
 
-def job_id_for(trajectory_id: str, code: str, temporal_class: str, query: str) -> str:
-    key = "\x1f".join([trajectory_id, normalize_code(code), temporal_class.strip().lower(), normalize_query(query)])
+def job_id_for(trajectory_id: str, code: str, temporal_class: str, query: str, purpose: str, iteration: int,
+               hypothesis_id: str | None) -> str:
+    """One job per trajectory, hypothesis, code, class, purpose, iteration and normalized query."""
+    key = "\x1f".join([trajectory_id, hypothesis_id or "", normalize_code(code), temporal_class.strip().lower(),
+                        purpose, str(iteration), normalize_query(query)])
     return "J" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 def support_cue(text: str, entity_terms, endpoint_terms, threshold: float = 0.5) -> tuple[bool, float]:
     """(cue, score): score = mean over the entity and endpoint term lists of the share of terms
-    whose words all occur in `text`; the cue needs the threshold and at least one term of each list.
+    whose words all occur in `text`; the cue needs the threshold and at least one term of each list (an empty
+    list, or one of stopwords only, scores 0 and so never supports).
 
     >>> support_cue("Heart failure readmission within 30 days is common.", ["heart failure"], ["readmission"])
     (True, 1.0)
@@ -92,8 +96,8 @@ def support_cue(text: str, entity_terms, endpoint_terms, threshold: float = 0.5)
 
     def share(terms) -> tuple[float, bool]:
         terms = [t for t in terms if content_terms(t)]
-        if not terms:
-            return 1.0, True
+        if not terms:  # nothing to look for supports nothing
+            return 0.0, False
         found = [all(w in present for w in content_terms(t)) for t in terms]
         return sum(found) / len(found), any(found)
 
@@ -147,7 +151,9 @@ class Ledger:
     def job(self, *, trajectory_id: str, code: str, temporal_class: str, query: str, purpose: str,
             iteration: int, hypothesis_id: str | None = None, entity_terms=(), endpoint_terms=(),
             anchor: str | None = None, patient_text: str | None = None, forbidden: tuple[str, ...] = ()) -> SearchJob:
-        """A sanitized search job; the same (trajectory, code, class, sanitized query) returns the same job."""
+        """A sanitized search job. Asking again for the same trajectory, hypothesis, code, class, purpose,
+        iteration and sanitized query returns the same job (with other terms or anchor it is refused); any
+        other request is a job of its own, so each record keeps its own hypothesis, purpose and iteration."""
         if purpose not in PURPOSES:
             raise InputError(f"search job purpose {purpose!r} is not one of {', '.join(PURPOSES)}")
         for name, value in (("trajectory_id", trajectory_id), ("code", code), ("temporal_class", temporal_class),
@@ -161,9 +167,14 @@ class Ledger:
             if isinstance(terms, str) or not all(isinstance(term, str) for term in terms):
                 raise InputError(f"search job {name} must be a list of strings, got {terms!r}")
         clean = sanitize_query(query, patient_text, self.max_verbatim_words, forbidden).text
-        job_id = job_id_for(trajectory_id, code, temporal_class, clean)
+        job_id = job_id_for(trajectory_id, code, temporal_class, clean, purpose, iteration, hypothesis_id)
         if job_id in self.jobs:
-            return self.jobs[job_id]
+            job = self.jobs[job_id]
+            if (job.entity_terms, job.endpoint_terms, job.anchor) != (tuple(entity_terms), tuple(endpoint_terms),
+                                                                       anchor):
+                raise InputError(f"search job {job_id} ({clean!r} for {code}, {trajectory_id}) was created with "
+                                 "other terms or anchor: give the same ones, or another query")
+            return job
         job = SearchJob(job_id, self.run_id, trajectory_id, hypothesis_id, code, temporal_class, iteration, purpose,
                         clean, tuple(entity_terms), tuple(endpoint_terms), anchor)
         self.jobs[job_id] = job
