@@ -18,6 +18,7 @@ from tools.corpus.xml_sources import read_jats, read_medline
 from tools.dictionary import Dictionary, icd_documents
 from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build_index, chunk_frame, fuse_documents,
                          minmax_normalize, rank_documents, reciprocal_rank_fusion, score_fusion, zscore_normalize)
+from tools.ledger import support_cue
 from tools.passages import focused_passage
 
 
@@ -450,6 +451,21 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
     assert "query '  ' has no words to search for" in error("search", "  ")
     assert "no corpus index named 'other' (built: literature)" in error("search", "heart", "--name", "other")
     assert "has no dense vectors (built lexical-only): use mode bm25" in error("search", "heart", "--mode", "dense")
+
+
+def test_words_outside_ascii_are_searched_as_the_index_holds_them(tmp_path):
+    docs = [Document("x:1", "x", "jsonl", "Sjögren syndrome",
+                     [("Text", "Sjögren syndrome raises the lymphoma risk.")]),
+            Document("x:2", "x", "jsonl", "Staging", [("Text", "The sj gren protocol stages lymphoma.")]),
+            Document("x:3", "x", "jsonl", "Thalassemia", [("Text", "β-thalassemia major needs chronic transfusion.")])]
+    build_index(chunk_frame(docs), tmp_path / "idx", None)
+    index = CorpusIndex(tmp_path / "idx")
+    # Cut down to ASCII, 'Sjögren' became 'sj gren' and found the decoy; 'β' had no words at all.
+    assert [h.doc_id for h in index.search("Sjögren lymphoma", k=3, mode="bm25")][0] == "x:1"
+    assert [h.doc_id for h in index.search("Sjögren", k=3, mode="bm25")] == ["x:1"]
+    assert [h.doc_id for h in index.search("β thalassemia", k=3, mode="bm25")] == ["x:3"]
+    assert support_cue("Sjögren syndrome raises the lymphoma risk.", ["Sjögren syndrome"], ["lymphoma"]) == \
+        (True, 1.0)
 
 
 def test_search_refuses_k_below_one_and_wordless_queries(tmp_path):

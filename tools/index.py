@@ -180,13 +180,13 @@ def rank_documents(lexical: dict, dense: dict, mode: str = "hybrid", fusion: str
 
 
 def bm25_query_text(query: str) -> str:
-    """Lower-cased alphanumeric runs joined by spaces: tantivy's query syntax (quotes, colons, +/-,
-    apostrophes, AND/OR) is never exposed.
+    """Lower-cased runs of letters and digits (of any script, as the index tokenizes them) joined by
+    spaces: tantivy's query syntax (quotes, colons, +/-, apostrophes, AND/OR) is never exposed.
 
-    >>> bm25_query_text("children's 23-hour ward: AND effective?")
-    'children s 23 hour ward and effective'
+    >>> bm25_query_text("children's 23-hour ward: AND effective? Sjögren")
+    'children s 23 hour ward and effective sjögren'
     """
-    return " ".join(re.findall(r"[a-z0-9]+", query.lower()))
+    return " ".join(re.findall(r"[^\W_]+", query.lower()))
 
 
 def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_titles: bool = True,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_WORD = re.compile(r"[A-Za-z0-9]+(?:[-'][A-Za-z0-9]+)*")
+# Letters and digits of any script (`[^\W_]`): 'Sjögren' and 'β-thalassemia' are words, as in the index.
+_WORD = re.compile(r"[^\W_]+(?:[-'][^\W_]+)*")
 
 # Function words carry no retrieval signal; medical short forms (e.g. 'ca', 'mi') are kept.
 STOPWORDS = frozenset("""
@@ -20,8 +21,8 @@ will with would you your yours
 def words(text: str) -> list[str]:
     """Lower-cased word tokens (hyphenated and apostrophe words kept whole).
 
-    >>> words("Type-2 diabetes, HbA1c >= 7%")
-    ['type-2', 'diabetes', 'hba1c', '7']
+    >>> words("Type-2 diabetes, HbA1c >= 7%; Sjögren")
+    ['type-2', 'diabetes', 'hba1c', '7', 'sjögren']
     """
     return [w.lower() for w in _WORD.findall(text or "")]
 
