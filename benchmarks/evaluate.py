@@ -104,7 +104,7 @@ def main() -> None:
         est = timed("metrics + bootstrap", lambda: estimate(counts, weights))
         rows = timed("metric rows + intervals", lambda: metric_rows(est))
         pairs = list(combinations(run.systems, 2))
-        timed(f"paired comparisons ({len(pairs)} pairs)", lambda: paired_rows(est, pairs))
+        timed(f"paired comparisons ({len(pairs)} pairs)", lambda: paired_rows(est, pairs, run.subject_index))
         forecasting = [s for s in run.systems if s not in ORACLES]
         pools = [(s,) for s in forecasting] + [tuple(forecasting)]
         timed(f"pool oracle ({len(pools)} pools)", lambda: estimate(pool_oracle_counts(run, pools, ks)[0], weights))

@@ -469,21 +469,35 @@ def sign_test(improved: np.ndarray, worsened: np.ndarray) -> np.ndarray:
     return np.where(trials > 0, p, 1.0)
 
 
-def paired_rows(est: Estimates, pairs: list[tuple[str, str]]) -> pl.DataFrame:
+def paired_rows(est: Estimates, pairs: list[tuple[str, str]], subject_index: np.ndarray) -> pl.DataFrame:
     """Difference a − b of every metric with paired bootstrap intervals and the per-patient sign test.
 
-    A patient improved when its F1 summand 2h/(K+|Y|) is higher under a (for a fixed K this is
-    the same as more hits); ties are excluded from the test.
+    The sign test's unit is the patient, also when a patient has several trajectories (`--target
+    every`): a patient improved when the sum of its trajectories' F1 summands 2h/(K+|Y|) is higher
+    under a (for one trajectory and a fixed K, the same as more hits); ties are excluded from the
+    test. `n_improved`, `n_worsened` and `n_tied` count patients, `n` trajectories.
     """
     names = est.counts.names
+    member = est.counts.targets > 0                                       # (S, n)
+    n_patients = int(subject_index.max()) + 1 if len(subject_index) else 0
+
+    def per_patient(values: np.ndarray) -> np.ndarray:
+        """Sum (..., n) over each patient's trajectories: (..., n_patients)."""
+        rows = values.reshape(-1, values.shape[-1])
+        cells = np.arange(len(rows))[:, None] * n_patients + subject_index[None, :]
+        sums = np.bincount(cells.ravel(), weights=rows.ravel(), minlength=len(rows) * n_patients)
+        return sums.reshape(*values.shape[:-1], n_patients)
+
+    patients = (per_patient(member.astype(float)) > 0).sum(-1)           # (S,) patients in each subset
     frames = []
     for a, b in pairs:
         ia, ib = names.index(a), names.index(b)
-        member = est.counts.targets > 0                                   # (S, n)
-        fa, fb = est.f1[ia], est.f1[ib]                                   # (S, K, n)
-        improved = ((fa > fb) & member[:, None, :]).sum(-1)
-        worsened = ((fa < fb) & member[:, None, :]).sum(-1)
-        tied = est.n[:, None] - improved - worsened
+        # Summands are fractions: a patient whose trajectories cancel out is tied, not 1e-17 better.
+        change = per_patient((est.f1[ia] - est.f1[ib]) * member[:, None, :])   # (S, K, patients)
+        change[np.isclose(change, 0.0, rtol=0.0, atol=1e-9)] = 0.0
+        improved = (change > 0).sum(-1)
+        worsened = (change < 0).sum(-1)
+        tied = patients[:, None] - improved - worsened
         p = sign_test(improved, worsened)
         diff = est.point[ia] - est.point[ib]
         low = high = np.full(diff.shape, np.nan)
@@ -571,7 +585,7 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         headroom = (metric_rows(pool_est).rename({"system": "pool"})
                     .join(pl.DataFrame({"pool": pool_counts.names, "mean_pool_size": sizes}), on="pool")
                     .with_columns(**{c: pl.lit(v) for c, v in extra.items()}))
-    paired = paired_rows(est, pairs).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
+    paired = paired_rows(est, pairs, run.subject_index).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
     coverage = coverage_rows(run, all_ks).with_columns(**{c: pl.lit(v) for c, v in extra.items()})
     return Evaluation(*(_conform(name, frame) for name, frame in (
         ("metrics", metrics), ("paired_comparisons", paired), ("headroom", headroom),
@@ -647,7 +661,8 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     Every run must cover the same frozen trajectories; the bootstrap applies one patient resample
     to every run, and the interval is that of the mean over runs.
     """
-    if len(set(run_ids)) < 2:
+    run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
+    if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
     all_ks = _ks(ks, natural)
     with ExitStack() as locks:

@@ -238,6 +238,22 @@ def test_paired_comparison_and_sign_test(wh):
     assert row["ci_low"] <= row["difference"] <= row["ci_high"]
 
 
+def test_the_sign_test_counts_patients_not_trajectories(tmp_path):
+    # Patient 1 has six trajectories (`--target every`), each hit by s1 and missed by s2: one improved
+    # patient, not six independent wins (p = 1, not 2 · 0.5^6). Patient 2's two trajectories cancel out.
+    wh = Warehouse(tmp_path / "wh")
+    first = [f"{COHORT}:1:{10 + i}" for i in range(6)]
+    second = [f"{COHORT}:2:20", f"{COHORT}:2:21"]
+    write_cohort(wh, targets={t: [A] for t in first + second}, pretarget={}, train_counts={A: 1})
+    s1 = {**{t: [A] for t in first}, second[0]: [A], second[1]: [B]}
+    s2 = {**{t: [B] for t in first}, second[0]: [B], second[1]: [A]}
+    write_rankings(wh, "r1", rankings={"s1": s1, "s2": s2}, status={})
+    paired = evaluate(wh, "r1", ks=(1,), n_boot=50, natural=False).paired
+    row = paired.filter((pl.col("subset") == "all") & (pl.col("metric") == "macro_f1")).row(0, named=True)
+    assert (row["n"], row["n_improved"], row["n_worsened"], row["n_tied"]) == (8, 1, 0, 1)
+    assert row["sign_test_p"] == 1.0
+
+
 def test_sign_test_matches_binomial_tail():
     # 10 improved, 0 worsened: 2 · 0.5^10.
     assert sign_test(np.array([10, 0, 3]), np.array([0, 0, 3])).tolist() == [2 * 0.5 ** 10, 1.0, 1.0]
@@ -301,7 +317,7 @@ def test_repeated_runs_average_run_level_metrics(wh):
     for run_id in ("r1", "r6"):
         record_run(wh, run_id, COHORT, "forecast:s1", {"system": "s1", "k": 2, "seed": int(run_id[1:]),
                                                        "run_id": run_id}, "finished", started, started)
-    metrics = evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=100)
+    metrics = evaluate_repeated(wh, ["r1", "r6", "r1"], systems=["s1"], ks=(2,), n_boot=100)  # r1 counts once
     r1 = evaluate(wh, "r1", systems=["s1"], ks=(2,), n_boot=0).metrics
     r6 = evaluate(wh, "r6", systems=["s1"], ks=(2,), n_boot=0).metrics
     assert set(metrics["n_runs"]) == {2} and metrics["run_id"].unique().to_list()[0].startswith("config-")

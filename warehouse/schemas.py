@@ -184,7 +184,8 @@ TABLES.update({
             "n": pa.int64(), "n_improved": pa.int64(), "n_worsened": pa.int64(), "n_tied": pa.int64(),
             "sign_test_p": pa.float64(),
         }, ["run_id"], "Metric difference a - b on the same patients with a paired bootstrap 95% interval and "
-           "an exact sign test over patients whose F1 summand improved or worsened.",
+           "an exact sign test over patients whose F1 summand (summed over their trajectories) improved or "
+           "worsened: n counts trajectories, n_improved, n_worsened and n_tied count patients.",
            nullable=["ci_low", "ci_high"]),
         _t("headroom", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "pool": pa.string(), "subset": pa.string(),
