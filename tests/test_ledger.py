@@ -37,6 +37,59 @@ def test_sanitizer_removes_identifiers_dates_and_long_verbatim_spans():
         sanitize_query("MRN 12345678 2020-01-01")
 
 
+# Each query: what is left and what was removed (kind, text) — dates and identifiers in every written form.
+REMOVED = [
+    ("heart failure admitted 2019/03/14 diuretic", "heart failure admitted diuretic", [("date", "2019/03/14")]),
+    ("sepsis 2019-03-14T20:15 lactate", "sepsis lactate", [("date", "2019-03-14T20:15")]),
+    ("stroke 14.03.19 anticoagulation", "stroke anticoagulation", [("date", "14.03.19")]),
+    ("heart failure on 3/14 diuretic", "heart failure on diuretic", [("date", "3/14")]),
+    ("heart failure admitted March 14th diuretic", "heart failure admitted diuretic", [("date", "March 14th")]),
+    ("heart failure seen on 14 Mar diuretic", "heart failure seen on diuretic", [("date", "14 Mar")]),
+    ("sepsis on 14 May lactate", "sepsis on lactate", [("date", "14 May")]),
+    ("stroke on the 14th of March warfarin", "stroke on the warfarin", [("date", "14th of March")]),
+    ("CKD since Mar-14-2019 dialysis", "CKD since dialysis", [("date", "Mar-14-2019")]),
+    ("heart failure admitted 14-Mar-2019", "heart failure admitted", [("date", "14-Mar-2019")]),
+    ("sepsis since Sept. 3, 2019 culture", "sepsis since culture", [("date", "Sept. 3, 2019")]),
+    ("sepsis 2019 Mar 14 culture", "sepsis culture", [("date", "2019 Mar 14")]),
+    ("asthma since may 2019 inhaler", "asthma since inhaler", [("date", "may 2019")]),
+    ("sepsis T20:15 lactate", "sepsis lactate", [("date", "T20:15")]),
+    ("sepsis at 8:30pm lactate", "sepsis at lactate", [("date", "8:30pm")]),
+    ("metformin 2000 mg since 2019", "metformin 2000 mg since", [("date", "2019")]),
+    ("MRN: AB-1234 heart failure", "heart failure", [("identifier", "MRN: AB-1234")]),
+    ("MRN AB 1234 heart failure", "heart failure", [("identifier", "MRN AB 1234")]),
+    ("MRN 12 anemia", "anemia", [("identifier", "MRN 12")]),
+    ("subject 7 anemia", "anemia", [("identifier", "subject 7")]),
+    ("patient 12 heart failure", "heart failure", [("identifier", "patient 12")]),
+    ("heart failure case 1234: pneumonia", "heart failure pneumonia", [("identifier", "case 1234")]),
+    ("sepsis 20190314 culture", "sepsis culture", [("identifier", "20190314")]),
+]
+
+# Clinical text that looks like a date or a number after an identifier word, and must pass untouched.
+KEPT = [
+    "CKD N18.4 progression", "diabetes E11.9 neuropathy", "heart failure I50.22 readmission",
+    "metformin 500 mg lactic acidosis", "metformin 2000 mg lactic acidosis", "stage 4 CKD dialysis",
+    "type 2 diabetes may cause neuropathy", "stage 3 may progress to dialysis", "may 2 weeks of symptoms",
+    "30-day readmission heart failure", "HbA1c 7.5% insulin", "eGFR 15-29 dialysis", "NYHA class III heart failure",
+    "COVID-19 pneumonia", "G6PD deficiency hemolysis", "ICD-10 I50.9 heart failure", "BP 120/80 hypertension",
+    "pain score 7.5/10", "hydrocodone 5/325 mg", "epinephrine 1:1000 anaphylaxis", "cohort of 2000 patients sepsis",
+    "patient type 2 diabetes outcomes", "patient COVID-19 pneumonia", "patient HbA1c 7.5% insulin",
+    "patient CKD 4 progression", "patient 500 mg metformin", "encounter 30-day readmission",
+    "subjects 18 to 65 years", "Marfan syndrome aortic dissection",
+]
+
+
+@pytest.mark.parametrize(("query", "left", "removed"), REMOVED, ids=[q for q, _, _ in REMOVED])
+def test_sanitizer_removes_every_date_and_identifier_form(query, left, removed):
+    clean = sanitize_query(query)
+    assert (clean.text, clean.removed) == (left, removed)
+
+
+@pytest.mark.parametrize("query", KEPT)
+def test_sanitizer_keeps_clinical_numbers_and_words(query):
+    clean = sanitize_query(query)
+    assert (clean.text, clean.removed) == (query, [])
+
+
 def test_support_cue_needs_entity_and_endpoint():
     assert support_cue("CKD patients often need dialysis.", ["chronic kidney disease"], ["dialysis"]) == (False, 0.5)
     assert support_cue("Chronic kidney disease leads to dialysis.", ["chronic kidney disease"], ["dialysis"]) == \

@@ -1,8 +1,10 @@
 """The one query sanitizer: every query (web, local corpora, dictionary) passes through here.
 
-It removes identifiers (MRN / subject / encounter / account numbers, long digit runs, phone and
-SSN shapes, e-mail addresses, URLs), dates (ISO, numeric, month-name forms, times) and cuts any
-run of more than `max_verbatim_words` consecutive words copied from the patient's record.
+It removes identifiers (MRN / subject / encounter / account / case numbers, with or without an
+alphabetic prefix, long digit runs, phone and SSN shapes, e-mail addresses, URLs), dates (numeric
+with or without a year, month names with a day or a year in any order, times) and cuts any run of
+more than `max_verbatim_words` consecutive words copied from the patient's record. Clinical
+numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
 """
 
 from __future__ import annotations
@@ -14,24 +16,51 @@ from dxr.errors import InputError
 from tools.text import words
 
 _MONTH = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|jun(?:e)?|jul(?:y)?|aug(?:ust)?|"
-          r"sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)")
+          r"sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)(?![a-z])")
+# Without a year a month name needs more care: the lower-case 'may' is the verb ("stage 3 may progress").
+_MONTH_NO_YEAR = _MONTH.replace("|may|", "|(?-i:May|MAY)|")
+_DAY = r"(?:0?[1-9]|[12]\d|3[01])(?:st|nd|rd|th)?\b"
+# A number followed by a unit or a count noun is a dose or a size, not a year ("metformin 2000 mg").
+_NOT_A_QUANTITY = r"(?!\s*(?:%|(?:mg|mcg|[µu]g|ng|g|kg|ml|dl|l|cc|iu|u|units?|mmol|meq|kcal|patients|cells)\b))"
+_YEAR = rf"(?:19|20)\d{{2}}\b{_NOT_A_QUANTITY}"
+_SEP = r"[\s/.-]"
+# Record-number words: any number after them is an identifier ("MRN 12", "subject 7", "hadm_id=29079034").
+_ID_WORDS = r"mrn|hadm(?:_id)?|subject(?:_id)?|(?:patient|stay|note|encounter|transfer)_id|acct|ssn|accession"
+# Words that also occur in clinical prose: a plain number after them is an identifier unless it is a dose
+# ("patient 500 mg") or a hyphenated adjective ("encounter 30-day"); a number with letters must have three or
+# more digits, so "patient type 2 diabetes", "patient COVID-19" and "patient HbA1c" stay.
+_ID_NOUNS = r"patient|encounter|account|record|case|id"
+_ID_LABEL = r"\s*(?:#|no\.?|number|id)?\s*[:=#]?\s*"
+# An identifier may carry an alphabetic prefix: "AB1234", "AB-1234", or upper case and a space, "AB 1234".
+_ID_PREFIX = r"(?:[A-Za-z]+-?|(?-i:[A-Z]{1,4})\s)?"
 _PATTERNS: list[tuple[str, re.Pattern]] = [
     ("url", re.compile(r"https?://\S+|www\.\S+", re.I)),
     ("email", re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")),
-    ("identifier", re.compile(r"\b(?:mrn|subject(?:_id)?|patient(?:_id)?|hadm(?:_id)?|encounter(?:_id)?|"
-                              r"account|acct|record|id|ssn|dob)\s*(?:#|no\.?|number|id)?\s*[:=#]?\s*[A-Za-z]*\d[\w-]*",
-                              re.I)),
-    ("date", re.compile(r"\b\d{4}-\d{1,2}-\d{1,2}(?:[ T]\d{1,2}:\d{2}(?::\d{2})?)?\b")),
-    ("date", re.compile(r"\b\d{1,2}[/.-]\d{1,2}[/.-]\d{2,4}\b")),
-    ("date", re.compile(rf"\b{_MONTH}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{2,4}}\b", re.I)),
-    ("date", re.compile(rf"\b\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH}\.?,?\s+\d{{2,4}}\b", re.I)),
-    ("date", re.compile(rf"\b{_MONTH}\.?\s+(?:19|20)\d{{2}}\b", re.I)),
-    ("date", re.compile(r"\b(?:19|20)\d{2}\b")),
-    ("date", re.compile(r"\b\d{1,2}:\d{2}(?::\d{2})?\s*(?:am|pm)?\b", re.I)),
+    ("identifier", re.compile(rf"\b(?:{_ID_WORDS}){_ID_LABEL}{_ID_PREFIX}\d[\w-]*", re.I)),
+    ("identifier", re.compile(rf"\b(?:{_ID_NOUNS}){_ID_LABEL}(?:\d+(?![\w-]|\.\d)|{_ID_PREFIX}\d{{3,}}[\w-]*\b)"
+                              rf"{_NOT_A_QUANTITY}", re.I)),
+    # Numeric dates: year first (ISO, with an optional time), day or month first with a year, month/day.
+    ("date", re.compile(r"\b\d{4}[/.-]\d{1,2}[/.-]\d{1,2}(?:[ T]\d{1,2}:\d{2}(?::\d{2})?)?\b")),
+    # One separator throughout: "7.5/10" is a score, not a date.
+    ("date", re.compile(r"\b\d{1,2}([/.-])\d{1,2}\1\d{2,4}\b")),
+    # Only '/' without a year: "3/14"; "15-29" and "30-day" are ranges, "120/80" has no month.
+    ("date", re.compile(r"(?<![\w./])(?:0?[1-9]|1[0-2])/(?:0?[1-9]|[12]\d|3[01])(?![\w/%]|[.,]\d)")),
+    # Month names: with a year in every order, then day and month alone.
+    ("date", re.compile(rf"\b(?:19|20)\d{{2}}{_SEP}+{_MONTH}\.?{_SEP}+{_DAY}", re.I)),
+    ("date", re.compile(rf"\b{_MONTH}\.?{_SEP}*{_DAY},?{_SEP}+\d{{2,4}}\b", re.I)),
+    ("date", re.compile(rf"\b{_DAY}(?:\s+of)?{_SEP}*{_MONTH}\.?,?{_SEP}+\d{{2,4}}\b", re.I)),
+    ("date", re.compile(rf"\b{_MONTH}\.?,?{_SEP}+{_YEAR}", re.I)),
+    ("date", re.compile(rf"\b{_MONTH_NO_YEAR}\.?{_SEP}*{_DAY}", re.I)),
+    ("date", re.compile(rf"\b{_DAY}(?:\s+of)?{_SEP}*{_MONTH_NO_YEAR}\.?", re.I)),
+    ("date", re.compile(rf"\b{_YEAR}")),
+    # Times, also glued to a preceding 'T' as in ISO timestamps ("T20:15"); "1:1000" is a dilution.
+    ("date", re.compile(r"(?:\bT|(?<![\w:.]))\d{1,2}:\d{2}(?::\d{2})?(?![\d:])(?:\s*[ap]\.?m\b\.?)?", re.I)),
     ("identifier", re.compile(r"\b\d{3}-\d{2}-\d{4}\b|\(?\b\d{3}\)?[ .-]\d{3}[ .-]\d{4}\b")),
     # Five or more digits in a row are never clinical vocabulary: record, account or lab ids.
     ("identifier", re.compile(r"\b[A-Za-z]*\d{5,}[\w-]*\b")),
 ]
+# What a removal can leave behind between words: a lone colon, slash or hyphen.
+_LEFTOVER = re.compile(r"[-/.,;:#=]+")
 
 
 @dataclass
@@ -59,10 +88,9 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
             removed.append(("identifier", literal))
             text = re.sub(re.escape(literal), " ", text, flags=re.I)
     for kind, pattern in _PATTERNS:
-        for match in pattern.findall(text):
-            removed.append((kind, match if isinstance(match, str) else match[0]))
+        removed.extend((kind, match.group(0).strip()) for match in pattern.finditer(text))
         text = pattern.sub(" ", text)
-    tokens = text.split()
+    tokens = [token for token in text.split() if not _LEFTOVER.fullmatch(token)]
     if patient_text:
         tokens, spans = _cut_verbatim(tokens, patient_text, max_verbatim_words)
         removed.extend(("verbatim", span) for span in spans)
