@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from dxr.errors import ConfigError
+from dxr.errors import ConfigError, InputError
 from tools.config import SerpMapping, WebConfig
 from tools.corpus.documents import Document
 from tools.index import CorpusIndex, build_index, chunk_frame
@@ -119,9 +119,14 @@ class Site(LoopbackSite):
             if request.headers.get("X-Subscription-Token") != "brave-key":
                 return web.json_response({"error": "unauthorized"}, status=401)
             self.queries.append(request.query["q"])
+            if "garbled" in request.query["q"]:
+                return web.json_response({"status": "ok"})  # not Brave's shape (e.g. a proxy in between)
             results = [{"title": r["title"], "url": r["url"], "description": r["content"]}
                        for r in self.serp_results(request.query["q"])]
-            return web.json_response({"web": {"results": results}})
+            answer = {"type": "search", "query": {"original": request.query["q"]}}
+            if not results:  # Brave leaves `web` out when nothing matched, rather than sending an empty list
+                return web.json_response({**answer, "mixed": {"type": "mixed", "main": []}})
+            return web.json_response({**answer, "web": {"type": "search", "results": results}})
         if path == "/leaf/slow":
             await asyncio.sleep(3)
             return web.Response(text=page("Slow", "Heart failure slow page."), content_type="text/html")
@@ -340,6 +345,30 @@ def test_generic_and_brave_mappings(wh, monkeypatch, kind):
         assert provider.mapping == BRAVE_MAPPING
 
 
+def test_brave_answer_without_web_results_is_a_no_result_row(wh, monkeypatch):
+    monkeypatch.setenv("BRAVE_KEY", "brave-key")
+
+    async def scenario():
+        async with Site() as site:
+            cfg = config(provider="brave", endpoint=f"{site.base}/brave", api_key_env="BRAVE_KEY")
+            ledger = Ledger("run1", 0, wh)
+            async with aiohttp.ClientSession() as session:
+                channel = WebChannel.from_config(cfg, session, ledger)
+                await channel.run(ledger.job(**{**JOB, "query": "nothing matches this"}))
+                channel.flush()
+                # An answer that is not Brave's shape is still an error, not a silent empty result.
+                with pytest.raises(InputError, match=r"^search provider brave: no result list at 'web\.results' in "
+                                                     r"the response \(top level: status\)"):
+                    await channel.provider.search(session, "garbled answer", 5)
+            return site
+
+    site = asyncio.run(scenario())
+    assert site.queries == ["nothing matches this", "garbled answer"]
+    stored = wh.read("ledger", run_id="run1")
+    assert stored.select("evidence_id", "engine", "state", "url", "detail").rows() == [
+        ("E1", "brave", "no_result", None, None)]
+
+
 def test_provider_requests_are_serialized_and_spaced():
     async def scenario():
         async with Site() as site:
@@ -374,7 +403,7 @@ def test_none_provider_records_no_result(wh):
 
 
 def test_provider_failures_rate_limit_is_no_result_and_bad_key_is_a_config_error(wh, monkeypatch):
-    from dxr.errors import ConfigError
+    from dxr.errors import ConfigError, InputError
 
     monkeypatch.setenv("SERP_KEY", "wrong")
 

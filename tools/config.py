@@ -33,6 +33,10 @@ class SerpMapping(BaseModel):
     key_header: str | None = Field(None, description="HTTP header carrying the key (e.g. X-Subscription-Token)")
     key_param: str | None = Field(None, description="query parameter carrying the key (e.g. api_key)")
     extra_params: dict[str, str] = Field(default_factory=dict, description="fixed query parameters")
+    # Some APIs leave the result list out when nothing matched (Brave omits `web`): an answer without the list
+    # whose top-level fields have these values is then zero hits; any other answer without it is an error.
+    envelope: dict[str, str] = Field(default_factory=dict,
+                                     description="top-level fields of a well-formed answer, e.g. {type = 'search'}")
 
 
 class WebConfig(BaseModel):

@@ -20,8 +20,11 @@ from tools.config import SerpMapping, WebConfig
 from tools.web.reader import http_url
 
 BRAVE_ENDPOINT = "https://api.search.brave.com/res/v1/web/search"
+# Brave answers a query without web results with HTTP 200 and no `web` key: {"type": "search", "query": ...}.
 BRAVE_MAPPING = SerpMapping(query_param="q", results_path="web.results", title_field="title", url_field="url",
-                            snippet_field="description", key_header="X-Subscription-Token")
+                            snippet_field="description", key_header="X-Subscription-Token",
+                            envelope={"type": "search"})
+# SearXNG always sends `results`, an empty list when nothing matched: its absence is an error.
 SEARXNG_MAPPING = SerpMapping(query_param="q", results_path="results", title_field="title", url_field="url",
                               snippet_field="content", extra_params={"format": "json"})
 
@@ -93,9 +96,14 @@ class SerpJsonProvider(SearchProvider):
         node = payload
         for part in self.mapping.results_path.split("."):
             node = node.get(part) if isinstance(node, dict) else None
+        if node is None and self._is_envelope(payload):
+            return []  # a well-formed answer that found nothing
         if not isinstance(node, list):
+            keys = ", ".join(map(str, payload)) if isinstance(payload, dict) else type(payload).__name__
             raise InputError(f"search provider {self.name}: no result list at '{self.mapping.results_path}' in "
-                             "the response; fix tools.web.mapping.results_path")
+                             f"the response (top level: {keys or 'empty'}); for serp_json fix "
+                             "tools.web.mapping.results_path, or set tools.web.mapping.envelope if the API leaves "
+                             "the list out when nothing matched")
         hits = []
         for item in node:
             url = item.get(self.mapping.url_field) if isinstance(item, dict) else None
@@ -106,6 +114,11 @@ class SerpJsonProvider(SearchProvider):
             if len(hits) == limit:
                 break
         return hits
+
+    def _is_envelope(self, payload) -> bool:
+        """Whether `payload` is the provider's own answer shape (so a missing result list means no hits)."""
+        envelope = self.mapping.envelope
+        return bool(envelope) and isinstance(payload, dict) and all(payload.get(k) == v for k, v in envelope.items())
 
 
 def make_provider(config: WebConfig) -> SearchProvider:
