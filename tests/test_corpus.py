@@ -20,6 +20,7 @@ from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build
                          minmax_normalize, rank_documents, reciprocal_rank_fusion, score_fusion, zscore_normalize)
 from tools.ledger import support_cue
 from tools.passages import focused_passage
+from tools.text import words
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +271,61 @@ def test_bm25_dense_hybrid_and_embedding_cache(tmp_path, embedder):
     assert hybrid[0].passage == "Atrial fibrillation recurs after catheter ablation in a third of patients."
     assert index.search("zzzz qqqq", k=3, mode="bm25") == []
     assert index.resolve(pmcid="PMC999") is None
+
+
+def tiny_sentence_model(directory, seed: int):
+    """A sentence-transformers model small enough to build in a test: same shape for every seed, other
+    weights (like a fine-tuned copy of a model: same configuration, same file sizes)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    directory.mkdir(parents=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted({w for d in TINY for w in words(d.text)})]
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=256)
+    BertModel(config).save_pretrained(directory)
+    BertTokenizerFast(vocab_file=str(directory / "vocab.txt")).save_pretrained(directory)
+    SentenceTransformer(modules=[Transformer(str(directory)), Pooling(8)], device="cpu").save(str(directory))
+    return directory
+
+
+def test_models_in_directories_of_the_same_name_never_share_cached_vectors(tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from tools.embeddings import SentenceTransformerEmbedder
+
+    first = SentenceTransformerEmbedder(str(tiny_sentence_model(tmp_path / "a" / "model", seed=1)))
+    other = SentenceTransformerEmbedder(str(tiny_sentence_model(tmp_path / "b" / "model", seed=2)))
+    shutil.copytree(tmp_path / "a" / "model", tmp_path / "c" / "model")
+    copy = SentenceTransformerEmbedder(str(tmp_path / "c" / "model"))
+    # The name is the model's contents, not its directory: a copy elsewhere shares it, another model does not.
+    assert first.name.startswith("model-") and first.name.endswith("@128")
+    assert copy.name == first.name and other.name != first.name
+    frame = chunk_frame(TINY)
+    inputs = [f"{t}. {x}" for t, x in zip(frame["title"], frame["text"])]
+    assert not np.allclose(first.encode(inputs), other.encode(inputs), atol=1e-3)
+    build_index(frame, tmp_path / "idx", first)
+    reused = build_index(frame, tmp_path / "idx", copy)
+    assert (reused["embedded"], reused["embeddings_reused"]) == (0, 4)
+    rebuilt = build_index(frame, tmp_path / "idx", other)
+    assert (rebuilt["embedded"], rebuilt["embeddings_reused"], rebuilt["embedder"]) == (4, 0, other.name)
+    np.testing.assert_allclose(np.load(tmp_path / "idx" / "embeddings.npy"), other.encode(inputs), atol=1e-6)
+
+
+def test_remote_embedding_models_of_the_same_name_on_two_servers_have_different_keys():
+    from tools.embeddings import EmbeddingConfig, make_embedder
+
+    def name(endpoint: str) -> str:
+        return make_embedder(EmbeddingConfig(kind="openai", endpoint=endpoint, model="embed")).name
+
+    assert name("http://gpu-a:8000/v1/") == name("http://gpu-a:8000/v1") == "embed@http://gpu-a:8000/v1/embeddings"
+    assert name("http://gpu-b:8000/v1") == "embed@http://gpu-b:8000/v1/embeddings"
 
 
 def test_lexical_only_index_falls_back_to_bm25(tmp_path):

@@ -7,6 +7,7 @@ OpenAI-compatible `/embeddings` endpoint (key read from an environment variable,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import urllib.request
@@ -48,12 +49,12 @@ class SentenceTransformerEmbedder:
             raise ConfigError(f"embedding model directory {path} does not exist: set tools.embedding.path")
         from sentence_transformers import SentenceTransformer
 
-        self.name = os.path.basename(os.path.normpath(path))
         self.batch_size = batch_size
         self._model = SentenceTransformer(path, device="cpu")
         self._model.max_seq_length = max_seq_length
-        # The cache key of an embedding includes the truncation, so changing it re-embeds.
-        self.name = f"{self.name}@{max_seq_length}"
+        # The cache key of an embedding: the model's contents (not its path or directory name, which another
+        # model can share) and the truncation, so a different model or length re-embeds.
+        self.name = f"{os.path.basename(os.path.normpath(path))}-{model_fingerprint(path)}@{max_seq_length}"
 
     def encode(self, texts: list[str]) -> np.ndarray:
         if not texts:
@@ -76,8 +77,9 @@ class OpenAIEmbedder:
     """POST {endpoint}/embeddings in batches; vectors are normalized here."""
 
     def __init__(self, endpoint: str, model: str, api_key_env: str, batch_size: int = 64):
-        self.name = model
         self.url = endpoint.rstrip("/") + "/embeddings"
+        # Two servers can serve different models under one name: the cache key includes the endpoint.
+        self.name = f"{model}@{self.url}"
         self.model = model
         self.key = os.environ.get(api_key_env, "")
         self.batch_size = batch_size
@@ -94,6 +96,23 @@ class OpenAIEmbedder:
         array = np.asarray(vectors, dtype="float32")
         norms = np.linalg.norm(array, axis=1, keepdims=True)
         return array / np.maximum(norms, 1e-12)
+
+
+def model_fingerprint(path: str) -> str:
+    """A short hash of every file in a model directory (relative names and contents; hidden files skipped).
+
+    Names and sizes alone would not do: a fine-tuned model has the same configuration and weight sizes
+    as its base. Hashing reads ~1 GB/s, a fraction of the time loading the model takes.
+    """
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(path, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(f for f in files if not f.startswith(".")):
+            file = os.path.join(root, name)
+            digest.update(os.path.relpath(file, path).replace(os.sep, "/").encode() + b"\0")
+            with open(file, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()[:12]
 
 
 def default_model_path() -> str:
