@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from datetime import datetime
 
 import aiohttp
+import polars as pl
 import pytest
 from aiohttp import web
 
@@ -493,3 +495,50 @@ def test_provider_answers_that_are_not_usable_json():
     assert [(h.url.removeprefix(site.base), h.title) for h in hits] == [("/latin1", "T\ufffd")]
     site, hits = asyncio.run(scenario("/serp-bad-urls"))
     assert [(h.rank, h.url.removeprefix(site.base)) for h in hits] == [(1, "/no-type")]
+
+
+class FlakySite(LoopbackSite):
+    """`/busy` answers 503 once, `/limited` 429 once, then both serve the page; `/gone` is always 404."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list[str] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(request.path)
+        first = self.requests.count(request.path) == 1
+        if request.path == "/busy" and first:
+            return web.Response(status=503, text="try later")
+        if request.path == "/limited" and first:
+            return web.Response(status=429, text="slow down")
+        if request.path in ("/busy", "/limited"):
+            return web.Response(text=page("Heart failure", "Heart failure readmission."), content_type="text/html")
+        return web.Response(status=404)
+
+
+def test_rate_limits_and_server_errors_are_not_cached_but_missing_pages_are(wh):
+    paths = ("/busy", "/limited", "/gone")
+
+    async def scenario():
+        async with FlakySite() as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config(), PageCache(wh))
+            first = [(await reader.read(site.base + path)).error for path in paths]
+            second = [(await reader.read(site.base + path)).error for path in paths]
+            reader.cache.flush()
+            return site, first, second
+
+    site, first, second = asyncio.run(scenario())
+    assert (first, second) == (["HTTP 503", "HTTP 429", "HTTP 404"], [None, None, "HTTP 404"])
+    # The 503 and the 429 were asked again; the 404 came from the cache.
+    assert [site.requests.count(path) for path in paths] == [2, 2, 1]
+    assert {url.removeprefix(site.base): p.error for url, p in PageCache(wh).pages.items()} == {
+        "/busy": None, "/limited": None, "/gone": "HTTP 404"}
+
+
+def test_server_errors_cached_by_earlier_versions_are_ignored(wh):
+    url = "http://example.org/busy"
+    wh.write("page_cache", pl.DataFrame([{
+        "url": url, "final_url": url, "status": 503, "content_type": "text/html", "title": None, "text": None,
+        "links_json": "[]", "error": "HTTP 503", "fetched_at": datetime(2024, 1, 1)}], schema_overrides={
+        "status": pl.Int32, "title": pl.String, "text": pl.String}), bucket=PageCache.bucket(url))
+    assert PageCache(wh).get(url) is None

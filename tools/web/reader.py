@@ -23,6 +23,9 @@ from tools.corpus.documents import clean_text
 
 # Page errors that a later run may not meet again: such pages are not cached.
 TRANSIENT_ERRORS = ("timeout", "connection")
+# HTTP statuses that say "not now" rather than "not here": request timeout, too early, rate limit, server
+# errors. Caching them would make a page unreadable for every later run after one overloaded moment.
+TRANSIENT_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
 # readability logs a whole traceback for markup it cannot parse, then raises; extract() handles the failure.
 logging.getLogger("readability.readability").setLevel(logging.CRITICAL)
 _SKIP_SUFFIXES = (".pdf", ".jpg", ".jpeg", ".png", ".gif", ".svg", ".zip", ".gz", ".mp4", ".mp3", ".css", ".js")
@@ -38,6 +41,11 @@ class Page:
     text: str | None = None
     links: list[str] = field(default_factory=list)
     error: str | None = None
+
+    @property
+    def transient(self) -> bool:
+        """Whether a later run may well read this page differently (so it is not cached)."""
+        return self.status in TRANSIENT_STATUSES or (self.error or "").startswith(TRANSIENT_ERRORS)
 
 
 def extract(html: str, base_url: str) -> tuple[str, str, list[str]]:
@@ -99,9 +107,10 @@ class PageCache:
         self._dirty: set[str] = set()
         if warehouse is not None:
             for row in warehouse.read("page_cache").iter_rows(named=True):
-                self.pages[row["url"]] = Page(row["url"], row["final_url"], row["status"], row["content_type"],
-                                              row["title"], row["text"], json.loads(row["links_json"] or "[]"),
-                                              row["error"])
+                page = Page(row["url"], row["final_url"], row["status"], row["content_type"], row["title"],
+                            row["text"], json.loads(row["links_json"] or "[]"), row["error"])
+                if not page.transient:  # earlier versions cached rate limits and server errors
+                    self.pages[page.url] = page
 
     @staticmethod
     def bucket(url: str) -> str:
@@ -112,7 +121,7 @@ class PageCache:
 
     def put(self, page: Page) -> None:
         # Transient failures are not cached: a later run may succeed.
-        if page.error and page.error.startswith(TRANSIENT_ERRORS):
+        if page.transient:
             return
         self.pages[page.url] = page
         self._dirty.add(page.url)
