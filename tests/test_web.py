@@ -423,6 +423,10 @@ def test_provider_failures_rate_limit_is_no_result_and_bad_key_is_a_config_error
     assert [(r.state, r.detail) for r in ledger.rows] == [("no_result", "provider unavailable (HTTP 429)")]
 
 
+SJOGREN = ("<html><head>{}<title>Sjögren – café</title></head><body><article><p>Sjögren syndrome: dry eyes in "
+           f"older patients, naïve to treatment.</p><p>{FILLER}</p></article></body></html>")
+
+
 class HostileSite(LoopbackSite):
     """Misbehaving pages and SERP answers on loopback, each at its own path."""
 
@@ -438,6 +442,12 @@ class HostileSite(LoopbackSite):
                                                      headers={"Content-Type": "text/html; charset=x-no-such"}),
             "/latin1": lambda: web.Response(body=medical.replace("older", "\xe9lder").encode("latin-1"),
                                             headers={"Content-Type": "text/html; charset=utf-8"}),
+            # The charset is declared only inside the document (the header has none).
+            "/meta-charset": lambda: web.Response(body=SJOGREN.format(
+                '<meta charset="windows-1252">').encode("cp1252"), headers={"Content-Type": "text/html"}),
+            "/http-equiv-charset": lambda: web.Response(body=SJOGREN.format(
+                '<meta http-equiv="Content-Type" content="text/html; charset=windows-1252">').encode("cp1252"),
+                headers={"Content-Type": "text/html"}),
             "/broken-links": lambda: web.Response(text=medical.replace(
                 "</article>", '<a href="http://[broken">b</a><a href="javascript:x()">j</a><a href="/ok">ok</a>'
                 "</article>"), content_type="text/html"),
@@ -542,3 +552,14 @@ def test_server_errors_cached_by_earlier_versions_are_ignored(wh):
         "links_json": "[]", "error": "HTTP 503", "fetched_at": datetime(2024, 1, 1)}], schema_overrides={
         "status": pl.Int32, "title": pl.String, "text": pl.String}), bucket=PageCache.bucket(url))
     assert PageCache(wh).get(url) is None
+
+
+def test_a_charset_declared_only_in_the_document_is_used():
+    async def scenario():
+        async with HostileSite() as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config())
+            return [await reader.read(site.base + path) for path in ("/meta-charset", "/http-equiv-charset")]
+
+    for read in asyncio.run(scenario()):
+        assert (read.error, read.title) == (None, "Sjögren – café"), read.url
+        assert read.text.startswith("Sjögren syndrome: dry eyes in older patients, naïve to treatment."), read.url

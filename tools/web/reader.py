@@ -79,6 +79,24 @@ def extract(html: str, base_url: str) -> tuple[str, str, list[str]]:
     return title, clean_text(text), links
 
 
+def decode(body: bytes, charset: str | None, content_type: str | None) -> str:
+    """A page body as text, in the header's charset, else its byte-order mark's, else (markup only) the one
+    it declares itself (`<meta charset>`, XML declaration), else UTF-8; invalid bytes are replaced."""
+    from bs4.dammit import EncodingDetector
+
+    if charset is None:
+        body, charset = EncodingDetector.strip_byte_order_mark(body)
+    if charset is None and content_type != "text/plain":
+        declared = EncodingDetector.find_declared_encoding(body, is_html=True)
+        # A declaration readable as ASCII cannot be right about UTF-16/32 (browsers read UTF-8 then).
+        if declared and not declared.startswith(("utf-16", "utf-32")):
+            charset = declared
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:  # a charset Python does not know (e.g. 'x-user-defined'): most pages are UTF-8 anyway
+        return body.decode("utf-8", errors="replace")
+
+
 def http_url(url) -> bool:
     """Whether `url` is a parsable http(s) URL with a host (what the reader can fetch)."""
     try:
@@ -192,7 +210,7 @@ class PageReader:
                         if len(body) > self.config.max_bytes:
                             page.error = f"oversized (> {self.config.max_bytes} bytes)"
                             return page
-                    charset = response.charset or "utf-8"
+                    charset = response.charset
         except (asyncio.TimeoutError, TimeoutError):
             return Page(url, error=f"timeout after {self.config.timeout_seconds:g} s")
         except aiohttp.TooManyRedirects:
@@ -201,10 +219,7 @@ class PageReader:
             return Page(url, error=f"redirect to a non-http(s) URL ({exc})")
         except aiohttp.ClientError as exc:
             return Page(url, error=f"connection error ({type(exc).__name__})")
-        try:
-            html = bytes(body).decode(charset, errors="replace")
-        except LookupError:  # a charset Python does not know (e.g. 'x-user-defined'): most pages are UTF-8 anyway
-            html = bytes(body).decode("utf-8", errors="replace")
+        html = decode(bytes(body), charset, page.content_type)
         if page.content_type == "text/plain":
             page.title, page.text, page.links = "", clean_text(html), []
         else:
