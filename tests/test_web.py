@@ -19,7 +19,7 @@ from tools.index import CorpusIndex, build_index, chunk_frame
 from tools.ledger import Ledger, retrieval_efficiency
 from tools.web.channel import WebChannel, identifiers_in_url
 from tools.web.providers import BRAVE_MAPPING, SerpJsonProvider, make_provider
-from tools.web.reader import PageCache, PageReader
+from tools.web.reader import PageCache, PageReader, non_public
 
 FILLER = ("Clinicians follow patients with chronic disease in hospital and outpatient care; treatment, diagnosis "
           "and symptoms are reviewed at every visit and the risk of complications is documented. ")
@@ -88,6 +88,7 @@ class Site(LoopbackSite):
     def __init__(self):
         super().__init__()
         self.requests: list[str] = []
+        self.times: list[float] = []  # when each request arrived (loop time)
         self.queries: list[str] = []
 
     def serp_results(self, query: str) -> list[dict]:
@@ -95,6 +96,8 @@ class Site(LoopbackSite):
             return []
         if "outcomes" in query:
             return [{"title": "Outcomes", "url": f"{self.base}/support", "content": "readmission"}]
+        if "intranet" in query:
+            return [{"title": "Intranet", "url": f"{self.base}/intranet-hub", "content": "heart failure"}]
         return [{"title": "Chain", "url": f"{self.base}/chain/0", "content": "heart failure"},
                 {"title": "Hub", "url": f"{self.base}/hub", "content": "heart failure"},
                 {"title": "Social", "url": "https://www.facebook.com/heartfailure", "content": "share"}]
@@ -102,6 +105,7 @@ class Site(LoopbackSite):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         self.requests.append(path)
+        self.times.append(asyncio.get_running_loop().time())
         if path == "/robots.txt":
             return web.Response(text=ROBOTS, content_type="text/plain")
         if path == "/searxng/search":
@@ -143,6 +147,17 @@ class Site(LoopbackSite):
             return response
         if path == "/leaf/huge-declared":
             return web.Response(text=page("Huge", "Heart failure " * 20000), content_type="text/html")
+        if path == "/intranet-hub":
+            # Links an untrusted page may carry to internal services: loopback by name, the cloud metadata
+            # address, and a redirect to loopback.
+            links = (f"http://localhost:{self.port}/leaf/ok", "http://169.254.169.254/latest/meta-data/",
+                     "/go-localhost")
+            return web.Response(text=page("Heart failure intranet", "Heart failure links.", links),
+                                content_type="text/html")
+        redirects = {"/go-localhost": f"http://localhost:{self.port}/leaf/extra-1", "/go-private": "/private/notes",
+                     "/go-ok": "/leaf/ok"}
+        if path in redirects:
+            raise web.HTTPFound(redirects[path])
         if path in PAGES:
             return web.Response(text=PAGES[path], content_type="text/html")
         return web.Response(status=404, text="not found")
@@ -166,8 +181,10 @@ def local_index(tmp_path) -> CorpusIndex:
 
 
 def config(**overrides) -> WebConfig:
+    # The test sites are on loopback, which the reader refuses unless allowed
+    # (see test_non_public_hosts_are_refused_unless_allowed).
     values = dict(min_interval_seconds=0.0, per_domain_interval_seconds=0.0, timeout_seconds=0.5, max_bytes=60_000,
-                  results_per_query=5, min_chars=200, concurrency=4)
+                  results_per_query=5, min_chars=200, concurrency=4, allow_private_hosts=("127.0.0.1",))
     values.update(overrides)
     return WebConfig(**values)
 
@@ -563,3 +580,88 @@ def test_a_charset_declared_only_in_the_document_is_used():
     for read in asyncio.run(scenario()):
         assert (read.error, read.title) == (None, "Sjögren – café"), read.url
         assert read.text.startswith("Sjögren syndrome: dry eyes in older patients, naïve to treatment."), read.url
+
+
+def test_every_redirect_hop_is_checked_and_spaced_like_the_first_url():
+    async def scenario():
+        async with Site() as site, aiohttp.ClientSession() as session:
+            cfg = config(per_domain_interval_seconds=0.2, blocked_domains=("localhost",))
+            reader = PageReader(session, cfg)
+            pages = {path: await reader.read(site.base + path) for path in ("/go-private", "/go-localhost", "/go-ok")}
+            return site, pages
+
+    site, pages = asyncio.run(scenario())
+    assert {path: p.error for path, p in pages.items()} == {
+        "/go-private": f"redirect to {site.base}/private/notes: disallowed by robots.txt",
+        "/go-localhost": f"redirect to http://localhost:{site.port}/leaf/extra-1: blocked domain",
+        "/go-ok": None}
+    assert (pages["/go-ok"].final_url, pages["/go-ok"].title) == (f"{site.base}/leaf/ok", "Heart failure diet")
+    # The refused hops were never requested; the allowed one waited its turn like any request to the host.
+    assert site.requests == ["/robots.txt", "/go-private", "/go-localhost", "/go-ok", "/leaf/ok"]
+    gaps = [later - earlier for earlier, later in zip(site.times, site.times[1:])]
+    assert min(gaps) >= 0.19, gaps
+    # Refusals that depend on the configuration (blocked_domains) are not cached; robots.txt refusals are.
+    assert [path for path, p in pages.items() if p.cacheable] == ["/go-private", "/go-ok"]
+
+
+def test_non_public_addresses():
+    public = ["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c", "::ffff:93.184.215.14"]
+    internal = ["127.0.0.1", "::1", "10.0.0.5", "172.16.0.1", "192.168.1.1", "169.254.169.254", "fe80::1%eth0",
+                "fd00::1", "::ffff:10.0.0.5", "0.0.0.0", "::", "224.0.0.1", "240.0.0.1", "100.64.0.1"]
+    assert [address for address in public + internal if non_public(address)] == internal
+
+
+def refused(host: str, address: str | None = None) -> str:
+    named = f"{host} is {address}" if address else host
+    return f"non-public address refused: {named} (allow the host in tools.web.allow_private_hosts)"
+
+
+@pytest.mark.parametrize("allowed", [(), ("127.0.0.1",), ("127.0.0.1", "LocalHost")])
+def test_non_public_hosts_are_refused_unless_allowed(wh, allowed):
+    """A SERP hit, a link and a redirect hop to loopback or link-local addresses are never requested by default."""
+    async def scenario():
+        async with Site() as site:
+            cfg = config(allow_private_hosts=allowed, max_depth=1, stop_on_support=False)
+            ledger, _ = await _run(site, cfg, wh, None, [{**JOB, "query": "heart failure intranet"}])
+            return site, ledger
+
+    site, ledger = asyncio.run(scenario())
+    rows = [(r.url.removeprefix(site.base), r.state, r.detail) for r in ledger.rows]
+    localhost = f"http://localhost:{site.port}"
+    metadata = ("http://169.254.169.254/latest/meta-data/", "unreadable", refused("169.254.169.254"))
+    if not allowed:
+        # The provider endpoint is called by the provider client, not the reader: it needs no allowance.
+        assert rows == [("/intranet-hub", "unreadable", refused("127.0.0.1"))]
+        assert site.requests == ["/searxng/search"]
+    elif allowed == ("127.0.0.1",):
+        assert rows == [
+            ("/intranet-hub", "readable_unsupported", None),
+            (f"{localhost}/leaf/ok", "unreadable", refused("localhost", "127.0.0.1")),
+            metadata,
+            ("/go-localhost", "unreadable", f"redirect to {localhost}/leaf/extra-1: "
+                                            + refused("localhost", "127.0.0.1"))]
+        assert site.requests == ["/searxng/search", "/robots.txt", "/intranet-hub", "/go-localhost"]
+    else:
+        assert rows == [
+            ("/intranet-hub", "readable_unsupported", None),
+            (f"{localhost}/leaf/ok", "readable_unsupported", None),
+            metadata,
+            ("/go-localhost", "readable_unsupported", None)]
+        assert sorted(site.requests) == ["/go-localhost", "/intranet-hub", "/leaf/extra-1", "/leaf/ok", "/robots.txt",
+                                         "/robots.txt", "/searxng/search"]
+
+
+def test_a_page_cached_by_a_run_that_allowed_its_host_is_refused_to_a_run_that_does_not(wh):
+    async def scenario():
+        async with Site() as site, aiohttp.ClientSession() as session:
+            url = f"{site.base}/go-ok"
+            allowing = PageReader(session, config(), PageCache(wh))
+            first = await allowing.read(url)
+            allowing.cache.flush()
+            later = await PageReader(session, config(allow_private_hosts=()), PageCache(wh)).read(url)
+            return site, first, later
+
+    site, first, later = asyncio.run(scenario())
+    assert (first.error, first.title) == (None, "Heart failure diet")
+    assert (later.error, later.text) == (refused("127.0.0.1"), None)
+    assert site.requests == ["/robots.txt", "/go-ok", "/leaf/ok"]

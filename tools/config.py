@@ -61,6 +61,10 @@ class WebConfig(BaseModel):
     user_agent: str = "dxr-research-reader/0.1 (+offline-first research tool)"
     blocked_domains: tuple[str, ...] = ("facebook.com", "twitter.com", "x.com", "instagram.com", "tiktok.com",
                                          "pinterest.com", "reddit.com")
+    # Hosts (exact names or IP addresses, no port) the reader may read although they resolve to a loopback,
+    # private, link-local or otherwise non-public address; any other such host is refused (SSRF). Empty by
+    # default: pages and their links are untrusted, and internal services must not end up in the ledger.
+    allow_private_hosts: tuple[str, ...] = ()
     medical_terms: tuple[str, ...] = MEDICAL_TERMS
     min_medical_terms: int = Field(3, ge=0)
     min_chars: int = Field(200, ge=0, description="pages with less extracted text are rejected as near-empty")

@@ -1,14 +1,21 @@
 """The page reader: robots.txt, per-domain politeness, timeouts, size and content-type caps,
 main-text extraction (trafilatura, then readability) and link extraction (BeautifulSoup + lxml),
-behind a page cache that is persisted in the warehouse (`page_cache`)."""
+behind a page cache that is persisted in the warehouse (`page_cache`).
+
+URLs come from search hits, links and redirects, i.e. from untrusted pages: before every request
+(each redirect hop included) the reader refuses blocked domains, hosts that resolve to a
+non-public address (unless in `allow_private_hosts`) and paths that robots.txt disallows.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import json
 import logging
+import socket
 import time
 import urllib.robotparser
 from dataclasses import dataclass, field
@@ -26,6 +33,9 @@ TRANSIENT_ERRORS = ("timeout", "connection")
 # HTTP statuses that say "not now" rather than "not here": request timeout, too early, rate limit, server
 # errors. Caching them would make a page unreadable for every later run after one overloaded moment.
 TRANSIENT_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
+# The reader follows redirects itself, so that every hop passes the checks the first URL passes.
+MAX_REDIRECTS = 5
+_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 # readability logs a whole traceback for markup it cannot parse, then raises; extract() handles the failure.
 logging.getLogger("readability.readability").setLevel(logging.CRITICAL)
 _SKIP_SUFFIXES = (".pdf", ".jpg", ".jpeg", ".png", ".gif", ".svg", ".zip", ".gz", ".mp4", ".mp3", ".css", ".js")
@@ -41,11 +51,22 @@ class Page:
     text: str | None = None
     links: list[str] = field(default_factory=list)
     error: str | None = None
+    # False for a refusal that depends on this run's configuration (blocked domains, allow_private_hosts):
+    # a run configured otherwise decides afresh, so it is not cached.
+    cacheable: bool = True
 
     @property
     def transient(self) -> bool:
         """Whether a later run may well read this page differently (so it is not cached)."""
         return self.status in TRANSIENT_STATUSES or (self.error or "").startswith(TRANSIENT_ERRORS)
+
+
+class Refused(Exception):
+    """A URL (or redirect hop) the reader will not request; `detail` is the page error."""
+
+    def __init__(self, detail: str, cacheable: bool = True):
+        super().__init__(detail)
+        self.detail, self.cacheable = detail, cacheable
 
 
 def extract(html: str, base_url: str) -> tuple[str, str, list[str]]:
@@ -111,6 +132,16 @@ def eligible_link(url: str, blocked_domains) -> bool:
         and not is_blocked(url, blocked_domains)
 
 
+def non_public(address: str) -> bool:
+    """Whether an IP address is loopback, private, link-local, multicast, reserved or unspecified."""
+    ip = ipaddress.ip_address(address.split("%")[0])  # an IPv6 link-local address may carry a %zone
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped  # ::ffff:10.0.0.5 reaches 10.0.0.5
+    # `not is_global` adds what the others miss, e.g. 100.64.0.0/10 (carrier-grade NAT, internal in clouds).
+    return (ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_multicast or ip.is_reserved
+            or ip.is_unspecified or not ip.is_global)
+
+
 def is_blocked(url: str, blocked_domains) -> bool:
     host = (urlsplit(url).hostname or "").lower()
     return any(host == d or host.endswith("." + d) for d in blocked_domains)
@@ -139,7 +170,7 @@ class PageCache:
 
     def put(self, page: Page) -> None:
         # Transient failures are not cached: a later run may succeed.
-        if page.transient:
+        if page.transient or not page.cacheable:
             return
         self.pages[page.url] = page
         self._dirty.add(page.url)
@@ -171,11 +202,19 @@ class PageReader:
         self._host_locks: dict[str, asyncio.Lock] = {}
         self._host_last: dict[str, float] = {}
         self._slots = asyncio.Semaphore(config.concurrency)
+        # urlsplit gives IPv6 hosts without brackets and host names in lower case: compare them so.
+        self._private_hosts_allowed = {host.strip("[]").lower() for host in config.allow_private_hosts}
+        self._host_refusals: dict[str, str | None] = {}  # what address_refusal found for each host resolved
         self.requests = 0
 
     async def read(self, url: str) -> Page:
         cached = self.cache.get(url)
         if cached is not None:
+            # Checked on every read: the shared cache may hold a page that a run allowing its host has read.
+            for where in dict.fromkeys((url, cached.final_url or url)):
+                if refusal := await self.address_refusal(where):
+                    return Page(url, error=refusal if where == url else f"redirect to {where}: {refusal}",
+                                cacheable=False)
             return cached
         async with self._slots:
             page = await self._read(url)
@@ -185,38 +224,31 @@ class PageReader:
     async def _read(self, url: str) -> Page:
         if not http_url(url):
             return Page(url, error="not an http(s) URL")
-        if not await self.allowed(url):
-            return Page(url, error="disallowed by robots.txt")
         try:
-            async with self._polite(url):
-                self.requests += 1
-                async with self.session.get(url, timeout=self.timeout, headers={"User-Agent": self.config.user_agent},
-                                            max_redirects=5) as response:
-                    page = Page(url, str(response.url), response.status,
-                                response.headers.get("Content-Type", "").split(";")[0].strip().lower() or None)
-                    if response.status != 200:
-                        page.error = f"HTTP {response.status}"
+            async with self._get(url) as response:
+                page = Page(url, str(response.url), response.status,
+                            response.headers.get("Content-Type", "").split(";")[0].strip().lower() or None)
+                if response.status != 200:
+                    page.error = f"HTTP {response.status}"
+                    return page
+                if page.content_type not in self.config.content_types:
+                    page.error = f"content type {page.content_type or '(none declared)'} not accepted"
+                    return page
+                declared = response.content_length
+                if declared is not None and declared > self.config.max_bytes:
+                    page.error = f"oversized ({declared} bytes > {self.config.max_bytes})"
+                    return page
+                body = bytearray()
+                async for block in response.content.iter_chunked(65536):
+                    body.extend(block)
+                    if len(body) > self.config.max_bytes:
+                        page.error = f"oversized (> {self.config.max_bytes} bytes)"
                         return page
-                    if page.content_type not in self.config.content_types:
-                        page.error = f"content type {page.content_type or '(none declared)'} not accepted"
-                        return page
-                    declared = response.content_length
-                    if declared is not None and declared > self.config.max_bytes:
-                        page.error = f"oversized ({declared} bytes > {self.config.max_bytes})"
-                        return page
-                    body = bytearray()
-                    async for block in response.content.iter_chunked(65536):
-                        body.extend(block)
-                        if len(body) > self.config.max_bytes:
-                            page.error = f"oversized (> {self.config.max_bytes} bytes)"
-                            return page
-                    charset = response.charset
+                charset = response.charset
+        except Refused as exc:
+            return Page(url, error=exc.detail, cacheable=exc.cacheable)
         except (asyncio.TimeoutError, TimeoutError):
             return Page(url, error=f"timeout after {self.config.timeout_seconds:g} s")
-        except aiohttp.TooManyRedirects:
-            return Page(url, error="more than 5 redirects (a redirect loop?)")
-        except aiohttp.NonHttpUrlRedirectClientError as exc:
-            return Page(url, error=f"redirect to a non-http(s) URL ({exc})")
         except aiohttp.ClientError as exc:
             return Page(url, error=f"connection error ({type(exc).__name__})")
         html = decode(bytes(body), charset, page.content_type)
@@ -225,6 +257,62 @@ class PageReader:
         else:
             page.title, page.text, page.links = extract(html, page.final_url or url)
         return page
+
+    @contextlib.asynccontextmanager
+    async def _get(self, url: str, robots: bool = True):
+        """The response to GET `url` after at most MAX_REDIRECTS redirects, each hop checked (`_refusal`) and
+        spaced (`_polite`) like the first; raises Refused for a hop it will not request."""
+        hop = url
+        for redirects in range(MAX_REDIRECTS + 1):
+            if refused := await self._refusal(hop, robots):
+                raise refused if redirects == 0 else Refused(f"redirect to {hop}: {refused.detail}", refused.cacheable)
+            async with self._polite(hop):
+                self.requests += 1
+                async with self.session.get(hop, timeout=self.timeout, allow_redirects=False,
+                                            headers={"User-Agent": self.config.user_agent}) as response:
+                    location = response.headers.get("Location") if response.status in _REDIRECT_STATUSES else None
+                    if not location:
+                        yield response
+                        return
+            try:
+                hop = urljoin(hop, location)
+            except ValueError:  # e.g. 'http://[bad'
+                hop = location
+            if not http_url(hop):
+                raise Refused(f"redirect to a non-http(s) URL ({hop})")
+        raise Refused(f"more than {MAX_REDIRECTS} redirects (a redirect loop?)")
+
+    async def _refusal(self, url: str, robots: bool) -> Refused | None:
+        """Why `url` must not be requested, or None; robots.txt is consulted when `robots`."""
+        if is_blocked(url, self.config.blocked_domains):
+            return Refused("blocked domain", cacheable=False)
+        if refusal := await self.address_refusal(url):
+            return Refused(refusal, cacheable=False)
+        if robots and not await self.allowed(url):
+            return Refused("disallowed by robots.txt")
+        return None
+
+    async def address_refusal(self, url: str) -> str | None:
+        """Why the host of `url` is refused: it resolves to a non-public address and is not allowed by
+        `allow_private_hosts`; None when it is public, allowed, or does not resolve (then the request fails)."""
+        if not http_url(url):
+            return None
+        host = urlsplit(url).hostname.lower()
+        if host in self._private_hosts_allowed:
+            return None
+        if host not in self._host_refusals:
+            try:
+                # The loop's getaddrinfo runs in a thread: resolution never blocks the other reads.
+                infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None,
+                                                                                      type=socket.SOCK_STREAM),
+                                               self.config.timeout_seconds)
+            except (OSError, UnicodeError, asyncio.TimeoutError, TimeoutError):
+                return None  # not remembered: a later lookup may succeed, and must then be checked
+            found = sorted({info[4][0] for info in infos if non_public(info[4][0])})
+            self._host_refusals[host] = None if not found else (
+                f"non-public address refused: {host}{f' is {found[0]}' if found[0] != host else ''} "
+                "(allow the host in tools.web.allow_private_hosts)")
+        return self._host_refusals[host]
 
     async def allowed(self, url: str) -> bool:
         parts = urlsplit(url)
@@ -238,15 +326,12 @@ class PageReader:
 
     async def _fetch_robots(self, origin: str):
         try:
-            async with self._polite(origin):
-                self.requests += 1
-                async with self.session.get(origin + "/robots.txt", timeout=self.timeout,
-                                            headers={"User-Agent": self.config.user_agent}) as response:
-                    if response.status != 200:
-                        return None  # no robots.txt: everything allowed
-                    lines = (await response.text(errors="replace")).splitlines()
-        except (asyncio.TimeoutError, TimeoutError, aiohttp.ClientError):
-            return None
+            async with self._get(origin + "/robots.txt", robots=False) as response:
+                if response.status != 200:
+                    return None  # no robots.txt: everything allowed
+                lines = (await response.text(errors="replace")).splitlines()
+        except (Refused, asyncio.TimeoutError, TimeoutError, aiohttp.ClientError):
+            return None  # none we may read (e.g. redirected to a blocked domain): everything allowed
         parser = urllib.robotparser.RobotFileParser()
         parser.parse(lines)
         return parser
