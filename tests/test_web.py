@@ -19,7 +19,7 @@ from tools.index import CorpusIndex, build_index, chunk_frame
 from tools.ledger import Ledger, retrieval_efficiency
 from tools.web.channel import WebChannel, identifiers_in_url
 from tools.web.providers import BRAVE_MAPPING, SerpJsonProvider, make_provider
-from tools.web.reader import PageCache, PageReader, non_public
+from tools.web.reader import Page, PageCache, PageReader, non_public
 
 FILLER = ("Clinicians follow patients with chronic disease in hospital and outpatient care; treatment, diagnosis "
           "and symptoms are reviewed at every visit and the risk of complications is documented. ")
@@ -665,3 +665,23 @@ def test_a_page_cached_by_a_run_that_allowed_its_host_is_refused_to_a_run_that_d
     assert (first.error, first.title) == (None, "Heart failure diet")
     assert (later.error, later.text) == (refused("127.0.0.1"), None)
     assert site.requests == ["/robots.txt", "/go-ok", "/leaf/ok"]
+
+
+def test_two_caches_flushing_the_same_bucket_keep_each_others_pages(wh):
+    bucket = PageCache.bucket("http://example.org/0")
+    early, first, second = [url for url in (f"http://example.org/{n}" for n in range(10_000))
+                            if PageCache.bucket(url) == bucket][:3]
+    cache = PageCache(wh)
+    cache.put(Page(early, status=200, text="read before both"))
+    cache.flush()
+    stored_at = wh.read("page_cache")["fetched_at"].to_list()
+    # Two shards load the cache at the same time, each reads another page of the same bucket, then both flush.
+    one, two = PageCache(wh), PageCache(wh)
+    one.put(Page(first, status=200, text="page one"))
+    two.put(Page(second, status=200, text="page two"))
+    one.flush()
+    two.flush()
+    assert {url: page.text for url, page in PageCache(wh).pages.items()} == {
+        early: "read before both", first: "page one", second: "page two"}
+    # A page nobody read again keeps its row as it was.
+    assert wh.read("page_cache").filter(pl.col("url") == early)["fetched_at"].to_list() == stored_at

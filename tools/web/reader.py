@@ -27,6 +27,7 @@ import polars as pl
 
 from tools.config import WebConfig
 from tools.corpus.documents import clean_text
+from warehouse.locks import held
 
 # Page errors that a later run may not meet again: such pages are not cached.
 TRANSIENT_ERRORS = ("timeout", "connection")
@@ -180,13 +181,23 @@ class PageCache:
             return
         now = datetime.now(timezone.utc).replace(tzinfo=None)
         for bucket in sorted({self.bucket(u) for u in self._dirty}):
-            rows = [{"url": p.url, "final_url": p.final_url, "status": p.status, "content_type": p.content_type,
-                     "title": p.title, "text": p.text, "links_json": json.dumps(p.links), "error": p.error,
-                     "fetched_at": now} for u, p in sorted(self.pages.items()) if self.bucket(u) == bucket]
-            self.warehouse.write("page_cache", pl.DataFrame(rows, schema_overrides={
-                "status": pl.Int32, "fetched_at": pl.Datetime("us"), "final_url": pl.String,
-                "content_type": pl.String, "title": pl.String, "text": pl.String, "error": pl.String}),
-                bucket=bucket)
+            # Other processes (parallel shards) may have written this bucket since this cache was loaded:
+            # re-read it under its lock and add the pages read here, so that neither loses the other's.
+            with held(self.warehouse, f"page_cache:{bucket}", shared=False, wait=60.0,
+                      busy=f"page cache bucket {bucket} is being written by another dxr process"):
+                stored = self.warehouse.read("page_cache", bucket=bucket)
+                rows = {row["url"]: row for row in stored.iter_rows(named=True)
+                        if row["status"] not in TRANSIENT_STATUSES}
+                for url in self._dirty:
+                    if self.bucket(url) == bucket:
+                        page = self.pages[url]
+                        rows[url] = {"url": url, "final_url": page.final_url, "status": page.status,
+                                     "content_type": page.content_type, "title": page.title, "text": page.text,
+                                     "links_json": json.dumps(page.links), "error": page.error, "fetched_at": now}
+                frame = pl.DataFrame([rows[url] for url in sorted(rows)], schema_overrides={
+                    "status": pl.Int32, "fetched_at": pl.Datetime("us"), "final_url": pl.String,
+                    "content_type": pl.String, "title": pl.String, "text": pl.String, "error": pl.String})
+                self.warehouse.write("page_cache", frame, bucket=bucket)
         self._dirty.clear()
 
 
