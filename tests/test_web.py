@@ -96,6 +96,9 @@ class Site(LoopbackSite):
             return []
         if "outcomes" in query:
             return [{"title": "Outcomes", "url": f"{self.base}/support", "content": "readmission"}]
+        if "mirror" in query:  # the hub itself for one query, its copy under another URL for another
+            return [{"title": "Hub", "url": f"{self.base}/{'hub' if 'original' in query else 'leaf/copy-of-hub'}",
+                     "content": "heart failure"}]
         if "intranet" in query:
             return [{"title": "Intranet", "url": f"{self.base}/intranet-hub", "content": "heart failure"}]
         return [{"title": "Chain", "url": f"{self.base}/chain/0", "content": "heart failure"},
@@ -335,6 +338,25 @@ def test_early_stop_no_result_reuse_and_warehouse_rows(wh, local_index):
     assert f"{site.base}/support" in PageCache(wh).pages
     efficiency = retrieval_efficiency(wh.connect(), "run1")
     assert efficiency.rows() == [("c1:7:3", 2, 2, 2, 2)]
+
+
+def test_a_copy_of_a_page_another_job_read_is_evidence_for_this_job(wh, local_index):
+    async def scenario():
+        async with Site() as site:
+            ledger, _ = await _run(site, config(max_depth=0), wh, local_index, [
+                {**JOB, "query": "heart failure mirror original"},
+                {**JOB, "code": "DIAGNOSIS//ICD//10//I110", "query": "heart failure mirror copy"},
+                {**JOB, "query": "heart failure mirror original"}])
+            return site, ledger
+
+    site, ledger = asyncio.run(scenario())
+    # The second job is about another candidate: the hub's copy is its evidence, not a duplicate of the first
+    # job's page (which it was when copies were detected per trajectory). The first job, asked again, reads its
+    # own page again.
+    assert [(r.code[-4:], _path(r.url, site.base), r.state, r.detail) for r in ledger.rows] == [
+        ("I509", "/hub", "readable_unsupported", None),
+        ("I110", "/leaf/copy-of-hub", "readable_unsupported", None),
+        ("I509", "/hub", "readable_unsupported", None)]
 
 
 @pytest.mark.parametrize("kind", ["serp_json", "brave"])

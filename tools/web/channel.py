@@ -57,7 +57,8 @@ class WebChannel:
                  local_index=None):
         self.provider, self.reader, self.ledger, self.config = provider, reader, ledger, config
         self.local_index = local_index
-        # Content fingerprints of pages already read, per trajectory: a later copy is a duplicate.
+        # Content fingerprints of pages already read, per job: a later copy in the same job is a duplicate. Not
+        # per trajectory: another job is about another candidate or hypothesis, which needs evidence rows of its own.
         self._fingerprints: dict[str, dict[str, str]] = {}
         self.documents: dict[str, dict] = {}
 
@@ -136,7 +137,7 @@ class WebChannel:
         if len(medical) < self.config.min_medical_terms:
             return {**base, "state": "unreadable",
                     "detail": f"non-medical ({len(medical)} medical terms < {self.config.min_medical_terms})"}, []
-        seen = self._fingerprints.setdefault(job.trajectory_id, {})
+        seen = self._fingerprints.setdefault(job.job_id, {})
         fingerprint = hashlib.sha1(" ".join(words(text)).encode()).hexdigest()
         if fingerprint in seen and seen[fingerprint] != url:
             return {**base, "state": "unreadable", "detail": f"duplicate of {seen[fingerprint]}"}, []
