@@ -50,6 +50,53 @@ def test_pretarget_view_excludes_the_target_encounter_even_when_timestamped_earl
     assert set(subject4["encounter_id"].drop_nulls().to_list()) == {401, 402}
 
 
+def test_untagged_events_in_the_target_encounters_own_span_before_its_admission_are_not_history(wh_vocab, tmp_path):
+    # Subject 1's final encounter (103, admitted on day 20) starts with an emergency-department registration at
+    # day 19, 18:00; a troponin drawn there at 20:00 was exported without an encounter. An untagged lab before
+    # that registration is outpatient history and stays.
+    extra = pl.DataFrame({"subject_id": [1, 1, 1], "time": [t(19, 18), t(19, 20), t(18)],
+                          "code": ["ED_REGISTRATION", "LAB//TROPONIN T//ng/mL", "LAB//CREATININE//mg/dL"],
+                          "numeric_value": [None, 0.9, 1.1], "text_value": None, "encounter_id": [103, None, None]},
+                         schema=tiny_events().schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "ed", pl.concat([tiny_events(), extra])), "ed")
+    cid = build_cohort(wh_vocab, "ed", "default", CohortOptions(), seed=7)["cohort_id"]
+    codes = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")["code"]
+    assert "LAB//TROPONIN T//ng/mL" not in codes and "ED_REGISTRATION" not in codes
+    assert "LAB//CREATININE//mg/dL" in codes
+
+
+def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, tmp_path):
+    # A codes.parquet listing exactly the data's diagnosis codes (as MEDS pipelines derive it) holds codes found
+    # only in held-out targets, such as subject 1's J189 and I5023; with one code the data never uses it is a
+    # dictionary.
+    from meds import code_metadata_filepath
+
+    for name, extra in (("derived", []), ("dictionary", [dx("A000")])):
+        root = write_tiny_meds(tmp_path / name)
+        used = sorted(set(tiny_events().filter(pl.col("code").str.starts_with("DIAGNOSIS//"))["code"]))
+        pl.DataFrame({"code": used + extra, "description": "a title"}).write_parquet(root / code_metadata_filepath)
+        ingest_meds(wh_vocab, root, name)
+        row = build_cohort(wh_vocab, name, "default", CohortOptions(), seed=7)
+        omega = set(wh_vocab.read("cohort_vocabulary", cohort_id=row["cohort_id"])["code"])
+        if name == "derived":
+            assert row["vocabulary_source"] == "official_billable_icd10" and len(omega) > 10_000
+        else:
+            assert row["vocabulary_source"] == "dataset_dictionary" and omega == set(used + extra)
+
+
+def test_paths_with_an_apostrophe_work_end_to_end(vocab_cache, tmp_path):
+    import shutil
+
+    from warehouse.store import Warehouse
+
+    wh = Warehouse(tmp_path / "o'brien" / "warehouse")
+    for table in ("icd_codes", "icd_notes", "gem_map"):
+        shutil.copytree(vocab_cache.table_dir(table), wh.table_dir(table))
+    ingest_meds(wh, write_tiny_meds(tmp_path / "d'arcy" / "meds"), "tiny")
+    cid = build_cohort(wh, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    assert wh.connect().execute("SELECT count(*) FROM trajectories WHERE cohort_id = ?", [cid]).fetchone() == (3,)
+
+
 def test_train_events_hold_only_train_patients(tiny_cohort):
     wh, row = tiny_cohort
     train = wh.read("train_events", cohort_id=row["cohort_id"])

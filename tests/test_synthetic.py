@@ -447,6 +447,28 @@ def test_an_unknown_split_name_is_refused_when_the_dataset_is_validated(name, tm
                                         "rename it to one of these")
 
 
+def test_a_subject_listed_in_two_splits_is_refused(tmp_path):
+    # Its full record (target included) would be training data while its target is evaluated.
+    small_dataset(tmp_path)
+    path = tmp_path / "metadata" / "subject_splits.parquet"
+    splits = pq.read_table(path)
+    first_id, first_split = splits["subject_id"][0].as_py(), splits["split"][0].as_py()
+    other = "held_out" if first_split == "train" else "train"
+    pq.write_table(pa.concat_tables([splits, pa.table({"subject_id": [first_id], "split": [other]},
+                                                      schema=splits.schema)]), path)
+    assert one_line_error(tmp_path) == (f"{path}, row {splits.num_rows + 1}: subject {first_id} is listed again (first "
+                                        f"at row 1, split {first_split!r}): list every subject once")
+
+
+def test_an_encounter_id_that_is_not_an_integer_is_refused_at_ingest(tmp_path):
+    shard = small_dataset(tmp_path)
+    table = pq.read_table(shard)
+    as_text = pa.array([None if e is None else f"V{e}" for e in table["encounter_id"].to_pylist()], pa.string())
+    pq.write_table(table.set_column(table.schema.get_field_index("encounter_id"), "encounter_id", as_text), shard)
+    assert one_line_error(tmp_path) == (f"{shard}: column 'encounter_id' is string, not an integer: number the "
+                                        "encounters (e.g. map each visit id to an integer) and write them as int64")
+
+
 def test_empty_shards_are_not_copies_of_each_other(tmp_path):
     shard = small_dataset(tmp_path)
     empty = pq.read_table(shard).slice(0, 0)

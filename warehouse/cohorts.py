@@ -12,9 +12,11 @@ Rules (spec/forecasting.md §1, §3):
 - a target is the deduplicated (harmonized) diagnosis codes of the target encounter; encounters
   whose target would be empty after harmonization are excluded here, never at metric time;
 - the pre-target record of a trajectory is made by `pretarget_sql` alone: events strictly before
-  the target admission, minus every event of the target encounter even when time-stamped earlier;
+  the target admission, minus every event of the target encounter even when time-stamped earlier,
+  and minus untagged events from the target encounter's first own event on;
 - Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
-  one, else the official billable codes of the ICD versions present — never from targets.
+  one (a list of only the codes the data uses is no dictionary), else the official billable codes
+  of the ICD versions present — never from targets.
 
 The `cohorts` row is written last and removed first on a rebuild, so a killed build never leaves a
 half-built cohort registered, and a rerun replaces every partition it owns.
@@ -78,18 +80,23 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 
     `events(subject_id, time, code, numeric_value, text_value, encounter_id)`,
     `trajectories(trajectory_id, subject_id, target_encounter_id, cutoff_time)`,
-    `encounter_starts(encounter_id, start_time)`. An event is kept when it is static (no time) or
-    strictly before the cutoff, it does not belong to the target encounter, and the encounter it
-    belongs to (if any) began before the cutoff.
+    `encounter_starts(encounter_id, start_time, first_time)`. An event is kept when it is static (no
+    time) or strictly before the cutoff, it does not belong to the target encounter, and the
+    encounter it belongs to (if any) began before the cutoff. An event without an encounter is also
+    dropped from the target encounter's first own event on (e.g. an emergency-department
+    registration before the admission): in that span it may well be the target encounter's own
+    (an ED lab draw that the export left untagged).
     """
     return f"""
         SELECT t.trajectory_id, e.subject_id, e.time, e.code, e.numeric_value, e.text_value, e.encounter_id
         FROM {events} e
         JOIN {trajectories} t ON e.subject_id = t.subject_id
         LEFT JOIN {encounter_starts} s ON e.encounter_id = s.encounter_id
+        LEFT JOIN {encounter_starts} own ON own.encounter_id = t.target_encounter_id
         WHERE (e.time IS NULL OR e.time < t.cutoff_time)
           AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
+          AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.first_time IS NULL OR e.time < own.first_time)
     """
 
 
@@ -163,7 +170,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         vocab.load_vocabularies(wh)
         gem, icd_codes = wh.read("gem_map"), wh.read("icd_codes")
         con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
-                        FROM read_parquet('{info.root}/data/**/*.parquet', union_by_name=true)""")
+                        FROM read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}, union_by_name=true)""")
         steps.update()
 
         # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
@@ -179,6 +186,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.execute("""CREATE TEMP TABLE encounter_starts AS
             SELECT encounter_id, any_value(subject_id) AS subject_id,
                    coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
+                   min(time) AS first_time,
                    count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
                    -- From when the encounter's diagnoses are in later records: its first dated one (none
                    -- when one is undated, as an undated event is in every record).
@@ -233,7 +241,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.register("traj", trajectories.to_arrow())
         steps.update()
 
-        omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id)
+        omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
         steps.update()
 
@@ -291,22 +299,28 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
         con = duck.connect(":memory:")
         try:
             con.execute(f"SET memory_limit = '{memory_limit}'")
-            con.execute(f"SET temp_directory = '{workdir}'")
+            con.execute(f"SET temp_directory = {duck.literal(workdir)}")
             yield con
         finally:
             con.close()
 
 
 def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.DataFrame,
-                cohort_id: str) -> tuple[pl.DataFrame, str]:
-    """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized."""
+                cohort_id: str, data_codes: set[str]) -> tuple[pl.DataFrame, str]:
+    """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized.
+
+    A `codes.parquet` whose diagnosis codes all occur in the data (`data_codes`) is taken for a list made
+    from the data, as MEDS pipelines make it, not for a dictionary: it would hold codes found only in
+    held-out targets, and Ω must not depend on targets. A dictionary (MIMIC's `d_icd_diagnoses`, the
+    synthetic generator's billable ICD-10-CM) lists codes that the data never uses.
+    """
     codes_file = info.root / "metadata" / "codes.parquet"
     shipped = pl.DataFrame(schema={"code": pl.String, "title": pl.String})
     if codes_file.is_file():
         shipped = (pl.read_parquet(codes_file, columns=["code", "description"])
                    .filter(pl.col("code").str.starts_with("DIAGNOSIS//ICD//"))
                    .rename({"description": "title"}).unique("code", keep="first"))
-    if shipped.height:
+    if shipped.height and not set(shipped["code"].to_list()) <= data_codes:
         omega, source = shipped, "dataset_dictionary"
     else:
         versions = list(info.icd_versions)

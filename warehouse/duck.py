@@ -23,6 +23,15 @@ def connect(database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     return con
 
 
+def literal(text) -> str:
+    """`text` (e.g. a path) as a SQL string literal: a path may hold an apostrophe (`/data/o'brien`).
+
+    >>> literal("/data/o'brien/*.parquet")
+    "'/data/o''brien/*.parquet'"
+    """
+    return "'" + str(text).replace("'", "''") + "'"
+
+
 def interrupt_queries() -> int:
     """Interrupt the running query of every open connection of this process; returns how many were asked."""
     # No lock: this runs in a signal handler, possibly while the main thread is inside `connect`.

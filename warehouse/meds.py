@@ -133,6 +133,10 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
                 fix = ("add the hospital encounter (admission) id to every event"
                        if field.name == "encounter_id" else "every MEDS shard needs it")
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
+        encounter_type = shard_schema.field("encounter_id").type
+        if not (pa.types.is_integer(encounter_type) or pa.types.is_null(encounter_type)):
+            raise InputError(f"{shard}: column 'encounter_id' is {encounter_type}, not an integer: number the "
+                             "encounters (e.g. map each visit id to an integer) and write them as int64")
         try:
             meds.DataSchema.validate(pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code",
                                      "numeric_value", "text_value") if c in shard_schema.names]).slice(0, 0))
@@ -140,7 +144,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     glob = str(data_dir / "**" / "*.parquet")
     con = duck.connect(":memory:")
-    rel = f"read_parquet('{glob}', union_by_name=true)"
+    rel = f"read_parquet({duck.literal(glob)}, union_by_name=true)"
     # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
     is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
@@ -149,7 +153,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         "code IS NULL": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
-    located = f"read_parquet('{glob}', union_by_name=true, filename=true, file_row_number=true)"
+    located = f"read_parquet({duck.literal(glob)}, union_by_name=true, filename=true, file_row_number=true)"
     # One pass: the problem counts and the dataset summary.
     *counts, n_subjects, n_events, n_loose = con.execute(
         "SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
@@ -192,8 +196,8 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     first_with_content: dict[tuple[int, int], Path] = {}
     for n_rows, group in by_rows.items():
         for shard in group if len(group) > 1 and n_rows else ():  # empty shards (a split without patients) are fine
-            quoted = str(shard).replace("'", "''")
-            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet('{quoted}') t").fetchall()
+            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet({duck.literal(shard)}) t"
+                                       ).fetchall()
             earlier = first_with_content.setdefault((n_rows, content), shard)
             if earlier != shard:
                 raise InputError(f"{shard}: the same {n_rows:,} events as {earlier} (a copied shard): remove one of "
@@ -222,12 +226,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         if missing:
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
                              f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
-        unknown = splits.with_row_index("row", offset=1).filter(~pl.col("split").is_in(SPLITS).fill_null(False))
-        if unknown.height:
-            first = unknown.row(0, named=True)
-            more = f" ({unknown.height:,} rows like it)" if unknown.height > 1 else ""
-            raise InputError(f"{splits_path}, row {first['row']:,}: split {first['split']!r} is not one of "
-                             f"{', '.join(SPLITS)}{more}: rename it to one of these")
+        check_splits(splits, splits_path)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
                     n_diagnoses_without_encounter=n_loose)
@@ -272,17 +271,32 @@ def replace_dir(staging: Path, target: Path) -> None:
         os.replace(staging, target)
 
 
+def check_splits(splits: pl.DataFrame, path: Path) -> None:
+    """Refuse a split name other than train/tuning/held_out, and a subject listed twice (its held-out target
+    would be in the training data)."""
+    rows = splits.with_row_index("row", offset=1)
+    unknown = rows.filter(~pl.col("split").is_in(SPLITS).fill_null(False))
+    if unknown.height:
+        first = unknown.row(0, named=True)
+        more = f" ({unknown.height:,} rows like it)" if unknown.height > 1 else ""
+        raise InputError(f"{path}, row {first['row']:,}: split {first['split']!r} is not one of "
+                         f"{', '.join(SPLITS)}{more}: rename it to one of these")
+    repeated = rows.filter(pl.col("subject_id").is_duplicated())
+    if repeated.height:
+        first, again = repeated.filter(pl.col("subject_id") == repeated["subject_id"][0]).head(2).iter_rows(named=True)
+        raise InputError(f"{path}, row {again['row']:,}: subject {first['subject_id']} is listed again (first at row "
+                         f"{first['row']:,}, split {first['split']!r}): list every subject once")
+
+
 def read_splits(info: MedsInfo, seed: int) -> pl.DataFrame:
     """Subject splits: the dataset's own when present, else the deterministic hash rule."""
     if info.has_splits:
-        splits = pl.read_parquet(info.root / meds.subject_splits_filepath).select("subject_id", "split")
-        unknown = set(splits["split"].unique().to_list()) - set(SPLITS)
-        if unknown:
-            raise InputError(f"{info.root / meds.subject_splits_filepath}: unknown split name(s) {sorted(unknown)}; "
-                             f"use {', '.join(SPLITS)}")
+        path = info.root / meds.subject_splits_filepath
+        splits = pl.read_parquet(path).select("subject_id", "split")
+        check_splits(splits, path)  # again: the file may have changed since the dataset was registered
         return splits
     con = duck.connect(":memory:")
-    ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet('{info.root}/data/**/*.parquet') "
+    ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}) "
                       "ORDER BY subject_id").fetchnumpy()["subject_id"]
     return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},
                         schema={"subject_id": pl.Int64, "split": pl.String})

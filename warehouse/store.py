@@ -93,14 +93,15 @@ class Warehouse:
         cast = ", ".join(f'CAST("{n}" AS {_duck_type(t)}) AS "{n}"' for n, t in spec.columns.items())
 
         def write_checked(tmp: Path) -> None:
-            con.execute(f"COPY (SELECT {cast} FROM ({query})) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)"
+            con.execute(f"COPY (SELECT {cast} FROM ({query})) TO {duck.literal(tmp)} (FORMAT parquet, COMPRESSION zstd)"
                         ).fetchall()  # DuckDB 2: finish each result before the next statement
             required = [c for c in spec.columns if c not in spec.nullable]
             keyed = [k for k in spec.partition_by if k in spec.columns]
             checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
                 f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
             # hive_partitioning=false: the file's own values, not the `key=value` of its directory.
-            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet('{tmp}', hive_partitioning=false)",
+            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet({duck.literal(tmp)}, "
+                                   "hive_partitioning=false)",
                                    [keys[k] for k in keyed]).fetchall()
             for name, nulls in zip(required, counts):
                 if nulls:
@@ -168,7 +169,7 @@ class Warehouse:
                 raise InputError(f"table {spec.name}: {exc.args[0].splitlines()[0]}; move that file out of the "
                                  "warehouse and rerun the command that wrote it") from exc
         if not gold:
-            con.execute(f"SET allowed_directories=['{self.forecast_dir}/']")
+            con.execute(f"SET allowed_directories=[{duck.literal(f'{self.forecast_dir}/')}]")
             con.execute("SET enable_external_access=false")
         return con
 
@@ -199,7 +200,7 @@ class Warehouse:
                           for key in spec.partition_by)
         hidden = [key for key in spec.partition_by if key not in spec.columns]
         select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
-        return (f"SELECT {select} FROM read_parquet('{glob}', union_by_name=true, hive_partitioning=true, "
+        return (f"SELECT {select} FROM read_parquet({duck.literal(glob)}, union_by_name=true, hive_partitioning=true, "
                 f"hive_types={{{types}}})")
 
 

@@ -535,11 +535,10 @@ def _read_header(path: Path) -> list[str]:
 
 
 def _read_csv(path: Path, header: list[str]) -> str:
-    quoted = str(path).replace("'", "''")
     # Every column as text, typed afterwards so a bad value is reported by row and column; no sniffing, so a
     # malformed row fails the read with its line number.
-    columns = ", ".join("'{}': 'VARCHAR'".format(column.replace("'", "''")) for column in header)
-    return (f"read_csv('{quoted}', header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
+    columns = ", ".join(f"{duck.literal(column)}: 'VARCHAR'" for column in header)
+    return (f"read_csv({duck.literal(path)}, header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
             "quote = '\"', escape = '\"')")
 
 

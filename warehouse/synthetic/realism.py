@@ -36,7 +36,7 @@ def diagnosis_encounters(meds_dir: Path) -> pl.DataFrame:
     glob = str(Path(meds_dir) / meds.data_subdirectory / "**" / "*.parquet")
     con = duck.connect(":memory:")
     return con.sql(f"""
-        WITH ev AS (SELECT subject_id, encounter_id, time, code FROM read_parquet('{glob}')
+        WITH ev AS (SELECT subject_id, encounter_id, time, code FROM read_parquet({duck.literal(glob)})
                     WHERE encounter_id IS NOT NULL),
              adm AS (SELECT encounter_id, min(time) AS admit FROM ev GROUP BY encounter_id)
         SELECT DISTINCT ev.subject_id, ev.encounter_id, adm.admit, ev.code
