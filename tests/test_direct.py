@@ -110,20 +110,27 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     assert any("I50.22 " in text for text in prompt_texts)
 
 
-def test_history_is_truncated_oldest_first_to_the_context_window(planted_cohort):
+def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohort):
     wh, cohort_id, _ = planted_cohort
     trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all")
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
     events = pretarget.filter(pl.col("trajectory_id") == trajectories["trajectory_id"][0])
     roomy = direct_prompt(events, vocabulary, LLMConfig())
     assert roomy.truncated_chars == 0 and "Encounter 1:" in roomy.messages[1]["content"]
-    tight_config = LLMConfig(context_window=1000, max_output_tokens=300, chars_per_token=2.0)
-    tight = direct_prompt(events, vocabulary, tight_config)
-    user = tight.messages[1]["content"]
-    assert tight.truncated_chars > 0
-    assert f"[earlier history omitted: {tight.truncated_chars} characters]" in user
-    assert "Encounter 1:" not in user and "Encounter 2:" in user  # the most recent encounter is kept
-    assert sum(len(m["content"]) for m in tight.messages) <= (1000 - 300) * 2.0
+    # Notes and labs go before any diagnosis; then the oldest encounter; the newest one stays.
+    prompt = load_prompt("direct_forecast")
+    fixed = len(prompt.system.format(icd_versions="ICD-10-CM")) + len(prompt.user.format(history=""))
+    for history_chars, kept in [(497, ["Encounter 1:", "Encounter 2:"]), (397, ["Encounter 2:"])]:
+        tight_config = LLMConfig(context_window=300 + fixed + history_chars, max_output_tokens=300,
+                                 chars_per_token=1.0)
+        tight = direct_prompt(events, vocabulary, tight_config)
+        user = tight.messages[1]["content"]
+        assert tight.truncated_chars > 0
+        assert f"[history shortened to fit: {tight.truncated_chars} characters omitted (" in user
+        assert "Note [" not in user and "Labs:" not in user
+        assert [title for title in ("Encounter 1:", "Encounter 2:") if title in user] == kept
+        assert "  Diagnoses: I50.22 " in user
+        assert sum(len(m["content"]) for m in tight.messages) <= fixed + history_chars
 
 
 def test_union_rrf_of_prior_and_direct_lists(planted_cohort):

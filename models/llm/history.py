@@ -1,16 +1,122 @@
-"""The readable text of a pre-target record H: demographics, then each earlier encounter.
+"""The readable text of a pre-target record H, and how it shrinks to fit a prompt.
 
-Only `pretarget_events` rows are rendered, so whatever H excludes (the target encounter) cannot appear.
+H reads as demographics, then a timeline from oldest to newest: each earlier encounter, with the
+events recorded outside any encounter (outpatient labs, notes) in a block of their own between the
+encounters they fall between, one line per day and kind. Only `pretarget_events` rows are rendered, so
+whatever H excludes (the target encounter) cannot appear.
+
+`fit_history` shortens H to a character budget by giving up the least informative text first
+(`DROP_STEPS`); the diagnoses of an encounter go only with the whole encounter, after everything else.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_right
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
 
 import polars as pl
 
-from models.llm.prompts import History
 from warehouse.vocab import dotted, parse_meds_code
+
+# Line labels of the event kinds, in the order an encounter lists them (notes follow, one line each).
+LABELS = {"diagnosis": "Diagnoses", "procedure": "Procedures", "medication": "Medications", "lab": "Labs",
+          "other": "Other"}
+MEDS_KINDS = {"DIAGNOSIS": "diagnosis", "PROCEDURE": "procedure", "MEDICATION": "medication", "LAB": "lab",
+              "NOTE": "note"}
+# Continuation lines of a note sit deeper than any line of the record's own structure (titles at column 0,
+# event lines at column 2), so note text cannot pass for an encounter or an event line.
+NOTE_INDENT = " " * 4
+
+# What gives way when H is over budget, step by step, oldest first within a step: (recent?, kinds).
+# "Recent" is the newest encounter and whatever follows it; everything before it is older. Diagnoses are
+# not here: they go last, with their whole block, oldest block first.
+DROP_STEPS = ((False, {"note"}), (False, {"lab"}), (True, {"lab"}), (True, {"note"}),
+              (False, {"medication", "procedure", "other"}), (True, {"medication", "procedure", "other"}))
+# A note that would keep fewer characters than this is dropped whole rather than shortened.
+MIN_NOTE_CHARS = 200
+# How the marker counts what it omitted, in this order: kind -> (singular, plural).
+NOUNS = {"encounter": ("earlier encounter", "earlier encounters"), "diagnosis": ("diagnosis", "diagnoses"),
+         "procedure": ("procedure", "procedures"), "medication": ("medication", "medications"),
+         "other": ("other event", "other events"), "lab": ("lab result", "lab results"), "note": ("note", "notes")}
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line under a block's title: `head`, then the items of one kind ("; "-separated), or one note's text.
+
+    `mark` is set only on a line shortened to fit: a note keeps its beginning and its end with the mark
+    between them (the end of a discharge summary holds its diagnoses and plans); a list keeps its newest
+    items after the mark.
+    """
+
+    kind: str
+    head: str
+    items: tuple[str, ...]
+    mark: str = ""
+
+    @property
+    def text(self) -> str:
+        if self.kind == "note":
+            return self.head + self.mark.join(self.items)
+        return self.head + self.mark + "; ".join(self.items)
+
+    @property
+    def count(self) -> int:
+        return 1 if self.kind == "note" else len(self.items)
+
+    def cut(self, limit: int) -> Line | None:
+        """This line in at most `limit` characters, or None when too little of it would be left.
+
+        >>> Line("lab", "  Labs: ", ("K 3.1", "K 3.9", "K 4.4")).cut(40).text
+        '  Labs: [1 earlier omitted] K 3.9; K 4.4'
+        """
+        if self.mark:  # already shortened once: no second cut
+            return None
+        if self.kind == "note":
+            body = self.items[0]
+            mark = f" … [{len(body)} characters omitted] … "  # the longest it can be
+            room = limit - len(self.head) - len(mark)
+            if room < MIN_NOTE_CHARS:
+                return None
+            start, end = body[:room - room // 2], body[len(body) - room // 2:]
+            return replace(self, items=(start, end), mark=f" … [{len(body) - room} characters omitted] … ")
+        size = len(self.head) - 2
+        for kept in range(len(self.items)):  # how many of the newest items fit after the mark
+            size += len(self.items[-kept - 1]) + 2
+            mark = f"[{len(self.items) - kept - 1} earlier omitted] "
+            if size + len(mark) > limit:
+                break
+        else:
+            return self
+        if kept == 0:
+            return None
+        return replace(self, items=self.items[-kept:], mark=f"[{len(self.items) - kept} earlier omitted] ")
+
+
+@dataclass(frozen=True)
+class Block:
+    """A title line (one encounter, or the events between two encounters) and its event lines."""
+
+    title: str
+    lines: tuple[Line, ...]
+    encounter: bool = True
+
+    @property
+    def text(self) -> str:
+        return "\n".join([self.title, *(line.text for line in self.lines)])
+
+
+@dataclass(frozen=True)
+class History:
+    """A rendered pre-target record: a fixed header plus blocks from oldest to newest."""
+
+    header: str
+    blocks: list[Block]
+
+    @property
+    def text(self) -> str:
+        return "\n\n".join([self.header, *(block.text for block in self.blocks)])
 
 
 def _code_label(code: str, titles: dict[str, str | None]) -> str:
@@ -27,63 +133,171 @@ def _day(value) -> str:
     return value.strftime("%Y-%m-%d") if value is not None else "undated"
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _note(time, code: str, text: str | None) -> Line:
+    first, *rest = (text or "").replace("\r\n", "\n").replace("\r", "\n").strip().split("\n")
+    body = "\n".join([first, *(NOTE_INDENT + line.rstrip() if line.strip() else "" for line in rest)])
+    return Line("note", f"  Note [{code.split('//', 1)[-1]}, {_day(time)}] ", (body,))
+
+
+def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: str = "") -> list[Line]:
+    """One line per kind of event (items in time order, repeats shown once), then one line per note."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    notes = []
+    for time, code, value, text in events.select("time", "code", "numeric_value", "text_value").iter_rows():
+        kind = MEDS_KINDS.get(code.split("//", 1)[0], "other")
+        if kind == "note":
+            notes.append(_note(time, code, text))
+        elif kind in ("diagnosis", "procedure"):
+            groups[kind].append(_code_label(code, titles))
+        elif kind == "medication":
+            groups[kind].append(_one_line(code.split("//")[-1]))
+        elif kind == "lab":
+            parts = code.split("//")
+            unit = parts[2] if len(parts) > 2 else ""
+            shown = f"{value:g}" if value is not None else (text or "")
+            groups[kind].append(_one_line(f"{parts[1] if len(parts) > 1 else code} {shown} {unit}"))
+        else:
+            groups[kind].append(_one_line(code))
+    lines = [Line(kind, f"  {prefix}{label}: ", tuple(dict.fromkeys(groups[kind])))
+             for kind, label in LABELS.items() if groups[kind]]
+    return lines + notes
+
+
+def _encounter_block(number: int, start, events: pl.DataFrame, titles: dict[str, str | None]) -> Block:
+    kinds = pl.col("code").str.split("//").list.first()
+    admission = events.filter(kinds == "HOSPITAL_ADMISSION")["code"].to_list()
+    discharge = events.filter(kinds == "HOSPITAL_DISCHARGE")["code"].to_list()
+    title = (f"Encounter {number}: {_day(start)} to {_day(events['time'].max())}"
+             + (f", admitted {admission[-1].split('//', 1)[-1]}" if admission else "")
+             + (f", discharged {discharge[-1].split('//', 1)[-1]}" if discharge else ""))
+    rest = events.filter(~kinds.is_in(["HOSPITAL_ADMISSION", "HOSPITAL_DISCHARGE"]))
+    return Block(title, tuple(_event_lines(rest, titles)))
+
+
+def _outside_block(events: pl.DataFrame, titles: dict[str, str | None]) -> Block:
+    """Events outside any encounter, one line per day and kind (they can span years: each keeps its date)."""
+    lines = []
+    days = events.with_columns(pl.col("time").dt.date().alias("_day"))
+    for day in days.partition_by("_day", maintain_order=True):
+        lines += _event_lines(day, titles, prefix=f"{_day(day['time'][0])} ")
+    title = f"Outside encounters: {_day(events['time'].min())} to {_day(events['time'].max())}"
+    return Block(title, tuple(lines), encounter=False)
+
+
 def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> History:
     """Rendered H of one trajectory from its pre-target events (any order)."""
-    events = events.sort("time", "code", nulls_last=False)
+    events = events.sort("time", "code", "numeric_value", "text_value", nulls_last=False)
     header = []
     for code in events.filter(pl.col("code").str.starts_with("GENDER//"))["code"].to_list():
         header.append(f"Sex: {code.split('//', 1)[1]}")
     births = events.filter(pl.col("code") == "MEDS_BIRTH")["time"].to_list()
     if births:
         header.append(f"Born: {births[0].year}")
-    encounters = (events.filter(pl.col("encounter_id").is_not_null())
-                  .group_by("encounter_id").agg(pl.col("time").min().alias("start"))
+    inside = events.filter(pl.col("encounter_id").is_not_null())
+    encounters = (inside.group_by("encounter_id").agg(pl.col("time").min().alias("start"))
                   .sort("start", "encounter_id", nulls_last=True))
-    by_encounter = events.filter(pl.col("encounter_id").is_not_null()).partition_by("encounter_id", as_dict=True)
-    blocks = []
+    by_encounter = inside.partition_by("encounter_id", as_dict=True)
+    outside = events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
+                            & (pl.col("code") != "MEDS_BIRTH"))
+    # An event outside encounters follows the last encounter that began on or before it.
+    starts = [start for start in encounters["start"].to_list() if start is not None]
+    gaps = outside.with_columns(pl.Series("_gap", [bisect_right(starts, t) for t in outside["time"].to_list()],
+                                          dtype=pl.Int64))
+    between = {gap: part.drop("_gap") for (gap,), part in gaps.partition_by("_gap", as_dict=True).items()}
+    blocks = [_outside_block(between[0], titles)] if 0 in between else []
     for number, (encounter_id, start) in enumerate(encounters.iter_rows(), 1):
         blocks.append(_encounter_block(number, start, by_encounter[(encounter_id,)], titles))
-    loose = events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
-                          & (pl.col("code") != "MEDS_BIRTH"))
-    if not loose.is_empty():
-        lines = [f"  {_day(t)} {_code_label(c, titles)}{'' if v is None else f' {v:g}'}"
-                 for t, c, v in loose.select("time", "code", "numeric_value").iter_rows()]
-        blocks.append("Events outside encounters:\n" + "\n".join(lines))
+        if number in between:
+            blocks.append(_outside_block(between[number], titles))
     return History("\n".join(header) or "Demographics: not recorded", blocks)
 
 
-def _encounter_block(number: int, start, events: pl.DataFrame, titles: dict[str, str | None]) -> str:
-    groups: dict[str, list[str]] = defaultdict(list)
-    admission = discharge = None
-    end = events["time"].max()
-    for time, code, value, text in events.select("time", "code", "numeric_value", "text_value").iter_rows():
-        kind = code.split("//", 1)[0]
-        if kind == "HOSPITAL_ADMISSION":
-            admission = code.split("//", 1)[-1]
-        elif kind == "HOSPITAL_DISCHARGE":
-            discharge = code.split("//", 1)[-1]
-        elif kind == "DIAGNOSIS":
-            groups["Diagnoses"].append(_code_label(code, titles))
-        elif kind == "PROCEDURE":
-            groups["Procedures"].append(_code_label(code, titles))
-        elif kind == "MEDICATION":
-            groups["Medications"].append(code.split("//")[-1])
-        elif kind == "LAB":
-            parts = code.split("//")
-            unit = parts[2] if len(parts) > 2 else ""
-            shown = f"{value:g}" if value is not None else (text or "")
-            groups["Labs"].append(f"{parts[1] if len(parts) > 1 else code} {shown} {unit}".strip())
-        elif kind == "NOTE":
-            groups["Notes"].append(f"[{code.split('//', 1)[-1]}, {_day(time)}] {text or ''}".strip())
-        else:
-            groups["Other"].append(code)
-    title = (f"Encounter {number}: {_day(start)} to {_day(end)}"
-             + (f", admitted {admission}" if admission else "") + (f", discharged {discharge}" if discharge else ""))
-    lines = [title]
-    for label in ("Diagnoses", "Procedures", "Medications", "Labs", "Other"):
-        if groups[label]:
-            unique = list(dict.fromkeys(groups[label]))
-            lines.append(f"  {label}: " + "; ".join(unique))
-    for note in groups["Notes"]:
-        lines.append(f"  Note {note}")
-    return "\n".join(lines)
+def _marker(chars: int, gone: Counter) -> str:
+    """The line that stands where H was shortened.
+
+    >>> _marker(5230, Counter(lab=590, note=1))
+    '[history shortened to fit: 5230 characters omitted (590 lab results, 1 note)]'
+    """
+    parts = [f"{gone[kind]} {one if gone[kind] == 1 else many}" for kind, (one, many) in NOUNS.items() if gone[kind]]
+    return f"[history shortened to fit: {chars} characters omitted" + (f" ({', '.join(parts)})" if parts else "") + "]"
+
+
+def fit_history(history: History, budget_chars: int) -> tuple[str, int]:
+    """The history within `budget_chars`, least informative text first; returns (text, characters of H omitted).
+
+    Older notes go first, then older labs, then the labs and notes of the newest encounter (the newest
+    values last), then medications, procedures and other codes; only then whole blocks with their
+    diagnoses, oldest first. One line may be shortened instead of dropped, marked where it was cut;
+    a marker after the header says how much was omitted.
+    """
+    full = history.text
+    if len(full) <= budget_chars:
+        return full, 0
+    totals = Counter(encounter=sum(block.encounter for block in history.blocks))
+    for line in (line for block in history.blocks for line in block.lines):
+        totals[line.kind] += line.count
+    longest = len(_marker(len(full), totals))  # every count at its largest
+    # The marker is written last, and what it says depends on what went: start from its shortest form and
+    # reserve more room while it does not fit.
+    reserve = len(_marker(len(full), Counter()))
+    while True:
+        body, dropped, gone = _shrink(history, budget_chars - reserve - 2)
+        marker = _marker(dropped, gone)
+        if len(marker) <= reserve or reserve >= longest:
+            text = "\n\n".join([history.header, marker, body])
+            assert len(text) <= budget_chars or len(history.header) + longest + 5 > budget_chars, (
+                f"fitted history has {len(text)} characters, budget {budget_chars}")
+            return text, dropped
+        reserve = min(max(reserve + 1, len(marker)), longest)
+
+
+def _shrink(history: History, room: int) -> tuple[str, int, Counter]:
+    """The blocks of H, shortened (`DROP_STEPS`) so that header, blank line and blocks fit in `room` characters;
+    returns (blocks text, characters of H omitted, what went by kind)."""
+    full = len(history.text)
+    lines = [list(block.lines) for block in history.blocks]
+    alive = [True] * len(lines)
+    recent_from = max((b for b, block in enumerate(history.blocks) if block.encounter), default=0)
+    over = full - room
+    gone: Counter = Counter()
+    for recent, kinds in DROP_STEPS:
+        for b, block in enumerate(lines):
+            if not alive[b] or (b >= recent_from) != recent:
+                continue
+            for i, line in enumerate(block):
+                if over <= 0:
+                    break
+                if line is None or line.kind not in kinds:
+                    continue
+                shorter = line.cut(len(line.text) - over)
+                if shorter is None:
+                    over -= len(line.text) + 1  # with its newline
+                    gone[line.kind] += line.count
+                else:
+                    over -= len(line.text) - len(shorter.text)
+                    gone[line.kind] += line.count - shorter.count  # a shortened note is still there
+                block[i] = shorter
+            if not history.blocks[b].encounter and all(line is None for line in block):
+                alive[b] = False  # a title over nothing left says nothing
+                over -= len(history.blocks[b].title) + 2
+    for b in [b for b in range(len(lines)) if alive[b]][:-1]:  # whole blocks, oldest first; never the newest
+        if over <= 0:
+            break
+        kept = [line for line in lines[b] if line is not None]
+        alive[b] = False
+        over -= len(Block(history.blocks[b].title, tuple(kept)).text) + 2
+        gone["encounter"] += history.blocks[b].encounter
+        for line in kept:
+            gone[line.kind] += line.count
+    body = "\n\n".join(Block(history.blocks[b].title, tuple(line for line in lines[b] if line is not None)).text
+                       for b in range(len(lines)) if alive[b])
+    marks = sum(len(line.mark) for block in lines for line in block if line is not None)
+    left = room - len(history.header) - 2
+    if body and len(body) > left:  # the newest block's diagnoses alone overflow: keep their beginning
+        body = body[:max(left - 1, 0)] + "…"
+        marks += 1
+    return body, full - len(history.header) - 2 - (len(body) - marks), gone

@@ -2,7 +2,7 @@
 
 A prompt file holds `version`, `system`, `user` (Python format templates) and `schema` (JSON Schema
 text). The renderer budgets the one variable payload (the patient history) to what the configured
-context window leaves after the fixed text and the reserved output, keeping the most recent part.
+context window leaves after the fixed text and the reserved output (`models.llm.history.fit_history`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dxr.errors import ConfigError, NotFoundError
 from models.llm.config import LLMConfig
+from models.llm.history import History, fit_history
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 
@@ -40,47 +41,6 @@ def load_prompt(name: str) -> Prompt:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, KeyError) as exc:
         raise ConfigError(f"prompt file {path} is malformed ({type(exc).__name__}: {exc}); it needs version, "
                           "system, user and schema (JSON text)") from exc
-
-
-@dataclass
-class History:
-    """A rendered pre-target record: a fixed header plus blocks (encounters) from oldest to newest."""
-
-    header: str
-    blocks: list[str]
-
-    @property
-    def text(self) -> str:
-        return "\n\n".join([self.header, *self.blocks])
-
-
-def fit_history(history: History, budget_chars: int) -> tuple[str, int]:
-    """The history within `budget_chars`, dropping the oldest blocks first; returns (text, chars dropped).
-
-    >>> fit_history(History("Sex: F", ["x" * 50, "new visit"]), 60)
-    ('Sex: F\\n\\n[earlier history omitted: 52 characters]\\n\\nnew visit', 52)
-    """
-    full = history.text
-    if len(full) <= budget_chars:
-        return full, 0
-    kept: list[str] = []
-    for block in reversed(history.blocks):
-        dropped = len(full) - len("\n\n".join([history.header, block, *kept]))
-        marker = f"[earlier history omitted: {dropped} characters]"
-        if len("\n\n".join([history.header, marker, block, *kept])) > budget_chars:
-            break
-        kept.insert(0, block)
-    if not kept:
-        # Even the newest block alone is too long: keep its end, which is its most recent part.
-        newest = history.blocks[-1] if history.blocks else ""
-        room = max(budget_chars - len(history.header) - 60, 0)
-        tail = newest[len(newest) - room:] if room else ""
-        dropped = len(full) - len(history.header) - len(tail) - 2
-        marker = f"[earlier history omitted: {dropped} characters]"
-        return "\n\n".join(p for p in (history.header, marker, tail) if p), dropped
-    body = "\n\n".join(kept)
-    dropped = len(full) - len(history.header) - len(body) - 2
-    return "\n\n".join([history.header, f"[earlier history omitted: {dropped} characters]", body]), dropped
 
 
 @dataclass

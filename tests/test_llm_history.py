@@ -1,0 +1,172 @@
+"""The readable pre-target record H: its timeline and how it shrinks to a budget."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import re
+from datetime import datetime, timedelta
+
+import polars as pl
+import pytest
+
+from models.llm.config import LLMConfig
+from models.llm.history import render_history
+from models.llm.prompts import fit_history, load_prompt, render
+
+SCHEMA = {"code": pl.String, "time": pl.Datetime("us"), "numeric_value": pl.Float32, "text_value": pl.String,
+          "encounter_id": pl.Int64}
+TITLES = {"DIAGNOSIS//ICD//10//I5022": "Chronic systolic heart failure",
+          "DIAGNOSIS//ICD//10//N179": "Acute kidney failure, unspecified"}
+
+
+def events(*rows) -> pl.DataFrame:
+    """Pre-target events from (code, time, numeric_value, text_value, encounter_id) rows."""
+    return pl.DataFrame(list(rows), schema=SCHEMA, orient="row")
+
+
+def d(year: int, month: int = 1, day: int = 1) -> datetime:
+    return datetime(year, month, day)
+
+
+def user_message(history_events: pl.DataFrame, config: LLMConfig | None = None):
+    rendered = render(load_prompt("direct_forecast"), config or LLMConfig(), render_history(history_events, TITLES),
+                      icd_versions="ICD-10-CM")
+    return rendered, rendered.messages[1]["content"]
+
+
+def test_events_outside_encounters_sit_between_encounters_in_time_order_with_their_values():
+    history = render_history(events(
+        ("GENDER//F", None, None, None, None),
+        ("DIAGNOSIS//ICD//10//N179", d(2020, 1, 5), None, None, 2),
+        ("LAB//HIV Antibody (Blood)//no unit", d(2019, 3, 1), None, "POSITIVE", None),
+        ("NOTE//RADIOLOGY", d(2019, 3, 2), None, "CT chest: new 3 cm mass\nin right upper lobe.", None),
+        ("LAB//Creatinine (Blood)//mg/dL", d(2019, 3, 2), 1.4, None, None),
+        ("DIAGNOSIS//ICD//10//I5022", d(2019, 1, 5), None, None, 1),
+        ("LAB//Creatinine (Blood)//mg/dL", d(2018, 6, 1), 1.1, None, None),
+        ("LAB//Potassium (Blood)//mEq/L", d(2020, 2, 1), 5.9, None, None),
+    ), TITLES)
+    assert history.text == """Sex: F
+
+Outside encounters: 2018-06-01 to 2018-06-01
+  2018-06-01 Labs: Creatinine (Blood) 1.1 mg/dL
+
+Encounter 1: 2019-01-05 to 2019-01-05
+  Diagnoses: I50.22 Chronic systolic heart failure
+
+Outside encounters: 2019-03-01 to 2019-03-02
+  2019-03-01 Labs: HIV Antibody (Blood) POSITIVE no unit
+  2019-03-02 Labs: Creatinine (Blood) 1.4 mg/dL
+  Note [RADIOLOGY, 2019-03-02] CT chest: new 3 cm mass
+    in right upper lobe.
+
+Encounter 2: 2020-01-05 to 2020-01-05
+  Diagnoses: N17.9 Acute kidney failure, unspecified
+
+Outside encounters: 2020-02-01 to 2020-02-01
+  2020-02-01 Labs: Potassium (Blood) 5.9 mEq/L"""
+
+
+def outpatient_creatinine(n: int) -> list[tuple]:
+    """`n` outpatient creatinine results (no encounter, as MIMIC-IV's importer keeps them), every 3 days from 2015."""
+    return [("LAB//Creatinine (Blood)//mg/dL", d(2015) + timedelta(days=3 * i), 1.0 + i / 1000, None, None)
+            for i in range(n)]
+
+
+def test_six_hundred_outpatient_labs_leave_every_diagnosis_in_the_prompt():
+    rows = [("DIAGNOSIS//ICD//10//I5022", d(2019, 1, 5), None, None, 1),
+            ("DIAGNOSIS//ICD//10//N179", d(2020, 1, 5), None, None, 2), *outpatient_creatinine(600)]
+    config = LLMConfig()
+    rendered, user = user_message(events(*rows), config)
+    assert "I50.22 Chronic systolic heart failure" in user and "N17.9 Acute kidney failure, unspecified" in user
+    assert sum(len(m["content"]) for m in rendered.messages) <= (config.context_window - config.max_output_tokens) * 3
+    # The oldest results went, the newest stayed, and the marker counts them.
+    kept = re.findall(r"^  (\d{4}-\d\d-\d\d) Labs: Creatinine", user, flags=re.M)
+    assert 0 < len(kept) < 600 and kept[-1] == "2019-12-03" and "2015-01-01" not in kept
+    assert kept == [(d(2015) + timedelta(days=3 * i)).strftime("%Y-%m-%d") for i in range(600 - len(kept), 600)]
+    assert (f"[history shortened to fit: {rendered.truncated_chars} characters omitted "
+            f"({600 - len(kept)} lab results)]") in user
+
+
+def test_a_long_note_of_the_newest_encounter_is_shortened_and_the_diagnoses_stay():
+    note = "Chief complaint: dyspnea. " + "Patient stable on ward. " * 1200 + "Discharge diagnosis: CHF."
+    history = render_history(events(
+        ("DIAGNOSIS//ICD//10//I5022", d(2020, 1, 5), None, None, 1),
+        ("DIAGNOSIS//ICD//10//N179", d(2020, 1, 5), None, None, 1),
+        ("NOTE//DISCHARGE_SUMMARY", d(2020, 1, 5), None, note, 1),
+        ("DIAGNOSIS//ICD//10//E119", d(2019, 1, 5), None, None, 0),
+    ), TITLES)
+    text, dropped = fit_history(history, 20000)
+    assert len(text) <= 20000
+    assert "E11.9" in text and "I50.22 Chronic systolic heart failure" in text and "N17.9" in text
+    # The note keeps its beginning and its end, marked where it was cut.
+    line = text.splitlines()[-1]
+    assert line.startswith("  Note [DISCHARGE_SUMMARY, 2020-01-05] Chief complaint: dyspnea.")
+    assert line.endswith("Discharge diagnosis: CHF.") and f" … [{dropped} characters omitted] … " in line
+    assert f"[history shortened to fit: {dropped} characters omitted]" in text
+    assert len(text) == len(history.text) - dropped + len(f"[history shortened to fit: {dropped} characters omitted]"
+                                                          "\n\n" f" … [{dropped} characters omitted] … ")
+
+
+# One older and one newest encounter, each with labs, a note, medications and diagnoses.
+LADDER = events(
+    ("DIAGNOSIS//ICD//10//E119", d(2019, 1, 5), None, None, 1),
+    ("LAB//HbA1c//%", d(2019, 1, 4), 8.1, None, 1),
+    ("MEDICATION//NAME//metformin", d(2019, 1, 4), None, None, 1),
+    ("NOTE//DISCHARGE_SUMMARY", d(2019, 1, 5), None, "older note " * 30, 1),
+    ("DIAGNOSIS//ICD//10//I5022", d(2020, 1, 5), None, None, 2),
+    ("DIAGNOSIS//ICD//10//N179", d(2020, 1, 5), None, None, 2),
+    ("LAB//Creatinine//mg/dL", d(2020, 1, 4), 2.3, None, 2),
+    ("MEDICATION//NAME//furosemide", d(2020, 1, 4), None, None, 2),
+    ("NOTE//DISCHARGE_SUMMARY", d(2020, 1, 5), None, "newest note " * 30, 2),
+)
+
+
+def test_truncation_gives_up_notes_and_labs_before_any_diagnosis_at_every_budget():
+    history = render_history(LADDER, TITLES)
+    full = history.text
+    assert fit_history(history, len(full)) == (full, 0)
+    # What goes first comes first: each piece is present only while everything before it still is.
+    order = ["older note", "HbA1c 8.1", "Creatinine 2.3", "newest note", "metformin", "furosemide", "E11.9",
+             "I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, unspecified"]
+    seen = set()
+    for budget in range(len(full) - 1, 199, -1):  # render() allows 200 and up
+        text, dropped = fit_history(history, budget)
+        assert len(text) <= budget and dropped > 0, budget
+        assert fit_history(history, budget) == (text, dropped)  # deterministic
+        present = [piece in text for piece in order]
+        if not any(present):  # only the beginning of the newest encounter is left
+            kept = text.split("\n\n", 2)[2]
+            assert kept.endswith("…") and history.blocks[-1].text.startswith(kept[:-1]), budget
+            continue
+        first_kept = present.index(True)
+        assert all(present[first_kept:]), f"budget {budget}: {dict(zip(order, present))}"
+        seen.add(first_kept)
+        assert text.startswith(f"Demographics: not recorded\n\n[history shortened to fit: {dropped} characters")
+    assert seen == set(range(len(order)))  # every step was reached
+
+
+def test_truncation_marker_counts_what_went():
+    history = render_history(LADDER, TITLES)
+    assert len(history.text) == 1083
+    text, dropped = fit_history(history, 340)
+    assert text == ("Demographics: not recorded\n\n[history shortened to fit: 842 characters omitted (1 medication, "
+                    "2 lab results, 2 notes)]\n\nEncounter 1: 2019-01-04 to 2019-01-05\n  Diagnoses: E11.9\n\n"
+                    "Encounter 2: 2020-01-04 to 2020-01-05\n  Diagnoses: I50.22 Chronic systolic heart failure; "
+                    "N17.9 Acute kidney failure, unspecified\n  Medications: furosemide")
+    assert dropped == 842 == 1083 - (len(text) - len(text.split("\n\n")[1]) - 2)
+    text, dropped = fit_history(history, 300)
+    assert text == ("Demographics: not recorded\n\n[history shortened to fit: 926 characters omitted (1 earlier "
+                    "encounter, 1 diagnosis, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "
+                    "2020-01-05\n  Diagnoses: I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, "
+                    "unspecified")
+    assert dropped == 926
+    # Below the newest encounter's own diagnoses, its beginning is kept.
+    text, dropped = fit_history(history, 200)
+    assert len(text) == 200 and text.endswith("\n\nEncounter 2: 2020-01-04 to 2020-01-05\n  Diag…")
+
+
+@pytest.mark.parametrize("module", ["models.llm.history"])
+def test_doctests(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0, f"{module}: {result}"
