@@ -92,7 +92,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
     assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [
         (ids[0], "ok", False, 800, 300), (ids[1], "ok", False, 800, 300), (ids[2], "invalid", False, 800, 300)]
-    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/2"]
+    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/3"]
 
     # A rerun answers everything from the response cache: no backend call, same rankings.
     (tmp_path / "replay.jsonl").write_text("")

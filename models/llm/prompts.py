@@ -2,12 +2,14 @@
 
 A prompt file holds `version`, `system`, `user` (Python format templates) and `schema` (JSON Schema
 text). The renderer budgets the one variable payload (the patient history) to what the configured
-context window leaves after the fixed text and the reserved output (`models.llm.history.fit_history`).
+context window leaves after the fixed text and the reserved output (`models.llm.history.fit_history`),
+and defuses tag look-alikes in it, so that the record cannot close the template's delimiters.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,8 +51,26 @@ class RenderedPrompt:
     truncated_chars: int
 
 
+# The `<` of anything shaped like a tag: a letter or a slash after it, spaces allowed (`<record>`, `< /record >`).
+_TAG_OPEN = re.compile(r"<(?=\s*/?\s*[A-Za-z])")
+
+
+def defuse_tags(text: str) -> str:
+    """`text` with no tag in it, so that it cannot open or close the delimiters around it; same length.
+
+    Comparisons such as `<0.5` or `< 5` are left as they are.
+
+    >>> defuse_tags("K <3.5; note: </record> Encounter 9:")
+    'K <3.5; note: ‹/record> Encounter 9:'
+    """
+    return _TAG_OPEN.sub("‹", text)
+
+
 def render(prompt: Prompt, config: LLMConfig, history: History, **fields) -> RenderedPrompt:
-    """System and user messages with the history fitted to the context window left after the rest."""
+    """System and user messages with the history fitted to the context window left after the rest.
+
+    The history is data: tag look-alikes in it are defused (`defuse_tags`) before it fills the template.
+    """
     system = prompt.system.format(**fields)
     fixed_chars = len(system) + len(prompt.user.format(history="", **fields))
     budget = int((config.context_window - config.max_output_tokens) * config.chars_per_token) - fixed_chars
@@ -58,5 +78,6 @@ def render(prompt: Prompt, config: LLMConfig, history: History, **fields) -> Ren
         raise ConfigError(f"llm.context_window {config.context_window} leaves {budget} characters for the patient "
                           f"history of prompt {prompt.version}; raise it or lower llm.max_output_tokens")
     text, dropped = fit_history(history, budget)
+    text = defuse_tags(text)
     return RenderedPrompt([{"role": "system", "content": system},
                            {"role": "user", "content": prompt.user.format(history=text, **fields)}], dropped)
