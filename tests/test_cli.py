@@ -126,6 +126,17 @@ def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     assert "(gold tables need --with-gold)" in line
     result = run("sql", "SELECT count(*) AS n FROM targets", "--with-gold", "--format", "csv", data_dir=tmp_path)
     assert result.output == "n\n0\n"
+    # EXPLAIN ANALYZE executes the statement it explains: a COPY inside it would write, with or without gold.
+    for explain in ("EXPLAIN ANALYZE", "EXPLAIN /* plan */ (ANALYZE, FORMAT json)"):
+        for gold in ((), ("--with-gold",)):
+            copy = f"{explain} COPY (SELECT 1 AS a) TO '{tmp_path / 'forecast' / 'leak.csv'}'"
+            assert "does not run EXPLAIN ANALYZE" in one_line_error(run("sql", copy, *gold, data_dir=tmp_path))
+    assert not (tmp_path / "forecast" / "leak.csv").exists()
+    assert run("sql", "EXPLAIN SELECT 1 AS analyzed", data_dir=tmp_path).exit_code == 0
+    # The gold connection reads the warehouse, not the rest of the machine.
+    (tmp_path.parent / "outside.csv").write_text("secret\n1\n")
+    outside = f"SELECT * FROM read_csv('{tmp_path.parent / 'outside.csv'}')"
+    assert "reads outside the warehouse" in one_line_error(run("sql", outside, "--with-gold", data_dir=tmp_path))
 
 
 def test_config_show_reports_file_and_env(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import re
 import duckdb
 
 from dxr.errors import InputError, NotFoundError
+from warehouse import duck
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, check_run_id
 
@@ -33,6 +34,11 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
                             "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
     for attempt in (1, 2):
         con = wh.connect(gold=with_gold, run_id=run_id, tables=named_tables(query))
+        if with_gold:  # the gold connection reads everything of the warehouse, and nothing outside it
+            con.execute(f"SET allowed_directories=[{duck.literal(f'{wh.forecast_dir}/')}, "
+                        f"{duck.literal(f'{wh.gold_dir}/')}]")
+            con.execute("SET enable_external_access=false")
+        con.execute("SET lock_configuration=true")
         try:
             # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and
             # the connection may write inside the forecasting store it reads.
@@ -42,9 +48,15 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
                               or kinds[0] not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)):
                 raise InputError(f"dxr sql runs exactly one read-only query; this text holds {len(kinds)} "
                                  f"statement(s) of kind {', '.join(k.name for k in kinds)}: send a single SELECT")
+            if kinds == [duckdb.StatementType.EXPLAIN] and _analyzes(query):
+                raise InputError("dxr sql does not run EXPLAIN ANALYZE: it executes the statement it explains "
+                                 "(which may write files); use EXPLAIN alone")
             cursor = con.execute(query)
             break
         except duckdb.PermissionException as exc:
+            if with_gold:
+                raise InputError(f"query reads outside the warehouse at {wh.root} "
+                                 f"({exc.args[0].splitlines()[0]}): dxr sql reads only warehouse tables") from exc
             raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
                              "add --with-gold to read gold tables") from exc
         except duckdb.CatalogException as exc:
@@ -67,6 +79,16 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
         writer.writerows(rows)
         return out.getvalue()
     return format_table(columns, rows)
+
+
+def _analyzes(query: str) -> bool:
+    """Whether an EXPLAIN statement asks for ANALYZE (in any spelling or position, e.g. `EXPLAIN (ANALYZE) …`).
+
+    Read from DuckDB's own tokens, so a comment or a string holding the word does not count.
+    """
+    words = (query[start:].split(None, 1)[0].strip("(),").lower() for start, kind in duckdb.tokenize(query)
+             if kind in (duckdb.token_type.keyword, duckdb.token_type.identifier))
+    return any(word in ("analyze", "analyse") for word in words)
 
 
 def named_tables(query: str) -> set[str] | None:
