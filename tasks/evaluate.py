@@ -58,7 +58,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.runs import EVALUATE_KIND, holding_run, record_run
+from warehouse.runs import EVALUATE_KIND, holding_run, mark_stale, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, conform
 
@@ -618,11 +618,16 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     started = datetime.now()
     with holding_run(wh, run_id, exclusive=True):
         evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
+        # Until every table is written, the earlier evaluation is not `finished`: a process killed among the
+        # writes leaves a mix of old and new rows, and says so.
+        mark_stale(wh, run_id, EVALUATE_KIND)
         write_evaluation(wh, evaluation)
-    config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
-              "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
-    record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
-               datetime.now())
+        config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
+                  "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
+        # Under the lock: a forecast rerun starting right after it marks this evaluation stale, and must not be
+        # overwritten by a late `finished`.
+        record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
+                   datetime.now())
     return evaluation.metrics
 
 

@@ -118,6 +118,12 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
     """
     fused = [other for other, sources in FUSED_INPUTS.items()
              if system in sources and wh.has_rows("ranking_status", run_id=run_id, system=other)]
+    # The registry must not go on calling finished what is about to go: the fused systems' forecasts and the
+    # run's evaluation are `stale` until they are run again. Marked first, so a process killed among the
+    # deletions below leaves them stale, not finished over half-deleted rows.
+    for cleared in fused:
+        mark_stale(wh, run_id, f"forecast:{cleared}")
+    mark_stale(wh, run_id, EVALUATE_KIND)
     for cleared in (system, *fused):
         # Statuses before lists: a status row tells a fused system that the trajectory's list exists.
         for table in ("ranking_status", "rankings", "metrics", "evaluation_coverage"):
@@ -128,11 +134,6 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
             wh.delete("llm_calls", run_id=run_id, stage=cleared)
     for table in ("paired_comparisons", "headroom"):
         wh.delete(table, run_id=run_id)
-    # The registry must not go on calling finished what is gone: the fused systems' forecasts and the
-    # run's evaluation are `stale` until they are run again.
-    for cleared in fused:
-        mark_stale(wh, run_id, f"forecast:{cleared}")
-    mark_stale(wh, run_id, EVALUATE_KIND)
     return fused
 
 

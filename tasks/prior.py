@@ -16,7 +16,7 @@ from prefect import task
 
 from dxr.errors import NotFoundError
 from models.prior import tracking
-from models.prior.config import PriorConfig
+from models.prior.config import PriorConfig, check_prior_system
 from tasks import stage_logger
 from warehouse.cohorts import get_cohort, reading_cohort
 from warehouse.runs import registered_run
@@ -32,6 +32,7 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
     """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`."""
     from models.prior.train import train_prior_model  # imports Lightning (seconds): listing and promoting do not
 
+    check_prior_system(system)  # before the run is registered: a typo is no failed training
     wh = Warehouse(data_dir)
     with reading_cohort(wh, cohort) as cohort_row:
         cohort_id = cohort_row["cohort_id"]

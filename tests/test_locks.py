@@ -73,6 +73,45 @@ def test_one_system_forecasts_a_run_at_a_time_and_evaluation_waits_for_forecasts
         forecast_flow(str(wh.root), "default", "global_frequency", split="all", run_id="r1:ehr_prior")
 
 
+def test_an_evaluation_is_recorded_finished_while_it_still_holds_the_run(tiny_cohort, prefect_harness, monkeypatch):
+    # Recorded after the lock was released, a `finished` could overwrite the `stale` of a forecast rerun that
+    # started in between and removed this evaluation's metrics.
+    import tasks.evaluate
+
+    wh, _ = tiny_cohort
+    forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    real_record, recorded = tasks.evaluate.record_run, []
+
+    def record_while_held(*args, **kwargs):
+        with pytest.raises(InputError, match="a forecast is refused"):
+            with held(wh, "run:r1", shared=True, busy="a forecast is refused"):
+                pass
+        recorded.append(args[3])
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.evaluate, "record_run", record_while_held)
+    evaluate_run(wh, "r1", ks=(20,), n_boot=0)
+    assert recorded == ["evaluate"]
+
+
+def test_a_rerun_killed_while_clearing_leaves_the_evaluation_stale_not_finished(tiny_cohort, prefect_harness,
+                                                                                 monkeypatch):
+    wh, _ = tiny_cohort
+    forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    evaluate_run(wh, "r1", ks=(20,), n_boot=0)
+    real_delete = type(wh).delete
+
+    def killed_at_the_metrics(self, table, **keys):
+        if table == "metrics":
+            raise KeyboardInterrupt  # the rankings are gone, the metrics not yet
+        return real_delete(self, table, **keys)
+
+    monkeypatch.setattr(type(wh), "delete", killed_at_the_metrics)
+    with pytest.raises(KeyboardInterrupt):
+        forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    assert wh.read("runs", run_id="r1", kind="evaluate")["status"].to_list() == ["stale"]
+
+
 def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):
     wh, cohort_id = tiny_cohort
     forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")

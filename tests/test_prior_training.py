@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from mlflow.exceptions import MlflowException
 
 from dxr.cli import main
-from dxr.errors import ConfigError, NotFoundError
+from dxr.errors import ConfigError, InputError, NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.lit import PriorDataModule
@@ -247,6 +247,13 @@ def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_pat
     runs = Warehouse(tmp_path).read("runs").sort("kind")
     assert runs.select("run_id", "kind", "status", "cohort_id").rows() == [
         ("cli-train-1", "train:dense_prior", "finished", cohort), ("cli-train-1", "train:gru", "finished", cohort)]
+
+
+def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_path):
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
+    with pytest.raises(InputError, match="unknown prior system 'repeat_history': use one of ehr_prior"):
+        train_prior(str(tmp_path), cohort, "repeat_history", PriorConfig(), run_id="typo-1")
+    assert Warehouse(tmp_path).read("runs").is_empty()
 
 
 def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_version(tmp_path):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dxr.errors import InputError
+
 ARCHS = {"ehr_prior": "moe", "dense_prior": "dense", "gru": "gru"}
+
+
+def check_prior_system(system: str) -> str:
+    if system not in ARCHS:
+        raise InputError(f"unknown prior system {system!r}: use one of {', '.join(ARCHS)}")
+    return system
 
 
 class PriorConfig(BaseModel):

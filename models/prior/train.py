@@ -14,9 +14,8 @@ import duckdb
 import lightning as L
 import torch
 
-from dxr.errors import InputError
 from models.prior import tracking
-from models.prior.config import ARCHS, PriorConfig
+from models.prior.config import ARCHS, PriorConfig, check_prior_system
 from models.prior.lit import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
 
@@ -40,9 +39,7 @@ class TrainResult:
 
 
 def net_config(system: str, cfg: PriorConfig, n_input: int, n_output: int) -> NetConfig:
-    if system not in ARCHS:
-        raise InputError(f"unknown prior system {system!r}: use one of {', '.join(ARCHS)}")
-    arch = ARCHS[system]
+    arch = ARCHS[check_prior_system(system)]
     return NetConfig(n_input_codes=n_input, n_output_codes=n_output, arch=arch, d_model=cfg.d_model,
                      n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_experts=cfg.n_experts, top_k=cfg.top_k,
                      expert_hidden=cfg.expert_hidden, dropout=cfg.dropout, max_visits=cfg.max_visits,
