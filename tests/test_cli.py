@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,6 +134,10 @@ def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
             assert "does not run EXPLAIN ANALYZE" in one_line_error(run("sql", copy, *gold, data_dir=tmp_path))
     assert not (tmp_path / "forecast" / "leak.csv").exists()
     assert run("sql", "EXPLAIN SELECT 1 AS analyzed", data_dir=tmp_path).exit_code == 0
+    # JSON lines are JSON: no key is lost to a repeated column name, and NaN or infinity is null.
+    result = run("sql", "SELECT 1 AS code, 2 AS code, 'nan'::DOUBLE AS x, 'inf'::DOUBLE AS y", "--format", "json",
+                 data_dir=tmp_path)
+    assert json.loads(result.output) == {"code": 1, "code_1": 2, "x": None, "y": None}
     # The gold connection reads the warehouse, not the rest of the machine.
     (tmp_path.parent / "outside.csv").write_text("secret\n1\n")
     outside = f"SELECT * FROM read_csv('{tmp_path.parent / 'outside.csv'}')"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 
 import duckdb
@@ -71,7 +72,8 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
     columns = [d[0] for d in cursor.description]
     rows = cursor.fetchall()
     if fmt == "json":
-        return "".join(json.dumps(dict(zip(columns, r)), default=str) + "\n" for r in rows)
+        keys = unique_names(columns)
+        return "".join(json.dumps(dict(zip(keys, map(_json_value, r))), default=str) + "\n" for r in rows)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
@@ -89,6 +91,28 @@ def _analyzes(query: str) -> bool:
     words = (query[start:].split(None, 1)[0].strip("(),").lower() for start, kind in duckdb.tokenize(query)
              if kind in (duckdb.token_type.keyword, duckdb.token_type.identifier))
     return any(word in ("analyze", "analyse") for word in words)
+
+
+def unique_names(columns: list[str]) -> list[str]:
+    """Column names as JSON keys: a repeated name (`SELECT r.code, s.code`) gets `_1`, `_2`, … (a suffix no
+    other column has).
+
+    >>> unique_names(["code", "code", "n", "code", "code_1"])
+    ['code', 'code_2', 'n', 'code_3', 'code_1']
+    """
+    names: list[str] = []
+    for name in columns:
+        unique, count = name, 0
+        while unique in names or (unique != name and unique in columns):
+            count += 1
+            unique = f"{name}_{count}"
+        names.append(unique)
+    return names
+
+
+def _json_value(value):
+    """NaN and infinities have no JSON spelling (json.dumps would write `NaN`, which JSON parsers refuse): null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def named_tables(query: str) -> set[str] | None:
