@@ -68,7 +68,9 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
             reply = await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
                                                check=check_confidence_order)
         except ConfigError:
-            raise  # a backend that cannot run at all is the run's failure, not this trajectory's
+            # A backend that cannot serve the run at all (bad key, unknown model, a parameter it does not take,
+            # a replay file without the run's requests) is the run's failure, not this trajectory's.
+            raise
         except (DxrError, TransportError) as exc:
             return [], ("failed", str(exc)[:500])
         predictions = reply["predictions"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -99,6 +100,24 @@ def cohort_inputs(wh, cohort_id: str, split: str = "all") -> tuple[pl.DataFrame,
     parts = [shard_inputs(wh, cohort_id, shard, split) for shard in forecast_shards(wh, cohort_id, split)]
     return (pl.concat([trajectories for trajectories, _ in parts]).sort("trajectory_id"),
             pl.concat([pretarget for _, pretarget in parts]))
+
+
+@asynccontextmanager
+async def serving(handler):
+    """`handler` as `/v1/chat/completions` of an aiohttp server on a free 127.0.0.1 port; yields the base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        await runner.cleanup()
 
 
 def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 
 import polars as pl
 import pytest
@@ -219,3 +220,93 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     assert result.exit_code == 1
     assert ("Error: run 'cli-d' has no ehr_prior rankings; Union + RRF fuses lists of the same run: first run "
             "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output
+
+
+# ---- Direct Forecast against a real local HTTP endpoint ------------------------------------------
+
+def record_of(trajectory_id: str, encounters: int, codes=VALID[:8]) -> list[tuple]:
+    """Pre-target rows of one trajectory: `encounters` encounters, each with `codes`."""
+    return [(trajectory_id, datetime(2020, 1, 1) + timedelta(days=10 * e), "DIAGNOSIS//ICD//10//" + c.replace(".", ""),
+             None, None, e) for e in range(encounters) for c in codes]
+
+
+def direct_over_http(handler, records: dict[str, int], **overrides):
+    """forecast_direct of trajectories with `records[id]` encounters each, against `handler` as the endpoint:
+    (rankings, status, llm_calls), or the exception it raised."""
+    import asyncio
+
+    from models.llm.backends import OpenAIBackend
+    from tasks.direct import forecast_direct
+    from tests.conftest import serving
+
+    vocabulary = Vocabulary({"DIAGNOSIS//ICD//10//" + c.replace(".", ""): f"title of {c}" for c in VALID})
+    pretarget = pl.DataFrame([row for t, n in records.items() for row in record_of(t, n)], orient="row",
+                             schema={"trajectory_id": pl.String, "time": pl.Datetime("us"), "code": pl.String,
+                                     "numeric_value": pl.Float32, "text_value": pl.String, "encounter_id": pl.Int64})
+
+    async def scenario():
+        async with serving(handler) as url:
+            config = LLMConfig(backend="openai", base_url=url, model="served", cache=False, backoff_s=0.0,
+                               transport_retries=1, **overrides)
+            client = LLMClient(config, OpenAIBackend(url, 10))
+            try:
+                ranked, status = await forecast_direct(client, pl.DataFrame({"trajectory_id": list(records)}),
+                                                       pretarget, vocabulary, "r", "c", 20)
+            except Exception as exc:  # noqa: BLE001  (the test looks at which)
+                return exc
+            finally:
+                await client.close()
+        return ranked, status.sort("trajectory_id"), client.telemetry().sort("trajectory_id")
+
+    return asyncio.run(scenario())
+
+
+def completion(reply: dict):
+    from aiohttp import web
+
+    return web.json_response({"choices": [{"message": {"content": json.dumps(reply)}}],
+                              "usage": {"prompt_tokens": 100, "completion_tokens": 50}})
+
+
+def test_a_reply_that_cannot_be_read_fails_its_trajectory_only():
+    from aiohttp import web
+
+    async def handler(request):
+        prompt = (await request.json())["messages"][-1]["content"]
+        if "Encounter 2:" in prompt:  # the longer record: a proxy's error page with status 200
+            return web.Response(status=200, body=b"<html>upstream proxy error</html>", content_type="text/html")
+        return completion(predictions(VALID))
+
+    ranked, status, calls = direct_over_http(handler, {"t-bad": 2, "t-good": 1})
+    assert status.select("trajectory_id", "status").rows() == [("t-bad", "failed"), ("t-good", "ok")]
+    assert status["detail"][0].startswith("direct: gave up after 2 attempts: HTTP 200 from http://127.0.0.1:")
+    assert ranked.filter(pl.col("trajectory_id") == "t-good").height == 21
+    assert calls.select("trajectory_id", "status").rows() == [("t-bad", "transport_error"), ("t-good", "ok")]
+
+
+def test_a_backend_that_refuses_every_request_stops_the_run(tmp_path):
+    import asyncio
+
+    from aiohttp import web
+
+    from dxr.errors import ConfigError
+    from models.llm.backends import ReplayBackend, UnrecordedRequestError
+    from tasks.direct import forecast_direct
+
+    async def unknown_model(request):
+        return web.json_response({"error": {"message": "model 'served' not found"}}, status=404)
+
+    error = direct_over_http(unknown_model, {"t1": 1, "t2": 1})
+    assert type(error) is ConfigError and "HTTP 404 from http://127.0.0.1:" in str(error)
+    assert str(error).endswith(": model 'served' not found; check llm.base_url (the OpenAI-compatible base URL, "
+                               "usually ending in /v1) and llm.model")
+
+    # The replay backend fails loudly on a request it has no recording for.
+    (tmp_path / "empty.jsonl").write_text("")
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "empty.jsonl", cache=False)
+    client = LLMClient(config, ReplayBackend(config.replay_file))
+    pretarget = pl.DataFrame(record_of("t1", 1), orient="row", schema=["trajectory_id", "time", "code",
+                                                                      "numeric_value", "text_value", "encounter_id"])
+    with pytest.raises(UnrecordedRequestError, match="has no response for request"):
+        asyncio.run(forecast_direct(client, pl.DataFrame({"trajectory_id": ["t1"]}), pretarget,
+                                    Vocabulary({"DIAGNOSIS//ICD//10//I5022": "x"}), "r", "c", 20))

@@ -18,6 +18,7 @@ from models.llm.cache import ResponseCache
 from models.llm.client import CallContext, LLMClient, LLMOutputError
 from models.llm.config import LLMConfig, ModelPrice
 from models.llm.telemetry import call_costs
+from tests.conftest import serving
 
 SCHEMA = {"type": "object", "required": ["answer"], "additionalProperties": False,
           "properties": {"answer": {"type": "integer"}}}
@@ -138,22 +139,6 @@ async def chat_server(delay_s: float, state: dict):
 
     async with serving(chat) as url:
         yield url
-
-
-@asynccontextmanager
-async def serving(handler):
-    """`handler` as `/v1/chat/completions` of an aiohttp server on a free 127.0.0.1 port; yields the base URL."""
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        await runner.cleanup()
 
 
 def http_client(base_url: str, **overrides) -> LLMClient:
@@ -346,3 +331,106 @@ def test_a_retry_quotes_only_the_latest_reply_and_at_most_ten_errors():
     # When the quoted reply would not leave room for a new one, only the errors are appended.
     tight = LLMClient(LLMConfig(context_window=512, max_output_tokens=500), backend=None)
     assert tight.retry_conversation(QUESTION, "x" * 600, errors)[:-1] == QUESTION
+
+
+def answering(replies: list, state: dict):
+    """A handler that answers each request with the next of `replies`: (status, body bytes, headers)."""
+    async def handler(request: web.Request) -> web.Response:
+        state.setdefault("times", []).append(asyncio.get_running_loop().time())
+        status, body, headers = replies[min(len(state["times"]), len(replies)) - 1]
+        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+    return handler
+
+
+GOOD = (200, json.dumps({"choices": [{"message": {"content": '{"answer": 7}'}}]}).encode(), {})
+
+
+def test_a_body_that_is_not_a_json_completion_is_retried_and_recorded_as_a_transport_error():
+    not_utf8 = (200, b"\xff\xfe<html>proxy</html>", {})
+    not_json = (200, b"<html>502 Bad Gateway</html>", {})
+
+    async def scenario(replies: list, retries: int):
+        state = {}
+        async with serving(answering(replies, state)) as url:
+            client = http_client(url, transport_retries=retries, backoff_s=0.0)
+            try:
+                return await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT), client.telemetry(), url
+            except TransportError as exc:
+                return exc, client.telemetry(), url
+            finally:
+                await client.close()
+
+    value, calls, _ = asyncio.run(scenario([not_utf8, not_json, GOOD], retries=2))
+    assert value == {"answer": 7}
+    assert calls.select("status", "error").rows() == [("ok", None)]
+    error, calls, url = asyncio.run(scenario([not_json], retries=1))
+    message = (f"HTTP 200 from {url}/chat/completions is not a JSON completion (JSONDecodeError: Expecting value: "
+               "line 1 column 1 (char 0)); the body starts '<html>502 Bad Gateway</html>'")
+    assert str(error) == f"unit: gave up after 2 attempts: {message}"
+    assert calls.select("status", "error").rows() == [("transport_error", message)]
+
+
+def test_refusals_of_every_request_are_run_errors_and_a_prompt_too_long_is_the_request_s():
+    from dxr.errors import ConfigError
+    from models.llm.backends import ContextLengthError
+
+    def refusal(status: int, message: str) -> tuple:
+        return status, json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode(), {}
+
+    async def scenario(reply: tuple):
+        state = {}
+        async with serving(answering([reply], state)) as url:
+            client = http_client(url)
+            try:
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            except Exception as exc:  # noqa: BLE001  (the type is the point)
+                return exc, client.telemetry(), url, len(state["times"])
+            finally:
+                await client.close()
+
+    for status, text, fix in [
+            (401, "Incorrect API key provided",
+             "check the API key in the environment variable named by llm.api_key_env"),
+            (404, "The model `gpt-9` does not exist",
+             "check llm.base_url (the OpenAI-compatible base URL, usually ending in /v1) and llm.model"),
+            (400, "Unsupported parameter: 'seed'",
+             "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url")]:
+        error, calls, url, requests = asyncio.run(scenario(refusal(status, text)))
+        assert type(error) is ConfigError and requests == 1
+        assert str(error) == f"HTTP {status} from {url}/chat/completions: {text}; {fix}"
+        assert calls["status"].to_list() == ["rejected"]
+    too_long = ("This model's maximum context length is 8192 tokens. However, you requested 9500 tokens "
+                "(8000 in the messages, 1500 in the completion). Please reduce the length of the messages or "
+                "completion.")
+    error, calls, url, _ = asyncio.run(scenario(refusal(400, too_long)))
+    assert type(error) is ContextLengthError and (error.prompt_tokens, error.context_window) == (8000, 8192)
+    # llama.cpp's own llama-server gives the counts as fields.
+    llama_server = {"error": {"code": 400, "message": "the request exceeds the available context size, try increasing "
+                              "it", "type": "exceed_context_size_error", "n_prompt_tokens": 9001, "n_ctx": 8192}}
+    error, _, _, _ = asyncio.run(scenario((400, json.dumps(llama_server).encode(), {})))
+    assert type(error) is ContextLengthError and (error.prompt_tokens, error.context_window) == (9001, 8192)
+
+
+def test_retry_after_is_waited_for():
+    busy = (429, b'{"error": {"message": "Rate limit reached"}}', {"Retry-After": "1"})
+
+    async def scenario():
+        state = {}
+        async with serving(answering([busy, GOOD], state)) as url:
+            client = http_client(url, backoff_s=0.0)
+            value = await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+            await client.close()
+        return value, state["times"]
+
+    value, times = asyncio.run(scenario())
+    assert value == {"answer": 7} and len(times) == 2
+    assert times[1] - times[0] >= 0.95  # the backoff alone would have asked again at once
+
+
+def test_doctests():
+    import doctest
+
+    import models.llm.backends
+
+    result = doctest.testmod(models.llm.backends)
+    assert result.attempted > 0 and result.failed == 0

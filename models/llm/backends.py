@@ -9,17 +9,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 import aiohttp
 
-from dxr.errors import ConfigError, InputError, NotFoundError
+from dxr.errors import ConfigError, InputError
 
 
 class TransportError(Exception):
-    """A failure worth retrying: timeout, connection error, 429 or a 5xx answer."""
+    """A failure worth retrying: timeout, connection error, HTTP 408, 429 or 5xx, or a body that is not a completion.
+
+    `retry_after` is the wait in seconds the server asked for (its `Retry-After` header), when it gave one.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ContextLengthError(InputError):
+    """The endpoint refused one request whose prompt and reserved output exceed the model's context window.
+
+    A problem of this request, not of the run: a shorter prompt can succeed. `prompt_tokens` and
+    `context_window` are the server's counts, when its message gives them.
+    """
+
+    def __init__(self, message: str, prompt_tokens: int | None = None, context_window: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.context_window = context_window
 
 
 @dataclass
@@ -51,19 +72,109 @@ def request_hash(request: dict) -> str:
     return hashlib.sha256(canonical_json(request).encode("utf-8")).hexdigest()
 
 
-def completion_from_openai(body: dict) -> Completion:
+def completion_from_openai(body) -> Completion:
     """Text and token counts of an OpenAI-style chat completion body."""
     try:
         text = body["choices"][0]["message"]["content"] or ""
-    except (KeyError, IndexError, TypeError) as exc:
-        raise TransportError(f"malformed completion body (no choices[0].message.content): {str(body)[:200]}") from exc
-    usage = body.get("usage") or {}
-    prompt_details = usage.get("prompt_tokens_details") or {}
-    output_details = usage.get("completion_tokens_details") or {}
-    return Completion(text=text, tokens_in=int(usage.get("prompt_tokens") or 0),
-                      tokens_cached_in=int(prompt_details.get("cached_tokens") or 0),
-                      tokens_out=int(usage.get("completion_tokens") or 0),
-                      tokens_reasoning=int(output_details.get("reasoning_tokens") or 0))
+        usage = body.get("usage") or {}
+        prompt_details = usage.get("prompt_tokens_details") or {}
+        output_details = usage.get("completion_tokens_details") or {}
+        if not isinstance(text, str):
+            raise TypeError(f"content is a {type(text).__name__}")
+        return Completion(text=text, tokens_in=int(usage.get("prompt_tokens") or 0),
+                          tokens_cached_in=int(prompt_details.get("cached_tokens") or 0),
+                          tokens_out=int(usage.get("completion_tokens") or 0),
+                          tokens_reasoning=int(output_details.get("reasoning_tokens") or 0))
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise TransportError(f"malformed completion body (no text in choices[0].message.content, or token counts "
+                             f"that are not numbers: {exc}): {str(body)[:200]}") from exc
+
+
+def body_preview(raw: bytes, limit: int = 200) -> str:
+    """The start of a response body on one line, undecodable bytes replaced, for an error message."""
+    text = " ".join(raw[:limit * 4].decode("utf-8", errors="replace").split())
+    return repr(text[:limit] + ("…" if len(text) > limit or len(raw) > limit * 4 else ""))
+
+
+def json_or_none(raw: bytes):
+    """The JSON value of a body, or None when it is not UTF-8 JSON."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def server_message(raw: bytes) -> str:
+    """The error text of a refusal: OpenAI-style `error.message` (or `error`, `detail`, `message`), else the body."""
+    body = json_or_none(raw)
+    if isinstance(body, dict):
+        error = body.get("error")
+        found = error.get("message") if isinstance(error, dict) else error
+        found = found or body.get("detail") or body.get("message")
+        if found:
+            return " ".join(str(found).split())[:300]
+    return " ".join(raw.decode("utf-8", errors="replace").split())[:300] or "(empty body)"
+
+
+# Context-length refusals of OpenAI, vLLM, llama-cpp-python's server ("This model's maximum context length
+# is 8192 tokens. However, you requested 9000 tokens (7500 in the messages, 1500 in the completion)") and
+# llama.cpp's llama-server ("exceed_context_size_error", with n_prompt_tokens and n_ctx).
+CONTEXT_REFUSAL = re.compile(r"context[ _](length|window|size)|maximum context|exceeds? (the )?(available )?context"
+                             r"|prompt is too long|too many (input )?tokens", re.IGNORECASE)
+PROMPT_TOKENS = re.compile(r"\((\d+) in the messages|(\d+) in your prompt|messages resulted in (\d+) tokens"
+                           r"|request has (\d+) input tokens")
+WINDOW_TOKENS = re.compile(r"maximum context length is (\d+)")
+
+
+def context_counts(raw: bytes, message: str) -> tuple[int | None, int | None]:
+    """(prompt tokens, context window) of a context-length refusal, each None when the server does not say."""
+    body = json_or_none(raw)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("n_prompt_tokens"), int):  # llama.cpp's llama-server
+        return error["n_prompt_tokens"], error.get("n_ctx") if isinstance(error.get("n_ctx"), int) else None
+    prompt = PROMPT_TOKENS.search(message)
+    window = WINDOW_TOKENS.search(message)
+    return (int(next(g for g in prompt.groups() if g)) if prompt else None,
+            int(window.group(1)) if window else None)
+
+
+# A server that asks for a longer pause than this is waited for this long (then asked again).
+MAX_RETRY_AFTER_S = 60.0
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A `Retry-After` header in its seconds form, capped at MAX_RETRY_AFTER_S (None for a date or nothing).
+
+    >>> retry_after_seconds("3"), retry_after_seconds("3600"), retry_after_seconds("Wed, 21 Oct 2026 07:28:00 GMT")
+    (3.0, 60.0, None)
+    """
+    try:
+        return min(max(float(value), 0.0), MAX_RETRY_AFTER_S) if value is not None else None
+    except ValueError:
+        return None
+
+
+def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> Exception:
+    """The error for an HTTP error status: retryable, this request's problem, or the whole run's.
+
+    408, 429 and 5xx are worth retrying. A context-length refusal (or 413) is this request's: its prompt is too
+    long. Every other refusal (bad key, unknown model or path, a parameter the endpoint does not take) would
+    refuse every request of the run alike, so it is a configuration error that stops the run.
+    """
+    message = server_message(raw)
+    where = f"HTTP {status} from {url}: {message}"
+    if status in (408, 429) or status >= 500:
+        return TransportError(where, retry_after_seconds(retry_after))
+    if status == 413 or CONTEXT_REFUSAL.search(message):
+        return ContextLengthError(f"{where} (request rejected: the prompt is too long for the model's context)",
+                                  *context_counts(raw, message))
+    if status in (401, 403):
+        fix = "check the API key in the environment variable named by llm.api_key_env"
+    elif status == 404:
+        fix = "check llm.base_url (the OpenAI-compatible base URL, usually ending in /v1) and llm.model"
+    else:
+        fix = "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url"
+    return ConfigError(f"{where}; {fix}")
 
 
 class OpenAIBackend:
@@ -82,19 +193,19 @@ class OpenAIBackend:
             self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
         try:
             async with self._session.post(self.url, json=request) as response:
-                if response.status == 429 or response.status >= 500:
-                    raise TransportError(f"HTTP {response.status} from {self.url}: {(await response.text())[:200]}")
-                if response.status in (401, 403):
-                    raise ConfigError(f"HTTP {response.status} from {self.url}: check the API key in the "
-                                      "environment variable named by llm.api_key_env")
-                if response.status >= 400:
-                    raise InputError(f"HTTP {response.status} from {self.url} (request rejected): "
-                                     f"{(await response.text())[:300]}")
-                body = await response.json(content_type=None)
+                status, raw = response.status, await response.read()
+                if status >= 400:
+                    raise http_refusal(self.url, status, raw, response.headers.get("Retry-After"))
         except TimeoutError as exc:
             raise TransportError(f"timeout after {self.timeout.total}s waiting for {self.url}") from exc
         except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__} talking to {self.url}: {exc}") from exc
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            # A proxy's error page or a garbled body: the next attempt may well get the real answer.
+            raise TransportError(f"HTTP {status} from {self.url} is not a JSON completion ({type(exc).__name__}: "
+                                 f"{exc}); the body starts {body_preview(raw)}") from exc
         return completion_from_openai(body)
 
     async def close(self) -> None:
@@ -103,8 +214,9 @@ class OpenAIBackend:
             self._session = None
 
 
-class UnrecordedRequestError(NotFoundError):
-    """The replay backend was asked something it has no recording for."""
+class UnrecordedRequestError(ConfigError):
+    """The replay backend was asked something it has no recording for: the run's recordings do not fit its
+    requests (another prompt, model or setting), so the run fails rather than each request."""
 
 
 class ReplayBackend:

@@ -195,7 +195,8 @@ class LLMClient:
                 if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
                     row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
                     raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
-                await asyncio.sleep(delay)
+                # A server that says when to come back (Retry-After, capped by the backend) is not asked sooner.
+                await asyncio.sleep(max(delay, getattr(exc, "retry_after", None) or 0.0))
                 delay *= 2
         row.update(tokens_in=completion.tokens_in, tokens_cached_in=completion.tokens_cached_in,
                    tokens_out=completion.tokens_out, tokens_reasoning=completion.tokens_reasoning,
