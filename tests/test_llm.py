@@ -42,7 +42,8 @@ def test_valid_reply_is_parsed_and_recorded(tmp_path):
     row = client.telemetry().drop("call_id", "latency_ms").to_dicts()
     assert row == [{"run_id": "run-1", "stage": "unit", "trajectory_id": "c:1:10", "backend": "replay", "model": "m",
                     "prompt_version": "unit/1", "tokens_in": 40, "tokens_cached_in": 0, "tokens_out": 5,
-                    "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0}]
+                    "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0,
+                    "model_identity": str(tmp_path / "replay.jsonl")}]
 
 
 def re_ask(bad: str, *errors: str) -> list[dict]:
@@ -425,6 +426,42 @@ def test_retry_after_is_waited_for():
     value, times = asyncio.run(scenario())
     assert value == {"answer": 7} and len(times) == 2
     assert times[1] - times[0] >= 0.95  # the backoff alone would have asked again at once
+
+
+def test_the_cache_key_and_telemetry_name_the_model_that_answers(tmp_path):
+    from models.llm.backends import make_backend
+
+    # Two models under one name and size in two directories, and a copy of the first elsewhere.
+    for folder, fill in (("a", b"a"), ("b", b"b"), ("copy", b"a")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "model.gguf").write_bytes(b"GGUF" + fill * 300_000)
+
+    def identity(folder: str) -> str:
+        return make_backend(LLMConfig(local_model_path=tmp_path / folder / "model.gguf"), tmp_path).identity
+
+    assert identity("a") != identity("b")
+    assert identity("a") == identity("copy") and identity("a").startswith("model.gguf@")
+
+    def answer(value: int):
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": value})}}]})
+        return handler
+
+    async def scenario():
+        cache = ResponseCache(tmp_path / "cache")
+        answers = []
+        async with serving(answer(1)) as first, serving(answer(2)) as second:
+            for url in (first, second, first):
+                config = LLMConfig(backend="openai", base_url=url, model="same-name")
+                client = LLMClient(config, OpenAIBackend(url, 5), cache)
+                answers.append((await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"])
+                answers.append(client.telemetry().select("model", "model_identity", "cache_hit").row(0))
+                await client.close()
+        return first, second, answers
+
+    first, second, answers = asyncio.run(scenario())
+    assert answers == [1, ("same-name", first, False), 2, ("same-name", second, False),
+                       1, ("same-name", first, True)]
 
 
 def test_doctests():

@@ -253,13 +253,15 @@ TABLES.update({
             "backend": pa.string(), "model": pa.string(), "prompt_version": pa.string(), "tokens_in": pa.int64(),
             "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
             "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
-            "truncated_chars": pa.int64(),
+            "truncated_chars": pa.int64(), "model_identity": pa.string(),
         }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
-           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx)}; `truncated_chars` = "
-           "history characters dropped to fit the context window; `latency_ms` = time in flight at the backend "
-           "over every attempt (queueing and backoff excluded; the lookup time for a cache hit). Cost is "
-           "computed at report time from the `llm.prices` table, never stored.",
-           nullable=["trajectory_id", "error"]),
+           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx)}; `model` = the configured "
+           "model name, `model_identity` = which model answered (the endpoint's base URL, `<file>@<fingerprint>` "
+           "of the embedded backend's GGUF, the replay file; null in rows written before it was recorded); "
+           "`truncated_chars` = history characters dropped to fit the context window; `latency_ms` = time in "
+           "flight at the backend over every attempt (queueing and backoff excluded; the lookup time for a cache "
+           "hit). Cost is computed at report time from the `llm.prices` table, never stored.",
+           nullable=["trajectory_id", "error", "model_identity"]),
     ]
 })
 

@@ -57,6 +57,9 @@ class Completion:
 
 class Backend(Protocol):
     name: str
+    # Which model answers (a server's base URL, a GGUF file's fingerprint, a replay file): part of every
+    # cache key and telemetry row, because the configured model name alone does not say.
+    identity: str | None
 
     async def complete(self, request: dict) -> Completion: ...
 
@@ -184,6 +187,7 @@ class OpenAIBackend:
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None):
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self.identity = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -226,6 +230,7 @@ class ReplayBackend:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.identity = str(self.path)
         if not self.path.is_file():
             raise ConfigError(f"replay file {self.path} does not exist: set llm.replay_file to a recorded JSONL file")
         self.responses: dict[str, Completion] = {}

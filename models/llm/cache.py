@@ -15,9 +15,11 @@ from pathlib import Path
 from models.llm.backends import Completion, canonical_json
 
 
-def cache_key_input(backend: str, prompt_version: str, request: dict) -> str:
-    """Everything that determines a response: backend, prompt version, model, messages, parameters."""
-    return canonical_json({"backend": backend, "prompt_version": prompt_version, "request": request})
+def cache_key_input(backend: str, identity: str | None, prompt_version: str, request: dict) -> str:
+    """Everything that determines a response: backend, which model answers (`Backend.identity`: a server's URL,
+    a GGUF's fingerprint), prompt version, model name, messages, parameters."""
+    return canonical_json({"backend": backend, "identity": identity, "prompt_version": prompt_version,
+                           "request": request})
 
 
 class ResponseCache:

