@@ -16,9 +16,9 @@ from typing import Sequence
 
 import polars as pl
 
-from dxr.errors import ConfigError, DxrError, NotFoundError
-from models.llm.backends import TransportError
-from models.llm.client import CallContext, LLMClient
+from dxr.errors import ConfigError, DxrError, InputError, NotFoundError
+from models.llm.backends import ContextLengthError, TransportError
+from models.llm.client import CallContext, LLMClient, prompt_budget, refit_chars_per_token, render_config
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
@@ -41,11 +41,14 @@ def check_confidence_order(value: dict) -> list[str]:
             for i, (a, b) in enumerate(zip(confidences, confidences[1:]), 1) if b > a]
 
 
-def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfig) -> RenderedPrompt:
-    """The Direct Forecast messages of one trajectory (its pre-target events only)."""
+def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfig,
+                  chars_per_token: float | None = None) -> RenderedPrompt:
+    """The Direct Forecast messages of one trajectory (its pre-target events only), budgeted at `chars_per_token`
+    (default: the configured one) with room left for a re-ask."""
     versions = " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes"
     titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
-    return render(load_prompt(DIRECT_PROMPT), config, render_history(events, titles), icd_versions=versions)
+    return render(load_prompt(DIRECT_PROMPT), render_config(config, chars_per_token), render_history(events, titles),
+                  icd_versions=versions)
 
 
 def drop_detail(drops) -> str:
@@ -60,18 +63,43 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
     prompt = load_prompt(DIRECT_PROMPT)
     by_trajectory = pretarget.partition_by("trajectory_id", as_dict=True)
 
+    async def ask(trajectory_id: str, rendered: RenderedPrompt, chars_per_token: float):
+        """The reply to a trajectory's prompt, rendered at `chars_per_token`."""
+        context = CallContext(run_id, DIRECT, trajectory_id, rendered.truncated_chars)
+        return await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
+                                          check=check_confidence_order,
+                                          budget_chars=prompt_budget(client.config, chars_per_token))
+
+    async def ask_within_context(trajectory_id: str, events: pl.DataFrame):
+        """`ask`, and once more after the endpoint found the prompt too long for its context (refused it, or cut
+        the reply off at the full window): rendered again to the window at the characters per token it measured.
+        Returns (reply, prompt, notes)."""
+        rendered = direct_prompt(events, vocabulary, client.config)
+        try:
+            return await ask(trajectory_id, rendered, client.config.chars_per_token), rendered, []
+        except ContextLengthError as exc:
+            chars_per_token = refit_chars_per_token(client.config, rendered.messages, exc,
+                                                    client.config.chars_per_token)
+            if chars_per_token is None:
+                raise
+            refusal = exc
+        try:
+            rendered = direct_prompt(events, vocabulary, client.config, chars_per_token)
+        except ConfigError as exc:  # no room left for the history at the measured rate
+            raise InputError(f"{refusal}; a prompt short enough leaves no room for the history ({exc})") from exc
+        tokens = refusal.prompt_tokens or "unknown"
+        return await ask(trajectory_id, rendered, chars_per_token), rendered, [
+            f"prompt shortened: the endpoint found it too long for the context ({tokens} prompt tokens)"]
+
     async def one(trajectory_id: str):
         events = by_trajectory.get((trajectory_id,), pretarget.clear())
-        rendered = direct_prompt(events, vocabulary, client.config)
-        context = CallContext(run_id, DIRECT, trajectory_id, rendered.truncated_chars)
         try:
-            reply = await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
-                                               check=check_confidence_order)
+            reply, rendered, notes = await ask_within_context(trajectory_id, events)
         except ConfigError:
             # A backend that cannot serve the run at all (bad key, unknown model, a parameter it does not take,
             # a replay file without the run's requests) is the run's failure, not this trajectory's.
             raise
-        except (DxrError, TransportError) as exc:
+        except (DxrError, TransportError) as exc:  # this request's problem (incl. a second refusal as too long)
             return [], ("failed", str(exc)[:500])
         predictions = reply["predictions"]
         validation = vocabulary.validate(p["code"] for p in predictions)
@@ -81,7 +109,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
             confidence.setdefault(code, float(p["confidence"]))
         rows = [(trajectory_id, rank, code, confidence[code], True)
                 for rank, code in enumerate(validation.codes, 1)]
-        notes = [drop_detail(validation.drops)]
+        notes.insert(0, drop_detail(validation.drops))
         if rendered.truncated_chars:
             notes.append(f"history truncated by {rendered.truncated_chars} characters")
         status = "ok" if len(rows) >= k else "short"

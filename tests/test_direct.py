@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from models.llm.backends import Completion, append_recording
-from models.llm.client import LLMClient
+from models.llm.client import FEEDBACK_RESERVE_CHARS, LLMClient
 from models.llm.config import LLMConfig
 from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
@@ -118,12 +118,13 @@ def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohor
     events = pretarget.filter(pl.col("trajectory_id") == trajectories["trajectory_id"][0])
     roomy = direct_prompt(events, vocabulary, LLMConfig())
     assert roomy.truncated_chars == 0 and "Encounter 1:" in roomy.messages[1]["content"]
-    # Notes and labs go before any diagnosis; then the oldest encounter; the newest one stays.
+    # Notes and labs go before any diagnosis; then the oldest encounter; the newest one stays. The budget leaves
+    # FEEDBACK_RESERVE_CHARS free for a re-ask (at one character per token, as many tokens).
     prompt = load_prompt("direct_forecast")
     fixed = len(prompt.system.format(icd_versions="ICD-10-CM")) + len(prompt.user.format(history=""))
     for history_chars, kept in [(497, ["Encounter 1:", "Encounter 2:"]), (397, ["Encounter 2:"])]:
-        tight_config = LLMConfig(context_window=300 + fixed + history_chars, max_output_tokens=300,
-                                 chars_per_token=1.0)
+        tight_config = LLMConfig(context_window=300 + fixed + history_chars + FEEDBACK_RESERVE_CHARS,
+                                 max_output_tokens=300, chars_per_token=1.0)
         tight = direct_prompt(events, vocabulary, tight_config)
         user = tight.messages[1]["content"]
         assert tight.truncated_chars > 0
@@ -310,3 +311,37 @@ def test_a_backend_that_refuses_every_request_stops_the_run(tmp_path):
     with pytest.raises(UnrecordedRequestError, match="has no response for request"):
         asyncio.run(forecast_direct(client, pl.DataFrame({"trajectory_id": ["t1"]}), pretarget,
                                     Vocabulary({"DIAGNOSIS//ICD//10//I5022": "x"}), "r", "c", 20))
+
+
+@pytest.mark.parametrize("server", ["refuses", "cuts the reply"])
+def test_a_prompt_too_long_for_the_context_is_shortened_and_asked_again(server):
+    from aiohttp import web
+
+    # A server with a 4,096-token window that counts 2 characters per token (the client budgets 3). Given a
+    # prompt that leaves less than max_tokens, OpenAI refuses it; llama.cpp's server answers until the window
+    # is full, cutting the reply.
+    async def handler(request):
+        body = await request.json()
+        prompt_tokens = sum(len(m["content"]) for m in body["messages"]) // 2
+        if prompt_tokens + body["max_tokens"] <= 4096:
+            return completion(predictions(VALID))
+        if server == "cuts the reply":
+            return web.json_response({"choices": [{"message": {"content": '{"predictions": [{"code": "I50'},
+                                                   "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 7}})
+        return web.json_response({"error": {"message": (
+            f"This model's maximum context length is 4096 tokens. However, you requested "
+            f"{prompt_tokens + body['max_tokens']} tokens ({prompt_tokens} in the messages, {body['max_tokens']} "
+            "in the completion). Please reduce the length of the messages or completion."),
+            "code": "context_length_exceeded"}}, status=400)
+
+    ranked, status, calls = direct_over_http(handler, {"t-long": 30, "t-short": 1}, context_window=4096,
+                                             max_output_tokens=1000, chars_per_token=3.0)
+    assert status.select("trajectory_id", "status").rows() == [("t-long", "ok"), ("t-short", "ok")]
+    detail = status["detail"][0]
+    assert detail.startswith("prompt shortened: the endpoint found it too long for the context (")
+    assert "history truncated by" in detail and status["detail"][1] is None
+    first = "rejected" if server == "refuses" else "invalid"
+    assert calls.select("trajectory_id", "status").rows() == [("t-long", first), ("t-long", "ok"), ("t-short", "ok")]
+    assert calls["truncated_chars"].to_list()[:2] == [0, int(detail.rsplit("truncated by ", 1)[1].split()[0])]
+    assert ranked["trajectory_id"].unique().sort().to_list() == ["t-long", "t-short"]

@@ -464,6 +464,25 @@ def test_the_cache_key_and_telemetry_name_the_model_that_answers(tmp_path):
                        1, ("same-name", first, True)]
 
 
+def test_a_re_ask_stays_within_the_prompt_budget():
+    from models.llm.client import FEEDBACK_RESERVE_CHARS, MAX_ERROR_CHARS, prompt_budget
+
+    client = LLMClient(LLMConfig(context_window=4096, max_output_tokens=1000, chars_per_token=3.0), backend=None)
+    budget = prompt_budget(client.config)
+    assert budget == 9288
+    # A first prompt as long as a renderer makes it: the budget less the reserve for a re-ask.
+    messages = [{"role": "system", "content": "s" * 1000}, {"role": "user", "content": "h" * (budget - 1000 - 800)}]
+    assert FEEDBACK_RESERVE_CHARS == 800
+    errors = [f"at predictions/{i}/code: '{'Z' * 300}' does not match the pattern" for i in range(12)]
+    retry = client.retry_conversation(messages, '{"predictions": []}', errors)
+    assert retry[:2] == messages and retry[2]["role"] == "user"  # no room to quote the reply
+    feedback = retry[2]["content"]
+    assert sum(len(m["content"]) for m in retry) <= budget
+    listed = [line for line in feedback.splitlines() if line.startswith("- at ")]
+    assert len(listed) == 3 and all(len(line) == 2 + MAX_ERROR_CHARS for line in listed)
+    assert "- and 9 more problems of the same kinds" in feedback
+
+
 def test_doctests():
     import doctest
 

@@ -146,3 +146,39 @@ def test_the_client_stops_the_server_it_started(tmp_path):
     assert set(reply) == {"answer"} and client.calls[0]["tokens_in"] > 0
     assert process.poll() is not None and client.backend.server.process is None  # stopped and reaped by close()
     assert packaged_model_path(tmp_path / "models").stat().st_size > 200 * 2**20  # assembled once, then reused
+
+
+def test_a_dense_record_rendered_at_the_default_budget_fits_the_window_by_the_model_s_own_count(tmp_path):
+    """`llm.chars_per_token` was measured on the demo's prompts (docs/llm.md): a long record dense with dates
+    and lab values (Gemma makes each digit a token) must still fit what the window leaves for the prompt."""
+    from datetime import datetime, timedelta
+
+    import llama_cpp
+    from llama_cpp.llama_chat_format import format_gemma
+
+    from tasks.direct import direct_prompt
+
+    titles = {"I5022": "Chronic systolic (congestive) heart failure", "E119": "Type 2 diabetes mellitus without "
+              "complications", "N179": "Acute kidney failure, unspecified", "J189": "Pneumonia, unspecified organism",
+              "I10": "Essential (primary) hypertension"}
+    labs = [("Creatinine", "mg/dL", 1.3), ("Potassium", "mEq/L", 4.1), ("Hemoglobin", "g/dL", 10.2),
+            ("Glucose", "mg/dL", 142.0)]
+    rows = []
+    for e in range(120):  # weekly admissions: far more than the budget holds
+        day = datetime(2150, 1, 1) + timedelta(days=7 * e)
+        rows.append(("t", day, "HOSPITAL_ADMISSION//EMERGENCY", None, None, e))
+        rows += [("t", day + timedelta(hours=h), f"LAB//{lab}//{unit}", value + e % 7 / 10, None, e)
+                 for h, (lab, unit, value) in enumerate(labs)]
+        rows += [("t", day + timedelta(days=2), f"DIAGNOSIS//ICD//10//{code}", None, None, e)
+                 for code in list(titles)[:2 + e % 4]]
+        rows.append(("t", day + timedelta(days=2), "HOSPITAL_DISCHARGE//HOME", None, None, e))
+    events = pl.DataFrame(rows, orient="row", schema={
+        "trajectory_id": pl.String, "time": pl.Datetime("us"), "code": pl.String, "numeric_value": pl.Float32,
+        "text_value": pl.String, "encounter_id": pl.Int64})
+    config = LLMConfig()
+    rendered = direct_prompt(events, Vocabulary({f"DIAGNOSIS//ICD//10//{c}": t for c, t in titles.items()}), config)
+    tokenizer = llama_cpp.Llama(str(packaged_model_path(tmp_path)), vocab_only=True, verbose=False)
+    prompt = format_gemma(messages=fold_system_messages(rendered.messages)).prompt  # as the embedded server formats
+    tokens = len(tokenizer.tokenize(prompt.encode(), add_bos=True, special=True))
+    assert rendered.truncated_chars > 0
+    assert tokens <= config.context_window - config.max_output_tokens, (tokens, config.chars_per_token)

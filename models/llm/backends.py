@@ -31,10 +31,11 @@ class TransportError(Exception):
 
 
 class ContextLengthError(InputError):
-    """The endpoint refused one request whose prompt and reserved output exceed the model's context window.
+    """One request's prompt left too little of the model's context window for the reply: the endpoint refused
+    it, or cut the reply off at the full window.
 
     A problem of this request, not of the run: a shorter prompt can succeed. `prompt_tokens` and
-    `context_window` are the server's counts, when its message gives them.
+    `context_window` are the server's counts, when it gives them.
     """
 
     def __init__(self, message: str, prompt_tokens: int | None = None, context_window: int | None = None):
@@ -50,6 +51,8 @@ class Completion:
     tokens_cached_in: int = 0
     tokens_out: int = 0
     tokens_reasoning: int = 0
+    # Why generation stopped, as the endpoint says ("stop", "length", ...); None when it does not say.
+    finish_reason: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -79,6 +82,7 @@ def completion_from_openai(body) -> Completion:
     """Text and token counts of an OpenAI-style chat completion body."""
     try:
         text = body["choices"][0]["message"]["content"] or ""
+        finish_reason = body["choices"][0].get("finish_reason")
         usage = body.get("usage") or {}
         prompt_details = usage.get("prompt_tokens_details") or {}
         output_details = usage.get("completion_tokens_details") or {}
@@ -87,7 +91,8 @@ def completion_from_openai(body) -> Completion:
         return Completion(text=text, tokens_in=int(usage.get("prompt_tokens") or 0),
                           tokens_cached_in=int(prompt_details.get("cached_tokens") or 0),
                           tokens_out=int(usage.get("completion_tokens") or 0),
-                          tokens_reasoning=int(output_details.get("reasoning_tokens") or 0))
+                          tokens_reasoning=int(output_details.get("reasoning_tokens") or 0),
+                          finish_reason=finish_reason if isinstance(finish_reason, str) else None)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         raise TransportError(f"malformed completion body (no text in choices[0].message.content, or token counts "
                              f"that are not numbers: {exc}): {str(body)[:200]}") from exc

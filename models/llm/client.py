@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ import jsonschema
 import polars as pl
 
 from dxr.errors import DxrError
-from models.llm.backends import Backend, Completion, TransportError, canonical_json, make_backend
+from models.llm.backends import (Backend, Completion, ContextLengthError, TransportError, canonical_json,
+                                 make_backend)
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
 
@@ -31,6 +33,13 @@ class LLMOutputError(DxrError):
 
 # Structural errors quoted back to the model on a retry; a long list would only crowd out the record.
 MAX_LISTED_ERRORS = 10
+# Each quoted error is cut to this length (a schema error can quote a whole reply).
+MAX_ERROR_CHARS = 200
+# Characters of the prompt budget a first prompt leaves free, so that a re-ask can list a few errors
+# without growing the prompt past the budget (see `render_config`).
+FEEDBACK_RESERVE_CHARS = 800
+FEEDBACK_HEAD = "That reply does not follow the required JSON structure:\n"
+FEEDBACK_TAIL = "\nReply again with only a JSON object that fixes every listed problem."
 
 
 CALL_COLUMNS = {
@@ -62,6 +71,42 @@ def schema_errors(schema: dict, value) -> list[str]:
     validator = _validator(canonical_json(schema))
     errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
     return [f"at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}" for e in errors]
+
+
+def prompt_budget(config: LLMConfig, chars_per_token: float | None = None) -> int:
+    """Characters a whole prompt may take: the context window less the reserved output, at `chars_per_token`
+    (default: the configured one)."""
+    return int((config.context_window - config.max_output_tokens) * (chars_per_token or config.chars_per_token))
+
+
+def render_config(config: LLMConfig, chars_per_token: float | None = None) -> LLMConfig:
+    """`config` as a prompt renderer budgets a first request with: at `chars_per_token` (default: the configured
+    one), and with FEEDBACK_RESERVE_CHARS of `prompt_budget` left free for a re-ask's list of errors.
+
+    The renderer's budget is `(context_window - max_output_tokens) * chars_per_token` less the fixed text, so the
+    reserve is expressed as more output tokens.
+    """
+    per_token = chars_per_token or config.chars_per_token
+    return config.model_copy(update={"chars_per_token": per_token, "max_output_tokens": config.max_output_tokens
+                                     + math.ceil(FEEDBACK_RESERVE_CHARS / per_token)})
+
+
+def refit_chars_per_token(config: LLMConfig, messages: list[dict], refusal: ContextLengthError,
+                          chars_per_token: float) -> float | None:
+    """The chars_per_token to render `messages` again with after the endpoint refused them as too long for its
+    context; None when no prompt can fit (the reserved output alone fills the window).
+
+    With the server's token count, from the characters per token it measured on this very prompt (and the
+    window it reported, when smaller than the configured one), less 5 %; without, 25 % fewer characters.
+    """
+    window = min(config.context_window, refusal.context_window or config.context_window)
+    if window <= config.max_output_tokens:
+        return None
+    if not refusal.prompt_tokens:
+        return chars_per_token * 0.75
+    measured = sum(len(m["content"]) for m in messages) / refusal.prompt_tokens
+    fitting = measured * (window - config.max_output_tokens) / (config.context_window - config.max_output_tokens)
+    return min(fitting, chars_per_token) * 0.95
 
 
 def parse_json_reply(text: str) -> object:
@@ -123,8 +168,13 @@ class LLMClient:
         return request
 
     async def complete_json(self, messages: list[dict], schema: dict, prompt_version: str, context: CallContext,
-                            check: Callable[[object], list[str]] | None = None) -> object:
-        """A reply valid against `schema` and `check`, re-asking with the errors appended when it is not."""
+                            check: Callable[[object], list[str]] | None = None,
+                            budget_chars: int | None = None) -> object:
+        """A reply valid against `schema` and `check`, re-asking with the errors appended when it is not.
+
+        `budget_chars` is the prompt budget `messages` were rendered to (default: `prompt_budget` of the
+        configuration); re-asks stay within it.
+        """
         conversation = list(messages)
         errors: list[str] = []
         for _ in range(self.config.validation_retries + 1):
@@ -139,26 +189,48 @@ class LLMClient:
             if not errors:
                 return value
             row["status"], row["error"] = "invalid", "; ".join(errors)[:1000]
-            conversation = self.retry_conversation(messages, completion.text, errors)
+            if self.cut_by_context(completion):
+                # A server with a full window stops the reply (llama.cpp's shortens max_tokens to what is left
+                # rather than refuse): a re-ask, longer still, cannot do better; a shorter prompt can.
+                raise ContextLengthError(
+                    f"{context.stage} reply for {context.trajectory_id or 'the request'} was cut off by the context "
+                    f"window: its prompt took {completion.tokens_in} of the {self.config.context_window} tokens, "
+                    f"less than llm.max_output_tokens = {self.config.max_output_tokens} left for the reply",
+                    prompt_tokens=completion.tokens_in, context_window=self.config.context_window)
+            conversation = self.retry_conversation(messages, completion.text, errors, budget_chars)
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
                              f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
 
-    def retry_conversation(self, messages: list[dict], reply: str, errors: list[str]) -> list[dict]:
-        """`messages`, the invalid reply and its structural errors (at most MAX_LISTED_ERRORS lines).
+    def cut_by_context(self, completion: Completion) -> bool:
+        """Whether generation stopped at the length limit because the prompt left less than max_output_tokens."""
+        return (completion.finish_reason == "length"
+                and completion.tokens_in + self.config.max_output_tokens > self.config.context_window)
 
-        Only the latest reply is quoted, so retries do not grow the prompt; when even that one would not
-        fit the context window next to a new reply, the errors alone are appended.
+    def retry_conversation(self, messages: list[dict], reply: str, errors: list[str],
+                           budget_chars: int | None = None) -> list[dict]:
+        """`messages`, the invalid reply and its structural errors (at most MAX_LISTED_ERRORS lines), within the
+        prompt budget (`budget_chars`, default: `prompt_budget` of the configuration).
+
+        Only the latest reply is quoted, so retries do not grow the prompt; when it would not fit the budget,
+        only the errors are appended, as many as fit (at least one: a prompt rendered by `render_config`
+        leaves room for a few).
         """
-        listed = [f"- {e}" for e in errors[:MAX_LISTED_ERRORS]]
-        if len(errors) > MAX_LISTED_ERRORS:
-            listed.append(f"- and {len(errors) - MAX_LISTED_ERRORS} more problems of the same kinds")
-        feedback = {"role": "user", "content": "That reply does not follow the required JSON structure:\n"
-                    + "\n".join(listed) + "\nReply again with only a JSON object that fixes every listed problem."}
-        quoted = list(messages) + [{"role": "assistant", "content": reply}, feedback]
-        prompt_tokens = sum(len(m["content"]) for m in quoted) / self.config.chars_per_token
-        if prompt_tokens + self.config.max_output_tokens <= self.config.context_window:
-            return quoted
-        return list(messages) + [feedback]
+        budget = prompt_budget(self.config) if budget_chars is None else budget_chars
+        listed = [e if len(e) <= MAX_ERROR_CHARS else e[:MAX_ERROR_CHARS - 1] + "…" for e in errors]
+
+        def feedback(shown: int) -> dict:
+            lines = [f"- {e}" for e in listed[:shown]]
+            if len(errors) > shown:
+                lines.append(f"- and {len(errors) - shown} more problems of the same kinds")
+            return {"role": "user", "content": FEEDBACK_HEAD + "\n".join(lines) + FEEDBACK_TAIL}
+
+        used = sum(len(m["content"]) for m in messages)
+        shown = min(len(errors), MAX_LISTED_ERRORS)
+        if used + len(reply) + len(feedback(shown)["content"]) <= budget:
+            return [*messages, {"role": "assistant", "content": reply}, feedback(shown)]
+        while shown > 1 and used + len(feedback(shown)["content"]) > budget:
+            shown -= 1
+        return [*messages, feedback(shown)]
 
     async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
         """One response (from the cache or the backend, with transport retries) and its telemetry row."""
