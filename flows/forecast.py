@@ -11,8 +11,8 @@ from dxr.errors import InputError
 from tasks import stage_logger
 from models.registry import FORECASTERS
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, fitted_forecaster,
-                            forecast_config, forecast_shard_task, forecast_shards, pinned_model, run_shards,
-                            shard_workers)
+                            forecast_config, forecast_shard_task, forecast_shards, llm_run_config, pinned_model,
+                            run_shards, shard_workers)
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
 from warehouse.runs import check_run_id, new_run_id, registered_run
@@ -49,7 +49,7 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
                                      busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
                                           "fuses, in another dxr process"))
         cohort_id = cohort_row["cohort_id"]
-        config = forecast_config(cohort_id, system, split, k, limit, subject_id)
+        config = forecast_config(cohort_id, system, split, k, limit, subject_id) | llm_run_config(system, data_dir)
         shards = forecast_shards(wh, cohort_id, split, subject_id)
         model = pinned_model(wh, cohort_id, system)
         if model is not None:

@@ -12,12 +12,13 @@ finds them by its run id: forecast `ehr_prior` and `direct` with the same `--run
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Sequence
 
 import polars as pl
 
 from dxr.errors import ConfigError, DxrError, InputError, NotFoundError
-from models.llm.backends import ContextLengthError, TransportError
+from models.llm.backends import ContextLengthError, TransportError, make_backend
 from models.llm.client import CallContext, LLMClient, prompt_budget, refit_chars_per_token, render_config
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
@@ -49,6 +50,15 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
     titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
     return render(load_prompt(DIRECT_PROMPT), render_config(config, chars_per_token), render_history(events, titles),
                   icd_versions=versions)
+
+
+def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:
+    """What a Direct Forecast run records besides its options (`runs.config_json`): the backend, the configured
+    model name, which model answers (`Backend.identity`) and the prompt version, so that a rerun of the run
+    under another model or prompt is refused like any other change of options."""
+    return {"llm_backend": config.backend, "llm_model": config.model,
+            "llm_model_identity": make_backend(config, Path(data_dir)).identity,
+            "prompt_versions": [load_prompt(DIRECT_PROMPT).version]}
 
 
 def drop_detail(drops) -> str:

@@ -216,11 +216,41 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     assert status["status"].to_list() == ["ok"] * trajectories.height == ["ok", "ok"]
     assert forecast("direct").exit_code == 0
     assert wh.read("llm_calls", run_id="cli-d", stage="direct")["cache_hit"].to_list() == [True, True]
+    # The run records which model and prompt made its lists, and refuses to mix in another model's.
+    recorded = json.loads(wh.read("runs", run_id="cli-d", kind="forecast:direct")["config_json"][0])
+    assert {key: recorded[key] for key in ("llm_backend", "llm_model", "llm_model_identity", "prompt_versions")} == {
+        "llm_backend": "replay", "llm_model": "recorded", "llm_model_identity": str(config.replay_file),
+        "prompt_versions": [load_prompt("direct_forecast").version]}
+    monkeypatch.setenv("DXR_LLM__MODEL", "another")
+    result = forecast("direct")
+    assert result.exit_code == 1
+    assert ("Error: run cli-d already holds a direct forecast with other options (llm_model 'recorded' -> "
+            "'another'): rerun with the recorded options or pass a new --run-id") in result.output
+    monkeypatch.setenv("DXR_LLM__MODEL", "recorded")
 
     result = forecast("rrf_prior_direct")
     assert result.exit_code == 1
     assert ("Error: run 'cli-d' has no ehr_prior rankings; Union + RRF fuses lists of the same run: first run "
             "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output
+
+
+def test_a_rerun_under_another_model_is_refused_unless_the_run_predates_recording_it(wh):
+    from dxr.errors import InputError
+    from tasks.forecast import check_rerun, forecast_config
+    from warehouse.runs import registered_run
+
+    options = forecast_config("c1", "direct", "held_out", 20, None)
+    llm = {"llm_backend": "local", "llm_model": "m", "llm_model_identity": "m.gguf@0123456789abcdef",
+           "prompt_versions": ["direct_forecast/2"]}
+    with registered_run(wh, "forecast:direct", options, "old", "c1"):
+        pass
+    check_rerun(wh, "old", options | llm)  # recorded before runs named their model: nothing to compare
+    with registered_run(wh, "forecast:direct", options | llm, "new", "c1"):
+        pass
+    check_rerun(wh, "new", options | llm)
+    with pytest.raises(InputError, match="other options \\(llm_model_identity 'm.gguf@0123456789abcdef' -> "
+                                         "'m.gguf@fedcba9876543210'\\)"):
+        check_rerun(wh, "new", options | llm | {"llm_model_identity": "m.gguf@fedcba9876543210"})
 
 
 # ---- Direct Forecast against a real local HTTP endpoint ------------------------------------------

@@ -110,7 +110,9 @@ TABLES: dict[str, Table] = {
            "forecast it read was run again into the run; run it again). `host` and `pid` are the recording "
            "process (null in rows written before they were added). "
            "A learned system's forecast records the registered model version it used under `model` in "
-           "`config_json`.",
+           "`config_json`; a Direct Forecast (`direct`) records its LLM under `llm_backend`, `llm_model` (the "
+           "configured name), `llm_model_identity` (which model answered, as in `llm_calls`) and "
+           "`prompt_versions` (absent in runs recorded before they were added).",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),

@@ -31,7 +31,8 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     """
     from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
-    from tasks.forecast import check_rerun, check_system, forecast_config, forecast_shards, pinned_model
+    from tasks.forecast import (check_rerun, check_system, forecast_config, forecast_shards, llm_run_config,
+                                pinned_model)
     from warehouse.cohorts import get_cohort
     from warehouse.store import Warehouse
 
@@ -40,7 +41,8 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     check_system(system)
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
-    check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id))
+    check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id)
+                | llm_run_config(system, data_dir))
     if subject_id is not None:
         forecast_shards(wh, cohort_id, split, subject_id)
     pinned_model(wh, cohort_id, system)  # a learned system without a registered model
