@@ -5,7 +5,8 @@ warehouse's cohort as `tasks/direct.py` does (history with code titles; `--no-ti
 formats it with the gemma chat template as the embedded server does, and counts its tokens with the
 packaged GGUF's tokenizer (loaded alone: `vocab_only`). Prints how many prompts exceed the tokens the
 window leaves for them (`context_window - max_output_tokens`) and the spread of characters per token;
-the default `llm.chars_per_token` is chosen from it (docs/llm.md, *Prompt budget*).
+the default `llm.chars_per_token` is chosen from it (docs/llm.md, *Prompt budget*). Writes JSON to
+benchmarks/results/chars_per_token.json.
 
     python benchmarks/chars_per_token.py --data-dir data [--cohort default] [--no-titles] [--model M] 3.0 2.7
 """
@@ -13,11 +14,13 @@ the default `llm.chars_per_token` is chosen from it (docs/llm.md, *Prompt budget
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 
 from models.llm.config import LLMConfig  # noqa: E402
@@ -59,6 +62,7 @@ def main() -> None:
     print("| chars/token budgeted | truncated | over the window's budget | longest prompt (tokens) "
           "| measured chars/token: min, 1st pct, median | densest truncated prompt |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for value in args.values:
         config = LLMConfig(chars_per_token=value)
         room = config.context_window - config.max_output_tokens
@@ -77,6 +81,15 @@ def main() -> None:
         print(f"| {value} | {len(cut)} | {over} of {len(records)} (budget {room}) | {max(counts)} "
               f"| {ratios[0]:.2f}, {ratios[len(ratios) // 100]:.2f}, {statistics.median(ratios):.2f} "
               f"| {densest_cut} |")
+        rows.append({"chars_per_token": value, "truncated": len(cut), "over_budget": over, "budget_tokens": room,
+                     "longest_prompt_tokens": max(counts), "min_chars_per_token": ratios[0],
+                     "p1_chars_per_token": ratios[len(ratios) // 100], "median_chars_per_token":
+                     statistics.median(ratios), "densest_truncated": min(cut) if cut else None})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    result = {"cohort_id": cohort_id, "trajectories": len(records), "titles": not args.no_titles,
+              "model": str(model), "rows": rows}
+    (RESULTS / "chars_per_token.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS / 'chars_per_token.json'}")
 
 
 if __name__ == "__main__":
