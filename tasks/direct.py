@@ -19,7 +19,7 @@ import polars as pl
 
 from dxr.errors import ConfigError, DxrError, InputError, NotFoundError
 from models.llm.backends import ContextLengthError, TransportError, make_backend
-from models.llm.client import CallContext, LLMClient, prompt_budget, refit_chars_per_token, render_config
+from models.llm.client import FEEDBACK_RESERVE_CHARS, CallContext, LLMClient, prompt_budget, refit_chars_per_token
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
@@ -48,8 +48,8 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
     (default: the configured one) with room left for a re-ask."""
     versions = " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes"
     titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
-    return render(load_prompt(DIRECT_PROMPT), render_config(config, chars_per_token), render_history(events, titles),
-                  icd_versions=versions)
+    budget = prompt_budget(config, chars_per_token) - FEEDBACK_RESERVE_CHARS  # room left for a re-ask's errors
+    return render(load_prompt(DIRECT_PROMPT), budget, render_history(events, titles), icd_versions=versions)
 
 
 def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:

@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 import polars as pl
 import pytest
 
+from models.llm.client import prompt_budget
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import fit_history, load_prompt, render
@@ -30,8 +31,8 @@ def d(year: int, month: int = 1, day: int = 1) -> datetime:
 
 
 def user_message(history_events: pl.DataFrame, config: LLMConfig | None = None):
-    rendered = render(load_prompt("direct_forecast"), config or LLMConfig(), render_history(history_events, TITLES),
-                      icd_versions="ICD-10-CM")
+    rendered = render(load_prompt("direct_forecast"), prompt_budget(config or LLMConfig()),
+                      render_history(history_events, TITLES), icd_versions="ICD-10-CM")
     return rendered, rendered.messages[1]["content"]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ MAX_LISTED_ERRORS = 10
 # Each quoted error is cut to this length (a schema error can quote a whole reply).
 MAX_ERROR_CHARS = 200
 # Characters of the prompt budget a first prompt leaves free, so that a re-ask can list a few errors
-# without growing the prompt past the budget (see `render_config`).
+# without growing the prompt past the budget.
 FEEDBACK_RESERVE_CHARS = 800
 FEEDBACK_HEAD = "That reply does not follow the required JSON structure:\n"
 FEEDBACK_TAIL = "\nReply again with only a JSON object that fixes every listed problem."
@@ -77,18 +76,6 @@ def prompt_budget(config: LLMConfig, chars_per_token: float | None = None) -> in
     """Characters a whole prompt may take: the context window less the reserved output, at `chars_per_token`
     (default: the configured one)."""
     return int((config.context_window - config.max_output_tokens) * (chars_per_token or config.chars_per_token))
-
-
-def render_config(config: LLMConfig, chars_per_token: float | None = None) -> LLMConfig:
-    """`config` as a prompt renderer budgets a first request with: at `chars_per_token` (default: the configured
-    one), and with FEEDBACK_RESERVE_CHARS of `prompt_budget` left free for a re-ask's list of errors.
-
-    The renderer's budget is `(context_window - max_output_tokens) * chars_per_token` less the fixed text, so the
-    reserve is expressed as more output tokens.
-    """
-    per_token = chars_per_token or config.chars_per_token
-    return config.model_copy(update={"chars_per_token": per_token, "max_output_tokens": config.max_output_tokens
-                                     + math.ceil(FEEDBACK_RESERVE_CHARS / per_token)})
 
 
 def refit_chars_per_token(config: LLMConfig, messages: list[dict], refusal: ContextLengthError,
@@ -212,8 +199,8 @@ class LLMClient:
         prompt budget (`budget_chars`, default: `prompt_budget` of the configuration).
 
         Only the latest reply is quoted, so retries do not grow the prompt; when it would not fit the budget,
-        only the errors are appended, as many as fit (at least one: a prompt rendered by `render_config`
-        leaves room for a few).
+        only the errors are appended, as many as fit (at least one: a first prompt leaves
+        FEEDBACK_RESERVE_CHARS for a few).
         """
         budget = prompt_budget(self.config) if budget_chars is None else budget_chars
         listed = [e if len(e) <= MAX_ERROR_CHARS else e[:MAX_ERROR_CHARS - 1] + "…" for e in errors]

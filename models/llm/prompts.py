@@ -16,7 +16,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from dxr.errors import ConfigError, NotFoundError
-from models.llm.config import LLMConfig
 from models.llm.history import History, fit_history
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
@@ -66,17 +65,17 @@ def defuse_tags(text: str) -> str:
     return _TAG_OPEN.sub("‹", text)
 
 
-def render(prompt: Prompt, config: LLMConfig, history: History, **fields) -> RenderedPrompt:
-    """System and user messages with the history fitted to the context window left after the rest.
+def render(prompt: Prompt, budget_chars: int, history: History, **fields) -> RenderedPrompt:
+    """System and user messages in at most `budget_chars` characters, the history fitted to what the rest leaves.
 
     The history is data: tag look-alikes in it are defused (`defuse_tags`) before it fills the template.
     """
     system = prompt.system.format(**fields)
     fixed_chars = len(system) + len(prompt.user.format(history="", **fields))
-    budget = int((config.context_window - config.max_output_tokens) * config.chars_per_token) - fixed_chars
+    budget = budget_chars - fixed_chars
     if budget < 200:
-        raise ConfigError(f"llm.context_window {config.context_window} leaves {budget} characters for the patient "
-                          f"history of prompt {prompt.version}; raise it or lower llm.max_output_tokens")
+        raise ConfigError(f"a prompt budget of {budget_chars} characters leaves {budget} for the patient history "
+                          f"of prompt {prompt.version}; raise llm.context_window or lower llm.max_output_tokens")
     text, dropped = fit_history(history, budget)
     text = defuse_tags(text)
     return RenderedPrompt([{"role": "system", "content": system},
