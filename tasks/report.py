@@ -25,11 +25,11 @@ import polars as pl  # noqa: E402
 from prefect import task  # noqa: E402
 
 from dxr.config import load_settings  # noqa: E402
-from dxr.errors import NotFoundError  # noqa: E402
+from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
-from warehouse.runs import holding_run  # noqa: E402
+from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 SWEEP_MAX_K = 20
@@ -280,6 +280,12 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     metrics = wh.read("metrics", run_id=run_id)
     if metrics.is_empty():
         raise NotFoundError(f"run {run_id!r} has no stored metrics: run `dxr evaluate --run {run_id}` first")
+    # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
+    # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
+    evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    if not evaluation.is_empty() and evaluation["status"][0] != "finished":
+        raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (its forecasts or metrics "
+                         f"changed after it was written): run `dxr evaluate --run {run_id}` again, then the report")
     coverage = wh.read("evaluation_coverage", run_id=run_id)
     paired = wh.read("paired_comparisons", run_id=run_id)
     headroom = wh.read("headroom", run_id=run_id)

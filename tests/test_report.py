@@ -57,6 +57,21 @@ def test_report_needs_an_evaluation(wh, tmp_path):
     assert "run 'r1' has no stored metrics: run `dxr evaluate --run r1` first" in result.output
 
 
+def test_report_refuses_an_evaluation_a_forecast_rerun_made_stale(wh, tmp_path):
+    from tasks.forecast import clear_outputs
+
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    clear_outputs(wh, "r1", "s1")  # what a rerun of s1 does first: its metrics go, the others' stay
+    assert wh.has_rows("metrics", run_id="r1")
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "the evaluation of run 'r1' is stale" in result.output
+    assert "run `dxr evaluate --run r1` again" in result.output
+    assert not (tmp_path / "report.html").exists()
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    assert render_report(wh, "r1", tmp_path).exists()
+
+
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
