@@ -65,6 +65,18 @@ def test_untagged_events_in_the_target_encounters_own_span_before_its_admission_
     assert "LAB//CREATININE//mg/dL" in codes
 
 
+def test_a_diagnosis_with_neither_time_nor_encounter_is_not_history(wh_vocab, tmp_path):
+    # Subject 1's problem list, exported undated and without an encounter, names J189, a diagnosis of its target
+    # encounter 103: as static history it would hand the target to every forecaster. Sex stays static history.
+    problem_list = pl.DataFrame({"subject_id": [1], "time": [None], "code": [dx("J189")], "numeric_value": [None],
+                                 "text_value": [None], "encounter_id": [None]}, schema=tiny_events().schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "pl", pl.concat([tiny_events(), problem_list])), "pl")
+    cid = build_cohort(wh_vocab, "pl", "default", CohortOptions(), seed=7)["cohort_id"]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert dx("J189") not in pretarget["code"].to_list()
+    assert pretarget.filter(pl.col("time").is_null())["code"].to_list() == ["GENDER//F"]
+
+
 def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, tmp_path):
     # A codes.parquet listing exactly the data's diagnosis codes (as MEDS pipelines derive it) holds codes found
     # only in held-out targets, such as subject 1's J189 and I5023; with one code the data never uses it is a

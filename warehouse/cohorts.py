@@ -85,7 +85,9 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
     encounter it belongs to (if any) began before the cutoff. An event without an encounter is also
     dropped from the target encounter's first own event on (e.g. an emergency-department
     registration before the admission): in that span it may well be the target encounter's own
-    (an ED lab draw that the export left untagged).
+    (an ED lab draw that the export left untagged). A diagnosis with neither a time nor an
+    encounter is left out: nothing places it before the cutoff (a problem list taken at extraction
+    may hold the target encounter's diagnoses), so it cannot be static history as sex is.
     """
     return f"""
         SELECT t.trajectory_id, e.subject_id, e.time, e.code, e.numeric_value, e.text_value, e.encounter_id
@@ -97,6 +99,7 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
           AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
           AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.first_time IS NULL OR e.time < own.first_time)
+          AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND e.code LIKE 'DIAGNOSIS//%')
     """
 
 
