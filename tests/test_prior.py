@@ -248,6 +248,17 @@ def test_validation_metrics_skip_label_visits_without_output_codes():
     assert module.pop_epoch_metrics()["val_recall_at_20"] == 1.0  # 7 output codes: top-20 holds them all
 
 
+def test_an_epoch_without_a_labelled_validation_pair_has_no_validation_metric():
+    module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
+    codes, numeric, static, lengths, dx_ids = random_batch()
+    labels = torch.full((3, 2), 7)  # every label visit holds only codes outside the output vocabulary
+    module.validation_step({"codes": codes, "numeric": numeric, "static": static, "lengths": lengths, "dx": dx_ids,
+                            "labels": labels}, 0)
+    metrics = module.pop_epoch_metrics()
+    # Not a recall of 0: epoch selection would then keep the first epoch's weights instead of the last's.
+    assert not [name for name in metrics if name.startswith("val_")], metrics
+
+
 def test_epoch_metrics_are_means_of_plain_numbers():
     module = prior_lit.PriorModule(PriorNet(NetConfig(n_input_codes=20, n_output_codes=7, **TINY)), PriorConfig())
     module._collect("train_loss", torch.tensor(2.0, requires_grad=True) * 1)

@@ -88,7 +88,9 @@ class PriorModule(L.LightningModule):
                 metrics.update({f"{name}_e{e}": float(v) for e, v in enumerate(load)})
                 metrics[f"{name}_max_over_uniform"] = float(load.max() * load.numel())
             elif name.startswith("val_"):
-                metrics[name] = sum(map(sum, values)) / max(1, sum(map(len, values)))  # mean over rows
+                # No labelled pair, no value: a 0 would make `KeepBestEpoch` keep the first epoch's weights.
+                if n_rows := sum(map(len, values)):
+                    metrics[name] = sum(map(sum, values)) / n_rows  # mean over rows
             else:
                 metrics[name] = sum(values) / len(values)
         self.epoch_stats = {}

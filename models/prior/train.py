@@ -68,8 +68,8 @@ class MlflowEpochLogger(L.Callback):
 class KeepBestEpoch(L.Callback):
     """Remembers the weights of the epoch with the best tuning R@20 and restores them when fitting ends.
 
-    The earliest epoch wins a tie. Without validation pairs (no tuning record with two visits)
-    there is nothing to select on and the last epoch's weights stay.
+    The earliest epoch wins a tie. Without labelled validation pairs (no tuning record with two visits,
+    or no label visit with an output code) there is nothing to select on and the last epoch's weights stay.
     """
 
     def __init__(self):
