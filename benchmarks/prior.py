@@ -111,11 +111,12 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     wh.delete("prediction_cache", system=system)
     started = time.perf_counter()
     model = pinned_model(wh, cohort_id, system)  # as the forecast flow does: resolve the alias once
-    version = model["version"] if model else None
-    fitted_forecaster(str(wh.root), cohort_id, system, version)
+    version, model_run_id = (model["version"], model["mlflow_run_id"]) if model else (None, None)
+    fitted_forecaster(str(wh.root), cohort_id, system, version, model_run_id)
     loaded = time.perf_counter()
     n = run_shards(lambda shard, _: forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id,
-                                                           model_version=version), shards, workers)
+                                                           model_version=version, model_run_id=model_run_id),
+                   shards, workers)
     done = time.perf_counter()
     return {"system": system, "split": split, "trajectories": n, "shard_workers": workers,
             "load_seconds": loaded - started,

@@ -64,10 +64,11 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
             stage_logger(__name__).warning(
                 "removed %s's lists of run %s: they fused the %s lists this run replaces; forecast %s "
                 "again with --run-id %s", fused, run.run_id, system, fused, run.run_id)
-        version = model["version"] if model else None
+        version, model_run_id = (model["version"], model["mlflow_run_id"]) if model else (None, None)
         if system in FORECASTERS:  # load the model here, once: a failing load is one error, not one per shard
-            fitted_forecaster(str(wh.root), cohort_id, system, version)
+            fitted_forecaster(str(wh.root), cohort_id, system, version, model_run_id)
         run_shards(lambda shard, remaining: forecast_shard_task(
-                       str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining, subject_id, version),
+                       str(wh.root), cohort_id, system, shard, split, k, run.run_id, remaining, subject_id, version,
+                       model_run_id),
                    shards, workers, limit)
     return run.run_id

@@ -165,15 +165,16 @@ def pinned_model(wh: Warehouse, cohort_id: str, system: str) -> dict | None:
     return forecaster_class(system).resolve(wh.root, cohort_id)
 
 
-def make_forecaster(system: str, model_version: str | None = None) -> Forecaster:
+def make_forecaster(system: str, model_version: str | None = None, model_run_id: str | None = None) -> Forecaster:
     check_system(system)
     cls = forecaster_class(system)
-    return cls() if model_version is None else cls(version=model_version)
+    return cls() if model_version is None else cls(version=model_version, run_id=model_run_id)
 
 
 @lru_cache(maxsize=8)
-def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None) -> Forecaster:
-    forecaster = make_forecaster(system, model_version)
+def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None,
+            model_run_id: str | None) -> Forecaster:
+    forecaster = make_forecaster(system, model_version, model_run_id)
     forecaster.fit(Warehouse(wh_root).connect(tables=NON_RUN_TABLES), cohort_id)
     return forecaster
 
@@ -181,15 +182,18 @@ def _fitted(wh_root: str, cohort_id: str, system: str, model_version: str | None
 _fitting = threading.Lock()
 
 
-def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None) -> Forecaster:
+def fitted_forecaster(wh_root: str, cohort_id: str, system: str, model_version: str | None = None,
+                      model_run_id: str | None = None) -> Forecaster:
     """Fit once per process, cohort and registered version (None: the one the alias points to at the first
-    call); every shard task of a run reuses it."""
+    call) with its MLflow run id when pinned (see `pinned_model`); every shard task of a run reuses it."""
+    # The run id is part of the key because a reset or another tracking store numbers its versions from 1
+    # again: a long-lived process (`dxr serve`) would otherwise serve the model it loaded from the old one.
     # Through one positional form: lru_cache keys `f(a, b, c)` and `f(a, b, c, None)` apart, and a
     # second key would load the same model twice. Under a lock: shards running at once would each
     # fit it (lru_cache does not make concurrent callers of one key wait for the first). The forecast
     # flow fits before its shards start, so that a failing load fails once.
     with _fitting:
-        return _fitted(wh_root, cohort_id, system, model_version)
+        return _fitted(wh_root, cohort_id, system, model_version, model_run_id)
 
 
 fitted_forecaster.cache_clear = _fitted.cache_clear
@@ -375,17 +379,17 @@ def status_counts(wh: Warehouse, run_id: str) -> pl.DataFrame:
 @task(name="forecast-shard")
 def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, split: str, k: int, run_id: str,
                         limit: int | None = None, subject_id: int | None = None,
-                        model_version: str | None = None) -> int:
+                        model_version: str | None = None, model_run_id: str | None = None) -> int:
     """Prefect wrapper: fit (from the forecasting store only), predict one shard, write its partitions.
 
-    `model_version` pins a learned system's registered version (see `pinned_model`)."""
+    `model_version` and `model_run_id` pin a learned system's registered version (see `pinned_model`)."""
     wh = Warehouse(wh_root)
     trajectories, pretarget = shard_inputs(wh, cohort_id, shard, split, limit, subject_id)
     if trajectories.is_empty():
         return 0
     if system in LLM_SYSTEMS:
         return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
-    forecaster = fitted_forecaster(wh_root, cohort_id, system, model_version)
+    forecaster = fitted_forecaster(wh_root, cohort_id, system, model_version, model_run_id)
     ranked, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, run_id, cohort_id, shard)
     if cached:
         stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache",

@@ -276,6 +276,38 @@ def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_vers
     assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))
 
 
+def test_a_long_lived_process_forecasts_with_the_pinned_run_not_an_earlier_stores_same_version(tmp_path,
+                                                                                             monkeypatch):
+    from flows.forecast import forecast_flow
+
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    first = train_prior(str(tmp_path), cohort, "ehr_prior", PriorConfig(**{**TINY, "seed": 1}, epochs=1))
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="store-1")
+    # The same process (`dxr serve`) after the tracking store was reset (here: another sqlite file):
+    # its version 1 is another model.
+    (tmp_path / "other").mkdir()
+    other = f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}"
+    monkeypatch.setenv("DXR_PRIOR__TRACKING_URI", other)
+    second = train_prior(str(tmp_path), cohort, "ehr_prior",
+                         PriorConfig(**{**TINY, "seed": 2}, epochs=1, tracking_uri=other))
+    assert first.version == second.version == "1" and first.mlflow_run_id != second.mlflow_run_id
+    forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="store-2")
+    model = json.loads(wh.read("runs", run_id="store-2", kind="forecast:ehr_prior")["config_json"][0])["model"]
+    assert model["mlflow_run_id"] == second.mlflow_run_id
+    fresh = RegisteredPrior()
+    fresh.fit(wh.connect(), cohort)
+    assert fresh.run_id == second.mlflow_run_id
+    key = ["trajectory_id", "rank"]
+    expected = pl.concat(fresh.predict(*shard_inputs(wh, cohort, shard, "all"), 20)
+                         for shard in sorted(wh.read("trajectories", cohort_id=cohort)["shard"].unique()))
+    written = wh.read("rankings", run_id="store-2", system="ehr_prior").select(expected.columns)
+    assert written.sort(key).equals(expected.sort(key))
+    # A store that changed between pinning and loading is refused rather than served another model.
+    with pytest.raises(ConfigError, match=f"not the pinned run {first.mlflow_run_id}"):
+        RegisteredPrior(version="1", run_id=first.mlflow_run_id).fit(wh.connect(), cohort)
+
+
 def test_ensure_prior_puts_its_model_in_service_once_even_when_training_does_not_promote(tmp_path):
     from tasks.forecast import pinned_model
 

@@ -50,13 +50,18 @@ def load_network(model_dir: Path) -> PriorNet:
 
 class RegisteredPrior:
     """Ranks Ω codes with a registered model of one system: the version `version` when pinned (a forecast
-    run resolves its alias once, so that every shard uses one version), else the one the alias points to."""
+    run resolves its alias once, so that every shard uses one version), else the one the alias points to.
+
+    `run_id`, given with a pinned version, is the MLflow run that version was when pinned; `fit` refuses
+    a store where it is another run (the store was reset or replaced since).
+    """
 
     system = "ehr_prior"
 
-    def __init__(self, config: PriorConfig | None = None, version: str | None = None):
+    def __init__(self, config: PriorConfig | None = None, version: str | None = None, run_id: str | None = None):
         self.config = config
         self.version = version
+        self.pinned_run_id = run_id
         self.model_key = None  # set by fit
 
     @classmethod
@@ -76,6 +81,11 @@ class RegisteredPrior:
             self.version, self.run_id = tracking.resolve_alias(self.system, cohort_id, cfg.alias)
         else:
             self.run_id = tracking.version_run(self.system, cohort_id, self.version)
+            if self.pinned_run_id is not None and self.run_id != self.pinned_run_id:
+                raise ConfigError(f"{tracking.registered_name(self.system, cohort_id)} version {self.version} is "
+                                  f"MLflow run {self.run_id} in {tracking.mlflow.get_tracking_uri()}, not the "
+                                  f"pinned run {self.pinned_run_id}: the tracking store changed since the forecast "
+                                  "started; start it again")
         model_dir = tracking.download_model(self.system, cohort_id, self.version, self.run_id,
                                             root / "mlflow" / "cache")
         # The run id too: another (or a reset) tracking store numbers its versions from 1 again.
