@@ -404,3 +404,13 @@ def test_doctests(module):
 def test_network_shapes_that_cannot_run_are_rejected_with_the_settings(bad, message):
     with pytest.raises(ValueError, match=message):
         PriorConfig(**bad)
+
+
+@pytest.mark.parametrize("alias, message", [("v2", "MLflow reserves alias 'v2'"), ("Latest", "MLflow reserves"),
+                                            ("my alias", "letters, digits")])
+def test_an_alias_mlflow_cannot_point_is_rejected_with_the_settings(alias, message):
+    # Not after a training: MLflow refuses it only when the new version is to be put in service, and
+    # `ensure_prior` would then train another version at every call.
+    with pytest.raises(ValueError, match=message):
+        PriorConfig(alias=alias)
+    assert PriorConfig(alias="challenger-2").alias == "challenger-2"

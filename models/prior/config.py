@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dxr.errors import InputError
 
@@ -53,6 +55,18 @@ class PriorConfig(BaseModel):
     alias: str = Field("champion", description="registered-model alias that inference resolves")
     promote: bool = Field(True, description="point the alias at the newly registered version after training")
     predict_batch_size: int = Field(1024, ge=1)
+
+    @field_validator("alias")
+    @classmethod
+    def _settable_alias(cls, alias: str) -> str:
+        # MLflow refuses these only when training points the alias at its new version, after the whole
+        # training (and `ensure_prior` then trains another version at every call). Its rules, mirrored:
+        if not re.fullmatch(r"[\w-]+", alias):
+            raise ValueError(f"alias {alias!r} may hold only letters, digits, _ and - (an MLflow model alias)")
+        if re.fullmatch(r"latest|v\d+", alias, flags=re.IGNORECASE):
+            raise ValueError(f"MLflow reserves alias {alias!r} ('latest' and v<number> name versions): "
+                             "choose another, e.g. champion or challenger")
+        return alias
 
     @model_validator(mode="after")
     def _network_shape(self) -> PriorConfig:
