@@ -55,8 +55,14 @@ class Transition:
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None:
         self.frequency = train_diagnosis_frequency(con, cohort_id)
+        # Only the diagnoses and each encounter's earliest dated event make the visits: reading every event
+        # held all lab and medication rows too (2.8 GB peak for 21M train events against 1.6 GB).
         events = sql_frame(con, """SELECT subject_id, time, code, encounter_id FROM train_events
-                                   WHERE cohort_id = ? AND encounter_id IS NOT NULL""", [cohort_id])
+                                   WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND code LIKE 'DIAGNOSIS//%'
+                                   UNION ALL
+                                   SELECT subject_id, min(time), '', encounter_id FROM train_events
+                                   WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND time IS NOT NULL
+                                   GROUP BY subject_id, encounter_id""", [cohort_id])
         omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
         visits = visit_diagnoses(events, "subject_id")
         nxt = visits.with_columns(pl.col("visit") - 1).join(omega, on="code", how="semi")

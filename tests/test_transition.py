@@ -73,3 +73,34 @@ def test_an_encounters_undated_diagnoses_belong_to_its_visit():
     events = pl.DataFrame({"subject_id": [1, 1, 1], "time": [D(2020, 1, 1), D(2020, 2, 1), None],
                            "code": [dx("A"), "LAB//x", dx("B")], "encounter_id": [10, 11, 11]})
     assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A")), (1, 1, dx("B"))]
+
+
+def test_fit_reads_diagnoses_and_encounter_starts_not_every_lab_row(tmp_path, monkeypatch):
+    import models.transition
+
+    wh = Warehouse(tmp_path)
+    write_tiny(wh)
+    # 500 lab results in an undated-diagnosis encounter that starts with them: they date the visit, nothing more.
+    labs = pl.DataFrame([{"cohort_id": "ct", "subject_id": 2, "time": D(2020, 1, 7, 0, i % 60), "code": "LAB//x//mg",
+                          "numeric_value": float(i), "text_value": None, "encounter_id": 22} for i in range(500)]
+                        + [{"cohort_id": "ct", "subject_id": 2, "time": None, "code": dx("B"), "numeric_value": None,
+                            "text_value": None, "encounter_id": 22}])
+    wh.write("train_events", pl.concat([wh.read("train_events", cohort_id="ct"), labs], how="vertical_relaxed"),
+             cohort_id="ct")
+    read, query = [], models.transition.sql_frame
+
+    def counted(*args):
+        frame = query(*args)
+        read.append(frame.height)
+        return frame
+
+    monkeypatch.setattr(models.transition, "sql_frame", counted)
+    model = Transition()
+    model.fit(wh.connect(), "ct")
+    table = {(s, c): p for s, c, p in model.table.sort("source", "code").iter_rows()}
+    # Subject 2 now goes A → C → B: C gains a successor.
+    assert table == {(dx("A"), dx("B")): 2 / 3, (dx("A"), dx("C")): 1 / 3, (dx("B"), dx("A")): 1.0,
+                     (dx("C"), dx("B")): 1.0}
+    # At most one row per diagnosis (7) and per encounter (7) in memory, not the 508 events: at MIMIC-IV scale
+    # the lab and medication rows are most of the hundred million.
+    assert max(read) <= 14, read
