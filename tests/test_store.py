@@ -310,3 +310,28 @@ def test_each_uncommitted_state_of_a_checkout_is_a_version_of_its_own(tmp_path, 
     for name in ("features.py", "scratch.csv"):
         (tmp_path / name).unlink()
     assert checkout_version(tmp_path) == clean
+
+
+def test_a_settings_file_in_the_checkout_is_not_code(tmp_path, monkeypatch):
+    from dxr import __version__
+    from warehouse.runs import checkout_version
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "model.py").write_text("WIDTH = 64\n")
+    git("add", ".")
+    git("commit", "-qm", "first")
+    clean = f"{__version__}+{git('rev-parse', '--short=12', 'HEAD')}"
+    # `./dxr.toml` (or the file DXR_CONFIG names) holds settings: editing one must not make every cached
+    # prediction of the same code miss, nor record the runs as made by uncommitted code.
+    (tmp_path / "dxr.toml").write_text("[forecast]\nshard_workers = 1\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "prod.toml").write_text("[prior]\nalias = 'challenger'\n")
+    monkeypatch.setenv("DXR_CONFIG", str(tmp_path / "conf" / "prod.toml"))
+    assert checkout_version(tmp_path) == clean
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "direct_forecast.toml").write_text("version = 4\n")  # a new prompt file is code
+    assert checkout_version(tmp_path).startswith(f"{clean}.dirty.")

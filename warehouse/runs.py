@@ -37,6 +37,13 @@ def new_run_id(kind: str) -> str:
 
 # The kinds of file the code is made of: Python modules and the TOML prompt files.
 CODE_SUFFIXES = (".py", ".toml")
+SETTINGS_FILE = "dxr.toml"  # the settings' default file (see `dxr.config.config_path`): a TOML file, not code
+
+
+def is_settings_file(path: Path) -> bool:
+    """Whether `path` is a settings file: `dxr.toml`, or the file `DXR_CONFIG` names."""
+    named = os.environ.get("DXR_CONFIG")
+    return path.name == SETTINGS_FILE or (bool(named) and path.resolve() == Path(named).resolve())
 
 
 @lru_cache(maxsize=1)
@@ -64,9 +71,11 @@ def checkout_version(root: Path) -> str:
         # No external diff tool or text conversion: they could print nothing for a real change.
         diff = git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--", ".")
         names = git("ls-files", "--others", "--exclude-standard", "-z").decode().split("\0")
-        # Untracked files count when they are code (modules, prompt files), not data someone keeps here.
+        # Untracked files count when they are code (modules, prompt files), not data someone keeps here, nor
+        # settings: with them every settings edit was a code version of its own, and the prediction cache missed.
         untracked = sorted(root / name for name in names
-                           if name and name.endswith(CODE_SUFFIXES) and (root / name).is_file())
+                           if name and name.endswith(CODE_SUFFIXES) and (root / name).is_file()
+                           and not is_settings_file(root / name))
         if not diff and not untracked:
             return f"{__version__}+{sha}"
         change = hashlib.sha256(diff)
