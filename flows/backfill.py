@@ -3,9 +3,9 @@ and render its report.
 
 This is what a scheduled deployment runs (`dxr serve`, `[[backfills]]` in the configuration): each
 firing makes a fresh run id, so successive backfills stay side by side in `rankings` and `metrics`
-and can be compared with SQL. Systems run in the order given, so a fused system finds its inputs.
-The headline table also goes to a Prefect artifact (`backfill-<cohort>`), so the Prefect UI shows
-how each firing did without opening the warehouse.
+and can be compared with SQL; a retry of a firing (`flow_run_id`) finishes that firing's run. Systems
+run in the order given, so a fused system finds its inputs. The headline table also goes to a Prefect
+artifact (`backfill-<cohort>`), so the Prefect UI shows how each firing did without opening the warehouse.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from dxr.config import BackfillConfig
+from flows import flow_run_id
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run_task
 from tasks.forecast import check_system_order
 from tasks.report import artifact_key, headline_markdown, render_report_task
-from warehouse.runs import new_run_id
 from warehouse.store import Warehouse
 
 BACKFILL_SYSTEMS = tuple(BackfillConfig.model_fields["systems"].default)  # one default for flow and settings
@@ -32,7 +32,7 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
     the run id."""
     systems = tuple(systems)
     check_system_order(systems)
-    run_id = run_id or new_run_id("backfill")
+    run_id = run_id or flow_run_id("backfill")
     for system in systems:
         forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
     evaluate_run_task(data_dir, run_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from prefect import flow, task
 
 from dxr.config import Settings
+from flows import flow_run_id
 from flows.backfill import cohort_backfill_flow
 from tasks.forecast import status_counts
 from tasks.prior import ensure_prior
@@ -20,7 +21,6 @@ from tasks.realism import realism_table
 from tasks.report import report_path
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, synthetic_is_current
-from warehouse.runs import new_run_id
 from warehouse.store import Warehouse
 
 DEMO_DATASET = "synthetic"
@@ -60,7 +60,7 @@ def demo_flow(settings: Settings, run_id: str | None = None, llm_sample: int = 4
     cohort = build_cohort_task(wh, dataset_id, settings)
     cohort_id = cohort["cohort_id"]
     ensure_prior_task(wh, cohort_id, settings)
-    run_id = run_id or new_run_id("demo")
+    run_id = run_id or flow_run_id("demo")
     cohort_backfill_flow(str(wh.root), cohort_id, DEMO_SYSTEMS, split="held_out", run_id=run_id)
     result = {"run_id": run_id, "cohort": cohort, "metrics": wh.read("metrics", run_id=run_id),
               "realism": realism_table(wh, cohort_id, run_id), "report": report_path(wh, run_id), "llm": None}

@@ -12,10 +12,10 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
+from flows import flow_run_id
 from flows.forecast import forecast_flow
 from tasks.forecast import check_system_order
 from tasks.report import artifact_key, labelled_rankings, ranking_lines, ranking_table
-from warehouse.runs import new_run_id
 from warehouse.store import Warehouse
 
 # The forecasting pipeline as far as it is built: the EHR prior, Direct Forecast, and their fusion.
@@ -28,7 +28,7 @@ def forecast_patient_flow(data_dir: str, cohort: str, subject_id: int, systems: 
     """Forecast one patient's trajectories (any split) with each system into one run; returns the run id."""
     systems = tuple(systems)
     check_system_order(systems)
-    run_id = run_id or new_run_id("patient")
+    run_id = run_id or flow_run_id("patient")
     for system in systems:
         forecast_flow(data_dir, cohort, system, split="all", k=k, run_id=run_id, subject_id=subject_id)
     rankings = labelled_rankings(Warehouse(data_dir), run_id)
