@@ -48,11 +48,14 @@ def check_system(system: str) -> None:
 
 
 def check_system_order(systems: tuple[str, ...]) -> None:
-    """Each system is known and every fused system comes after the systems whose lists it fuses."""
+    """Each system is known and listed once, and every fused system comes after the systems whose lists it fuses."""
     if not systems:
         raise InputError("no system given: name at least one, e.g. repeat_history")
     for position, system in enumerate(systems):
         check_system(system)
+        # A second forecast of a system into the run redoes the first, and deletes the lists fused from it since.
+        if system in systems[:position]:
+            raise InputError(f"{system} is listed twice in systems: list each system once")
         missing = [source for source in FUSED_INPUTS.get(system, ()) if source not in systems[:position]]
         if missing:
             raise InputError(f"{system} fuses the lists of {', '.join(FUSED_INPUTS[system])}: put "

@@ -102,6 +102,9 @@ def test_a_run_of_one_patient_cannot_be_redone_as_a_cohort_run(wh_vocab, tiny_co
     (("repeat_history", "nosuch"), "unknown or not yet available system 'nosuch'"),
     (("ehr_prior", "rrf_prior_direct", "direct"), "rrf_prior_direct fuses the lists of ehr_prior, direct: put "
                                                   "direct before it in systems"),
+    # A second forecast of a system redoes the first; after a fused system it would delete the fused lists.
+    (("ehr_prior", "direct", "rrf_prior_direct", "ehr_prior"), "ehr_prior is listed twice in systems: list each "
+                                                               "system once"),
 ])
 def test_system_order_is_checked(systems, message):
     with pytest.raises(InputError, match=message):
