@@ -8,6 +8,7 @@ from prefect import flow
 
 from dxr.config import load_settings
 from dxr.errors import InputError
+from flows import flow_run_id
 from tasks import stage_logger
 from models.registry import FORECASTERS
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, fitted_forecaster,
@@ -15,7 +16,7 @@ from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, cle
                             run_shards, shard_workers)
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
-from warehouse.runs import check_run_id, new_run_id, registered_run
+from warehouse.runs import check_run_id, registered_run
 from warehouse.store import Warehouse
 
 
@@ -36,7 +37,7 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         raise InputError(f"limit must be at least 1 (or none for every trajectory), got {limit}")
     workers = shard_workers(system, limit, load_settings(data_dir=data_dir).forecast.shard_workers)
     wh = Warehouse(data_dir)
-    run_id = check_run_id(run_id) if run_id else new_run_id("forecast")
+    run_id = check_run_id(run_id) if run_id else flow_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
     # the cohort or an evaluation of the run may not.
     with (reading_cohort(wh, cohort) as cohort_row,

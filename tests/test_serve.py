@@ -129,16 +129,17 @@ def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(
     assert "| repeat_history |" in earlier.data and "| global_frequency |" in earlier.data
 
 
-@pytest.mark.parametrize("flow_name", ["backfill", "patient"])
-def test_a_retried_backfill_or_patient_rerun_resumes_its_own_run(wh_vocab, tiny_cohort_id, monkeypatch, flow_name):
+@pytest.mark.parametrize("flow_name", ["forecast", "backfill", "patient"])
+def test_a_retried_flow_run_resumes_its_own_run(wh_vocab, tiny_cohort_id, monkeypatch, flow_name):
     import flows.backfill
     import flows.patient
+    import tasks.forecast
 
-    # The first attempt forecasts every system, then fails (a full disk, a lost API): Prefect retries
-    # the same flow run, as the UI's Retry button or a flow's `retries` does.
-    module = {"backfill": flows.backfill, "patient": flows.patient}[flow_name]
-    last_step = {"backfill": "render_report_task", "patient": "create_table_artifact"}[flow_name]
-    real_step, attempts = getattr(module, last_step), []
+    # The first attempt fails (a full disk, a lost API) after it has started its run: Prefect retries the
+    # same flow run, as the UI's Retry button or a flow's `retries` does.
+    module, step = {"forecast": (tasks.forecast, "shard_inputs"), "backfill": (flows.backfill, "render_report_task"),
+                    "patient": (flows.patient, "create_table_artifact")}[flow_name]
+    real_step, attempts = getattr(module, step), []
 
     def fails_the_first_time(*args, **kwargs):
         attempts.append(1)
@@ -146,16 +147,15 @@ def test_a_retried_backfill_or_patient_rerun_resumes_its_own_run(wh_vocab, tiny_
             raise OSError("no space left on device")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(module, last_step, fails_the_first_time)
+    monkeypatch.setattr(module, step, fails_the_first_time)
     systems = ("global_frequency", "repeat_history")
-    if flow_name == "backfill":
-        flow, arguments = cohort_backfill_flow, {"systems": systems, "split": "all"}
-    else:
-        subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
-        flow, arguments = forecast_patient_flow, {"subject_id": subject, "systems": systems}
+    subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
+    flow, arguments = {"forecast": (forecast_flow, {"system": "repeat_history", "split": "all"}),
+                       "backfill": (cohort_backfill_flow, {"systems": systems, "split": "all"}),
+                       "patient": (forecast_patient_flow, {"subject_id": subject, "systems": systems})}[flow_name]
     run_id = flow.with_options(retries=1, retry_delay_seconds=0)(str(wh_vocab.root), "default", **arguments)
 
-    assert len(attempts) == 2
+    assert len(attempts) >= 2
     runs = wh_vocab.read("runs").filter(pl.col("run_id").str.starts_with(f"{flow_name}-"))
     assert runs["run_id"].unique().to_list() == [run_id]  # no second run beside the first attempt's
     assert set(runs["status"]) == {"finished"}
