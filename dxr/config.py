@@ -120,6 +120,9 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path()))
 
 
+DEFAULT_CONFIG_FILE = "dxr.toml"  # in the current directory
+
+
 def config_path() -> Path | None:
     """The TOML file in force: `DXR_CONFIG` when set, else `./dxr.toml` when present."""
     named = os.environ.get("DXR_CONFIG")
@@ -128,7 +131,7 @@ def config_path() -> Path | None:
         if not path.is_file():
             raise ConfigError(f"DXR_CONFIG points to {path}, which does not exist: create it or unset DXR_CONFIG")
         return path
-    default = Path("dxr.toml")
+    default = Path(DEFAULT_CONFIG_FILE)
     return default if default.is_file() else None
 
 

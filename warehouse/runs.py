@@ -19,6 +19,7 @@ from typing import Iterator
 import polars as pl
 
 from dxr import __version__
+from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError
 from warehouse.locks import held
 from warehouse.schemas import TABLES
@@ -37,13 +38,12 @@ def new_run_id(kind: str) -> str:
 
 # The kinds of file the code is made of: Python modules and the TOML prompt files.
 CODE_SUFFIXES = (".py", ".toml")
-SETTINGS_FILE = "dxr.toml"  # the settings' default file (see `dxr.config.config_path`): a TOML file, not code
 
 
 def is_settings_file(path: Path) -> bool:
     """Whether `path` is a settings file: `dxr.toml`, or the file `DXR_CONFIG` names."""
     named = os.environ.get("DXR_CONFIG")
-    return path.name == SETTINGS_FILE or (bool(named) and path.resolve() == Path(named).resolve())
+    return path.name == DEFAULT_CONFIG_FILE or (bool(named) and path.resolve() == Path(named).resolve())
 
 
 @lru_cache(maxsize=1)
