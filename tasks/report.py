@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,6 +31,7 @@ from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
+from warehouse.scratch import remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 SWEEP_MAX_K = 20
@@ -401,14 +403,22 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
     with holding_run(wh, run_id, exclusive=False):  # no evaluation rewrites the metrics meanwhile
         blocks = build_report(wh, run_id)
     out = Path(out_dir) if out_dir is not None else report_path(wh, run_id).parent
-    out.mkdir(parents=True, exist_ok=True)
     for block in blocks:
         if isinstance(block, Figure):
-            (out / f"{block.name}.png").write_bytes(block.png)
-    (out / "report.md").write_text(to_markdown(blocks), encoding="utf-8")
+            write_whole(out / f"{block.name}.png", block.png)
+    write_whole(out / "report.md", to_markdown(blocks).encode("utf-8"))
     page = out / "report.html"
-    page.write_text(to_html(blocks), encoding="utf-8")
+    write_whole(page, to_html(blocks).encode("utf-8"))
     return page
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write a report file beside it and rename it into place: a re-render killed or out of disk space midway
+    leaves the previous file whole, not a truncated page that a backfill's Prefect artifact points to."""
+    remove_abandoned(path)
+    with scratch(path, "tmp") as tmp:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
 
 
 @task(name="render-report")

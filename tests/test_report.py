@@ -72,6 +72,33 @@ def test_report_refuses_an_evaluation_a_forecast_rerun_made_stale(wh, tmp_path):
     assert render_report(wh, "r1", tmp_path).exists()
 
 
+def test_a_rerender_that_fails_midway_leaves_the_previous_report_whole(wh, tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    page = render_report(wh, "r1", tmp_path)
+    before = page.read_bytes()
+
+    write_bytes, write_text = Path.write_bytes, Path.write_text
+
+    def html_fills_the_disk(write):
+        def patched(self, data, *args, **kwargs):
+            if "report.html" not in self.name:
+                return write(self, data, *args, **kwargs)
+            with open(self, "wb") as f:  # half of the page, then the disk is full
+                f.write(data[:len(data) // 2] if isinstance(data, bytes) else data[:len(data) // 2].encode())
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return patched
+
+    monkeypatch.setattr(Path, "write_bytes", html_fills_the_disk(write_bytes))
+    monkeypatch.setattr(Path, "write_text", html_fills_the_disk(write_text))
+    with pytest.raises(OSError, match="No space left"):
+        render_report(wh, "r1", tmp_path)
+    assert page.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
