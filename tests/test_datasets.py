@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import warehouse.synthetic as synthetic
 from dxr.errors import InputError
-from tests.conftest import abandoned_scratch
+from tests.conftest import abandoned_scratch, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
 
@@ -79,3 +80,27 @@ def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_me
         build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)
     ingest_meds(wh_vocab, wh_vocab.meds_dir("tiny"), "tiny")  # re-registering in place accepts the new files
     assert build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)["cohort_id"]
+
+
+def test_ingest_takes_hadm_id_as_the_encounter_id_of_a_mimic_iv_meds_export(wh_vocab, tmp_path):
+    # MEDS-Extract's MIMIC-IV ETL (the MIMIC-IV MEDS convention) keeps the admission id as `hadm_id`.
+    events = tiny_events()
+    source = write_tiny_meds(tmp_path / "mimic_iv_meds", events.rename({"encounter_id": "hadm_id"}))
+    row = ingest_meds(wh_vocab, source, "extract")
+    assert (row["n_subjects"], row["n_events"]) == (events["subject_id"].n_unique(), events.height)
+    gold = pl.read_parquet(wh_vocab.meds_dir("extract") / "data" / "**" / "*.parquet")
+    assert gold["encounter_id"].to_list() == gold["hadm_id"].to_list()
+    key = ["subject_id", "time", "code", "encounter_id"]
+    assert gold.select(key).sort(key, nulls_last=False).equals(events.select(key).sort(key, nulls_last=False))
+    assert build_cohort(wh_vocab, "extract", "main", CohortOptions(), seed=0)["cohort_id"]
+
+
+def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_vocab, tmp_path):
+    source = write_tiny_meds(tmp_path / "mixed")
+    other = pq.read_table(source / "data" / "0.parquet").rename_columns(
+        ["subject_id", "time", "code", "numeric_value", "text_value", "hadm_id"])
+    pq.write_table(other.slice(0, 1).set_column(0, "subject_id", pa.array([999], pa.int64())),
+                   source / "data" / "1.parquet")
+    with pytest.raises(InputError, match=r"1\.parquet: the encounter column is 'hadm_id' but .*0\.parquet calls it "
+                                         r"'encounter_id': use one name in every shard"):
+        ingest_meds(wh_vocab, source, "mixed")

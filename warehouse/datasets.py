@@ -57,9 +57,9 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
     config = {"path": str(source_dir), "dataset": dataset_id}
     with registered_run(wh, "ingest:meds", config, run_id):
         check_name("dataset", dataset_id)
-        validate_meds_dir(source_dir)  # fail before copying anything
+        info = validate_meds_dir(source_dir)  # fail before copying anything
         with writing_dataset(wh, dataset_id):
-            copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id))
+            copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id), info.encounter_column)
             return register_dataset(wh, dataset_id, source="meds")
 
 

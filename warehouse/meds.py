@@ -29,6 +29,9 @@ from warehouse.scratch import remove_abandoned, scratch
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
 EXTRA_COLUMNS = {"encounter_id": pa.int64()}
+# Other names a MEDS export gives the encounter column: MEDS-Extract's MIMIC-IV ETL, whose codes this platform
+# follows, keeps the admission id as `hadm_id`. Ingest copies it into `encounter_id`.
+ENCOUNTER_ALIASES = ("hadm_id",)
 DIAGNOSIS_PREFIX = "DIAGNOSIS//ICD//"
 # Codes whose system the platform knows; anything under DIAGNOSIS// must be ICD-9 or ICD-10.
 _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
@@ -106,6 +109,7 @@ class MedsInfo:
     fingerprint: str
     # Diagnoses coded outside any encounter (outpatient, problem lists): history only, never a target.
     n_diagnoses_without_encounter: int = 0
+    encounter_column: str = "encounter_id"  # or an alias (ENCOUNTER_ALIASES) that ingest copies into encounter_id
 
 
 def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
@@ -121,21 +125,31 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         raise InputError(f"{root} is not a MEDS directory: no Parquet shards under {data_dir}; "
                          "MEDS keeps events in data/*.parquet")
     schema = meds_data_schema()
+    encounter_columns: dict[str, Path] = {}  # encounter column name -> first shard using it
     for shard in shards:
         try:
             shard_schema = pq.read_schema(shard)
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"{shard} is not a readable Parquet file ({exc}): rewrite or remove it") from exc
+        encounter = next((name for name in ("encounter_id", *ENCOUNTER_ALIASES) if name in shard_schema.names),
+                         "encounter_id")
         for field in schema:
             if field.name in ("numeric_value", "text_value"):
                 continue  # optional in MEDS
+            if field.name == "encounter_id" and encounter in shard_schema.names:
+                continue
             if field.name not in shard_schema.names:
                 fix = ("add the hospital encounter (admission) id to every event"
                        if field.name == "encounter_id" else "every MEDS shard needs it")
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
-        encounter_type = shard_schema.field("encounter_id").type
+        encounter_columns.setdefault(encounter, shard)
+        if len(encounter_columns) > 1:
+            first_name, first_shard = next(iter(encounter_columns.items()))
+            raise InputError(f"{shard}: the encounter column is '{encounter}' but {first_shard} calls it "
+                             f"'{first_name}': use one name in every shard")
+        encounter_type = shard_schema.field(encounter).type
         if not (pa.types.is_integer(encounter_type) or pa.types.is_null(encounter_type)):
-            raise InputError(f"{shard}: column 'encounter_id' is {encounter_type}, not an integer: number the "
+            raise InputError(f"{shard}: column '{encounter}' is {encounter_type}, not an integer: number the "
                              "encounters (e.g. map each visit id to an integer) and write them as int64")
         try:
             meds.DataSchema.validate(pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code",
@@ -144,7 +158,13 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     glob = str(data_dir / "**" / "*.parquet")
     con = duck.connect(":memory:")
-    rel = f"read_parquet({duck.literal(glob)}, union_by_name=true)"
+    [encounter] = encounter_columns
+
+    def scan(options: str = "") -> str:  # the shards, with the encounter column under its platform name
+        relation = f"read_parquet({duck.literal(glob)}, union_by_name=true{options})"
+        return relation if encounter == "encounter_id" else f"(SELECT *, {encounter} AS encounter_id FROM {relation})"
+
+    rel = scan()
     # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
     is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
@@ -153,7 +173,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         "code IS NULL": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
-    located = f"read_parquet({duck.literal(glob)}, union_by_name=true, filename=true, file_row_number=true)"
+    located = scan(", filename=true, file_row_number=true")
     # One pass: the problem counts and the dataset summary.
     *counts, n_subjects, n_events, n_loose = con.execute(
         "SELECT " + ", ".join(f"count(*) FILTER (WHERE {condition})" for condition in problems)
@@ -229,7 +249,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         check_splits(splits, splits_path)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
-                    n_diagnoses_without_encounter=n_loose)
+                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
@@ -248,19 +268,36 @@ def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def copy_meds_dir(source: Path, target: Path) -> None:
+def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id") -> None:
     """Copy a MEDS directory into the gold store, replacing any older copy.
 
     A real copy, not hard links: a source file later rewritten in place must not change the
-    registered dataset under its fingerprint.
+    registered dataset under its fingerprint. Shards whose encounter column has another name
+    (`encounter_column`, see `validate_meds_dir`) gain an `encounter_id` copy of it, the column
+    everything downstream reads.
     """
     source, target = Path(source).resolve(), Path(target)
-    if source == target.resolve():
+    if source == target.resolve() and encounter_column == "encounter_id":
         return
     remove_abandoned(target)
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
+        if encounter_column != "encounter_id":
+            for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
+                _add_encounter_id(shard, encounter_column)
         replace_dir(staging, target)
+
+
+def _add_encounter_id(shard: Path, column: str) -> None:
+    """Rewrite a shard with `encounter_id` = `column` as int64, a row group at a time (shards can be large)."""
+    tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
+    with pq.ParquetFile(shard) as source:
+        schema = source.schema_arrow.append(pa.field("encounter_id", pa.int64()))
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            for batch in source.iter_batches():
+                encounters = batch.column(column).cast(pa.int64())
+                writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, encounters], schema=schema))
+    os.replace(tmp, shard)
 
 
 def replace_dir(staging: Path, target: Path) -> None:
