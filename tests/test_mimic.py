@@ -273,6 +273,22 @@ def test_fixture_hosp_folder_and_release_root_give_the_same_events(tmp_path, mim
     assert read_meds(tmp_path / "direct").equals(read_meds(out))
 
 
+def test_mimic4_v1_core_module_beside_hosp_is_read(tmp_path, mimic4):
+    # MIMIC-IV before v2.0 keeps patients and admissions in a `core` module next to `hosp`.
+    out, _ = mimic4
+    hosp = Path(shutil.copytree(FIXTURE, tmp_path / "mimic-iv-1.0")) / "hosp"
+    (hosp.parent / "core").mkdir()
+    for table in ("patients.csv.gz", "admissions.csv.gz"):
+        (hosp / table).rename(hosp.parent / "core" / table)
+    for given in (hosp.parent, hosp):
+        import_mimic4(given, tmp_path / f"from_{given.name}", seed=SEED)
+        assert read_meds(tmp_path / f"from_{given.name}").equals(read_meds(out)), given
+    shutil.copy(hosp.parent / "core" / "patients.csv.gz", hosp)
+    with pytest.raises(InputError, match=r"table patients exists twice \(core/patients.csv.gz, "
+                                         r"patients.csv.gz\): keep one of them"):
+        import_mimic4(hosp.parent, tmp_path / "twice", seed=SEED)
+
+
 @pytest.mark.parametrize("mode", ["native", "icd10", "category"])
 def test_fixture_runs_end_to_end_with_every_harmonization(mode, wh_vocab, prefect_harness):
     from flows.forecast import forecast_flow

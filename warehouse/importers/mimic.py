@@ -107,6 +107,8 @@ class Layout:
     tables: dict[str, SourceTable]
     normalize_sql: str
     subdirectory: str | None = None
+    # Modules beside `subdirectory` that older releases keep some tables in (read too when present).
+    sibling_subdirectories: tuple[str, ...] = ()
 
 
 _ADMISSIONS = SourceTable("admissions", {
@@ -159,6 +161,7 @@ MIMIC3 = Layout(
 
 MIMIC4 = Layout(
     source="mimic4", title="MIMIC-IV", subdirectory="hosp",
+    sibling_subdirectories=("core",),  # MIMIC-IV v0.4 and v1.0 keep patients and admissions in core/
     tables={
         "patients": SourceTable("patients", {"subject_id": "BIGINT", "gender": "VARCHAR", "anchor_age": "INTEGER",
                                              "anchor_year": "INTEGER", "dod": "TIMESTAMP"}, not_null=("subject_id",)),
@@ -400,7 +403,7 @@ def import_mimic3(src: Path, out_dir: Path, *, seed: int, labs: bool = False, me
 
 def import_mimic4(src: Path, out_dir: Path, *, seed: int, labs: bool = False, memory_limit: str = "2GB",
                   log: Callable[[str], None] | None = None) -> ImportSummary:
-    """Import a MIMIC-IV `hosp` directory (or the release root holding `hosp/`) into MEDS at `out_dir`."""
+    """Import a MIMIC-IV `hosp` directory (or the release root holding `hosp/`; v1.0's `core/` too) into MEDS."""
     return import_mimic(MIMIC4, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log)
 
 
@@ -491,8 +494,10 @@ def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> 
     folder = src
     if layout.subdirectory and (src / layout.subdirectory).is_dir():
         folder = src / layout.subdirectory
+    release = folder.parent if layout.subdirectory and folder.name == layout.subdirectory else folder
+    siblings = [release / name for name in layout.sibling_subdirectories if (release / name).is_dir()]
     by_name: dict[str, list[Path]] = {}
-    for path in folder.iterdir():
+    for path in (path for directory in (folder, *siblings) for path in directory.iterdir()):
         lower = path.name.lower()
         for suffix in (".csv.gz", ".csv"):
             if lower.endswith(suffix) and path.is_file():
@@ -502,8 +507,8 @@ def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> 
     for name, spec in tables.items():
         candidates = sorted(by_name.get(spec.stem, []))
         if len(candidates) > 1:
-            raise InputError(f"{folder}: table {spec.stem} exists twice ({', '.join(p.name for p in candidates)}): "
-                             "keep one of them")
+            names = ", ".join(p.name if p.parent == folder else str(p.relative_to(release)) for p in candidates)
+            raise InputError(f"{folder}: table {spec.stem} exists twice ({names}): keep one of them")
         if candidates:
             found[name] = candidates[0]
     required = [spec.stem for spec in tables.values() if spec.required]
