@@ -104,3 +104,28 @@ def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_voc
     with pytest.raises(InputError, match=r"1\.parquet: the encounter column is 'hadm_id' but .*0\.parquet calls it "
                                          r"'encounter_id': use one name in every shard"):
         ingest_meds(wh_vocab, source, "mixed")
+
+
+def test_codes_metadata_without_descriptions_is_a_dictionary_like_any_other(wh_vocab, tiny_meds):
+    # `description` is optional in MEDS code metadata.
+    codes = pl.DataFrame({"code": ["DIAGNOSIS//ICD//10//A000", "DIAGNOSIS//ICD//10//I10", "GENDER//F"]})
+    codes.write_parquet(tiny_meds / "metadata" / "codes.parquet")
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cohort = build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)
+    omega = wh_vocab.read("cohort_vocabulary", cohort_id=cohort["cohort_id"]).sort("code")
+    assert omega.select("code", "title").rows() == [("DIAGNOSIS//ICD//10//A000", "Cholera due to Vibrio cholerae 01, "
+                                                     "biovar cholerae"),
+                                                    ("DIAGNOSIS//ICD//10//I10", "Essential (primary) hypertension")]
+
+
+def test_an_unreadable_codes_metadata_file_is_refused_at_ingest(wh_vocab, tiny_meds):
+    codes = tiny_meds / "metadata" / "codes.parquet"
+    codes.write_text("not parquet")
+    with pytest.raises(InputError, match=r"codes\.parquet is not a readable Parquet file \(.*\): rewrite or remove it "
+                                         r"\(the file is optional\)"):
+        ingest_meds(wh_vocab, tiny_meds, "tiny")
+    pl.DataFrame({"concept": ["GENDER//F"]}).write_parquet(codes)
+    with pytest.raises(InputError, match=r"codes\.parquet: missing column 'code' \(columns found: concept\): MEDS code "
+                                         r"metadata has code, description and parent_codes"):
+        ingest_meds(wh_vocab, tiny_meds, "tiny")
+    assert not wh_vocab.has_rows("datasets", dataset_id="tiny")

@@ -320,7 +320,10 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
     codes_file = info.root / "metadata" / "codes.parquet"
     shipped = pl.DataFrame(schema={"code": pl.String, "title": pl.String})
     if codes_file.is_file():
-        shipped = (pl.read_parquet(codes_file, columns=["code", "description"])
+        codes = pl.read_parquet(codes_file)
+        if "description" not in codes.columns:  # optional in MEDS code metadata
+            codes = codes.with_columns(description=pl.lit(None, pl.String))
+        shipped = (codes.select("code", "description")
                    .filter(pl.col("code").str.starts_with("DIAGNOSIS//ICD//"))
                    .rename({"description": "title"}).unique("code", keep="first"))
     if shipped.height and not set(shipped["code"].to_list()) <= data_codes:

@@ -233,6 +233,18 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     except json.JSONDecodeError as exc:
         raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
                          "fix it or remove it (the file is optional)") from exc
+    codes_path = root / meds.code_metadata_filepath
+    if codes_path.is_file():
+        # Read by the cohort build (a dictionary becomes Ω): refused here, before the dataset is registered.
+        try:
+            code_columns = pq.read_schema(codes_path).names
+        except (pa.ArrowInvalid, OSError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"{codes_path} is not a readable Parquet file ({reason}): "
+                             "rewrite or remove it (the file is optional)") from exc
+        if "code" not in code_columns:
+            raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_columns)}): "
+                             "MEDS code metadata has code, description and parent_codes")
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
