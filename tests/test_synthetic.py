@@ -477,3 +477,22 @@ def test_empty_shards_are_not_copies_of_each_other(tmp_path):
         pq.write_table(empty, tmp_path / "data" / split / "0.parquet")
     assert validate_meds_dir(tmp_path).n_subjects == 12
 
+
+
+def test_split_subject_ids_that_are_not_integers_are_refused_when_the_dataset_is_validated(tmp_path):
+    # They could never match the data's int64 subject_id: the cohort build failed on the cast.
+    small_dataset(tmp_path)
+    path = tmp_path / "metadata" / "subject_splits.parquet"
+    splits = pq.read_table(path)
+    as_text = pa.array([f"S{s}" for s in splits["subject_id"].to_pylist()], pa.string())
+    pq.write_table(splits.set_column(0, "subject_id", as_text), path)
+    assert one_line_error(tmp_path) == (f"{path}: column 'subject_id' is String, not an integer: write the "
+                                        "subject ids of data/ (int64)")
+
+
+def test_a_dataset_json_that_is_not_an_object_is_a_one_line_error(tmp_path):
+    small_dataset(tmp_path)
+    path = tmp_path / "metadata" / "dataset.json"
+    path.write_text("[1, 2]")
+    assert one_line_error(tmp_path) == (f"{path}: a JSON list, not an object of dataset fields (dataset_name, …): "
+                                        "fix it or remove it (the file is optional)")

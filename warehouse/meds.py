@@ -233,6 +233,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     except json.JSONDecodeError as exc:
         raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
                          "fix it or remove it (the file is optional)") from exc
+    if not isinstance(metadata, dict):
+        raise InputError(f"{metadata_path}: a JSON {type(metadata).__name__}, not an object of dataset fields "
+                         "(dataset_name, …): fix it or remove it (the file is optional)")
     codes_path = root / meds.code_metadata_filepath
     if codes_path.is_file():
         # Read by the cohort build (a dictionary becomes Ω): refused here, before the dataset is registered.
@@ -321,8 +324,11 @@ def replace_dir(staging: Path, target: Path) -> None:
 
 
 def check_splits(splits: pl.DataFrame, path: Path) -> None:
-    """Refuse a split name other than train/tuning/held_out, and a subject listed twice (its held-out target
-    would be in the training data)."""
+    """Refuse subject ids that are not integers (they match no subject of data/), a split name other than
+    train/tuning/held_out, and a subject listed twice (its held-out target would be in the training data)."""
+    if not splits.schema["subject_id"].is_integer():
+        raise InputError(f"{path}: column 'subject_id' is {splits.schema['subject_id']}, not an integer: write the "
+                         "subject ids of data/ (int64)")
     rows = splits.with_row_index("row", offset=1)
     unknown = rows.filter(~pl.col("split").is_in(SPLITS).fill_null(False))
     if unknown.height:
