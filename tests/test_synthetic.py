@@ -496,3 +496,19 @@ def test_a_dataset_json_that_is_not_an_object_is_a_one_line_error(tmp_path):
     path.write_text("[1, 2]")
     assert one_line_error(tmp_path) == (f"{path}: a JSON list, not an object of dataset fields (dataset_name, …): "
                                         "fix it or remove it (the file is optional)")
+
+
+def test_shards_written_by_polars_or_pandas_pass_whatever_arrow_string_type_they_record(tmp_path):
+    # Parquet stores all strings alike; polars records `code` as large_string, pandas `text_value` as string.
+    shard = small_dataset(tmp_path)
+    expected = validate_meds_dir(tmp_path)
+    pl.read_parquet(shard).write_parquet(shard)
+    other = shard.with_name("00001.parquet")
+    table = pq.read_table(other)
+    pq.write_table(table.cast(pa.schema([f.with_type(pa.string()) if f.name == "text_value" else f
+                                         for f in table.schema])), other)
+    assert (pq.read_schema(shard).field("code").type, pq.read_schema(other).field("text_value").type) == (
+        pa.large_string(), pa.string())
+    info = validate_meds_dir(tmp_path)
+    assert (info.n_subjects, info.n_events, info.icd_versions) == (
+        expected.n_subjects, expected.n_events, expected.icd_versions)

@@ -151,9 +151,10 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         if not (pa.types.is_integer(encounter_type) or pa.types.is_null(encounter_type)):
             raise InputError(f"{shard}: column '{encounter}' is {encounter_type}, not an integer: number the "
                              "encounters (e.g. map each visit id to an integer) and write them as int64")
+        core = pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code", "numeric_value", "text_value")
+                                             if c in shard_schema.names]).slice(0, 0)
         try:
-            meds.DataSchema.validate(pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code",
-                                     "numeric_value", "text_value") if c in shard_schema.names]).slice(0, 0))
+            meds.DataSchema.validate(core.cast(_meds_string_types(core.schema)))
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     glob = str(data_dir / "**" / "*.parquet")
@@ -265,6 +266,18 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+
+
+def _meds_string_types(schema: pa.Schema) -> pa.Schema:
+    """`schema` with each text column given the Arrow string type MEDS declares for it.
+
+    Parquet stores every string alike; the Arrow type a file records is its writer's choice (polars:
+    large_string, pandas: string), and every reader here (DuckDB, polars) takes either.
+    """
+    declared = meds.DataSchema.schema()
+    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    return pa.schema([declared.field(f.name) if any(is_text(f.type) for is_text in text)
+                      and any(is_text(declared.field(f.name).type) for is_text in text) else f for f in schema])
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
