@@ -129,3 +129,11 @@ def test_an_unreadable_codes_metadata_file_is_refused_at_ingest(wh_vocab, tiny_m
                                          r"metadata has code, description and parent_codes"):
         ingest_meds(wh_vocab, tiny_meds, "tiny")
     assert not wh_vocab.has_rows("datasets", dataset_id="tiny")
+
+
+def test_codes_metadata_with_codes_that_are_not_text_is_refused_at_ingest(wh_vocab, tiny_meds):
+    codes = tiny_meds / "metadata" / "codes.parquet"
+    pl.DataFrame({"code": [4280], "description": ["Congestive heart failure"]}).write_parquet(codes)
+    with pytest.raises(InputError, match=r"codes\.parquet: column 'code' is int64, not text: MEDS code metadata holds "
+                                         r"codes and descriptions as strings"):
+        ingest_meds(wh_vocab, tiny_meds, "tiny")

@@ -241,14 +241,18 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     if codes_path.is_file():
         # Read by the cohort build (a dictionary becomes Ω): refused here, before the dataset is registered.
         try:
-            code_columns = pq.read_schema(codes_path).names
+            code_schema = pq.read_schema(codes_path)
         except (pa.ArrowInvalid, OSError) as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(f"{codes_path} is not a readable Parquet file ({reason}): "
                              "rewrite or remove it (the file is optional)") from exc
-        if "code" not in code_columns:
-            raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_columns)}): "
+        if "code" not in code_schema.names:
+            raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
                              "MEDS code metadata has code, description and parent_codes")
+        untyped = next((f for f in code_schema if f.name in ("code", "description") and not _is_text(f.type)), None)
+        if untyped is not None:
+            raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
+                             "MEDS code metadata holds codes and descriptions as strings")
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
@@ -268,6 +272,10 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
 
 
+def _is_text(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
+
+
 def _meds_string_types(schema: pa.Schema) -> pa.Schema:
     """`schema` with each text column given the Arrow string type MEDS declares for it.
 
@@ -275,9 +283,8 @@ def _meds_string_types(schema: pa.Schema) -> pa.Schema:
     large_string, pandas: string), and every reader here (DuckDB, polars) takes either.
     """
     declared = meds.DataSchema.schema()
-    text = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
-    return pa.schema([declared.field(f.name) if any(is_text(f.type) for is_text in text)
-                      and any(is_text(declared.field(f.name).type) for is_text in text) else f for f in schema])
+    return pa.schema([declared.field(f.name) if _is_text(f.type) and _is_text(declared.field(f.name).type) else f
+                      for f in schema])
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
