@@ -512,3 +512,13 @@ def test_shards_written_by_polars_or_pandas_pass_whatever_arrow_string_type_they
     info = validate_meds_dir(tmp_path)
     assert (info.n_subjects, info.n_events, info.icd_versions) == (
         expected.n_subjects, expected.n_events, expected.icd_versions)
+
+
+def test_a_dotted_diagnosis_code_gets_the_exact_code_to_write(tmp_path):
+    shard = small_dataset(tmp_path)
+    row, code = first_diagnosis(shard)
+    prefix, raw = code.rsplit("//", 1)
+    set_value(shard, "code", row, f"{prefix}//{raw[:3]}.{raw[3:]}")
+    assert one_line_error(tmp_path).endswith(
+        f"00000.parquet, row {row + 1}: diagnosis code '{prefix}//{raw[:3]}.{raw[3:]}' has a dot: write it {code!r} "
+        "(MEDS ICD codes are written without it)")

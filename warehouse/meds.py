@@ -191,6 +191,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         elif _DIAGNOSIS_CODE.match(code.upper()):
             prefix = code.upper().rsplit("//", 1)[0] + "//"
             problem = f"diagnosis code {code!r} is not upper case: write it {code.upper()!r} (prefix {prefix})"
+        elif _DIAGNOSIS_CODE.match(undotted := code.upper().replace(".", "")):
+            problem = (f"diagnosis code {code!r} has a dot: write it {undotted!r} "
+                       "(MEDS ICD codes are written without it)")
         else:
             problem = (f"unknown code system in diagnosis code {code!r}: diagnosis codes must be "
                        "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
