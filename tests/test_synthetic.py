@@ -522,3 +522,12 @@ def test_a_dotted_diagnosis_code_gets_the_exact_code_to_write(tmp_path):
     assert one_line_error(tmp_path).endswith(
         f"00000.parquet, row {row + 1}: diagnosis code '{prefix}//{raw[:3]}.{raw[3:]}' has a dot: write it {code!r} "
         "(MEDS ICD codes are written without it)")
+
+
+def test_a_shard_in_the_pre_0_3_meds_layout_is_told_which_columns_to_rename(tmp_path):
+    # MEDS 0.3 renamed patient_id to subject_id and timestamp to time.
+    shard = small_dataset(tmp_path)
+    table = pq.read_table(shard)
+    pq.write_table(table.rename_columns(["patient_id" if n == "subject_id" else n for n in table.column_names]), shard)
+    assert one_line_error(tmp_path) == (f"{shard}: missing column 'subject_id' (int64): this is the MEDS layout "
+                                        "before 0.3; rename patient_id to subject_id (and timestamp to time)")

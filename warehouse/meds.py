@@ -139,8 +139,10 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             if field.name == "encounter_id" and encounter in shard_schema.names:
                 continue
             if field.name not in shard_schema.names:
-                fix = ("add the hospital encounter (admission) id to every event"
-                       if field.name == "encounter_id" else "every MEDS shard needs it")
+                fix = ("add the hospital encounter (admission) id to every event" if field.name == "encounter_id"
+                       else "this is the MEDS layout before 0.3; rename patient_id to subject_id (and timestamp to "
+                       "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
+                       else "every MEDS shard needs it")
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
         encounter_columns.setdefault(encounter, shard)
         if len(encounter_columns) > 1:
