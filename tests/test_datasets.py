@@ -95,6 +95,31 @@ def test_ingest_takes_hadm_id_as_the_encounter_id_of_a_mimic_iv_meds_export(wh_v
     assert build_cohort(wh_vocab, "extract", "main", CohortOptions(), seed=0)["cohort_id"]
 
 
+def test_ingest_takes_shards_with_the_types_pandas_writes_and_stores_the_meds_types(wh_vocab, tmp_path):
+    # pandas writes times in nanoseconds, values as float64 and an all-missing text_value as null; a subject id
+    # may be int32. Same values, so ingest stores them with the MEDS types instead of refusing the dataset.
+    source = write_tiny_meds(tmp_path / "pandas_meds")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    pandas_like = pa.table({
+        "subject_id": events["subject_id"].cast(pa.int32()), "time": events["time"].cast(pa.timestamp("ns")),
+        "code": events["code"].cast(pa.string()), "numeric_value": events["numeric_value"].cast(pa.float64()),
+        "text_value": pa.nulls(events.num_rows), "encounter_id": events["encounter_id"]})
+    pq.write_table(pandas_like, shard)
+    ingest_meds(wh_vocab, source, "pandas")
+    gold = pq.read_table(wh_vocab.meds_dir("pandas") / "data" / "0.parquet")
+    assert [(f.name, str(f.type)) for f in gold.schema] == [
+        ("subject_id", "int64"), ("time", "timestamp[us]"), ("code", "string"), ("numeric_value", "float"),
+        ("text_value", "large_string"), ("encounter_id", "int64")]
+    key = ["subject_id", "time", "code", "numeric_value", "encounter_id"]
+    assert pl.from_arrow(gold).select(key).equals(pl.from_arrow(events).select(key))
+    assert build_cohort(wh_vocab, "pandas", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+    tz_aware = pandas_like.set_column(1, "time", pandas_like["time"].cast(pa.timestamp("ns", tz="UTC")))
+    pq.write_table(tz_aware, shard)
+    with pytest.raises(InputError, match=r"0\.parquet: not the MEDS data schema .*time"):
+        ingest_meds(wh_vocab, source, "zoned")
+
+
 def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_vocab, tmp_path):
     source = write_tiny_meds(tmp_path / "mixed")
     other = pq.read_table(source / "data" / "0.parquet").rename_columns(

@@ -156,7 +156,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         core = pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code", "numeric_value", "text_value")
                                              if c in shard_schema.names]).slice(0, 0)
         try:
-            meds.DataSchema.validate(core.cast(_meds_string_types(core.schema)))
+            meds.DataSchema.validate(core.cast(_meds_types(core.schema)))
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     glob = str(data_dir / "**" / "*.parquet")
@@ -281,15 +281,35 @@ def _is_text(arrow_type: pa.DataType) -> bool:
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
 
 
-def _meds_string_types(schema: pa.Schema) -> pa.Schema:
-    """`schema` with each text column given the Arrow string type MEDS declares for it.
+def _meds_types(schema: pa.Schema) -> pa.Schema:
+    """`schema` with each MEDS column given the type MEDS declares for it where the file's type is one that
+    common writers choose for the same values.
 
-    Parquet stores every string alike; the Arrow type a file records is its writer's choice (polars:
-    large_string, pandas: string), and every reader here (DuckDB, polars) takes either.
+    Any string type (Parquet stores them alike: polars records large_string, pandas string); a column that
+    pandas wrote as all-null; a numeric_value of double or integers (pandas' float64; MEDS keeps float32);
+    a time of another unit without a time zone (pandas: ns); a subject_id of another signed integer width.
+    Anything else (a time zone, dates, text times) keeps its type, so validation names it.
     """
     declared = meds.DataSchema.schema()
-    return pa.schema([declared.field(f.name) if _is_text(f.type) and _is_text(declared.field(f.name).type) else f
-                      for f in schema])
+
+    def conformed(field: pa.Field) -> pa.Field:
+        if field.name not in declared.names:
+            return field
+        have, want = field.type, declared.field(field.name).type
+        takes = {"numeric_value": pa.types.is_null(have) or pa.types.is_floating(have) or pa.types.is_integer(have),
+                 "text_value": pa.types.is_null(have) or _is_text(have),
+                 "code": _is_text(have),
+                 "time": pa.types.is_timestamp(have) and have.tz is None,
+                 "subject_id": pa.types.is_signed_integer(have)}
+        return declared.field(field.name) if takes[field.name] else field
+
+    return pa.schema([conformed(f) for f in schema])
+
+
+def _stored_types(schema: pa.Schema) -> pa.Schema:
+    """The types a copied shard is rewritten to: `_meds_types`, except that text keeps the writer's string type
+    (readers take either, and a dataset written by polars is not worth rewriting for it)."""
+    return pa.schema([f if _is_text(f.type) else conformed for f, conformed in zip(schema, _meds_types(schema))])
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
@@ -314,7 +334,8 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     A real copy, not hard links: a source file later rewritten in place must not change the
     registered dataset under its fingerprint. Shards whose encounter column has another name
     (`encounter_column`, see `validate_meds_dir`) gain an `encounter_id` copy of it, the column
-    everything downstream reads.
+    everything downstream reads; shards with columns of other writers' types (`_meds_types`) are
+    rewritten with the MEDS types.
     """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve() and encounter_column == "encounter_id":
@@ -322,21 +343,31 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     remove_abandoned(target)
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
-        if encounter_column != "encounter_id":
-            for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
-                _add_encounter_id(shard, encounter_column)
+        for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
+            _conform_shard(shard, encounter_column)
         replace_dir(staging, target)
 
 
-def _add_encounter_id(shard: Path, column: str) -> None:
-    """Rewrite a shard with `encounter_id` = `column` as int64, a row group at a time (shards can be large)."""
-    tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
+def _conform_shard(shard: Path, encounter_column: str) -> None:
+    """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
+    (`_stored_types`) or its encounter column needs the `encounter_id` copy (int64)."""
     with pq.ParquetFile(shard) as source:
-        schema = source.schema_arrow.append(pa.field("encounter_id", pa.int64()))
-        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        have = source.schema_arrow
+        want = _stored_types(have)
+        if encounter_column != "encounter_id":
+            want = want.append(pa.field("encounter_id", pa.int64()))
+        if want.equals(have):
+            return
+        tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
+        with pq.ParquetWriter(tmp, want, compression="zstd") as writer:
             for batch in source.iter_batches():
-                encounters = batch.column(column).cast(pa.int64())
-                writer.write_batch(pa.RecordBatch.from_arrays([*batch.columns, encounters], schema=schema))
+                columns = batch.columns
+                if encounter_column != "encounter_id":
+                    columns = [*columns, batch.column(encounter_column)]
+                # Times and values lose what MEDS does not keep (nanoseconds, float64 digits); ids must fit.
+                writer.write_batch(pa.RecordBatch.from_arrays(
+                    [column.cast(field.type, safe=field.name not in ("time", "numeric_value"))
+                     for column, field in zip(columns, want)], schema=want))
     os.replace(tmp, shard)
 
 
