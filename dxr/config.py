@@ -150,3 +150,5 @@ def load_settings(**overrides) -> Settings:
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML ({exc}): fix the syntax there") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; an editor may have saved the file as Latin-1
+        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8") from exc

@@ -158,6 +158,14 @@ def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     assert "invalid setting 'unknown_key'" in line
 
 
+def test_config_file_not_in_utf8_is_one_line_naming_it(tmp_path, monkeypatch):
+    config = tmp_path / "dxr.toml"
+    config.write_bytes(b"seed = 11 # \xff\n")  # saved in Latin-1, not UTF-8
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    assert one_line_error(run("config", "show")) == (f"Error: {config} is not UTF-8 text (invalid start byte at byte "
+                                                     "12): save it as UTF-8")
+
+
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
