@@ -128,6 +128,9 @@ def config_path() -> Path | None:
     named = os.environ.get("DXR_CONFIG")
     if named:
         path = Path(named)
+        if path.is_dir():
+            raise ConfigError(f"DXR_CONFIG points to {path}, which is a directory: name the TOML file in it or unset "
+                              "DXR_CONFIG")
         if not path.is_file():
             raise ConfigError(f"DXR_CONFIG points to {path}, which does not exist: create it or unset DXR_CONFIG")
         return path

@@ -166,6 +166,12 @@ def test_config_file_not_in_utf8_is_one_line_naming_it(tmp_path, monkeypatch):
                                                      "12): save it as UTF-8")
 
 
+def test_config_variable_naming_a_directory_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("DXR_CONFIG", str(tmp_path))
+    assert one_line_error(run("config", "show")) == (f"Error: DXR_CONFIG points to {tmp_path}, which is a directory: "
+                                                     "name the TOML file in it or unset DXR_CONFIG")
+
+
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
