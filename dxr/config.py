@@ -7,11 +7,12 @@ Precedence (highest first): environment (`DXR_DATA_DIR`, `DXR_SEED`, ...), the T
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from dxr.errors import ConfigError
 from models.llm.config import LLMConfig
@@ -153,5 +154,13 @@ def load_settings(**overrides) -> Settings:
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML ({exc}): fix the syntax there") from exc
+    except SettingsError as exc:  # a DXR_* variable holding a section or list is parsed as JSON, e.g. DXR_SYNTH
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = field.group(1) if field else "?"
+        variables = sorted(v for v in os.environ if v.upper() == f"DXR_{name.upper()}"
+                           or v.upper().startswith(f"DXR_{name.upper()}__"))
+        source = ", ".join(variables) or "DXR_* variables"
+        raise ConfigError(f"invalid setting '{name}' (from {source}): not valid JSON ({exc.__cause__}); give a JSON "
+                          f"value, or set one key as DXR_{name.upper()}__<KEY>=value") from exc
     except UnicodeDecodeError as exc:  # TOML is UTF-8; an editor may have saved the file as Latin-1
         raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8") from exc

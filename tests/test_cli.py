@@ -172,6 +172,13 @@ def test_config_variable_naming_a_directory_says_so(tmp_path, monkeypatch):
                                                      "name the TOML file in it or unset DXR_CONFIG")
 
 
+def test_variable_of_a_nested_setting_that_is_not_json_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING", "{kind: none}")
+    assert one_line_error(run("config", "show")) == (
+        "Error: invalid setting 'tools' (from DXR_TOOLS__EMBEDDING): not valid JSON (Expecting property name enclosed "
+        "in double quotes: line 1 column 2 (char 1)); give a JSON value, or set one key as DXR_TOOLS__<KEY>=value")
+
+
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
