@@ -114,6 +114,11 @@ def test_file_system_errors_and_a_missing_warehouse_are_one_line_naming_the_path
     monkeypatch.delenv("DXR_DATA_DIR")
     assert one_line_error(run("sql", "SELECT 1", data_dir=tmp_path / "typo")).startswith("Error: no warehouse at")
     assert not (tmp_path / "typo").exists()  # reading created nothing
+    # A cohort needs a registered dataset: a mistyped --data-dir gets no new warehouse holding one failed run.
+    line = one_line_error(run("cohort", "build", "--dataset", "synthetic", "--name", "default",
+                              data_dir=tmp_path / "typo"))
+    assert line.startswith(f"Error: no warehouse at {tmp_path / 'typo'}:")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):

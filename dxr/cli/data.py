@@ -149,7 +149,7 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     """
     from warehouse.cohorts import CohortOptions, build_cohort
 
-    cfg, wh = settings(ctx), warehouse(ctx)
+    cfg, wh = settings(ctx), warehouse(ctx, existing=True)  # its dataset lives in a warehouse made by synth or ingest
     options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
     row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
