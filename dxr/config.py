@@ -139,11 +139,29 @@ def config_path() -> Path | None:
     return default if default.is_file() else None
 
 
+def check_variables(settings: Settings) -> None:
+    """Refuse a DXR_* variable that sets nothing: pydantic-settings ignores one whose first part names no
+    setting, so a typo such as DXR_PRIOR_EPOCHS (one underscore) would leave the default in force unseen."""
+    # A key may live in any variable the configuration names, DXR_* included.
+    key_variables = {settings.llm.api_key_env, settings.tools.embedding.api_key_env, settings.tools.web.api_key_env}
+    for variable in sorted(os.environ):
+        setting = variable[len("DXR_"):].lower()
+        if (not variable.upper().startswith("DXR_") or variable.upper() == "DXR_CONFIG" or variable in key_variables
+                or setting.split("__")[0] in Settings.model_fields):
+            continue
+        section = next((f for f in Settings.model_fields
+                        if setting.startswith(f"{f}_") and isinstance(getattr(settings, f), BaseModel)), None)
+        meant = f" (did you mean DXR_{section.upper()}__{variable[len(f'DXR_{section}_'):]}?)" if section else ""
+        raise ConfigError(f"{variable} sets no setting{meant}: DXR_* variables name a setting, nested with __; "
+                          "`dxr config show` lists the valid keys")
+
+
 def load_settings(**overrides) -> Settings:
-    """Validated settings; a bad key, type or TOML syntax raises ConfigError naming it."""
+    """Validated settings; a bad key, type or TOML syntax, or a DXR_* variable naming no setting, raises
+    ConfigError naming it."""
     path = config_path()
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -164,3 +182,5 @@ def load_settings(**overrides) -> Settings:
                           f"value, or set one key as DXR_{name.upper()}__<KEY>=value") from exc
     except UnicodeDecodeError as exc:  # TOML is UTF-8; an editor may have saved the file as Latin-1
         raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8") from exc
+    check_variables(settings)
+    return settings

@@ -184,6 +184,23 @@ def test_variable_of_a_nested_setting_that_is_not_json_is_one_line_naming_it(mon
         "in double quotes: line 1 column 2 (char 1)); give a JSON value, or set one key as DXR_TOOLS__<KEY>=value")
 
 
+def test_variable_that_sets_nothing_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("DXR_PRIOR_EPOCHS", "2")  # one underscore: pydantic-settings would ignore it
+    assert one_line_error(run("config", "show")) == (
+        "Error: DXR_PRIOR_EPOCHS sets no setting (did you mean DXR_PRIOR__EPOCHS?): DXR_* variables name a setting, "
+        "nested with __; `dxr config show` lists the valid keys")
+    monkeypatch.delenv("DXR_PRIOR_EPOCHS")
+    monkeypatch.setenv("DXR_DATADIR", "/tmp/wh")
+    assert one_line_error(run("config", "show")) == (
+        "Error: DXR_DATADIR sets no setting: DXR_* variables name a setting, nested with __; `dxr config show` lists "
+        "the valid keys")
+    # A variable the configuration names as holding a key is not a setting, and is no typo.
+    monkeypatch.setenv("DXR_LLM__API_KEY_ENV", "DXR_OPENAI_KEY")
+    monkeypatch.setenv("DXR_OPENAI_KEY", "sk-test")
+    monkeypatch.delenv("DXR_DATADIR")
+    assert run("config", "show").exit_code == 0
+
+
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
