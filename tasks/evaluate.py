@@ -60,7 +60,7 @@ from scipy.stats import binom
 from dxr.errors import InputError, NotFoundError
 from warehouse.runs import EVALUATE_KIND, holding_run, mark_stale, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
-from warehouse.store import Warehouse, conform
+from warehouse.store import Warehouse, check_run_id, conform
 
 ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
 NATURAL_K = 0
@@ -132,6 +132,20 @@ def check_forecasts_finished(con, run_id: str, systems: list[str]) -> None:
                          f"leave {system} out with --systems")
 
 
+def _no_rankings(wh: Warehouse, run_id: str) -> NotFoundError:
+    return NotFoundError(f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first "
+                         "(dxr forecast …), check --data-dir, or list runs with "
+                         "`dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
+
+
+def check_has_rankings(wh: Warehouse, run_id: str) -> None:
+    """Refuse a run without ranking files; cheap (no file is read), so a command given several runs checks
+    them all before evaluating the first."""
+    if not (wh.has_rows("rankings", run_id=check_run_id(run_id))
+            or wh.has_rows("ranking_status", run_id=run_id)):
+        raise _no_rankings(wh, run_id)
+
+
 def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS,
              include_oracle: bool = True) -> RunData:
     """Read one run's rankings and statuses, the gold targets and the oracle; refuse silent gaps."""
@@ -140,9 +154,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
                            "WHERE run_id = ?", [run_id])
     status = _query(con, "SELECT system, trajectory_id, status FROM ranking_status WHERE run_id = ?", [run_id])
     if rankings.is_empty() and status.is_empty():
-        raise NotFoundError(f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first "
-                            "(dxr forecast …), check --data-dir, or list runs with "
-                            "`dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
+        raise _no_rankings(wh, run_id)
     cohorts = rankings["cohort_id"].unique().to_list()
     if not cohorts:  # every trajectory failed: the registry still knows the run's cohort
         cohorts = _query(con, "SELECT DISTINCT cohort_id FROM runs WHERE run_id = ? AND kind <> ?",

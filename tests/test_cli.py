@@ -257,6 +257,18 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
     assert line == "Error: run id 'demo[1]' has unsafe characters: use letters, digits and _.:-"
 
 
+def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    assert run("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r1",
+               data_dir=data_dir).exit_code == 0
+    # A mistyped second run is reported before the first is evaluated, not after minutes of bootstrap.
+    line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", data_dir=data_dir))
+    assert line.startswith(f"Error: run 'r2' has no rankings in the warehouse at {data_dir}: run a forecast first")
+    assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
+
+
 def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):
     data_dir = tmp_path / "wh"
     dxr = Path(sys.executable).parent / "dxr"

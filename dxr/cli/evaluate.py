@@ -78,9 +78,11 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import evaluate_repeated, evaluate_run
+    from tasks.evaluate import check_has_rankings, evaluate_repeated, evaluate_run
 
     wh = warehouse(ctx, existing=True)
+    for run_id in run_ids:
+        check_has_rankings(wh, run_id)
     system_list, k_list = _names(systems), _ks(ks)
     pool_list = [tuple(p.split("+")) for p in pools] or None
     frames = []
