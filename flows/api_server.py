@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+from dxr.errors import ConfigError
 from dxr.processes import guard_process
 
 _guards: dict[int, subprocess.Popen | None] = {}  # server PID → its guard
@@ -27,6 +28,7 @@ def start_temporary_api() -> None:
     from prefect.settings import PREFECT_API_URL
 
     if PREFECT_API_URL.value():  # a real server (deployments, the test harness): nothing of ours to stop
+        check_configured_api()
         return
     server = SubprocessASGIServer()  # Prefect keeps one instance per process; its client reuses it
     if server.running:
@@ -40,3 +42,17 @@ def start_temporary_api() -> None:
 
     server._run_uvicorn_command = launch_guarded
     server.start()
+
+
+def check_configured_api() -> None:
+    """Refuse a PREFECT_API_URL where no server answers (a server not started, a mistyped port): Prefect's
+    client would fail at its first call, deep in a flow or in `serve`, with a traceback."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    with get_client(sync_client=True) as client:
+        error = client.api_healthcheck()
+    if error is not None:
+        raise ConfigError(f"no Prefect server answers at PREFECT_API_URL={PREFECT_API_URL.value()} ({error}): start "
+                          "it with `prefect server start --host 127.0.0.1`, or correct PREFECT_API_URL (commands "
+                          "other than `dxr serve` run without it)")

@@ -235,6 +235,19 @@ def test_serve_needs_a_prefect_server(tmp_path):
         "PREFECT_API_URL=http://127.0.0.1:4200/api"]
 
 
+@pytest.mark.parametrize("command", [["serve"], ["forecast", "--cohort", "default", "--system", "repeat_history"]])
+def test_a_prefect_server_that_does_not_answer_is_one_line(wh_vocab, tiny_cohort_id, command):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:1/api"}):  # nothing listens on port 1
+        result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), *command])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: no Prefect server answers at PREFECT_API_URL=http://127.0.0.1:1/api ([Errno 111] Connection refused): "
+        "start it with `prefect server start --host 127.0.0.1`, or correct PREFECT_API_URL (commands other than "
+        "`dxr serve` run without it)"]
+
+
 def wait_for_deployment(name: str, log: Path, timeout: float = 180) -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound

@@ -29,11 +29,13 @@ def serve(ctx: click.Context, limit: int) -> None:
     from prefect import serve as prefect_serve
     from prefect.settings import PREFECT_API_URL
 
+    from flows.api_server import check_configured_api
     from flows.deployments import build_deployments
 
     if not PREFECT_API_URL.value():
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
                           "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
+    check_configured_api()
     deployments = build_deployments(settings(ctx))
     for deployment in deployments:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
