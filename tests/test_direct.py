@@ -234,6 +234,25 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
             "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output
 
 
+def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, monkeypatch, prefect_harness):
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    wh, _, _ = planted_cohort
+    # An endpoint that is not running: every call is a transport error, every trajectory `failed`.
+    for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0"}.items():
+        monkeypatch.setenv(f"DXR_LLM__{key}", value)
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "direct", "--split", "held_out", "--run-id", "down"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
+    assert len(lines) == 1 and lines[0].startswith(
+        "Error: run down: every direct forecast failed (2 of 2 trajectories), e.g. direct: gave up after 1 attempts: "
+        "ClientConnectorError talking to http://127.0.0.1:1/v1/chat/completions"), result.output
+    assert lines[0].endswith(": fix the cause, then rerun with --run-id down (details in ranking_status and llm_calls)")
+
+
 def test_a_rerun_under_another_model_is_refused_unless_the_run_predates_recording_it(wh):
     from dxr.errors import InputError
     from tasks.forecast import check_rerun, forecast_config

@@ -7,6 +7,7 @@ import json
 import click
 
 from dxr.cli import main, settings
+from dxr.errors import DxrError
 
 
 @main.command()
@@ -29,6 +30,8 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     Example:
       dxr forecast --cohort default --system repeat_history --split held_out --run-id demo-1
     """
+    import polars as pl
+
     from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
     from tasks.forecast import (check_rerun, check_system, forecast_config, forecast_shards, llm_run_config,
@@ -48,6 +51,12 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     pinned_model(wh, cohort_id, system)  # a learned system without a registered model
     start_temporary_api()
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
+    status = wh.read("ranking_status", run_id=run, system=system)
+    failed = status.filter(pl.col("status") == "failed")
+    if failed.height and failed.height == status.height:  # e.g. an LLM endpoint that is down: no list at all
+        raise DxrError(f"run {run}: every {system} forecast failed ({failed.height} of {status.height} "
+                         f"trajectories), e.g. {failed['detail'][0]}: fix the cause, then rerun with --run-id {run} "
+                         "(details in ranking_status and llm_calls)")
     whom = "" if subject_id is None else f", patient {subject_id}"
     recorded = json.loads(wh.read("runs", run_id=run, kind=f"forecast:{system}")["config_json"][0])
     model = recorded.get("model")
