@@ -559,7 +559,8 @@ class Evaluation:
     coverage: pl.DataFrame
 
 
-def _ks(ks, natural: bool) -> tuple[int, ...]:
+def budgets(ks, natural: bool) -> tuple[int, ...]:
+    """The budgets K to evaluate, sorted (with NATURAL_K for --natural); refuses K < 1."""
     ks = tuple(sorted(set(int(k) for k in ks)))
     if any(k < 1 for k in ks):
         raise InputError(f"every K must be >= 1, got {ks}; the variable-cardinality version is --natural")
@@ -576,7 +577,7 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     """
     if n_boot < 0:
         raise InputError(f"--bootstrap must be >= 0 (0 skips intervals), got {n_boot}")
-    all_ks = _ks(ks, natural)
+    all_ks = budgets(ks, natural)
     run = load_run(wh, run_id, systems, ks=[k for k in all_ks if k != NATURAL_K])
     weights = bootstrap_weights(run.subject_index, n_boot, seed) if n_boot else None
     est = estimate(system_counts(run, all_ks), weights)
@@ -681,7 +682,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
-    all_ks = _ks(ks, natural)
+    all_ks = budgets(ks, natural)
     with ExitStack() as locks:
         for run_id in sorted(set(run_ids)):
             locks.enter_context(holding_run(wh, run_id, exclusive=True))

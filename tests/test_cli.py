@@ -267,6 +267,18 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", data_dir=data_dir))
     assert line.startswith(f"Error: run 'r2' has no rankings in the warehouse at {data_dir}: run a forecast first")
     assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
+    # Option values are checked before the work starts, and a list option naming nothing is no silent default.
+    for option, value, line in [
+        ("--systems", ",", "Error: --systems names no system; give a comma-separated list such as "
+                           "global_frequency,repeat_history, or leave the option out for every system of the run"),
+        ("--k", ",", "Error: --k takes comma-separated integers such as 10,20; got ','"),
+        ("--k", "0,10", "Error: every K must be >= 1, got (0, 10); the variable-cardinality version is --natural"),
+        ("--pair", "a", "Error: --pair takes two systems as a,b; got 'a'"),
+    ]:
+        assert one_line_error(run("evaluate", "--run", "r1", option, value, data_dir=data_dir)) == line
+    result = run("evaluate", "--run", "r1", "--bootstrap", "-1", data_dir=data_dir)
+    assert result.exit_code == 2 and "Invalid value for '--bootstrap': -1 is not in the range x>=0." in result.output
+    assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
 
 
 def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):

@@ -12,11 +12,22 @@ def _names(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
+def _systems(value: str | None) -> list[str] | None:
+    systems = _names(value)
+    if systems == []:  # `--systems ,` would otherwise evaluate nothing and fail deep in the metrics
+        raise InputError("--systems names no system; give a comma-separated list such as global_frequency,"
+                         "repeat_history, or leave the option out for every system of the run")
+    return systems
+
+
 def _ks(value: str) -> list[int]:
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
+        ks = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise InputError(f"--k takes comma-separated integers such as 10,20; got {value!r}") from None
+        ks = []
+    if not ks:  # `--k ,` would otherwise leave only the natural K, unasked
+        raise InputError(f"--k takes comma-separated integers such as 10,20; got {value!r}")
+    return ks
 
 
 def _pairs(values: tuple[str, ...]) -> list[tuple[str, str]] | None:
@@ -56,7 +67,7 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @click.option("--systems", default=None, help="Comma-separated systems (default: every system of the run, "
                                               "plus the gold-side oracles when the cohort has them).")
 @click.option("--k", "ks", default="10,20", show_default=True, help="Comma-separated budgets K.")
-@click.option("--bootstrap", "n_boot", type=int, default=1000, show_default=True,
+@click.option("--bootstrap", "n_boot", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Bootstrap resamples (0: no intervals).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--natural/--no-natural", default=True, show_default=True,
@@ -78,17 +89,18 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import check_has_rankings, evaluate_repeated, evaluate_run
+    from tasks.evaluate import budgets, check_has_rankings, evaluate_repeated, evaluate_run
 
     wh = warehouse(ctx, existing=True)
+    system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
+    pool_list = [tuple(p.split("+")) for p in pools] or None
+    budgets(k_list, natural)  # refuses K < 1 before any work
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
-    system_list, k_list = _names(systems), _ks(ks)
-    pool_list = [tuple(p.split("+")) for p in pools] or None
     frames = []
     for run_id in run_ids:
         click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
-        frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, _pairs(pairs), pool_list))
+        frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, pair_list, pool_list))
     if len(set(run_ids)) > 1:
         frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural))
     click.echo(metrics_table(pl.concat(frames)))
