@@ -178,6 +178,14 @@ def damage(wh, table: str, **keys) -> Path:
     return path
 
 
+def test_reading_a_damaged_file_names_it_and_the_fix(wh):
+    damaged = damage(wh, "runs", run_id="r1", kind="cohort")
+    with pytest.raises(InputError) as raised:
+        wh.read("runs", run_id="r1")
+    assert str(raised.value).startswith(f"table runs: {damaged} is not a readable Parquet file (")
+    assert str(raised.value).endswith("); move that file out of the warehouse and rerun the command that wrote it")
+
+
 def test_a_connection_limited_to_some_tables_opens_no_file_of_the_others(wh):
     from warehouse.schemas import NON_RUN_TABLES, RUN_TABLES
 

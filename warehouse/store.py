@@ -182,7 +182,7 @@ class Warehouse:
         # The empty frame first: every declared column in order and type, null in partitions written
         # before a (nullable) column was added.
         empty = pl.from_arrow(spec.schema.empty_table())
-        return pl.concat([empty, *(pl.read_parquet(f) for f in sorted(self._files(spec, keys)))],
+        return pl.concat([empty, *(_read_parquet(spec, f) for f in sorted(self._files(spec, keys)))],
                          how="diagonal_relaxed")
 
     def _files(self, spec: Table, keys: dict):
@@ -211,6 +211,14 @@ def _partition_pattern(spec: Table, keys: dict) -> str:
     """
     return "/".join([f"{key}={keys[key]}" if key in keys else f"{key}=*" for key in spec.partition_by]
                     + [PART_FILE])
+
+
+def _read_parquet(spec: Table, path: Path) -> pl.DataFrame:
+    try:
+        return pl.read_parquet(path)
+    except pl.exceptions.ComputeError as exc:  # a file our atomic writes cannot have left: damaged since
+        raise InputError(f"table {spec.name}: {path} is not a readable Parquet file ({str(exc).splitlines()[0]}); "
+                         "move that file out of the warehouse and rerun the command that wrote it") from exc
 
 
 def check_run_id(run_id: str) -> str:
