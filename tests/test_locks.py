@@ -292,6 +292,15 @@ def test_a_run_killed_by_sigkill_is_marked_killed_by_the_next_run_and_a_live_one
     assert mark_killed(wh) == [("live-1", "cohort")]
 
 
+def test_looking_for_killed_runs_in_a_data_dir_that_does_not_exist_creates_nothing(tmp_path):
+    from warehouse.runs import mark_killed, runs_in_progress
+    from warehouse.store import Warehouse
+
+    wh = Warehouse(tmp_path / "typo")
+    assert mark_killed(wh) == [] and runs_in_progress(wh).is_empty()
+    assert not (tmp_path / "typo").exists()
+
+
 def test_only_runs_in_progress_keep_a_marker_and_finding_killed_runs_does_not_read_the_registry(wh, monkeypatch):
     from warehouse.runs import RUNNING_DIR, mark_killed, registered_run
     from warehouse.store import Warehouse

@@ -222,7 +222,8 @@ def _markers(wh: Warehouse) -> list[tuple[Path, str, str]]:
 def _index_legacy_running(wh: Warehouse) -> None:
     """Give a marker to every `running` row of a registry written before the markers existed (once)."""
     flag = wh.root / RUNNING_DIR / INDEXED_FLAG
-    if flag.exists():
+    # A data dir that does not exist has no registry to index, and a mistyped --data-dir must not appear on disk.
+    if flag.exists() or not wh.root.is_dir():
         return
     if wh.has_rows("runs"):
         registry = wh.connect(tables=["runs"])
