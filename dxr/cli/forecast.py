@@ -55,8 +55,8 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     failed = status.filter(pl.col("status") == "failed")
     if failed.height and failed.height == status.height:  # e.g. an LLM endpoint that is down: no list at all
         raise DxrError(f"run {run}: every {system} forecast failed ({failed.height} of {status.height} "
-                         f"trajectories), e.g. {failed['detail'][0]}: fix the cause, then rerun with --run-id {run} "
-                         "(details in ranking_status and llm_calls)")
+                       f"trajectories), e.g. {failed['detail'][0]}: fix the cause, then rerun with --run-id {run} "
+                       "(details in ranking_status and llm_calls)")
     whom = "" if subject_id is None else f", patient {subject_id}"
     recorded = json.loads(wh.read("runs", run_id=run, kind=f"forecast:{system}")["config_json"][0])
     model = recorded.get("model")
