@@ -248,9 +248,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         try:
             code_schema = pq.read_schema(codes_path)
         except (pa.ArrowInvalid, OSError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"{codes_path} is not a readable Parquet file ({reason}): "
-                             "rewrite or remove it (the file is optional)") from exc
+            raise _unreadable_optional_file(codes_path, exc) from exc
         if "code" not in code_schema.names:
             raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
                              "MEDS code metadata has code, description and parent_codes")
@@ -264,9 +262,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         try:
             splits = pl.read_parquet(splits_path)
         except (pl.exceptions.PolarsError, OSError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"{splits_path} is not a readable Parquet file ({reason}): "
-                             "rewrite or remove it (the file is optional)") from exc
+            raise _unreadable_optional_file(splits_path, exc) from exc
         missing = [column for column in ("subject_id", "split") if column not in splits.columns]
         if missing:
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
@@ -275,6 +271,12 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+
+
+def _unreadable_optional_file(path: Path, exc: Exception) -> InputError:
+    """The error for an optional metadata file that is no readable Parquet, with the reader's first line."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return InputError(f"{path} is not a readable Parquet file ({reason}): rewrite or remove it (the file is optional)")
 
 
 def _is_text(arrow_type: pa.DataType) -> bool:
