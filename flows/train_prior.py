@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows import flow_run_id
 from models.prior.config import PriorConfig
 from tasks.prior import train_prior_task
 
@@ -11,7 +12,12 @@ from tasks.prior import train_prior_task
 @flow(name="train_prior", log_prints=False)
 def train_prior_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = ("ehr_prior",),
                      cfg: PriorConfig | None = None, run_id: str | None = None) -> list[dict]:
-    """One training task per system, in order, all under `run_id` when given (kind `train:<system>`);
-    returns each training's summary."""
+    """One training task per system, in order, all under one run (kind `train:<system>`); returns each
+    training's summary.
+
+    A retry of the flow run keeps its run id (`flow_run_id`), so the systems that finished before the
+    failure are not trained again (`tasks.prior.finished_training`).
+    """
     cfg = cfg or PriorConfig()
+    run_id = run_id or flow_run_id("train")
     return [train_prior_task(data_dir, cohort, system, cfg, run_id) for system in systems]

@@ -9,6 +9,7 @@ nothing (the demo's once-per-cohort-build training), and then puts that model in
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -29,19 +30,51 @@ if TYPE_CHECKING:
 
 def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_id: str | None = None,
                 progress: bool = False) -> TrainResult:
-    """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`."""
-    from models.prior.train import train_prior_model  # imports Lightning (seconds): listing and promoting do not
+    """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`.
+
+    A run id whose training of `system` already finished with the same settings, and whose version is
+    still registered, returns that training instead of repeating it (see `finished_training`).
+    """
+    from models.prior.train import TrainResult, train_prior_model  # Lightning takes seconds to import
 
     check_prior_system(system)  # before the run is registered: a typo is no failed training
     wh = Warehouse(data_dir)
     with reading_cohort(wh, cohort) as cohort_row:
         cohort_id = cohort_row["cohort_id"]
         config = {"system": system, "cohort": cohort_id, "prior": cfg.model_dump()}
+        if run_id is not None and (done := finished_training(wh, run_id, config)) is not None:
+            stage_logger(__name__).info("%s: already trained in run %s (registered %s v%s), not trained again",
+                                        system, run_id, done["registered_model"], done["version"])
+            return TrainResult(**done)
         with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
             result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
                                        progress=progress, report_epoch=epoch_reporter(system, cfg.epochs))
             run.config = {**config, "result": asdict(result)}
     return result
+
+
+def finished_training(wh: Warehouse, run_id: str, config: dict) -> dict | None:
+    """The recorded result of the run's finished training with exactly these settings, when the version it
+    registered is still that training's model; else None.
+
+    A retried `train_prior` flow run (or a rerun of the same run id) then resumes: the systems trained
+    before the failure are not trained, and registered as new versions, again. A store that has lost the
+    version, or numbers another model with it (reset, replaced), gets a new training.
+    """
+    row = wh.read("runs", run_id=run_id, kind=f"train:{config['system']}")
+    if row.is_empty() or row["status"][0] != "finished":
+        return None
+    recorded = json.loads(row["config_json"][0])
+    result = recorded.pop("result", None)
+    if result is None or recorded != json.loads(json.dumps(config, sort_keys=True, default=str)):
+        return None
+    prior = config["prior"]
+    tracking.use_tracking(wh.root, prior["tracking_uri"], prior["experiment"])
+    try:
+        registered_run_id = tracking.version_run(config["system"], config["cohort"], result["version"])
+    except NotFoundError:
+        return None
+    return result if registered_run_id == result["mlflow_run_id"] else None
 
 
 def epoch_reporter(system: str, epochs: int) -> EpochReport:

@@ -249,6 +249,45 @@ def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_pat
         ("cli-train-1", "train:dense_prior", "finished", cohort), ("cli-train-1", "train:gru", "finished", cohort)]
 
 
+def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained):
+    wh, cohort, first, _ = trained
+    versions = tracking.registered_versions("ehr_prior", cohort)
+    again = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
+    assert again == first
+    assert tracking.registered_versions("ehr_prior", cohort) == versions
+    # Other settings under the same run id are another training.
+    other = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=1, promote=False),
+                        run_id="train-test-1")
+    assert other.mlflow_run_id != first.mlflow_run_id
+    assert len(tracking.registered_versions("ehr_prior", cohort)) == len(versions) + 1
+
+
+def test_a_retried_train_prior_flow_run_does_not_train_the_finished_systems_again(prefect_harness, tmp_path,
+                                                                                  monkeypatch):
+    import models.prior.train
+    from flows.train_prior import train_prior_flow
+
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    real_train, calls = models.prior.train.train_prior_model, []
+
+    def dense_fails_the_first_time(connection, cohort_id, system, *args, **kwargs):
+        calls.append(system)
+        if system == "dense_prior" and calls.count(system) == 1:
+            raise OSError("no space left on device")
+        return real_train(connection, cohort_id, system, *args, **kwargs)
+
+    monkeypatch.setattr(models.prior.train, "train_prior_model", dense_fails_the_first_time)
+    flow = train_prior_flow.with_options(retries=1, retry_delay_seconds=0)
+    results = flow(str(tmp_path), cohort, ("gru", "dense_prior"), PriorConfig(**TINY, epochs=1))
+
+    assert calls == ["gru", "dense_prior", "dense_prior"]
+    assert [(r["system"], r["version"]) for r in results] == [("gru", "1"), ("dense_prior", "1")]
+    assert [len(tracking.registered_versions(s, cohort)) for s in ("gru", "dense_prior")] == [1, 1]
+    runs = Warehouse(tmp_path).read("runs").sort("kind")
+    assert runs["run_id"].n_unique() == 1 and runs["run_id"][0].startswith("train-")
+    assert runs.select("kind", "status").rows() == [("train:dense_prior", "finished"), ("train:gru", "finished")]
+
+
 def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_path):
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
     with pytest.raises(InputError, match="unknown prior system 'repeat_history': use one of ehr_prior"):
