@@ -334,7 +334,7 @@ def test_a_signal_that_surfaces_as_another_error_still_ends_as_terminated(tmp_pa
         except SystemExit:
             raise RuntimeError("Query interrupted") from None
 
-    monkeypatch.setattr(warehouse.sql, "run_query", interrupted_query)
+    monkeypatch.setattr(warehouse.sql, "stream_query", interrupted_query)
     default = signal.getsignal(signal.SIGTERM)
     (tmp_path / "forecast").mkdir()
     try:
@@ -354,7 +354,7 @@ def test_a_closed_output_pipe_ends_quietly(tmp_path, monkeypatch):
     def reader_gone(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")  # what writing to `dxr … | head` raises once head exits
 
-    monkeypatch.setattr(warehouse.sql, "run_query", reader_gone)
+    monkeypatch.setattr(warehouse.sql, "stream_query", reader_gone)
     (tmp_path / "forecast").mkdir()
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", "SELECT 1"])
     assert result.exit_code == 1 and "Error" not in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -218,6 +219,25 @@ def test_sql_makes_views_of_the_tables_its_query_names_or_of_every_table(wh):
         run_query(wh, "SELECT count(*) FROM rankings")
     with pytest.raises(InputError, match="table rankings"):
         run_query(wh, "SHOW TABLES")  # names no table: every view, the damaged one's too
+
+
+def test_sql_streams_csv_and_json_lines_a_batch_at_a_time(wh, monkeypatch):
+    import warehouse.sql
+    from warehouse.sql import stream_query
+
+    wh.write("targets", targets("a", 5), cohort_id="a")
+    monkeypatch.setattr(warehouse.sql, "STREAM_ROWS", 2)
+    query = "SELECT trajectory_id, code FROM targets ORDER BY trajectory_id"
+    pieces = list(stream_query(wh, query, fmt="csv", with_gold=True))
+    assert pieces[0] == "trajectory_id,code\n" and [p.count("\n") for p in pieces[1:]] == [2, 2, 1]
+    rows = wh.read("targets").sort("trajectory_id").rows()
+    assert "".join(pieces[1:]) == "".join(f"{t},{c}\n" for _, t, c in rows)
+    lines = "".join(stream_query(wh, query, fmt="json", with_gold=True)).splitlines()
+    assert [tuple(json.loads(line).values()) for line in lines] == [(t, c) for _, t, c in rows]
+    # An error in the first rows comes before any output, as a one-line error.
+    failing = stream_query(wh, "SELECT CAST(code AS INTEGER) FROM targets", fmt="csv", with_gold=True)
+    with pytest.raises(InputError, match="SQL error: Conversion Error"):
+        next(failing)
 
 
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):

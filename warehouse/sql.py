@@ -7,6 +7,7 @@ import io
 import json
 import math
 import re
+from collections.abc import Iterator
 
 import duckdb
 
@@ -20,12 +21,59 @@ _READ_ONLY_PREFIXES = ("select", "with", "from", "describe", "show", "summarize"
                        "values", "table")
 
 
+# Rows fetched from DuckDB at a time when CSV or JSON lines are streamed.
+STREAM_ROWS = 10_000
+
+
 def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False,
               run_id: str | None = None) -> str:
-    """Run one read-only statement and format the result as an aligned table, CSV or JSON lines.
+    """The whole output of `stream_query` as one string (for small results)."""
+    return "".join(stream_query(wh, query, fmt=fmt, with_gold=with_gold, run_id=run_id))
 
+
+def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False,
+                 run_id: str | None = None) -> Iterator[str]:
+    """Run one read-only statement and yield its result as text: an aligned table, CSV or JSON lines.
+
+    A refused query, or an error in its first `STREAM_ROWS` rows, is raised before the first piece.
+    CSV and JSON lines come `STREAM_ROWS` rows at a time, so exporting a table of millions of rows
+    holds one batch in memory, not the result; the aligned table needs every row for its widths.
     With `run_id`, the tables partitioned by run show only that run's rows (`Warehouse.connect`).
     """
+    cursor = _execute(wh, query, with_gold, run_id)
+    columns = [d[0] for d in cursor.description]
+    if fmt == "table":
+        yield format_table(columns, _fetch(cursor, None))
+        return
+    if fmt == "json":
+        keys = unique_names(columns)
+        header, text = "", lambda rows: "".join(json.dumps(dict(zip(keys, map(_json_value, r))), default=str) + "\n"
+                                                for r in rows)
+    else:
+        header, text = _csv_text([columns]), _csv_text
+    batch = _fetch(cursor, STREAM_ROWS)  # before the header: an error in the first rows prints nothing
+    yield header
+    while batch:
+        yield text(batch)
+        batch = _fetch(cursor, STREAM_ROWS)
+
+
+def _csv_text(rows: list) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    return out.getvalue()
+
+
+def _fetch(cursor: duckdb.DuckDBPyConnection, n: int | None) -> list[tuple]:
+    """The next `n` rows (all that are left when None); an error while the query runs on is one line."""
+    try:
+        return cursor.fetchall() if n is None else cursor.fetchmany(n)
+    except duckdb.Error as exc:
+        raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+
+
+def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> duckdb.DuckDBPyConnection:
+    """Check that `query` is one read-only statement over the warehouse and start it."""
     head = query.lstrip().split(None, 1)[0].lower() if query.strip() else ""
     if head not in _READ_ONLY_PREFIXES:
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
@@ -52,8 +100,7 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
             if kinds == [duckdb.StatementType.EXPLAIN] and _analyzes(query):
                 raise InputError("dxr sql does not run EXPLAIN ANALYZE: it executes the statement it explains "
                                  "(which may write files); use EXPLAIN alone")
-            cursor = con.execute(query)
-            break
+            return con.execute(query)
         except duckdb.PermissionException as exc:
             if with_gold:
                 raise InputError(f"query reads outside the warehouse at {wh.root} "
@@ -65,22 +112,11 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
             raise InputError(f"{exc.args[0].splitlines()[0]}{hint}") from exc
         except duckdb.Error as exc:
             # Another process removed a table's last partition after the views were made (a cohort
-            # rebuild): the views of a new connection show the tables as they are now.
+            # rebuild): the views of a new connection show the tables as they are now. The second attempt
+            # returns or raises.
             if attempt == 1 and isinstance(exc, duckdb.IOException) and "No files found" in exc.args[0]:
                 continue
             raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
-    columns = [d[0] for d in cursor.description]
-    rows = cursor.fetchall()
-    if fmt == "json":
-        keys = unique_names(columns)
-        return "".join(json.dumps(dict(zip(keys, map(_json_value, r))), default=str) + "\n" for r in rows)
-    if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows(rows)
-        return out.getvalue()
-    return format_table(columns, rows)
 
 
 def _analyzes(query: str) -> bool:

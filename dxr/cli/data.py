@@ -39,7 +39,8 @@ def config_show(ctx: click.Context) -> None:
 
 @main.command()
 @click.argument("query")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="An aligned table, CSV, or JSON lines; csv and json write the rows as they come (large exports).")
 @click.option("--with-gold", is_flag=True, help="Also open the gold store (targets, raw MEDS, oracle).")
 @click.option("--run", "run_id", default=None, metavar="RUN_ID",
               help="Show only this run's rows of the tables partitioned by run (runs, rankings, metrics, ledger, "
@@ -53,9 +54,10 @@ def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool, run_id: str |
       dxr sql "SELECT system, count(*) FROM rankings GROUP BY ALL" --format csv
       dxr sql --run r1 "SELECT stage, sum(tokens_in) FROM llm_calls GROUP BY ALL"
     """
-    from warehouse.sql import run_query
+    from warehouse.sql import stream_query
 
-    click.echo(run_query(warehouse(ctx, existing=True), query, fmt=fmt, with_gold=with_gold, run_id=run_id), nl=False)
+    for text in stream_query(warehouse(ctx, existing=True), query, fmt=fmt, with_gold=with_gold, run_id=run_id):
+        click.echo(text, nl=False)
 
 
 @main.command()
