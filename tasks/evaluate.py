@@ -610,9 +610,16 @@ def _conform(table: str, frame: pl.DataFrame) -> pl.DataFrame:
 
 
 def write_evaluation(wh: Warehouse, evaluation: Evaluation) -> None:
-    """Replace this run's partitions (a rerun never duplicates rows)."""
+    """Replace this run's whole earlier evaluation (a rerun never duplicates rows).
+
+    Every system's metrics and coverage go first, not only those evaluated now: a re-evaluation with
+    fewer systems or other K values would otherwise leave the earlier rows beside the new ones, and a
+    report would mix two evaluations (other K values, intervals, patients) as one.
+    """
     run_ids = set(evaluation.metrics["run_id"]) | set(evaluation.coverage["run_id"])
     for run_id in run_ids:
+        for table in ("metrics", "evaluation_coverage"):
+            wh.delete(table, run_id=run_id)
         for (system,), part in evaluation.metrics.filter(pl.col("run_id") == run_id).group_by("system"):
             wh.write("metrics", part, run_id=run_id, system=system)
         for (system,), part in evaluation.coverage.filter(pl.col("run_id") == run_id).group_by("system"):

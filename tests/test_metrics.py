@@ -467,3 +467,14 @@ def test_codes_outside_the_cohort_vocabulary_are_refused(wh):
     write_rankings(wh, "r11", rankings={"s1": {T1: [A, "E11.9"], T2: [A, B], T3: [E, X]}}, status={})
     with pytest.raises(InputError, match=f"trajectory '{T1}' ranks 'E11.9' \\(rank 2\\), which is not in cohort c1's"):
         evaluate(wh, "r11", ks=(2,), n_boot=0)
+
+
+def test_a_narrower_re_evaluation_leaves_no_rows_of_the_earlier_one(wh):
+    # Evaluated with every system at K = 2 and intervals, then again for s1 alone at K = 1 without them: the
+    # run's stored evaluation is the second one, not s2's old K = 2 rows beside s1's new K = 1 rows.
+    evaluate_run(wh, "r1", ks=(2,), n_boot=20)
+    evaluate_run(wh, "r1", systems=["s1"], ks=(1,), n_boot=0)
+    for table in ("metrics", "evaluation_coverage"):
+        stored = wh.read(table, run_id="r1")
+        assert set(stored["system"]) == {"s1"} and set(stored["k"]) == {1, NATURAL_K}, table
+    assert wh.read("metrics", run_id="r1")["ci_low"].null_count() == wh.read("metrics", run_id="r1").height

@@ -80,7 +80,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """Compute forecast metrics with bootstrap intervals and write them to the warehouse.
 
     Writes `metrics`, `paired_comparisons`, `headroom` and `evaluation_coverage` (a rerun replaces
-    its partitions) and prints the summary for the subset `all`. With several --run values, each
+    the run's whole earlier evaluation, every system's rows included) and prints the summary for
+    the subset `all`. With several --run values, each
     run is evaluated and the mean over the runs (one configuration) is written with n_runs.
 
     \b
