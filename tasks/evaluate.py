@@ -679,16 +679,29 @@ def configuration_id(key: str) -> str:
     return "config-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def repeated_systems(systems: list[str] | None) -> list[str] | None:
+    """The systems averaged over repeated runs: those asked for without the oracles (None: every system)."""
+    if systems is None:
+        return None
+    forecasting = [s for s in systems if s not in ORACLES]
+    if not forecasting:
+        raise InputError(f"--systems {','.join(systems)} names only gold-side oracles, which are the same in every "
+                         "run: name a forecasting system to average over the runs")
+    return forecasting
+
+
 def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | None = None, ks=DEFAULT_KS,
                       n_boot: int = 1000, seed: int = 0, natural: bool = True, write: bool = True) -> pl.DataFrame:
     """Mean of run-level metrics over repeats of one configuration per system, with `n_runs`.
 
     Every run must cover the same frozen trajectories; the bootstrap applies one patient resample
-    to every run, and the interval is that of the mean over runs.
+    to every run, and the interval is that of the mean over runs. Oracles named in `systems` are left
+    out: they are read from the gold store, the same in every run, and no forecast configures them.
     """
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
+    systems = repeated_systems(systems)
     all_ks = budgets(ks, natural)
     with ExitStack() as locks:
         for run_id in sorted(set(run_ids)):

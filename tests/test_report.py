@@ -171,3 +171,28 @@ def test_cli_evaluates_repeats_of_one_configuration(wh):
     assert rows[0] == ["r1", "s1", "2", "3", "1", "0.500", "0.444", "0.500"]
     assert rows[1] == ["r9", "s1", "2", "3", "1", "0.833", "0.889", "0.833"]
     assert rows[2][0].startswith("config-") and rows[2][1:] == ["s1", "2", "3", "2", "0.667", "0.667", "0.667"]
+
+
+def test_cli_repeats_with_an_oracle_among_the_systems(wh):
+    # Each run is scored with the oracle too; the mean over runs is of the forecasting system alone (the oracle
+    # is the same gold list in every run and no forecast configures it), not a registry error after the work.
+    from datetime import datetime
+
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]},
+                                       "s2": {T1: [B, C], T2: [X], T3: [E, X]}}, status={("s2", T2): "short"})
+    for run_id in ("r1", "r9"):
+        for system in ("s1", "s2"):
+            record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2, "run_id": run_id}, "finished",
+                       datetime(2026, 1, 1), datetime(2026, 1, 1))
+    args = ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9", "--k", "2", "--bootstrap", "0",
+            "--no-natural", "--systems"]
+    result = CliRunner().invoke(main, args + ["s1,oracle"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [(r[0][:7], r[1], r[4]) for r in rows] == [("r1", "oracle", "1"), ("r1", "s1", "1"), ("r9", "oracle", "1"),
+                                                      ("r9", "s1", "1"), ("config-", "s1", "2")]
+    result = CliRunner().invoke(main, args + ["oracle"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: --systems oracle names only gold-side oracles, which are the same")

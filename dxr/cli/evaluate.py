@@ -82,7 +82,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     Writes `metrics`, `paired_comparisons`, `headroom` and `evaluation_coverage` (a rerun replaces
     the run's whole earlier evaluation, every system's rows included) and prints the summary for
     the subset `all`. With several --run values, each
-    run is evaluated and the mean over the runs (one configuration) is written with n_runs.
+    run is evaluated and the mean over the runs (one configuration) of each forecasting system is
+    written with n_runs (the gold-side oracles are the same in every run).
 
     \b
     Example:
@@ -90,12 +91,14 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import budgets, check_has_rankings, evaluate_repeated, evaluate_run
+    from tasks.evaluate import budgets, check_has_rankings, evaluate_repeated, evaluate_run, repeated_systems
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
     pool_list = [tuple(p.split("+")) for p in pools] or None
     budgets(k_list, natural)  # refuses K < 1 before any work
+    if len(set(run_ids)) > 1:
+        repeated_systems(system_list)  # refuses a mean over runs of oracles alone before any work
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
     frames = []
