@@ -16,12 +16,23 @@ from prefect.artifacts import create_markdown_artifact
 from dxr.config import BackfillConfig
 from flows import flow_run_id
 from flows.forecast import forecast_flow
-from tasks.evaluate import evaluate_run_task
+from tasks.evaluate import DEFAULT_KS, evaluate_run_task
 from tasks.forecast import check_system_order
-from tasks.report import artifact_key, headline_markdown, render_report_task
+from tasks.report import ARTIFACT_K, artifact_key, headline_markdown, render_report_task
 from warehouse.store import Warehouse
 
 BACKFILL_SYSTEMS = tuple(BackfillConfig.model_fields["systems"].default)  # one default for flow and settings
+
+
+def backfill_budgets(k: int) -> tuple[int, ...]:
+    """The K values a backfill's run is evaluated at: the default ones below its list length k, and k.
+
+    A list of k codes is `ok` at k and silently short above it, which evaluation refuses.
+
+    >>> backfill_budgets(20), backfill_budgets(10), backfill_budgets(5), backfill_budgets(30)
+    ((10, 20), (10,), (5,), (10, 20, 30))
+    """
+    return tuple(x for x in DEFAULT_KS if x < k) + (k,)
 
 
 @flow(name="cohort-backfill")
@@ -35,9 +46,9 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
     run_id = run_id or flow_run_id("backfill")
     for system in systems:
         forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
-    evaluate_run_task(data_dir, run_id)
+    evaluate_run_task(data_dir, run_id, ks=backfill_budgets(k))
     report = render_report_task(data_dir, run_id)
-    create_markdown_artifact(markdown=headline_markdown(Warehouse(data_dir), run_id, report),
+    create_markdown_artifact(markdown=headline_markdown(Warehouse(data_dir), run_id, report, min(k, ARTIFACT_K)),
                              key=artifact_key("backfill", cohort),
                              description=f"cohort {cohort}, {split}: run {run_id}")
     return run_id

@@ -458,11 +458,10 @@ def ranking_table(rankings: pl.DataFrame, systems: tuple[str, ...]) -> list[dict
     return wide.select("trajectory_id", "rank", *[s for s in systems if s in wide.columns]).to_dicts()
 
 
-def headline_markdown(wh: Warehouse, run_id: str, report: str) -> str:
-    """The report's system table at K = 20 (all codes), under the run id and the report's path."""
-    table = system_table(wh.read("metrics", run_id=run_id), wh.read("evaluation_coverage", run_id=run_id),
-                         ARTIFACT_K)
-    return to_markdown([Paragraph(f"Run `{run_id}`, K = {ARTIFACT_K}, all codes; report: `{report}`"), table])
+def headline_markdown(wh: Warehouse, run_id: str, report: str, k: int = ARTIFACT_K) -> str:
+    """The report's system table at K = k (all codes), under the run id and the report's path."""
+    table = system_table(wh.read("metrics", run_id=run_id), wh.read("evaluation_coverage", run_id=run_id), k)
+    return to_markdown([Paragraph(f"Run `{run_id}`, K = {k}, all codes; report: `{report}`"), table])
 
 
 def artifact_key(prefix: str, name: str) -> str:

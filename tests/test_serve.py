@@ -129,6 +129,15 @@ def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(
     assert "| repeat_history |" in earlier.data and "| global_frequency |" in earlier.data
 
 
+def test_a_backfill_with_lists_shorter_than_20_is_evaluated_at_its_own_k(wh_vocab, tiny_cohort_id):
+    # k = 3: every list holds 3 codes and is `ok`; evaluating at the default K = 20 refused every firing.
+    run_id = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("repeat_history",), split="all", k=3)
+    assert set(wh_vocab.read("ranking_status", run_id=run_id)["status"]) == {"ok"}
+    assert set(wh_vocab.read("metrics", run_id=run_id)["k"]) == {3, 0}
+    latest = artifacts("backfill-default")[0]
+    assert f"Run `{run_id}`, K = 3, all codes" in latest.data and "| repeat_history |" in latest.data
+
+
 @pytest.mark.parametrize("flow_name", ["forecast", "backfill", "patient"])
 def test_a_retried_flow_run_resumes_its_own_run(wh_vocab, tiny_cohort_id, monkeypatch, flow_name):
     import flows.backfill
