@@ -175,6 +175,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     if systems is None:
         systems = available + [name for name, n in oracle_rows.items() if include_oracle and n]
     else:
+        systems = list(dict.fromkeys(systems))  # a system named twice is evaluated once, not written twice
         unknown = [s for s in systems if s not in available and s not in ORACLES]
         if unknown:
             raise NotFoundError(f"system(s) {unknown} have no rankings in run {run_id!r}; "
@@ -581,7 +582,8 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     run = load_run(wh, run_id, systems, ks=[k for k in all_ks if k != NATURAL_K])
     weights = bootstrap_weights(run.subject_index, n_boot, seed) if n_boot else None
     est = estimate(system_counts(run, all_ks), weights)
-    pairs = list(combinations(run.systems, 2)) if pairs is None else pairs
+    # A pair or pool given twice is one comparison: written twice, its rows would be duplicates.
+    pairs = list(combinations(run.systems, 2)) if pairs is None else list(dict.fromkeys(pairs))
     for pair in pairs:
         if any(p not in run.systems for p in pair):
             raise NotFoundError(f"pair {pair[0]},{pair[1]}: both systems must be evaluated; evaluated: "
@@ -589,6 +591,7 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     forecasting = [s for s in run.systems if s not in ORACLES]
     if pools is None:
         pools = [(s,) for s in forecasting] + ([tuple(forecasting)] if len(forecasting) > 1 else [])
+    pools = list(dict.fromkeys(pools))
     extra = dict(run_id=run_id, cohort_id=run.cohort_id)
     metrics = metric_rows(est).with_columns(**{c: pl.lit(v) for c, v in extra.items()}, n_runs=pl.lit(1))
     headroom = pl.from_arrow(TABLES["headroom"].schema.empty_table())

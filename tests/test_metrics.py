@@ -478,3 +478,14 @@ def test_a_narrower_re_evaluation_leaves_no_rows_of_the_earlier_one(wh):
         stored = wh.read(table, run_id="r1")
         assert set(stored["system"]) == {"s1"} and set(stored["k"]) == {1, NATURAL_K}, table
     assert wh.read("metrics", run_id="r1")["ci_low"].null_count() == wh.read("metrics", run_id="r1").height
+
+
+def test_a_system_pair_or_pool_named_twice_is_written_once(wh):
+    evaluate_run(wh, "r1", systems=["s1", "s2", "s1"], ks=(2,), n_boot=0, pairs=[("s1", "s2"), ("s1", "s2")],
+                 pools=[("s1", "s2"), ("s1", "s2")])
+    keys = {"metrics": ["system", "subset", "k", "metric"], "evaluation_coverage": ["system", "k"],
+            "paired_comparisons": ["system_a", "system_b", "subset", "k", "metric"],
+            "headroom": ["pool", "subset", "k", "metric"]}
+    for table, key in keys.items():
+        stored = wh.read(table, run_id="r1")
+        assert stored.height == stored.select(key).unique().height > 0, table
