@@ -234,13 +234,37 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
             "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output
 
 
-def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, monkeypatch, prefect_harness):
+def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, tmp_path, monkeypatch,
+                                                              prefect_harness):
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    wh, cohort_id, _ = planted_cohort
+    # Every reply breaks the contract (confidences rise) and no re-ask is left: every trajectory `failed`.
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", validation_retries=0)
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "held_out")
+    rising = {"predictions": [{"code": c, "confidence": i} for i, c in enumerate(VALID)]}
+    record_replies(config, wh, cohort_id, trajectories, pretarget, [rising] * trajectories.height)
+    for key, value in {"BACKEND": "replay", "REPLAY_FILE": str(config.replay_file), "VALIDATION_RETRIES": "0"}.items():
+        monkeypatch.setenv(f"DXR_LLM__{key}", value)
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "direct", "--split", "held_out", "--run-id", "bad"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
+    assert len(lines) == 1 and lines[0].startswith(
+        "Error: run bad: every direct forecast failed (2 of 2 trajectories), e.g. direct reply for "), result.output
+    assert lines[0].endswith(": fix the cause, then rerun with --run-id bad (details in ranking_status and llm_calls)")
+
+
+def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_cohort, monkeypatch, prefect_harness):
     from click.testing import CliRunner
 
     from dxr.cli import main
 
     wh, _, _ = planted_cohort
-    # An endpoint that is not running: every call is a transport error, every trajectory `failed`.
+    # Nothing listens there: the first request that has used up its retries stops the run with one error
+    # (no trajectory after it waits out its own retries to fail alike).
     for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0"}.items():
         monkeypatch.setenv(f"DXR_LLM__{key}", value)
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
@@ -248,9 +272,44 @@ def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, 
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
     assert len(lines) == 1 and lines[0].startswith(
-        "Error: run down: every direct forecast failed (2 of 2 trajectories), e.g. direct: gave up after 1 attempts: "
-        "ClientConnectorError talking to http://127.0.0.1:1/v1/chat/completions"), result.output
-    assert lines[0].endswith(": fix the cause, then rerun with --run-id down (details in ranking_status and llm_calls)")
+        "Error: direct: gave up after 1 attempts: cannot connect to http://127.0.0.1:1/v1/chat/completions "
+        "(ClientConnectorError"), result.output
+    assert lines[0].endswith("start the endpoint, or check llm.base_url and llm.backend"), result.output
+    assert wh.read("ranking_status", run_id="down").is_empty()
+
+
+def test_an_endpoint_that_is_down_fails_the_forecast_not_each_trajectory():
+    import asyncio
+
+    from models.llm.backends import OpenAIBackend
+    from models.llm.client import EndpointUnreachableError
+    from tasks.direct import forecast_direct
+
+    config = LLMConfig(backend="openai", base_url="http://127.0.0.1:1/v1", cache=False, backoff_s=0.0,
+                       transport_retries=1, max_concurrency=1)
+    class Counting(OpenAIBackend):
+        requests = 0
+
+        async def complete(self, request):
+            Counting.requests += 1
+            return await super().complete(request)
+
+    client = LLMClient(config, Counting(config.base_url, 10))
+    ids = [f"t{i}" for i in range(5)]
+    pretarget = pl.DataFrame([row for t in ids for row in record_of(t, 1)], orient="row",
+                             schema=["trajectory_id", "time", "code", "numeric_value", "text_value", "encounter_id"])
+
+    async def scenario():
+        try:
+            return await forecast_direct(client, pl.DataFrame({"trajectory_id": ids}), pretarget,
+                                         Vocabulary({"DIAGNOSIS//ICD//10//I5022": "x"}), "r", "c", 20)
+        finally:
+            await client.close()
+
+    with pytest.raises(EndpointUnreachableError, match="^direct: gave up after 2 attempts: cannot connect to "):
+        asyncio.run(scenario())
+    # The others' requests went out while the first backed off, but none used up its retries as well.
+    assert Counting.requests < 2 * len(ids)
 
 
 def test_a_rerun_under_another_model_is_refused_unless_the_run_predates_recording_it(wh):

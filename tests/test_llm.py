@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from contextlib import asynccontextmanager
 
@@ -196,6 +198,55 @@ def test_a_backend_that_times_out_is_retried_then_reported():
     assert len(state["requests"]) == 2  # first try plus one retry
     assert calls["status"].to_list() == ["transport_error"]
     assert calls["latency_ms"][0] >= 400
+
+
+def test_an_endpoint_that_cannot_be_connected_to_is_retried_then_stops_the_run():
+    from dxr.errors import ConfigError
+    from models.llm.client import EndpointUnreachableError
+
+    async def scenario():
+        client = http_client("http://127.0.0.1:1/v1", transport_retries=2, backoff_s=0.0)  # nothing listens there
+        try:
+            with pytest.raises(EndpointUnreachableError) as raised:
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+        finally:
+            await client.close()
+        return raised.value, client.telemetry()
+
+    error, calls = asyncio.run(scenario())
+    # A configuration error: the run stops with it instead of failing request after request.
+    assert isinstance(error, ConfigError)
+    assert str(error).startswith("unit: gave up after 3 attempts: cannot connect to "
+                                 "http://127.0.0.1:1/v1/chat/completions (ClientConnectorError")
+    assert str(error).endswith("start the endpoint, or check llm.base_url and llm.backend")
+    assert calls["status"].to_list() == ["transport_error"]
+
+
+def test_an_embedded_server_that_stopped_answering_is_named_with_its_log(tmp_path):
+    from models.llm.client import EndpointUnreachableError
+    from models.llm.local_server import LocalBackend, LocalServer
+
+    class Stopped(LocalServer):  # as if it had started, then died (killed for memory), leaving its port closed
+        def start(self) -> str:
+            self.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(137)"])
+            self.process.wait()
+            return "http://127.0.0.1:1/v1"
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "server.log").write_text("llama_model_load: loaded\nKilled\n")
+    backend = LocalBackend(Stopped(tmp_path / "m.gguf", 2048, 1, tmp_path / "server.log"), 10.0)
+    client = LLMClient(LLMConfig(transport_retries=0), backend)
+
+    async def scenario():
+        try:
+            await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+        finally:
+            await client.close()
+
+    with pytest.raises(EndpointUnreachableError, match="gave up after 1 attempts: the embedded llama.cpp server "
+                       "at http://127.0.0.1:1/v1/chat/completions stopped answering \\(exited with code 137; last "
+                       "log line: Killed; full log: .*server.log\\)"):
+        asyncio.run(scenario())
 
 
 def test_a_backend_that_keeps_computing_timed_out_requests_uses_its_own_timeout_and_does_not_retry():

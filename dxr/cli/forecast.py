@@ -53,7 +53,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
     status = wh.read("ranking_status", run_id=run, system=system)
     failed = status.filter(pl.col("status") == "failed")
-    if failed.height and failed.height == status.height:  # e.g. an LLM endpoint that is down: no list at all
+    if failed.height and failed.height == status.height:  # e.g. an LLM whose every reply stays invalid: no list
         raise DxrError(f"run {run}: every {system} forecast failed ({failed.height} of {status.height} "
                        f"trajectories), e.g. {failed['detail'][0]}: fix the cause, then rerun with --run-id {run} "
                        "(details in ranking_status and llm_calls)")

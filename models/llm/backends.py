@@ -30,6 +30,14 @@ class TransportError(Exception):
         self.retry_after = retry_after
 
 
+class UnreachableError(TransportError):
+    """No connection to the endpoint could be made (refused, unknown host, no route, a bad certificate).
+
+    Retried like any transport error (a server may be restarting), but after the last retry it is the run's
+    failure, not the request's: every other request of the run would wait out the same retries and fail alike.
+    """
+
+
 class ContextLengthError(InputError):
     """One request's prompt left too little of the model's context window for the reply: the endpoint refused
     it, or cut the reply off at the full window.
@@ -207,6 +215,9 @@ class OpenAIBackend:
                     raise http_refusal(self.url, status, raw, response.headers.get("Retry-After"))
         except TimeoutError as exc:
             raise TransportError(f"timeout after {self.timeout.total}s waiting for {self.url}") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UnreachableError(f"cannot connect to {self.url} ({type(exc).__name__}: {exc}): start the "
+                                   "endpoint, or check llm.base_url and llm.backend") from exc
         except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__} talking to {self.url}: {exc}") from exc
         try:

@@ -19,15 +19,20 @@ from typing import Callable
 import jsonschema
 import polars as pl
 
-from dxr.errors import DxrError
-from models.llm.backends import (Backend, Completion, ContextLengthError, TransportError, canonical_json,
-                                 make_backend)
+from dxr.errors import ConfigError, DxrError
+from models.llm.backends import (Backend, Completion, ContextLengthError, TransportError, UnreachableError,
+                                 canonical_json, make_backend)
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
 
 
 class LLMOutputError(DxrError):
     """The model's reply stayed invalid after every validation retry."""
+
+
+class EndpointUnreachableError(ConfigError):
+    """The endpoint could not be connected to after every transport retry: the run stops with this one error
+    rather than wait out the same retries for each of its other requests."""
 
 
 # Structural errors quoted back to the model on a retry; a long list would only crowd out the record.
@@ -255,6 +260,9 @@ class LLMClient:
                 timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
                 if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
                     row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
+                    if isinstance(exc, UnreachableError):
+                        raise EndpointUnreachableError(
+                            f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
                     raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
                 # A server that says when to come back (Retry-After, capped by the backend) is not asked sooner.
                 await asyncio.sleep(max(delay, getattr(exc, "retry_after", None) or 0.0))

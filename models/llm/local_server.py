@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dxr.errors import ConfigError
 from dxr.processes import die_with_parent
-from models.llm.backends import Completion, OpenAIBackend
+from models.llm.backends import Completion, OpenAIBackend, UnreachableError
 
 PACKAGED_MODEL = "gemma3-270m-q4-k-m"
 # llama-cpp-python's `gemma` chat format drops system messages, so they are folded into the first user turn.
@@ -154,6 +154,13 @@ class LocalServer:
         raise ConfigError(f"the embedded llama.cpp server did not answer within {self.startup_timeout_s:.0f}s "
                           f"(log: {self.log_path}); raise llm.local_startup_timeout_s on a slow machine")
 
+    def exit_status(self) -> str:
+        """`exited with code N`, `stopped` (by `stop`), or `still running` (yet no longer answering on its port)."""
+        if self.process is None:
+            return "stopped"
+        code = self.process.poll()
+        return "still running" if code is None else f"exited with code {code}"
+
     def _log_tail(self) -> str:
         lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
         return lines[-1][:300] if lines else "no output"
@@ -210,7 +217,13 @@ class LocalBackend:
             if self._http is None:
                 base_url = await asyncio.to_thread(self.server.start)
                 self._http = OpenAIBackend(base_url, self.timeout_s)
-        return await self._http.complete({**request, "messages": fold_system_messages(request["messages"])})
+        http = self._http
+        try:
+            return await http.complete({**request, "messages": fold_system_messages(request["messages"])})
+        except UnreachableError as exc:  # it answered at start: it has stopped since (killed, out of memory)
+            raise UnreachableError(f"the embedded llama.cpp server at {http.url} stopped answering "
+                                   f"({self.server.exit_status()}; last log line: {self.server._log_tail()}; full "
+                                   f"log: {self.server.log_path})") from exc
 
     async def close(self) -> None:
         if self._http is not None:
