@@ -54,11 +54,16 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
 
 def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:
     """What a Direct Forecast run records besides its options (`runs.config_json`): the backend, the configured
-    model name, which model answers (`Backend.identity`) and the prompt version, so that a rerun of the run
-    under another model or prompt is refused like any other change of options."""
-    return {"llm_backend": config.backend, "llm_model": config.model,
-            "llm_model_identity": make_backend(config, Path(data_dir)).identity,
-            "prompt_versions": [load_prompt(DIRECT_PROMPT).version]}
+    model name, which model answers (`Backend.identity`), the prompt version, and the settings that shape its
+    requests and prompts (sampling, reply length, the window the history is fitted to, the JSON mode, re-asks),
+    so that the run can be reproduced and a rerun of it under other ones is refused like any other change of
+    options."""
+    client = LLMClient(config, make_backend(config, Path(data_dir)))
+    return {"llm_backend": config.backend, "llm_model": config.model, "llm_model_identity": client.backend.identity,
+            "prompt_versions": [load_prompt(DIRECT_PROMPT).version], "llm_temperature": config.temperature,
+            "llm_seed": config.seed, "llm_max_output_tokens": config.max_output_tokens,
+            "llm_context_window": config.context_window, "llm_chars_per_token": config.chars_per_token,
+            "llm_response_format": client.response_format, "llm_validation_retries": config.validation_retries}
 
 
 def drop_detail(drops) -> str:

@@ -75,13 +75,16 @@ def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int 
     return config
 
 
-# The keys an LLM system's run records about its model and prompts (see `llm_run_config`).
-LLM_RUN_KEYS = ("llm_backend", "llm_model", "llm_model_identity", "prompt_versions")
+# The keys an LLM system's run records about its model, prompts and request settings (see `llm_run_config`).
+LLM_RUN_KEYS = ("llm_backend", "llm_model", "llm_model_identity", "prompt_versions", "llm_temperature", "llm_seed",
+                "llm_max_output_tokens", "llm_context_window", "llm_chars_per_token", "llm_response_format",
+                "llm_validation_retries")
 
 
 def llm_run_config(system: str, data_dir) -> dict:
     """What a system that asks a language model records besides `forecast_config`: its backend, model, which
-    model answers and prompt versions (empty for the others; `rrf_prior_direct` only fuses lists)."""
+    model answers, prompt versions and request settings (empty for the others; `rrf_prior_direct` only fuses
+    lists)."""
     if system != "direct":
         return {}
     from dxr.config import load_settings
@@ -117,7 +120,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
 
     recorded = options(json.loads(own["config_json"][0]))
     current = options(json.loads(json.dumps(config, sort_keys=True, default=str)))
-    # A run recorded before LLM systems recorded their model and prompts cannot say which it used: not compared.
+    # A run recorded before LLM systems recorded a setting cannot say which it used: not compared on it.
     current = {key: value for key, value in current.items() if key in recorded or key not in LLM_RUN_KEYS}
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
                for key in sorted(current.keys() | recorded.keys()) if recorded.get(key) != current.get(key)]

@@ -14,7 +14,7 @@ from models.llm.config import LLMConfig
 from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
                           rrf_prior_direct_shard)
-from tasks.forecast import shard_inputs
+from tasks.forecast import LLM_RUN_KEYS, shard_inputs
 from tests.conftest import cohort_inputs
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.vocab import Vocabulary
@@ -218,15 +218,25 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     assert wh.read("llm_calls", run_id="cli-d", stage="direct")["cache_hit"].to_list() == [True, True]
     # The run records which model and prompt made its lists, and refuses to mix in another model's.
     recorded = json.loads(wh.read("runs", run_id="cli-d", kind="forecast:direct")["config_json"][0])
-    assert {key: recorded[key] for key in ("llm_backend", "llm_model", "llm_model_identity", "prompt_versions")} == {
+    assert {key: recorded[key] for key in LLM_RUN_KEYS} == {
         "llm_backend": "replay", "llm_model": "recorded", "llm_model_identity": str(config.replay_file),
-        "prompt_versions": [load_prompt("direct_forecast").version]}
+        "prompt_versions": [load_prompt("direct_forecast").version], "llm_temperature": 0.0, "llm_seed": 7,
+        "llm_max_output_tokens": 1500, "llm_context_window": 8192, "llm_chars_per_token": 2.7,
+        "llm_response_format": "json_object_schema", "llm_validation_retries": 2}
     monkeypatch.setenv("DXR_LLM__MODEL", "another")
     result = forecast("direct")
     assert result.exit_code == 1
     assert ("Error: run cli-d already holds a direct forecast with other options (llm_model 'recorded' -> "
             "'another'): rerun with the recorded options or pass a new --run-id") in result.output
     monkeypatch.setenv("DXR_LLM__MODEL", "recorded")
+    # ...nor another sampling or history window: the run's lists were made under the recorded ones.
+    monkeypatch.setenv("DXR_LLM__TEMPERATURE", "0.7")
+    monkeypatch.setenv("DXR_LLM__CONTEXT_WINDOW", "4096")
+    result = forecast("direct")
+    assert result.exit_code == 1
+    assert ("other options (llm_context_window 8192 -> 4096, llm_temperature 0.0 -> 0.7)") in result.output
+    monkeypatch.delenv("DXR_LLM__TEMPERATURE")
+    monkeypatch.delenv("DXR_LLM__CONTEXT_WINDOW")
 
     result = forecast("rrf_prior_direct")
     assert result.exit_code == 1
@@ -323,6 +333,11 @@ def test_a_rerun_under_another_model_is_refused_unless_the_run_predates_recordin
     with registered_run(wh, "forecast:direct", options, "old", "c1"):
         pass
     check_rerun(wh, "old", options | llm)  # recorded before runs named their model: nothing to compare
+    # Recorded before runs named their request settings: compared on the model, not on those.
+    settings = {"llm_temperature": 0.7, "llm_seed": None, "llm_context_window": 4096}
+    with registered_run(wh, "forecast:direct", options | llm, "older", "c1"):
+        pass
+    check_rerun(wh, "older", options | llm | settings)
     with registered_run(wh, "forecast:direct", options | llm, "new", "c1"):
         pass
     check_rerun(wh, "new", options | llm)

@@ -111,8 +111,10 @@ TABLES: dict[str, Table] = {
            "process (null in rows written before they were added). "
            "A learned system's forecast records the registered model version it used under `model` in "
            "`config_json`; a Direct Forecast (`direct`) records its LLM under `llm_backend`, `llm_model` (the "
-           "configured name), `llm_model_identity` (which model answered, as in `llm_calls`) and "
-           "`prompt_versions` (absent in runs recorded before they were added).",
+           "configured name), `llm_model_identity` (which model answered, as in `llm_calls`), "
+           "`prompt_versions`, and its request settings `llm_temperature`, `llm_seed`, `llm_max_output_tokens`, "
+           "`llm_context_window`, `llm_chars_per_token` (with the window, the history's budget), "
+           "`llm_response_format` and `llm_validation_retries` (each absent in runs recorded before it was added).",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),

@@ -143,13 +143,18 @@ class LLMClient:
         cache = ResponseCache(Path(data_dir) / "forecast" / "llm_cache") if config.cache else None
         return cls(config, make_backend(config, data_dir), cache)
 
+    @property
+    def response_format(self) -> str:
+        """How requests ask for JSON: `llm.response_format`, else the backend's own preference."""
+        return self.config.response_format or getattr(self.backend, "response_format", "json_schema")
+
     def request(self, messages: list[dict], schema: dict) -> dict:
         """The backend request for `messages` (deterministic settings, JSON output as configured)."""
         request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
                    "max_tokens": self.config.max_output_tokens}
         if self.config.seed is not None:
             request["seed"] = self.config.seed
-        kind = self.config.response_format or getattr(self.backend, "response_format", "json_schema")
+        kind = self.response_format
         if kind == "json_schema":
             request["response_format"] = {"type": "json_schema",
                                           "json_schema": {"name": "reply", "schema": schema, "strict": False}}
