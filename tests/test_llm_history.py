@@ -36,6 +36,17 @@ def user_message(history_events: pl.DataFrame, config: LLMConfig | None = None):
     return rendered, rendered.messages[1]["content"]
 
 
+def test_procedure_codes_are_written_in_their_own_form_not_as_diagnosis_codes():
+    # ICD-9-CM procedure 39.61 (extracorporeal circulation) written the diagnosis way would be 396.1, a
+    # diagnosis (mitral stenosis with aortic insufficiency) the model could copy into its forecast.
+    history = render_history(events(
+        ("DIAGNOSIS//ICD//9//3961", d(2019, 1, 5), None, None, 1),
+        ("PROCEDURE//ICD//9//3961", d(2019, 1, 5), None, None, 1),
+        ("PROCEDURE//ICD//10//5A1D70Z", d(2019, 1, 6), None, None, 1),
+    ), {})
+    assert history.blocks[0].text.splitlines()[1:] == ["  Diagnoses: 396.1", "  Procedures: 39.61; 5A1D70Z"]
+
+
 def test_events_outside_encounters_sit_between_encounters_in_time_order_with_their_values():
     history = render_history(events(
         ("GENDER//F", None, None, None, None),

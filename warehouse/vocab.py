@@ -95,6 +95,18 @@ def dotted(version: int, raw: str) -> str:
     return f"{code[:cut]}.{code[cut:]}"
 
 
+def dotted_procedure(version: int, raw: str) -> str:
+    """The conventional form of an ICD procedure code: ICD-9-CM's dot after 2 digits, ICD-10-PCS without a dot
+    (`dotted` would write ICD-9 procedure 39.61 as 396.1, which is a diagnosis code).
+
+    >>> [dotted_procedure(9, "3961"), dotted_procedure(9, "39"), dotted_procedure(10, "5A1D70Z")]
+    ['39.61', '39', '5A1D70Z']
+    """
+    _check_version(version)
+    code = raw.replace(".", "")
+    return f"{code[:2]}.{code[2:]}" if version == 9 and len(code) > 2 else code
+
+
 def category(version: int, raw: str) -> str:
     """The category (3-character node) of a raw code: ICD-9 E codes keep 4 characters.
 

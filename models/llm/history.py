@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
-from warehouse.vocab import dotted, parse_meds_code
+from warehouse.vocab import dotted, dotted_procedure, parse_meds_code
 
 # Line labels of the event kinds, in the order an encounter lists them (notes follow, one line each).
 LABELS = {"diagnosis": "Diagnoses", "procedure": "Procedures", "medication": "Medications", "lab": "Labs",
@@ -120,13 +120,15 @@ class History:
 
 
 def _code_label(code: str, titles: dict[str, str | None]) -> str:
-    """`I50.22 Chronic systolic heart failure` for an ICD code, else the code's last parts."""
+    """`I50.22 Chronic systolic heart failure` for an ICD code (a procedure code in its own form: `39.61`,
+    `5A1D70Z`), else the code's last parts."""
     try:
-        _, version, raw = parse_meds_code(code)
+        kind, version, raw = parse_meds_code(code)
     except Exception:  # not an ICD code: show its readable tail
         return code.split("//", 1)[-1].replace("//", " ")
+    shown = dotted_procedure(version, raw) if kind == "PROCEDURE" else dotted(version, raw)
     title = titles.get(code)
-    return f"{dotted(version, raw)} {title}" if title else dotted(version, raw)
+    return f"{shown} {title}" if title else shown
 
 
 def _day(value) -> str:
