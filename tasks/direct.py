@@ -33,6 +33,12 @@ RRF_PRIOR_DIRECT = "rrf_prior_direct"
 DIRECT_PROMPT = "direct_forecast"
 RRF_K0 = 60
 ICD_NAMES = {9: "ICD-9-CM", 10: "ICD-10-CM"}
+# What codes the prompt asks for, and the code of its example reply. A cohort harmonized to categories counts
+# I50.22 and I50.23 as one code I50 (V(.) keeps the first), so full codes asked for there would collapse into a
+# list shorter than asked: it asks for categories.
+SPECIFIC_CODES = ("Prefer specific billable codes", "I50.22")
+CATEGORY_CODES = ("Give ICD categories only (the first three characters of a code, four for ICD-9 E codes, e.g. I50 "
+                  "or 428), each at most once", "I50")
 
 
 def check_confidence_order(value: dict) -> list[str]:
@@ -46,10 +52,16 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
                   chars_per_token: float | None = None) -> RenderedPrompt:
     """The Direct Forecast messages of one trajectory (its pre-target events only), budgeted at `chars_per_token`
     (default: the configured one) with room left for a re-ask."""
-    versions = " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes"
     titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
     budget = prompt_budget(config, chars_per_token) - FEEDBACK_RESERVE_CHARS  # room left for a re-ask's errors
-    return render(load_prompt(DIRECT_PROMPT), budget, render_history(events, titles), icd_versions=versions)
+    return render(load_prompt(DIRECT_PROMPT), budget, render_history(events, titles), **prompt_fields(vocabulary))
+
+
+def prompt_fields(vocabulary: Vocabulary) -> dict[str, str]:
+    """The Direct Forecast prompt's fields besides the history: which ICD versions, and what codes, to give."""
+    code_form, example_code = CATEGORY_CODES if vocabulary.harmonization == "category" else SPECIFIC_CODES
+    return {"icd_versions": " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes",
+            "code_form": code_form, "example_code": example_code}
 
 
 def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:

@@ -12,7 +12,7 @@ from models.llm.backends import Completion, append_recording
 from models.llm.client import FEEDBACK_RESERVE_CHARS, LLMClient
 from models.llm.config import LLMConfig
 from models.llm.prompts import load_prompt
-from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, rrf_fuse,
+from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, prompt_fields, rrf_fuse,
                           rrf_prior_direct_shard)
 from tasks.forecast import LLM_RUN_KEYS, shard_inputs
 from tests.conftest import cohort_inputs
@@ -93,7 +93,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
     assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [
         (ids[0], "ok", False, 800, 300), (ids[1], "ok", False, 800, 300), (ids[2], "invalid", False, 800, 300)]
-    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/3"]
+    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/4"]
 
     # A rerun answers everything from the response cache: no backend call, same rankings.
     (tmp_path / "replay.jsonl").write_text("")
@@ -121,7 +121,7 @@ def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohor
     # Notes and labs go before any diagnosis; then the oldest encounter; the newest one stays. The budget leaves
     # FEEDBACK_RESERVE_CHARS free for a re-ask (at one character per token, as many tokens).
     prompt = load_prompt("direct_forecast")
-    fixed = len(prompt.system.format(icd_versions="ICD-10-CM")) + len(prompt.user.format(history=""))
+    fixed = len(prompt.system.format(**prompt_fields(vocabulary))) + len(prompt.user.format(history=""))
     for history_chars, kept in [(497, ["Encounter 1:", "Encounter 2:"]), (397, ["Encounter 2:"])]:
         tight_config = LLMConfig(context_window=300 + fixed + history_chars + FEEDBACK_RESERVE_CHARS,
                                  max_output_tokens=300, chars_per_token=1.0)
@@ -133,6 +133,21 @@ def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohor
         assert [title for title in ("Encounter 1:", "Encounter 2:") if title in user] == kept
         assert "  Diagnoses: I50.22 " in user
         assert sum(len(m["content"]) for m in tight.messages) <= fixed + history_chars
+
+
+def test_a_cohort_harmonized_to_categories_is_asked_for_categories():
+    # Under `category` V(.) reads I50.22 and I50.23 as one code I50: asked for full codes, the model's 20 would
+    # collapse into fewer.
+    events = pl.DataFrame(record_of("t", 1), orient="row", schema=["trajectory_id", "time", "code", "numeric_value",
+                                                                  "text_value", "encounter_id"])
+    specific = Vocabulary({"DIAGNOSIS//ICD//10//I5022": "Chronic systolic heart failure"})
+    categories = Vocabulary({"DIAGNOSIS//ICD//10//I50": "Heart failure"}, harmonization="category")
+    asked = {name: direct_prompt(events, vocabulary, LLMConfig()).messages[0]["content"]
+             for name, vocabulary in (("specific", specific), ("categories", categories))}
+    assert "- Prefer specific billable codes;" in asked["specific"] and '"code": "I50.22"' in asked["specific"]
+    assert ("- Give ICD categories only (the first three characters of a code, four for ICD-9 E codes, e.g. I50 or "
+            "428), each at most once;") in asked["categories"]
+    assert '"code": "I50",' in asked["categories"] and "billable" not in asked["categories"]
 
 
 def test_union_rrf_of_prior_and_direct_lists(planted_cohort):

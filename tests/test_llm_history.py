@@ -32,7 +32,8 @@ def d(year: int, month: int = 1, day: int = 1) -> datetime:
 
 def user_message(history_events: pl.DataFrame, config: LLMConfig | None = None):
     rendered = render(load_prompt("direct_forecast"), prompt_budget(config or LLMConfig()),
-                      render_history(history_events, TITLES), icd_versions="ICD-10-CM")
+                      render_history(history_events, TITLES), icd_versions="ICD-10-CM",
+                      code_form="Prefer specific billable codes", example_code="I50.22")
     return rendered, rendered.messages[1]["content"]
 
 
