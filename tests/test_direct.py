@@ -423,6 +423,32 @@ def test_a_reply_that_cannot_be_read_fails_its_trajectory_only():
     assert calls.select("trajectory_id", "status").rows() == [("t-bad", "transport_error"), ("t-good", "ok")]
 
 
+@pytest.mark.parametrize("endpoint", ["openai", "azure"])
+def test_a_prompt_refused_by_the_content_filter_fails_its_trajectory_only(endpoint):
+    from aiohttp import web
+
+    # The endpoints' own refusals of a flagged prompt (HTTP 400): every other record still gets its forecast.
+    refusals = {"openai": {"message": "Invalid prompt: your prompt was flagged as potentially violating our usage "
+                                      "policy. Please try again with a different prompt.",
+                           "type": "invalid_request_error", "param": None, "code": "invalid_prompt"},
+                "azure": {"message": "The response was filtered due to the prompt triggering Azure OpenAI's content "
+                                     "management policy. Please modify your prompt and retry.",
+                          "type": None, "param": "prompt", "code": "content_filter", "status": 400}}
+
+    async def handler(request):
+        if "Encounter 2:" in (await request.json())["messages"][-1]["content"]:
+            return web.json_response({"error": refusals[endpoint]}, status=400)
+        return completion(predictions(VALID))
+
+    ranked, status, calls = direct_over_http(handler, {"t-flagged": 2, "t-good": 1})
+    assert status.select("trajectory_id", "status").rows() == [("t-flagged", "failed"), ("t-good", "ok")]
+    assert status["detail"][0].startswith("HTTP 400 from http://127.0.0.1:")
+    assert status["detail"][0].endswith("(request rejected: the endpoint's content filter refused this prompt; the "
+                                        "run's other requests go on)")
+    assert calls.select("trajectory_id", "status").rows() == [("t-flagged", "rejected"), ("t-good", "ok")]
+    assert ranked["trajectory_id"].unique().to_list() == ["t-good"]
+
+
 def test_a_backend_that_refuses_every_request_stops_the_run(tmp_path):
     import asyncio
 

@@ -30,6 +30,11 @@ class TransportError(Exception):
         self.retry_after = retry_after
 
 
+class ContentRefusalError(InputError):
+    """The endpoint's content filter refused one request's prompt (a record whose text it flags): a problem of
+    this request, not of the run, whose other records it lets through."""
+
+
 class UnreachableError(TransportError):
     """No connection to the endpoint could be made (refused, unknown host, no route, a bad certificate).
 
@@ -140,6 +145,20 @@ CONTEXT_REFUSAL = re.compile(r"context[ _](length|window|size)|maximum context|e
 PROMPT_TOKENS = re.compile(r"\((\d+) in the messages|(\d+) in your prompt|messages resulted in (\d+) tokens"
                            r"|request has (\d+) input tokens")
 WINDOW_TOKENS = re.compile(r"maximum context length is (\d+)")
+# Content-filter refusals of one prompt: OpenAI's ("Invalid prompt: your prompt was flagged as potentially violating
+# our usage policy", code `invalid_prompt`) and Azure OpenAI's (code `content_filter`: "The response was filtered
+# due to the prompt triggering Azure OpenAI's content management policy").
+CONTENT_REFUSAL = re.compile(r"content[ _]filter|content management policy|flagged as potentially violating"
+                             r"|content[ _]policy[ _]violation", re.IGNORECASE)
+CONTENT_REFUSAL_CODES = {"content_filter", "content_policy_violation", "invalid_prompt"}
+
+
+def error_code(raw: bytes) -> str | None:
+    """The `error.code` of an OpenAI-style refusal body, when it is a string."""
+    body = json_or_none(raw)
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def context_counts(raw: bytes, message: str) -> tuple[int | None, int | None]:
@@ -174,8 +193,9 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
     """The error for an HTTP error status: retryable, this request's problem, or the whole run's.
 
     408, 429 and 5xx are worth retrying. A context-length refusal (or 413) is this request's: its prompt is too
-    long. Every other refusal (bad key, unknown model or path, a parameter the endpoint does not take) would
-    refuse every request of the run alike, so it is a configuration error that stops the run.
+    long; so is a content-filter refusal: its record's text was flagged. Every other refusal (bad key, unknown
+    model or path, a parameter the endpoint does not take) would refuse every request of the run alike, so it is
+    a configuration error that stops the run.
     """
     message = server_message(raw)
     where = f"HTTP {status} from {url}: {message}"
@@ -184,6 +204,9 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
     if status == 413 or CONTEXT_REFUSAL.search(message):
         return ContextLengthError(f"{where} (request rejected: the prompt is too long for the model's context)",
                                   *context_counts(raw, message))
+    if CONTENT_REFUSAL.search(message) or error_code(raw) in CONTENT_REFUSAL_CODES:
+        return ContentRefusalError(f"{where} (request rejected: the endpoint's content filter refused this "
+                                   "prompt; the run's other requests go on)")
     if status in (401, 403):
         fix = "check the API key in the environment variable named by llm.api_key_env"
     elif status == 404:
