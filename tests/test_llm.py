@@ -427,7 +427,8 @@ def test_refusals_of_every_request_are_run_errors_and_a_prompt_too_long_is_the_r
     from models.llm.backends import ContextLengthError
 
     def refusal(status: int, message: str) -> tuple:
-        return status, json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode(), {}
+        kind = "insufficient_quota" if status == 429 else "invalid_request_error"
+        return status, json.dumps({"error": {"message": message, "type": kind, "code": kind}}).encode(), {}
 
     async def scenario(reply: tuple):
         state = {}
@@ -446,7 +447,11 @@ def test_refusals_of_every_request_are_run_errors_and_a_prompt_too_long_is_the_r
             (404, "The model `gpt-9` does not exist",
              "check llm.base_url (the OpenAI-compatible base URL, usually ending in /v1) and llm.model"),
             (400, "Unsupported parameter: 'seed'",
-             "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url")]:
+             "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url"),
+            # OpenAI's 429 for an account out of credit: no retry, nor any other request, can succeed.
+            (429, "You exceeded your current quota, please check your plan and billing details.",
+             "the API key's quota is used up: check the plan and billing of the key in the environment variable "
+             "named by llm.api_key_env")]:
         error, calls, url, requests = asyncio.run(scenario(refusal(status, text)))
         assert type(error) is ConfigError and requests == 1
         assert str(error) == f"HTTP {status} from {url}/chat/completions: {text}; {fix}"

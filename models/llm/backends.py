@@ -192,13 +192,16 @@ def retry_after_seconds(value: str | None) -> float | None:
 def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> Exception:
     """The error for an HTTP error status: retryable, this request's problem, or the whole run's.
 
-    408, 429 and 5xx are worth retrying. A context-length refusal (or 413) is this request's: its prompt is too
-    long; so is a content-filter refusal: its record's text was flagged. Every other refusal (bad key, unknown
-    model or path, a parameter the endpoint does not take) would refuse every request of the run alike, so it is
-    a configuration error that stops the run.
+    408, 429 (but an exhausted quota) and 5xx are worth retrying. A context-length refusal (or 413) is this
+    request's: its prompt is too long; so is a content-filter refusal: its record's text was flagged. Every other
+    refusal (bad key, used-up quota, unknown model or path, a parameter the endpoint does not take) would refuse
+    every request of the run alike, so it is a configuration error that stops the run.
     """
     message = server_message(raw)
     where = f"HTTP {status} from {url}: {message}"
+    if status == 429 and error_code(raw) == "insufficient_quota":  # OpenAI's: no retry can help, nor any request
+        return ConfigError(f"{where}; the API key's quota is used up: check the plan and billing of the key in the "
+                           "environment variable named by llm.api_key_env")
     if status in (408, 429) or status >= 500:
         return TransportError(where, retry_after_seconds(retry_after))
     if status == 413 or CONTEXT_REFUSAL.search(message):
