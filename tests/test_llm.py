@@ -119,6 +119,8 @@ def test_cost_is_computed_from_the_price_table():
     # 500k uncached at $2/M + 500k cached at $0.5/M + 100k out at $10/M = 1 + 0.25 + 1 = 2.25;
     # unpriced models cost null.
     assert call_costs(calls, prices)["cost_usd"].to_list() == [2.25, 0.0, None]
+    # A price without a cached-input discount bills cached tokens as input, not as free: 1M at $2/M + 100k at $10/M.
+    assert call_costs(calls, {"m": ModelPrice(input=2.0, output=10.0)})["cost_usd"][0] == 3.0
 
 
 # ---- a real OpenAI-compatible HTTP server on 127.0.0.1 ------------------------------------------

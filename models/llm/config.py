@@ -16,8 +16,14 @@ class ModelPrice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     input: float = Field(0.0, ge=0)
-    cached_input: float = Field(0.0, ge=0)
+    # Unset, cached input tokens cost what other input tokens cost: a table that names no discount must not
+    # make them free.
+    cached_input: float | None = Field(None, ge=0, description="unset = the input price")
     output: float = Field(0.0, ge=0)
+
+    @property
+    def cached_input_price(self) -> float:
+        return self.input if self.cached_input is None else self.cached_input
 
 
 class LLMConfig(BaseModel):

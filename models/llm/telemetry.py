@@ -11,7 +11,7 @@ def call_costs(calls: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFra
     """`calls` with `cost_usd`: uncached input, cached input and output tokens at the model's price per 1M
     tokens; reasoning tokens are billed as output and already counted in `tokens_out`. Null for unpriced models."""
     table = pl.DataFrame({"model": list(prices), "p_in": [p.input for p in prices.values()],
-                          "p_cached": [p.cached_input for p in prices.values()],
+                          "p_cached": [p.cached_input_price for p in prices.values()],
                           "p_out": [p.output for p in prices.values()]},
                          schema={"model": pl.String, "p_in": pl.Float64, "p_cached": pl.Float64, "p_out": pl.Float64})
     return calls.join(table, on="model", how="left", maintain_order="left").with_columns(
