@@ -33,12 +33,15 @@ RRF_PRIOR_DIRECT = "rrf_prior_direct"
 DIRECT_PROMPT = "direct_forecast"
 RRF_K0 = 60
 ICD_NAMES = {9: "ICD-9-CM", 10: "ICD-10-CM"}
-# What codes the prompt asks for, and the code of its example reply. A cohort harmonized to categories counts
-# I50.22 and I50.23 as one code I50 (V(.) keeps the first), so full codes asked for there would collapse into a
-# list shorter than asked: it asks for categories.
-SPECIFIC_CODES = ("Prefer specific billable codes", "I50.22")
+# What codes the prompt asks for. A cohort harmonized to categories counts I50.22 and I50.23 as one code I50
+# (V(.) keeps the first), so full codes asked for there would collapse into a list shorter than asked: it asks
+# for categories.
+SPECIFIC_CODES = "Prefer specific billable codes"
 CATEGORY_CODES = ("Give ICD categories only (the first three characters of a code, four for ICD-9 E codes, e.g. I50 "
-                  "or 428), each at most once", "I50")
+                  "or 428), each at most once")
+# The code of the example reply, (specific, category), in the cohort's own version: an ICD-10 example before an
+# ICD-9 record contradicts the rule to use the record's version, and a small model copies examples.
+EXAMPLE_CODES = {9: ("428.0", "428"), 10: ("I50.22", "I50")}
 
 
 def check_confidence_order(value: dict) -> list[str]:
@@ -59,9 +62,10 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
 
 def prompt_fields(vocabulary: Vocabulary) -> dict[str, str]:
     """The Direct Forecast prompt's fields besides the history: which ICD versions, and what codes, to give."""
-    code_form, example_code = CATEGORY_CODES if vocabulary.harmonization == "category" else SPECIFIC_CODES
+    categories = vocabulary.harmonization == "category"
+    example = EXAMPLE_CODES[9 if vocabulary.versions == {9} else 10][categories]
     return {"icd_versions": " or ".join(ICD_NAMES[v] for v in sorted(vocabulary.versions)) or "the record's own codes",
-            "code_form": code_form, "example_code": example_code}
+            "code_form": CATEGORY_CODES if categories else SPECIFIC_CODES, "example_code": example}
 
 
 def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:

@@ -148,6 +148,10 @@ def test_a_cohort_harmonized_to_categories_is_asked_for_categories():
     assert ("- Give ICD categories only (the first three characters of a code, four for ICD-9 E codes, e.g. I50 or "
             "428), each at most once;") in asked["categories"]
     assert '"code": "I50",' in asked["categories"] and "billable" not in asked["categories"]
+    # The example reply is in the version the prompt tells the model to use.
+    icd9 = Vocabulary({"DIAGNOSIS//ICD//9//4280": "Congestive heart failure, unspecified"})
+    system = direct_prompt(events, icd9, LLMConfig()).messages[0]["content"]
+    assert "(ICD-9-CM); never mix versions" in system and '"code": "428.0",' in system and "I50" not in system
 
 
 def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
