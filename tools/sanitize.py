@@ -22,7 +22,10 @@ _MONTH_NO_YEAR = _MONTH.replace("|may|", "|(?-i:May|MAY)|")
 _DAY = r"(?:0?[1-9]|[12]\d|3[01])(?:st|nd|rd|th)?\b"
 # A number followed by a unit or a count noun is a dose or a size, not a year ("metformin 2000 mg").
 _NOT_A_QUANTITY = r"(?!\s*(?:%|(?:mg|mcg|[µu]g|ng|g|kg|ml|dl|l|cc|iu|u|units?|mmol|meq|kcal|patients|cells)\b))"
-_YEAR = rf"(?:19|20)\d{{2}}\b{_NOT_A_QUANTITY}"
+# Years 1800-2299: besides real dates, MIMIC shifts every date into 2100-2200 (and the birth years of the
+# oldest patients into the 1800s), and the history a query is written from shows those years.
+_CENTURY = r"(?:1[89]|2[0-2])"
+_YEAR = rf"{_CENTURY}\d{{2}}\b{_NOT_A_QUANTITY}"
 _SEP = r"[\s/.-]"
 # Record-number words: any number after them is an identifier ("MRN 12", "subject 7", "hadm_id=29079034").
 _ID_WORDS = r"mrn|hadm(?:_id)?|subject(?:_id)?|(?:patient|stay|note|encounter|transfer)_id|acct|ssn|accession"
@@ -45,8 +48,11 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     ("date", re.compile(r"\b\d{1,2}([/.-])\d{1,2}\1\d{2,4}\b")),
     # Only '/' without a year: "3/14"; "15-29" and "30-day" are ranges, "120/80" has no month.
     ("date", re.compile(r"(?<![\w./])(?:0?[1-9]|1[0-2])/(?:0?[1-9]|[12]\d|3[01])(?![\w/%]|[.,]\d)")),
+    # Numeric month and year: "2019-03", "03/2180" (a bare year alone is removed below, the month would stay).
+    ("date", re.compile(rf"\b{_CENTURY}\d{{2}}([/.-])(?:0?[1-9]|1[0-2])\b(?!\1\d)")),
+    ("date", re.compile(rf"(?<![\w./-])(?:0?[1-9]|1[0-2])([/.-]){_CENTURY}\d{{2}}\b(?!\1\d)")),
     # Month names: with a year in every order, then day and month alone.
-    ("date", re.compile(rf"\b(?:19|20)\d{{2}}{_SEP}+{_MONTH}\.?{_SEP}+{_DAY}", re.I)),
+    ("date", re.compile(rf"\b{_CENTURY}\d{{2}}{_SEP}+{_MONTH}\.?{_SEP}+{_DAY}", re.I)),
     ("date", re.compile(rf"\b{_MONTH}\.?{_SEP}*{_DAY},?{_SEP}+\d{{2,4}}\b", re.I)),
     ("date", re.compile(rf"\b{_DAY}(?:\s+of)?{_SEP}*{_MONTH}\.?,?{_SEP}+\d{{2,4}}\b", re.I)),
     ("date", re.compile(rf"\b{_MONTH}\.?,?{_SEP}+{_YEAR}", re.I)),
