@@ -273,6 +273,22 @@ def test_bm25_dense_hybrid_and_embedding_cache(tmp_path, embedder):
     assert index.resolve(pmcid="PMC999") is None
 
 
+def test_web_hits_resolve_to_documents_whatever_spelling_the_source_gave_their_ids(tmp_path):
+    """A JSONL record may carry a prefixed, versioned arXiv id or a DOI URL; its doc_id is normalized,
+    and a web hit naming the plain id must find it (else the page is read instead of the local text)."""
+    source = tmp_path / "mixed.jsonl"
+    source.write_text("\n".join(json.dumps(record) for record in [
+        {"id": "a", "text": "Heart failure readmission.", "arxiv_id": "arXiv:2101.00001v2"},
+        {"id": "b", "text": "Kidney disease progression.", "doi": "https://doi.org/10.1000/ABC"},
+        {"id": "c", "text": "Sepsis outcomes.", "pmcid": "pmc42", "pmid": " 777 "}]) + "\n")
+    build_index(chunk_frame(list(read_jsonl(source, "guidelines"))), tmp_path / "idx")
+    index = CorpusIndex(tmp_path / "idx")
+    assert index.resolve(arxiv_id="2101.00001") == "arxiv:2101.00001"
+    assert index.resolve(doi="10.1000/abc") == index.resolve(doi="doi:10.1000/ABC") == "doi:10.1000/abc"
+    assert index.resolve(pmcid="PMC42") == index.resolve(pmcid="42") == "pmc:PMC42"
+    assert index.resolve(pmid="777") == "pmc:PMC42"
+
+
 def tiny_sentence_model(directory, seed: int):
     """A sentence-transformers model small enough to build in a test: same shape for every seed, other
     weights (like a fine-tuned copy of a model: same configuration, same file sizes)."""

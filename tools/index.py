@@ -32,10 +32,14 @@ import numpy as np
 import polars as pl
 
 from dxr.errors import InputError, NotFoundError
-from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document, chunk_document, text_hash
+from tools.corpus.documents import (DEFAULT_CHUNK_CHARS, Document, chunk_document, normalize_arxiv_id,
+                                    normalize_doi, normalize_pmcid, text_hash)
 from tools.passages import DEFAULT_PASSAGE_CHARS, focused_passage
 
 RRF_K = 60
+# The identifiers a web hit can name, each in the one form both sides of `CorpusIndex.resolve` compare.
+ID_NORMALIZERS = {"pmcid": normalize_pmcid, "arxiv_id": normalize_arxiv_id, "doi": normalize_doi,
+                  "pmid": str.strip}
 # Each retriever contributes this many chunks before collapsing to documents and fusing.
 DEFAULT_DEPTH = 100
 MODES = ("bm25", "dense", "hybrid")
@@ -386,11 +390,13 @@ class CorpusIndex:
         self._rows_of_doc: dict[str, list[int]] = {}
         for row, doc_id in enumerate(self._col["doc_id"]):
             self._rows_of_doc.setdefault(doc_id, []).append(row)
+        # Stored as the source gave them (a JSONL record may say 'arXiv:2101.00001v2' or 'https://doi.org/10.1/X'):
+        # keyed in the normalized form `resolve` looks up, so a web hit on any spelling finds the document.
         self._ids = {}
-        for key in ("pmcid", "arxiv_id", "doi", "pmid"):
+        for key, normalize in ID_NORMALIZERS.items():
             for row, value in enumerate(self._col[key]):
                 if value:
-                    self._ids.setdefault((key, str(value).lower()), self._col["doc_id"][row])
+                    self._ids.setdefault((key, normalize(str(value)).lower()), self._col["doc_id"][row])
 
     @property
     def has_dense(self) -> bool:
@@ -497,14 +503,9 @@ class CorpusIndex:
 
     def resolve(self, *, pmcid=None, arxiv_id=None, doi=None, pmid=None) -> str | None:
         """The local doc_id carrying one of these identifiers (canonicalization of web hits)."""
-        from tools.corpus.documents import normalize_arxiv_id, normalize_doi, normalize_pmcid
-
-        for key, value, norm in (("pmcid", pmcid, normalize_pmcid), ("arxiv_id", arxiv_id, normalize_arxiv_id),
-                                 ("doi", doi, normalize_doi), ("pmid", pmid, str)):
+        for key, value in (("pmcid", pmcid), ("arxiv_id", arxiv_id), ("doi", doi), ("pmid", pmid)):
             if value:
-                normalized = norm(value)
-                for candidate in {normalized, normalized.removeprefix("PMC")}:
-                    found = self._ids.get((key, candidate.lower()))
-                    if found:
-                        return found
+                found = self._ids.get((key, ID_NORMALIZERS[key](str(value)).lower()))
+                if found:
+                    return found
         return None
