@@ -4,7 +4,9 @@ generic mapping), a small site with every rejection case, and the exact ledger r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import time
 from datetime import datetime
 
 import aiohttp
@@ -529,6 +531,36 @@ def test_hostile_pages_are_page_errors_never_exceptions():
     assert "older patients" in pages["/unknown-charset"].text and "\ufffdlder patients" in pages["/latin1"].text
     assert pages["/broken-links"].links == [f"{site.base}/ok"]
     assert reader.cache.get(site.base + "/loop") is not None  # permanent errors are cached, unlike timeouts
+
+
+class EndlessRobotsSite(LoopbackSite):
+    """A robots.txt whose rules are followed by padding that never ends."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path != "/robots.txt":
+            return web.Response(text=page("Private", "Heart failure notes."), content_type="text/html")
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        await response.write(ROBOTS.encode())
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await response.write(b"# padding\n" * 3000)
+                await asyncio.sleep(0.01)
+        return response
+
+
+def test_a_robots_txt_is_read_only_up_to_max_bytes():
+    async def scenario():
+        async with EndlessRobotsSite() as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config(timeout_seconds=3.0))
+            started = time.monotonic()
+            disallowed = await reader.read(f"{site.base}/private/notes")
+            return disallowed, await reader.read(f"{site.base}/public"), time.monotonic() - started
+
+    disallowed, public, seconds = asyncio.run(scenario())
+    # Read until the timeout, the file was none at all: everything allowed, after megabytes in memory.
+    assert (disallowed.error, public.error) == ("disallowed by robots.txt", None)
+    assert seconds < 2.0
 
 
 def test_provider_answers_that_are_not_usable_json():

@@ -340,7 +340,17 @@ class PageReader:
             async with self._get(origin + "/robots.txt", robots=False) as response:
                 if response.status != 200:
                     return None  # no robots.txt: everything allowed
-                lines = (await response.text(errors="replace")).splitlines()
+                # Like a page, a robots.txt is read up to max_bytes (RFC 9309 lets a crawler parse only its head):
+                # an endless or huge one would otherwise fill memory until the timeout, then allow everything.
+                body = bytearray()
+                async for block in response.content.iter_chunked(65536):
+                    body.extend(block)
+                    if len(body) > self.config.max_bytes:
+                        break
+                head = bytes(body[:self.config.max_bytes])
+                if len(body) > self.config.max_bytes:
+                    head = head[:head.rfind(b"\n") + 1]  # a cut last line could be a wrong rule: drop it
+                lines = decode(head, response.charset, "text/plain").splitlines()
         except (Refused, asyncio.TimeoutError, TimeoutError, aiohttp.ClientError):
             return None  # none we may read (e.g. redirected to a blocked domain): everything allowed
         parser = urllib.robotparser.RobotFileParser()
