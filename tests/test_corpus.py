@@ -228,7 +228,18 @@ def test_score_fusion_by_hand():
     assert score_fusion({}, {}, 0.7) == []
     only_dense = score_fusion({}, {"x": 0.9, "y": 0.1}, 0.7)
     assert [doc for doc, _ in only_dense] == ["x", "y"] and only_dense[0][1] == pytest.approx(0.7)
-    assert [doc for doc, _ in score_fusion({"a": 1.0}, {"b": 0.5}, 0.7)] == ["a", "b"]  # all zero: first seen
+    # One document per list: each returned document beats the one its retriever did not return by a unit.
+    assert score_fusion({"a": 1.0}, {"b": 0.5}, 0.7) == [("b", pytest.approx(-0.3)), ("a", pytest.approx(-0.7))]
+    assert [doc for doc, _ in score_fusion({"a": 1.0}, {"b": 0.5}, 0.5)] == ["a", "b"]  # tie: first seen
+
+
+@pytest.mark.parametrize("normalize", [zscore_normalize, minmax_normalize])
+def test_the_only_document_a_retriever_returned_ranks_above_those_it_did_not(normalize):
+    """BM25 matched one document only (a rare term); the dense side ranks it last of three. With most
+    of the weight on BM25, it must come first, as it does when BM25 returns a second, weaker match."""
+    dense = {"b": 0.9, "c": 0.8, "a": 0.7}
+    for lexical in ({"a": 5.0}, {"a": 5.0, "z": 1.0}, {"a": 5.0, "y": 5.0}):
+        assert score_fusion(lexical, dense, 0.1, normalize)[0][0] == "a", lexical
 
 
 def test_fuse_documents_rrf_share_and_bad_settings():

@@ -144,19 +144,28 @@ def score_fusion(lexical: dict[str, float], dense: dict[str, float], dense_share
     """Fuse two retrievers' document scores: (1 - dense_share) * lexical + dense_share * dense,
     each normalized per query over the list that retriever returned. A document missing from one
     list takes that list's lowest normalized score (it ranked below everything the retriever
-    returned); ties by first appearance, lexical list first.
+    returned), or one unit less when the list's scores are all equal; ties by first appearance,
+    lexical list first.
 
     >>> fused = score_fusion({"a": 2.0, "b": 0.0}, {"b": 0.9, "c": 0.1}, dense_share=0.75)
     >>> [(doc, round(score, 2)) for doc, score in fused]
     [('b', 0.5), ('a', -0.5), ('c', -1.0)]
     """
     lexical_norm, dense_norm = normalize(lexical), normalize(dense)
-    lexical_floor = min(lexical_norm.values(), default=0.0)
-    dense_floor = min(dense_norm.values(), default=0.0)
+    lexical_floor, dense_floor = _missing_score(lexical_norm), _missing_score(dense_norm)
     order = {doc: i for i, doc in enumerate(dict.fromkeys([*lexical, *dense]))}
     fused = {doc: (1.0 - dense_share) * lexical_norm.get(doc, lexical_floor)
              + dense_share * dense_norm.get(doc, dense_floor) for doc in order}
     return sorted(fused.items(), key=lambda kv: (-kv[1], order[kv[0]]))
+
+
+def _missing_score(normalized: dict[str, float]) -> float:
+    """The normalized score of a document a retriever did not return. An all-equal list (a single
+    document, or ties) normalizes to one value, yet the retriever still returned those documents and
+    not the others: a missing one ranks a unit below them, not level with them (which would make the
+    only BM25 match of a query no better than documents BM25 never found). An empty list: 0, no effect."""
+    low, high = min(normalized.values(), default=0.0), max(normalized.values(), default=0.0)
+    return low - 1.0 if normalized and low == high else low
 
 
 def fuse_documents(lexical: dict[str, float], dense: dict[str, float], fusion: str = DEFAULT_FUSION,
