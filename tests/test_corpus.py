@@ -420,6 +420,21 @@ def test_killed_build_keeps_the_old_index_and_the_rerun_resumes(tmp_path, monkey
         f"tiny:extra{i}" for i in range(4)}
 
 
+class OtherModel(CountingEmbedder):
+    name = "other-model"  # same dimension, other vectors: like a model swapped in tools.embedding
+
+
+def test_dense_search_with_another_embedder_than_the_index_was_built_with_is_refused(tmp_path):
+    build_index(chunk_frame(TINY), tmp_path / "idx", CountingEmbedder())
+    index = CorpusIndex(tmp_path / "idx", OtherModel())
+    for mode in ("dense", "hybrid"):
+        with pytest.raises(InputError, match=r"built with embedder counting, not other-model \(tools.embedding\): "
+                                             r"rebuild it with `dxr corpus build`"):
+            index.search("dialysis in kidney failure", mode=mode)
+    assert index.search("dialysis in kidney failure", k=1, mode="bm25")[0].doc_id == "tiny:ckd"
+    assert CorpusIndex(tmp_path / "idx", CountingEmbedder()).search("dialysis", k=1, mode="dense")
+
+
 def test_build_is_refused_while_another_build_holds_the_index(tmp_path):
     import fcntl
 

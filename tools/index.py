@@ -427,6 +427,12 @@ class CorpusIndex:
             raise InputError(f"index {self.directory} has no dense vectors (built lexical-only): use mode bm25")
         if self.embedder is None:
             raise InputError("dense search needs an embedder: open the index with CorpusIndex(dir, embedder)")
+        built_with = self.manifest.get("embedder")
+        if built_with != self.embedder.name:
+            # Another model's query vectors still search (often in the same dimension), but against vectors
+            # they are not comparable with: the ranking would be silently meaningless.
+            raise InputError(f"index {self.directory} was built with embedder {built_with}, not {self.embedder.name} "
+                             "(tools.embedding): rebuild it with `dxr corpus build`, or set tools.embedding back")
         import faiss
 
         vector = self.embedder.encode([query])
