@@ -20,7 +20,7 @@ from tools.corpus.documents import Document
 from tools.index import CorpusIndex, build_index, chunk_frame
 from tools.ledger import Ledger, retrieval_efficiency
 from tools.web.channel import WebChannel, identifiers_in_url
-from tools.web.providers import BRAVE_MAPPING, SerpJsonProvider, make_provider
+from tools.web.providers import BRAVE_MAPPING, SearchProvider, SerpHit, SerpJsonProvider, make_provider
 from tools.web.reader import Page, PageCache, PageReader, non_public
 
 FILLER = ("Clinicians follow patients with chronic disease in hospital and outpatient care; treatment, diagnosis "
@@ -431,6 +431,37 @@ def test_identifiers_in_urls():
     assert identifiers_in_url("https://doi.org/10.1371/journal.pone.0000217") == {"doi": "10.1371/journal.pone.0000217"}
     assert identifiers_in_url("https://www.ncbi.nlm.nih.gov/pmc/articles/PMC3166277/") == {"pmcid": "PMC3166277"}
     assert identifiers_in_url("https://example.org/heart") == {}
+    assert identifiers_in_url("https://pubmed.ncbi.nlm.nih.gov/17942999/") == {"pmid": "17942999"}
+    assert identifiers_in_url("https://www.ncbi.nlm.nih.gov/pubmed/17942999?dopt=Abstract") == {"pmid": "17942999"}
+    assert identifiers_in_url("https://pubmed.ncbi.nlm.nih.gov/17942999/citedby/") == {}
+
+
+def test_a_pubmed_hit_on_a_locally_held_abstract_uses_the_local_text(wh, tmp_path):
+    """PubMedQA and MEDLINE documents are keyed by PMID: a web hit on their PubMed page is canonicalized
+    (local text, no request) like a PMC or DOI link, not read again from the web as another document."""
+    abstract = Document("pmid:17942999", "pubmedqa", "pubmedqa", "", [
+        ("Conclusions", "Heart failure readmission within 30 days is common after discharge.")],
+        url="https://pubmed.ncbi.nlm.nih.gov/17942999/", pmid="17942999")
+    build_index(chunk_frame([abstract]), tmp_path / "pubmedqa", None)
+
+    class PubMedHit(SearchProvider):
+        name = "searxng"
+
+        async def search(self, session, query, limit):
+            return [SerpHit(1, "Readmission - PubMed", "https://pubmed.ncbi.nlm.nih.gov/17942999/", "")]
+
+    async def scenario():
+        ledger = Ledger("run1", 0, wh)
+        async with aiohttp.ClientSession() as session:
+            reader = PageReader(session, config())
+            channel = WebChannel(PubMedHit(), reader, ledger, config(), CorpusIndex(tmp_path / "pubmedqa"))
+            return await channel.run(ledger.job(**JOB, query="heart failure readmission")), reader.requests
+
+    [row], requests = asyncio.run(scenario())
+    assert requests == 0
+    assert (row.engine, row.doc_id, row.state, row.detail, row.provenance) == (
+        "pubmedqa", "pmid:17942999", "readable_supported",
+        "canonicalized from https://pubmed.ncbi.nlm.nih.gov/17942999/", "searxng hit 1")
 
 
 def test_none_provider_records_no_result(wh):

@@ -3,7 +3,7 @@
 For each search job: the provider's top hits are read (concurrently); each page becomes exactly
 one ledger row: `readable` (the ledger decides supported or not), or `unreadable` with the reason
 (blocked, robots, timeout, oversized, content type, HTTP error, near-empty, non-medical,
-duplicate). A hit that names a PMC / arXiv / DOI document held locally is canonicalized: the local
+duplicate). A hit that names a PMC / arXiv / DOI / PubMed document held locally is canonicalized: the local
 text is used and the web hit is kept as provenance. Links of readable pages are followed level by
 level up to `max_depth`, at most `max_sublinks` eligible links per page; reading stops after a
 level that produced a support cue when `stop_on_support` is set.
@@ -32,10 +32,12 @@ from tools.web.reader import PageReader, eligible_link, is_blocked
 _PMC = re.compile(r"/(?:pmc/)?articles/(PMC\d+)", re.I)
 _ARXIV = re.compile(r"arxiv\.org/(?:abs|pdf)/([\w./-]+?)(?:v\d+)?(?:\.pdf)?/?$", re.I)
 _DOI = re.compile(r"(?:doi\.org/|/doi/(?:abs/|full/)?)(10\.\d{4,9}/[^\s?#]+)", re.I)
+# PubMed abstract pages: MEDLINE and PubMedQA documents are keyed by PMID.
+_PUBMED = re.compile(r"(?:pubmed\.ncbi\.nlm\.nih\.gov|ncbi\.nlm\.nih\.gov/pubmed)/(\d+)/?(?:[?#]|$)", re.I)
 
 
 def identifiers_in_url(url: str) -> dict[str, str]:
-    """PMC / arXiv / DOI identifiers a URL names, e.g. {'pmcid': 'PMC1790863'}.
+    """PMC / arXiv / DOI / PubMed identifiers a URL names, e.g. {'pmcid': 'PMC1790863'}.
 
     >>> identifiers_in_url("https://pmc.ncbi.nlm.nih.gov/articles/PMC1790863/")
     {'pmcid': 'PMC1790863'}
@@ -47,6 +49,8 @@ def identifiers_in_url(url: str) -> dict[str, str]:
         found["arxiv_id"] = m.group(1)
     if m := _DOI.search(unquote(url)):
         found["doi"] = m.group(1).rstrip("/")
+    if m := _PUBMED.search(url):
+        found["pmid"] = m.group(1)
     return found
 
 
