@@ -18,8 +18,10 @@ class LocalChannel:
         hits = self.index.search(job.query, k=self.k, mode=self.mode if self.index.has_dense else "bm25")
         if not hits:
             return [self.ledger.record(job, engine=self.index.manifest["name"], state="no_result")]
+        # The whole document is scanned for instruction-like text, as a web page is, not only the excerpt.
         return [self.ledger.record(job, engine=hit.engine, state="readable", doc_id=hit.doc_id, title=hit.title,
-                                   url=hit.url, excerpt=hit.passage) for hit in hits]
+                                   url=hit.url, excerpt=hit.passage, source_text=self.index.document_text(hit.doc_id))
+                for hit in hits]
 
 
 class DictionaryChannel:
