@@ -355,6 +355,44 @@ def test_remote_embedding_models_of_the_same_name_on_two_servers_have_different_
     assert name("http://gpu-b:8000/v1") == "embed@http://gpu-b:8000/v1/embeddings"
 
 
+def test_an_embedding_endpoint_answer_without_one_vector_per_input_is_a_config_error(tmp_path):
+    import http.server
+    import threading
+
+    from dxr.errors import ConfigError
+    from tools.embeddings import EmbeddingConfig, make_embedder
+
+    answers = iter([{"error": {"message": "model 'embed' not found"}},
+                    {"data": [{"index": 0, "embedding": [1.0, 0.0]}]}])  # a partial batch
+
+    class Endpoint(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps(next(answers)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        embedder = make_embedder(EmbeddingConfig(kind="openai", endpoint=f"http://127.0.0.1:{server.server_port}/v1",
+                                                 model="embed"))
+        with pytest.raises(ConfigError, match=r"answered error \{'message': \"model 'embed' not found\"\} for 2 "
+                                              r"inputs: check tools.embedding.endpoint"):
+            embedder.encode(["heart failure", "dialysis"])
+        with pytest.raises(ConfigError, match=r"/v1/embeddings answered 1 embeddings for 4 inputs"):
+            build_index(chunk_frame(TINY), tmp_path / "idx", embedder)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not (tmp_path / "idx").exists()
+
+
 def test_lexical_only_index_falls_back_to_bm25(tmp_path):
     build_index(chunk_frame(TINY), tmp_path / "lex", None)
     index = CorpusIndex(tmp_path / "lex")

@@ -91,11 +91,28 @@ class OpenAIEmbedder:
             request = urllib.request.Request(self.url, data=body, headers={
                 "Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {})})
             with urllib.request.urlopen(request, timeout=60) as response:
-                payload = json.load(response)
-            vectors.extend(item["embedding"] for item in sorted(payload["data"], key=lambda d: d["index"]))
+                raw = response.read()
+            vectors.extend(self._vectors(raw, len(texts[start:start + self.batch_size])))
         array = np.asarray(vectors, dtype="float32")
         norms = np.linalg.norm(array, axis=1, keepdims=True)
         return array / np.maximum(norms, 1e-12)
+
+    def _vectors(self, raw: bytes, sent: int) -> list[list[float]]:
+        """The embeddings of one answer in input order, or a ConfigError: an answer without one vector per
+        input (an error object, a partial batch) would otherwise end in a KeyError, or index too few chunks."""
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None
+        items = payload.get("data") if isinstance(payload, dict) else None
+        if not (isinstance(items, list) and len(items) == sent and all(
+                isinstance(item, dict) and isinstance(item.get("embedding"), list) for item in items)):
+            got = f"{len(items)} embeddings" if isinstance(items, list) else (
+                f"error {payload['error']}" if isinstance(payload, dict) and "error" in payload else
+                f"{raw[:80]!r}")
+            raise ConfigError(f"embedding endpoint {self.url} answered {got} for {sent} inputs: check "
+                              "tools.embedding.endpoint and tools.embedding.model")
+        return [item["embedding"] for item in sorted(items, key=lambda item: item.get("index", 0))]
 
 
 def model_fingerprint(path: str) -> str:
