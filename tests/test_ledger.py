@@ -109,6 +109,14 @@ def test_support_cue_needs_entity_and_endpoint():
         == (False, 0.5)
 
 
+def test_support_cue_matches_hyphenated_and_spaced_forms_of_a_term():
+    assert support_cue("Heart-failure patients have high readmission rates.", ["heart failure"], ["readmission"]) \
+        == (True, 1.0)
+    assert support_cue("Heart failure: 30 day readmission is high.", ["heart failure"], ["30-day readmission"]) \
+        == (True, 1.0)
+    assert support_cue("Beta blockers lower post-MI mortality.", ["beta-blocker"], ["post MI mortality"]) == (True, 1.0)
+
+
 def test_jobs_are_reused_only_for_the_same_trajectory_hypothesis_code_class_purpose_iteration_and_query():
     ledger = Ledger("r1", 0)
     a = ledger.job(trajectory_id="t1", query="CKD  progression Dialysis", **JOB)
