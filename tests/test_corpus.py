@@ -484,6 +484,27 @@ def test_build_is_refused_while_another_build_holds_the_index(tmp_path):
     assert not (tmp_path / "idx").exists()
 
 
+def test_an_index_opened_while_a_build_swaps_it_is_read_from_one_build(tmp_path, monkeypatch):
+    """A search process opens the index while `dxr corpus build` swaps in a rebuild with as many chunks:
+    the parts read must come from one build, never chunks of the old one addressed by the new BM25 rows."""
+    build_index(chunk_frame(TINY), tmp_path / "idx", None)
+    rebuilt = [doc(f"new{i}", f"New {i}", f"Sarcoidosis granulomas in organ number {i} resolve slowly.")
+               for i in range(len(TINY))]
+    read_parquet, swaps = pl.read_parquet, []
+
+    def read_then_swap(path, *args, **kwargs):
+        frame = read_parquet(path, *args, **kwargs)
+        if str(path).endswith("chunks.parquet") and not swaps:
+            swaps.append(build_index(chunk_frame(rebuilt), tmp_path / "idx", None))  # lands mid-open
+        return frame
+
+    monkeypatch.setattr(pl, "read_parquet", read_then_swap)
+    index = CorpusIndex(tmp_path / "idx")
+    assert swaps and index.chunks.height == len(TINY)
+    hit = index.search("sarcoidosis granulomas organ number 2", k=1)[0]
+    assert (hit.doc_id, hit.title) == ("tiny:new2", "New 2") and "organ number 2" in hit.passage
+
+
 def test_an_index_whose_parts_disagree_asks_for_a_rebuild(tmp_path):
     build_index(chunk_frame(TINY), tmp_path / "idx", None)
     chunks = pl.read_parquet(tmp_path / "idx" / "chunks.parquet")

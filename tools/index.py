@@ -356,6 +356,19 @@ def _load_cached_vectors(out_dir: Path) -> dict[str, np.ndarray]:
     return dict(zip(keys, vectors))
 
 
+# Opening an index is retried this often when a build swaps the directory meanwhile.
+OPEN_ATTEMPTS = 5
+
+
+def _directory_identity(path: Path) -> tuple[int, int] | None:
+    """Which directory `path` names now (a swap renames another one into place); None while it is absent."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -367,21 +380,25 @@ class CorpusIndex:
         import tantivy
 
         self.directory = Path(directory)
-        manifest_path = self.directory / "manifest.json"
-        if not manifest_path.exists():
+        if not (self.directory / "manifest.json").exists():
             raise NotFoundError(f"no corpus index at {self.directory}: build it with `dxr corpus build`")
-        try:
-            self.manifest = json.loads(manifest_path.read_text())
-            self.chunks = pl.read_parquet(self.directory / "chunks.parquet")
-            self._lexical = tantivy.Index.open(str(self.directory / "tantivy"))
-            self._dense = None
-            if (self.directory / "dense.faiss").exists():
-                import faiss
-
-                self._dense = faiss.read_index(str(self.directory / "dense.faiss"))
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise InputError(f"corpus index at {self.directory} is unreadable ({str(exc).splitlines()[0]}): "
-                             "rebuild it with `dxr corpus build`") from None
+        # A build swaps in a whole new directory by rename. Parts read on both sides of a swap would mix two
+        # builds (with equal row counts, unnoticed below): read them again until the directory stayed the same.
+        for _ in range(OPEN_ATTEMPTS):
+            before = _directory_identity(self.directory)
+            try:
+                parts = self._read_parts(tantivy)
+            except InputError:
+                if before is not None and before == _directory_identity(self.directory):
+                    raise  # unreadable as it stands, not swapped meanwhile
+                parts = None
+            if parts is not None and before is not None and before == _directory_identity(self.directory):
+                break
+            time.sleep(0.05)  # between the two renames of a swap the directory is briefly absent
+        else:
+            raise InputError(f"corpus index at {self.directory} kept being replaced while it was opened: retry when "
+                             "the running `dxr corpus build` has finished")
+        self.manifest, self.chunks, self._lexical, self._dense = parts
         self._searcher = self._lexical.searcher()
         # Both indexes address chunks by row number; an index whose parts disagree (left by a build
         # interrupted before builds were staged) would answer with the wrong chunks.
@@ -406,6 +423,22 @@ class CorpusIndex:
             for row, value in enumerate(self._col[key]):
                 if value:
                     self._ids.setdefault((key, normalize(str(value)).lower()), self._col["doc_id"][row])
+
+    def _read_parts(self, tantivy) -> tuple:
+        """(manifest, chunks, tantivy index, faiss index or None) as they are in the directory now."""
+        try:
+            manifest = json.loads((self.directory / "manifest.json").read_text())
+            chunks = pl.read_parquet(self.directory / "chunks.parquet")
+            lexical = tantivy.Index.open(str(self.directory / "tantivy"))
+            dense = None
+            if (self.directory / "dense.faiss").exists():
+                import faiss
+
+                dense = faiss.read_index(str(self.directory / "dense.faiss"))
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise InputError(f"corpus index at {self.directory} is unreadable ({str(exc).splitlines()[0]}): "
+                             "rebuild it with `dxr corpus build`") from None
+        return manifest, chunks, lexical, dense
 
     @property
     def has_dense(self) -> bool:
