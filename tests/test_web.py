@@ -432,6 +432,11 @@ def test_identifiers_in_urls():
     assert identifiers_in_url("https://www.ncbi.nlm.nih.gov/pmc/articles/PMC3166277/") == {"pmcid": "PMC3166277"}
     assert identifiers_in_url("https://example.org/heart") == {}
     assert identifiers_in_url("https://pubmed.ncbi.nlm.nih.gov/17942999/") == {"pmid": "17942999"}
+    assert identifiers_in_url("https://www.nejm.org/doi/pdf/10.1056/NEJMoa2034577") == {"doi": "10.1056/NEJMoa2034577"}
+    assert identifiers_in_url("https://onlinelibrary.wiley.com/doi/epdf/10.1002/ejhf.2333") == {
+        "doi": "10.1002/ejhf.2333"}
+    assert identifiers_in_url("https://arxiv.org/abs/2101.00001v2?context=cs") == {"arxiv_id": "2101.00001"}
+    assert identifiers_in_url("https://arxiv.org/abs/2101.00001#S2") == {"arxiv_id": "2101.00001"}
     assert identifiers_in_url("https://www.ncbi.nlm.nih.gov/pubmed/17942999?dopt=Abstract") == {"pmid": "17942999"}
     assert identifiers_in_url("https://pubmed.ncbi.nlm.nih.gov/17942999/citedby/") == {}
 

@@ -30,8 +30,10 @@ from tools.web.providers import ProviderUnavailable, SearchProvider
 from tools.web.reader import PageReader, eligible_link, is_blocked
 
 _PMC = re.compile(r"/(?:pmc/)?articles/(PMC\d+)", re.I)
-_ARXIV = re.compile(r"arxiv\.org/(?:abs|pdf)/([\w./-]+?)(?:v\d+)?(?:\.pdf)?/?$", re.I)
-_DOI = re.compile(r"(?:doi\.org/|/doi/(?:abs/|full/)?)(10\.\d{4,9}/[^\s?#]+)", re.I)
+# A query string or fragment ("?context=cs", "#S2") still names the paper.
+_ARXIV = re.compile(r"arxiv\.org/(?:abs|pdf)/([\w./-]+?)(?:v\d+)?(?:\.pdf)?/?(?:[?#]|$)", re.I)
+# Publishers serve one DOI under several views: /doi/10.…, /doi/abs/, /doi/full/, /doi/pdf/, /doi/epdf/, /doi/reader/.
+_DOI = re.compile(r"(?:doi\.org/|/doi/(?:(?:abs|full|pdf|epdf|pdfdirect|reader)/)?)(10\.\d{4,9}/[^\s?#]+)", re.I)
 # PubMed abstract pages: MEDLINE and PubMedQA documents are keyed by PMID.
 _PUBMED = re.compile(r"(?:pubmed\.ncbi\.nlm\.nih\.gov|ncbi\.nlm\.nih\.gov/pubmed)/(\d+)/?(?:[?#]|$)", re.I)
 
