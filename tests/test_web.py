@@ -342,6 +342,34 @@ def test_early_stop_no_result_reuse_and_warehouse_rows(wh, local_index):
     assert efficiency.rows() == [("c1:7:3", 2, 2, 2, 2)]
 
 
+def test_ledger_rows_never_cite_pages_that_were_not_stored(wh, local_index, monkeypatch):
+    """Pages are written before the ledger rows citing them, and a rerun of the shard replaces its pages."""
+    def cited_but_missing() -> set:
+        cited = {d for d in wh.read("ledger", run_id="run1")["doc_id"].to_list() if d and d.startswith("web:")}
+        return cited - set(wh.read("documents", corpus="web")["doc_id"].to_list())
+
+    write = wh.write
+
+    def documents_fail(table, frame, **keys):
+        if table == "documents":
+            raise OSError("disk full")
+        return write(table, frame, **keys)
+
+    async def scenario(query: str):
+        async with Site() as site:
+            await _run(site, config(), wh, local_index, [{**JOB, "query": query}])
+
+    monkeypatch.setattr(wh, "write", documents_fail)
+    with pytest.raises(OSError, match="disk full"):  # killed while storing the pages
+        asyncio.run(scenario("heart failure outcomes"))
+    assert cited_but_missing() == set()
+    monkeypatch.setattr(wh, "write", write)
+    asyncio.run(scenario("heart failure outcomes"))
+    assert wh.read("documents", corpus="web").height == 1 and cited_but_missing() == set()
+    asyncio.run(scenario("nothing matches this"))  # a rerun of the shard that read no page
+    assert wh.read("documents", corpus="web").height == 0
+
+
 def test_a_copy_of_a_page_another_job_read_is_evidence_for_this_job(wh, local_index):
     async def scenario():
         async with Site() as site:

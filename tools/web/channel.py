@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 import aiohttp
 import polars as pl
 
+from dxr.errors import InputError
 from tools.config import WebConfig
 from tools.corpus.documents import normalize_url
 from tools.ledger import Ledger, LedgerRow, SearchJob
@@ -167,13 +168,18 @@ class WebChannel:
                  "title": d["title"], "url": d["url"], "doi": None, "pmcid": None, "pmid": None, "arxiv_id": None,
                  "sections_json": json.dumps([["Page", d["text"]]], ensure_ascii=False), "n_chars": len(d["text"]),
                  "ingested_at": now} for d in sorted(self.documents.values(), key=lambda d: d["doc_id"])]
-        return pl.DataFrame(rows, schema_overrides={"ingested_at": pl.Datetime("us"), "doi": pl.String,
-                                                    "pmcid": pl.String, "pmid": pl.String, "arxiv_id": pl.String})
+        return pl.DataFrame(rows, schema={
+            **dict.fromkeys(("corpus", "source", "doc_id", "source_format", "title", "url", "doi", "pmcid", "pmid",
+                             "arxiv_id", "sections_json"), pl.String), "n_chars": pl.Int64,
+            "ingested_at": pl.Datetime("us")})
 
     def flush(self) -> None:
-        """Write the ledger partition, the pages read (documents, corpus `web`) and the page cache."""
-        self.ledger.flush()
+        """Write the pages read (documents, corpus `web`), then the ledger partition citing them, then the page
+        cache: a flush cut short never leaves ledger rows citing pages that were not stored. The pages' partition
+        is replaced even when empty, so a rerun of the shard keeps no pages of an earlier attempt."""
+        if self.ledger.warehouse is None:
+            raise InputError("this WebChannel's ledger has no warehouse to write to: pass warehouse=Warehouse(root)")
         source = f"{self.ledger.run_id}-{self.ledger.shard}"
-        if self.documents:
-            self.ledger.warehouse.write("documents", self.documents_frame(source), corpus="web", source=source)
+        self.ledger.warehouse.write("documents", self.documents_frame(source), corpus="web", source=source)
+        self.ledger.flush()
         self.reader.cache.flush()
