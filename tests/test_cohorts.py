@@ -96,6 +96,36 @@ def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, 
             assert row["vocabulary_source"] == "dataset_dictionary" and omega == set(used + extra)
 
 
+def test_a_dictionary_with_codes_written_unlike_the_data_is_refused(wh_vocab, tmp_path):
+    # A hand-made dictionary writing its codes with dots became Ω as it was: no event, target or model output
+    # matched it, so every forecast came out empty without an error. Its codes are held to the data's rules.
+    from meds import code_metadata_filepath
+
+    from dxr.errors import InputError
+
+    for name, written, problem in (
+            ("dotted", "DIAGNOSIS//ICD//10//I50.22",
+             r"diagnosis code 'DIAGNOSIS//ICD//10//I50\.22' has a dot: write it 'DIAGNOSIS//ICD//10//I5022'"),
+            ("lower", "DIAGNOSIS//ICD//10//i5022",
+             r"diagnosis code 'DIAGNOSIS//ICD//10//i5022' is not upper case: write it 'DIAGNOSIS//ICD//10//I5022'"),
+            ("system", "DIAGNOSIS//SNOMED//84114007",
+             r"unknown code system in diagnosis code 'DIAGNOSIS//SNOMED//84114007': diagnosis codes must be")):
+        root = write_tiny_meds(tmp_path / name)
+        # A block listed by its range (row 2) is a dictionary entry like any other.
+        pl.DataFrame({"code": ["GENDER//F", dx("C00-C96"), written, written + "9"], "description": "a title"}
+                     ).write_parquet(root / code_metadata_filepath)
+        with pytest.raises(InputError, match=rf"codes\.parquet, row 3: {problem}.*"
+                                             r"\(2 codes like it\)"):
+            ingest_meds(wh_vocab, root, name)
+    # Rewritten after the dataset was registered: the build refuses it too (its fingerprint leaves it out).
+    root = write_tiny_meds(tmp_path / "later")
+    ingest_meds(wh_vocab, root, "later")
+    copied = wh_vocab.read("datasets", dataset_id="later")["meds_dir"][0]
+    pl.DataFrame({"code": ["DIAGNOSIS//ICD//10//E11.9"]}).write_parquet(f"{copied}/{code_metadata_filepath}")
+    with pytest.raises(InputError, match=r"row 1: diagnosis code 'DIAGNOSIS//ICD//10//E11\.9' has a dot"):
+        build_cohort(wh_vocab, "later", "default", CohortOptions(), seed=7)
+
+
 def test_paths_with_an_apostrophe_work_end_to_end(vocab_cache, tmp_path):
     import shutil
 

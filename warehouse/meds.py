@@ -35,6 +35,8 @@ ENCOUNTER_ALIASES = ("hadm_id",)
 DIAGNOSIS_PREFIX = "DIAGNOSIS//ICD//"
 # Codes whose system the platform knows; anything under DIAGNOSIS// must be ICD-9 or ICD-10.
 _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
+# A diagnosis dictionary (codes.parquet) may also list chapters and blocks by their range, e.g. C00-C96.
+_DICTIONARY_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+(-[A-Z0-9]+)?$")
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
 
 
@@ -190,15 +192,8 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         more = f" ({count:,} events like it)" if count > 1 else ""
         if problem is not None:
             problem = problem.format(code=code)
-        elif _DIAGNOSIS_CODE.match(code.upper()):
-            prefix = code.upper().rsplit("//", 1)[0] + "//"
-            problem = f"diagnosis code {code!r} is not upper case: write it {code.upper()!r} (prefix {prefix})"
-        elif _DIAGNOSIS_CODE.match(undotted := code.upper().replace(".", "")):
-            problem = (f"diagnosis code {code!r} has a dot: write it {undotted!r} "
-                       "(MEDS ICD codes are written without it)")
         else:
-            problem = (f"unknown code system in diagnosis code {code!r}: diagnosis codes must be "
-                       "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
+            problem = _diagnosis_code_problem(code, _DIAGNOSIS_CODE)
         raise InputError(f"{filename}, row {row:,}: {problem}{more}")
     # Encounters are told apart by encounter_id alone (cohorts order them and cut records by it): an id that
     # a second patient reuses would merge two stays.
@@ -256,6 +251,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         if untyped is not None:
             raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
                              "MEDS code metadata holds codes and descriptions as strings")
+        _check_dictionary_codes(codes_path)
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
@@ -271,6 +267,32 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+
+
+def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
+    """What is wrong with a code under DIAGNOSIS// that `valid` does not match, and the fix."""
+    if valid.match(code.upper()):
+        prefix = code.upper().rsplit("//", 1)[0] + "//"
+        return f"diagnosis code {code!r} is not upper case: write it {code.upper()!r} (prefix {prefix})"
+    if valid.match(undotted := code.upper().replace(".", "")):
+        return f"diagnosis code {code!r} has a dot: write it {undotted!r} (MEDS ICD codes are written without it)"
+    return (f"unknown code system in diagnosis code {code!r}: diagnosis codes must be "
+            "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
+
+
+def _check_dictionary_codes(codes_path: Path) -> None:
+    """Refuse a diagnosis code in codes.parquet written other than the data's codes are (e.g. with its dot).
+
+    A diagnosis dictionary there becomes the cohorts' vocabulary Ω: a code spelled `DIAGNOSIS//ICD//10//I50.22`
+    would match no event and no model output, so every forecast would come out empty without an error.
+    """
+    codes = pl.read_parquet(codes_path, columns=["code"]).with_row_index("row", offset=1)
+    wrong = codes.filter(pl.col("code").str.to_uppercase().str.starts_with("DIAGNOSIS//")
+                         & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern))
+    if wrong.height:
+        more = f" ({wrong.height:,} codes like it)" if wrong.height > 1 else ""
+        raise InputError(f"{codes_path}, row {wrong['row'][0]:,}: "
+                         f"{_diagnosis_code_problem(wrong['code'][0], _DICTIONARY_DIAGNOSIS_CODE)}{more}")
 
 
 def _unreadable_optional_file(path: Path, exc: Exception) -> InputError:
