@@ -137,6 +137,31 @@ def test_demo_default_cohort_has_the_trajectories_the_csvs_imply(demo, wh_vocab)
     assert row["n_trajectories"] == expected == 14
 
 
+def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo, wh_vocab):
+    # DIAGNOSES_ICD uses 20 codes that D_ICD_DIAGNOSES (Ω) lacks, older ones such as 789.5 ascites and 276.6
+    # fluid overload: V(.) drops them from every forecast. Under icd10, 20 codes map to NoDx only (pressure
+    # ulcer stages, drug adverse effects) and their events are dropped. Both used to pass in silence.
+    from warehouse.datasets import register_dataset
+    from warehouse.meds import copy_meds_dir
+
+    _, out, _ = demo
+    copy_meds_dir(out, wh_vocab.meds_dir("mimic3demo"))
+    register_dataset(wh_vocab, "mimic3demo", source="mimic3")
+    native = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "native")
+    assert native.exit_code == 0, native.output
+    assert native.output.splitlines()[-1] == (
+        "note: 20 diagnosis codes of the data are not in Ω (dataset_dictionary): no forecast can name them, so "
+        "where they are targets every system misses them")
+    icd10 = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "icd10",
+                "--harmonize", "icd10")
+    assert "note: 20 diagnosis codes of the data have no icd10 rendering (GEM NoDx only, no common ICD-10 " \
+           "ancestor): their events are dropped from histories and targets" in icd10.output
+    recorded = {r["name"]: json.loads(r["options_json"]) for r in wh_vocab.read("cohorts").iter_rows(named=True)}
+    assert recorded["native"]["diagnosis_codes_outside_vocabulary"] == 20
+    assert recorded["native"]["unmapped_diagnosis_codes"] == 0
+    assert recorded["icd10"]["unmapped_diagnosis_codes"] == 20
+
+
 # ---- MIMIC-IV fixture: every rule on a hand-written hosp directory -------------------------------
 
 def ts(text: str) -> datetime:

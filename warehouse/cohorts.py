@@ -245,6 +245,9 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         steps.update()
 
         omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
+        # A dictionary may lack codes its own data uses (MIMIC-III's d_icd_diagnoses lacks 20 older codes of the
+        # demo, such as 789.5 ascites): V(.) drops them from every forecast, so their targets are out of reach.
+        outside = len(set(dx_map["code"].to_list()) - set(omega["code"].to_list()))
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
         steps.update()
 
@@ -280,7 +283,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         "harmonization": options.harmonize, "min_history": options.min_history, "created_at": datetime.now(),
         "n_trajectories": trajectories.height, "vocabulary_size": omega.height, "vocabulary_source": omega_source,
         "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
-                                    "unmapped_diagnosis_codes": unmapped}, sort_keys=True),
+                                    "unmapped_diagnosis_codes": unmapped,
+                                    "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
     return row

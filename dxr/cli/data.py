@@ -159,6 +159,15 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                        run_id=run_id)
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
+    built = json.loads(row["options_json"])
+    if built["unmapped_diagnosis_codes"]:
+        click.echo(f"note: {built['unmapped_diagnosis_codes']:,} diagnosis codes of the data have no "
+                   f"{options.harmonize} rendering (GEM NoDx only, no common ICD-10 ancestor): their events are "
+                   "dropped from histories and targets")
+    if built["diagnosis_codes_outside_vocabulary"]:
+        click.echo(f"note: {built['diagnosis_codes_outside_vocabulary']:,} diagnosis codes of the data are not in Ω "
+                   f"({row['vocabulary_source']}): no forecast can name them, so where they are targets every "
+                   "system misses them")
 
 
 @cohort.command("list")
