@@ -233,6 +233,37 @@ def test_killed_build_is_not_registered_and_rerun_is_identical(wh_vocab, tiny_me
     assert wh_vocab.read("cohorts").height == 1
 
 
+def test_a_name_being_rebuilt_is_not_answered_by_an_older_cohort_of_that_name(wh_vocab, tiny_meds, monkeypatch):
+    # "default" was built natively, then by categories (the newest, so the one the name means). While the
+    # category cohort is rebuilt it is unregistered, and the name used to return the native cohort: a
+    # forecast or a prior's training started then ran on the wrong cohort without a word.
+    import warehouse.cohorts as cohorts
+    from dxr.errors import NotFoundError
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    native = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    category = build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
+    original, seen = cohorts._vocabulary, []
+
+    def looking_up_meanwhile(*args, **kwargs):
+        for key in ("default", native):
+            try:
+                seen.append(cohorts.get_cohort(wh_vocab, key)["cohort_id"])
+            except NotFoundError as exc:
+                seen.append(str(exc))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cohorts, "_vocabulary", looking_up_meanwhile)
+    build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7, run_id="rebuild")
+    by_name, by_id = seen
+    assert by_name.startswith("cohort 'default' is being built (run rebuild, started ")
+    assert by_name.endswith(f"retry when it has finished; 1 finished cohort(s) of the name remain, name one by its "
+                            f"id to use it ({native})")
+    assert by_id == native  # an id names one cohort, whatever is being built
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
+
+
 def test_unknown_options_fail_with_the_fix():
     from dxr.errors import InputError
 

@@ -364,16 +364,26 @@ def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
 
 
 def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
-    """Look a cohort up by id or by name (the most recently built cohort of that name)."""
+    """Look a cohort up by id or by name (the most recently built cohort of that name).
+
+    A name is refused while a cohort of that name is being built: the build unregisters its cohort until
+    it is complete and then is the newest of the name, so an older cohort of the name (other options)
+    answering meanwhile would be the wrong one.
+    """
     cohorts = wh.read("cohorts")
-    match = cohorts.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
+    by_id = cohorts.filter(pl.col("cohort_id") == name_or_id)
+    if not by_id.is_empty():
+        return by_id.row(0, named=True)
+    match = cohorts.filter(pl.col("name") == name_or_id)
+    running = runs_in_progress(wh).filter(pl.col("kind") == "cohort")  # a killed build is not being built
+    building = [row for row in running.iter_rows(named=True)
+                if json.loads(row["config_json"]).get("name") == name_or_id]
+    if building:
+        older = (f"; {match.height} finished cohort(s) of the name remain, name one by its id to use it "
+                 f"({', '.join(sorted(match['cohort_id'].to_list()))})" if match.height else "")
+        raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
+                            f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished{older}")
     if match.is_empty():
-        running = runs_in_progress(wh).filter(pl.col("kind") == "cohort")  # a killed build is not being built
-        building = [row for row in running.iter_rows(named=True)
-                    if json.loads(row["config_json"]).get("name") == name_or_id]
-        if building:  # a rebuild unregisters the cohort until it is complete
-            raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
-                                f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished")
         known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
         raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
                             f"{known} (build one with `dxr cohort build`, or check --data-dir)")
