@@ -207,9 +207,11 @@ def test_harmonize_icd10_one_code_per_choice_list(tables):
     assert out.rows() == [
         (dx(10, "I5022"), dx(10, "I5022")),
         (dx(9, "4280"), dx(10, "I509")),
-        # Two alternatives, neither title sharing a word with "Other postoperative infection" (T81.4XXA
-        # was split after the GEM's release and has no title): the lower code.
-        (dx(9, "99859"), dx(10, "K6811")),
+        # Two alternatives: K68.11 "Postprocedural retroperitoneal abscess", and T81.4XXA, split after the
+        # GEM's release (no code of the tables, so no title), read as its ancestor T81.4 "Infection following a
+        # procedure". It shares "infection" with "Other postoperative infection"; the untitled code once lost
+        # the tie to the lower code, the abscess, and would have entered Ω without a title.
+        (dx(9, "99859"), dx(10, "T814")),
         (dx(9, "E8497"), dx(10, "Y92199")),
         (dx(9, "V4581"), dx(10, "Z951")),
     ]  # E934.2 maps to NoDx only: no row
@@ -232,6 +234,22 @@ def test_harmonize_icd10_maps_codes_missing_from_the_gem_through_their_children(
     sources = [dx(9, "585"), dx(9, "2766"), dx(9, "7806"), dx(9, "V45")]
     out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
     assert out.rows() == [(dx(9, "2766"), dx(10, "E877")), (dx(9, "585"), dx(10, "N18"))]
+
+
+def test_harmonize_icd10_yields_only_codes_of_the_tables(tables):
+    # 156 ICD-9 codes had a GEM target that ICD-10-CM FY2026 no longer has (skull fractures S02.10XA, now
+    # S02.101A-S02.109A; glaucoma H40.11X0): they became untitled Ω codes that no model output could match.
+    sources = [dx(9, "80100"), dx(9, "36511"), dx(9, "99859")]
+    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    titled = dict(tables["titles"].iter_rows())
+    assert [(source, code, titled[code]) for source, code in out.rows()] == [
+        (dx(9, "36511"), dx(10, "H4011"), "Primary open-angle glaucoma"),
+        (dx(9, "80100"), dx(10, "S0210"), "Unspecified fracture of base of skull"),
+        (dx(9, "99859"), dx(10, "T814"), "Infection following a procedure"),
+    ]
+    every = harmonize_codes(tables["gem"].filter(pl.col("direction") == "9to10")["source_code"].unique(), "icd10",
+                            tables["gem"], tables["titles"])
+    assert every.join(tables["titles"], on="code", how="anti").is_empty()
 
 
 def test_harmonize_category_truncates_within_version(tables):

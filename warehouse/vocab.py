@@ -442,8 +442,13 @@ def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
     with one code per choice list (several only for true combinations, e.g. ornithosis with
     pneumonia → A70 + J17): the alternative whose title shares most words with the ICD-9 title
     (Jaccard), ties to the lower code.
+
+    A target that ICD-10-CM has since split (T81.4XXA, now T81.40XA–T81.49XA) is no code of the
+    tables: it is read as its nearest ancestor that is (T81.4 "Infection following a procedure"),
+    which has a title to choose by and to show.
     """
     rows = _forward_rows(gem).filter(pl.col("target_code").is_not_null())
+    rows = rows.with_columns(target_code=_nearest_known(rows["target_code"], set(titles["code"].to_list())))
     rows = rows.filter(pl.col("scenario") == pl.col("scenario").min().over("source_code"))
     # Only choice lists with alternatives need titles (about a fifth of the rows).
     alternatives = pl.len().over("source_code", "choice_list") > 1
@@ -462,6 +467,20 @@ def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
               .sort(["source_code", "choice_list", "similarity", "target_code"], descending=[False, False, True, False])
               .unique(["source_code", "choice_list"], keep="first"))
     return pl.concat([rows.filter(~alternatives), chosen.drop("similarity")]).select("source_code", "target_code")
+
+
+def _nearest_known(codes: pl.Series, known: set[str]) -> pl.Series:
+    """Each MEDS code, or when `known` lacks it its nearest ancestor there (dropping characters from the end
+    down to the 3-character category); a code without such an ancestor stays as it is."""
+    def nearest(code: str) -> str:
+        kind, version, raw = parse_meds_code(code)
+        for end in range(len(raw), 2, -1):
+            if f"{kind}//ICD//{version}//{raw[:end]}" in known:
+                return f"{kind}//ICD//{version}//{raw[:end]}"
+        return code
+
+    mapping = {code: nearest(code) for code in codes.unique().to_list()}
+    return codes.replace_strict(mapping, return_dtype=pl.String)
 
 
 def _parent_fallback(parents: pl.Series, mapped: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
