@@ -7,7 +7,7 @@ import csv
 import gzip
 import json
 import shutil
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
 
@@ -117,6 +117,25 @@ def test_demo_is_valid_meds_with_the_dictionary(demo):
     assert len({c for c in emitted if c.startswith("DIAGNOSIS//")} - listed) == 20  # used, but not in the dictionary
     splits = pl.read_parquet(out / "metadata" / "subject_splits.parquet")
     assert dict(zip(splits["subject_id"], splits["split"])) == {s: hash_split(s, SEED) for s in splits["subject_id"]}
+
+
+def test_demo_ndc_codes_are_described_by_their_most_written_drug_name(demo):
+    src, out, _ = demo
+    names: dict[str, Counter] = defaultdict(Counter)
+    for row in raw_rows(src, "PRESCRIPTIONS"):
+        ndc = row["ndc"].strip().replace("-", "")
+        if ndc.isdigit() and int(ndc) and row["drug"].strip():
+            names[f"MEDICATION//NDC//{ndc}"][" ".join(row["drug"].split())] += 1
+    codes = pl.read_parquet(out / "metadata" / "codes.parquet")
+    ndc = codes.filter(pl.col("code").str.starts_with("MEDICATION//NDC//"))
+    assert ndc.height == len(names) == 995 and ndc["description"].null_count() == 0
+    assert dict(ndc.select("code", "description").iter_rows()) == {
+        code: min(counts, key=lambda name: (-counts[name], name)) for code, counts in names.items()}
+    titles = dict(zip(codes["code"], codes["description"]))
+    assert titles["MEDICATION//NDC//00054829725"] == "Furosemide"
+    # Written 'Heparin Flush CVL  (100 units/ml)' most often: spaces are made single.
+    assert titles["MEDICATION//NDC//64253033335"] == "Heparin Flush CVL (100 units/ml)"
+    assert titles["PROCEDURE//ICD//9//3961"] == "Extracorporeal circulation auxiliary to open heart surgery"
 
 
 def test_demo_default_cohort_has_the_trajectories_the_csvs_imply(demo, wh_vocab):
@@ -262,8 +281,23 @@ def test_fixture_codes_hold_the_dictionaries_and_every_emitted_code(mimic4):
     assert titles["DIAGNOSIS//ICD//9//4280"] == "Congestive heart failure, unspecified"
     assert titles["PROCEDURE//ICD//9//3722"] == "Left heart cardiac catheterization"
     assert titles["HOSPITAL_DISCHARGE//DIED"] is None and titles["MEDICATION//NAME//omeprazole"] is None
+    assert titles["MEDICATION//NDC//00517570425"] == "Furosemide"
     assert {code for _, _, code, *_ in EXPECTED} | {"DIAGNOSIS//ICD//10//R69"} <= set(titles)
     assert codes.height == codes["code"].n_unique() and codes["code"].to_list() == sorted(codes["code"])
+
+
+def test_an_ndc_takes_its_most_written_drug_name_and_a_tie_the_first_in_sort_order(tmp_path):
+    hosp = copy_fixture(tmp_path)
+    furosemide = "10000001,20000001,1001,10000001-11,11,P00001,2150-03-01 09:00:00,2150-03-04 09:00:00,MAIN,Furosemide"
+    tail = ",FURO40I,008209,{ndc},40mg/4mL Vial,,40,mg,1,VIAL,2,IV"
+    extra = [furosemide.replace("Furosemide", "Lasix") + tail.format(ndc="00517570425")] * 2 + [
+        furosemide.replace("Furosemide", name) + tail.format(ndc="0000-9999-999") for name in ("Zeta", "Alpha")]
+    edit_table(hosp, "prescriptions", lambda lines: lines + extra)
+    import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    codes = pl.read_parquet(tmp_path / "meds" / "metadata" / "codes.parquet")
+    titles = dict(zip(codes["code"], codes["description"]))
+    assert titles["MEDICATION//NDC//00517570425"] == "Lasix"  # twice, against Furosemide once
+    assert titles["MEDICATION//NDC//00009999999"] == "Alpha"  # once each
 
 
 def test_labs_are_imported_only_when_asked_for_with_labels_values_and_counted_drops(tmp_path, mimic4):
@@ -282,6 +316,9 @@ def test_labs_are_imported_only_when_asked_for_with_labels_values_and_counted_dr
         (S2, "LAB//Leukocytes (Urine)//no unit", None, "NEG", 20000004),
         (S3, "LAB//99999//U/L", 42.0, None, 20000006),  # not in d_labitems: the itemid stays
     ]
+    # The code spells the d_labitems label already; an item missing from it has none to give.
+    codes = pl.read_parquet(tmp_path / "labs" / "metadata" / "codes.parquet")
+    assert codes.filter(pl.col("code").str.starts_with("LAB//"))["description"].is_null().all()
     assert events.filter(~pl.col("code").str.starts_with("LAB//")).equals(read_meds(out))  # nothing else changes
     assert (with_labs.n_labs, with_labs.n_labs_outside_admissions, with_labs.n_labs_within_stays,
             with_labs.n_lab_rows_without_admission, with_labs.n_lab_rows_without_time) == (6, 1, 1, 1, 1)

@@ -41,6 +41,11 @@ Pinned rules:
 - rows that cannot become events (no code, an unknown admission, no time, no drug) are dropped and
   counted per reason in the summary; admissions discharged before they began are kept and counted;
 - MIMIC ships no split, so `metadata/subject_splits.parquet` holds the seeded hash split.
+- `metadata/codes.parquet` lists every code written and the diagnosis and procedure dictionaries, with a
+  `description`: a diagnosis's or procedure's `long_title`; for an NDC, the drug name its prescriptions
+  write most often (single spaces; a tie goes to the first name in sort order), as the code is a bare
+  number. Lab codes get none: the code already spells the `d_labitems` label and fluid, and an item
+  missing from the dictionary has no label to give.
 """
 
 from __future__ import annotations
@@ -244,6 +249,7 @@ SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, r.hadm_id, r.st
             THEN 'MEDICATION//NDC//' || replace(trim(r.ndc), '-', '')
             ELSE 'MEDICATION//NAME//' || lower(regexp_replace(nullif(trim(r.drug), ''), '\\s+', ' ', 'g'))
        END AS code,
+       nullif(regexp_replace(trim(r.drug), '\\s+', ' ', 'g'), '') AS drug,
        r.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
 FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id
 """
@@ -310,11 +316,19 @@ WITH dictionary AS (
     SELECT 'PROCEDURE//ICD//' || icd_version || '//' || {_NORMALIZED.format(col="icd_code")}, min(title)
     FROM dict_px WHERE icd_version IN (9, 10)
       AND regexp_full_match({_NORMALIZED.format(col="icd_code")}, '{_ICD_CODE}') GROUP BY ALL
-)
+),
+drug_names AS (
+    SELECT code, drug, count(*) AS n FROM rx_coded
+    WHERE code LIKE 'MEDICATION//NDC//%' AND drug IS NOT NULL AND NOT without_admission AND time IS NOT NULL
+    GROUP BY ALL
+),
+-- An NDC's name: the one its prescriptions write most often; a tie goes to the first in sort order.
+ndc_titles AS (SELECT code, first(drug ORDER BY n DESC, drug) AS description FROM drug_names GROUP BY code)
 SELECT code, description, NULL::VARCHAR[] AS parent_codes FROM dictionary
 UNION ALL
-SELECT code, NULL, NULL::VARCHAR[] FROM (SELECT DISTINCT code FROM events)
-WHERE code NOT IN (SELECT code FROM dictionary) AND code NOT LIKE 'DIAGNOSIS//%'
+SELECT e.code, t.description, NULL::VARCHAR[] FROM (SELECT DISTINCT code FROM events) e
+LEFT JOIN ndc_titles t ON t.code = e.code
+WHERE e.code NOT IN (SELECT code FROM dictionary) AND e.code NOT LIKE 'DIAGNOSIS//%'
 ORDER BY code
 """
 
