@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from models.llm.config import LLMConfig  # noqa: E402
 from models.llm.local_server import fold_system_messages, packaged_model_path  # noqa: E402
 from tasks.direct import direct_prompt  # noqa: E402
-from warehouse.cohorts import get_cohort  # noqa: E402
+from warehouse.cohorts import code_titles, get_cohort  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 from warehouse.vocab import Vocabulary  # noqa: E402
 
@@ -52,6 +52,7 @@ def main() -> None:
     vocabulary = Vocabulary.from_warehouse(wh.connect(tables=["cohorts", "cohort_vocabulary"]), cohort_id)
     if args.no_titles:
         vocabulary.title = lambda code: None
+    titles = {} if args.no_titles else code_titles(wh, cohort_id)
     records = list(wh.read("pretarget_events", cohort_id=cohort_id).partition_by("trajectory_id"))
 
     def tokens(messages: list[dict]) -> int:
@@ -68,7 +69,7 @@ def main() -> None:
         room = config.context_window - config.max_output_tokens
         ratios, cut, counts = [], [], []
         for events in records:
-            rendered = direct_prompt(events, vocabulary, config)
+            rendered = direct_prompt(events, vocabulary, config, code_titles=titles)
             count = tokens(rendered.messages)
             ratio = sum(len(m["content"]) for m in rendered.messages) / count
             counts.append(count)

@@ -127,7 +127,7 @@ def embedded_direct(data_dir: Path, patients: int, threads: int = 0) -> dict:
     `threads` as `llm.local_threads` (0 = the default)."""
     from tasks.direct import forecast_direct
     from tasks.forecast import shard_inputs
-    from warehouse.cohorts import get_cohort
+    from warehouse.cohorts import code_titles, get_cohort
     from warehouse.schemas import NON_RUN_TABLES
     from warehouse.store import Warehouse
     from warehouse.vocab import Vocabulary
@@ -142,7 +142,8 @@ def embedded_direct(data_dir: Path, patients: int, threads: int = 0) -> dict:
 
     async def run():
         try:
-            result = await forecast_direct(client, trajectories, pretarget, vocabulary, "bench", cohort_id, 20)
+            result = await forecast_direct(client, trajectories, pretarget, vocabulary, "bench", cohort_id, 20,
+                                           code_titles(wh, cohort_id))
             return result, server_peak_rss_mib(client.backend.server.process.pid)
         finally:
             await client.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import polars as pl
 
@@ -24,6 +24,7 @@ from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
 from tasks.forecast import FUSED_INPUTS, write_shard_outputs
+from warehouse.cohorts import code_titles
 from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 from warehouse.vocab import Vocabulary
@@ -52,10 +53,14 @@ def check_confidence_order(value: dict) -> list[str]:
 
 
 def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfig,
-                  chars_per_token: float | None = None) -> RenderedPrompt:
+                  chars_per_token: float | None = None, code_titles: Mapping[str, str] | None = None
+                  ) -> RenderedPrompt:
     """The Direct Forecast messages of one trajectory (its pre-target events only), budgeted at `chars_per_token`
-    (default: the configured one) with room left for a re-ask."""
-    titles = {code: vocabulary.title(code) for code in set(events["code"].to_list()) if code in vocabulary}
+    (default: the configured one) with room left for a re-ask. Diagnoses are named by Ω's titles, other codes by
+    `code_titles` (the cohort's `code_titles` table)."""
+    codes = set(events["code"].to_list())
+    titles = {code: (code_titles or {}).get(code) for code in codes if not code.startswith("DIAGNOSIS//")}
+    titles.update({code: vocabulary.title(code) for code in codes if code in vocabulary})
     budget = prompt_budget(config, chars_per_token) - FEEDBACK_RESERVE_CHARS  # room left for a re-ask's errors
     return render(load_prompt(DIRECT_PROMPT), budget, render_history(events, titles), **prompt_fields(vocabulary))
 
@@ -88,9 +93,10 @@ def drop_detail(drops) -> str:
 
 
 async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
-                          vocabulary: Vocabulary, run_id: str, cohort_id: str, k: int
-                          ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Rankings and status rows of Direct Forecast for `trajectories` (one concurrent call each)."""
+                          vocabulary: Vocabulary, run_id: str, cohort_id: str, k: int,
+                          code_titles: Mapping[str, str] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Rankings and status rows of Direct Forecast for `trajectories` (one concurrent call each); `code_titles`
+    names the non-diagnosis codes in the prompts."""
     prompt = load_prompt(DIRECT_PROMPT)
     by_trajectory = pretarget.partition_by("trajectory_id", as_dict=True)
 
@@ -105,7 +111,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         """`ask`, and once more after the endpoint found the prompt too long for its context (refused it, or cut
         the reply off at the full window): rendered again to the window at the characters per token it measured.
         Returns (reply, prompt, notes)."""
-        rendered = direct_prompt(events, vocabulary, client.config)
+        rendered = direct_prompt(events, vocabulary, client.config, code_titles=code_titles)
         try:
             return await ask(trajectory_id, rendered, client.config.chars_per_token), rendered, []
         except ContextLengthError as exc:
@@ -115,7 +121,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
                 raise
             refusal = exc
         try:
-            rendered = direct_prompt(events, vocabulary, client.config, chars_per_token)
+            rendered = direct_prompt(events, vocabulary, client.config, chars_per_token, code_titles)
         except ConfigError as exc:  # no room left for the history at the measured rate
             raise InputError(f"{refusal}; a prompt short enough leaves no room for the history ({exc})") from exc
         tokens = refusal.prompt_tokens or "unknown"
@@ -167,11 +173,12 @@ def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.Dat
     """Run Direct Forecast over one shard and write its rankings, candidates, ranking_status and llm_calls
     partitions."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
+    titles = code_titles(wh, cohort_id)
     client = LLMClient.from_config(config, wh.root)
 
     async def run():
         try:
-            return await forecast_direct(client, trajectories, pretarget, vocabulary, run_id, cohort_id, k)
+            return await forecast_direct(client, trajectories, pretarget, vocabulary, run_id, cohort_id, k, titles)
         finally:
             await client.close()
 

@@ -92,6 +92,29 @@ def tiny_events() -> pl.DataFrame:
                                       "encounter_id": pl.Int64}, orient="row")
 
 
+FUROSEMIDE = "MEDICATION//NDC//00054829725"
+# codes.parquet descriptions of `write_described_meds`: BNP and the procedure occur only in subject 1's target
+# encounter, the unused procedure nowhere, the blank description says nothing.
+DESCRIPTIONS = {FUROSEMIDE: "Furosemide", "LAB//HBA1C//%": "Haemoglobin A1c", "LAB//BNP//pg/mL": "B-type natriuretic",
+                "PROCEDURE//ICD//9//3961": "Extracorporeal circulation auxiliary to open heart surgery",
+                "PROCEDURE//ICD//9//9999": "Unused", dx("I5022"): "Chronic systolic heart failure",
+                "NOTE//DISCHARGE_SUMMARY": "  ", "HOSPITAL_DISCHARGE//HOME": None}
+
+
+def write_described_meds(root: Path) -> Path:
+    """The tiny dataset with furosemide given to subjects 2 (train) and 4 (held out, first encounter), a procedure
+    in subject 1's target encounter, and a codes.parquet describing codes (`DESCRIPTIONS`)."""
+    from meds import code_metadata_filepath
+
+    extra = pl.DataFrame([(2, t(0, 8), FUROSEMIDE, None, None, 201), (4, t(0, 8), FUROSEMIDE, None, None, 401),
+                          (1, t(21), "PROCEDURE//ICD//9//3961", None, None, 103)],
+                         schema=tiny_events().schema, orient="row")
+    write_tiny_meds(root, pl.concat([tiny_events(), extra]).sort("subject_id", "time", nulls_last=False))
+    pl.DataFrame({"code": list(DESCRIPTIONS), "description": list(DESCRIPTIONS.values())},
+                 schema={"code": pl.String, "description": pl.String}).write_parquet(root / code_metadata_filepath)
+    return root
+
+
 def cohort_inputs(wh, cohort_id: str, split: str = "all") -> tuple[pl.DataFrame, pl.DataFrame]:
     """Every trajectory of a split and its pre-target events, gathered over the split's shards (each
     shard holds one split), for tests that hand them to a stage function as one batch."""

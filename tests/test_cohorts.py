@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from tests.conftest import dx, t, tiny_events, write_tiny_meds
+from tests.conftest import DESCRIPTIONS, FUROSEMIDE, dx, t, tiny_events, write_described_meds, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -124,6 +124,27 @@ def test_a_dictionary_with_codes_written_unlike_the_data_is_refused(wh_vocab, tm
     pl.DataFrame({"code": ["DIAGNOSIS//ICD//10//E11.9"]}).write_parquet(f"{copied}/{code_metadata_filepath}")
     with pytest.raises(InputError, match=r"row 1: diagnosis code 'DIAGNOSIS//ICD//10//E11\.9' has a dot"):
         build_cohort(wh_vocab, "later", "default", CohortOptions(), seed=7)
+
+
+def test_code_titles_hold_the_descriptions_of_non_diagnosis_codes_the_forecasting_store_holds(wh_vocab, tmp_path):
+    from warehouse.cohorts import code_titles
+
+    ingest_meds(wh_vocab, write_described_meds(tmp_path / "meds"), "described")
+    cid = build_cohort(wh_vocab, "described", "default", CohortOptions(), seed=7)["cohort_id"]
+    titles = wh_vocab.read("code_titles", cohort_id=cid)
+    assert titles.rows() == [(cid, "LAB//HBA1C//%", "Haemoglobin A1c"), (cid, FUROSEMIDE, "Furosemide")]
+    assert code_titles(wh_vocab, cid) == {"LAB//HBA1C//%": "Haemoglobin A1c", FUROSEMIDE: "Furosemide"}
+    # The boundary: code metadata only, and only of codes already in the forecasting store. The procedure and
+    # the BNP lab of subject 1's held-out target encounter stay out, with them any hint of that encounter.
+    assert titles.columns == ["cohort_id", "code", "title"]
+    held = set(wh_vocab.read("pretarget_events", cohort_id=cid)["code"]) | set(
+        wh_vocab.read("train_events", cohort_id=cid)["code"])
+    assert set(titles["code"]) <= held
+    assert {"PROCEDURE//ICD//9//3961", "LAB//BNP//pg/mL"} <= set(DESCRIPTIONS) - held
+    # A dataset without descriptions gives none.
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "plain"), "plain")
+    plain = build_cohort(wh_vocab, "plain", "default", CohortOptions(), seed=7)["cohort_id"]
+    assert wh_vocab.read("code_titles", cohort_id=plain).is_empty() and code_titles(wh_vocab, plain) == {}
 
 
 def test_paths_with_an_apostrophe_work_end_to_end(vocab_cache, tmp_path):

@@ -15,8 +15,10 @@ from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, prompt_fields, rrf_fuse,
                           rrf_prior_direct_shard)
 from tasks.forecast import LLM_RUN_KEYS, shard_inputs
-from tests.conftest import cohort_inputs
+from tests.conftest import FUROSEMIDE, cohort_inputs, write_described_meds
 from tests.sentinel import assert_no_leak, forecast_store_texts
+from warehouse.cohorts import CohortOptions, build_cohort, code_titles
+from warehouse.datasets import ingest_meds
 from warehouse.vocab import Vocabulary
 
 # 21 valid ICD-10-CM codes in the model's own spelling, most likely first.
@@ -40,10 +42,12 @@ def test_rrf_on_a_hand_example():
 def record_replies(config: LLMConfig, wh, cohort_id, trajectories, pretarget, replies) -> list[str]:
     """Record one reply per trajectory for exactly the request Direct Forecast will send; returns prompt texts."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
+    titles = code_titles(wh, cohort_id)
     probe = LLMClient(config, backend=None)
     texts = []
     for trajectory_id, reply in zip(trajectories["trajectory_id"].to_list(), replies):
-        rendered = direct_prompt(pretarget.filter(pl.col("trajectory_id") == trajectory_id), vocabulary, config)
+        rendered = direct_prompt(pretarget.filter(pl.col("trajectory_id") == trajectory_id), vocabulary, config,
+                                 code_titles=titles)
         texts += [m["content"] for m in rendered.messages]
         request = probe.request(rendered.messages, load_prompt("direct_forecast").schema)
         append_recording(config.replay_file, request, Completion(json.dumps(reply), 800, 0, 300))
@@ -109,6 +113,22 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
                                **forecast_store_texts(wh.forecast_dir)})
     # ...while the prompts do carry the pre-target history (the harness is not looking at empty text).
     assert any("I50.22 " in text for text in prompt_texts)
+
+
+def test_direct_forecast_names_medications_by_the_cohorts_code_titles(wh_vocab, tmp_path):
+    ingest_meds(wh_vocab, write_described_meds(tmp_path / "meds"), "described")
+    cohort_id = build_cohort(wh_vocab, "described", "default", CohortOptions(), seed=7)["cohort_id"]
+    trajectories, pretarget = cohort_inputs(wh_vocab, cohort_id)
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
+                       response_format="json_object_schema", validation_retries=0)
+    texts = record_replies(config, wh_vocab, cohort_id, trajectories, pretarget, [predictions(VALID)] * 3)
+    # The first encounters of subjects 2 and 4 had furosemide, recorded by its NDC.
+    assert FUROSEMIDE == "MEDICATION//NDC//00054829725"
+    assert sum("  Medications: Furosemide (NDC 00054829725)" in text for text in texts) == 2
+    # Direct Forecast sends exactly these prompts: the replay file holds no other request.
+    direct_shard(wh_vocab, cohort_id, 0, trajectories, pretarget, 20, "run-t", config)
+    status = wh_vocab.read("ranking_status", run_id="run-t", system="direct")
+    assert status["status"].to_list() == ["ok"] * 3
 
 
 def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohort):

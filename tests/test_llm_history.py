@@ -48,6 +48,34 @@ def test_procedure_codes_are_written_in_their_own_form_not_as_diagnosis_codes():
     assert history.blocks[0].text.splitlines()[1:] == ["  Diagnoses: 396.1", "  Procedures: 39.61; 5A1D70Z"]
 
 
+def test_non_diagnosis_codes_are_shown_with_their_dataset_titles_and_diagnoses_as_before():
+    ndc, name, procedure = "MEDICATION//NDC//00054829725", "MEDICATION//NAME//metformin", "PROCEDURE//ICD//9//3961"
+    record = events(
+        ("DIAGNOSIS//ICD//10//I5022", d(2019, 1, 5), None, None, 1),
+        (procedure, d(2019, 1, 5), None, None, 1),
+        ("PROCEDURE//CPT4//99213", d(2019, 1, 5), None, None, 1),
+        (ndc, d(2019, 1, 5), None, None, 1),
+        ("MEDICATION//NDC//00536338101", d(2019, 1, 5), None, None, 1),
+        (name, d(2019, 1, 5), None, None, 1),
+        ("LAB//50912//mg/dL", d(2019, 1, 5), 1.4, None, 1),
+        ("LAB//Potassium (Blood)//mEq/L", d(2019, 1, 5), 4.1, None, 1),
+        ("MEDS_DEATH", d(2019, 1, 5), None, None, 1),
+    )
+    titles = {**TITLES, procedure: "Extracorporeal circulation auxiliary to open heart surgery",
+              "PROCEDURE//CPT4//99213": "Office visit", ndc: "Furosemide", name: "Metformin",
+              "LAB//50912//mg/dL": "Creatinine", "LAB//Potassium (Blood)//mEq/L": "potassium", "MEDS_DEATH": "death"}
+    assert render_history(record, titles).blocks[0].text.splitlines()[1:] == [
+        "  Diagnoses: I50.22 Chronic systolic heart failure",
+        "  Procedures: CPT4 99213 Office visit; 39.61 Extracorporeal circulation auxiliary to open heart surgery",
+        # A title saying only what the code says (the drug name, the lab's label, death) is not repeated.
+        "  Medications: metformin; Furosemide (NDC 00054829725); 00536338101",
+        "  Labs: Creatinine 1.4 mg/dL; Potassium (Blood) 4.1 mEq/L",
+        "  Other: MEDS_DEATH"]
+    # Without titles, as before.
+    assert render_history(record, TITLES).blocks[0].text.splitlines()[2:4] == [
+        "  Procedures: CPT4 99213; 39.61", "  Medications: metformin; 00054829725; 00536338101"]
+
+
 def test_events_outside_encounters_sit_between_encounters_in_time_order_with_their_values():
     history = render_history(events(
         ("GENDER//F", None, None, None, None),

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from dxr.cli import main
 from dxr.errors import InputError
+from models.llm.config import LLMConfig
 from tests.conftest import abandoned_scratch, shared_data
 from warehouse.importers import import_mimic3, import_mimic4
 from warehouse.meds import hash_split, validate_meds_dir
@@ -154,6 +155,23 @@ def test_demo_default_cohort_has_the_trajectories_the_csvs_imply(demo, wh_vocab)
         per_subject[adm["subject_id"]] += adm["hadm_id"] in hadm_with_dx
     expected = sum(1 for n in per_subject.values() if n >= 2)
     assert row["n_trajectories"] == expected == 14
+    # The cohort carries the titles of the procedures and drugs its forecasting tables hold, and H shows them.
+    from tasks.direct import direct_prompt
+    from warehouse.cohorts import code_titles
+    from warehouse.vocab import Vocabulary
+
+    cid = row["cohort_id"]
+    titles = code_titles(wh_vocab, cid)
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid)
+    held = set(pretarget["code"]) | set(wh_vocab.read("train_events", cohort_id=cid)["code"])
+    described = {c for c in held if c.startswith(("PROCEDURE//", "MEDICATION//NDC//"))}
+    assert set(titles) <= held and described - set(titles) == {"PROCEDURE//ICD//9//3601"}  # not in the dictionary
+    assert not any(c.startswith("DIAGNOSIS//") for c in titles)
+    furosemide = pretarget.filter(pl.col("code") == "MEDICATION//NDC//00054829725")["trajectory_id"][0]
+    vocabulary = Vocabulary.from_warehouse(wh_vocab.connect(), cid)
+    prompt = direct_prompt(pretarget.filter(pl.col("trajectory_id") == furosemide), vocabulary, LLMConfig(),
+                           code_titles=titles).messages[1]["content"]
+    assert "Furosemide (NDC 00054829725)" in prompt and "; 00054829725" not in prompt
 
 
 def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo, wh_vocab):

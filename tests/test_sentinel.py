@@ -3,12 +3,13 @@ and the harness demonstrably catches a planted leak."""
 
 from __future__ import annotations
 
+import polars as pl
 import pytest
 
 import warehouse.cohorts as cohorts
 from tasks.forecast import forecast_shard, fitted_forecaster
 from tests.conftest import cohort_inputs, write_tiny_meds
-from tests.sentinel import LeakError, assert_no_leak, forecast_store_texts, plant_sentinels
+from tests.sentinel import PHRASE_PREFIX, LeakError, assert_no_leak, forecast_store_texts, plant_sentinels
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -35,6 +36,22 @@ def test_no_sentinel_reaches_the_forecasting_store(wh_vocab, tmp_path, target):
     # The targets (gold) do hold the sentinels: the harness planted where evaluation will look.
     gold_codes = wh_vocab.read("targets", cohort_id=cid)["code"].to_list()
     assert set(sentinels.codes) & set(gold_codes)
+    assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
+
+
+def test_the_title_of_a_code_only_target_encounters_hold_never_reaches_the_forecasting_store(wh_vocab, tmp_path):
+    from meds import code_metadata_filepath
+
+    meds_dir = write_tiny_meds(tmp_path / "meds")
+    sentinels = plant_sentinels(meds_dir)
+    # The planted lab sits in held-out target encounters only: its title would say that they had it.
+    sentinels.phrases.append(f"{PHRASE_PREFIX}title")
+    pl.DataFrame({"code": ["LAB//SENTINEL//x", "LAB//HBA1C//%"],
+                  "description": [f"{PHRASE_PREFIX}title lab", "Haemoglobin A1c"]}).write_parquet(
+        meds_dir / code_metadata_filepath)
+    cid = build_and_forecast(wh_vocab, meds_dir)
+    titles = wh_vocab.read("code_titles", cohort_id=cid)
+    assert titles["title"].to_list() == ["Haemoglobin A1c"]  # the table is written, with the history's lab
     assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
 
 

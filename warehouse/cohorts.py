@@ -3,7 +3,8 @@
 A cohort is built from a registered MEDS dataset and a few options. The build reads raw MEDS (gold
 side) and writes:
 - forecasting store: `cohorts`, `cohort_vocabulary` (Ω), `trajectories`, `pretarget_events`,
-  `train_events`;
+  `train_events`, and `code_titles` (the titles that metadata/codes.parquet gives the non-diagnosis codes
+  of those events, for the readable record);
 - gold store: `targets` and, for synthetic datasets, `oracle_probabilities` and
   `record_oracle_probabilities` (the oracle restricted to what the record reveals).
 
@@ -165,7 +166,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
 
     # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
     wh.delete("cohorts", cohort_id=cohort_id)
-    for table in ("cohort_vocabulary", "trajectories", "pretarget_events", "train_events", "targets",
+    for table in ("cohort_vocabulary", "code_titles", "trajectories", "pretarget_events", "train_events", "targets",
                   "oracle_probabilities", "record_oracle_probabilities"):
         wh.delete(table, cohort_id=cohort_id)
 
@@ -252,15 +253,21 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         steps.update()
 
         wh.write("trajectories", trajectories, cohort_id=cohort_id)
+        used_codes = set()
         for shard in range(int(trajectories["shard"].max()) + 1):
             rows = con.sql(f"""SELECT '{cohort_id}' AS cohort_id, p.* FROM ({pretarget_sql(
                 "events", "(SELECT * FROM traj WHERE shard = " + str(shard) + ")", "encounter_starts")}) p
                 ORDER BY trajectory_id, time NULLS FIRST, code""").to_arrow_table()
             wh.write("pretarget_events", rows, cohort_id=cohort_id, shard=shard)
+            used_codes.update(rows.column("code").unique().to_pylist())
         # Most of a dataset's events: streamed to Parquet by DuckDB rather than held as one Arrow table.
         wh.write_query("train_events", con, f"""SELECT '{cohort_id}' AS cohort_id, e.* FROM events e
             JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'
             ORDER BY subject_id, time NULLS FIRST, code""", cohort_id=cohort_id)
+        used_codes.update(code for (code,) in con.execute(
+            "SELECT DISTINCT code FROM events JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'"
+        ).fetchall())
+        wh.write("code_titles", _code_titles(info, cohort_id, used_codes), cohort_id=cohort_id)
         targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
                                  "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
         wh.write("targets", targets, cohort_id=cohort_id)
@@ -339,6 +346,30 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
         source = "official_billable_icd" + "_".join(map(str, versions))
     harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, icd_codes.select("code", "title"))
     return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
+
+
+def _code_titles(info, cohort_id: str, used_codes: set[str]) -> pl.DataFrame:
+    """`code_titles`: the codes.parquet descriptions of the non-diagnosis codes in `used_codes`.
+
+    Only codes the forecasting store already holds (pre-target and train events): a code found only in
+    target encounters, such as the procedure of a held-out target admission, must not reach it by its
+    title. Diagnoses are left to Ω, whose titles follow the cohort's harmonization.
+    """
+    codes_file = info.root / "metadata" / "codes.parquet"
+    empty = pl.DataFrame(schema={"cohort_id": pl.String, "code": pl.String, "title": pl.String})
+    if not codes_file.is_file() or "description" not in pl.read_parquet_schema(codes_file):
+        return empty
+    titles = (pl.read_parquet(codes_file, columns=["code", "description"])
+              .filter(pl.col("code").is_in(list(used_codes)) & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
+              .with_columns(title=pl.col("description").str.strip_chars())
+              .filter(pl.col("title").str.len_chars() > 0)
+              .unique("code", keep="first", maintain_order=True))
+    return titles.select(pl.lit(cohort_id).alias("cohort_id"), "code", "title").sort("code")
+
+
+def code_titles(wh: Warehouse, cohort_id: str) -> dict[str, str]:
+    """A built cohort's `code_titles` as code -> title (empty for a cohort built before the table existed)."""
+    return dict(wh.read("code_titles", cohort_id=cohort_id).select("code", "title").iter_rows())
 
 
 def harmonize_with(mapping: dict[str, list[str]], codes: list[str]) -> list[str]:

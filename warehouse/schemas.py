@@ -79,6 +79,12 @@ TABLES: dict[str, Table] = {
             "cohort_id": pa.string(), "code": pa.string(), "icd_version": pa.int8(), "title": pa.string(),
         }, ["cohort_id"], "The cohort's target vocabulary Ω, fixed at build time independently of targets.",
            nullable=["title"]),
+        _t("code_titles", FORECAST, {
+            "cohort_id": pa.string(), "code": pa.string(), "title": pa.string(),
+        }, ["cohort_id"], "Titles of the non-diagnosis codes (procedures, medications, labs, ...) that occur in "
+           "the cohort's `pretarget_events` or `train_events`: the `description` of the dataset's "
+           "`metadata/codes.parquet`, where it has one (a code without is absent). Code metadata only, no "
+           "patient rows; the readable H names these codes by them. Diagnosis titles are `cohort_vocabulary`'s."),
         _t("trajectories", FORECAST, {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "target_encounter_id": pa.int64(), "cutoff_time": TS, "split": pa.string(), "shard": pa.int32(),

@@ -121,14 +121,27 @@ class History:
 
 def _code_label(code: str, titles: dict[str, str | None]) -> str:
     """`I50.22 Chronic systolic heart failure` for an ICD code (a procedure code in its own form: `39.61`,
-    `5A1D70Z`), else the code's last parts."""
+    `5A1D70Z`), else the code's last parts (a procedure's with its title: `CPT4 99213 Office visit`)."""
     try:
         kind, version, raw = parse_meds_code(code)
     except Exception:  # not an ICD code: show its readable tail
-        return code.split("//", 1)[-1].replace("//", " ")
+        tail = code.split("//", 1)[-1].replace("//", " ")
+        title = None if code.startswith("DIAGNOSIS//") else _new_words(titles.get(code), tail)
+        return f"{tail} {title}" if title else tail
     shown = dotted_procedure(version, raw) if kind == "PROCEDURE" else dotted(version, raw)
     title = titles.get(code)
+    if title and kind != "DIAGNOSIS":  # a dataset's description of a procedure may span lines
+        title = _one_line(title)
     return f"{shown} {title}" if title else shown
+
+
+def _new_words(title: str | None, code_text: str) -> str | None:
+    """The title on one line, or None when it tells nothing that `code_text` does not already say (the
+    title `metformin` of `MEDICATION//NAME//metformin`)."""
+    if not title or not title.strip():
+        return None
+    plain = " ".join(title.lower().split())
+    return None if plain in " ".join(code_text.lower().split()) else _one_line(title)
 
 
 def _day(value) -> str:
@@ -155,15 +168,19 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
             notes.append(_note(time, code, text))
         elif kind in ("diagnosis", "procedure"):
             groups[kind].append(_code_label(code, titles))
-        elif kind == "medication":
-            groups[kind].append(_one_line(code.split("//")[-1]))
-        elif kind == "lab":
+        elif kind == "medication":  # `furosemide (NDC 00054829725)` with a title, else the code's last part
+            title = _new_words(titles.get(code), code)
+            tail = code.split("//", 1)[-1].replace("//", " ")
+            groups[kind].append(_one_line(f"{title} ({tail})" if title else code.split("//")[-1]))
+        elif kind == "lab":  # a title stands for the code's label: the label may be an item number
             parts = code.split("//")
             unit = parts[2] if len(parts) > 2 else ""
             shown = f"{value:g}" if value is not None else (text or "")
-            groups[kind].append(_one_line(f"{parts[1] if len(parts) > 1 else code} {shown} {unit}"))
+            label = _new_words(titles.get(code), code) or (parts[1] if len(parts) > 1 else code)
+            groups[kind].append(_one_line(f"{label} {shown} {unit}"))
         else:
-            groups[kind].append(_one_line(code))
+            title = _new_words(titles.get(code), code)
+            groups[kind].append(_one_line(f"{title} ({code})" if title else code))
     lines = [Line(kind, f"  {prefix}{label}: ", tuple(dict.fromkeys(groups[kind])))
              for kind, label in LABELS.items() if groups[kind]]
     return lines + notes
@@ -191,7 +208,10 @@ def _outside_block(events: pl.DataFrame, titles: dict[str, str | None]) -> Block
 
 
 def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> History:
-    """Rendered H of one trajectory from its pre-target events (any order)."""
+    """Rendered H of one trajectory from its pre-target events (any order).
+
+    `titles` names codes: a diagnosis by Ω's title, any other code by its dataset's (`code_titles`).
+    """
     events = events.sort("time", "code", "numeric_value", "text_value", nulls_last=False)
     header = []
     for code in events.filter(pl.col("code").str.starts_with("GENDER//"))["code"].to_list():
