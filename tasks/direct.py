@@ -56,10 +56,10 @@ def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfi
                   chars_per_token: float | None = None, code_titles: Mapping[str, str] | None = None
                   ) -> RenderedPrompt:
     """The Direct Forecast messages of one trajectory (its pre-target events only), budgeted at `chars_per_token`
-    (default: the configured one) with room left for a re-ask. Diagnoses are named by Ω's titles, other codes by
-    `code_titles` (the cohort's `code_titles` table)."""
+    (default: the configured one) with room left for a re-ask. Codes of Ω are named by Ω's titles, other codes
+    by `code_titles` (the cohort's `code_titles` table)."""
     codes = set(events["code"].to_list())
-    titles = {code: (code_titles or {}).get(code) for code in codes if not code.startswith("DIAGNOSIS//")}
+    titles = {code: (code_titles or {}).get(code) for code in codes}
     titles.update({code: vocabulary.title(code) for code in codes if code in vocabulary})
     budget = prompt_budget(config, chars_per_token) - FEEDBACK_RESERVE_CHARS  # room left for a re-ask's errors
     return render(load_prompt(DIRECT_PROMPT), budget, render_history(events, titles), **prompt_fields(vocabulary))

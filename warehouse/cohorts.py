@@ -3,8 +3,8 @@
 A cohort is built from a registered MEDS dataset and a few options. The build reads raw MEDS (gold
 side) and writes:
 - forecasting store: `cohorts`, `cohort_vocabulary` (Ω), `trajectories`, `pretarget_events`,
-  `train_events`, and `code_titles` (the titles that metadata/codes.parquet gives the non-diagnosis codes
-  of those events, for the readable record);
+  `train_events`, and `code_titles` (the titles of those events' codes outside Ω, from metadata/codes.parquet
+  or the official ICD titles, for the readable record);
 - gold store: `targets` and, for synthetic datasets, `oracle_probabilities` and
   `record_oracle_probabilities` (the oracle restricted to what the record reveals).
 
@@ -267,7 +267,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         used_codes.update(code for (code,) in con.execute(
             "SELECT DISTINCT code FROM events JOIN splits_frame s USING (subject_id) WHERE s.split = 'train'"
         ).fetchall())
-        wh.write("code_titles", _code_titles(info, cohort_id, used_codes), cohort_id=cohort_id)
+        wh.write("code_titles", _code_titles(info, cohort_id, used_codes - set(omega["code"].to_list()),
+                                             icd_codes.select("code", "title")), cohort_id=cohort_id)
         targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
                                  "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
         wh.write("targets", targets, cohort_id=cohort_id)
@@ -348,22 +349,26 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
     return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
 
 
-def _code_titles(info, cohort_id: str, used_codes: set[str]) -> pl.DataFrame:
-    """`code_titles`: the codes.parquet descriptions of the non-diagnosis codes in `used_codes`.
+def _code_titles(info, cohort_id: str, used_codes: set[str], icd_titles: pl.DataFrame) -> pl.DataFrame:
+    """`code_titles`: titles of the codes in `used_codes` (the codes outside Ω): the codes.parquet description,
+    else for a diagnosis its official ICD title (`icd_titles`).
 
     Only codes the forecasting store already holds (pre-target and train events): a code found only in
     target encounters, such as the procedure of a held-out target admission, must not reach it by its
-    title. Diagnoses are left to Ω, whose titles follow the cohort's harmonization.
+    title. Ω's diagnoses are left to Ω, whose titles follow the cohort's harmonization; a diagnosis of
+    the record outside Ω (MIMIC-III's 789.5 ascites, which its own dictionary lacks) would otherwise
+    reach the prompt as a bare code.
     """
     codes_file = info.root / "metadata" / "codes.parquet"
-    empty = pl.DataFrame(schema={"cohort_id": pl.String, "code": pl.String, "title": pl.String})
-    if not codes_file.is_file() or "description" not in pl.read_parquet_schema(codes_file):
-        return empty
-    titles = (pl.read_parquet(codes_file, columns=["code", "description"])
-              .filter(pl.col("code").is_in(list(used_codes)) & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
+    described = pl.DataFrame(schema={"code": pl.String, "description": pl.String})
+    if codes_file.is_file() and "description" in pl.read_parquet_schema(codes_file):
+        described = pl.read_parquet(codes_file, columns=["code", "description"]).cast(pl.String)
+    official = icd_titles.rename({"title": "description"}).cast(pl.String)
+    used = list(used_codes)
+    titles = (pl.concat([described.filter(pl.col("code").is_in(used)), official.filter(pl.col("code").is_in(used))])
               .with_columns(title=pl.col("description").str.strip_chars())
               .filter(pl.col("title").str.len_chars() > 0)
-              .unique("code", keep="first", maintain_order=True))
+              .unique("code", keep="first", maintain_order=True))  # codes.parquet first
     return titles.select(pl.lit(cohort_id).alias("cohort_id"), "code", "title").sort("code")
 
 

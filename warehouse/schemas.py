@@ -81,10 +81,11 @@ TABLES: dict[str, Table] = {
            nullable=["title"]),
         _t("code_titles", FORECAST, {
             "cohort_id": pa.string(), "code": pa.string(), "title": pa.string(),
-        }, ["cohort_id"], "Titles of the non-diagnosis codes (procedures, medications, labs, ...) that occur in "
-           "the cohort's `pretarget_events` or `train_events`: the `description` of the dataset's "
-           "`metadata/codes.parquet`, where it has one (a code without is absent). Code metadata only, no "
-           "patient rows; the readable H names these codes by them. Diagnosis titles are `cohort_vocabulary`'s."),
+        }, ["cohort_id"], "Titles of the codes outside Ω (procedures, medications, labs, ..., and diagnoses Ω "
+           "lacks) that occur in the cohort's `pretarget_events` or `train_events`: the `description` of the "
+           "dataset's `metadata/codes.parquet`, else for a diagnosis its `icd_codes` title (a code with neither "
+           "is absent). Code metadata only, no patient rows; the readable H names these codes by them. The "
+           "titles of Ω's codes are `cohort_vocabulary`'s."),
         _t("trajectories", FORECAST, {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "target_encounter_id": pa.int64(), "cutoff_time": TS, "split": pa.string(), "shard": pa.int32(),
