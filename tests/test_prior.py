@@ -16,7 +16,8 @@ from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
 from models.prior.nn import (N_HISTORY_FEATURES, MoEFeedForward, NetConfig, PriorNet, SparseHistory,
-                             history_features, init_weights, next_visit_loss, visit_multi_hot)
+                             history_features, init_weights, later_visits_loss, next_visit_loss,
+                             visit_multi_hot)
 from models.prior.planted import dx, write_planted_cohort
 from models.prior.train import fit_network
 from warehouse.store import Warehouse
@@ -123,6 +124,24 @@ def test_loss_masks_pairs_beyond_each_sequence():
     assert next_visit_loss(scores, dx_ids, lengths).item() == pytest.approx(7 * torch.log(torch.tensor(2.0)).item())
     labels = visit_multi_hot(dx_ids, 7)
     assert labels[2, 1:].sum() == 0
+
+
+def test_later_visits_loss_targets_the_codes_of_the_visits_after_the_next():
+    O = 4
+    # One record of 4 visits coding {0}, {1}, {2}, {1, 3}, padded to 5 visits with O; a record of 2 visits has
+    # no visit t+2 and adds nothing.
+    dx_ids = torch.tensor([[[0, O], [1, O], [2, O], [1, 3], [O, O]],
+                           [[0, O], [1, O], [O, O], [O, O], [O, O]]])
+    lengths = torch.tensor([4, 2])
+    scores = torch.full((2, 5, O), -30.0)
+    scores[0, 0, [1, 2, 3]] = 30.0  # position 0's later visits (2 and 3) code {2, 1, 3}; 1 is visit t+1's too
+    scores[0, 1, [1, 3]] = 30.0  # position 1's later visit (3) codes {1, 3}
+    assert later_visits_loss(scores, dx_ids, lengths, n_visits=3).item() == pytest.approx(0.0, abs=1e-6)
+    # One visit ahead only: position 0 sees visit 2 ({2}), so its scores for 1 and 3 cost 30 each.
+    assert later_visits_loss(scores, dx_ids, lengths, n_visits=1).item() == pytest.approx(30.0, rel=1e-4)
+    # A wrong score at a position without a visit t+2 (position 2 of the first record, any of the second) is free.
+    scores[0, 2], scores[1] = 30.0, 30.0
+    assert later_visits_loss(scores, dx_ids, lengths, n_visits=3).item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_each_token_uses_top_k_experts_and_balance_loss_tracks_imbalance():

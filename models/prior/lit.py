@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Sampler
 from models.prior.config import PriorConfig
 from models.prior.data import (SequenceDataset, build_vocabulary, drop_last_visit, load_tuning_pretarget,
                                training_sequences, trim, visit_tensors)
-from models.prior.nn import PriorNet, next_visit_loss, router_losses, visit_multi_hot
+from models.prior.nn import PriorNet, later_visits_loss, next_visit_loss, router_losses, visit_multi_hot
 
 
 def precision_recall_at_k(scores: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +44,13 @@ class PriorModule(L.LightningModule):
         batch = trim(batch)
         scores, _, aux = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])
         task = next_visit_loss(scores, batch["dx"], batch["lengths"])
+        later = (later_visits_loss(scores, batch["dx"], batch["lengths"], self.cfg.later_visits)
+                 if self.cfg.later_visits and self.cfg.later_weight else torch.zeros(()))
         balance, z = router_losses(aux)
-        loss = task + self.cfg.balance_loss_weight * balance + self.cfg.z_loss_weight * z
-        for name, value in (("train_loss", loss), ("train_task_loss", task), ("train_balance_loss", balance),
-                            ("train_z_loss", z)):
+        loss = (task + self.cfg.later_weight * later + self.cfg.balance_loss_weight * balance
+                + self.cfg.z_loss_weight * z)
+        for name, value in (("train_loss", loss), ("train_task_loss", task), ("train_later_loss", later),
+                            ("train_balance_loss", balance), ("train_z_loss", z)):
             self._collect(name, value)
         for layer, stats in enumerate(aux):
             if "load" in stats:

@@ -296,6 +296,20 @@ def next_visit_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tenso
     return (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
 
 
+def later_visits_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, n_visits: int
+                      ) -> torch.Tensor:
+    """Multi-label BCE of position t against the union of the codes of visits t+2 … t+1+n_visits, summed over
+    codes, mean over the positions that have a visit t+2 (zero when none has)."""
+    hot = visit_multi_hot(dx, scores.shape[-1])  # (B, V, O); padded visits are all zero
+    V = hot.shape[1]
+    labels = torch.zeros_like(hot)
+    for ahead in range(2, min(n_visits + 1, V - 1) + 1):
+        labels[:, :V - ahead] = torch.maximum(labels[:, :V - ahead], hot[:, ahead:])
+    mask = torch.arange(V, device=scores.device)[None, :] < (lengths - 2)[:, None]  # (B, V)
+    losses = F.binary_cross_entropy_with_logits(scores, labels, reduction="none").sum(-1)  # (B, V)
+    return (losses * mask).sum() / mask.sum().clamp(min=1)
+
+
 def router_losses(aux: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean balance and z-losses over MoE layers (zeros for dense/GRU encoders)."""
     if not aux or "balance_loss" not in aux[0]:
