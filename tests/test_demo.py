@@ -33,8 +33,12 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
 
     wh = Warehouse(tmp_path / "data")
     first_calls = wh.read("llm_calls", run_id="demo-test-llm")
-    assert first_calls["trajectory_id"].n_unique() == 4 and not first_calls["cache_hit"].any()
-    assert (first_calls["backend"] == "local").all() and (first_calls["tokens_out"] > 0).all()
+    # Every patient's requests reached the model; only a re-ask identical to one the run already sent (the
+    # quote of an invalid reply dropped to fit the budget) is answered from the run's own cache.
+    asked = first_calls.filter(~pl.col("cache_hit"))
+    assert first_calls["trajectory_id"].n_unique() == 4
+    assert set(asked["trajectory_id"]) == set(first_calls["trajectory_id"])
+    assert (first_calls["backend"] == "local").all() and (asked["tokens_out"] > 0).all()
     con = wh.connect()
     rows = con.execute("SELECT count(*), count(DISTINCT (run_id, system, trajectory_id, rank)) "
                        "FROM rankings").fetchall()

@@ -251,6 +251,7 @@ def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_pat
 
 def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained):
     wh, cohort, first, _ = trained
+    tracking.use_tracking(wh.root, None, PriorConfig().experiment)  # other tests point MLflow at their own stores
     versions = tracking.registered_versions("ehr_prior", cohort)
     again = train_prior(str(wh.root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
     assert again == first
