@@ -96,7 +96,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
                           vocabulary: Vocabulary, run_id: str, cohort_id: str, k: int,
                           code_titles: Mapping[str, str] | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Rankings and status rows of Direct Forecast for `trajectories` (one concurrent call each); `code_titles`
-    names the non-diagnosis codes in the prompts."""
+    names the codes outside Ω in the prompts."""
     prompt = load_prompt(DIRECT_PROMPT)
     by_trajectory = pretarget.partition_by("trajectory_id", as_dict=True)
 
