@@ -285,10 +285,6 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
 
 def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, tmp_path, monkeypatch,
                                                               prefect_harness):
-    from click.testing import CliRunner
-
-    from dxr.cli import main
-
     wh, cohort_id, _ = planted_cohort
     # Every reply breaks the contract (confidences rise) and no re-ask is left: every trajectory `failed`.
     config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", validation_retries=0)
@@ -297,29 +293,31 @@ def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, 
     record_replies(config, wh, cohort_id, trajectories, pretarget, [rising] * trajectories.height)
     for key, value in {"BACKEND": "replay", "REPLAY_FILE": str(config.replay_file), "VALIDATION_RETRIES": "0"}.items():
         monkeypatch.setenv(f"DXR_LLM__{key}", value)
-    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
-                                       "direct", "--split", "held_out", "--run-id", "bad"])
-    assert result.exit_code == 1
-    lines = [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
+    result, lines = failed_cli_forecast(wh, "bad")
     assert len(lines) == 1 and lines[0].startswith(
         "Error: run bad: every direct forecast failed (2 of 2 trajectories), e.g. direct reply for "), result.output
     assert lines[0].endswith(": fix the cause, then rerun with --run-id bad (details in ranking_status and llm_calls)")
 
 
-def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_cohort, monkeypatch, prefect_harness):
+def failed_cli_forecast(wh, run_id: str):
+    """`dxr forecast --system direct` over held_out, which must exit 1; its output and its Error/run lines."""
     from click.testing import CliRunner
 
     from dxr.cli import main
 
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "direct", "--split", "held_out", "--run-id", run_id])
+    assert result.exit_code == 1, result.output
+    return result, [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
+
+
+def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_cohort, monkeypatch, prefect_harness):
     wh, _, _ = planted_cohort
     # Nothing listens there: the first request that has used up its retries stops the run with one error
     # (no trajectory after it waits out its own retries to fail alike).
     for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0"}.items():
         monkeypatch.setenv(f"DXR_LLM__{key}", value)
-    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
-                                       "direct", "--split", "held_out", "--run-id", "down"])
-    assert result.exit_code == 1
-    lines = [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
+    result, lines = failed_cli_forecast(wh, "down")
     assert len(lines) == 1 and lines[0].startswith(
         "Error: direct: gave up after 1 attempts: cannot connect to http://127.0.0.1:1/v1/chat/completions "
         "(ClientConnectorError"), result.output
