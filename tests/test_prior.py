@@ -10,14 +10,14 @@ import lightning as L
 import polars as pl
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.prior import data as prior_data, lit as prior_lit, tracking as prior_tracking
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
 from models.prior.nn import (N_HISTORY_FEATURES, MoEFeedForward, NetConfig, PriorNet, SparseHistory,
-                             history_features, init_weights, later_visits_loss, next_visit_loss,
-                             visit_multi_hot)
+                             history_features, init_weights, visit_losses, visit_multi_hot)
 from models.prior.planted import dx, write_planted_cohort
 from models.prior.train import fit_network
 from warehouse.store import Warehouse
@@ -121,9 +121,14 @@ def test_loss_masks_pairs_beyond_each_sequence():
     codes, numeric, static, lengths, dx_ids = random_batch()
     scores = torch.zeros(3, 5, 7)
     # With zero logits each code costs log 2; only the 4 + 1 + 0 real pairs count.
-    assert next_visit_loss(scores, dx_ids, lengths).item() == pytest.approx(7 * torch.log(torch.tensor(2.0)).item())
+    task, _ = visit_losses(scores, dx_ids, lengths, later_visits=0)
+    assert task.item() == pytest.approx(7 * torch.log(torch.tensor(2.0)).item())
     labels = visit_multi_hot(dx_ids, 7)
     assert labels[2, 1:].sum() == 0
+
+
+def later_loss(scores: torch.Tensor, dx_ids: torch.Tensor, lengths: torch.Tensor, n_visits: int) -> float:
+    return visit_losses(scores, dx_ids, lengths, n_visits)[1].item()
 
 
 def test_later_visits_loss_targets_the_codes_of_the_visits_after_the_next():
@@ -136,12 +141,39 @@ def test_later_visits_loss_targets_the_codes_of_the_visits_after_the_next():
     scores = torch.full((2, 5, O), -30.0)
     scores[0, 0, [1, 2, 3]] = 30.0  # position 0's later visits (2 and 3) code {2, 1, 3}; 1 is visit t+1's too
     scores[0, 1, [1, 3]] = 30.0  # position 1's later visit (3) codes {1, 3}
-    assert later_visits_loss(scores, dx_ids, lengths, n_visits=3).item() == pytest.approx(0.0, abs=1e-6)
+    assert later_loss(scores, dx_ids, lengths, n_visits=3) == pytest.approx(0.0, abs=1e-6)
     # One visit ahead only: position 0 sees visit 2 ({2}), so its scores for 1 and 3 cost 30 each.
-    assert later_visits_loss(scores, dx_ids, lengths, n_visits=1).item() == pytest.approx(30.0, rel=1e-4)
+    assert later_loss(scores, dx_ids, lengths, n_visits=1) == pytest.approx(30.0, rel=1e-4)
     # A wrong score at a position without a visit t+2 (position 2 of the first record, any of the second) is free.
     scores[0, 2], scores[1] = 30.0, 30.0
-    assert later_visits_loss(scores, dx_ids, lengths, n_visits=3).item() == pytest.approx(0.0, abs=1e-6)
+    assert later_loss(scores, dx_ids, lengths, n_visits=3) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_visit_losses_equal_dense_bce_with_multi_hot_labels_and_their_gradients():
+    """The sparse label term must give the loss and gradients of BCE over (B, V, O) multi-hot labels, ids
+    repeated within a visit or across the later visits included."""
+    torch.manual_seed(3)
+    B, V, D, O = 6, 7, 5, 11
+    scores = torch.randn(B, V, O, dtype=torch.float64, requires_grad=True)
+    dx_ids = torch.randint(0, O + 1, (B, V, D))  # O is padding; small O makes repeats certain
+    lengths = torch.tensor([7, 6, 3, 2, 1, 5])
+    hot = visit_multi_hot(dx_ids, O).double()  # (B, V, O)
+    position = torch.arange(V)[None, :]
+    bce = F.binary_cross_entropy_with_logits
+    next_mask = position[:, :-1] < (lengths - 1)[:, None]
+    expected_task = (bce(scores[:, :-1], hot[:, 1:], reduction="none").sum(-1) * next_mask).sum() / next_mask.sum()
+    later_hot = torch.zeros_like(hot)
+    for ahead in (2, 3, 4):
+        later_hot[:, :V - ahead] = torch.maximum(later_hot[:, :V - ahead], hot[:, ahead:])
+    later_mask = position < (lengths - 2)[:, None]
+    expected_later = (bce(scores, later_hot, reduction="none").sum(-1) * later_mask).sum() / later_mask.sum()
+
+    task, later = visit_losses(scores, dx_ids, lengths, later_visits=3)
+    assert task.item() == pytest.approx(expected_task.item(), rel=1e-12)
+    assert later.item() == pytest.approx(expected_later.item(), rel=1e-12)
+    gradient = torch.autograd.grad(task + 0.5 * later, scores)[0]
+    expected_gradient = torch.autograd.grad(expected_task + 0.5 * expected_later, scores)[0]
+    assert torch.allclose(gradient, expected_gradient, rtol=0, atol=1e-12)
 
 
 def test_each_token_uses_top_k_experts_and_balance_loss_tracks_imbalance():

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Sampler
 from models.prior.config import PriorConfig
 from models.prior.data import (SequenceDataset, build_vocabulary, drop_last_visit, load_tuning_pretarget,
                                training_sequences, trim, visit_tensors)
-from models.prior.nn import PriorNet, later_visits_loss, next_visit_loss, router_losses, visit_multi_hot
+from models.prior.nn import PriorNet, router_losses, visit_losses, visit_multi_hot
 
 
 def precision_recall_at_k(scores: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +43,8 @@ class PriorModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         batch = trim(batch)
         scores, _, aux = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])
-        task = next_visit_loss(scores, batch["dx"], batch["lengths"])
-        later = (later_visits_loss(scores, batch["dx"], batch["lengths"], self.cfg.later_visits)
-                 if self.cfg.later_visits and self.cfg.later_weight else torch.zeros(()))
+        task, later = visit_losses(scores, batch["dx"], batch["lengths"],
+                                   self.cfg.later_visits if self.cfg.later_weight else 0)
         balance, z = router_losses(aux)
         loss = (task + self.cfg.later_weight * later + self.cfg.balance_loss_weight * balance
                 + self.cfg.z_loss_weight * z)

@@ -288,26 +288,42 @@ def history_features(dx: torch.Tensor, lengths: torch.Tensor, n_output_codes: in
     return SparseHistory(rows[pair], pos, codes[pair], features, last_only)
 
 
-def next_visit_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Multi-label BCE of position t against visit t+1's codes, summed over codes, mean over pairs."""
-    labels = visit_multi_hot(dx, scores.shape[-1])[:, 1:]  # (B, V-1, O)
-    pair_mask = torch.arange(scores.shape[1] - 1, device=scores.device)[None, :] < (lengths - 1)[:, None]  # (B, V-1)
-    losses = F.binary_cross_entropy_with_logits(scores[:, :-1], labels, reduction="none").sum(-1)  # (B, V-1)
-    return (losses * pair_mask).sum() / pair_mask.sum().clamp(min=1)
+def coded_logit_sum(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """scores (B, V, O), ids (B, V, K) output ids padded with O → (B, V): the sum of each position's scores at
+    its distinct ids (an id listed twice counts once, as in a multi-hot label)."""
+    O = scores.shape[-1]
+    ids = ids.sort(-1).values
+    repeated = torch.cat([torch.zeros_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] == ids[..., :-1]], -1)
+    picked = scores.gather(-1, ids.clamp(max=O - 1))  # (B, V, K)
+    return torch.where((ids < O) & ~repeated, picked, 0.0).sum(-1)
 
 
-def later_visits_loss(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, n_visits: int
-                      ) -> torch.Tensor:
-    """Multi-label BCE of position t against the union of the codes of visits t+2 … t+1+n_visits, summed over
-    codes, mean over the positions that have a visit t+2 (zero when none has)."""
-    hot = visit_multi_hot(dx, scores.shape[-1])  # (B, V, O); padded visits are all zero
-    V = hot.shape[1]
-    labels = torch.zeros_like(hot)
-    for ahead in range(2, min(n_visits + 1, V - 1) + 1):
-        labels[:, :V - ahead] = torch.maximum(labels[:, :V - ahead], hot[:, ahead:])
-    mask = torch.arange(V, device=scores.device)[None, :] < (lengths - 2)[:, None]  # (B, V)
-    losses = F.binary_cross_entropy_with_logits(scores, labels, reduction="none").sum(-1)  # (B, V)
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
+def visit_losses(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, later_visits: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-label BCE of each position t, summed over codes: against visit t+1's codes (the task loss, mean
+    over the positions that have a visit t+1) and against the union of the codes of visits t+2 … t+1+later_visits
+    (the later-visits loss, mean over the positions that have a visit t+2; zero when none has).
+
+    BCE(l, y) = softplus(l) − l·y. The softplus term, summed over the whole output vocabulary, is the same for
+    both targets and is computed once; the label term only reads the scores of the few coded ids, so no
+    (B, V, O) label tensor is built, which matters with tens of thousands of output codes.
+    """
+    V, O = scores.shape[1:]
+    dense = F.softplus(scores).sum(-1)  # (B, V)
+    position = torch.arange(V, device=scores.device)[None, :]  # (1, V)
+
+    def mean_over(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return ((dense - coded_logit_sum(scores, ids)) * mask).sum() / mask.sum().clamp(min=1)
+
+    def ahead(n: int) -> torch.Tensor:  # (B, V, D): the ids of visit t+n at position t, padded with O
+        return F.pad(dx[:, n:], (0, 0, 0, n), value=O)
+
+    task = mean_over(position < (lengths - 1)[:, None], ahead(1))
+    steps = range(2, min(later_visits + 1, V - 1) + 1)
+    if not steps:
+        return task, torch.zeros((), device=scores.device)
+    later = mean_over(position < (lengths - 2)[:, None], torch.cat([ahead(n) for n in steps], -1))
+    return task, later
 
 
 def router_losses(aux: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
