@@ -120,6 +120,26 @@ def test_ingest_takes_shards_with_the_types_pandas_writes_and_stores_the_meds_ty
         ingest_meds(wh_vocab, source, "zoned")
 
 
+def test_ingest_adds_the_optional_value_columns_that_no_shard_has(wh_vocab, tmp_path):
+    # MEDS lets shards leave out numeric_value and text_value (exports before MEDS 0.3.3 have no text_value);
+    # the cohort build selects both, so the gold copy gains them empty instead of the build failing.
+    source = write_tiny_meds(tmp_path / "meds_0_3")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    pq.write_table(events.drop(["text_value"]), shard)
+    ingest_meds(wh_vocab, source, "no_text")
+    gold = pq.read_table(wh_vocab.meds_dir("no_text") / "data" / "0.parquet")
+    assert (str(gold.schema.field("text_value").type), gold["text_value"].null_count) == ("large_string", 60)
+    assert gold.drop(["text_value"]).equals(events.drop(["text_value"]))
+    assert build_cohort(wh_vocab, "no_text", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+    pq.write_table(events.drop(["numeric_value", "text_value"]), shard)
+    ingest_meds(wh_vocab, source, "codes_only")
+    gold = pq.read_table(wh_vocab.meds_dir("codes_only") / "data" / "0.parquet")
+    assert [(f.name, str(f.type)) for f in gold.schema][-3:] == [
+        ("encounter_id", "int64"), ("numeric_value", "float"), ("text_value", "large_string")]
+    assert build_cohort(wh_vocab, "codes_only", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+
+
 def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_vocab, tmp_path):
     source = write_tiny_meds(tmp_path / "mixed")
     other = pq.read_table(source / "data" / "0.parquet").rename_columns(

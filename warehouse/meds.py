@@ -359,7 +359,7 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     registered dataset under its fingerprint. Shards whose encounter column has another name
     (`encounter_column`, see `validate_meds_dir`) gain an `encounter_id` copy of it, the column
     everything downstream reads; shards with columns of other writers' types (`_meds_types`) are
-    rewritten with the MEDS types.
+    rewritten with the MEDS types, and shards without the optional value columns gain them empty.
     """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve() and encounter_column == "encounter_id":
@@ -374,10 +374,17 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
 
 def _conform_shard(shard: Path, encounter_column: str) -> None:
     """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
-    (`_stored_types`) or its encounter column needs the `encounter_id` copy (int64)."""
+    (`_stored_types`), its encounter column needs the `encounter_id` copy (int64), or it lacks a value column.
+
+    MEDS lets a shard leave out `numeric_value` and `text_value` (exports before MEDS 0.3.3 have no
+    `text_value`); the copy gains them as empty columns, since every reader selects both."""
+    declared = meds.DataSchema.schema()
     with pq.ParquetFile(shard) as source:
         have = source.schema_arrow
         want = _stored_types(have)
+        absent = [name for name in ("numeric_value", "text_value") if name not in have.names]
+        for name in absent:
+            want = want.append(declared.field(name))
         if encounter_column != "encounter_id":
             want = want.append(pa.field("encounter_id", pa.int64()))
         if want.equals(have):
@@ -385,7 +392,7 @@ def _conform_shard(shard: Path, encounter_column: str) -> None:
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
         with pq.ParquetWriter(tmp, want, compression="zstd") as writer:
             for batch in source.iter_batches():
-                columns = batch.columns
+                columns = [*batch.columns, *(pa.nulls(batch.num_rows, declared.field(name).type) for name in absent)]
                 if encounter_column != "encounter_id":
                     columns = [*columns, batch.column(encounter_column)]
                 # Times and values lose what MEDS does not keep (nanoseconds, float64 digits); ids must fit.
