@@ -140,6 +140,32 @@ def test_ingest_adds_the_optional_value_columns_that_no_shard_has(wh_vocab, tmp_
     assert build_cohort(wh_vocab, "codes_only", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
 
 
+def test_ingest_takes_encounter_ids_that_pandas_wrote_as_floats(wh_vocab, tmp_path):
+    # pandas turns an integer column with missing values (every static row has no admission) into float64.
+    events = tiny_events()
+    source = write_tiny_meds(tmp_path / "pandas_hadm", events.rename({"encounter_id": "hadm_id"}))
+    shard = source / "data" / "0.parquet"
+    table = pq.read_table(shard)
+    floats = table.set_column(5, "hadm_id", table["hadm_id"].cast(pa.float64()))
+    pq.write_table(floats, shard)
+    ingest_meds(wh_vocab, source, "pandas")
+    gold = pq.read_table(wh_vocab.meds_dir("pandas") / "data" / "0.parquet")
+    assert gold.schema.field("encounter_id").type == pa.int64()
+    assert gold["encounter_id"].to_pylist() == table["hadm_id"].to_pylist()
+    assert build_cohort(wh_vocab, "pandas", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+    named = floats.rename_columns([*floats.column_names[:5], "encounter_id"])
+    pq.write_table(named, shard)
+    ingest_meds(wh_vocab, source, "pandas_encounter")
+    gold = pq.read_table(wh_vocab.meds_dir("pandas_encounter") / "data" / "0.parquet")
+    assert gold.schema.field("encounter_id").type == pa.int64()
+    assert gold["encounter_id"].to_pylist() == table["hadm_id"].to_pylist()
+    fractional = floats.set_column(5, "hadm_id", pa.array([None, None, 101.5, *floats["hadm_id"].to_pylist()[3:]]))
+    pq.write_table(fractional, shard)
+    with pytest.raises(InputError, match=r"0\.parquet, row 3: hadm_id 101\.5 is not a whole number: encounter ids must "
+                                         r"be integers \(write them as int64\)$"):
+        ingest_meds(wh_vocab, source, "fractional")
+
+
 def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_vocab, tmp_path):
     source = write_tiny_meds(tmp_path / "mixed")
     other = pq.read_table(source / "data" / "0.parquet").rename_columns(

@@ -128,6 +128,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
                          "MEDS keeps events in data/*.parquet")
     schema = meds_data_schema()
     encounter_columns: dict[str, Path] = {}  # encounter column name -> first shard using it
+    float_encounters = False  # pandas writes an integer column with missing values as float64
     for shard in shards:
         try:
             shard_schema = pq.read_schema(shard)
@@ -152,7 +153,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             raise InputError(f"{shard}: the encounter column is '{encounter}' but {first_shard} calls it "
                              f"'{first_name}': use one name in every shard")
         encounter_type = shard_schema.field(encounter).type
-        if not (pa.types.is_integer(encounter_type) or pa.types.is_null(encounter_type)):
+        float_encounters |= pa.types.is_floating(encounter_type)
+        if not (pa.types.is_integer(encounter_type) or pa.types.is_floating(encounter_type)
+                or pa.types.is_null(encounter_type)):
             raise InputError(f"{shard}: column '{encounter}' is {encounter_type}, not an integer: number the "
                              "encounters (e.g. map each visit id to an integer) and write them as int64")
         core = pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code", "numeric_value", "text_value")
@@ -178,6 +181,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         "code IS NULL": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
+    if float_encounters:  # copied as int64 (`_conform_shard`), so every id must be a whole number
+        problems["encounter_id IS NOT NULL AND (NOT isfinite(encounter_id) OR encounter_id <> trunc(encounter_id))"] = (
+            f"{encounter} {{encounter_id}} is not a whole number: encounter ids must be integers (write them as int64)")
     located = scan(", filename=true, file_row_number=true")
     # One pass: the problem counts and the dataset summary.
     *counts, n_subjects, n_events, n_loose = con.execute(
@@ -187,11 +193,12 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
     for (condition, problem), count in zip(problems.items(), counts):
         if not count:
             continue
-        filename, row, code = con.execute(f"SELECT filename, file_row_number + 1, code FROM {located} "
-                                          f"WHERE {condition} ORDER BY filename, file_row_number LIMIT 1").fetchone()
+        filename, row, code, encounter_id = con.execute(
+            f"SELECT filename, file_row_number + 1, code, encounter_id FROM {located} "
+            f"WHERE {condition} ORDER BY filename, file_row_number LIMIT 1").fetchone()
         more = f" ({count:,} events like it)" if count > 1 else ""
         if problem is not None:
-            problem = problem.format(code=code)
+            problem = problem.format(code=code, encounter_id=encounter_id)
         else:
             problem = _diagnosis_code_problem(code, _DIAGNOSIS_CODE)
         raise InputError(f"{filename}, row {row:,}: {problem}{more}")
@@ -374,7 +381,8 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
 
 def _conform_shard(shard: Path, encounter_column: str) -> None:
     """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
-    (`_stored_types`), its encounter column needs the `encounter_id` copy (int64), or it lacks a value column.
+    (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
+    floats (int64 too), or it lacks a value column.
 
     MEDS lets a shard leave out `numeric_value` and `text_value` (exports before MEDS 0.3.3 have no
     `text_value`); the copy gains them as empty columns, since every reader selects both."""
@@ -387,6 +395,8 @@ def _conform_shard(shard: Path, encounter_column: str) -> None:
             want = want.append(declared.field(name))
         if encounter_column != "encounter_id":
             want = want.append(pa.field("encounter_id", pa.int64()))
+        elif pa.types.is_floating(have.field("encounter_id").type):  # whole numbers (`validate_meds_dir`)
+            want = want.set(want.get_field_index("encounter_id"), pa.field("encounter_id", pa.int64()))
         if want.equals(have):
             return
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
