@@ -166,6 +166,28 @@ def test_ingest_takes_encounter_ids_that_pandas_wrote_as_floats(wh_vocab, tmp_pa
         ingest_meds(wh_vocab, source, "fractional")
 
 
+def test_ingest_takes_dictionary_encoded_codes_and_unsigned_subject_ids(wh_vocab, tmp_path):
+    # A polars Categorical or a pandas category column is stored dictionary-encoded; numpy ids may be unsigned.
+    source = write_tiny_meds(tmp_path / "categorical")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    encoded = (events.set_column(0, "subject_id", events["subject_id"].cast(pa.uint32()))
+               .set_column(2, "code", events["code"].cast(pa.string()).dictionary_encode())
+               .set_column(4, "text_value", events["text_value"].cast(pa.string()).dictionary_encode()))
+    pq.write_table(encoded, shard)
+    ingest_meds(wh_vocab, source, "categorical")
+    gold = pq.read_table(wh_vocab.meds_dir("categorical") / "data" / "0.parquet")
+    assert [(f.name, str(f.type)) for f in gold.schema][:5] == [
+        ("subject_id", "int64"), ("time", "timestamp[us]"), ("code", "string"), ("numeric_value", "float"),
+        ("text_value", "large_string")]
+    assert gold.equals(events)
+    assert build_cohort(wh_vocab, "categorical", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+    pq.write_table(events.set_column(0, "subject_id", events["subject_id"].cast(pa.uint64())), shard)
+    with pytest.raises(InputError, match=r"0\.parquet: not the MEDS data schema \(.*subject_id \(want int64, got "
+                                         r"uint64\)\): cast the columns to the MEDS types"):
+        ingest_meds(wh_vocab, source, "unsigned64")
+
+
 def test_ingest_refuses_shards_that_name_the_encounter_column_differently(wh_vocab, tmp_path):
     source = write_tiny_meds(tmp_path / "mixed")
     other = pq.read_table(source / "data" / "0.parquet").rename_columns(

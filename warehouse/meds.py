@@ -316,9 +316,10 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
     """`schema` with each MEDS column given the type MEDS declares for it where the file's type is one that
     common writers choose for the same values.
 
-    Any string type (Parquet stores them alike: polars records large_string, pandas string); a column that
-    pandas wrote as all-null; a numeric_value of double or integers (pandas' float64; MEDS keeps float32);
-    a time of another unit without a time zone (pandas: ns); a subject_id of another signed integer width.
+    Any string type (Parquet stores them alike: polars records large_string, pandas string), also
+    dictionary-encoded (a polars Categorical, a pandas category); a column that pandas wrote as all-null; a
+    numeric_value of double or integers (pandas' float64; MEDS keeps float32); a time of another unit without
+    a time zone (pandas: ns); a subject_id of another signed integer width, or unsigned up to 32 bits.
     Anything else (a time zone, dates, text times) keeps its type, so validation names it.
     """
     declared = meds.DataSchema.schema()
@@ -327,11 +328,14 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
         if field.name not in declared.names:
             return field
         have, want = field.type, declared.field(field.name).type
+        text = _is_text(have) or pa.types.is_dictionary(have) and _is_text(have.value_type)
         takes = {"numeric_value": pa.types.is_null(have) or pa.types.is_floating(have) or pa.types.is_integer(have),
-                 "text_value": pa.types.is_null(have) or _is_text(have),
-                 "code": _is_text(have),
+                 "text_value": pa.types.is_null(have) or text,
+                 "code": text,
                  "time": pa.types.is_timestamp(have) and have.tz is None,
-                 "subject_id": pa.types.is_signed_integer(have)}
+                 # uint64 ids may not fit int64
+                 "subject_id": pa.types.is_signed_integer(have) or pa.types.is_unsigned_integer(have)
+                 and have.bit_width < 64}
         return declared.field(field.name) if takes[field.name] else field
 
     return pa.schema([conformed(f) for f in schema])
