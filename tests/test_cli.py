@@ -221,6 +221,23 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
                                                                          data_dir=data_dir))
 
 
+def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(tmp_path, tiny_meds, wh_vocab):
+    # Subject 4 (two encounters, held_out) is missing from subject_splits.parquet: the dataset's owners did not
+    # assign it, so it is neither trained on nor forecast, and the build says so instead of failing.
+    splits = tiny_meds / "metadata" / "subject_splits.parquet"
+    pl.read_parquet(splits).filter(pl.col("subject_id") != 4).write_parquet(splits)
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    result = run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == ("note: 1 patient(s) of the data have no split in "
+                                              "metadata/subject_splits.parquet: they are left out of the cohort "
+                                              "(neither trained on nor forecast)")
+    trajectories = Warehouse(data_dir).read("trajectories").sort("subject_id")
+    assert trajectories.select("subject_id", "target_encounter_id", "split").rows() == [(1, 103, "held_out"),
+                                                                                       (2, 202, "train")]
+
+
 def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tiny_meds, wh_vocab, monkeypatch):
     data_dir = wh_vocab.root
     status_rows = "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM ranking_status WHERE run_id = 'r1'"

@@ -219,17 +219,16 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         target_filter = "position = n_total - 1" if options.target == "final" else "TRUE"
         con.execute(f"""CREATE TEMP TABLE candidate_targets AS
             SELECT c.*, sp.split FROM counted c
-            LEFT JOIN splits_frame sp USING (subject_id)
+            JOIN splits_frame sp USING (subject_id)
             WHERE {target_filter} AND n_prior >= {int(options.min_history)}""")
         con.execute(f"""CREATE TEMP TABLE target_codes AS
             SELECT DISTINCT '{cohort_id}:' || t.subject_id || ':' || t.encounter_id AS trajectory_id, e.code
             FROM candidate_targets t JOIN events e
               ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
-        missing_split = con.execute("SELECT count(*) FROM candidate_targets c ANTI JOIN splits_frame USING (subject_id)"
-                                    ).fetchall()[0][0]
-        if missing_split:
-            raise InputError(f"{info.root}/metadata/subject_splits.parquet has no split for {missing_split} "
-                             "subject(s): list every subject or remove the file to use hash splits")
+        # A subject the dataset's own split leaves unassigned is neither trained on nor forecast: putting it in
+        # a split here could put a patient its owners keep apart (a later evaluation set) into training.
+        [(unsplit,)] = con.execute("SELECT count(DISTINCT subject_id) FROM raw ANTI JOIN splits_frame USING (subject_id)"
+                                   ).fetchall()
         trajectories = fetch_frame(con, f"""
             SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
                    subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
@@ -291,7 +290,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         "harmonization": options.harmonize, "min_history": options.min_history, "created_at": datetime.now(),
         "n_trajectories": trajectories.height, "vocabulary_size": omega.height, "vocabulary_source": omega_source,
         "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
-                                    "unmapped_diagnosis_codes": unmapped,
+                                    "unmapped_diagnosis_codes": unmapped, "subjects_without_split": unsplit,
                                     "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)

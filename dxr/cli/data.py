@@ -164,6 +164,9 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
         click.echo(f"note: {built['unmapped_diagnosis_codes']:,} diagnosis codes of the data have no "
                    f"{options.harmonize} rendering (GEM NoDx only, no common ICD-10 ancestor): their events are "
                    "dropped from histories and targets")
+    if built["subjects_without_split"]:
+        click.echo(f"note: {built['subjects_without_split']:,} patient(s) of the data have no split in "
+                   "metadata/subject_splits.parquet: they are left out of the cohort (neither trained on nor forecast)")
     if built["diagnosis_codes_outside_vocabulary"]:
         click.echo(f"note: {built['diagnosis_codes_outside_vocabulary']:,} diagnosis codes of the data are not in Ω "
                    f"({row['vocabulary_source']}): no forecast can name them, so where they are targets every "
