@@ -6,6 +6,7 @@ import datetime as dt
 import doctest
 import math
 
+import duckdb
 import lightning as L
 import polars as pl
 import pytest
@@ -245,6 +246,31 @@ def test_an_encounters_undated_diagnoses_belong_to_its_visit():
     assert out.codes[0, 1, :2].tolist() == [3, 4]  # Y, then the medication
     assert out.dx[0, :, 0].tolist() == [0, 1]
     assert out.numeric[0, 1, 0].item() == pytest.approx(torch.log1p(torch.tensor(31.0)).item() / 5)
+
+
+def test_a_record_without_birth_gets_the_mean_age_of_train_visits_and_old_models_keep_age_zero():
+    t = dt.datetime
+    # Train patient 1: born 1950, diagnosed visits on 2020-01-01 and 2030-01-01 (25,567 and 29,220 days old), a
+    # lab-only encounter (no visit); patient 2 has no birth and does not count.
+    train = pl.DataFrame({
+        "cohort_id": "c", "subject_id": [1, 1, 1, 1, 1, 2],
+        "time": [t(1950, 1, 1), t(2020, 1, 1), t(2030, 1, 1), t(2030, 1, 3), t(2040, 1, 1), t(2020, 1, 1)],
+        "code": ["MEDS_BIRTH", dx("X"), "LAB//k//u", dx("X"), "LAB//k//u", dx("X")],
+        "numeric_value": [None, None, 1.0, None, 2.0, None], "encounter_id": [None, 1, 2, 2, 3, 4]},
+        schema_overrides={"numeric_value": pl.Float32})
+    con = duckdb.connect()
+    con.register("train_events", train.to_arrow())
+    con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c"], "code": [dx("X")]}).to_arrow())
+    vocab = prior_data.build_vocabulary(con, "c", min_code_count=1)
+    assert vocab.age_fill == pytest.approx((25567 + 29220) / 2 / 365.25, abs=1e-9)
+    record = pl.DataFrame({"trajectory_id": ["a", "a"], "time": [t(2021, 1, 1), t(2022, 1, 1)],
+                           "code": [dx("X"), dx("X")], "encounter_id": [7, 8]})
+    ages = visit_tensors(record, "trajectory_id", Vocabulary(**vocab.to_json()), PriorConfig()).numeric[0, :, 1]
+    assert ages.tolist() == pytest.approx([vocab.age_fill / 100] * 2)
+    # A model registered before age_fill existed was trained with age 0 for such records and keeps it.
+    registered = {key: value for key, value in vocab.to_json().items() if key != "age_fill"}
+    assert visit_tensors(record, "trajectory_id", Vocabulary(**registered), PriorConfig()).numeric[0, :, 1].tolist() \
+        == [0.0, 0.0]
 
 
 def test_static_codes_become_per_record_ids():

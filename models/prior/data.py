@@ -8,10 +8,11 @@ Sources (forecasting store only, through `Warehouse.connect()`):
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
-(`LAB//…//q0`…`q4`, cut points from train patients' values). A record's static codes (MEDS rows
-without a time or an encounter, such as `GENDER//F`) are the patient's own tokens, embedded apart from
-the visits and added to each of them. The output vocabulary is the cohort's Ω restricted to diagnosis
-codes seen in `train_events`.
+(`LAB//…//q0`…`q4`, cut points from train patients' values). A visit's numbers are the gap since the
+previous visit and the age (without a MEDS_BIRTH, the train patients' mean age at their visits). A
+record's static codes (MEDS rows without a time or an encounter, such as `GENDER//F`) are the patient's
+own tokens, embedded apart from the visits and added to each of them. The output vocabulary is the
+cohort's Ω restricted to diagnosis codes seen in `train_events`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Vocabulary:
     output_codes: list[str]  # index i; padding id = len(output_codes)
     omega: list[str]  # the cohort's Ω, for history codes outside output_codes
     lab_cuts: dict[str, list[float]] = field(default_factory=dict)  # lab code → quintile cut points (train)
+    # Age in years of a visit whose patient has no MEDS_BIRTH: the mean age at train visits (0 in models
+    # registered before the field, which featurized every such visit at age 0 and still do).
+    age_fill: float = 0.0
 
     @property
     def n_input(self) -> int:
@@ -52,7 +56,7 @@ class Vocabulary:
 
     def to_json(self) -> dict:
         return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
-                "lab_cuts": self.lab_cuts}
+                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill}
 
     @cached_property
     def input_ids(self) -> pl.DataFrame:
@@ -99,7 +103,26 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
                               GROUP BY code HAVING count(*) >= ? ORDER BY code""", [cohort_id, min_code_count])
     lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
     lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
-    return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts)
+    return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts,
+                      mean_visit_age(con, cohort_id))
+
+
+def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
+    """Mean age in years at the visits of train patients with a MEDS_BIRTH (0 when none has one), each visit
+    starting at its first dated event as in `visit_tensors`.
+
+    A real export may lack the birth of some patients: at age 0 they would look like newborns, far from
+    every adult the network learned from; at the mean they look like a typical patient.
+    """
+    [(mean,)] = con.execute("""
+        WITH births AS (SELECT subject_id, min(time) AS birth FROM train_events
+                        WHERE cohort_id = ? AND code = 'MEDS_BIRTH' GROUP BY subject_id),
+             visits AS (SELECT subject_id, min(time) AS start FROM train_events
+                        WHERE cohort_id = ? AND encounter_id IS NOT NULL GROUP BY subject_id, encounter_id
+                        HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL)
+        SELECT avg((epoch(start) - epoch(birth)) / 86400 / 365.25) FROM visits JOIN births USING (subject_id)""",
+        [cohort_id, cohort_id]).fetchall()
+    return 0.0 if mean is None else float(mean)
 
 
 def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl.DataFrame:
@@ -181,7 +204,7 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     visits = visits.join(rows, on=key)
     birth = (events.filter(pl.col("code") == "MEDS_BIRTH").group_by(key).agg(pl.col("time").min().alias("birth")))
     visits = visits.join(birth, on=key, how="left").with_columns(
-        ((pl.col("start") - pl.col("birth")).dt.total_days() / 365.25).fill_null(0.0).alias("age"))
+        ((pl.col("start") - pl.col("birth")).dt.total_days() / 365.25).fill_null(vocab.age_fill).alias("age"))
 
     n = len(keys)
     numeric = np.zeros((n, V, 2), dtype=np.float32)
