@@ -65,6 +65,23 @@ def test_untagged_events_in_the_target_encounters_own_span_before_its_admission_
     assert "LAB//CREATININE//mg/dL" in codes
 
 
+def test_a_date_only_death_on_the_target_admissions_day_is_not_history(wh_vocab, tmp_path):
+    # Subject 1 is admitted (encounter 103) on day 20 at 14:00 and dies there that evening; the export knows only the
+    # date of death, so MEDS_DEATH (no encounter, as MEDS-Extract writes it from patients.dod) sits at midnight,
+    # before the cutoff and before the encounter's first own event. No later encounter can follow a death, so a
+    # death before a cutoff is this one: it would tell every forecaster how the target encounter ends.
+    events = tiny_events().filter((pl.col("encounter_id") != 103).fill_null(True))
+    died = pl.DataFrame({"subject_id": 1, "time": [t(20, 14), t(20, 16), t(20, 22), t(20, 22), t(20)],
+                         "code": ["HOSPITAL_ADMISSION//EMERGENCY", "LAB//HBA1C//%", dx("I5023"),
+                                  "HOSPITAL_DISCHARGE//DIED", "MEDS_DEATH"],
+                         "numeric_value": [None, 7.5, None, None, None], "text_value": None,
+                         "encounter_id": [103, 103, 103, 103, None]}, schema=events.schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "died", pl.concat([events, died])), "died")
+    cid = build_cohort(wh_vocab, "died", "default", CohortOptions(), seed=7)["cohort_id"]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert pretarget.height == 14 and "MEDS_DEATH" not in pretarget["code"].to_list()
+
+
 def test_a_diagnosis_with_neither_time_nor_encounter_is_not_history(wh_vocab, tmp_path):
     # Subject 1's problem list, exported undated and without an encounter, names J189, a diagnosis of its target
     # encounter 103: as static history it would hand the target to every forecaster. Sex stays static history.

@@ -14,7 +14,7 @@ Rules (spec/forecasting.md §1, §3):
   whose target would be empty after harmonization are excluded here, never at metric time;
 - the pre-target record of a trajectory is made by `pretarget_sql` alone: events strictly before
   the target admission, minus every event of the target encounter even when time-stamped earlier,
-  and minus untagged events from the target encounter's first own event on;
+  and minus untagged events from the target encounter's first own event on, and any death;
 - Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
   one (a list of only the codes the data uses is no dictionary), else the official billable codes
   of the ICD versions present — never from targets.
@@ -88,7 +88,9 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
     registration before the admission): in that span it may well be the target encounter's own
     (an ED lab draw that the export left untagged). A diagnosis with neither a time nor an
     encounter is left out: nothing places it before the cutoff (a problem list taken at extraction
-    may hold the target encounter's diagnoses), so it cannot be static history as sex is.
+    may hold the target encounter's diagnoses), so it cannot be static history as sex is. Nor is a death
+    (`MEDS_DEATH`): no encounter follows one, so a death dated before the cutoff is the target encounter's
+    own, recorded by its date alone (midnight, before a same-day admission).
     """
     return f"""
         SELECT t.trajectory_id, e.subject_id, e.time, e.code, e.numeric_value, e.text_value, e.encounter_id
@@ -101,6 +103,7 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
           AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.first_time IS NULL OR e.time < own.first_time)
           AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND e.code LIKE 'DIAGNOSIS//%')
+          AND e.code <> 'MEDS_DEATH'
     """
 
 
