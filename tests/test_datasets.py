@@ -211,6 +211,26 @@ def test_codes_metadata_without_descriptions_is_a_dictionary_like_any_other(wh_v
                                                     ("DIAGNOSIS//ICD//10//I10", "Essential (primary) hypertension")]
 
 
+def test_codes_metadata_with_null_typed_descriptions_or_dictionary_encoded_codes_is_a_dictionary(wh_vocab, tiny_meds):
+    # pandas writes a description column without any description as Arrow null; a polars Categorical or pandas
+    # category code column is dictionary-encoded. Both are the same dictionary as plain strings.
+    codes = pa.array(["DIAGNOSIS//ICD//10//A000", "DIAGNOSIS//ICD//10//I10", "GENDER//F"])
+    expected = [("DIAGNOSIS//ICD//10//A000", "Cholera due to Vibrio cholerae 01, biovar cholerae"),
+                ("DIAGNOSIS//ICD//10//I10", "Essential (primary) hypertension")]
+    for name, table in (("null_descriptions", pa.table({"code": codes, "description": pa.nulls(3)})),
+                        ("categorical", pa.table({"code": codes.dictionary_encode(),
+                                                  "description": pa.array([None, None, "female"]).dictionary_encode()}))):
+        pq.write_table(table, tiny_meds / "metadata" / "codes.parquet")
+        ingest_meds(wh_vocab, tiny_meds, name)
+        cohort = build_cohort(wh_vocab, name, "main", CohortOptions(), seed=0)
+        omega = wh_vocab.read("cohort_vocabulary", cohort_id=cohort["cohort_id"]).sort("code")
+        assert (cohort["vocabulary_source"], omega.select("code", "title").rows()) == ("dataset_dictionary", expected)
+    pq.write_table(pa.table({"code": codes, "description": pa.nulls(3).cast(pa.int32())}),
+                   tiny_meds / "metadata" / "codes.parquet")
+    with pytest.raises(InputError, match=r"codes\.parquet: column 'description' is int32, not text"):
+        ingest_meds(wh_vocab, tiny_meds, "numbers")
+
+
 def test_an_unreadable_codes_metadata_file_is_refused_at_ingest(wh_vocab, tiny_meds):
     codes = tiny_meds / "metadata" / "codes.parquet"
     codes.write_text("not parquet")

@@ -337,7 +337,7 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
         codes = pl.read_parquet(codes_file)
         if "description" not in codes.columns:  # optional in MEDS code metadata
             codes = codes.with_columns(description=pl.lit(None, pl.String))
-        shipped = (codes.select("code", "description")
+        shipped = (codes.select("code", "description").cast(pl.String)  # also dictionary-encoded or all-null
                    .filter(pl.col("code").str.starts_with("DIAGNOSIS//ICD//"))
                    .rename({"description": "title"}).unique("code", keep="first"))
     if shipped.height and not set(shipped["code"].to_list()) <= data_codes:

@@ -254,7 +254,9 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
         if "code" not in code_schema.names:
             raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
                              "MEDS code metadata has code, description and parent_codes")
-        untyped = next((f for f in code_schema if f.name in ("code", "description") and not _is_text(f.type)), None)
+        # A description column may be all-null as pandas writes it (no code described); text may be dictionary-encoded.
+        untyped = next((f for f in code_schema if f.name in ("code", "description") and not _holds_text(f.type)
+                        and not (f.name == "description" and pa.types.is_null(f.type))), None)
         if untyped is not None:
             raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
                              "MEDS code metadata holds codes and descriptions as strings")
@@ -293,7 +295,7 @@ def _check_dictionary_codes(codes_path: Path) -> None:
     A diagnosis dictionary there becomes the cohorts' vocabulary Ω: a code spelled `DIAGNOSIS//ICD//10//I50.22`
     would match no event and no model output, so every forecast would come out empty without an error.
     """
-    codes = pl.read_parquet(codes_path, columns=["code"]).with_row_index("row", offset=1)
+    codes = pl.read_parquet(codes_path, columns=["code"]).cast(pl.String).with_row_index("row", offset=1)
     wrong = codes.filter(pl.col("code").str.to_uppercase().str.starts_with("DIAGNOSIS//")
                          & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern))
     if wrong.height:
@@ -312,6 +314,11 @@ def _is_text(arrow_type: pa.DataType) -> bool:
     return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or pa.types.is_string_view(arrow_type)
 
 
+def _holds_text(arrow_type: pa.DataType) -> bool:
+    """Any string type, also dictionary-encoded (a polars Categorical, a pandas category)."""
+    return _is_text(arrow_type) or pa.types.is_dictionary(arrow_type) and _is_text(arrow_type.value_type)
+
+
 def _meds_types(schema: pa.Schema) -> pa.Schema:
     """`schema` with each MEDS column given the type MEDS declares for it where the file's type is one that
     common writers choose for the same values.
@@ -328,10 +335,9 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
         if field.name not in declared.names:
             return field
         have, want = field.type, declared.field(field.name).type
-        text = _is_text(have) or pa.types.is_dictionary(have) and _is_text(have.value_type)
         takes = {"numeric_value": pa.types.is_null(have) or pa.types.is_floating(have) or pa.types.is_integer(have),
-                 "text_value": pa.types.is_null(have) or text,
-                 "code": text,
+                 "text_value": pa.types.is_null(have) or _holds_text(have),
+                 "code": _holds_text(have),
                  "time": pa.types.is_timestamp(have) and have.tz is None,
                  # uint64 ids may not fit int64
                  "subject_id": pa.types.is_signed_integer(have) or pa.types.is_unsigned_integer(have)
