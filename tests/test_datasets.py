@@ -218,8 +218,8 @@ def test_codes_metadata_with_null_typed_descriptions_or_dictionary_encoded_codes
     expected = [("DIAGNOSIS//ICD//10//A000", "Cholera due to Vibrio cholerae 01, biovar cholerae"),
                 ("DIAGNOSIS//ICD//10//I10", "Essential (primary) hypertension")]
     for name, table in (("null_descriptions", pa.table({"code": codes, "description": pa.nulls(3)})),
-                        ("categorical", pa.table({"code": codes.dictionary_encode(),
-                                                  "description": pa.array([None, None, "female"]).dictionary_encode()}))):
+                        ("categorical", pa.table({"code": codes.dictionary_encode(), "description": pa.array(
+                            [None, None, "female"]).dictionary_encode()}))):
         pq.write_table(table, tiny_meds / "metadata" / "codes.parquet")
         ingest_meds(wh_vocab, tiny_meds, name)
         cohort = build_cohort(wh_vocab, name, "main", CohortOptions(), seed=0)

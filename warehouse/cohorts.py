@@ -230,8 +230,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
               ON e.subject_id = t.subject_id AND e.encounter_id = t.encounter_id AND e.code LIKE 'DIAGNOSIS//%'""")
         # A subject the dataset's own split leaves unassigned is neither trained on nor forecast: putting it in
         # a split here could put a patient its owners keep apart (a later evaluation set) into training.
-        [(unsplit,)] = con.execute("SELECT count(DISTINCT subject_id) FROM raw ANTI JOIN splits_frame USING (subject_id)"
-                                   ).fetchall()
+        [(unsplit,)] = con.execute(
+            "SELECT count(DISTINCT subject_id) FROM raw ANTI JOIN splits_frame USING (subject_id)").fetchall()
         trajectories = fetch_frame(con, f"""
             SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
                    subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
