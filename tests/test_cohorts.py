@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import polars as pl
 import pytest
 
@@ -307,3 +309,79 @@ def test_unknown_options_fail_with_the_fix():
 
     with pytest.raises(InputError, match="unknown harmonization 'icd11': use one of native, icd10, category"):
         CohortOptions(harmonize="icd11")
+
+
+def write_meds_extract_like(root):
+    """A MEDS directory as MEDS-Extract's MIMIC-IV ETL writes one: shards under data/<split>/, the admission id as
+    `hadm_id`, its code shapes, codes.parquet with parent_codes, and the layouts real exports hold.
+
+    Subject 10 (train): two stays, the second with an undated DRG row and a lab row exported twice.
+    Subject 20 (held_out, no MEDS_BIRTH): a stay; then stay 2002 (days 10-20) with stay 2003 (days 12-14) inside it.
+    Subject 30 (held_out): a stay; then stays 3002 and 3003 admitted at the same time.
+    Subject 40 (tuning): one stay. Subject 50 (held_out): a stay, a stay without diagnoses, a stay.
+    """
+    import json
+
+    def stay(subject, hadm, admit, discharge, codes, extra=()):
+        return [(subject, t(admit, 7), "HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM", None, None, hadm),
+                (subject, t(admit, 9), "LAB//50912//mg/dL", 1.1, None, hadm), *extra,
+                *[(subject, t(discharge, 15), f"DIAGNOSIS//ICD//{code}", None, None, hadm) for code in codes],
+                (subject, t(discharge, 15), "HOSPITAL_DISCHARGE//HOME", None, None, hadm)]
+
+    def demographics(subject, birth=True):
+        return [(subject, None, "GENDER//F", None, None, None)] + (
+            [(subject, dt.datetime(1950, 1, 1), "MEDS_BIRTH", None, None, None)] if birth else [])
+
+    shards = {
+        "train": demographics(10) + stay(10, 1001, 0, 2, ["10//I10"]) + stay(
+            10, 1002, 10, 12, ["10//E119"], [(10, None, "DRG//HCFA//291", None, None, 1002)]
+            + [(10, t(10, 9), "LAB//50912//mg/dL", 1.1, None, 1002)]),
+        "tuning": demographics(40) + stay(40, 4001, 0, 2, ["10//I10"]),
+        "held_out": (demographics(20, birth=False) + stay(20, 2001, 0, 2, ["9//4019"])
+                     + stay(20, 2002, 10, 20, ["10//I10"]) + stay(20, 2003, 12, 14, ["10//N179"])
+                     + demographics(30) + stay(30, 3001, 0, 2, ["10//J189"])
+                     + stay(30, 3002, 10, 11, ["10//E119"]) + stay(30, 3003, 10, 11, ["10//I10"])
+                     + demographics(50) + stay(50, 5001, 0, 2, ["10//J449"]) + stay(50, 5002, 5, 6, [])
+                     + stay(50, 5003, 10, 12, ["10//J441"])),
+    }
+    schema = {"subject_id": pl.Int64, "time": pl.Datetime("us"), "code": pl.String, "numeric_value": pl.Float32,
+              "text_value": pl.String, "hadm_id": pl.Int64}
+    for split, rows in shards.items():
+        (root / "data" / split).mkdir(parents=True)
+        (pl.DataFrame(rows, schema=schema, orient="row").sort("subject_id", "time", nulls_last=False)
+         .write_parquet(root / "data" / split / "0.parquet"))
+    (root / "metadata").mkdir()
+    codes = sorted({row[2] for rows in shards.values() for row in rows})
+    pl.DataFrame({"code": codes, "description": None, "parent_codes": [[c.split("//")[0]] for c in codes]},
+                 schema_overrides={"description": pl.String}).write_parquet(root / "metadata" / "codes.parquet")
+    pl.DataFrame({"subject_id": [10, 20, 30, 40, 50], "split": ["train", "held_out", "held_out", "tuning", "held_out"]}
+                 ).write_parquet(root / "metadata" / "subject_splits.parquet")
+    (root / "metadata" / "dataset.json").write_text(json.dumps({
+        "dataset_name": "MIMIC-IV", "dataset_version": "2.2", "etl_name": "MEDS_transforms", "etl_version": "0.0.7",
+        "meds_version": "0.3.3", "created_at": "2024-09-01T00:00:00"}))
+    return root
+
+
+def test_a_meds_extract_layout_with_nested_and_simultaneous_stays_keeps_the_boundary(wh_vocab, tmp_path):
+    row = ingest_meds(wh_vocab, write_meds_extract_like(tmp_path / "mimic_iv_meds"), "extract")
+    assert (row["n_subjects"], row["icd_versions"]) == (5, "9,10")
+    cid = build_cohort(wh_vocab, "extract", "main", CohortOptions(), seed=7)["cohort_id"]
+    trajectories = wh_vocab.read("trajectories", cohort_id=cid).sort("subject_id")
+    # 20: the stay inside 2002 is the last to begin; 2002's diagnoses come after it began, so one prior stay.
+    # 30: of two stays begun together the one with the larger id is the target, and the other is not its history.
+    assert trajectories.select("subject_id", "target_encounter_id", "n_prior_encounters", "split").rows() == [
+        (10, 1002, 1, "train"), (20, 2003, 1, "held_out"), (30, 3003, 1, "held_out"), (50, 5003, 1, "held_out")]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid)
+    encounters = {key: sorted(set(part["encounter_id"].drop_nulls().to_list()))
+                  for (key,), part in pretarget.partition_by("trajectory_id", as_dict=True).items()}
+    assert encounters == {f"{cid}:10:1002": [1001], f"{cid}:20:2003": [2001, 2002], f"{cid}:30:3003": [3001],
+                          f"{cid}:50:5003": [5001, 5002]}
+    held = pretarget.filter(pl.col("trajectory_id") == f"{cid}:20:2003")
+    # The open stay 2002 shows what happened before the cutoff (its admission and lab), not its diagnosis.
+    assert held.filter(pl.col("encounter_id") == 2002)["code"].to_list() == [
+        "HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM", "LAB//50912//mg/dL"]
+    assert held["time"].drop_nulls().max() < t(12, 7)
+    targets = wh_vocab.read("targets", cohort_id=cid).sort("trajectory_id", "code")
+    assert targets.select("trajectory_id", "code").rows() == [
+        (f"{cid}:10:1002", "DIAGNOSIS//ICD//10//E119"), (f"{cid}:20:2003", "DIAGNOSIS//ICD//10//N179"),
+        (f"{cid}:30:3003", "DIAGNOSIS//ICD//10//I10"), (f"{cid}:50:5003", "DIAGNOSIS//ICD//10//J441")]
