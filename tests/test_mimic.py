@@ -357,6 +357,29 @@ def test_fixture_hosp_folder_and_release_root_give_the_same_events(tmp_path, mim
     assert read_meds(tmp_path / "direct").equals(read_meds(out))
 
 
+def test_shards_are_bounded_by_events_and_never_split_a_subject(tmp_path, mimic4):
+    # Shards were 25,000 subjects whatever their events: with lab results, MIMIC-IV puts ~470 events on a patient,
+    # so one shard held ~12M events in memory. Split train holds S1 (16 events), S3 (10) and S4 (2); S2 is tuning.
+    out, _ = mimic4
+
+    def layout(root: Path) -> list[tuple[str, list[int], int]]:
+        return sorted((str(path.relative_to(root / "data")), sorted(set(pl.read_parquet(path)["subject_id"])),
+                       pl.read_parquet(path).height) for path in (root / "data").rglob("*.parquet"))
+
+    assert layout(out) == [("train/0.parquet", [S1, S3, S4], 28), ("tuning/0.parquet", [S2], 13)]
+    # S3 begins at event 16 and S4 at event 26 of train: windows of 14 put them together after S1.
+    summary = import_mimic4(FIXTURE, tmp_path / "fourteen", seed=SEED, events_per_shard=14)
+    assert layout(tmp_path / "fourteen") == [("train/0.parquet", [S1], 16), ("train/1.parquet", [S3, S4], 12),
+                                             ("tuning/0.parquet", [S2], 13)]
+    # Windows of 8: S1 alone fills windows 0 and 1 (S3 begins in window 2), yet the shards are numbered without a gap.
+    import_mimic4(FIXTURE, tmp_path / "eight", seed=SEED, events_per_shard=8)
+    assert layout(tmp_path / "eight") == [("train/0.parquet", [S1], 16), ("train/1.parquet", [S3], 10),
+                                           ("train/2.parquet", [S4], 2), ("tuning/0.parquet", [S2], 13)]
+    assert summary.n_shards == 3
+    for name in ("fourteen", "eight"):
+        assert read_meds(tmp_path / name).equals(read_meds(out)), name
+
+
 def test_mimic4_v1_core_module_beside_hosp_is_read(tmp_path, mimic4):
     # MIMIC-IV before v2.0 keeps patients and admissions in a `core` module next to `hosp`.
     out, _ = mimic4

@@ -69,8 +69,10 @@ from warehouse import duck
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
 from warehouse.scratch import remove_abandoned, scratch
 
-# Subjects per data shard: a shard is built in memory as one Arrow table before it is written.
-SUBJECTS_PER_SHARD = 25_000
+# Events per data shard (a subject's events are never split): a shard is built in memory as one Arrow table and
+# copied about three times while written. Bounded by events, not subjects, as events per subject vary several-fold:
+# MIMIC-IV v2.2 has about 75 per patient without lab results and about 470 with them (118M results, 300k patients).
+EVENTS_PER_SHARD = 2_000_000
 EXTENSION_COLUMNS = ("encounter_id", "seq_num", "time_imputed")
 _ICD_CODE = "[A-Z0-9]+"
 _FRIENDLY_TYPE = {"BIGINT": "an integer", "INTEGER": "an integer", "DOUBLE": "a number",
@@ -410,22 +412,26 @@ class ImportSummary:
 
 
 def import_mimic3(src: Path, out_dir: Path, *, seed: int, labs: bool = False, memory_limit: str = "2GB",
-                  log: Callable[[str], None] | None = None) -> ImportSummary:
+                  log: Callable[[str], None] | None = None, events_per_shard: int = EVENTS_PER_SHARD) -> ImportSummary:
     """Import a MIMIC-III directory (ADMISSIONS.csv, PATIENTS.csv, DIAGNOSES_ICD.csv, …) into MEDS at `out_dir`."""
-    return import_mimic(MIMIC3, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log)
+    return import_mimic(MIMIC3, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log,
+                        events_per_shard=events_per_shard)
 
 
 def import_mimic4(src: Path, out_dir: Path, *, seed: int, labs: bool = False, memory_limit: str = "2GB",
-                  log: Callable[[str], None] | None = None) -> ImportSummary:
+                  log: Callable[[str], None] | None = None, events_per_shard: int = EVENTS_PER_SHARD) -> ImportSummary:
     """Import a MIMIC-IV `hosp` directory (or the release root holding `hosp/`; v1.0's `core/` too) into MEDS."""
-    return import_mimic(MIMIC4, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log)
+    return import_mimic(MIMIC4, src, out_dir, seed=seed, labs=labs, memory_limit=memory_limit, log=log,
+                        events_per_shard=events_per_shard)
 
 
 def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: bool = False,
-                 memory_limit: str = "2GB", log: Callable[[str], None] | None = None) -> ImportSummary:
+                 memory_limit: str = "2GB", log: Callable[[str], None] | None = None,
+                 events_per_shard: int = EVENTS_PER_SHARD) -> ImportSummary:
     """Write a complete MEDS directory at `out_dir` from `src`; on any error nothing at `out_dir` changes.
 
-    With `labs`, lab results (labevents, with labels from d_labitems) are imported too.
+    With `labs`, lab results (labevents, with labels from d_labitems) are imported too. A data shard holds whole
+    subjects and about `events_per_shard` events (`_write_shards` says exactly).
     """
     log = log or (lambda message: None)
     started = time.perf_counter()
@@ -475,7 +481,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
                              f"{files['admissions'].name}: forecasting needs diagnoses; check that both files come "
                              "from the same release")
         mark = stage("events", mark)
-        n_shards = _write_shards(con, staging, workdir, seed)
+        n_shards = _write_shards(con, staging, workdir, seed, events_per_shard)
         mark = stage("shards", mark)
         codes = con.sql(_CODES_SQL).to_arrow_table()
         counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards)
@@ -696,16 +702,25 @@ def _check_codes(con: duckdb.DuckDBPyConnection, view: str, path: Path | None) -
                          "(letters and digits, optional dot): correct the value")
 
 
-def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, seed: int) -> int:
-    """Assign each subject a split (seeded hash) and write `data/<split>/<n>.parquet` shards."""
+def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, seed: int,
+                  events_per_shard: int) -> int:
+    """Assign each subject a split (seeded hash) and write `data/<split>/<n>.parquet` shards.
+
+    A split's events, in subject order, are cut into windows of `events_per_shard`; a shard holds the subjects whose
+    first event falls in one window, so at most that many events plus the rest of its last subject's.
+    """
     subjects = pl.from_arrow(con.sql("SELECT DISTINCT subject_id FROM events ORDER BY subject_id").to_arrow_table())
     splits = subjects.with_columns(
         pl.col("subject_id").map_elements(lambda s: hash_split(s, seed), return_dtype=pl.String).alias("split"))
     splits.write_parquet(workdir / "splits.parquet")
     con.register("splits_frame", splits.to_arrow())
-    con.execute(f"""CREATE TABLE subject_shards AS SELECT subject_id, split,
-        (row_number() OVER (PARTITION BY split ORDER BY subject_id) - 1) // {SUBJECTS_PER_SHARD} AS shard
-        FROM splits_frame""")
+    con.execute(f"""CREATE TABLE subject_shards AS
+        WITH sizes AS (SELECT subject_id, count(*) AS n_events FROM events GROUP BY subject_id),
+        windows AS (SELECT subject_id, split, (sum(n_events) OVER (PARTITION BY split ORDER BY subject_id) - n_events)
+                                              // {int(events_per_shard)} AS n_window
+                    FROM splits_frame JOIN sizes USING (subject_id))
+        -- A subject larger than a window leaves the windows it fills without a shard: number the shards densely.
+        SELECT subject_id, split, dense_rank() OVER (PARTITION BY split ORDER BY n_window) - 1 AS shard FROM windows""")
     con.unregister("splits_frame")
     shards = con.execute("SELECT DISTINCT split, shard FROM subject_shards ORDER BY split, shard").fetchall()
     for split, shard in shards:
