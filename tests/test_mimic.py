@@ -489,6 +489,10 @@ BAD_INPUTS = {
                                                    replace_on_line(2, "10000001,2", '10000001,"2')),
                            'procedures_icd.csv, data row 2: malformed CSV (a quote (") opens a value that never '
                            'closes): fix the row or re-download the file'),
+    "not UTF-8": (lambda hosp: (hosp / "prescriptions.csv").write_bytes(
+                      (hosp / "prescriptions.csv").read_bytes().replace(b"Omeprazole", "Omépr".encode("latin-1"))),
+                  "prescriptions.csv, data row 4: malformed CSV (text that is not UTF-8, as when the file was saved "
+                  "in another encoding such as Latin-1): fix the row or re-download the file"),
     "semicolon separated": (lambda hosp: edit_table(hosp, "patients", lambda lines: [
                                 line.replace(",", ";") for line in lines]),
                             "patients.csv.gz: the columns are separated by ';', not by commas: use the official "

@@ -552,9 +552,11 @@ def _read_header(path: Path) -> list[str]:
         return []
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8-sig", newline="") as handle:
+        # Decoding is lenient: the reader decodes a whole buffer, so a non-UTF-8 byte in an early data row would
+        # fail here without a row number; DuckDB's read reports that row instead.
+        with opener(path, "rt", encoding="utf-8-sig", errors="replace", newline="") as handle:
             return next(csv.reader(handle), [])
-    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:
+    except (OSError, EOFError, csv.Error) as exc:
         raise InputError(f"{path}: not a readable CSV file ({_first_line(exc)}): "
                          "use the official comma-separated file, plain or gzipped") from exc
 
@@ -608,6 +610,8 @@ def _malformed_csv_message(path: Path, exc: duckdb.Error) -> str:
         problem = 'a quote (") opens a value that never closes'
     elif fields:
         problem = f"{fields[2]} fields where the header has {fields[1]}"
+    elif "Invalid unicode" in text:
+        problem = "text that is not UTF-8, as when the file was saved in another encoding such as Latin-1"
     elif "end of GZIP stream" in text:
         problem = "the gzip data ends early, as after an incomplete download or copy"
     else:
