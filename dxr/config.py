@@ -19,6 +19,9 @@ from models.llm.config import LLMConfig
 from models.prior.config import PriorConfig
 from tools.config import ToolsConfig
 
+# A DuckDB memory limit, e.g. 2GB or 512MiB.
+MEMORY_LIMIT_PATTERN = r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+
 
 class SynthConfig(BaseModel):
     """Defaults of the embedded synthetic dataset."""
@@ -41,7 +44,7 @@ class CohortConfig(BaseModel):
     # Trajectories per pre-target shard; later stages run one Prefect task per shard.
     shard_size: int = Field(500, ge=1)
     # DuckDB memory of a build; beyond it DuckDB spills to a scratch directory beside the gold store.
-    memory_limit: str = Field("2GB", pattern=r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$")
+    memory_limit: str = Field("2GB", pattern=MEMORY_LIMIT_PATTERN)
 
 
 class ForecastConfig(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import re
 import shutil
 from collections import Counter, defaultdict
 from datetime import datetime
@@ -16,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from dxr.cli import main
-from dxr.errors import InputError
+from dxr.errors import ConfigError, InputError
 from models.llm.config import LLMConfig
 from tests.conftest import abandoned_scratch, shared_data
 from warehouse.importers import import_mimic3, import_mimic4
@@ -679,3 +680,39 @@ def test_rerun_removes_the_scratch_of_a_killed_import(tmp_path, previous_import)
     import_mimic4(FIXTURE, out, seed=SEED)
     assert sorted(p.name for p in out.parent.iterdir()) == ["meds"]
     assert read_meds(out).equals(before)
+
+
+def test_running_out_of_duckdb_memory_says_so_and_how_to_raise_the_limit(tmp_path, previous_import):
+    # The gzip reader alone needs a 30.5 MiB block, so 1MB fails on the first table. It was reported as a
+    # malformed patients.csv.gz to re-download, and past the read as a DuckDB traceback.
+    out, before = previous_import
+    with pytest.raises(ConfigError) as raised:
+        import_mimic4(FIXTURE, out, seed=SEED, memory_limit="1MB")
+    # DuckDB's own sentence says how much it holds, which depends on its threads.
+    assert re.fullmatch(re.escape(f"MIMIC-IV import of {FIXTURE}: DuckDB ran out of memory within its limit of 1MB ")
+                        + r"\(Out of Memory Error: could not allocate block of size 30\.5 MiB \([^()\n]+ used\)\)"
+                        + re.escape(": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB) that the machine "
+                                    "has free"), str(raised.value)), str(raised.value)
+    assert read_meds(out).equals(before)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["meds"]
+
+
+def test_cli_memory_limit_reaches_the_import_and_a_bad_one_is_one_line(tmp_path):
+    from warehouse.store import Warehouse
+
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "small", "--memory-limit", "1MB",
+                 "--run-id", "ing-6")
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: MIMIC-IV import of {FIXTURE}: DuckDB ran out of memory "
+                                                   "within its limit of 1MB"), lines
+    assert not (tmp_path / "wh" / "forecast" / "datasets").exists()
+    assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-6", "failed")]
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic3", FIXTURE, "--memory-limit", "lots")
+    assert result.exit_code == 2
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        "Error: Invalid value for '--memory-limit': 'lots' is not a size such as 2GB or 512MB "
+        "(usage: main ingest mimic3 -h)"], result.output
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "roomy",
+                 "--memory-limit", "512MB")
+    assert result.exit_code == 0, result.output

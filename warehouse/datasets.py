@@ -64,7 +64,8 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
 
 
 def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,
-                 log: Callable[[str], None] | None = None, run_id: str | None = None) -> tuple[dict, ImportSummary]:
+                 log: Callable[[str], None] | None = None, run_id: str | None = None,
+                 memory_limit: str = "2GB") -> tuple[dict, ImportSummary]:
     """Import the official MIMIC-III (`source="mimic3"`) or MIMIC-IV `hosp` files as a MEDS dataset
     and register it (and the run, kind `ingest:<source>`; `dxr ingest mimic3|mimic4`).
 
@@ -79,7 +80,7 @@ def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, 
         # The MEDS directory appears at its final place only once complete; registration comes after.
         with writing_dataset(wh, dataset_id):
             summary = importers[source](Path(source_dir), wh.meds_dir(dataset_id), seed=seed, labs=labs,
-                                        log=log)
+                                        log=log, memory_limit=memory_limit)
             return register_dataset(wh, dataset_id, source=source), summary
 
 

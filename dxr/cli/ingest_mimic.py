@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from dxr.cli import echo_err, settings, warehouse
 from dxr.cli.data import ingest
+from dxr.config import MEMORY_LIMIT_PATTERN
 
 
 def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
-                         run_id: str | None) -> None:
+                         memory_limit: str, run_id: str | None) -> None:
     from warehouse.datasets import ingest_mimic
 
     seed = settings(ctx).seed if seed is None else seed
     row, summary = ingest_mimic(warehouse(ctx), source, path, name, seed=seed, labs=labs,
-                                log=lambda message: echo_err(f"  {message}"), run_id=run_id)
+                                log=lambda message: echo_err(f"  {message}"), run_id=run_id, memory_limit=memory_limit)
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
+
+
+def _memory_limit(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not re.fullmatch(MEMORY_LIMIT_PATTERN, value):
+        raise click.BadParameter(f"{value!r} is not a size such as 2GB or 512MB", ctx, param)
+    return value
+
+
+memory_limit_option = click.option(
+    "--memory-limit", default="2GB", show_default=True, callback=_memory_limit,
+    help="DuckDB memory of the import; beyond it DuckDB spills to a work directory beside the dataset.")
 
 
 @ingest.command("mimic3")
@@ -28,9 +41,11 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
 @click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
               "table by far, so off by default.")
+@memory_limit_option
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, run_id: str | None) -> None:
+def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
+                  run_id: str | None) -> None:
     """Import MIMIC-III (ADMISSIONS, PATIENTS, DIAGNOSES_ICD, …; .csv or .csv.gz) as a MEDS dataset.
 
     Diagnoses are ICD-9 at discharge time; procedures, prescriptions, sex, birth (ages above 89
@@ -40,7 +55,7 @@ def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, l
     Example:
       dxr ingest mimic3 ../shared/data/mimic-iii-demo --name mimic3demo
     """
-    _import_and_register(ctx, "mimic3", path, name, seed, labs, run_id)
+    _import_and_register(ctx, "mimic3", path, name, seed, labs, memory_limit, run_id)
 
 
 @ingest.command("mimic4")
@@ -49,9 +64,11 @@ def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, l
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
 @click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
               "table by far, so off by default.")
+@memory_limit_option
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, run_id: str | None) -> None:
+def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
+                  run_id: str | None) -> None:
     """Import a MIMIC-IV `hosp` module (the release root or hosp/ itself; .csv or .csv.gz) as a MEDS dataset.
 
     Diagnoses keep their ICD version (9 or 10, mixed within patients); harmonize them when building
@@ -62,4 +79,4 @@ def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, l
     Example:
       dxr ingest mimic4 /data/mimic-iv-3.1 --name mimic4
     """
-    _import_and_register(ctx, "mimic4", path, name, seed, labs, run_id)
+    _import_and_register(ctx, "mimic4", path, name, seed, labs, memory_limit, run_id)

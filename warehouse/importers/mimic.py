@@ -64,7 +64,7 @@ import duckdb
 import polars as pl
 
 from dxr import __version__
-from dxr.errors import InputError
+from dxr.errors import ConfigError, InputError
 from warehouse import duck
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
 from warehouse.scratch import remove_abandoned, scratch
@@ -499,6 +499,11 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
         summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
         log(f"wrote {out_dir}")
         return summary
+    except duckdb.OutOfMemoryException as exc:
+        # DuckDB spills what it can to the work directory; this is memory it could not spill within the limit.
+        raise ConfigError(f"{layout.title} import of {src}: DuckDB ran out of memory within its limit of "
+                          f"{memory_limit} ({_first_line(exc)}): rerun with a larger memory limit "
+                          "(`--memory-limit`, e.g. 8GB) that the machine has free") from exc
     finally:
         if con is not None:
             con.close()
@@ -591,6 +596,8 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
                            for column in spec.columns)
         try:
             con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, header)}")
+        except duckdb.OutOfMemoryException:
+            raise  # not the file's fault: re-downloading it would not help
         except duckdb.Error as exc:
             raise InputError(_malformed_csv_message(path, exc)) from exc
     casts = ", ".join(f"TRY_CAST({column} AS {kind}) AS {column}" for column, kind in spec.columns.items())
