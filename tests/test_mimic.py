@@ -450,6 +450,10 @@ BAD_INPUTS = {
                            ",".join(c for i, c in enumerate(line.split(",")) if i != 3) for line in lines]),
                        "admissions.csv.gz: missing column 'dischtime' (columns found: subject_id, hadm_id, "
                        "admittime, deathtime,"),
+    "column twice": (lambda hosp: edit_table(hosp, "diagnoses_icd", lambda lines: [
+                         lines[0] + ",ICD_CODE", *(line + ",X" for line in lines[1:])]),
+                     "diagnoses_icd.csv.gz: column 'icd_code' appears 2 times in the header (columns found: "
+                     "subject_id, hadm_id, seq_num, icd_code, icd_version, ICD_CODE): keep one of them"),
     "renamed column": (lambda hosp: edit_table(hosp, "admissions", replace_on_line(0, "dischtime", "discharge_time")),
                        "rename 'discharge_time' back to the official name 'dischtime'"),
     "unparsable timestamp": (lambda hosp: edit_table(hosp, "admissions",
@@ -628,6 +632,16 @@ def test_rows_that_cannot_become_events_are_dropped_and_counted_by_reason(tmp_pa
         assert counts and set(counts) == {"1"}, (label, table)
     events = read_meds(tmp_path / "meds")
     assert 29999999 not in events["encounter_id"].to_list()
+
+
+def test_a_trailing_comma_and_a_quoted_header_name_are_read(tmp_path, mimic4):
+    # Both broke the column list given to DuckDB: "malformed CSV (Binder Error: …): re-download the file".
+    out, _ = mimic4
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "diagnoses_icd", lambda lines: [line + "," for line in lines])
+    edit_table(hosp, "admissions", lambda lines: [lines[0] + ',"note ""a"""', *(line + ",x" for line in lines[1:])])
+    import_mimic4(hosp.parent, tmp_path / "meds", seed=SEED)
+    assert read_meds(tmp_path / "meds").equals(read_meds(out))
 
 
 def test_header_case_is_ignored(tmp_path, mimic4):

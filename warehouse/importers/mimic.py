@@ -566,10 +566,11 @@ def _read_header(path: Path) -> list[str]:
                          "use the official comma-separated file, plain or gzipped") from exc
 
 
-def _read_csv(path: Path, header: list[str]) -> str:
+def _read_csv(path: Path, n_columns: int) -> str:
     # Every column as text, typed afterwards so a bad value is reported by row and column; no sniffing, so a
-    # malformed row fails the read with its line number.
-    columns = ", ".join(f"{duck.literal(column)}: 'VARCHAR'" for column in header)
+    # malformed row fails the read with its line number. Columns are named by position (c0, c1, …): a header may
+    # hold an empty name (a trailing comma) or a quote, which DuckDB's column list cannot take.
+    columns = ", ".join(f"c{index}: 'VARCHAR'" for index in range(n_columns))
     return (f"read_csv({duck.literal(path)}, header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
             "quote = '\"', escape = '\"')")
 
@@ -588,14 +589,20 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
         if separator:
             raise InputError(f"{path}: the columns are separated by {separator!r}, not by commas: "
                              "use the official comma-separated file (or export it again with commas)")
-        by_lower = {column.lower(): column for column in header}
-        missing = [column for column in spec.columns if column not in by_lower and column not in spec.optional]
+        positions: dict[str, list[int]] = {}
+        for index, column in enumerate(header):
+            positions.setdefault(column.lower(), []).append(index)
+        missing = [column for column in spec.columns if column not in positions and column not in spec.optional]
         if missing:
             raise InputError(_missing_column_message(layout, path, spec, header, missing[0]))
-        select = ", ".join(f'"{by_lower[column]}" AS {column}' if column in by_lower else f"NULL::VARCHAR AS {column}"
-                           for column in spec.columns)
+        twice = next((column for column in spec.columns if len(positions.get(column, ())) > 1), None)
+        if twice:
+            raise InputError(f"{path}: column '{twice}' appears {len(positions[twice])} times in the header (columns "
+                             f"found: {', '.join(header)}): keep one of them")
+        select = ", ".join(f"c{positions[column][0]} AS {column}" if column in positions
+                           else f"NULL::VARCHAR AS {column}" for column in spec.columns)
         try:
-            con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, header)}")
+            con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, len(header))}")
         except duckdb.OutOfMemoryException:
             raise  # not the file's fault: re-downloading it would not help
         except duckdb.Error as exc:
