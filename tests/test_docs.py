@@ -39,3 +39,23 @@ def test_every_documented_settings_file_is_valid(page, example, tmp_path, monkey
     config.write_text(example)
     monkeypatch.setenv("DXR_CONFIG", str(config))
     load_settings()  # raises ConfigError naming the bad key or syntax
+
+
+# `dxr sql [--run R] "QUERY"` anywhere in the README and docs (a query may span lines), and ```sql blocks.
+SQL_EXAMPLES = [(path.name, query) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                for query in [*re.findall(r'dxr sql (?:--run \S+ )?"([^"]+)"', path.read_text()),
+                              *re.findall(r"```sql\n(.*?)```", path.read_text(), flags=re.S)]
+                if query != "QUERY"]  # the CLI table's placeholder
+
+
+@pytest.mark.parametrize("page, query", SQL_EXAMPLES, ids=[f"{page}-{i}" for i, (page, _) in enumerate(SQL_EXAMPLES)])
+def test_every_documented_sql_example_runs(page, query, tmp_path):
+    """Each example binds against the tables as `warehouse/schemas.py` defines them (an empty warehouse)."""
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    (tmp_path / "forecast").mkdir()
+    query = re.sub(r"\s*--[^\n]*\n", "\n", query).strip().rstrip(";")  # a SQL comment line of a ```sql block
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", query])
+    assert result.exit_code == 0, f"{page}: {query!r} fails: {result.output}"
