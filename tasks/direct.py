@@ -236,7 +236,8 @@ def fuse_prior_direct(prior: pl.DataFrame, direct: pl.DataFrame, trajectories: p
 def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, k: int,
                            run_id: str) -> int:
     """Fuse the run's `ehr_prior` and `direct` lists of one shard's trajectories into `rrf_prior_direct`."""
-    inputs = {system: fused_input(wh, run_id, system, trajectories) for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]}
+    inputs = {system: fused_input(wh, run_id, cohort_id, system, trajectories)
+              for system in FUSED_INPUTS[RRF_PRIOR_DIRECT]}
     vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
     ranked, status = fuse_prior_direct(inputs["ehr_prior"], inputs[DIRECT], trajectories, vocabulary, run_id,
                                        cohort_id, k)
@@ -245,7 +246,7 @@ def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectori
     return trajectories.height
 
 
-def fused_input(wh: Warehouse, run_id: str, system: str, trajectories: pl.DataFrame) -> pl.DataFrame:
+def fused_input(wh: Warehouse, run_id: str, cohort_id: str, system: str, trajectories: pl.DataFrame) -> pl.DataFrame:
     """The run's `system` rankings of these trajectories; an error unless that forecast addressed every one.
 
     A trajectory the input forecast addressed has a `ranking_status` row, written after its list, so a
@@ -261,5 +262,5 @@ def fused_input(wh: Warehouse, run_id: str, system: str, trajectories: pl.DataFr
                     if missing.len() < wanted.height else "")
         raise NotFoundError(
             f"run {run_id!r} has no {system} rankings{coverage}; Union + RRF fuses lists of the same run: first run "
-            f"dxr forecast --cohort … --system {system} --run-id {run_id} with the same split and limit")
+            f"dxr forecast --cohort {cohort_id} --system {system} --run-id {run_id} with the same split and limit")
     return wh.read("rankings", run_id=run_id, system=system).join(wanted, on="trajectory_id", how="semi")

@@ -121,15 +121,16 @@ def check_forecasts_finished(con, run_id: str, systems: list[str]) -> None:
     The caller holds the run's lock exclusively and every forecast holds it while it writes, so a
     forecast still recorded as `running` here has ended without recording how (killed).
     """
-    forecasts = _query(con, "SELECT kind, status FROM runs WHERE run_id = ? AND starts_with(kind, 'forecast:')",
+    forecasts = _query(con, "SELECT kind, status, cohort_id FROM runs "
+                            "WHERE run_id = ? AND starts_with(kind, 'forecast:')",
                        [run_id]).with_columns(pl.col("kind").str.strip_prefix("forecast:").alias("system"))
     unfinished = forecasts.filter(pl.col("system").is_in(systems) & (pl.col("status") != "finished")).sort("system")
     if unfinished.height:
-        system, status = unfinished.select("system", "status").row(0)
+        system, status, cohort_id = unfinished.select("system", "status", "cohort_id").row(0)
         how = "was killed" if status in ("running", "killed") else status
         raise InputError(f"run {run_id!r}: its {system} forecast {how}, so its lists may stop part way: rerun "
-                         f"dxr forecast --cohort … --system {system} --run-id {run_id} with the same options, or "
-                         f"leave {system} out with --systems")
+                         f"dxr forecast --cohort {cohort_id} --system {system} --run-id {run_id} with the same "
+                         f"options, or leave {system} out with --systems")
 
 
 def _no_rankings(wh: Warehouse, run_id: str) -> NotFoundError:

@@ -280,7 +280,7 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     result = forecast("rrf_prior_direct")
     assert result.exit_code == 1
     assert ("Error: run 'cli-d' has no ehr_prior rankings; Union + RRF fuses lists of the same run: first run "
-            "dxr forecast --cohort … --system ehr_prior --run-id cli-d") in result.output
+            f"dxr forecast --cohort {cohort_id} --system ehr_prior --run-id cli-d") in result.output
 
 
 def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, tmp_path, monkeypatch,

@@ -170,7 +170,8 @@ def test_a_forecast_that_did_not_finish_is_not_evaluated(tiny_cohort, prefect_ha
         # `running` under the evaluation's exclusive lock: a process that ended without recording how.
         record_run(wh, "r3", cohort_id, row["kind"], json.loads(row["config_json"]), status, row["started_at"])
         with pytest.raises(InputError, match=f"run 'r3': its repeat_history forecast {how}, so its lists may stop "
-                                             "part way: rerun dxr forecast --cohort … --system repeat_history"):
+                                             f"part way: rerun dxr forecast --cohort {cohort_id} --system "
+                                             "repeat_history --run-id r3 with the same options"):
             evaluate_run(wh, "r3", n_boot=10)
     metrics = evaluate_run(wh, "r3", systems=["global_frequency"], n_boot=10)  # the finished one still can be
     assert set(metrics["system"]) == {"global_frequency"} and metrics.filter(pl.col("n") > 0).height
