@@ -803,3 +803,71 @@ def test_two_caches_flushing_the_same_bucket_keep_each_others_pages(wh):
         early: "read before both", first: "page one", second: "page two"}
     # A page nobody read again keeps its row as it was.
     assert wh.read("page_cache").filter(pl.col("url") == early)["fetched_at"].to_list() == stored_at
+
+
+class RobotsSite(LoopbackSite):
+    """Each origin answers robots.txt as `robots` says: a status, a slow answer or a redirect; pages are medical."""
+
+    def __init__(self, robots):
+        super().__init__()
+        self.robots = robots
+        self.requests: list[str] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(request.path)
+        if request.path == "/robots.txt":
+            if self.robots == "slow":
+                await asyncio.sleep(2)
+            elif self.robots == "to-real":
+                raise web.HTTPFound("/real-robots.txt")
+            elif self.robots == "to-blocked":
+                raise web.HTTPFound("http://blocked.example/robots.txt")
+            else:
+                return web.Response(status=self.robots, text="robots")
+        if request.path == "/real-robots.txt":
+            return web.Response(text=ROBOTS, content_type="text/plain")
+        return web.Response(text=page("Heart failure", "Heart failure readmission."), content_type="text/html")
+
+
+UNREACHABLE = "robots.txt unreachable ({}): every path disallowed (RFC 9309)"
+
+
+@pytest.mark.parametrize("robots, refusal", [
+    (503, UNREACHABLE.format("HTTP 503")), (500, UNREACHABLE.format("HTTP 500")),
+    (429, UNREACHABLE.format("HTTP 429")), ("slow", UNREACHABLE.format("timeout after 0.5 s")),
+    ("to-blocked", UNREACHABLE.format("redirect to http://blocked.example/robots.txt: blocked domain")),
+    (404, None), (403, None), (410, None)])
+def test_an_unreachable_robots_txt_disallows_every_path_for_the_readers_lifetime(wh, robots, refusal):
+    """RFC 9309 2.3.1.3-4: a robots.txt answered 4xx allows everything; a server error, a timeout or a redirect the
+    reader will not follow means complete disallow (rate limits count as server errors, as for page caching)."""
+    async def scenario():
+        async with RobotsSite(robots) as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config(blocked_domains=("blocked.example",)), PageCache(wh))
+            pages = [await reader.read(f"{site.base}/one"), await reader.read(f"{site.base}/two")]
+            reader.cache.flush()
+            return site, pages
+
+    site, pages = asyncio.run(scenario())
+    assert [p.error for p in pages] == [refusal, refusal]
+    # Asked once for the reader's lifetime; an unreachable robots.txt is not cached as the pages' answer.
+    assert site.requests == ["/robots.txt"] + ([] if refusal else ["/one", "/two"])
+    assert sorted(url.removeprefix(site.base) for url in PageCache(wh).pages) == ([] if refusal else ["/one", "/two"])
+
+
+def test_an_unreachable_robots_txt_on_a_port_without_server_disallows():
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return await PageReader(session, config()).read(f"http://127.0.0.1:{_free_port()}/page")
+
+    assert asyncio.run(scenario()).error == UNREACHABLE.format("connection error (ClientConnectorError)")
+
+
+def test_a_redirected_robots_txt_is_followed():
+    async def scenario():
+        async with RobotsSite("to-real") as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config())
+            return site, [(await reader.read(f"{site.base}{path}")).error for path in ("/private/notes", "/public")]
+
+    site, errors = asyncio.run(scenario())
+    assert errors == ["disallowed by robots.txt", None]
+    assert site.requests == ["/robots.txt", "/real-robots.txt", "/public"]

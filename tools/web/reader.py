@@ -208,7 +208,8 @@ class PageReader:
         self.session, self.config = session, config
         self.cache = cache or PageCache()
         self.timeout = aiohttp.ClientTimeout(total=config.timeout_seconds)
-        self._robots: dict[str, urllib.robotparser.RobotFileParser | None] = {}
+        # Per origin: its rules, None (no robots.txt: everything allowed) or why it is unreachable.
+        self._robots: dict[str, urllib.robotparser.RobotFileParser | str | None] = {}
         self._robots_locks: dict[str, asyncio.Lock] = {}
         self._host_locks: dict[str, asyncio.Lock] = {}
         self._host_last: dict[str, float] = {}
@@ -299,8 +300,8 @@ class PageReader:
             return Refused("blocked domain", cacheable=False)
         if refusal := await self.address_refusal(url):
             return Refused(refusal, cacheable=False)
-        if robots and not await self.allowed(url):
-            return Refused("disallowed by robots.txt")
+        if robots:
+            return await self.robots_refusal(url)
         return None
 
     async def address_refusal(self, url: str) -> str | None:
@@ -325,21 +326,32 @@ class PageReader:
                 "(allow the host in tools.web.allow_private_hosts)")
         return self._host_refusals[host]
 
-    async def allowed(self, url: str) -> bool:
+    async def robots_refusal(self, url: str) -> Refused | None:
+        """Why robots.txt forbids `url`, or None. An origin whose robots.txt is unreachable is refused whole for
+        this reader's lifetime (RFC 9309 2.3.1.4); that refusal is not cached, a later run asks again."""
         parts = urlsplit(url)
         origin = f"{parts.scheme}://{parts.netloc}"
         lock = self._robots_locks.setdefault(origin, asyncio.Lock())
         async with lock:
             if origin not in self._robots:
                 self._robots[origin] = await self._fetch_robots(origin)
-        parser = self._robots[origin]
-        return True if parser is None else parser.can_fetch(self.config.user_agent, url)
+        rules = self._robots[origin]
+        if isinstance(rules, str):
+            return Refused(f"robots.txt unreachable ({rules}): every path disallowed (RFC 9309)", cacheable=False)
+        if rules is not None and not rules.can_fetch(self.config.user_agent, url):
+            return Refused("disallowed by robots.txt")
+        return None
 
-    async def _fetch_robots(self, origin: str):
+    async def _fetch_robots(self, origin: str) -> urllib.robotparser.RobotFileParser | str | None:
+        """The rules of `origin`'s robots.txt; None when there is none (a 4xx answer: everything allowed); why it
+        is unreachable otherwise (RFC 9309: server error, timeout, connection error, or a redirect not followed).
+        408, 425 and 429 say "not now" like a server error, so they disallow too rather than allow everything."""
         try:
             async with self._get(origin + "/robots.txt", robots=False) as response:
-                if response.status != 200:
-                    return None  # no robots.txt: everything allowed
+                if 400 <= response.status < 500 and response.status not in TRANSIENT_STATUSES:
+                    return None
+                if not 200 <= response.status < 300:
+                    return f"HTTP {response.status}"
                 # Like a page, a robots.txt is read up to max_bytes (RFC 9309 lets a crawler parse only its head):
                 # an endless or huge one would otherwise fill memory until the timeout, then allow everything.
                 body = bytearray()
@@ -351,8 +363,12 @@ class PageReader:
                 if len(body) > self.config.max_bytes:
                     head = head[:head.rfind(b"\n") + 1]  # a cut last line could be a wrong rule: drop it
                 lines = decode(head, response.charset, "text/plain").splitlines()
-        except (Refused, asyncio.TimeoutError, TimeoutError, aiohttp.ClientError):
-            return None  # none we may read (e.g. redirected to a blocked domain): everything allowed
+        except Refused as exc:  # e.g. redirected to a blocked domain or a redirect loop: none we may read
+            return exc.detail
+        except (asyncio.TimeoutError, TimeoutError):
+            return f"timeout after {self.config.timeout_seconds:g} s"
+        except aiohttp.ClientError as exc:
+            return f"connection error ({type(exc).__name__})"
         parser = urllib.robotparser.RobotFileParser()
         parser.parse(lines)
         return parser
