@@ -871,3 +871,36 @@ def test_a_redirected_robots_txt_is_followed():
     site, errors = asyncio.run(scenario())
     assert errors == ["disallowed by robots.txt", None]
     assert site.requests == ["/robots.txt", "/real-robots.txt", "/public"]
+
+
+class SlowRedirectSite(LoopbackSite):
+    """`/hop/N` answers after 0.3 s with a redirect to `/hop/N+1`, up to `/hop/4`, which serves a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list[str] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(request.path)
+        if request.path == "/robots.txt":
+            return web.Response(status=404)
+        await asyncio.sleep(0.3)
+        hop = int(request.path.removeprefix("/hop/"))
+        if hop < 4:
+            raise web.HTTPFound(f"/hop/{hop + 1}")
+        return web.Response(text=page("Heart failure", "Heart failure readmission."), content_type="text/html")
+
+
+def test_timeout_seconds_bounds_a_whole_redirect_chain():
+    async def scenario():
+        async with SlowRedirectSite() as site, aiohttp.ClientSession() as session:
+            reader = PageReader(session, config(timeout_seconds=0.5))
+            started = time.monotonic()
+            read = await reader.read(f"{site.base}/hop/0")
+            return site, read, time.monotonic() - started
+
+    site, read, seconds = asyncio.run(scenario())
+    # Each hop answers within the timeout, the chain (5 x 0.3 s) does not: the read stops when the 0.5 s are up.
+    assert (read.error, read.text) == ("timeout after 0.5 s", None)
+    assert site.requests == ["/robots.txt", "/hop/0", "/hop/1"]
+    assert seconds < 0.9, seconds

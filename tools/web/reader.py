@@ -207,7 +207,6 @@ class PageReader:
     def __init__(self, session: aiohttp.ClientSession, config: WebConfig, cache: PageCache | None = None):
         self.session, self.config = session, config
         self.cache = cache or PageCache()
-        self.timeout = aiohttp.ClientTimeout(total=config.timeout_seconds)
         # Per origin: its rules, None (no robots.txt: everything allowed) or why it is unreachable.
         self._robots: dict[str, urllib.robotparser.RobotFileParser | str | None] = {}
         self._robots_locks: dict[str, asyncio.Lock] = {}
@@ -273,14 +272,22 @@ class PageReader:
     @contextlib.asynccontextmanager
     async def _get(self, url: str, robots: bool = True):
         """The response to GET `url` after at most MAX_REDIRECTS redirects, each hop checked (`_refusal`) and
-        spaced (`_polite`) like the first; raises Refused for a hop it will not request."""
-        hop = url
+        spaced (`_polite`) like the first; raises Refused for a hop it will not request.
+
+        `timeout_seconds` is the deadline of the whole chain, from the first request to the last byte: six hops
+        each just under it would otherwise hold a read slot six times as long."""
+        hop, deadline = url, None
         for redirects in range(MAX_REDIRECTS + 1):
             if refused := await self._refusal(hop, robots):
                 raise refused if redirects == 0 else Refused(f"redirect to {hop}: {refused.detail}", refused.cacheable)
             async with self._polite(hop):
+                now = time.monotonic()
+                deadline = deadline or now + self.config.timeout_seconds
+                if now >= deadline:
+                    raise asyncio.TimeoutError
                 self.requests += 1
-                async with self.session.get(hop, timeout=self.timeout, allow_redirects=False,
+                timeout = aiohttp.ClientTimeout(total=deadline - now)
+                async with self.session.get(hop, timeout=timeout, allow_redirects=False,
                                             headers={"User-Agent": self.config.user_agent}) as response:
                     location = response.headers.get("Location") if response.status in _REDIRECT_STATUSES else None
                     if not location:
