@@ -201,9 +201,12 @@ async def _run(site: Site, cfg: WebConfig, wh, local_index, jobs: list[dict], pr
                                                 SerpMapping(results_path="results", snippet_field="content",
                                                             extra_params={"format": "json"}), None, 0.0, 2.0)
         channel = WebChannel(provider, PageReader(session, cfg, PageCache(wh)), ledger, cfg, local_index)
-        for spec in jobs:
-            await channel.run(ledger.job(**spec))
-        channel.flush()
+        try:
+            for spec in jobs:
+                await channel.run(ledger.job(**spec))
+            channel.flush()
+        finally:
+            await channel.close()
     return ledger, channel
 
 
@@ -427,6 +430,7 @@ def test_brave_answer_without_web_results_is_a_no_result_row(wh, monkeypatch):
                 channel = WebChannel.from_config(cfg, session, ledger)
                 await channel.run(ledger.job(**{**JOB, "query": "nothing matches this"}))
                 channel.flush()
+                await channel.close()
                 # An answer that is not Brave's shape is still an error, not a silent empty result.
                 with pytest.raises(InputError, match=r"^search provider brave: no result list at 'web\.results' in "
                                                      r"the response \(top level: status\)"):
@@ -485,8 +489,7 @@ def test_a_pubmed_hit_on_a_locally_held_abstract_uses_the_local_text(wh, tmp_pat
 
     async def scenario():
         ledger = Ledger("run1", 0, wh)
-        async with aiohttp.ClientSession() as session:
-            reader = PageReader(session, config())
+        async with aiohttp.ClientSession() as session, PageReader(session, config()) as reader:
             channel = WebChannel(PubMedHit(), reader, ledger, config(), CorpusIndex(tmp_path / "pubmedqa"))
             return await channel.run(ledger.job(**JOB, query="heart failure readmission")), reader.requests
 
@@ -575,8 +578,7 @@ class HostileSite(LoopbackSite):
 
 def test_hostile_pages_are_page_errors_never_exceptions():
     async def scenario():
-        async with HostileSite() as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config())
+        async with HostileSite() as site, aiohttp.ClientSession() as session, PageReader(session, config()) as reader:
             paths = ["/loop", "/to-file", "/unknown-charset", "/latin1", "/broken-links", "/no-type"]
             pages = {path: await reader.read(site.base + path) for path in paths}
             for url in ("http://[broken", "file:///etc/passwd", "javascript:x()"):
@@ -615,8 +617,8 @@ class EndlessRobotsSite(LoopbackSite):
 
 def test_a_robots_txt_is_read_only_up_to_max_bytes():
     async def scenario():
-        async with EndlessRobotsSite() as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config(timeout_seconds=3.0))
+        async with (EndlessRobotsSite() as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(timeout_seconds=3.0)) as reader):
             started = time.monotonic()
             disallowed = await reader.read(f"{site.base}/private/notes")
             return disallowed, await reader.read(f"{site.base}/public"), time.monotonic() - started
@@ -665,8 +667,8 @@ def test_rate_limits_and_server_errors_are_not_cached_but_missing_pages_are(wh):
     paths = ("/busy", "/limited", "/gone")
 
     async def scenario():
-        async with FlakySite() as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config(), PageCache(wh))
+        async with (FlakySite() as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(), PageCache(wh)) as reader):
             first = [(await reader.read(site.base + path)).error for path in paths]
             second = [(await reader.read(site.base + path)).error for path in paths]
             reader.cache.flush()
@@ -691,8 +693,7 @@ def test_server_errors_cached_by_earlier_versions_are_ignored(wh):
 
 def test_a_charset_declared_only_in_the_document_is_used():
     async def scenario():
-        async with HostileSite() as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config())
+        async with HostileSite() as site, aiohttp.ClientSession() as session, PageReader(session, config()) as reader:
             return [await reader.read(site.base + path) for path in ("/meta-charset", "/http-equiv-charset")]
 
     for read in asyncio.run(scenario()):
@@ -704,9 +705,9 @@ def test_every_redirect_hop_is_checked_and_spaced_like_the_first_url():
     async def scenario():
         async with Site() as site, aiohttp.ClientSession() as session:
             cfg = config(per_domain_interval_seconds=0.2, blocked_domains=("localhost",))
-            reader = PageReader(session, cfg)
-            pages = {path: await reader.read(site.base + path) for path in ("/go-private", "/go-localhost", "/go-ok")}
-            return site, pages
+            async with PageReader(session, cfg) as reader:
+                return site, {path: await reader.read(site.base + path) for path in ("/go-private", "/go-localhost",
+                                                                                     "/go-ok")}
 
     site, pages = asyncio.run(scenario())
     assert {path: p.error for path, p in pages.items()} == {
@@ -773,10 +774,11 @@ def test_a_page_cached_by_a_run_that_allowed_its_host_is_refused_to_a_run_that_d
     async def scenario():
         async with Site() as site, aiohttp.ClientSession() as session:
             url = f"{site.base}/go-ok"
-            allowing = PageReader(session, config(), PageCache(wh))
-            first = await allowing.read(url)
-            allowing.cache.flush()
-            later = await PageReader(session, config(allow_private_hosts=()), PageCache(wh)).read(url)
+            async with PageReader(session, config(), PageCache(wh)) as allowing:
+                first = await allowing.read(url)
+                allowing.cache.flush()
+            async with PageReader(session, config(allow_private_hosts=()), PageCache(wh)) as refusing:
+                later = await refusing.read(url)
             return site, first, later
 
     site, first, later = asyncio.run(scenario())
@@ -841,8 +843,8 @@ def test_an_unreachable_robots_txt_disallows_every_path_for_the_readers_lifetime
     """RFC 9309 2.3.1.3-4: a robots.txt answered 4xx allows everything; a server error, a timeout or a redirect the
     reader will not follow means complete disallow (rate limits count as server errors, as for page caching)."""
     async def scenario():
-        async with RobotsSite(robots) as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config(blocked_domains=("blocked.example",)), PageCache(wh))
+        async with (RobotsSite(robots) as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(blocked_domains=("blocked.example",)), PageCache(wh)) as reader):
             pages = [await reader.read(f"{site.base}/one"), await reader.read(f"{site.base}/two")]
             reader.cache.flush()
             return site, pages
@@ -856,16 +858,16 @@ def test_an_unreachable_robots_txt_disallows_every_path_for_the_readers_lifetime
 
 def test_an_unreachable_robots_txt_on_a_port_without_server_disallows():
     async def scenario():
-        async with aiohttp.ClientSession() as session:
-            return await PageReader(session, config()).read(f"http://127.0.0.1:{_free_port()}/page")
+        async with aiohttp.ClientSession() as session, PageReader(session, config()) as reader:
+            return await reader.read(f"http://127.0.0.1:{_free_port()}/page")
 
     assert asyncio.run(scenario()).error == UNREACHABLE.format("connection error (ClientConnectorError)")
 
 
 def test_a_redirected_robots_txt_is_followed():
     async def scenario():
-        async with RobotsSite("to-real") as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config())
+        async with (RobotsSite("to-real") as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config()) as reader):
             return site, [(await reader.read(f"{site.base}{path}")).error for path in ("/private/notes", "/public")]
 
     site, errors = asyncio.run(scenario())
@@ -893,8 +895,8 @@ class SlowRedirectSite(LoopbackSite):
 
 def test_timeout_seconds_bounds_a_whole_redirect_chain():
     async def scenario():
-        async with SlowRedirectSite() as site, aiohttp.ClientSession() as session:
-            reader = PageReader(session, config(timeout_seconds=0.5))
+        async with (SlowRedirectSite() as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(timeout_seconds=0.5)) as reader):
             started = time.monotonic()
             read = await reader.read(f"{site.base}/hop/0")
             return site, read, time.monotonic() - started
@@ -904,3 +906,47 @@ def test_timeout_seconds_bounds_a_whole_redirect_chain():
     assert (read.error, read.text) == ("timeout after 0.5 s", None)
     assert site.requests == ["/robots.txt", "/hop/0", "/hop/1"]
     assert seconds < 0.9, seconds
+
+
+class RebindingLoop(asyncio.SelectorEventLoop):
+    """An event loop whose name lookups answer `rebind.test` with a public address `public_lookups` times, then with
+    loopback: a name whose DNS answer changes between the reader's check and the connection (DNS rebinding)."""
+
+    public_lookups = 1
+
+    def __init__(self):
+        super().__init__()
+        self.lookups = 0
+
+    async def getaddrinfo(self, host, port, *, family=0, type=0, proto=0, flags=0):
+        if host != "rebind.test":
+            return await super().getaddrinfo(host, port, family=family, type=type, proto=proto, flags=flags)
+        self.lookups += 1
+        address = "93.184.215.14" if self.lookups <= self.public_lookups else "127.0.0.1"
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, int(port or 0)))]
+
+
+class LoopbackNameLoop(RebindingLoop):
+    """`rebind.test` is loopback from the first lookup on."""
+
+    public_lookups = 0
+
+
+def test_a_name_that_rebinds_to_a_private_address_is_refused_when_connecting():
+    async def scenario(allowed):
+        async with RobotsSite(404) as site, aiohttp.ClientSession() as session:
+            async with PageReader(session, config(allow_private_hosts=allowed)) as reader:
+                url = f"http://rebind.test:{site.port}/page"
+                return site, [await reader.read(url), await reader.read(url)]
+
+    with asyncio.Runner(loop_factory=RebindingLoop) as runner:
+        site, reads = runner.run(scenario(()))
+    # The check saw the public address, the connection would have used loopback: nothing reached the server,
+    # and the host stays refused for the reader's lifetime.
+    assert [(r.error, r.cacheable) for r in reads] == [(refused("rebind.test", "127.0.0.1"), False)] * 2
+    assert site.requests == []
+    # A host in allow_private_hosts is let through when connecting as well.
+    with asyncio.Runner(loop_factory=LoopbackNameLoop) as runner:
+        site, reads = runner.run(scenario(("rebind.test",)))
+    assert [(r.error, r.title) for r in reads] == [(None, "Heart failure")] * 2
+    assert site.requests == ["/robots.txt", "/page"]

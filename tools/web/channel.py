@@ -183,3 +183,7 @@ class WebChannel:
         self.ledger.warehouse.write("documents", self.documents_frame(source), corpus="web", source=source)
         self.ledger.flush()
         self.reader.cache.flush()
+
+    async def close(self) -> None:
+        """Close the reader's connections (the caller's session, which the provider uses, stays open)."""
+        await self.reader.close()

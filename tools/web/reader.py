@@ -4,7 +4,9 @@ behind a page cache that is persisted in the warehouse (`page_cache`).
 
 URLs come from search hits, links and redirects, i.e. from untrusted pages: before every request
 (each redirect hop included) the reader refuses blocked domains, hosts that resolve to a
-non-public address (unless in `allow_private_hosts`) and paths that robots.txt disallows.
+non-public address (unless in `allow_private_hosts`) and paths that robots.txt disallows. The
+address check is made again on the addresses the connection uses (the reader's own resolver), so a
+name cannot show a public address to the check and a private one to the connection (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from urllib.parse import urldefrag, urljoin, urlsplit
 
 import aiohttp
 import polars as pl
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import ThreadedResolver
 
 from tools.config import WebConfig
 from tools.corpus.documents import clean_text
@@ -63,11 +67,34 @@ class Page:
 
 
 class Refused(Exception):
-    """A URL (or redirect hop) the reader will not request; `detail` is the page error."""
+    """A URL (or redirect hop) the reader will not request; `detail` is the page error; `redirected` when the
+    refused URL is a redirect target rather than the URL asked for."""
 
-    def __init__(self, detail: str, cacheable: bool = True):
+    def __init__(self, detail: str, cacheable: bool = True, redirected: bool = False):
         super().__init__(detail)
-        self.detail, self.cacheable = detail, cacheable
+        self.detail, self.cacheable, self.redirected = detail, cacheable, redirected
+
+
+class NonPublicAddress(OSError):
+    """Raised by the reader's resolver, while connecting, for a host it must refuse; the message is the refusal."""
+
+
+class CheckedResolver(AbstractResolver):
+    """The resolver of the reader's connections: an answer holding a non-public address, for a host not in
+    `allow_private_hosts`, is refused here, so the addresses checked are the ones connected to."""
+
+    def __init__(self, reader: PageReader):
+        self.reader, self.base = reader, ThreadedResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+                      ) -> list[ResolveResult]:
+        answers = await self.base.resolve(host, port, family)
+        if refusal := self.reader.checked_addresses(host, [answer["host"] for answer in answers]):
+            raise NonPublicAddress(refusal)
+        return answers
+
+    async def close(self) -> None:
+        await self.base.close()
 
 
 def extract(html: str, base_url: str) -> tuple[str, str, list[str]]:
@@ -202,10 +229,14 @@ class PageCache:
 
 
 class PageReader:
-    """Fetch and extract pages politely. Never raises for a bad page: the error is on the Page."""
+    """Fetch and extract pages politely. Never raises for a bad page: the error is on the Page.
+
+    `session` is the caller's (the web channel's provider uses it); pages are requested through the reader's
+    own session, whose resolver is a CheckedResolver: close the reader (`close()` or `async with`) when done."""
 
     def __init__(self, session: aiohttp.ClientSession, config: WebConfig, cache: PageCache | None = None):
         self.session, self.config = session, config
+        self._http: aiohttp.ClientSession | None = None  # created in the running loop, on the first request
         self.cache = cache or PageCache()
         # Per origin: its rules, None (no robots.txt: everything allowed) or why it is unreachable.
         self._robots: dict[str, urllib.robotparser.RobotFileParser | str | None] = {}
@@ -215,8 +246,24 @@ class PageReader:
         self._slots = asyncio.Semaphore(config.concurrency)
         # urlsplit gives IPv6 hosts without brackets and host names in lower case: compare them so.
         self._private_hosts_allowed = {host.strip("[]").lower() for host in config.allow_private_hosts}
-        self._host_refusals: dict[str, str | None] = {}  # what address_refusal found for each host resolved
+        self._host_refusals: dict[str, str | None] = {}  # what checked_addresses found for each host resolved
         self.requests = 0
+
+    async def __aenter__(self) -> PageReader:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _pages_session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=CheckedResolver(self)))
+        return self._http
 
     async def read(self, url: str) -> Page:
         cached = self.cache.get(url)
@@ -279,7 +326,8 @@ class PageReader:
         hop, deadline = url, None
         for redirects in range(MAX_REDIRECTS + 1):
             if refused := await self._refusal(hop, robots):
-                raise refused if redirects == 0 else Refused(f"redirect to {hop}: {refused.detail}", refused.cacheable)
+                raise refused if redirects == 0 else Refused(f"redirect to {hop}: {refused.detail}", refused.cacheable,
+                                                             redirected=True)
             async with self._polite(hop):
                 now = time.monotonic()
                 deadline = deadline or now + self.config.timeout_seconds
@@ -287,12 +335,20 @@ class PageReader:
                     raise asyncio.TimeoutError
                 self.requests += 1
                 timeout = aiohttp.ClientTimeout(total=deadline - now)
-                async with self.session.get(hop, timeout=timeout, allow_redirects=False,
-                                            headers={"User-Agent": self.config.user_agent}) as response:
-                    location = response.headers.get("Location") if response.status in _REDIRECT_STATUSES else None
-                    if not location:
-                        yield response
-                        return
+                try:
+                    async with self._pages_session().get(hop, timeout=timeout, allow_redirects=False,
+                                                         headers={"User-Agent": self.config.user_agent}) as response:
+                        redirect = response.status in _REDIRECT_STATUSES
+                        location = response.headers.get("Location") if redirect else None
+                        if not location:
+                            yield response
+                            return
+                except aiohttp.ClientConnectorError as exc:
+                    if not isinstance(exc.os_error, NonPublicAddress):
+                        raise
+                    detail = str(exc.os_error)
+                    raise Refused(detail if redirects == 0 else f"redirect to {hop}: {detail}", cacheable=False,
+                                  redirected=redirects > 0) from None
             try:
                 hop = urljoin(hop, location)
             except ValueError:  # e.g. 'http://[bad'
@@ -327,7 +383,18 @@ class PageReader:
                                                self.config.timeout_seconds)
             except (OSError, UnicodeError, asyncio.TimeoutError, TimeoutError):
                 return None  # not remembered: a later lookup may succeed, and must then be checked
-            found = sorted({info[4][0] for info in infos if non_public(info[4][0])})
+            return self.checked_addresses(host, [info[4][0] for info in infos])
+        return self._host_refusals[host]
+
+    def checked_addresses(self, host: str, addresses: list[str]) -> str | None:
+        """Why `host` is refused given the addresses it resolved to, or None; remembered for later reads. Called
+        before a request (address_refusal) and again by the resolver of the connection, which may get another
+        answer (DNS rebinding): a refusal found then holds for the rest of this reader's life."""
+        host = host.lower()
+        if host in self._private_hosts_allowed:
+            return None
+        found = sorted({address for address in addresses if non_public(address)})
+        if not self._host_refusals.get(host):  # a host once refused stays refused, whatever it answers next
             self._host_refusals[host] = None if not found else (
                 f"non-public address refused: {host}{f' is {found[0]}' if found[0] != host else ''} "
                 "(allow the host in tools.web.allow_private_hosts)")
@@ -370,8 +437,11 @@ class PageReader:
                 if len(body) > self.config.max_bytes:
                     head = head[:head.rfind(b"\n") + 1]  # a cut last line could be a wrong rule: drop it
                 lines = decode(head, response.charset, "text/plain").splitlines()
-        except Refused as exc:  # e.g. redirected to a blocked domain or a redirect loop: none we may read
-            return exc.detail
+        except Refused as exc:
+            if not exc.cacheable and not exc.redirected:
+                # Refused when connecting (its address changed since the check): every page of the host is refused.
+                raise
+            return exc.detail  # e.g. redirected to a blocked domain, or a redirect loop: none we may read
         except (asyncio.TimeoutError, TimeoutError):
             return f"timeout after {self.config.timeout_seconds:g} s"
         except aiohttp.ClientError as exc:
