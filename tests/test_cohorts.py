@@ -67,6 +67,29 @@ def test_untagged_events_in_the_target_encounters_own_span_before_its_admission_
     assert "LAB//CREATININE//mg/dL" in codes
 
 
+def test_an_untagged_emergency_visit_that_led_into_the_target_admission_is_not_history(wh_vocab, tmp_path):
+    # MEDS-Extract's MIMIC-IV ETL writes an admission's ED_REGISTRATION (edregtime) and ED_OUT (edouttime)
+    # without its hadm_id, and the ED draws before the admission carry none either. Subject 1 registers at the
+    # ED at day 19, 08:00, has a troponin drawn at 09:00 and leaves the ED at day 20, 01:00, after encounter
+    # 103 began (its first own event, a BNP, is at day 19, 12:00): the ED visit led into 103 and is its own.
+    # An ED visit at day 15 that ended the same morning is history, and so is the registration at day 9, 20:00
+    # that led into encounter 102 (no ED_OUT recorded): it cannot stretch over 102 to claim the lab of day 16.
+    creatinine = "LAB//CREATININE//mg/dL"
+    rows = [(t(9, 20), "ED_REGISTRATION", None), (t(15), "ED_REGISTRATION", None), (t(15, 2), creatinine, 1.1),
+            (t(15, 4), "ED_OUT", None), (t(16), creatinine, 1.3), (t(19, 8), "ED_REGISTRATION", None),
+            (t(19, 9), "LAB//TROPONIN T//ng/mL", 0.9), (t(20, 1), "ED_OUT", None)]
+    extra = pl.DataFrame({"subject_id": 1, "time": [r[0] for r in rows], "code": [r[1] for r in rows],
+                          "numeric_value": [r[2] for r in rows], "text_value": None, "encounter_id": None},
+                         schema=tiny_events().schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "ed", pl.concat([tiny_events(), extra])), "ed")
+    cid = build_cohort(wh_vocab, "ed", "default", CohortOptions(), seed=7)["cohort_id"]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    untagged = pretarget.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null())
+    assert untagged.sort("time").select("time", "code").rows() == [
+        (dt.datetime(1950, 1, 1), "MEDS_BIRTH"), (t(9, 20), "ED_REGISTRATION"), (t(15), "ED_REGISTRATION"),
+        (t(15, 2), creatinine), (t(15, 4), "ED_OUT"), (t(16), creatinine)]
+
+
 def test_a_date_only_death_on_the_target_admissions_day_is_not_history(wh_vocab, tmp_path):
     # Subject 1 is admitted (encounter 103) on day 20 at 14:00 and dies there that evening; the export knows only the
     # date of death, so MEDS_DEATH (no encounter, as MEDS-Extract writes it from patients.dod) sits at midnight,

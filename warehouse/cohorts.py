@@ -14,7 +14,8 @@ Rules (spec/forecasting.md §1, §3):
   whose target would be empty after harmonization are excluded here, never at metric time;
 - the pre-target record of a trajectory is made by `pretarget_sql` alone: events strictly before
   the target admission, minus every event of the target encounter even when time-stamped earlier,
-  and minus untagged events from the target encounter's first own event on, and any death;
+  and minus untagged events from the target encounter's first own event on (or from the untagged
+  emergency-department registration of the visit that led into it), and any death;
 - Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
   one (a list of only the codes the data uses is no dictionary), else the official billable codes
   of the ICD versions present — never from targets.
@@ -81,12 +82,13 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 
     `events(subject_id, time, code, numeric_value, text_value, encounter_id)`,
     `trajectories(trajectory_id, subject_id, target_encounter_id, cutoff_time)`,
-    `encounter_starts(encounter_id, start_time, first_time)`. An event is kept when it is static (no
-    time) or strictly before the cutoff, it does not belong to the target encounter, and the
-    encounter it belongs to (if any) began before the cutoff. An event without an encounter is also
-    dropped from the target encounter's first own event on (e.g. an emergency-department
-    registration before the admission): in that span it may well be the target encounter's own
-    (an ED lab draw that the export left untagged). A diagnosis with neither a time nor an
+    `encounter_starts(encounter_id, start_time, claims_from)` (`encounter_starts_sql`). An event is kept
+    when it is static (no time) or strictly before the cutoff, it does not belong to the target
+    encounter, and the encounter it belongs to (if any) began before the cutoff. An event without an
+    encounter is also dropped from the target encounter's `claims_from` on (its first own event, or the
+    untagged emergency-department registration of the visit that led into it): in that span it may well
+    be the target encounter's own (the registration itself, an ED lab draw that the export left
+    untagged). A diagnosis with neither a time nor an
     encounter is left out: nothing places it before the cutoff (a problem list taken at extraction
     may hold the target encounter's diagnoses), so it cannot be static history as sex is. Nor is a death
     (`MEDS_DEATH`): no encounter follows one, so a death dated before the cutoff is the target encounter's
@@ -101,9 +103,55 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
         WHERE (e.time IS NULL OR e.time < t.cutoff_time)
           AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
-          AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.first_time IS NULL OR e.time < own.first_time)
+          AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.claims_from IS NULL OR e.time < own.claims_from)
           AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND e.code LIKE 'DIAGNOSIS//%')
           AND e.code <> 'MEDS_DEATH'
+    """
+
+
+def encounter_starts_sql(events: str) -> str:
+    """One row per encounter of `events` (a relation with subject_id, time, code, encounter_id):
+
+    - `start_time`: its admission (the first `HOSPITAL_ADMISSION//…` event, else its first dated event), the
+      cutoff of a trajectory that targets it;
+    - `first_time`: its first dated own event;
+    - `claims_from`: from when an event without an encounter may be its own: `first_time`, or earlier the
+      registration of an emergency-department visit that was still open then and led into it. MEDS-Extract's
+      MIMIC-IV ETL writes the `ED_REGISTRATION` (edregtime) and `ED_OUT` (edouttime) of an admission without
+      its hadm_id, and the ED draws before the admission carry none either: they are the admission's own
+      (MIMIC records edregtime on the admission's row). The visit is open when no untagged `ED_OUT` follows
+      the registration before `first_time`, and it led into this encounter when no other encounter of the
+      patient began in between (an export without `ED_OUT` then cannot stretch one registration over
+      later stays). An ED visit that ended before the admission began stays history;
+    - `n_dx`, and `dx_time`: from when its diagnoses are in later records, its first dated one (none when one
+      is undated, as an undated event is in every record).
+    """
+    return f"""
+        WITH own AS (
+            SELECT encounter_id, any_value(subject_id) AS subject_id,
+                   coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
+                   min(time) AS first_time,
+                   count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
+                   CASE WHEN bool_or(time IS NULL) FILTER (WHERE code LIKE 'DIAGNOSIS//%') THEN NULL
+                        ELSE min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%') END AS dx_time
+            FROM {events} WHERE encounter_id IS NOT NULL GROUP BY encounter_id),
+        ordered AS (
+            SELECT *, lag(first_time) OVER (PARTITION BY subject_id ORDER BY first_time, encounter_id) AS previous_first
+            FROM own),
+        untagged AS (
+            SELECT subject_id, time, code LIKE 'ED_OUT%' AS is_exit FROM {events}
+            WHERE encounter_id IS NULL AND time IS NOT NULL
+              AND (code IN ('ED_REGISTRATION', 'ED_OUT') OR code LIKE 'ED_REGISTRATION//%' OR code LIKE 'ED_OUT//%')),
+        registrations AS (SELECT subject_id, time FROM untagged WHERE NOT is_exit),
+        exits AS (SELECT subject_id, time FROM untagged WHERE is_exit)
+        SELECT o.encounter_id, o.subject_id, o.start_time, o.first_time,
+               CASE WHEN r.time IS NOT NULL AND (x.time IS NULL OR x.time < r.time)
+                         AND (o.previous_first IS NULL OR o.previous_first < r.time) THEN r.time
+                    ELSE o.first_time END AS claims_from,
+               o.n_dx, o.dx_time
+        FROM ordered o
+        ASOF LEFT JOIN registrations r ON r.subject_id = o.subject_id AND o.first_time > r.time
+        ASOF LEFT JOIN exits x ON x.subject_id = o.subject_id AND o.first_time > x.time
     """
 
 
@@ -190,16 +238,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             SELECT r.subject_id, r.time, coalesce(m.code, r.code) AS code, r.numeric_value, r.text_value, r.encounter_id
             FROM raw r LEFT JOIN dx_map_frame m ON r.code = m.source_code
             WHERE r.code NOT LIKE 'DIAGNOSIS//%' OR m.code IS NOT NULL""")
-        con.execute("""CREATE TEMP TABLE encounter_starts AS
-            SELECT encounter_id, any_value(subject_id) AS subject_id,
-                   coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
-                   min(time) AS first_time,
-                   count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
-                   -- From when the encounter's diagnoses are in later records: its first dated one (none
-                   -- when one is undated, as an undated event is in every record).
-                   CASE WHEN bool_or(time IS NULL) FILTER (WHERE code LIKE 'DIAGNOSIS//%') THEN NULL
-                        ELSE min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%') END AS dx_time
-            FROM raw WHERE encounter_id IS NOT NULL GROUP BY encounter_id""")
+        con.execute(f"CREATE TEMP TABLE encounter_starts AS {encounter_starts_sql('raw')}")
         steps.update()
 
         splits = read_splits(info, seed)
