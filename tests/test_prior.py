@@ -177,6 +177,99 @@ def test_visit_losses_equal_dense_bce_with_multi_hot_labels_and_their_gradients(
     assert torch.allclose(gradient, expected_gradient, rtol=0, atol=1e-12)
 
 
+def test_a_visit_that_may_not_be_a_target_withholds_its_pairs_from_both_losses():
+    O = 3
+    # One record of 5 visits coding {0}, {1}, {2}, {0}, {1} whose visit 2 may not be the target of the visits before
+    # it (they hold what was coded after its cutoff), padded to 6 visits: the padded visit withholds nothing.
+    dx_ids = torch.tensor([[[0], [1], [2], [0], [1], [O]]])
+    lengths, targets = torch.tensor([5]), torch.tensor([[True, True, False, True, True, False]])
+    scores = torch.randn(1, 6, O, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def bce(position: int, codes: set[int]) -> float:
+        labels = torch.tensor([float(c in codes) for c in range(O)], dtype=torch.float64)
+        return F.binary_cross_entropy_with_logits(scores[0, position], labels, reduction="sum").item()
+
+    task, later = visit_losses(scores, dx_ids, lengths, later_visits=2, targets=targets)
+    # Task pairs 0→1, 2→3, 3→4 (not 1→2); later windows {3, 4} of position 1 and {4} of position 2 (not {2, 3}).
+    assert task.item() == pytest.approx((bce(0, {1}) + bce(2, {0}) + bce(3, {1})) / 3, rel=1e-12)
+    assert later.item() == pytest.approx((bce(1, {0, 1}) + bce(2, {1})) / 2, rel=1e-12)
+    # Without targets every pair counts, as it did before.
+    task, later = visit_losses(scores, dx_ids, lengths, later_visits=2)
+    assert task.item() == pytest.approx((bce(0, {1}) + bce(1, {2}) + bce(2, {0}) + bce(3, {1})) / 4, rel=1e-12)
+    assert later.item() == pytest.approx((bce(0, {2, 0}) + bce(1, {0, 1}) + bce(2, {1})) / 3, rel=1e-12)
+
+
+def nested_stay_meds(root):
+    """The tiny dataset with train subject 2 given an admission (204, days 10 to 20, N179 coded at its discharge)
+    that spans a shorter stay (205, days 12 to 14, J189), as MIMIC holds a few."""
+    from tests.conftest import dx as icd10, t, tiny_events, write_tiny_meds
+
+    rows = []
+    for encounter, admit, discharge, code in ((204, t(10), t(20), "N179"), (205, t(12), t(14), "J189")):
+        rows += [(2, admit, "HOSPITAL_ADMISSION//EMERGENCY", None, None, encounter),
+                 (2, admit.replace(hour=6), "LAB//HBA1C//%", 7.5, None, encounter),
+                 (2, discharge, icd10(code), None, None, encounter),
+                 (2, discharge, "HOSPITAL_DISCHARGE//HOME", None, None, encounter)]
+    nested = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")
+    return write_tiny_meds(root, pl.concat([tiny_events(), nested]))
+
+
+def test_a_stay_nested_in_a_longer_one_is_trained_on_the_record_its_forecast_sees(wh_vocab, tmp_path):
+    from tests.conftest import dx as icd10
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    ingest_meds(wh_vocab, nested_stay_meds(tmp_path / "meds"), "nested")
+    # Every encounter a target, so the forecasting store holds the pre-target record of train trajectory 2:205 too.
+    cid = build_cohort(wh_vocab, "nested", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    con, cfg = wh_vocab.connect(), PriorConfig(min_code_count=1)
+    vocab = prior_data.build_vocabulary(con, cid, min_code_count=1)
+    tensors, _ = training_sequences(con, cid, vocab, cfg)
+
+    def tokens(row: int, visit: int) -> list[str]:
+        return [vocab.input_codes[i - 2] for i in tensors.codes[row, visit].tolist() if i > 1]
+
+    lab = "LAB//HBA1C//%//q0"
+    # Subject 2's sequence: 201, 202, the outer 204 (its N179 coded on day 20), the inner 205 (admitted on day 12).
+    # 205 is no target of that sequence: the visits before it hold N179, which its forecast cannot know.
+    assert tensors.keys == [2, (2, 205)]
+    assert [tokens(0, v) for v in range(4)] == [[icd10("E119"), icd10("I10"), lab], [icd10("I10"), icd10("J189"), lab],
+                                                [icd10("N179"), lab], [icd10("J189"), lab]]
+    assert tensors.targets[0].tolist() == [True, True, True, False]
+    # Its pair: the record cut at 205's admission (204 has no diagnosis before then, so it is no visit), then 205.
+    assert tensors.lengths.tolist() == [4, 3] and tensors.targets[1].tolist() == [False, False, True, False]
+    assert [tokens(1, v) for v in range(2)] == [[icd10("E119"), icd10("I10"), lab], [icd10("I10"), icd10("J189"), lab]]
+    assert [vocab.output_codes[i] for i in tensors.dx[1, 2].tolist() if i < vocab.n_output] == [icd10("J189")]
+    # The same tensors as the forecast of 205 builds from its pre-target record.
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:2:205")
+    served = visit_tensors(pretarget, "trajectory_id", vocab, cfg)
+    C, S = served.codes.shape[2], served.static.shape[1]
+    assert torch.equal(tensors.codes[1, :2, :C], served.codes[0]) and tensors.codes[1, :2, C:].sum() == 0
+    assert torch.equal(tensors.numeric[1, :2], served.numeric[0])
+    assert torch.equal(tensors.static[1, :S], served.static[0]) and tensors.static[1, S:].sum() == 0
+
+
+def test_a_validation_record_whose_last_visit_is_nested_is_cut_at_its_cutoff():
+    t = dt.datetime
+    # Two tuning records of one patient (target rule every) share encounters 1-3: record "a", cut on day 30, holds
+    # the outer stay 2 with the diagnosis Y coded at its discharge (day 20) and the nested stay 3 (days 12-14, Z);
+    # record "b", cut on day 15, holds stay 2 without a diagnosis yet (no visit) and stay 3.
+    day = [t(2020, 1, d) for d in range(1, 31)]
+    a = [(day[0], "HOSPITAL_ADMISSION//E", 1), (day[2], dx("X"), 1), (day[9], "HOSPITAL_ADMISSION//E", 2),
+         (day[19], dx("Y"), 2), (day[11], "HOSPITAL_ADMISSION//E", 3), (day[13], dx("Z"), 3)]
+    b = [row for row in a if row[1] != dx("Y")]
+    events = pl.DataFrame({"trajectory_id": ["a"] * len(a) + ["b"] * len(b), "time": [r[0] for r in a + b],
+                           "code": [r[1] for r in a + b], "encounter_id": [r[2] for r in a + b]})
+    vocab = Vocabulary(input_codes=[dx("X"), dx("Y"), dx("Z")], output_codes=[dx("X"), dx("Y"), dx("Z")],
+                       omega=[dx("X"), dx("Y"), dx("Z")])
+    inputs, labels = prior_data.validation_pairs(events, "trajectory_id", vocab, PriorConfig())
+    # "b" keeps its last visit as the label of the visits before it; "a"'s last visit, 3, follows the outer stay,
+    # whose Y its forecast cannot know: its pair is "a" cut at 3's admission (day 12), which leaves visit 1 only.
+    assert inputs.keys == ["b", ("a", 3)]
+    assert inputs.lengths.tolist() == [1, 1] and inputs.codes[:, 0, 0].tolist() == [2, 2]  # X
+    assert labels.tolist() == [[2], [2]]  # Z
+
+
 def test_each_token_uses_top_k_experts_and_balance_loss_tracks_imbalance():
     cfg = NetConfig(n_input_codes=4, n_output_codes=2, **TINY)
     moe = MoEFeedForward(cfg)

@@ -4,7 +4,10 @@ Sources (forecasting store only, through `Warehouse.connect()`):
 - training pairs (visits <= t -> diagnoses of visit t+1) from `train_events` (train patients);
 - validation pairs from the `tuning` trajectories' pre-target records: the last pre-target visit is
   the label and the earlier visits the input, so no tuning target (gold) is needed or read.
-`held_out` is never read here.
+`held_out` is never read here. A pair's input is what forecasting its label visit would see: where the
+visits before it hold more than the pre-target view at its cutoff (a stay still open at that admission,
+whose diagnoses are coded at its discharge), the pair is made from the record that `pretarget_sql`
+cuts there instead (`unserved_visits`, `cut_pairs`).
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
@@ -29,6 +32,7 @@ from torch.utils.data import Dataset
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
 from models.transition import sql_frame
+from warehouse import cohorts, duck
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
 LAB_PREFIX = "LAB//"  # lab value tokens come last
@@ -168,18 +172,21 @@ class VisitTensors:
     lengths: torch.Tensor  # (N,) real visits, >= 1
     dx: torch.Tensor  # (N, V, D) output ids, padded with O; int32 like `codes`
     history: pl.DataFrame  # (row, code) Ω diagnosis codes in the record that are not output codes
+    # (N, V) bool: the visits that may be the training target of the visits before them (see `visit_losses`)
+    targets: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
 
 def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorConfig,
-                  keys: list | None = None) -> VisitTensors:
+                  keys: list | None = None, unserved: pl.DataFrame | None = None) -> VisitTensors:
     """Turn events (key, time, code, encounter_id) into the most recent `max_visits` visits per key.
 
     `keys` fixes the row order and keeps keys without any visit (they get one empty visit so the
     model still scores them from age-free defaults and the generative head). V is the longest kept
-    record, so short records are not padded to `max_visits`.
+    record, so short records are not padded to `max_visits`. With `unserved` (key, encounter_id), the
+    result's `targets` marks every real visit but those.
     """
     C = cfg.max_codes_per_visit
     # An encounter's events belong to its visit whether dated or not (a source may keep diagnoses
@@ -240,9 +247,15 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     dx[diagnoses["row"].to_numpy(), diagnoses["pos"].to_numpy(), diagnoses["slot"].to_numpy()] = \
         diagnoses["out"].to_numpy()
     unseen = tokens.filter(pl.col("is_dx") & pl.col("out").is_null() & pl.col("in_omega")).select("row", "pos", "code")
+    targets = None
+    if unserved is not None:
+        targets = np.zeros((n, V), dtype=bool)
+        served = visits.join(unserved.select(key, "encounter_id"), on=[key, "encounter_id"], how="anti")
+        targets[served["row"].to_numpy(), served["pos"].to_numpy()] = True
+        targets = torch.from_numpy(targets)
     return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
                         static_ids(events, key, rows, vocab.input_ids), torch.from_numpy(lengths),
-                        torch.from_numpy(dx), unseen)
+                        torch.from_numpy(dx), unseen, targets)
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:
@@ -267,9 +280,12 @@ def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl
 def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch.Tensor]:
     """Inputs without each sequence's last visit, and that visit's output ids (N, D) as labels.
 
-    Only sequences with at least two visits are kept.
+    Only sequences with at least two visits are kept, and with `t.targets` only those whose last visit
+    may be the target of the visits before it.
     """
-    keep = torch.nonzero(t.lengths >= 2).squeeze(1)
+    last_ok = torch.ones_like(t.lengths, dtype=torch.bool) if t.targets is None else \
+        t.targets[torch.arange(len(t.lengths)), t.lengths - 1]
+    keep = torch.nonzero((t.lengths >= 2) & last_ok).squeeze(1)
     lengths = t.lengths[keep] - 1
     labels = t.dx[keep, lengths]  # (N', D)
     V = t.codes.shape[1]
@@ -291,6 +307,8 @@ class SequenceDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = {"codes": self.t.codes[i], "numeric": self.t.numeric[i], "static": self.t.static[i],
                 "lengths": self.t.lengths[i], "dx": self.t.dx[i]}
+        if self.t.targets is not None:
+            item["targets"] = self.t.targets[i]
         if self.labels is not None:
             item["labels"] = self.labels[i]
         return item
@@ -318,21 +336,48 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
     """Tensors of every train patient with at least two visits (a pair needs a next visit), and the
     number of train patients with at least one visit; InputError when no patient has two visits.
 
+    A visit whose predecessors in the patient's sequence are not its pre-target view (`unserved_visits`)
+    is no target there (`targets`); its pair follows the patient's sequence as one of its own: the record
+    cut at the visit's cutoff (`cut_pairs`), then the visit, the only target of that sequence.
+
     Featurized `cfg.featurize_chunk_patients` patients at a time: the events frame and its joins
     are what costs memory, so only one chunk's exist at once; the chunks' tensors are padded to
     the widest chunk and concatenated in subject order (the result equals featurizing all at once).
     """
     parts, n_patients = [], 0
     for first, last in train_subject_ranges(con, cohort_id, cfg.max_train_patients, cfg.featurize_chunk_patients):
-        chunk = visit_tensors(load_training_events(con, cohort_id, first, last), "subject_id", vocab, cfg)
+        events = load_training_events(con, cohort_id, first, last)
+        unserved = unserved_visits(events, "subject_id")
+        chunk = visit_tensors(events, "subject_id", vocab, cfg, unserved=unserved)
         n_patients += len(chunk)
-        keep = torch.nonzero(chunk.lengths >= 2).squeeze(1)
-        parts.append(VisitTensors([chunk.keys[i] for i in keep.tolist()], chunk.codes[keep], chunk.numeric[keep],
-                                  chunk.static[keep], chunk.lengths[keep], chunk.dx[keep], chunk.history.head(0)))
-        del chunk
+        part = select_rows(chunk, torch.nonzero(chunk.lengths >= 2).squeeze(1).tolist())
+        if unserved.height:
+            cut = pair_sequences(*cut_pairs(events, "subject_id", unserved, vocab, cfg), vocab.n_output)
+            part = concat_rows([part, cut], vocab.n_output)
+            # Each cut pair right after its patient's sequence: the order of featurizing all patients at once.
+            order = sorted(range(len(part)), key=lambda i: (part.keys[i], 0, 0) if isinstance(part.keys[i], int)
+                           else (part.keys[i][0], 1, part.keys[i][1]))
+            part = select_rows(part, order)
+        parts.append(part)
+        del chunk, events
     if not sum(len(t) for t in parts):
         raise InputError(f"cohort {cohort_id}: no train patient has two visits with diagnoses; "
                          "nothing to learn next-visit transitions from")
+    return concat_rows(parts, vocab.n_output), n_patients
+
+
+def select_rows(t: VisitTensors, rows: list[int]) -> VisitTensors:
+    """The sequences `rows` of `t`, in that order (without `history`, which training does not use)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    return VisitTensors([t.keys[i] for i in rows], t.codes[index], t.numeric[index], t.static[index],
+                        t.lengths[index], t.dx[index], t.history.head(0),
+                        None if t.targets is None else t.targets[index])
+
+
+def concat_rows(parts: list[VisitTensors], n_output: int) -> VisitTensors:
+    """Sequences of several VisitTensors, each padded to the most visits, codes, diagnoses and static codes.
+
+    `targets` are kept when every part has them (a padded visit is no target)."""
     V = max(t.codes.shape[1] for t in parts)
     D = max(t.dx.shape[2] for t in parts)
     S = max(t.static.shape[1] for t in parts)
@@ -341,15 +386,139 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
         pad = [0, 0 if slots is None else slots - x.shape[2], 0, visits - x.shape[1]]
         return torch.nn.functional.pad(x, pad, value=fill)
 
-    tensors = VisitTensors(
+    with_targets = all(t.targets is not None for t in parts)
+    return VisitTensors(
         [key for t in parts for key in t.keys],
         torch.cat([padded(t.codes, V, None, PAD) for t in parts]),
         torch.cat([padded(t.numeric, V, None, 0) for t in parts]),
         torch.cat([torch.nn.functional.pad(t.static, [0, S - t.static.shape[1]], value=PAD) for t in parts]),
         torch.cat([t.lengths for t in parts]),
-        torch.cat([padded(t.dx, V, D, vocab.n_output) for t in parts]),
-        parts[0].history)
-    return tensors, n_patients
+        torch.cat([padded(t.dx, V, D, n_output) for t in parts]),
+        parts[0].history.head(0),
+        torch.cat([torch.nn.functional.pad(t.targets, [0, V - t.targets.shape[1]], value=False) for t in parts])
+        if with_targets else None)
+
+
+def _register_records(con: duckdb.DuckDBPyConnection, events: pl.DataFrame, key: str) -> None:
+    """`events` as the relation `rec` that `encounter_starts_sql` and `pretarget_sql` read: `record` is the key,
+    `subject_id` numbers the records and `encounter_id` the encounters of each record in their order,
+    `source_encounter_id` is the event's own encounter id.
+
+    Records keyed by subject keep their ids: encounter ids are unique across a dataset (`validate_meds_dir`).
+    Records of trajectories are numbered: two trajectories of one patient (target rule `every`) share
+    encounters whose events each record cuts at its own time.
+    """
+    con.register("frame", events)
+    numeric = "numeric_value" if "numeric_value" in events.columns else "NULL::FLOAT"
+    ids = ("subject_id, encounter_id" if key == "subject_id" else
+           f"dense_rank() OVER (ORDER BY {key}) AS subject_id, CASE WHEN encounter_id IS NOT NULL "
+           f"THEN dense_rank() OVER (ORDER BY {key}, encounter_id) END AS encounter_id")
+    # A view: a train chunk's events are read where they lie, not copied.
+    con.execute(f"""CREATE TEMP VIEW rec AS SELECT {key} AS record, {ids}, encounter_id AS source_encounter_id,
+                    time, code, {numeric} AS numeric_value, NULL::VARCHAR AS text_value FROM frame""")
+
+
+def unserved_visits(events: pl.DataFrame, key: str) -> pl.DataFrame:
+    """(key, encounter_id, last) of each visit whose predecessors in its record's sequence are not its
+    pre-target view; `last` when it is the record's last visit.
+
+    The visits and their order are `visit_tensors`'s (encounters with a diagnosis and a dated event, by
+    first dated event, then id), the cutoff a cohort's (`encounter_starts_sql`). A visit's predecessors
+    are its pre-target view when each of them ended before its cutoff (`pretarget_sql` keeps events before
+    it only) and no later visit began before it (that one's early events would be in the view). A stay
+    still open at a visit's admission, such as an admission spanning a shorter stay, has its diagnoses
+    coded at its discharge: in the sequence they precede the inner stay, in its pre-target view they do not.
+    """
+    con = duck.connect()
+    try:
+        _register_records(con, events, key)
+        return con.sql(f"""
+            WITH starts AS ({cohorts.encounter_starts_sql('rec')}),
+            visits AS (
+                SELECT encounter_id, any_value(record) AS record, any_value(subject_id) AS subject_id,
+                       any_value(source_encounter_id) AS source_encounter_id,
+                       min(time) AS first_time, max(time) AS last_time
+                FROM rec WHERE encounter_id IS NOT NULL GROUP BY encounter_id
+                HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL),
+            ordered AS (
+                SELECT v.*, s.start_time,
+                       max(v.last_time) OVER (PARTITION BY v.subject_id ORDER BY v.first_time, v.encounter_id
+                                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier_last,
+                       lead(v.first_time) OVER (PARTITION BY v.subject_id ORDER BY v.first_time, v.encounter_id)
+                           AS next_first
+                FROM visits v JOIN starts s USING (encounter_id))
+            SELECT record AS {key}, source_encounter_id AS encounter_id, next_first IS NULL AS last FROM ordered
+            WHERE earlier_last >= start_time OR next_first < start_time
+            ORDER BY {key}, encounter_id""").pl()
+    finally:
+        con.close()
+
+
+def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocabulary, cfg: PriorConfig
+              ) -> tuple[VisitTensors, torch.Tensor]:
+    """For each visit (key, encounter_id) of `visits`: the visit tensors of its record as `pretarget_sql` cuts
+    it at the visit's cutoff (what forecasting that visit sees), and the visit's output ids (N, D) as labels,
+    padded with n_output. A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
+    """
+    con = duck.connect()
+    try:
+        _register_records(con, events.join(visits.select(key).unique(), on=key, how="semi"), key)
+        con.register("wanted", visits.select(key, "encounter_id").to_arrow())
+        con.execute(f"CREATE TEMP TABLE starts AS {cohorts.encounter_starts_sql('rec')}")
+        con.execute(f"""CREATE TEMP TABLE pairs AS
+            SELECT DISTINCT r.encounter_id AS trajectory_id, r.subject_id, r.encounter_id AS target_encounter_id,
+                   s.start_time AS cutoff_time, r.record, r.source_encounter_id
+            FROM rec r JOIN wanted w ON w.{key} = r.record AND w.encounter_id = r.source_encounter_id
+            JOIN starts s ON s.encounter_id = r.encounter_id""")
+        cut = con.sql(f"""SELECT trajectory_id AS pair, time, code, numeric_value, encounter_id
+                          FROM ({cohorts.pretarget_sql('rec', 'pairs', 'starts')})""").pl()
+        label_codes = con.sql("""SELECT DISTINCT p.trajectory_id AS pair, r.code FROM pairs p
+                                 JOIN rec r ON r.encounter_id = p.target_encounter_id
+                                 WHERE r.code LIKE 'DIAGNOSIS//%'""").pl()
+        names = {pair: (record, encounter) for pair, record, encounter in con.execute(
+            "SELECT trajectory_id, record, source_encounter_id FROM pairs").fetchall()}
+    finally:
+        con.close()
+    inputs = visit_tensors(cut, "pair", vocab, cfg)  # only the pairs whose cut record has a visit
+    rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
+                        schema={"pair": cut.schema["pair"], "row": pl.Int64})
+    labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")
+                .join(rows, on="pair").sort("row", "out")
+                .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
+    labels = np.full((len(inputs), max(1, int(labelled["slot"].max() + 1) if labelled.height else 1)),
+                     vocab.n_output, dtype=np.int32)
+    labels[labelled["row"].to_numpy(), labelled["slot"].to_numpy()] = labelled["out"].to_numpy()
+    inputs.keys = [names[pair] for pair in inputs.keys]
+    return inputs, torch.from_numpy(labels)
+
+
+def pair_sequences(inputs: VisitTensors, labels: torch.Tensor, n_output: int) -> VisitTensors:
+    """Pairs (inputs, labels) as training sequences: the label visit appended after each input record (no
+    codes of its own: nothing after it is trained), and the only visit marked as a target."""
+    rows = torch.arange(len(inputs))
+    D = max(inputs.dx.shape[2], labels.shape[1])
+    dx = torch.nn.functional.pad(inputs.dx, [0, D - inputs.dx.shape[2], 0, 1], value=n_output)
+    dx[rows, inputs.lengths, :labels.shape[1]] = labels
+    targets = torch.zeros(dx.shape[:2], dtype=torch.bool)
+    targets[rows, inputs.lengths] = True
+    return VisitTensors(inputs.keys, torch.nn.functional.pad(inputs.codes, [0, 0, 0, 1], value=PAD),
+                        torch.nn.functional.pad(inputs.numeric, [0, 0, 0, 1]), inputs.static, inputs.lengths + 1, dx,
+                        inputs.history.head(0), targets)
+
+
+def validation_pairs(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorConfig
+                     ) -> tuple[VisitTensors, torch.Tensor]:
+    """One pair per record of `events` (pre-target records): its last visit as labels, the visits before it as
+    inputs, or, when those are not its pre-target view (`unserved_visits`), the record cut at its cutoff."""
+    unserved = unserved_visits(events, key).filter(pl.col("last"))
+    inputs, labels = drop_last_visit(visit_tensors(events, key, vocab, cfg, unserved=unserved), vocab.n_output)
+    if unserved.is_empty():
+        return inputs, labels
+    cut_inputs, cut_labels = cut_pairs(events, key, unserved, vocab, cfg)
+    D = max(labels.shape[1], cut_labels.shape[1])
+    return (concat_rows([inputs, cut_inputs], vocab.n_output),
+            torch.cat([torch.nn.functional.pad(x, [0, D - x.shape[1]], value=vocab.n_output)
+                       for x in (labels, cut_labels)]))
 
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
@@ -368,7 +537,7 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     V = int(batch["lengths"].max())
     C = max(1, int((batch["codes"] > 0).sum(-1).max()))
-    trimmed = {k: (v[:, :V] if k in ("codes", "numeric", "dx") else v) for k, v in batch.items()}
+    trimmed = {k: (v[:, :V] if k in ("codes", "numeric", "dx", "targets") else v) for k, v in batch.items()}
     trimmed["codes"] = trimmed["codes"][:, :, :C]
     for ids in ("codes", "static", "dx", "labels"):
         if ids in trimmed:

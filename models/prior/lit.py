@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from models.prior.config import PriorConfig
-from models.prior.data import (SequenceDataset, build_vocabulary, drop_last_visit, load_tuning_pretarget,
-                               training_sequences, trim, visit_tensors)
+from models.prior.data import (SequenceDataset, build_vocabulary, load_tuning_pretarget, training_sequences,
+                               trim, validation_pairs)
 from models.prior.nn import PriorNet, router_losses, visit_losses, visit_multi_hot
 
 
@@ -44,7 +44,7 @@ class PriorModule(L.LightningModule):
         batch = trim(batch)
         scores, _, aux = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])
         task, later = visit_losses(scores, batch["dx"], batch["lengths"],
-                                   self.cfg.later_visits if self.cfg.later_weight else 0)
+                                   self.cfg.later_visits if self.cfg.later_weight else 0, batch.get("targets"))
         balance, z = router_losses(aux)
         loss = (task + self.cfg.later_weight * later + self.cfg.balance_loss_weight * balance
                 + self.cfg.z_loss_weight * z)
@@ -140,9 +140,7 @@ class PriorDataModule(L.LightningDataModule):
         train, self.n_train_patients = training_sequences(self.con, self.cohort_id, self.vocab, self.cfg)
         self.train_set = SequenceDataset(train)
         tuning = load_tuning_pretarget(self.con, self.cohort_id)
-        inputs, labels = drop_last_visit(visit_tensors(tuning, "trajectory_id", self.vocab, self.cfg),
-                                         self.vocab.n_output)
-        self.val_set = SequenceDataset(inputs, labels)
+        self.val_set = SequenceDataset(*validation_pairs(tuning, "trajectory_id", self.vocab, self.cfg))
 
     def train_dataloader(self) -> DataLoader:
         sampler = LengthBucketBatches(self.train_set.t.lengths, self.cfg.batch_size, self.cfg.seed)

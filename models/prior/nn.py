@@ -298,11 +298,15 @@ def coded_logit_sum(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where((ids < O) & ~repeated, picked, 0.0).sum(-1)
 
 
-def visit_losses(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, later_visits: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def visit_losses(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, later_visits: int,
+                 targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-label BCE of each position t, summed over codes: against visit t+1's codes (the task loss, mean
     over the positions that have a visit t+1) and against the union of the codes of visits t+2 … t+1+later_visits
     (the later-visits loss, mean over the positions that have a visit t+2; zero when none has).
+
+    `targets` (B, V) bool, when given, says which visits may be the target of the visits before them: a
+    position counts in the task loss only when visit t+1 may, in the later-visits loss only when every
+    visit of its window may (a visit whose predecessors hold what was coded after its cutoff may not).
 
     BCE(l, y) = softplus(l) − l·y. The softplus term, summed over the whole output vocabulary, is the same for
     both targets and is computed once; the label term only reads the scores of the few coded ids, so no
@@ -318,11 +322,18 @@ def visit_losses(scores: torch.Tensor, dx: torch.Tensor, lengths: torch.Tensor, 
     def ahead(n: int) -> torch.Tensor:  # (B, V, D): the ids of visit t+n at position t, padded with O
         return F.pad(dx[:, n:], (0, 0, 0, n), value=O)
 
-    task = mean_over(position < (lengths - 1)[:, None], ahead(1))
+    # Visits beyond a sequence's end are no target at all, so they never withhold a position.
+    may = torch.ones_like(position, dtype=torch.bool) if targets is None else targets | (position >= lengths[:, None])
+
+    def allowed(n: int) -> torch.Tensor:  # (B or 1, V): visit t+n may be a target of position t
+        return F.pad(may[:, n:], (0, n), value=True)
+
+    task = mean_over((position < (lengths - 1)[:, None]) & allowed(1), ahead(1))
     steps = range(2, min(later_visits + 1, V - 1) + 1)
     if not steps:
         return task, torch.zeros((), device=scores.device)
-    later = mean_over(position < (lengths - 2)[:, None], torch.cat([ahead(n) for n in steps], -1))
+    window = torch.stack([allowed(n) for n in steps]).all(0)
+    later = mean_over((position < (lengths - 2)[:, None]) & window, torch.cat([ahead(n) for n in steps], -1))
     return task, later
 
 
