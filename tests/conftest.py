@@ -28,6 +28,40 @@ def shared_data(*parts: str) -> Path:
     return path
 
 
+def disk_full_errors() -> list:
+    """The two errors DuckDB 2.0 raises when the disk fills (texts as seen): a write's IOException passing on
+    ENOSPC, and the refusal to spill more once its temporary files reach `max_temp_directory_size`, which by
+    default is 90% of the disk space that was free."""
+    import duckdb
+
+    return [
+        duckdb.IOException(
+            'IO Error: Async write failed for range [offset=0, size=262144]: {"exception_type":"IO",'
+            '"exception_message":"Could not write file \\"import.duckdb.tmp/duckdb_temp_storage_S256K-0.tmp\\": '
+            'No space left on device","errno":"28"}'),
+        duckdb.OutOfMemoryException(
+            "Out of Memory Error: failed to offload data block of size 256.0 KiB (960.0 KiB/976.5 KiB used).\n"
+            "This limit was set by the 'max_temp_directory_size' setting.\nBy default, this setting utilizes the "
+            "available disk space on the drive where the 'temp_directory' is located."),
+    ]
+
+
+class FailsAt:
+    """A real DuckDB connection on which the first statement containing `marker` raises `error` instead."""
+
+    def __init__(self, con, marker: str, error: Exception):
+        self.con, self.marker, self.error, self.fired = con, marker, error, False
+
+    def execute(self, query: str, *args, **kwargs):
+        if self.marker in query and not self.fired:
+            self.fired = True
+            raise self.error
+        return self.con.execute(query, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.con, name)
+
+
 def dx(code: str) -> str:
     return f"DIAGNOSIS//ICD//10//{code}"
 

@@ -3,6 +3,9 @@ registered files cannot change underneath a cohort build."""
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -11,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import warehouse.synthetic as synthetic
-from dxr.errors import InputError
+from dxr.errors import ConfigError, InputError
 from tests.conftest import abandoned_scratch, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
@@ -67,6 +70,25 @@ def test_ingests_register_their_runs_also_when_called_from_python(wh_vocab, tiny
                     ("ing-mimic", "ingest:mimic4", "finished")]
     with pytest.raises(InputError, match="unknown MIMIC source 'mimic5'"):
         ingest_mimic(wh_vocab, "mimic5", mimic4, "fixture", seed=0)
+
+
+def test_a_full_disk_during_meds_ingest_says_so_and_where(wh_vocab, tiny_meds, monkeypatch):
+    # copytree gathers the ENOSPC of each file into one shutil.Error without errno or file name: the CLI printed
+    # the list of (source, target, reason) triples of every file.
+    def to_a_full_disk(src, dst, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+
+    copytree = shutil.copytree
+    # copytree calls itself by name for each subdirectory, with its options as positional arguments.
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst, *options, **named: copytree(
+        src, dst, copy_function=to_a_full_disk))
+    with pytest.raises(ConfigError) as raised:
+        ingest_meds(wh_vocab, tiny_meds, "full", run_id="ing-full")
+    assert str(raised.value) == (
+        f"MEDS ingest of {tiny_meds}: out of disk space in {wh_vocab.meds_dir('full').parent}: free disk space "
+        "there, or point --data-dir (DXR_DATA_DIR) to a disk with room")
+    assert not wh_vocab.meds_dir("full").exists()
+    assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-full", "failed")]
 
 
 def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):

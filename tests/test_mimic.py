@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from dxr.cli import main
 from dxr.errors import ConfigError, InputError
 from models.llm.config import LLMConfig
-from tests.conftest import abandoned_scratch, shared_data
+from tests.conftest import FailsAt, abandoned_scratch, disk_full_errors, shared_data
 from warehouse.importers import import_mimic3, import_mimic4
 from warehouse.meds import hash_split, validate_meds_dir
 
@@ -730,3 +730,37 @@ def test_cli_memory_limit_reaches_the_import_and_a_bad_one_is_one_line(tmp_path)
     result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "roomy",
                  "--memory-limit", "512MB")
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("error", disk_full_errors(), ids=["enospc", "spill_cap"])
+@pytest.mark.parametrize("marker", ["read_csv(", "CREATE TABLE subject_shards"])
+def test_a_full_disk_during_import_says_so_and_where(tmp_path, previous_import, monkeypatch, marker, error):
+    # A full disk during the CSV read was reported as a malformed patients.csv.gz to re-download, past the read as a
+    # DuckDB traceback (ENOSPC) or as too little memory (DuckDB's spill cap, which follows the free disk space).
+    from warehouse import duck
+
+    out, before = previous_import
+    connect = duck.connect
+    monkeypatch.setattr(duck, "connect", lambda database: FailsAt(connect(database), marker, error))
+    with pytest.raises(ConfigError) as raised:
+        import_mimic4(FIXTURE, out, seed=SEED)
+    assert str(raised.value) == (
+        f"MIMIC-IV import of {FIXTURE}: out of disk space in {out.parent}: free disk space there, or point --data-dir "
+        "(DXR_DATA_DIR) to a disk with room")
+    assert read_meds(out).equals(before)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["meds"]
+
+
+def test_cli_full_disk_during_import_is_one_line(tmp_path, monkeypatch):
+    from warehouse import duck
+    from warehouse.store import Warehouse
+
+    connect = duck.connect
+    monkeypatch.setattr(duck, "connect", lambda database: FailsAt(connect(database), "read_csv(",
+                                                                      disk_full_errors()[0]))
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", FIXTURE, "--name", "full", "--run-id", "ing-9")
+    assert result.exit_code == 1
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        f"Error: MIMIC-IV import of {FIXTURE}: out of disk space in {tmp_path / 'wh' / 'gold' / 'meds'}: free disk "
+        "space there, or point --data-dir (DXR_DATA_DIR) to a disk with room"]
+    assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-9", "failed")]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import polars as pl
 
-from dxr.errors import InputError, NotFoundError
+from dxr.errors import ConfigError, InputError, NotFoundError
+from warehouse import duck
 from warehouse.importers import ImportSummary, import_mimic3, import_mimic4
 from warehouse.locks import held
 from warehouse.meds import copy_meds_dir, validate_meds_dir
@@ -59,7 +60,13 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
         check_name("dataset", dataset_id)
         info = validate_meds_dir(source_dir)  # fail before copying anything
         with writing_dataset(wh, dataset_id):
-            copy_meds_dir(Path(source_dir), wh.meds_dir(dataset_id), info.encounter_column)
+            target = wh.meds_dir(dataset_id)
+            try:
+                copy_meds_dir(Path(source_dir), target, info.encounter_column)
+            except OSError as exc:  # shutil.copytree's Error gathers each file's, without errno or file name
+                if duck.out_of_disk(exc):
+                    raise ConfigError(duck.out_of_disk_message(f"MEDS ingest of {source_dir}", target.parent)) from exc
+                raise
             return register_dataset(wh, dataset_id, source="meds")
 
 

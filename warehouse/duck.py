@@ -9,7 +9,9 @@ running in worker threads, which never see the signal, are stopped too.
 
 from __future__ import annotations
 
+import errno
 import weakref
+from pathlib import Path
 
 import duckdb
 
@@ -30,6 +32,24 @@ def literal(text) -> str:
     "'/data/o''brien/*.parquet'"
     """
     return "'" + str(text).replace("'", "''") + "'"
+
+
+def out_of_disk(exc: BaseException) -> bool:
+    """Whether `exc` says the disk is full: the system's ENOSPC (DuckDB passes it on only in the text of an
+    IOException, shutil.copytree inside the text of its Error), or DuckDB refusing to spill more because its
+    temporary files reached `max_temp_directory_size`, which by default is 90% of the disk space that was free."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    return "No space left on device" in text or (
+        isinstance(exc, duckdb.OutOfMemoryException) and "max_temp_directory_size" in text)
+
+
+def out_of_disk_message(what: str, directory: Path) -> str:
+    """The one-line error of `what` (e.g. "MIMIC-IV import of /data/mimic") that filled the disk at `directory`, where
+    it writes its output and, for DuckDB work, its spill files."""
+    return (f"{what}: out of disk space in {directory}: free disk space there, or point --data-dir (DXR_DATA_DIR) to "
+            "a disk with room")
 
 
 def interrupt_queries() -> int:

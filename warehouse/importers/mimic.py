@@ -499,7 +499,12 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
         summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
         log(f"wrote {out_dir}")
         return summary
-    except duckdb.OutOfMemoryException as exc:
+    except (duckdb.Error, OSError) as exc:
+        # A full disk surfaces from DuckDB (an IOException, or a refused spill) and from the Parquet writers alike.
+        if duck.out_of_disk(exc):
+            raise ConfigError(duck.out_of_disk_message(f"{layout.title} import of {src}", out_dir.parent)) from exc
+        if not isinstance(exc, duckdb.OutOfMemoryException):
+            raise
         # DuckDB spills what it can to the work directory; this is memory it could not spill within the limit.
         raise ConfigError(f"{layout.title} import of {src}: DuckDB ran out of memory within its limit of "
                           f"{memory_limit} ({_first_line(exc)}): rerun with a larger memory limit "
@@ -603,9 +608,9 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
                            else f"NULL::VARCHAR AS {column}" for column in spec.columns)
         try:
             con.execute(f"CREATE TABLE raw_{name} AS SELECT {select} FROM {_read_csv(path, len(header))}")
-        except duckdb.OutOfMemoryException:
-            raise  # not the file's fault: re-downloading it would not help
         except duckdb.Error as exc:
+            if isinstance(exc, duckdb.OutOfMemoryException) or duck.out_of_disk(exc):
+                raise  # not the file's fault: re-downloading it would not help
             raise InputError(_malformed_csv_message(path, exc)) from exc
     casts = ", ".join(f"TRY_CAST({column} AS {kind}) AS {column}" for column, kind in spec.columns.items())
     con.execute(f"CREATE VIEW t_{name} AS SELECT {casts}, rowid + 1 AS src_row FROM raw_{name}")
