@@ -399,3 +399,28 @@ def test_prefects_temporary_server_ends_with_a_sigkilled_dxr(tmp_path):
         proc.kill()
         if server is not None and Path(f"/proc/{server}").exists():
             os.kill(server, signal.SIGKILL)
+
+
+def test_cohort_build_memory_limit_option_overrides_the_setting_and_running_out_is_one_line(tmp_path, tiny_meds,
+                                                                                            wh_vocab, monkeypatch):
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    monkeypatch.setenv("DXR_COHORT__MEMORY_LIMIT", "1MB")
+    line = one_line_error(run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir))
+    assert line.startswith("Error: cohort build of default from dataset tiny: DuckDB ran out of memory within its "
+                           "limit of 1MB (Out of Memory Error: "), line
+    assert line.endswith(": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB, or the setting "
+                         "cohort.memory_limit) that the machine has free"), line
+    result = run("cohort", "build", "--dataset", "tiny", "--name", "default", "--memory-limit", "lots",
+                 data_dir=data_dir)
+    assert result.exit_code == 2
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        "Error: Invalid value for '--memory-limit': 'lots' is not a size such as 2GB or 512MB "
+        "(usage: main cohort build -h)"], result.output
+    result = run("cohort", "build", "--dataset", "tiny", "--name", "default", "--memory-limit", "512MB",
+                 data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    monkeypatch.delenv("DXR_COHORT__MEMORY_LIMIT")
+    line = one_line_error(run("cohort", "build", "--dataset", "tiny", "--name", "default", "--memory-limit", "1MB",
+                              data_dir=data_dir))
+    assert "DuckDB ran out of memory within its limit of 1MB" in line, line

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import polars as pl
 import pytest
 
-from tests.conftest import DESCRIPTIONS, FUROSEMIDE, dx, t, tiny_events, write_described_meds, write_tiny_meds
+from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, FailsAt, disk_full_errors, dx, t, tiny_events,
+                            write_described_meds, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -408,3 +410,36 @@ def test_a_meds_extract_layout_with_nested_and_simultaneous_stays_keeps_the_boun
     assert targets.select("trajectory_id", "code").rows() == [
         (f"{cid}:10:1002", "DIAGNOSIS//ICD//10//E119"), (f"{cid}:20:2003", "DIAGNOSIS//ICD//10//N179"),
         (f"{cid}:30:3003", "DIAGNOSIS//ICD//10//I10"), (f"{cid}:50:5003", "DIAGNOSIS//ICD//10//J441")]
+
+
+def test_running_out_of_duckdb_memory_is_one_error_saying_how_to_raise_the_limit(wh_vocab, tiny_meds):
+    # It was DuckDB's OutOfMemoryException and its traceback, with DuckDB's own `SET memory_limit` advice.
+    from dxr.errors import ConfigError
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    with pytest.raises(ConfigError) as raised:
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, memory_limit="1MB", run_id="coh-oom")
+    # DuckDB's own sentence says how much it holds, which depends on its threads.
+    assert re.fullmatch(re.escape("cohort build of default from dataset tiny: DuckDB ran out of memory within its "
+                                  "limit of 1MB ") + r"\(Out of Memory Error: failed to allocate data of size "
+                        r"[0-9.]+ [KM]iB \([^()\n]+ used\)\)" + re.escape(
+                            ": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB, or the setting "
+                            "cohort.memory_limit) that the machine has free"), str(raised.value)), str(raised.value)
+    assert wh_vocab.read("cohorts").is_empty()
+    assert wh_vocab.read("runs", run_id="coh-oom")["status"].to_list() == ["failed"]
+    assert not [p.name for p in wh_vocab.gold_dir.iterdir() if p.name.startswith(".cohort-build-")]
+
+
+@pytest.mark.parametrize("error", disk_full_errors(), ids=["enospc", "spill_cap"])
+def test_a_full_disk_during_a_build_says_so_and_where(wh_vocab, tiny_meds, monkeypatch, error):
+    from dxr.errors import ConfigError
+    from warehouse import duck
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    connect = duck.connect
+    monkeypatch.setattr(duck, "connect", lambda database: FailsAt(connect(database), "CREATE TEMP TABLE events", error))
+    with pytest.raises(ConfigError) as raised:
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    assert str(raised.value) == (f"cohort build of default from dataset tiny: out of disk space in {wh_vocab.root}: "
+                                 "free disk space there, or point --data-dir (DXR_DATA_DIR) to a disk with room")
+    assert wh_vocab.read("cohorts").is_empty()

@@ -52,6 +52,15 @@ def out_of_disk_message(what: str, directory: Path) -> str:
             "a disk with room")
 
 
+def out_of_memory_message(what: str, memory_limit: str, exc: duckdb.OutOfMemoryException,
+                          setting: str | None = None) -> str:
+    """The one-line error of `what` whose DuckDB work needed more than `memory_limit`: DuckDB spills what it can to
+    disk, so this is memory it could not spill. `setting` names the setting that also holds the limit."""
+    also = f", or the setting {setting}" if setting else ""
+    return (f"{what}: DuckDB ran out of memory within its limit of {memory_limit} ({str(exc).strip().splitlines()[0]})"
+            f": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB{also}) that the machine has free")
+
+
 def interrupt_queries() -> int:
     """Interrupt the running query of every open connection of this process; returns how many were asked."""
     # No lock: this runs in a signal handler, possibly while the main thread is inside `connect`.

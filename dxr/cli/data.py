@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
 
 from dxr.cli import main, settings, warehouse
+from dxr.config import MEMORY_LIMIT_PATTERN
+
+
+def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A `--memory-limit` callback: a DuckDB size such as 2GB (None when the option was left to a setting)."""
+    if value is not None and not re.fullmatch(MEMORY_LIMIT_PATTERN, value):
+        raise click.BadParameter(f"{value!r} is not a size such as 2GB or 512MB", ctx, param)
+    return value
 
 
 @main.group()
@@ -139,10 +148,13 @@ def cohort() -> None:
 @click.option("--min-history", type=click.IntRange(min=0), default=None,
               help="Earlier encounters whose diagnoses are in a trajectory's record (begun and coded "
                    "before its cutoff) that it needs (default 1).")
+@click.option("--memory-limit", default=None, callback=check_memory_limit,
+              help="DuckDB memory of the build; beyond it DuckDB spills to a work directory in the gold store "
+                   "(default: setting cohort.memory_limit, 2GB).")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
 def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
-                 min_history: int | None, run_id: str | None) -> None:
+                 min_history: int | None, memory_limit: str | None, run_id: str | None) -> None:
     """Build a cohort: trajectories, pre-target records, vocabulary Ω, gold targets (and the synthetic oracles).
 
     \b
@@ -155,8 +167,8 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
     row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
-                       oracle_draws=cfg.synth.oracle_draws, memory_limit=cfg.cohort.memory_limit, progress=True,
-                       run_id=run_id)
+                       oracle_draws=cfg.synth.oracle_draws, memory_limit=memory_limit or cfg.cohort.memory_limit,
+                       progress=True, run_id=run_id)
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
     built = json.loads(row["options_json"])

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import click
 
 from dxr.cli import echo_err, settings, warehouse
-from dxr.cli.data import ingest
-from dxr.config import MEMORY_LIMIT_PATTERN
+from dxr.cli.data import check_memory_limit, ingest
 
 
 def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
@@ -24,14 +22,8 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
                f"ICD versions {row['icd_versions']}")
 
 
-def _memory_limit(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if not re.fullmatch(MEMORY_LIMIT_PATTERN, value):
-        raise click.BadParameter(f"{value!r} is not a size such as 2GB or 512MB", ctx, param)
-    return value
-
-
 memory_limit_option = click.option(
-    "--memory-limit", default="2GB", show_default=True, callback=_memory_limit,
+    "--memory-limit", default="2GB", show_default=True, callback=check_memory_limit,
     help="DuckDB memory of the import; beyond it DuckDB spills to a work directory beside the dataset.")
 
 

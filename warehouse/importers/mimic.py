@@ -505,10 +505,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
             raise ConfigError(duck.out_of_disk_message(f"{layout.title} import of {src}", out_dir.parent)) from exc
         if not isinstance(exc, duckdb.OutOfMemoryException):
             raise
-        # DuckDB spills what it can to the work directory; this is memory it could not spill within the limit.
-        raise ConfigError(f"{layout.title} import of {src}: DuckDB ran out of memory within its limit of "
-                          f"{memory_limit} ({_first_line(exc)}): rerun with a larger memory limit "
-                          "(`--memory-limit`, e.g. 8GB) that the machine has free") from exc
+        raise ConfigError(duck.out_of_memory_message(f"{layout.title} import of {src}", memory_limit, exc)) from exc
     finally:
         if con is not None:
             con.close()
