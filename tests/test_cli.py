@@ -123,7 +123,15 @@ def test_file_system_errors_and_a_missing_warehouse_are_one_line_naming_the_path
 
 def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     (tmp_path / "forecast").mkdir()  # an empty warehouse
-    assert "not allowed" in one_line_error(run("sql", "DROP VIEW rankings", data_dir=tmp_path))
+    # The refusal listed six of the eleven starts it accepts; each one it lists runs.
+    assert one_line_error(run("sql", "DROP VIEW rankings", data_dir=tmp_path)) == (
+        "Error: dxr sql runs read-only queries; 'drop' is not allowed: start with SELECT, WITH, FROM, DESCRIBE, SHOW, "
+        "SUMMARIZE, PIVOT, UNPIVOT, EXPLAIN, VALUES or TABLE")
+    for query in ("SELECT 1 AS a", "WITH t AS (SELECT 1 AS a) SELECT * FROM t", "FROM (SELECT 1 AS a)", "DESCRIBE runs",
+                  "SHOW TABLES", "SUMMARIZE runs", "PIVOT (SELECT 'x' AS k, 1 AS v) ON k USING sum(v)",
+                  "UNPIVOT (SELECT 1 AS a, 2 AS b) ON a, b INTO NAME k VALUE v", "EXPLAIN SELECT 1", "VALUES (1, 2)",
+                  "TABLE runs"):
+        assert run("sql", query, data_dir=tmp_path).exit_code == 0, query
     hidden_write = f"SELECT 1; COPY (SELECT 1 AS a) TO '{tmp_path / 'forecast' / 'leak.csv'}'"
     assert "exactly one read-only query" in one_line_error(run("sql", hidden_write, data_dir=tmp_path))
     assert not (tmp_path / "forecast" / "leak.csv").exists()

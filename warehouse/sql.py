@@ -76,8 +76,9 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> 
     """Check that `query` is one read-only statement over the warehouse and start it."""
     head = query.lstrip().split(None, 1)[0].lower() if query.strip() else ""
     if head not in _READ_ONLY_PREFIXES:
+        *first, last = (prefix.upper() for prefix in _READ_ONLY_PREFIXES)
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
-                         "start with SELECT, WITH, FROM, DESCRIBE, SHOW or SUMMARIZE")
+                         f"start with {', '.join(first)} or {last}")
     if run_id is not None and not wh.has_rows("runs", run_id=check_run_id(run_id)):
         raise NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with "
                             "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
