@@ -16,7 +16,8 @@ def train_prior_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = ("eh
     training's summary.
 
     A retry of the flow run keeps its run id (`flow_run_id`), so the systems that finished before the
-    failure are not trained again (`tasks.prior.finished_training`).
+    failure are not trained again (`tasks.prior.finished_training`), nor is one whose version was registered
+    before the failure (`models.prior.train.registered_training`).
     """
     cfg = cfg or PriorConfig()
     run_id = run_id or flow_run_id("train")

@@ -9,6 +9,7 @@ nothing (the demo's once-per-cohort-build training), and then puts that model in
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -33,9 +34,10 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
     """Train `system` on a cohort (by name or id) and register it; the run is recorded in `runs`.
 
     A run id whose training of `system` already finished with the same settings, and whose version is
-    still registered, returns that training instead of repeating it (see `finished_training`).
+    still registered, returns that training instead of repeating it (see `finished_training`); one whose
+    earlier attempt registered a version and then failed takes that version (`registered_training`).
     """
-    from models.prior.train import TrainResult, train_prior_model  # Lightning takes seconds to import
+    from models.prior.train import TrainResult, registered_training, train_prior_model  # Lightning is slow to import
 
     check_prior_system(system)  # before the run is registered: a typo is no failed training
     wh = Warehouse(data_dir)
@@ -47,10 +49,25 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
                                         system, run_id, done["registered_model"], done["version"])
             return TrainResult(**done)
         with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
-            result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
-                                       progress=progress, report_epoch=epoch_reporter(system, cfg.epochs))
+            identity = training_identity(run.run_id, config)
+            tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)
+            # Only a given run id can have had an earlier attempt.
+            result = registered_training(system, cohort_id, cfg, identity) if run_id is not None else None
+            if result is not None:
+                stage_logger(__name__).info("%s: an earlier attempt of run %s registered %s v%s, not trained again",
+                                            system, run.run_id, result.registered_model, result.version)
+            else:
+                result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
+                                           progress=progress, report_epoch=epoch_reporter(system, cfg.epochs),
+                                           identity=identity)
             run.config = {**config, "result": asdict(result)}
     return result
+
+
+def training_identity(run_id: str, config: dict) -> dict[str, str]:
+    """MLflow run tags naming one training: the dxr run and a digest of its settings (system, cohort, prior)."""
+    settings = json.dumps(config, sort_keys=True, default=str)
+    return {"dxr.run_id": run_id, "dxr.training": hashlib.sha256(settings.encode()).hexdigest()[:16]}
 
 
 def finished_training(wh: Warehouse, run_id: str, config: dict) -> dict | None:

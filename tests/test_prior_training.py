@@ -289,6 +289,45 @@ def test_a_retried_train_prior_flow_run_does_not_train_the_finished_systems_agai
     assert runs.select("kind", "status").rows() == [("train:dense_prior", "finished"), ("train:gru", "finished")]
 
 
+def test_a_retry_after_a_failure_past_registration_reuses_the_registered_version(prefect_harness, tmp_path,
+                                                                                 monkeypatch):
+    # The first attempt registers version 1, then fails putting it in service (a tracking-server hiccup; as
+    # well a crash before the run is recorded finished). The retry trained again and registered version 2.
+    import models.prior.train
+    from flows.train_prior import train_prior_flow
+
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    real_train, calls = models.prior.train.train_prior_model, []
+
+    def counted(connection, cohort_id, system, *args, **kwargs):
+        calls.append(system)
+        return real_train(connection, cohort_id, system, *args, **kwargs)
+
+    real_alias, aliased = tracking.MlflowClient.set_registered_model_alias, []
+
+    def alias_fails_the_first_time(client, name, alias, version):
+        aliased.append(version)
+        if len(aliased) == 1:
+            raise MlflowException("database is locked")
+        return real_alias(client, name, alias, version)
+
+    monkeypatch.setattr(models.prior.train, "train_prior_model", counted)
+    monkeypatch.setattr(tracking.MlflowClient, "set_registered_model_alias", alias_fails_the_first_time)
+    flow = train_prior_flow.with_options(retries=1, retry_delay_seconds=0)
+    [result] = flow(str(tmp_path), cohort, ("gru",), PriorConfig(**TINY, epochs=1))
+
+    assert calls == ["gru"]
+    assert aliased == ["1", "1"]
+    assert (result["version"], result["alias"]) == ("1", "champion")
+    assert [v["version"] for v in tracking.registered_versions("gru", cohort)] == ["1"]
+    assert tracking.resolve_alias("gru", cohort, "champion") == ("1", result["mlflow_run_id"])
+    first_attempt = tracking.MlflowClient().get_run(result["mlflow_run_id"])
+    assert result["metrics"] == {**first_attempt.data.metrics, "selected_epoch": 0}
+    runs = Warehouse(tmp_path).read("runs")
+    assert runs.select("kind", "status").rows() == [("train:gru", "finished")]
+    assert json.loads(runs["config_json"][0])["result"] == result
+
+
 def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_path):
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
     with pytest.raises(InputError, match="unknown prior system 'repeat_history': use one of ehr_prior"):

@@ -25,6 +25,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import mlflow  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import Run  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 
 BUNDLE_FILES = ("vocabulary.json", "prior_config.json", "net_config.json")
@@ -117,6 +118,19 @@ def version_run(system: str, cohort_id: str, version: str) -> str:
         raise NotFoundError(f"registered model {name!r} has no version {version!r} in {mlflow.get_tracking_uri()} "
                             f"(versions: {', '.join(known) or 'none'}): list them with "
                             f"`dxr prior models --cohort {cohort_id} --system {system}`") from exc
+
+
+def version_tagged(system: str, cohort_id: str, tags: dict[str, str]) -> tuple[str, Run] | None:
+    """(version, MLflow run) of the earliest registered version of a system's model for a cohort whose run
+    carries every tag of `tags`; None when there is none."""
+    client = MlflowClient()
+    name = registered_name(system, cohort_id)
+    with store_errors(f"looking for a version of {name} by its run's tags"):
+        for v in sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
+            run = client.get_run(v.run_id)
+            if all(run.data.tags.get(key) == value for key, value in tags.items()):
+                return str(v.version), run
+    return None
 
 
 def registered_versions(system: str, cohort_id: str) -> list[dict]:

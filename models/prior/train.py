@@ -110,10 +110,18 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     return net.eval(), net_cfg, best.epoch if best else None
 
 
+# MLflow run tag holding what a `TrainResult` needs besides the registered version (`registered_training`).
+RESULT_TAG = "dxr.result"
+
+
 def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
-                      data_dir: str | Path, progress: bool = False, report_epoch: EpochReport | None = None
-                      ) -> TrainResult:
-    """Fit on train patients, validate on tuning pre-target records, log and register the model."""
+                      data_dir: str | Path, progress: bool = False, report_epoch: EpochReport | None = None,
+                      identity: dict[str, str] | None = None) -> TrainResult:
+    """Fit on train patients, validate on tuning pre-target records, log and register the model.
+
+    `identity` (tags naming the training, `tasks.prior.training_identity`) goes on the MLflow run, so a retry
+    of a training that registered its version and then failed finds that version (`registered_training`).
+    """
     net_config(system, cfg, 0, 0)  # unknown system: fail before touching MLflow
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
     started = time.perf_counter()
@@ -123,7 +131,7 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
     name = tracking.registered_name(system, cohort_id)
     with (tracking.store_errors(f"recording the training of {name}"),
           mlflow.start_run(run_name=f"{system}-{cohort_id}") as run):
-        mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system]})
+        mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system], **(identity or {})})
         mlflow.log_params({**{f"prior.{k}": v for k, v in cfg.model_dump().items()},
                            "system": system, "cohort_id": cohort_id, "n_input_codes": data.vocab.n_input,
                            "n_output_codes": data.vocab.n_output, "n_train_sequences": len(data.train_set),
@@ -137,6 +145,10 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
         summary = {"train_seconds": seconds, "train_patients_per_second": data.n_train_patients / seconds,
                    "peak_rss_mb": peak_mb, "selected_epoch": selected}
         mlflow.log_metrics(summary)
+        chosen = epoch_logger.history[selected] if epoch_logger.history else {}
+        outcome = {"metrics": {**chosen, **summary}, "n_train_patients": data.n_train_patients,
+                   "n_train_sequences": len(data.train_set), "train_seconds": seconds, "peak_rss_mb": peak_mb}
+        mlflow.set_tag(RESULT_TAG, json.dumps(outcome))  # before registering: a registered version has it
         with tempfile.TemporaryDirectory() as tmp:
             files = []
             for file, payload in (("vocabulary.json", data.vocab.to_json()),
@@ -152,6 +164,23 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
         if cfg.promote:
             tracking.MlflowClient().set_registered_model_alias(name, cfg.alias, version)
             alias = cfg.alias
-    chosen = epoch_logger.history[selected] if epoch_logger.history else {}
-    return TrainResult(system, cohort_id, run.info.run_id, name, version, alias, {**chosen, **summary},
-                       data.n_train_patients, len(data.train_set), seconds, peak_mb)
+    return TrainResult(system, cohort_id, run.info.run_id, name, version, alias, **outcome)
+
+
+def registered_training(system: str, cohort_id: str, cfg: PriorConfig, identity: dict[str, str]) -> TrainResult | None:
+    """The training tagged `identity` whose model version is registered, put in service as `cfg.promote` says;
+    None when no attempt of it got as far as registering.
+
+    An attempt can register its version and still fail (putting it in service, ending the MLflow run, recording
+    the dxr run) or be killed: its retry takes that version instead of registering another of the same training.
+    """
+    found = tracking.version_tagged(system, cohort_id, identity)
+    if found is None:
+        return None
+    version, run = found  # its run was tagged with the result before the version was registered
+    alias = None
+    if cfg.promote:
+        tracking.set_alias(system, cohort_id, version, cfg.alias)
+        alias = cfg.alias
+    return TrainResult(system, cohort_id, run.info.run_id, tracking.registered_name(system, cohort_id), version,
+                       alias, **json.loads(run.data.tags[RESULT_TAG]))
