@@ -548,3 +548,58 @@ def test_doctests():
 
     result = doctest.testmod(models.llm.backends)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_path):
+    """A reply depends on the window it was computed in (a server with a full window cuts it off or refuses the
+    prompt), which the request does not carry: another window asks again instead of replaying it."""
+    from models.llm.local_server import CHAT_FORMAT, LocalBackend, LocalServer
+
+    def counting(state: dict):
+        async def handler(request: web.Request) -> web.Response:
+            state["requests"] += 1
+            return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": state["requests"]})}}]})
+        return handler
+
+    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
+        url = ""
+
+        def start(self) -> str:
+            return self.url
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
+
+    async def ask(make_client, windows: list[int]) -> list[tuple[int, bool]]:
+        answers = []
+        for window in windows:
+            client = make_client(window)
+            value = (await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"]
+            answers.append((value, client.telemetry()["cache_hit"][0]))
+            await client.close()
+        return answers
+
+    async def scenario():
+        local_state, http_state = {"requests": 0}, {"requests": 0}
+        async with serving(counting(local_state)) as local_url, serving(counting(http_state)) as http_url:
+            def local_client(window: int) -> LLMClient:
+                server = Started(tmp_path / "m.gguf", window, 1, tmp_path / "server.log")
+                server.url = local_url
+                return LLMClient(LLMConfig(context_window=window), LocalBackend(server, 10.0),
+                                 ResponseCache(tmp_path / "local-cache"))
+
+            def http_client_of(window: int) -> LLMClient:
+                config = LLMConfig(backend="openai", base_url=http_url, model="served", context_window=window)
+                return LLMClient(config, OpenAIBackend(http_url, 10.0), ResponseCache(tmp_path / "http-cache"))
+
+            return await ask(local_client, [2048, 4096, 2048]), await ask(http_client_of, [2048, 4096, 2048])
+
+    local, http = asyncio.run(scenario())
+    assert local == [(1, False), (2, False), (1, True)]
+    assert http == [(1, False), (2, False), (1, True)]
+    files = (tmp_path / "local-cache").rglob("*.json")
+    keys = sorted((json.loads(json.loads(p.read_text())["key_input"]) for p in files),
+                  key=lambda key: key["serving"]["context_window"])
+    identity = LocalBackend(Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "log"), 1.0).identity
+    assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
+        {"backend": "local", "identity": identity, "prompt_version": "unit/1",
+         "serving": {"chat_format": CHAT_FORMAT, "context_window": window}} for window in (2048, 4096)]

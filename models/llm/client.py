@@ -148,6 +148,12 @@ class LLMClient:
         """How requests ask for JSON: `llm.response_format`, else the backend's own preference."""
         return self.config.response_format or getattr(self.backend, "response_format", "json_schema")
 
+    @property
+    def serving(self) -> dict:
+        """What shapes a reply besides the request: the context window (the configured one, or the window the
+        backend's server runs with when it knows it) and the backend's own settings (`Backend.serving`)."""
+        return {"context_window": self.config.context_window, **getattr(self.backend, "serving", {})}
+
     def request(self, messages: list[dict], schema: dict) -> dict:
         """The backend request for `messages` (deterministic settings, JSON output as configured)."""
         request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
@@ -232,7 +238,7 @@ class LLMClient:
     async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
         """One response (from the cache or the backend, with transport retries) and its telemetry row."""
         identity = getattr(self.backend, "identity", None)
-        key_input = cache_key_input(self.backend.name, identity, prompt_version, request)
+        key_input = cache_key_input(self.backend.name, identity, prompt_version, request, self.serving)
         started = time.perf_counter()
         row = {"call_id": uuid.uuid4().hex, "run_id": context.run_id, "stage": context.stage,
                "trajectory_id": context.trajectory_id, "backend": self.backend.name, "model": self.config.model,

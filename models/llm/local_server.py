@@ -208,6 +208,9 @@ class LocalBackend:
     def __init__(self, server: LocalServer, timeout_s: float):
         self.server = server
         self.identity = gguf_identity(server.model_path)
+        # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`) and the chat
+        # template that turns the messages into the prompt.
+        self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT}
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
