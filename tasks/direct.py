@@ -155,7 +155,16 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         return rows, (status, "; ".join(n for n in notes if n) or None)
 
     ids = trajectories["trajectory_id"].to_list()
-    results = await asyncio.gather(*(one(t) for t in ids))
+    tasks = [asyncio.ensure_future(one(t)) for t in ids]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:
+        # One trajectory's error stops the run (or it was interrupted): the others' requests are cancelled and
+        # awaited, so that each call made has its final telemetry row before the caller writes them.
+        for pending in tasks:
+            pending.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     ranked = pl.DataFrame([row for rows, _ in results for row in rows], orient="row",
                           schema={"trajectory_id": pl.String, "rank": pl.Int32, "code": pl.String,
                                   "score": pl.Float64, "native": pl.Boolean})
@@ -171,7 +180,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
 def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.DataFrame, pretarget: pl.DataFrame,
                  k: int, run_id: str, config: LLMConfig) -> int:
     """Run Direct Forecast over one shard and write its rankings, candidates, ranking_status and llm_calls
-    partitions."""
+    partitions (only llm_calls when the run stops on an error: the calls made so far)."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(tables=NON_RUN_TABLES), cohort_id)
     titles = code_titles(wh, cohort_id)
     client = LLMClient.from_config(config, wh.root)
@@ -182,7 +191,12 @@ def direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectories: pl.Dat
         finally:
             await client.close()
 
-    ranked, status = asyncio.run(run())
+    try:
+        ranked, status = asyncio.run(run())
+    except BaseException:
+        # The run stops (a configuration error, an interrupt), but the calls it made were made, and cost: on record.
+        wh.write("llm_calls", client.telemetry(), run_id=run_id, stage=DIRECT, shard=shard)
+        raise
     write_shard_outputs(wh, DIRECT, shard, run_id, ranked, status, pretarget)
     wh.write("llm_calls", client.telemetry(), run_id=run_id, stage=DIRECT, shard=shard)
     return trajectories.height

@@ -315,7 +315,8 @@ def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_coh
     wh, _, _ = planted_cohort
     # Nothing listens there: the first request that has used up its retries stops the run with one error
     # (no trajectory after it waits out its own retries to fail alike).
-    for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0"}.items():
+    for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0",
+                       "MAX_CONCURRENCY": "1"}.items():
         monkeypatch.setenv(f"DXR_LLM__{key}", value)
     result, lines = failed_cli_forecast(wh, "down")
     assert len(lines) == 1 and lines[0].startswith(
@@ -323,6 +324,60 @@ def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_coh
         "(ClientConnectorError"), result.output
     assert lines[0].endswith("start the endpoint, or check llm.base_url and llm.backend"), result.output
     assert wh.read("ranking_status", run_id="down").is_empty()
+    # The request that was made is on record; the other trajectory's, never sent, is not.
+    calls = wh.read("llm_calls", run_id="down")
+    assert calls.select("stage", "backend", "status", "cache_hit").rows() == [
+        ("direct", "openai", "transport_error", False)]
+    assert calls["error"][0].startswith("cannot connect to http://127.0.0.1:1/v1/chat/completions")
+
+
+def test_a_run_stopped_by_a_configuration_error_records_the_calls_it_made():
+    import asyncio
+
+    from aiohttp import web
+
+    from dxr.errors import ConfigError
+    from models.llm.backends import OpenAIBackend
+    from tasks.direct import forecast_direct
+    from tests.conftest import serving
+
+    # Three records told apart by their encounters: the first is refused as no request of the run could succeed,
+    # the second is still being computed then, and the third waits for a free slot (two in flight at most).
+    released = {}
+
+    async def handler(request):
+        encounters = (await request.json())["messages"][-1]["content"].count("Encounter ")
+        if encounters == 2:
+            await released["event"].wait()  # computing until the run has stopped
+        return web.json_response({"error": {"message": "Unsupported parameter: 'seed'"}}, status=400)
+
+    records = {"t-refused": 1, "t-in-flight": 2, "t-queued": 3}
+    pretarget = pl.DataFrame([row for t, n in records.items() for row in record_of(t, n)], orient="row",
+                             schema={"trajectory_id": pl.String, "time": pl.Datetime("us"), "code": pl.String,
+                                     "numeric_value": pl.Float32, "text_value": pl.String, "encounter_id": pl.Int64})
+
+    async def scenario():
+        released["event"] = asyncio.Event()
+        async with serving(handler) as url:
+            config = LLMConfig(backend="openai", base_url=url, model="served", cache=False, max_concurrency=2)
+            client = LLMClient(config, OpenAIBackend(url, 60))
+            try:
+                # The run stops without waiting for the request in flight (which would wait forever).
+                with pytest.raises(ConfigError, match="HTTP 400 .*Unsupported parameter: 'seed'"):
+                    await asyncio.wait_for(forecast_direct(
+                        client, pl.DataFrame({"trajectory_id": list(records)}), pretarget,
+                        Vocabulary({"DIAGNOSIS//ICD//10//I5022": "x"}), "r", "c", 20), 20)
+            finally:
+                released["event"].set()
+                await client.close()
+            return client.telemetry(), url
+
+    calls, url = asyncio.run(scenario())
+    refusal = (f"HTTP 400 from {url}/chat/completions: Unsupported parameter: 'seed'; the endpoint refuses the "
+               "request's parameters: check llm.model, llm.response_format and llm.base_url")
+    assert calls.sort("trajectory_id").select("trajectory_id", "status", "error").rows() == [
+        ("t-in-flight", "cancelled", "cancelled in flight: the run stopped (another request's error, or an interrupt)"),
+        ("t-refused", "rejected", refusal)]
 
 
 def test_an_endpoint_that_is_down_fails_the_forecast_not_each_trajectory():

@@ -603,3 +603,39 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
          "serving": {"chat_format": CHAT_FORMAT, "context_window": window}} for window in (2048, 4096)]
+
+
+def test_after_an_error_that_stops_the_run_no_request_is_sent_and_none_retried():
+    from dxr.errors import ConfigError
+    from models.llm.client import RunStoppedError
+
+    busy = (503, b'{"error": {"message": "overloaded"}}', {})
+    unauthorized = (401, b'{"error": {"message": "Incorrect API key provided"}}', {})
+
+    async def handler(request: web.Request) -> web.Response:
+        # The first request meets a busy server and backs off; the second finds the key refused.
+        state["requests"] += 1
+        status, body, headers = [busy, unauthorized][min(state["requests"], 2) - 1]
+        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+
+    async def scenario():
+        async with serving(handler) as url:
+            client = http_client(url, backoff_s=0.5, max_concurrency=1)
+            first = asyncio.ensure_future(client.complete_json(QUESTION, SCHEMA, "unit/1", CallContext("r", "u", "a")))
+            await asyncio.sleep(0.1)  # the first has had its 503 and is backing off
+            with pytest.raises(ConfigError, match="HTTP 401"):
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CallContext("r", "u", "b"))
+            with pytest.raises(RunStoppedError, match="^u: not sent, the run stopped on: HTTP 401 from "):
+                await first
+            with pytest.raises(RunStoppedError):
+                await client.complete_json(QUESTION, SCHEMA, "unit/1", CallContext("r", "u", "c"))
+            await client.close()
+        return client.telemetry(), url
+
+    state = {"requests": 0}
+    calls, url = asyncio.run(scenario())
+    assert state["requests"] == 2
+    assert calls.select("trajectory_id", "status", "error").rows() == [
+        ("a", "cancelled", f"not retried, the run stopped; HTTP 503 from {url}/chat/completions: overloaded"),
+        ("b", "rejected", f"HTTP 401 from {url}/chat/completions: Incorrect API key provided; check the API key in "
+                          "the environment variable named by llm.api_key_env")]

@@ -266,7 +266,9 @@ TABLES.update({
             "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
             "truncated_chars": pa.int64(), "model_identity": pa.string(),
         }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
-           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx)}; `model` = the configured "
+           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx), cancelled (in flight when "
+           "the run stopped on another request's error or an interrupt)}; a run that stops still writes the rows of "
+           "the requests it sent; `model` = the configured "
            "model name, `model_identity` = which model answered (the endpoint's base URL, `<file>@<fingerprint>` "
            "of the embedded backend's GGUF, the replay file; null in rows written before it was recorded); "
            "`truncated_chars` = history characters dropped to fit the context window; `latency_ms` = time in "

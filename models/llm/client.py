@@ -30,6 +30,10 @@ class LLMOutputError(DxrError):
     """The model's reply stayed invalid after every validation retry."""
 
 
+class RunStoppedError(ConfigError):
+    """A request not sent because an earlier one met an error that stops the run (`ConfigError`)."""
+
+
 class EndpointUnreachableError(ConfigError):
     """The endpoint could not be connected to after every transport retry: the run stops with this one error
     rather than wait out the same retries for each of its other requests."""
@@ -44,6 +48,7 @@ MAX_ERROR_CHARS = 200
 FEEDBACK_RESERVE_CHARS = 800
 FEEDBACK_HEAD = "That reply does not follow the required JSON structure:\n"
 FEEDBACK_TAIL = "\nReply again with only a JSON object that fixes every listed problem."
+CANCELLED = "cancelled in flight: the run stopped (another request's error, or an interrupt)"
 
 
 CALL_COLUMNS = {
@@ -126,6 +131,8 @@ class LLMClient:
         self._retry_timeouts = getattr(self.backend, "retry_timeouts", True)
         self._pace = asyncio.Lock()
         self._next_start = 0.0
+        # The first error that stops the run: no request is sent after it.
+        self._stopped_by: ConfigError | None = None
 
     async def _wait_for_rate_limit(self) -> None:
         """Space request starts by 60 / requests_per_minute seconds (no wait when uncapped)."""
@@ -245,39 +252,60 @@ class LLMClient:
                "prompt_version": prompt_version, "tokens_in": 0, "tokens_cached_in": 0, "tokens_out": 0,
                "tokens_reasoning": 0, "latency_ms": 0.0, "cache_hit": False, "status": "ok", "error": None,
                "truncated_chars": context.truncated_chars, "model_identity": identity}
-        self.calls.append(row)
         cached = self.cache.get(key_input) if self.cache is not None else None
         if cached is not None:
             row.update(cache_hit=True, latency_ms=(time.perf_counter() - started) * 1000)
+            self.calls.append(row)
             return cached, row
         # Latency is time in flight at the backend (every attempt), not time queued for a slot or backing off.
         in_flight = 0.0
         delay = self.config.backoff_s
-        for attempt in range(self.config.transport_retries + 1):
-            try:
-                async with self._limit:
-                    await self._wait_for_rate_limit()
-                    sent = time.perf_counter()
-                    try:
-                        completion = await asyncio.wait_for(self.backend.complete(request), self._timeout_s)
-                    finally:
-                        in_flight += time.perf_counter() - sent
-                break
-            except DxrError as exc:  # the backend refused the request (bad key, 4xx): retrying cannot help
-                row.update(status="rejected", error=str(exc)[:1000], latency_ms=in_flight * 1000)
-                raise
-            except (TransportError, TimeoutError) as exc:
-                message = str(exc) or f"timeout after {self._timeout_s}s"
-                timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
-                if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
-                    row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
-                    if isinstance(exc, UnreachableError):
-                        raise EndpointUnreachableError(
-                            f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
-                    raise TransportError(f"{context.stage}: gave up after {attempt + 1} attempts: {message}") from exc
-                # A server that says when to come back (Retry-After, capped by the backend) is not asked sooner.
-                await asyncio.sleep(max(delay, getattr(exc, "retry_after", None) or 0.0))
-                delay *= 2
+        last_error = ""
+        try:
+            for attempt in range(self.config.transport_retries + 1):
+                try:
+                    async with self._limit:
+                        await self._wait_for_rate_limit()
+                        # Recorded once sent: a request still waiting for a slot when the run stops is never made.
+                        if self._stopped_by is not None:
+                            raise RunStoppedError(f"{context.stage}: not sent, the run stopped on: {self._stopped_by}")
+                        if not attempt:
+                            self.calls.append(row)
+                        sent = time.perf_counter()
+                        try:
+                            completion = await asyncio.wait_for(self.backend.complete(request), self._timeout_s)
+                        finally:
+                            in_flight += time.perf_counter() - sent
+                    break
+                except RunStoppedError:
+                    if attempt:  # sent before, and failed: not asked again
+                        row.update(status="cancelled", error=f"not retried, the run stopped; {last_error}"[:1000],
+                                   latency_ms=in_flight * 1000)
+                    raise
+                except DxrError as exc:  # the backend refused the request (bad key, 4xx): retrying cannot help
+                    row.update(status="rejected", error=str(exc)[:1000], latency_ms=in_flight * 1000)
+                    if isinstance(exc, ConfigError):
+                        self._stopped_by = exc
+                    raise
+                except (TransportError, TimeoutError) as exc:
+                    message = str(exc) or f"timeout after {self._timeout_s}s"
+                    timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
+                    if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
+                        row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
+                        gave_up = f"{context.stage}: gave up after {attempt + 1} attempts: {message}"
+                        if isinstance(exc, UnreachableError):
+                            self._stopped_by = EndpointUnreachableError(gave_up)
+                            raise self._stopped_by from exc
+                        raise TransportError(gave_up) from exc
+                    last_error = message
+                    # A server that says when to come back (Retry-After, capped by the backend) is not asked sooner.
+                    await asyncio.sleep(max(delay, getattr(exc, "retry_after", None) or 0.0))
+                    delay *= 2
+        except asyncio.CancelledError:
+            # The run stopped (another request's configuration error, an interrupt) while this request was out: it
+            # was made all the same, and the server may have computed it.
+            row.update(status="cancelled", error=CANCELLED, latency_ms=in_flight * 1000)
+            raise
         row.update(tokens_in=completion.tokens_in, tokens_cached_in=completion.tokens_cached_in,
                    tokens_out=completion.tokens_out, tokens_reasoning=completion.tokens_reasoning,
                    latency_ms=in_flight * 1000)
