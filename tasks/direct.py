@@ -84,7 +84,8 @@ def direct_run_config(config: LLMConfig, data_dir: Path) -> dict:
             "prompt_versions": [load_prompt(DIRECT_PROMPT).version], "llm_temperature": config.temperature,
             "llm_seed": config.seed, "llm_max_output_tokens": config.max_output_tokens,
             "llm_context_window": config.context_window, "llm_chars_per_token": config.chars_per_token,
-            "llm_response_format": client.response_format, "llm_validation_retries": config.validation_retries}
+            "llm_response_format": client.response_format, "llm_validation_retries": config.validation_retries,
+            "llm_max_tokens_field": config.max_tokens_field}
 
 
 def drop_detail(drops) -> str:

@@ -78,7 +78,7 @@ def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int 
 # The keys an LLM system's run records about its model, prompts and request settings (see `llm_run_config`).
 LLM_RUN_KEYS = ("llm_backend", "llm_model", "llm_model_identity", "prompt_versions", "llm_temperature", "llm_seed",
                 "llm_max_output_tokens", "llm_context_window", "llm_chars_per_token", "llm_response_format",
-                "llm_validation_retries")
+                "llm_validation_retries", "llm_max_tokens_field")
 
 
 def llm_run_config(system: str, data_dir) -> dict:

@@ -261,7 +261,7 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
         "llm_backend": "replay", "llm_model": "recorded", "llm_model_identity": str(config.replay_file),
         "prompt_versions": [load_prompt("direct_forecast").version], "llm_temperature": 0.0, "llm_seed": 7,
         "llm_max_output_tokens": 1500, "llm_context_window": 8192, "llm_chars_per_token": 2.7,
-        "llm_response_format": "json_object_schema", "llm_validation_retries": 2}
+        "llm_response_format": "json_object_schema", "llm_validation_retries": 2, "llm_max_tokens_field": "max_tokens"}
     monkeypatch.setenv("DXR_LLM__MODEL", "another")
     result = forecast("direct")
     assert result.exit_code == 1

@@ -639,3 +639,48 @@ def test_after_an_error_that_stops_the_run_no_request_is_sent_and_none_retried()
         ("a", "cancelled", f"not retried, the run stopped; HTTP 503 from {url}/chat/completions: overloaded"),
         ("b", "rejected", f"HTTP 401 from {url}/chat/completions: Incorrect API key provided; check the API key in "
                           "the environment variable named by llm.api_key_env")]
+
+
+def test_reasoning_models_are_sent_max_completion_tokens_when_configured():
+    from dxr.errors import ConfigError
+
+    # OpenAI's reasoning models (o1, o3, ...) refuse max_tokens and take max_completion_tokens instead.
+    async def reasoning_model(request: web.Request) -> web.Response:
+        body = await request.json()
+        state["requests"].append(body)
+        if "max_tokens" in body:
+            return web.json_response({"error": {
+                "message": "Unsupported parameter: 'max_tokens' is not supported with this model. Use "
+                           "'max_completion_tokens' instead.", "type": "invalid_request_error", "param": "max_tokens",
+                "code": "unsupported_parameter"}}, status=400)
+        return web.json_response({"choices": [{"message": {"content": '{"answer": 7}'}, "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 12, "completion_tokens": 40,
+                                            "completion_tokens_details": {"reasoning_tokens": 30}}})
+
+    async def scenario(**overrides):
+        async with serving(reasoning_model) as url:
+            client = http_client(url, max_output_tokens=900, **overrides)
+            try:
+                return await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT), client.telemetry(), url
+            except ConfigError as exc:
+                return exc, client.telemetry(), url
+            finally:
+                await client.close()
+
+    state = {"requests": []}
+    error, calls, url = asyncio.run(scenario())
+    assert [sorted(k for k in r if k.startswith("max_")) for r in state["requests"]] == [["max_tokens"]]
+    assert str(error) == (f"HTTP 400 from {url}/chat/completions: Unsupported parameter: 'max_tokens' is not "
+                          "supported with this model. Use 'max_completion_tokens' instead.; the model takes "
+                          "max_completion_tokens instead of max_tokens: set llm.max_tokens_field = "
+                          "\"max_completion_tokens\"")
+    state = {"requests": []}
+    value, calls, _ = asyncio.run(scenario(max_tokens_field="max_completion_tokens"))
+    assert value == {"answer": 7}
+    assert [{k: v for k, v in r.items() if k.startswith("max_")} for r in state["requests"]] == [
+        {"max_completion_tokens": 900}]
+    assert calls.select("status", "tokens_out", "tokens_reasoning").rows() == [("ok", 40, 30)]
+    # The embedded llama.cpp server knows only max_tokens: it would ignore the other and not bound the reply.
+    with pytest.raises(ValueError, match="llm.max_tokens_field = 'max_completion_tokens' is for OpenAI-compatible "
+                                         "endpoints that take it; the embedded llama.cpp server"):
+        LLMConfig(backend="local", max_tokens_field="max_completion_tokens")

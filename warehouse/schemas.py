@@ -121,7 +121,8 @@ TABLES: dict[str, Table] = {
            "configured name), `llm_model_identity` (which model answered, as in `llm_calls`), "
            "`prompt_versions`, and its request settings `llm_temperature`, `llm_seed`, `llm_max_output_tokens`, "
            "`llm_context_window`, `llm_chars_per_token` (with the window, the history's budget), "
-           "`llm_response_format` and `llm_validation_retries` (each absent in runs recorded before it was added).",
+           "`llm_response_format`, `llm_validation_retries` and `llm_max_tokens_field` (the request field that "
+           "carries the output limit) (each absent in runs recorded before it was added).",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),

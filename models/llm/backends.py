@@ -1,7 +1,8 @@
 """Backends: one async `complete(request) -> Completion` each, chosen by configuration.
 
 A request is a plain JSON-serializable dict in the OpenAI chat-completions shape (model, messages,
-temperature, seed, max_tokens, response_format); its canonical hash identifies it everywhere.
+temperature, seed, max_tokens or max_completion_tokens, response_format); its canonical hash identifies it
+everywhere.
 """
 
 from __future__ import annotations
@@ -214,6 +215,9 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
         fix = "check the API key in the environment variable named by llm.api_key_env"
     elif status == 404:
         fix = "check llm.base_url (the OpenAI-compatible base URL, usually ending in /v1) and llm.model"
+    elif "max_completion_tokens" in message:  # OpenAI's reasoning models
+        fix = ('the model takes max_completion_tokens instead of max_tokens: set '
+               'llm.max_tokens_field = "max_completion_tokens"')
     else:
         fix = "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url"
     return ConfigError(f"{where}; {fix}")

@@ -164,7 +164,7 @@ class LLMClient:
     def request(self, messages: list[dict], schema: dict) -> dict:
         """The backend request for `messages` (deterministic settings, JSON output as configured)."""
         request = {"model": self.config.model, "messages": messages, "temperature": self.config.temperature,
-                   "max_tokens": self.config.max_output_tokens}
+                   self.config.max_tokens_field: self.config.max_output_tokens}
         if self.config.seed is not None:
             request["seed"] = self.config.seed
         kind = self.response_format

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ModelPrice(BaseModel):
@@ -46,6 +46,10 @@ class LLMConfig(BaseModel):
     response_format: Literal["json_schema", "json_object_schema", "json_object", "none"] | None = None
     context_window: int = Field(8192, ge=512, description="tokens the backend accepts (prompt + output)")
     max_output_tokens: int = Field(1500, ge=16)
+    # The request field that carries max_output_tokens: OpenAI's reasoning models (o1, o3, ...) refuse max_tokens
+    # and take max_completion_tokens (which also bounds their reasoning tokens).
+    max_tokens_field: Literal["max_tokens", "max_completion_tokens"] = Field(
+        "max_tokens", description="request field for max_output_tokens; max_completion_tokens for reasoning models")
     # Characters per token for budgeting prompts without a tokenizer. English prose runs ~4, but a record is
     # dense with codes, dates and lab values, and Gemma (the embedded model) makes each digit a token: on the
     # demo's Direct Forecast prompts the packaged model's tokenizer measured 2.68 at the least (median 3.12),
@@ -67,3 +71,11 @@ class LLMConfig(BaseModel):
     # The embedded model runs on the user's own cores: it is priced at zero so its cost reads 0, not n/a.
     prices: dict[str, ModelPrice] = Field(default_factory=lambda: {"gemma3-270m-q4-k-m": ModelPrice()},
                                           description="model name -> price per 1M tokens")
+
+    @model_validator(mode="after")
+    def _max_tokens_field_is_understood(self) -> LLMConfig:
+        # llama-cpp-python's server does not know max_completion_tokens: it would ignore it and let a reply run on.
+        if self.backend == "local" and self.max_tokens_field != "max_tokens":
+            raise ValueError(f"llm.max_tokens_field = {self.max_tokens_field!r} is for OpenAI-compatible endpoints "
+                             "that take it; the embedded llama.cpp server (backend local) takes max_tokens")
+        return self
