@@ -174,7 +174,8 @@ def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache
     forecaster = RegisteredPrior()
     forecaster.fit(wh.connect(), cohort)
     k = 15  # a K no other test forecasts with: the first call below cannot find its key
-    first, first_status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "cache-1", cohort, 0)
+    first, first_status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "cache-1",
+                                                        cohort, 0)
     assert not cached and first.height == k * trajectories.height
     entry = wh.read("prediction_cache", system="ehr_prior")
     key_inputs = json.loads(entry.filter(pl.col("key_json").str.contains('"k": 15'))["key_json"][0])
