@@ -1,6 +1,8 @@
 """First-order code transitions: diagnoses of the last visit → diagnoses of the next one.
 
-Learned on `train` patients only (consecutive visit pairs of `train_events`). For a trajectory the
+Learned on `train` patients only (consecutive visit pairs of `train_events`; a visit that follows a stay
+still open at its admission is paired with the last visit of its pre-target record, the one its forecast
+sees, as in `models.pretarget`). For a trajectory the
 score of code b is the mean over the last pre-target visit's diagnoses a of P(b in visit t+1 | a in
 visit t); codes the table cannot score are padded by train-split frequency below every learned score.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import duckdb
 import polars as pl
+
+from models.pretarget import cut_records, unserved_visits
 
 
 def sql_frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
@@ -26,7 +30,8 @@ def train_diagnosis_frequency(con: duckdb.DuckDBPyConnection, cohort_id: str) ->
 
 
 def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
-    """(key, visit, code) for diagnosis codes; `visit` numbers a key's encounters by start time from 0.
+    """(key, visit, code, encounter_id) for diagnosis codes; `visit` numbers a key's encounters by start time
+    from 0.
 
     An encounter starts at its earliest dated event; its undated diagnoses are still its own.
     Encounters without diagnoses are not visits.
@@ -36,7 +41,7 @@ def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
     ...                   dt.datetime(2020, 1, 3)], "code": ["DIAGNOSIS//A", "DIAGNOSIS//B", "LAB//x"],
     ...                   "encounter_id": [20, 10, 10]})
     >>> visit_diagnoses(e, "subject_id").sort("visit").rows()
-    [(1, 0, 'DIAGNOSIS//B'), (1, 1, 'DIAGNOSIS//A')]
+    [(1, 0, 'DIAGNOSIS//B', 10), (1, 1, 'DIAGNOSIS//A', 20)]
     """
     with_encounter = events.filter(pl.col("encounter_id").is_not_null())
     starts = (with_encounter.filter(pl.col("time").is_not_null())
@@ -45,7 +50,8 @@ def visit_diagnoses(events: pl.DataFrame, key: str) -> pl.DataFrame:
     visits = (starts.join(dx.select(key, "encounter_id").unique(), on=[key, "encounter_id"], how="semi")
               .sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len()).over(key).alias("visit")))
-    return dx.unique().join(visits, on=[key, "encounter_id"]).select(key, pl.col("visit").cast(pl.Int64), "code")
+    return (dx.unique().join(visits, on=[key, "encounter_id"])
+            .select(key, pl.col("visit").cast(pl.Int64), "code", "encounter_id"))
 
 
 class Transition:
@@ -57,19 +63,40 @@ class Transition:
         self.frequency = train_diagnosis_frequency(con, cohort_id)
         # Only the diagnoses and each encounter's earliest dated event make the visits: reading every event
         # held all lab and medication rows too (2.8 GB peak for 21M train events against 1.6 GB).
+        # Admissions too: they are the cutoffs that decide which visit pairs a forecast sees (`unserved_visits`).
         events = sql_frame(con, """SELECT subject_id, time, code, encounter_id FROM train_events
-                                   WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND code LIKE 'DIAGNOSIS//%'
+                                   WHERE cohort_id = $1 AND encounter_id IS NOT NULL
+                                     AND (code LIKE 'DIAGNOSIS//%' OR code LIKE 'HOSPITAL_ADMISSION//%')
                                    UNION ALL
                                    SELECT subject_id, min(time), '', encounter_id FROM train_events
                                    WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND time IS NOT NULL
                                    GROUP BY subject_id, encounter_id""", [cohort_id])
         omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])
         visits = visit_diagnoses(events, "subject_id")
-        nxt = visits.with_columns(pl.col("visit") - 1).join(omega, on="code", how="semi")
-        # Only visits that have a successor can contribute to a transition's denominator.
-        has_next = visits.join(nxt.select("subject_id", "visit").unique(), on=["subject_id", "visit"], how="semi")
+        # A pair is keyed by its target visit (subject_id, encounter_id): its Ω diagnoses, and as sources the
+        # diagnoses of the last visit its pre-target record holds. That is the previous visit of the sequence,
+        # except for a visit after a stay still open at its admission (`unserved_visits`), learned from its record
+        # as `pretarget_sql` cuts it there.
+        pair = ["subject_id", "encounter_id"]
+        targets = visits.join(omega, on="code", how="semi").select(*pair, "code")
+        unserved = unserved_visits(events, "subject_id").select(pair)
+        sources = (visits.select("subject_id", pl.col("visit") + 1, "code")
+                   .join(visits.select("subject_id", "visit", "encounter_id").unique(), on=["subject_id", "visit"])
+                   .join(unserved, on=pair, how="anti")
+                   .select(*pair, "code"))
+        if unserved.height:
+            cut, _, names = cut_records(events, "subject_id", unserved)
+            cut_visits = visit_diagnoses(cut, "pair")
+            last = cut_visits.filter(pl.col("visit") == pl.col("visit").max().over("pair"))
+            target_of = pl.DataFrame([(pair, *names[pair]) for pair in last["pair"].unique().to_list()],
+                                     schema={"pair": last.schema["pair"], "subject_id": pl.Int64,
+                                             "encounter_id": pl.Int64}, orient="row")
+            sources = pl.concat([sources, last.select("pair", "code").join(target_of, on="pair")
+                                 .select(sources.columns)])
+        # Only sources of a target with Ω diagnoses count in a transition's denominator.
+        has_next = sources.join(targets.select(pair).unique(), on=pair, how="semi")
         source_counts = has_next.group_by("code").agg(pl.len().alias("n_source"))
-        self.table = (has_next.join(nxt, on=["subject_id", "visit"], suffix="_next")
+        self.table = (has_next.join(targets, on=pair, suffix="_next")
                       .group_by("code", "code_next").agg(pl.len().alias("n_pair"))
                       .join(source_counts, on="code")
                       .select(pl.col("code").alias("source"), pl.col("code_next").alias("code"),

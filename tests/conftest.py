@@ -126,6 +126,19 @@ def tiny_events() -> pl.DataFrame:
                                       "encounter_id": pl.Int64}, orient="row")
 
 
+def nested_stay_meds(root: Path) -> Path:
+    """The tiny dataset with train subject 2 given an admission (204, days 10 to 20, N179 coded at its discharge)
+    that spans a shorter stay (205, days 12 to 14, J189), as MIMIC holds a few."""
+    rows = []
+    for encounter, admit, discharge, code in ((204, t(10), t(20), "N179"), (205, t(12), t(14), "J189")):
+        rows += [(2, admit, "HOSPITAL_ADMISSION//EMERGENCY", None, None, encounter),
+                 (2, admit.replace(hour=6), "LAB//HBA1C//%", 7.5, None, encounter),
+                 (2, discharge, dx(code), None, None, encounter),
+                 (2, discharge, "HOSPITAL_DISCHARGE//HOME", None, None, encounter)]
+    nested = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")
+    return write_tiny_meds(root, pl.concat([tiny_events(), nested]))
+
+
 FUROSEMIDE = "MEDICATION//NDC//00054829725"
 # codes.parquet descriptions of `write_described_meds`: BNP and the procedure occur only in subject 1's target
 # encounter, the unused procedure nowhere, the blank description says nothing.

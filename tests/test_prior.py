@@ -199,23 +199,8 @@ def test_a_visit_that_may_not_be_a_target_withholds_its_pairs_from_both_losses()
     assert later.item() == pytest.approx((bce(0, {2, 0}) + bce(1, {0, 1}) + bce(2, {1})) / 3, rel=1e-12)
 
 
-def nested_stay_meds(root):
-    """The tiny dataset with train subject 2 given an admission (204, days 10 to 20, N179 coded at its discharge)
-    that spans a shorter stay (205, days 12 to 14, J189), as MIMIC holds a few."""
-    from tests.conftest import dx as icd10, t, tiny_events, write_tiny_meds
-
-    rows = []
-    for encounter, admit, discharge, code in ((204, t(10), t(20), "N179"), (205, t(12), t(14), "J189")):
-        rows += [(2, admit, "HOSPITAL_ADMISSION//EMERGENCY", None, None, encounter),
-                 (2, admit.replace(hour=6), "LAB//HBA1C//%", 7.5, None, encounter),
-                 (2, discharge, icd10(code), None, None, encounter),
-                 (2, discharge, "HOSPITAL_DISCHARGE//HOME", None, None, encounter)]
-    nested = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")
-    return write_tiny_meds(root, pl.concat([tiny_events(), nested]))
-
-
 def test_a_stay_nested_in_a_longer_one_is_trained_on_the_record_its_forecast_sees(wh_vocab, tmp_path):
-    from tests.conftest import dx as icd10
+    from tests.conftest import dx as icd10, nested_stay_meds
     from warehouse.cohorts import CohortOptions, build_cohort
     from warehouse.datasets import ingest_meds
 

@@ -47,7 +47,7 @@ def test_transition_probabilities_are_exact(tmp_path):
 def test_visit_numbering_skips_encounters_without_diagnoses():
     events = pl.DataFrame({"subject_id": [1, 1, 1], "time": [D(2020, 1, 1), D(2020, 1, 5), D(2020, 1, 9)],
                            "code": [dx("A"), "LAB//x//mg", dx("B")], "encounter_id": [1, 2, 3]})
-    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A")), (1, 1, dx("B"))]
+    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A"), 1), (1, 1, dx("B"), 3)]
 
 
 def test_transition_recovers_planted_successors(tmp_path):
@@ -72,7 +72,7 @@ def test_transition_recovers_planted_successors(tmp_path):
 def test_an_encounters_undated_diagnoses_belong_to_its_visit():
     events = pl.DataFrame({"subject_id": [1, 1, 1], "time": [D(2020, 1, 1), D(2020, 2, 1), None],
                            "code": [dx("A"), "LAB//x", dx("B")], "encounter_id": [10, 11, 11]})
-    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A")), (1, 1, dx("B"))]
+    assert visit_diagnoses(events, "subject_id").sort("visit").rows() == [(1, 0, dx("A"), 10), (1, 1, dx("B"), 11)]
 
 
 def test_fit_reads_diagnoses_and_encounter_starts_not_every_lab_row(tmp_path, monkeypatch):
@@ -104,3 +104,25 @@ def test_fit_reads_diagnoses_and_encounter_starts_not_every_lab_row(tmp_path, mo
     # At most one row per diagnosis (7) and per encounter (7) in memory, not the 508 events: at MIMIC-IV scale
     # the lab and medication rows are most of the hundred million.
     assert max(read) <= 14, read
+
+
+def test_a_stay_nested_in_a_longer_one_is_learned_from_the_record_its_forecast_sees(wh_vocab, tmp_path):
+    from tests.conftest import dx as icd10, nested_stay_meds
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    ingest_meds(wh_vocab, nested_stay_meds(tmp_path / "meds"), "nested")
+    cid = build_cohort(wh_vocab, "nested", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    model = Transition()
+    model.fit(wh_vocab.connect(), cid)
+    table = {(s, c): p for s, c, p in model.table.sort("source", "code").iter_rows()}
+    # Train subject 2: 201 {E119, I10} → 202 {I10, J189} → the outer 204 (days 10-20, N179 coded at discharge),
+    # which spans 205 (days 12-14, J189). 205's pre-target record ends with 202: 204 has no diagnosis before
+    # 205's admission. So 205 is learned from 202, not from N179, which its forecast cannot know.
+    e119, i10, j189, n179 = (icd10(c) for c in ("E119", "I10", "J189", "N179"))
+    assert table == {(e119, i10): 1.0, (e119, j189): 1.0, (i10, i10): 1 / 3, (i10, j189): 2 / 3, (i10, n179): 1 / 3,
+                     (j189, j189): 1 / 2, (j189, n179): 1 / 2}
+    # The forecast of train trajectory 2:205 indeed sees 202 as its last visit.
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:2:205")
+    last = visit_diagnoses(pretarget, "trajectory_id").filter(pl.col("visit") == pl.col("visit").max())
+    assert sorted(last["code"].to_list()) == [i10, j189]

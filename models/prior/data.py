@@ -31,8 +31,8 @@ from torch.utils.data import Dataset
 
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
+from models.pretarget import cut_records, unserved_visits
 from models.transition import sql_frame
-from warehouse import cohorts, duck
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
 LAB_PREFIX = "LAB//"  # lab value tokens come last
@@ -399,86 +399,13 @@ def concat_rows(parts: list[VisitTensors], n_output: int) -> VisitTensors:
         if with_targets else None)
 
 
-def _register_records(con: duckdb.DuckDBPyConnection, events: pl.DataFrame, key: str) -> None:
-    """`events` as the relation `rec` that `encounter_starts_sql` and `pretarget_sql` read: `record` is the key,
-    `subject_id` numbers the records and `encounter_id` the encounters of each record in their order,
-    `source_encounter_id` is the event's own encounter id.
-
-    Records keyed by subject keep their ids: encounter ids are unique across a dataset (`validate_meds_dir`).
-    Records of trajectories are numbered: two trajectories of one patient (target rule `every`) share
-    encounters whose events each record cuts at its own time.
-    """
-    con.register("frame", events)
-    numeric = "numeric_value" if "numeric_value" in events.columns else "NULL::FLOAT"
-    ids = ("subject_id, encounter_id" if key == "subject_id" else
-           f"dense_rank() OVER (ORDER BY {key}) AS subject_id, CASE WHEN encounter_id IS NOT NULL "
-           f"THEN dense_rank() OVER (ORDER BY {key}, encounter_id) END AS encounter_id")
-    # A view: a train chunk's events are read where they lie, not copied.
-    con.execute(f"""CREATE TEMP VIEW rec AS SELECT {key} AS record, {ids}, encounter_id AS source_encounter_id,
-                    time, code, {numeric} AS numeric_value, NULL::VARCHAR AS text_value FROM frame""")
-
-
-def unserved_visits(events: pl.DataFrame, key: str) -> pl.DataFrame:
-    """(key, encounter_id, last) of each visit whose predecessors in its record's sequence are not its
-    pre-target view; `last` when it is the record's last visit.
-
-    The visits and their order are `visit_tensors`'s (encounters with a diagnosis and a dated event, by
-    first dated event, then id), the cutoff a cohort's (`encounter_starts_sql`). A visit's predecessors
-    are its pre-target view when each of them ended before its cutoff (`pretarget_sql` keeps events before
-    it only) and no later visit began before it (that one's early events would be in the view). A stay
-    still open at a visit's admission, such as an admission spanning a shorter stay, has its diagnoses
-    coded at its discharge: in the sequence they precede the inner stay, in its pre-target view they do not.
-    """
-    con = duck.connect()
-    try:
-        _register_records(con, events, key)
-        return con.sql(f"""
-            WITH starts AS ({cohorts.encounter_starts_sql('rec')}),
-            visits AS (
-                SELECT encounter_id, any_value(record) AS record, any_value(subject_id) AS subject_id,
-                       any_value(source_encounter_id) AS source_encounter_id,
-                       min(time) AS first_time, max(time) AS last_time
-                FROM rec WHERE encounter_id IS NOT NULL GROUP BY encounter_id
-                HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL),
-            ordered AS (
-                SELECT v.*, s.start_time,
-                       max(v.last_time) OVER (PARTITION BY v.subject_id ORDER BY v.first_time, v.encounter_id
-                                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier_last,
-                       lead(v.first_time) OVER (PARTITION BY v.subject_id ORDER BY v.first_time, v.encounter_id)
-                           AS next_first
-                FROM visits v JOIN starts s USING (encounter_id))
-            SELECT record AS {key}, source_encounter_id AS encounter_id, next_first IS NULL AS last FROM ordered
-            WHERE earlier_last >= start_time OR next_first < start_time
-            ORDER BY {key}, encounter_id""").pl()
-    finally:
-        con.close()
-
-
 def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocabulary, cfg: PriorConfig
               ) -> tuple[VisitTensors, torch.Tensor]:
     """For each visit (key, encounter_id) of `visits`: the visit tensors of its record as `pretarget_sql` cuts
     it at the visit's cutoff (what forecasting that visit sees), and the visit's output ids (N, D) as labels,
     padded with n_output. A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
     """
-    con = duck.connect()
-    try:
-        _register_records(con, events.join(visits.select(key).unique(), on=key, how="semi"), key)
-        con.register("wanted", visits.select(key, "encounter_id").to_arrow())
-        con.execute(f"CREATE TEMP TABLE starts AS {cohorts.encounter_starts_sql('rec')}")
-        con.execute(f"""CREATE TEMP TABLE pairs AS
-            SELECT DISTINCT r.encounter_id AS trajectory_id, r.subject_id, r.encounter_id AS target_encounter_id,
-                   s.start_time AS cutoff_time, r.record, r.source_encounter_id
-            FROM rec r JOIN wanted w ON w.{key} = r.record AND w.encounter_id = r.source_encounter_id
-            JOIN starts s ON s.encounter_id = r.encounter_id""")
-        cut = con.sql(f"""SELECT trajectory_id AS pair, time, code, numeric_value, encounter_id
-                          FROM ({cohorts.pretarget_sql('rec', 'pairs', 'starts')})""").pl()
-        label_codes = con.sql("""SELECT DISTINCT p.trajectory_id AS pair, r.code FROM pairs p
-                                 JOIN rec r ON r.encounter_id = p.target_encounter_id
-                                 WHERE r.code LIKE 'DIAGNOSIS//%'""").pl()
-        names = {pair: (record, encounter) for pair, record, encounter in con.execute(
-            "SELECT trajectory_id, record, source_encounter_id FROM pairs").fetchall()}
-    finally:
-        con.close()
+    cut, label_codes, names = cut_records(events, key, visits)
     inputs = visit_tensors(cut, "pair", vocab, cfg)  # only the pairs whose cut record has a visit
     rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
                         schema={"pair": cut.schema["pair"], "row": pl.Int64})
