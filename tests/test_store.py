@@ -363,3 +363,31 @@ def test_a_settings_file_in_the_checkout_is_not_code(tmp_path, monkeypatch):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "direct_forecast.toml").write_text("version = 4\n")  # a new prompt file is code
     assert checkout_version(tmp_path).startswith(f"{clean}.dirty.")
+
+
+def test_an_in_memory_connection_spills_to_a_directory_of_its_own_in_the_system_temp_dir(wh, tmp_path, monkeypatch):
+    import tempfile
+
+    from warehouse import duck
+
+    system_tmp, cwd = tmp_path / "system-tmp", tmp_path / "cwd"
+    system_tmp.mkdir()
+    cwd.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    monkeypatch.chdir(cwd)
+    # DuckDB's own default for an in-memory database is `.tmp` in the current directory.
+    first, second = duck.connect(), wh.connect()
+    spills = [Path(con.execute("SELECT current_setting('temp_directory')").fetchone()[0]) for con in (first, second)]
+    assert [p.parent for p in spills] == [system_tmp, system_tmp] and spills[0] != spills[1]
+    assert list(system_tmp.iterdir()) == []  # made only when a query spills
+    first.execute("SET memory_limit = '64MB'")
+    first.execute("SET threads = 1")
+    assert first.execute("SELECT count(*) FROM (SELECT random() AS r FROM range(10000000) ORDER BY r)").fetchone() == (
+        10000000,)
+    assert first.execute("SELECT count(*) FROM duckdb_temporary_files()").fetchone() == (0,)  # spilled, then freed
+    assert list(system_tmp.iterdir()) == [spills[0]]
+    first.close()
+    assert list(system_tmp.iterdir()) == [] and list(cwd.iterdir()) == []
+    # A database file spills next to itself, as DuckDB does.
+    assert duck.connect(str(tmp_path / "x.duckdb")).execute("SELECT current_setting('temp_directory')").fetchone() == (
+        f"{tmp_path / 'x.duckdb'}.tmp",)

@@ -10,6 +10,8 @@ running in worker threads, which never see the signal, are stopped too.
 from __future__ import annotations
 
 import errno
+import tempfile
+import uuid
 import weakref
 from pathlib import Path
 
@@ -19,9 +21,19 @@ _open: weakref.WeakSet[duckdb.DuckDBPyConnection] = weakref.WeakSet()
 
 
 def connect(database: str = ":memory:") -> duckdb.DuckDBPyConnection:
-    """A new DuckDB connection, tracked until it is garbage-collected."""
+    """A new DuckDB connection, tracked until it is garbage-collected.
+
+    An in-memory database spills to a directory of its own in the system's temporary directory. DuckDB's
+    default, `.tmp` in the current directory, litters wherever a command runs (`dxr ingest meds` in the
+    data's folder) and fails where that is read-only. DuckDB makes the directory at the first spill and
+    removes it when the connection closes; one per connection, as instances sharing one delete each other's
+    files when they close. A database file spills next to itself (`<file>.tmp`), as DuckDB does; a caller
+    with a scratch directory of its own (a cohort build) sets `temp_directory` there.
+    """
     con = duckdb.connect(database)
     _open.add(con)
+    if database == ":memory:":
+        con.execute(f"SET temp_directory = {literal(Path(tempfile.gettempdir()) / f'dxr-duckdb-{uuid.uuid4().hex}')}")
     return con
 
 
