@@ -553,7 +553,7 @@ def test_doctests():
 def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_path):
     """A reply depends on the window it was computed in (a server with a full window cuts it off or refuses the
     prompt), which the request does not carry: another window asks again instead of replaying it."""
-    from models.llm.local_server import CHAT_FORMAT, LocalBackend, LocalServer
+    from models.llm.local_server import CHAT_FORMAT, SYSTEM_FOLD_VERSION, LocalBackend, LocalServer
 
     def counting(state: dict):
         async def handler(request: web.Request) -> web.Response:
@@ -602,7 +602,63 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     identity = LocalBackend(Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "log"), 1.0).identity
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
-         "serving": {"chat_format": CHAT_FORMAT, "context_window": window}} for window in (2048, 4096)]
+         "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION}}
+        for window in (2048, 4096)]
+
+
+def test_the_cache_key_of_the_embedded_backend_holds_how_system_messages_are_folded(tmp_path, monkeypatch):
+    """The key holds the request before the embedded backend folds its system messages into the first user turn:
+    a fold that renders the prompt differently is a version of its own, so the client asks again."""
+    from models.llm import local_server
+    from models.llm.local_server import LocalBackend, LocalServer
+
+    received: list[list[dict]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        received.append((await request.json())["messages"])
+        return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": len(received)})}}]})
+
+    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
+        url = ""
+
+        def start(self) -> str:
+            return self.url
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
+
+    async def ask(url: str) -> tuple[int, bool, dict]:
+        server = Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "server.log")
+        server.url = url
+        client = LLMClient(LLMConfig(context_window=2048), LocalBackend(server, 10.0), ResponseCache(tmp_path / "c"))
+        value = (await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"]
+        hit = client.telemetry()["cache_hit"][0]
+        await client.close()
+        return value, hit, client.serving
+
+    def fold_on_one_line(messages: list[dict]) -> list[dict]:  # a later fold: another rendering of the prompt
+        system = " ".join(m["content"] for m in messages if m["role"] == "system")
+        rest = [dict(m) for m in messages if m["role"] != "system"]
+        rest[0]["content"] = f"{system} {rest[0]['content']}"
+        return rest
+
+    async def scenario():
+        async with serving(handler) as url:
+            first = await ask(url)
+            again = await ask(url)
+            monkeypatch.setattr(local_server, "fold_system_messages", fold_on_one_line)
+            monkeypatch.setattr(local_server, "SYSTEM_FOLD_VERSION", local_server.SYSTEM_FOLD_VERSION + 1)
+            return first, again, await ask(url)
+
+    first, again, refolded = asyncio.run(scenario())
+    assert [(value, hit) for value, hit, _ in (first, again, refolded)] == [(1, False), (1, True), (2, False)]
+    assert first[2]["system_fold"] + 1 == refolded[2]["system_fold"]
+    # The server got the folded prompts; the key holds the messages as the client wrote them.
+    assert received == [[{"role": "user", "content": "Reply in JSON.\n\nHow many?"}],
+                        [{"role": "user", "content": "Reply in JSON. How many?"}]]
+    keys = [json.loads(json.loads(p.read_text())["key_input"]) for p in (tmp_path / "c").rglob("*.json")]
+    assert sorted(key["serving"]["system_fold"] for key in keys) == [first[2]["system_fold"],
+                                                                     refolded[2]["system_fold"]]
+    assert all(key["request"]["messages"] == QUESTION for key in keys)
 
 
 def test_after_an_error_that_stops_the_run_no_request_is_sent_and_none_retried():

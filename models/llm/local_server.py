@@ -179,6 +179,12 @@ class LocalServer:
         atexit.unregister(self.stop)
 
 
+# The response cache keys a request as the client wrote it, before `fold_system_messages` renders it for the
+# server: bump this whenever the fold changes what the server receives, or cached replies to the old prompt are
+# replayed for the new one.
+SYSTEM_FOLD_VERSION = 1
+
+
 def fold_system_messages(messages: list[dict]) -> list[dict]:
     """Messages without system turns: their text opens the first user turn (the gemma template has no system role)."""
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
@@ -208,9 +214,10 @@ class LocalBackend:
     def __init__(self, server: LocalServer, timeout_s: float):
         self.server = server
         self.identity = gguf_identity(server.model_path)
-        # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`) and the chat
-        # template that turns the messages into the prompt.
-        self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT}
+        # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`), the chat
+        # template that turns the messages into the prompt, and how system messages are folded before it.
+        self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT,
+                        "system_fold": SYSTEM_FOLD_VERSION}
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
