@@ -787,6 +787,24 @@ def test_a_page_cached_by_a_run_that_allowed_its_host_is_refused_to_a_run_that_d
     assert site.requests == ["/robots.txt", "/go-ok", "/leaf/ok"]
 
 
+def test_a_page_reached_with_fragments_is_fetched_and_cached_once(wh):
+    async def scenario():
+        async with Site() as site, aiohttp.ClientSession() as session:
+            async with PageReader(session, config(), PageCache(wh)) as reader:
+                first = [await reader.read(f"{site.base}/leaf/ok{fragment}") for fragment in ("#diet", "#sodium", "")]
+                reader.cache.flush()
+            async with PageReader(session, config(), PageCache(wh)) as later:  # another run, the stored cache
+                again = await later.read(f"{site.base}/leaf/ok#congestion")
+            return site, first, again
+
+    site, first, again = asyncio.run(scenario())
+    # A fragment is never sent: the server saw one request for the page, and the cache holds one row.
+    assert site.requests == ["/robots.txt", "/leaf/ok"]
+    assert wh.read("page_cache")["url"].to_list() == [f"{site.base}/leaf/ok"]
+    read = (f"{site.base}/leaf/ok", None, "Heart failure diet")
+    assert [(p.url, p.error, p.title) for p in [*first, again]] == [read] * 4
+
+
 def test_two_caches_flushing_the_same_bucket_keep_each_others_pages(wh):
     bucket = PageCache.bucket("http://example.org/0")
     early, first, second = [url for url in (f"http://example.org/{n}" for n in range(10_000))

@@ -176,7 +176,8 @@ def is_blocked(url: str, blocked_domains) -> bool:
 
 
 class PageCache:
-    """URL -> Page, loaded from and flushed to the `page_cache` table (bucketed by URL hash)."""
+    """URL (without fragment, `PageReader.read`) -> Page, loaded from and flushed to the `page_cache` table
+    (bucketed by URL hash)."""
 
     def __init__(self, warehouse=None):
         self.warehouse = warehouse
@@ -266,6 +267,10 @@ class PageReader:
         return self._http
 
     async def read(self, url: str) -> Page:
+        """The page at `url`, without its fragment: a fragment names a place in a page and is never sent, so a
+        page that search hits and links reach with several is fetched and cached once."""
+        if isinstance(url, str):
+            url = url.partition("#")[0]  # the fragment starts at the first "#" (urldefrag raises on a bad host)
         cached = self.cache.get(url)
         if cached is not None:
             # Checked on every read: the shared cache may hold a page that a run allowing its host has read.
