@@ -569,3 +569,53 @@ def test_an_alias_mlflow_cannot_point_is_rejected_with_the_settings(alias, messa
     with pytest.raises(ValueError, match=message):
         PriorConfig(alias=alias)
     assert PriorConfig(alias="challenger-2").alias == "challenger-2"
+
+
+def test_events_without_an_encounter_within_a_visits_stay_are_that_visits_tokens():
+    # MEDS-Extract's MIMIC-IV ETL writes the pharmacy's orders (MEDICATION//START//…) and the ED draws before an
+    # admission without hadm_id. Within a visit's stay, from its first to its last dated own event, they are its
+    # tokens; outside any stay (an outpatient order) or without a time they are none. A diagnosis without an
+    # encounter stays out even inside a stay: a visit's diagnoses are what its encounter codes, its labels.
+    t = dt.datetime
+    start, ed_lab, heparin = "MEDICATION//START//Furosemide", "LAB//51003//ng/mL", "MEDICATION//START//Heparin"
+    events = pl.DataFrame({
+        "trajectory_id": ["a"] * 9,
+        "time": [t(2150, 1, 1, 3), t(2150, 1, 1, 4), t(2150, 1, 1, 8), t(2150, 1, 1, 10), t(2150, 1, 2, 9),
+                 t(2150, 1, 4, 15), t(2150, 1, 9), t(2150, 3, 1, 8), t(2150, 3, 2, 15)],
+        "code": ["TRANSFER_TO//ED//Emergency Department", ed_lab, "HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM",
+                 start, dx("Y"), dx("X"), heparin, "HOSPITAL_ADMISSION//ELECTIVE//PHYSICIAN REFERRAL", dx("X")],
+        "numeric_value": [None, 0.25, None, None, None, None, None, None, None],
+        "encounter_id": [1, None, 1, None, None, 1, None, 2, 2]}, schema_overrides={"numeric_value": pl.Float32})
+    vocab = Vocabulary(input_codes=sorted([dx("X"), dx("Y"), start, heparin, f"{ed_lab}//q2"]),
+                       output_codes=[dx("X"), dx("Y")], omega=[dx("X"), dx("Y")],
+                       lab_cuts={ed_lab: [0.1, 0.2, 0.3, 1.0]}, within_stays=True)
+    ids = {code: i + 2 for i, code in enumerate(vocab.input_codes)}
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["a"])
+    assert out.lengths.tolist() == [2]
+    assert out.codes[0, 0, :3].tolist() == [ids[dx("X")], ids[start], ids[f"{ed_lab}//q2"]]
+    assert out.codes[0, 0, 3:].sum() == 0 and out.codes[0, 1].tolist()[:2] == [ids[dx("X")], 0]
+    assert out.dx[0, 0].tolist() == [0]  # X alone: the untagged Y is no label
+    # A model registered before (its vocabulary.json has no within_stays) was trained without them and keeps that.
+    registered = {key: value for key, value in vocab.to_json().items() if key != "within_stays"}
+    old = visit_tensors(events, "trajectory_id", Vocabulary(**registered), PriorConfig(), keys=["a"])
+    assert old.codes[0, 0].tolist()[:2] == [ids[dx("X")], 0]
+
+
+def test_the_vocabulary_holds_the_codes_without_an_encounter_that_visits_take():
+    t = dt.datetime
+    start, outpatient = "MEDICATION//START//Furosemide", "MEDICATION//START//Metformin"
+    # Patients 1 and 2 each get Furosemide started untagged during a stay; Metformin only between stays.
+    train = pl.DataFrame({
+        "cohort_id": "c", "subject_id": [1, 1, 1, 1, 2, 2, 2, 2],
+        "time": [t(2150, 1, 1), t(2150, 1, 1, 5), t(2150, 1, 3), t(2150, 2, 1), t(2150, 1, 1), t(2150, 1, 2),
+                 t(2150, 1, 3), t(2150, 5, 1)],
+        "code": ["HOSPITAL_ADMISSION//E", start, dx("X"), outpatient, "HOSPITAL_ADMISSION//E", start, dx("X"),
+                 outpatient],
+        "numeric_value": None, "encounter_id": [1, None, 1, None, 2, None, 2, None]},
+        schema_overrides={"numeric_value": pl.Float32})
+    con = duckdb.connect()
+    con.register("train_events", train.to_arrow())
+    con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c"], "code": [dx("X")]}).to_arrow())
+    vocab = prior_data.build_vocabulary(con, "c", min_code_count=2)
+    assert vocab.input_codes == [dx("X"), start] and vocab.within_stays
+    assert prior_data.build_vocabulary(con, "c", min_code_count=3).input_codes == []

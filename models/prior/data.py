@@ -11,8 +11,9 @@ cuts there instead (`unserved_visits`, `cut_pairs`).
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
-(`LAB//…//q0`…`q4`, cut points from train patients' values). A visit's numbers are the gap since the
-previous visit and the age (without a MEDS_BIRTH, the train patients' mean age at their visits). A
+(`LAB//…//q0`…`q4`, cut points from train patients' values); such an event without an encounter is a token
+of the visit whose stay (first to last dated own event) holds it (`within_stays`). A visit's numbers are the
+gap since the previous visit and the age (without a MEDS_BIRTH, the train patients' mean age at their visits). A
 record's static codes (MEDS rows without a time or an encounter, such as `GENDER//F`) are the patient's
 own tokens, embedded apart from the visits and added to each of them. The output vocabulary is the
 cohort's Ω restricted to diagnosis codes seen in `train_events`.
@@ -49,6 +50,9 @@ class Vocabulary:
     # Age in years of a visit whose patient has no MEDS_BIRTH: the mean age at train visits (0 in models
     # registered before the field, which featurized every such visit at age 0 and still do).
     age_fill: float = 0.0
+    # Whether events without an encounter within a visit's stay are its tokens (`within_stays`); False in models
+    # registered before, which were trained without them and keep seeing exactly the inputs they learned from.
+    within_stays: bool = False
 
     @property
     def n_input(self) -> int:
@@ -60,7 +64,7 @@ class Vocabulary:
 
     def to_json(self) -> dict:
         return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
-                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill}
+                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill, "within_stays": self.within_stays}
 
     @cached_property
     def input_ids(self) -> pl.DataFrame:
@@ -84,8 +88,27 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     """Vocabularies from train patients only (counts of encounters carrying each code; of patients
     carrying each static code)."""
     prefixes = " OR ".join(f"code LIKE '{p}%'" for p in TOKEN_PREFIXES)
-    inputs = sql_frame(con, f"""SELECT code FROM train_events WHERE cohort_id = ? AND ({prefixes})
-                                GROUP BY code HAVING count(DISTINCT encounter_id) >= ? ORDER BY code""",
+    # The encounters a code's events belong to, or for an event without one the visit whose stay holds it, as
+    # `within_stays` places it: the stay begun last on or before it, when it is still open then.
+    inputs = sql_frame(con, f"""
+        WITH visits AS (
+            SELECT subject_id, encounter_id, min(time) AS first_time, max(time) AS last_time FROM train_events
+            WHERE cohort_id = $1 AND encounter_id IS NOT NULL GROUP BY subject_id, encounter_id
+            HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL),
+        loose AS (
+            SELECT row_number() OVER () AS event, subject_id, time, code FROM train_events
+            WHERE cohort_id = $1 AND encounter_id IS NULL AND time IS NOT NULL AND code NOT LIKE 'DIAGNOSIS//%'
+              AND ({prefixes})),
+        placed AS (
+            SELECT l.code, l.time, v.encounter_id, v.last_time FROM loose l
+            JOIN visits v ON v.subject_id = l.subject_id AND v.first_time <= l.time
+            QUALIFY row_number() OVER (PARTITION BY l.event ORDER BY v.first_time DESC, v.encounter_id DESC) = 1),
+        coded AS (
+            SELECT code, encounter_id FROM train_events
+            WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND ({prefixes})
+            UNION ALL
+            SELECT code, encounter_id FROM placed WHERE time <= last_time)
+        SELECT code FROM coded GROUP BY code HAVING count(DISTINCT encounter_id) >= $2 ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     static = sql_frame(con, """SELECT code FROM train_events
                                WHERE cohort_id = ? AND time IS NULL AND encounter_id IS NULL
@@ -108,7 +131,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
     lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
     return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts,
-                      mean_visit_age(con, cohort_id))
+                      mean_visit_age(con, cohort_id), within_stays=True)
 
 
 def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
@@ -192,11 +215,14 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     # An encounter's events belong to its visit whether dated or not (a source may keep diagnoses
     # undated: the cohort counts them as history); the visit starts at its earliest dated event.
     in_encounter = events.filter(pl.col("encounter_id").is_not_null())
-    starts = (in_encounter.filter(pl.col("time").is_not_null())
-              .group_by(key, "encounter_id").agg(pl.col("time").min().alias("start")))
+    spans = (in_encounter.filter(pl.col("time").is_not_null())
+             .group_by(key, "encounter_id").agg(pl.col("time").min().alias("start"), pl.col("time").max().alias("end")))
     with_dx = (in_encounter.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
                .select(key, "encounter_id").unique())
-    visits = (starts.join(with_dx, on=[key, "encounter_id"], how="semi").sort(key, "start", "encounter_id")
+    spans = spans.join(with_dx, on=[key, "encounter_id"], how="semi")
+    if vocab.within_stays:
+        in_encounter = pl.concat([in_encounter, within_stays(events, key, spans)])
+    visits = (spans.drop("end").sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
                             pl.len().over(key).cast(pl.Int64).alias("n_visits")))
     V = max(1, min(cfg.max_visits, int(visits["n_visits"].max() or 0)))
@@ -256,6 +282,25 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
                         static_ids(events, key, rows, vocab.input_ids), torch.from_numpy(lengths),
                         torch.from_numpy(dx), unseen, targets)
+
+
+def within_stays(events: pl.DataFrame, key: str, spans: pl.DataFrame) -> pl.DataFrame:
+    """The dated non-diagnosis events of `events` without an encounter that fall within a visit's stay, given that
+    visit's encounter id. `spans` (key, encounter_id, start, end): each visit's first and last dated own event.
+
+    MEDS-Extract's MIMIC-IV ETL writes every pharmacy order (MEDICATION//START//…, //STOP//…) without its hadm_id,
+    and MIMIC leaves it off the ED draws taken before an admission (its ED transfer row, which has it, begins the
+    stay): left out, the prior would see none of those. An event within stays nested in one another goes to
+    the stay begun last. A diagnosis stays out: a visit's diagnoses are its encounter's coding, its labels.
+    """
+    loose = (events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
+                           & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
+             .drop("encounter_id").sort("time"))
+    if loose.is_empty() or spans.is_empty():
+        return events.head(0)
+    placed = loose.join_asof(spans.sort("start", "encounter_id"), left_on="time", right_on="start", by=key,
+                             strategy="backward", check_sortedness=False)  # both sorted by time, so in each group
+    return placed.filter(pl.col("time") <= pl.col("end")).select(events.columns)
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:
