@@ -76,6 +76,22 @@ def test_non_diagnosis_codes_are_shown_with_their_dataset_titles_and_diagnoses_a
         "  Procedures: CPT4 99213; 39.61", "  Medications: metformin; 00054829725; 00536338101"]
 
 
+def test_medication_codes_of_meds_extract_keep_the_drug_and_what_was_done_with_it():
+    # MEDS-Extract's MIMIC-IV ETL writes the emar's administrations as MEDICATION//{drug}//{event} and the
+    # pharmacy's orders as MEDICATION//START|STOP//{drug} (newer versions add the NDC, or UNK without one). The
+    # last part alone showed "Administered" without the drug, and a stopped order as one started.
+    record = events(
+        ("MEDICATION//Furosemide//Administered", d(2019, 1, 5), None, None, 1),
+        ("MEDICATION//Heparin//Not Given", d(2019, 1, 5), None, None, 1),
+        ("MEDICATION//START//Furosemide", d(2019, 1, 5), None, None, 1),
+        ("MEDICATION//STOP//Furosemide//UNK", d(2019, 1, 6), None, None, 1),
+        ("LAB//RESULT//50912//mg/dL", d(2019, 1, 6), 1.4, None, 1),
+    )
+    assert render_history(record, {}).blocks[0].text.splitlines()[1:] == [
+        "  Medications: Furosemide Administered; Heparin Not Given; START Furosemide; STOP Furosemide",
+        "  Labs: RESULT 50912 1.4 mg/dL"]
+
+
 def test_events_outside_encounters_sit_between_encounters_in_time_order_with_their_values():
     history = render_history(events(
         ("GENDER//F", None, None, None, None),

@@ -144,6 +144,20 @@ def _new_words(title: str | None, code_text: str) -> str | None:
     return None if plain in " ".join(code_text.lower().split()) else _one_line(title)
 
 
+def _medication_words(code: str) -> str:
+    """An untitled medication code as words: the drug of a `NAME` or `NDC` code (the MIMIC importers'), else every
+    part but `UNK`, so that MEDS-Extract's `MEDICATION//Furosemide//Administered` keeps its drug and
+    `MEDICATION//STOP//Furosemide` says that the order stopped.
+
+    >>> _medication_words("MEDICATION//NDC//00054829725"), _medication_words("MEDICATION//START//Heparin//UNK")
+    ('00054829725', 'START Heparin')
+    """
+    parts = code.split("//")[1:]
+    if len(parts) == 2 and parts[0] in ("NAME", "NDC"):
+        return parts[1]
+    return " ".join(part for part in parts if part != "UNK") or code
+
+
 def _day(value) -> str:
     return value.strftime("%Y-%m-%d") if value is not None else "undated"
 
@@ -168,15 +182,16 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
             notes.append(_note(time, code, text))
         elif kind in ("diagnosis", "procedure"):
             groups[kind].append(_code_label(code, titles))
-        elif kind == "medication":  # `furosemide (NDC 00054829725)` with a title, else the code's last part
+        elif kind == "medication":  # `furosemide (NDC 00054829725)` with a title, else the code's words
             title = _new_words(titles.get(code), code)
             tail = code.split("//", 1)[-1].replace("//", " ")
-            groups[kind].append(_one_line(f"{title} ({tail})" if title else code.split("//")[-1]))
+            groups[kind].append(_one_line(f"{title} ({tail})" if title else _medication_words(code)))
         elif kind == "lab":  # a title stands for the code's label: the label may be an item number
             parts = code.split("//")
-            unit = parts[2] if len(parts) > 2 else ""
+            unit = parts[-1] if len(parts) > 2 else ""
             shown = f"{value:g}" if value is not None else (text or "")
-            label = _new_words(titles.get(code), code) or (parts[1] if len(parts) > 1 else code)
+            label = _new_words(titles.get(code), code) or (" ".join(parts[1:-1]) if len(parts) > 2
+                                                           else parts[1] if len(parts) > 1 else code)
             groups[kind].append(_one_line(f"{label} {shown} {unit}"))
         else:
             title = _new_words(titles.get(code), code)
