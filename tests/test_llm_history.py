@@ -247,3 +247,58 @@ def test_a_note_cannot_close_the_record_or_fake_an_encounter():
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module))
     assert result.failed == 0 and result.attempted > 0, f"{module}: {result}"
+
+
+def test_events_without_an_encounter_within_a_stay_are_shown_in_that_stays_block():
+    # MEDS-Extract's MIMIC-IV ETL writes the pharmacy's orders, the ED registration and the ED draws before an
+    # admission without hadm_id. Within a stay (its first to its last dated own event) they are that stay's, as the
+    # EHR prior takes them (`models.stays.within_stays`); they read as a separate "Outside encounters" block after
+    # it. An untagged diagnosis stays out, as does whatever falls outside every stay.
+    record = events(
+        ("GENDER//F", None, None, None, None),
+        ("MEDS_BIRTH", d(2080), None, None, None),
+        ("ED_REGISTRATION", datetime(2150, 4, 4, 3), None, None, None),
+        ("TRANSFER_TO//ED//Emergency Department", datetime(2150, 4, 4, 3), None, None, 20),
+        ("LAB//51003//ng/mL", datetime(2150, 4, 4, 4), 0.01, "0.01", None),
+        ("HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM", datetime(2150, 4, 4, 8), None, None, 20),
+        ("MEDICATION//START//Furosemide", datetime(2150, 4, 4, 10), None, None, None),
+        ("DIAGNOSIS//ICD//10//N179", datetime(2150, 4, 6), None, None, None),
+        # A stay nested in the admission: what falls within both is the one begun last.
+        ("HOSPITAL_ADMISSION//ELECTIVE//PHYSICIAN REFERRAL", datetime(2150, 4, 8), None, None, 21),
+        ("MEDICATION//START//Heparin", datetime(2150, 4, 9), None, None, None),
+        ("HOSPITAL_DISCHARGE//HOME", datetime(2150, 4, 10), None, None, 21),
+        ("DIAGNOSIS//ICD//10//I5022", datetime(2150, 4, 20, 12), None, None, 20),
+        ("HOSPITAL_DISCHARGE//HOME", datetime(2150, 4, 20, 12), None, None, 20),
+        ("LAB//51003//ng/mL", datetime(2150, 4, 20, 13), 0.02, "0.02", None),
+        ("MEDICATION//START//Metformin", datetime(2150, 5, 1), None, None, None),
+    )
+    history = render_history(record, TITLES)
+    assert history.text == """Sex: F
+Born: 2080
+
+Encounter 1: 2150-04-04 to 2150-04-20, admitted EW EMER.//EMERGENCY ROOM, discharged HOME
+  Diagnoses: I50.22 Chronic systolic heart failure
+  Medications: START Furosemide
+  Labs: 51003 0.01 ng/mL
+  Other: ED_REGISTRATION; TRANSFER_TO//ED//Emergency Department
+
+Outside encounters: 2150-04-06 to 2150-04-06
+  2150-04-06 Diagnoses: N17.9 Acute kidney failure, unspecified
+
+Encounter 2: 2150-04-08 to 2150-04-10, admitted ELECTIVE//PHYSICIAN REFERRAL, discharged HOME
+  Medications: START Heparin
+
+Outside encounters: 2150-04-20 to 2150-05-01
+  2150-04-20 Labs: 51003 0.02 ng/mL
+  2150-05-01 Medications: START Metformin"""
+    # Shortened, the draws a stay took are its labs: the oldest go first, counted where the line was cut.
+    draws = [("LAB//50912//mg/dL", datetime(2150, 4, 4, 9) + timedelta(hours=i), 1 + i / 100, None, None)
+             for i in range(30)]
+    ed = ("TRANSFER_TO//ED//Emergency Department", datetime(2150, 4, 4, 3), None, None, 20)
+    history = render_history(events(("DIAGNOSIS//ICD//10//I5022", datetime(2150, 4, 20), None, None, 20), ed, *draws),
+                             TITLES)
+    assert history.text.splitlines()[4] == "  Labs: " + "; ".join(f"50912 {1 + i / 100:g} mg/dL" for i in range(30))
+    text, dropped = fit_history(history, 300)
+    assert text.splitlines()[6] == "  Labs: [28 earlier omitted] " + "; ".join(
+        f"50912 {1 + i / 100:g} mg/dL" for i in range(28, 30))
+    assert f"[history shortened to fit: {dropped} characters omitted (28 lab results)]" in text

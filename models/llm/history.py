@@ -2,8 +2,10 @@
 
 H reads as demographics, then a timeline from oldest to newest: each earlier encounter, with the
 events recorded outside any encounter (outpatient labs, notes) in a block of their own between the
-encounters they fall between, one line per day and kind. Only `pretarget_events` rows are rendered, so
-whatever H excludes (the target encounter) cannot appear.
+encounters they fall between, one line per day and kind. An event without an encounter within an encounter's
+stay (a pharmacy order, an ED draw) is that encounter's, placed as the EHR prior places it
+(`models.stays.within_stays`). Only `pretarget_events` rows are rendered, so whatever H excludes (the target
+encounter) cannot appear.
 
 `fit_history` shortens H to a character budget by giving up the least informative text first
 (`DROP_STEPS`); the diagnoses of an encounter go only with the whole encounter, after everything else.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
+from models.stays import within_stays
 from warehouse.vocab import dotted, dotted_procedure, parse_meds_code
 
 # Line labels of the event kinds, in the order an encounter lists them (notes follow, one line each).
@@ -222,12 +225,24 @@ def _outside_block(events: pl.DataFrame, titles: dict[str, str | None]) -> Block
     return Block(title, tuple(lines), encounter=False)
 
 
+def _place_within_stays(events: pl.DataFrame) -> pl.DataFrame:
+    """`events` with each event without an encounter that falls within an encounter's stay (its first to its last
+    dated event) given that encounter, as `within_stays` places it for the EHR prior (here every encounter is a
+    stay, not only those with a diagnosis: each has its block). The birth stays in the header."""
+    stays = (events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
+             .group_by("encounter_id").agg(pl.col("time").min().alias("start"), pl.col("time").max().alias("end"))
+             .with_columns(pl.lit(0).alias("_record")))
+    rows = events.with_row_index("_row").with_columns(pl.lit(0).alias("_record"))
+    placed = within_stays(rows.filter(pl.col("code") != "MEDS_BIRTH"), "_record", stays)
+    return rows.update(placed.select("_row", "encounter_id"), on="_row").drop("_row", "_record")
+
+
 def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> History:
     """Rendered H of one trajectory from its pre-target events (any order).
 
     `titles` names codes: a diagnosis by Ω's title, any other code by its dataset's (`code_titles`).
     """
-    events = events.sort("time", "code", "numeric_value", "text_value", nulls_last=False)
+    events = _place_within_stays(events).sort("time", "code", "numeric_value", "text_value", nulls_last=False)
     header = []
     for code in events.filter(pl.col("code").str.starts_with("GENDER//"))["code"].to_list():
         header.append(f"Sex: {code.split('//', 1)[1]}")

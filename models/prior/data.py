@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
 from models.pretarget import cut_records, unserved_visits
+from models.stays import within_stays
 from models.transition import sql_frame
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
@@ -282,25 +283,6 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
                         static_ids(events, key, rows, vocab.input_ids), torch.from_numpy(lengths),
                         torch.from_numpy(dx), unseen, targets)
-
-
-def within_stays(events: pl.DataFrame, key: str, spans: pl.DataFrame) -> pl.DataFrame:
-    """The dated non-diagnosis events of `events` without an encounter that fall within a visit's stay, given that
-    visit's encounter id. `spans` (key, encounter_id, start, end): each visit's first and last dated own event.
-
-    MEDS-Extract's MIMIC-IV ETL writes every pharmacy order (MEDICATION//START//…, //STOP//…) without its hadm_id,
-    and MIMIC leaves it off the ED draws taken before an admission (its ED transfer row, which has it, begins the
-    stay): left out, the prior would see none of those. An event within stays nested in one another goes to
-    the stay begun last. A diagnosis stays out: a visit's diagnoses are its encounter's coding, its labels.
-    """
-    loose = (events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
-                           & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
-             .drop("encounter_id").sort("time"))
-    if loose.is_empty() or spans.is_empty():
-        return events.head(0)
-    placed = loose.join_asof(spans.sort("start", "encounter_id"), left_on="time", right_on="start", by=key,
-                             strategy="backward", check_sortedness=False)  # both sorted by time, so in each group
-    return placed.filter(pl.col("time") <= pl.col("end")).select(events.columns)
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:

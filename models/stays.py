@@ -1,0 +1,28 @@
+"""Which stay an event recorded without an encounter belongs to, as both the EHR prior (`models.prior.data`, whose
+stays are its visits) and the readable record of Direct Forecast (`models.llm.history`, whose stays are the
+encounters it shows) place it. Polars only: the LLM layer must not import torch to share it.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+
+def within_stays(events: pl.DataFrame, key: str, spans: pl.DataFrame) -> pl.DataFrame:
+    """The dated non-diagnosis events of `events` without an encounter that fall within a stay, given that stay's
+    encounter id. `spans` (key, encounter_id, start, end): each stay's first and last dated own event.
+
+    MEDS-Extract's MIMIC-IV ETL writes every pharmacy order (MEDICATION//START//…, //STOP//…) without its hadm_id,
+    and MIMIC leaves it off the ED draws taken before an admission (its ED transfer row, which has it, begins the
+    stay): left out, the prior would see none of those and the record would show them apart from their stay. An
+    event within stays nested in one another goes to the stay begun last. A diagnosis stays out: a visit's
+    diagnoses are its encounter's coding, its labels. `build_vocabulary` counts the same placement in SQL.
+    """
+    loose = (events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
+                           & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
+             .drop("encounter_id").sort("time"))
+    if loose.is_empty() or spans.is_empty():
+        return events.head(0)
+    placed = loose.join_asof(spans.sort("start", "encounter_id"), left_on="time", right_on="start", by=key,
+                             strategy="backward", check_sortedness=False)  # both sorted by time, so in each group
+    return placed.filter(pl.col("time") <= pl.col("end")).select(events.columns)
