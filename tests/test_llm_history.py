@@ -302,3 +302,23 @@ Outside encounters: 2150-04-20 to 2150-05-01
     assert text.splitlines()[6] == "  Labs: [28 earlier omitted] " + "; ".join(
         f"50912 {1 + i / 100:g} mg/dL" for i in range(28, 30))
     assert f"[history shortened to fit: {dropped} characters omitted (28 lab results)]" in text
+
+
+def test_other_codes_show_their_value_bounded():
+    # MEDS-Extract keeps an OMR reading's value and a DRG's description in text_value and an infusion's patient weight
+    # in numeric_value: the code alone lost them. A value is shown as a lab's is, and a long text only in part.
+    drg = "DRG//APR//141//UNK"
+    history = render_history(events(
+        ("DIAGNOSIS//ICD//10//I5022", d(2150, 4, 20), None, None, 20),
+        (drg, d(2150, 4, 20), None, "Heart failure", 20),
+        ("SUBJECT_WEIGHT_AT_INFUSION//KG", d(2150, 4, 5), 80.5, None, 20),
+        ("COMMENT", d(2150, 4, 6), None, "word " * 40, 20),
+        ("MEDS_DEATH", d(2150, 4, 20), None, None, 20),
+        ("Blood Pressure", d(2150, 5, 1), None, "128/82", None),
+        ("Blood Pressure", d(2150, 5, 2), None, "131/\n85", None),
+    ), {drg: "All patient refined DRG 141"})
+    assert history.text.splitlines()[4:] == [
+        "  Other: SUBJECT_WEIGHT_AT_INFUSION//KG 80.5; COMMENT " + ("word " * 15) + "word…; "
+        "All patient refined DRG 141 (DRG//APR//141//UNK) Heart failure; MEDS_DEATH", "",
+        "Outside encounters: 2150-05-01 to 2150-05-02", "  2150-05-01 Other: Blood Pressure 128/82",
+        "  2150-05-02 Other: Blood Pressure 131/ 85"]

@@ -38,6 +38,9 @@ DROP_STEPS = ((False, {"note"}), (False, {"lab"}), (True, {"lab"}), (True, {"not
               (False, {"medication", "procedure", "other"}), (True, {"medication", "procedure", "other"}))
 # A note that would keep fewer characters than this is dropped whole rather than shortened.
 MIN_NOTE_CHARS = 200
+# The longest text value of an other code that is shown whole (a DRG's description, an OMR reading fit); a longer
+# free text keeps its beginning, so that one event cannot take the room of many.
+MAX_VALUE_CHARS = 80
 # How the marker counts what it omitted, in this order: kind -> (singular, plural).
 NOUNS = {"encounter": ("earlier encounter", "earlier encounters"), "diagnosis": ("diagnosis", "diagnoses"),
          "procedure": ("procedure", "procedures"), "medication": ("medication", "medications"),
@@ -169,6 +172,16 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _bounded(text: str) -> str:
+    """`text` on one line in at most `MAX_VALUE_CHARS` characters, its beginning when longer.
+
+    >>> _bounded("HEART FAILURE & SHOCK WITH MCC"), len(_bounded("word " * 40))
+    ('HEART FAILURE & SHOCK WITH MCC', 80)
+    """
+    text = _one_line(text)
+    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 1] + "…"
+
+
 def _note(time, code: str, text: str | None) -> Line:
     first, *rest = (text or "").replace("\r\n", "\n").replace("\r", "\n").strip().split("\n")
     body = "\n".join([first, *(NOTE_INDENT + line.rstrip() if line.strip() else "" for line in rest)])
@@ -196,9 +209,10 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
             label = _new_words(titles.get(code), code) or (" ".join(parts[1:-1]) if len(parts) > 2
                                                            else parts[1] if len(parts) > 1 else code)
             groups[kind].append(_one_line(f"{label} {shown} {unit}"))
-        else:
+        else:  # with its value, as a lab shows its own: `Blood Pressure 128/82`
             title = _new_words(titles.get(code), code)
-            groups[kind].append(_one_line(f"{title} ({code})" if title else code))
+            shown = f"{value:g}" if value is not None else _bounded(text or "")
+            groups[kind].append(_one_line(f"{title} ({code}) {shown}" if title else f"{code} {shown}"))
     lines = [Line(kind, f"  {prefix}{label}: ", tuple(dict.fromkeys(groups[kind])))
              for kind, label in LABELS.items() if groups[kind]]
     return lines + notes
