@@ -15,14 +15,23 @@ def within_stays(events: pl.DataFrame, key: str, spans: pl.DataFrame) -> pl.Data
     MEDS-Extract's MIMIC-IV ETL writes every pharmacy order (MEDICATION//START//…, //STOP//…) without its hadm_id,
     and MIMIC leaves it off the ED draws taken before an admission (its ED transfer row, which has it, begins the
     stay): left out, the prior would see none of those and the record would show them apart from their stay. An
-    event within stays nested in one another goes to the stay begun last. A diagnosis stays out: a visit's
-    diagnoses are its encounter's coding, its labels. `build_vocabulary` counts the same placement in SQL.
+    event within stays nested in one another goes to the stay begun last that holds it: within a long stay after a
+    stay nested in it ended, the long stay. A diagnosis stays out: a visit's diagnoses are its encounter's coding,
+    its labels. `build_vocabulary` counts the same placement in SQL.
     """
     loose = (events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
                            & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
              .drop("encounter_id").sort("time"))
     if loose.is_empty() or spans.is_empty():
         return events.head(0)
-    placed = loose.join_asof(spans.sort("start", "encounter_id"), left_on="time", right_on="start", by=key,
+    # The stay begun last on or before each event, and how long any stay begun by then lasts (`_open`).
+    spans = spans.sort("start", "encounter_id").with_columns(pl.col("end").cum_max().over(key).alias("_open"))
+    placed = loose.join_asof(spans, left_on="time", right_on="start", by=key,
                              strategy="backward", check_sortedness=False)  # both sorted by time, so in each group
-    return placed.filter(pl.col("time") <= pl.col("end")).select(events.columns)
+    # Past that stay's end but within an earlier one that spans it (rare): the latest begun of those that hold it.
+    outer = (placed.filter((pl.col("time") > pl.col("end")) & (pl.col("time") <= pl.col("_open")))
+             .select(loose.columns).with_row_index("_event").join(spans, on=key)
+             .filter((pl.col("start") <= pl.col("time")) & (pl.col("time") <= pl.col("end")))
+             .sort("_event", "start", "encounter_id").group_by("_event", maintain_order=True).last())
+    return pl.concat([placed.filter(pl.col("time") <= pl.col("end")).select(events.columns),
+                      outer.select(events.columns)])

@@ -267,6 +267,8 @@ def test_events_without_an_encounter_within_a_stay_are_shown_in_that_stays_block
         ("HOSPITAL_ADMISSION//ELECTIVE//PHYSICIAN REFERRAL", datetime(2150, 4, 8), None, None, 21),
         ("MEDICATION//START//Heparin", datetime(2150, 4, 9), None, None, None),
         ("HOSPITAL_DISCHARGE//HOME", datetime(2150, 4, 10), None, None, 21),
+        # After the nested stay ended, within the admission alone: the admission's.
+        ("MEDICATION//STOP//Furosemide", datetime(2150, 4, 19, 22), None, None, None),
         ("DIAGNOSIS//ICD//10//I5022", datetime(2150, 4, 20, 12), None, None, 20),
         ("HOSPITAL_DISCHARGE//HOME", datetime(2150, 4, 20, 12), None, None, 20),
         ("LAB//51003//ng/mL", datetime(2150, 4, 20, 13), 0.02, "0.02", None),
@@ -278,7 +280,7 @@ Born: 2080
 
 Encounter 1: 2150-04-04 to 2150-04-20, admitted EW EMER.//EMERGENCY ROOM, discharged HOME
   Diagnoses: I50.22 Chronic systolic heart failure
-  Medications: START Furosemide
+  Medications: START Furosemide; STOP Furosemide
   Labs: 51003 0.01 ng/mL
   Other: ED_REGISTRATION; TRANSFER_TO//ED//Emergency Department
 

@@ -601,6 +601,32 @@ def test_events_without_an_encounter_within_a_visits_stay_are_that_visits_tokens
     assert old.codes[0, 0].tolist()[:2] == [ids[dx("X")], 0]
 
 
+
+def test_an_event_within_a_stay_that_spans_a_nested_one_is_the_outer_stays_after_the_nested_one_ended():
+    # Admission 1 (days 1 to 20) spans admission 2 (days 8 to 10), as MIMIC holds a few. A pharmacy order on day 9 is
+    # within both (the one begun last takes it), the order stopped on day 15 within admission 1 alone: it is
+    # admission 1's, though admission 2 began after admission 1 and before it. An order on day 25 is within none.
+    t = dt.datetime
+    heparin, stop = "MEDICATION//START//Heparin", "MEDICATION//STOP//Furosemide"
+    metformin = "MEDICATION//START//Metformin"
+    events = pl.DataFrame({
+        "subject_id": 1, "time": [t(2150, 1, 1), t(2150, 1, 8), t(2150, 1, 9), t(2150, 1, 10), t(2150, 1, 15),
+                                  t(2150, 1, 20), t(2150, 1, 25)],
+        "code": ["HOSPITAL_ADMISSION//E", "HOSPITAL_ADMISSION//E", heparin, dx("Y"), stop, dx("X"), metformin],
+        "numeric_value": None, "encounter_id": [1, 2, None, 2, None, 1, None]},
+        schema_overrides={"numeric_value": pl.Float32})
+    vocab = Vocabulary(input_codes=sorted([dx("X"), dx("Y"), heparin, stop, metformin]),
+                       output_codes=[dx("X"), dx("Y")], omega=[dx("X"), dx("Y")], within_stays=True)
+    ids = {code: i + 2 for i, code in enumerate(vocab.input_codes)}
+    out = visit_tensors(events, "subject_id", vocab, PriorConfig(), keys=[1])
+    assert out.codes[0, :, :3].tolist() == [[ids[dx("X")], ids[stop], 0], [ids[dx("Y")], ids[heparin], 0]]
+    # The vocabulary counts each where the visits take it: one encounter each, so all but Metformin at 1.
+    con = duckdb.connect()
+    con.register("train_events", events.with_columns(cohort_id=pl.lit("c")).to_arrow())
+    con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c", "c"], "code": [dx("X"), dx("Y")]}).to_arrow())
+    assert prior_data.build_vocabulary(con, "c", min_code_count=1).input_codes == [
+        dx("X"), dx("Y"), heparin, stop]
+
 def test_the_vocabulary_holds_the_codes_without_an_encounter_that_visits_take():
     t = dt.datetime
     start, outpatient = "MEDICATION//START//Furosemide", "MEDICATION//START//Metformin"

@@ -90,7 +90,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     carrying each static code)."""
     prefixes = " OR ".join(f"code LIKE '{p}%'" for p in TOKEN_PREFIXES)
     # The encounters a code's events belong to, or for an event without one the visit whose stay holds it, as
-    # `within_stays` places it: the stay begun last on or before it, when it is still open then.
+    # `within_stays` places it: of the stays open at its time, the one begun last.
     inputs = sql_frame(con, f"""
         WITH visits AS (
             SELECT subject_id, encounter_id, min(time) AS first_time, max(time) AS last_time FROM train_events
@@ -101,14 +101,14 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
             WHERE cohort_id = $1 AND encounter_id IS NULL AND time IS NOT NULL AND code NOT LIKE 'DIAGNOSIS//%'
               AND ({prefixes})),
         placed AS (
-            SELECT l.code, l.time, v.encounter_id, v.last_time FROM loose l
-            JOIN visits v ON v.subject_id = l.subject_id AND v.first_time <= l.time
+            SELECT l.code, v.encounter_id FROM loose l
+            JOIN visits v ON v.subject_id = l.subject_id AND v.first_time <= l.time AND l.time <= v.last_time
             QUALIFY row_number() OVER (PARTITION BY l.event ORDER BY v.first_time DESC, v.encounter_id DESC) = 1),
         coded AS (
             SELECT code, encounter_id FROM train_events
             WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND ({prefixes})
             UNION ALL
-            SELECT code, encounter_id FROM placed WHERE time <= last_time)
+            SELECT code, encounter_id FROM placed)
         SELECT code FROM coded GROUP BY code HAVING count(DISTINCT encounter_id) >= $2 ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     static = sql_frame(con, """SELECT code FROM train_events
