@@ -324,3 +324,16 @@ def test_other_codes_show_their_value_bounded():
         "All patient refined DRG 141 (DRG//APR//141//UNK) Heart failure; MEDS_DEATH", "",
         "Outside encounters: 2150-05-01 to 2150-05-02", "  2150-05-01 Other: Blood Pressure 128/82",
         "  2150-05-02 Other: Blood Pressure 131/ 85"]
+
+
+def test_a_lab_text_value_is_bounded_like_other_codes():
+    # A lab result kept as free text (a microbiology comment, a "see note" narrative) would otherwise take the room
+    # of many results in one line; a short one is shown whole.
+    long_text = "Gram negative rods seen, identification and susceptibilities to follow " * 3
+    history = render_history(events(
+        ("DIAGNOSIS//ICD//10//I5022", d(2150, 4, 20), None, None, 20),
+        ("LAB//51003//ng/mL", d(2150, 4, 5), None, "<0.01", 20),
+        ("LAB//70012//", d(2150, 4, 6), None, long_text, 20),
+    ), TITLES)
+    labs = history.text.splitlines()[4]
+    assert labs == "  Labs: 51003 <0.01 ng/mL; 70012 " + " ".join(long_text.split())[:79] + "…"

@@ -38,8 +38,8 @@ DROP_STEPS = ((False, {"note"}), (False, {"lab"}), (True, {"lab"}), (True, {"not
               (False, {"medication", "procedure", "other"}), (True, {"medication", "procedure", "other"}))
 # A note that would keep fewer characters than this is dropped whole rather than shortened.
 MIN_NOTE_CHARS = 200
-# The longest text value of an other code that is shown whole (a DRG's description, an OMR reading fit); a longer
-# free text keeps its beginning, so that one event cannot take the room of many.
+# The longest text value of a lab or other code that is shown whole (a DRG's description, an OMR reading fit); a
+# longer free text keeps its beginning, so that one event cannot take the room of many.
 MAX_VALUE_CHARS = 80
 # How the marker counts what it omitted, in this order: kind -> (singular, plural).
 NOUNS = {"encounter": ("earlier encounter", "earlier encounters"), "diagnosis": ("diagnosis", "diagnoses"),
@@ -205,7 +205,7 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
         elif kind == "lab":  # a title stands for the code's label: the label may be an item number
             parts = code.split("//")
             unit = parts[-1] if len(parts) > 2 else ""
-            shown = f"{value:g}" if value is not None else (text or "")
+            shown = f"{value:g}" if value is not None else _bounded(text or "")
             label = _new_words(titles.get(code), code) or (" ".join(parts[1:-1]) if len(parts) > 2
                                                            else parts[1] if len(parts) > 1 else code)
             groups[kind].append(_one_line(f"{label} {shown} {unit}"))
