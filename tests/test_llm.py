@@ -151,6 +151,16 @@ def http_client(base_url: str, **overrides) -> LLMClient:
     return LLMClient(config, OpenAIBackend(config.base_url, config.timeout_s, api_key=None))
 
 
+async def outcome(client: LLMClient, error: type[Exception]) -> tuple:
+    """The client's answer to QUESTION, or the `error` it raised instead, with its telemetry; the client is closed."""
+    try:
+        return await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT), client.telemetry()
+    except error as exc:
+        return exc, client.telemetry()
+    finally:
+        await client.close()
+
+
 def new_state() -> dict:
     return {"in_flight": 0, "max_in_flight": 0, "requests": []}
 
@@ -406,13 +416,7 @@ def test_a_body_that_is_not_a_json_completion_is_retried_and_recorded_as_a_trans
     async def scenario(replies: list, retries: int):
         state = {}
         async with serving(answering(replies, state)) as url:
-            client = http_client(url, transport_retries=retries, backoff_s=0.0)
-            try:
-                return await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT), client.telemetry(), url
-            except TransportError as exc:
-                return exc, client.telemetry(), url
-            finally:
-                await client.close()
+            return *await outcome(http_client(url, transport_retries=retries, backoff_s=0.0), TransportError), url
 
     value, calls, _ = asyncio.run(scenario([not_utf8, not_json, GOOD], retries=2))
     assert value == {"answer": 7}
@@ -435,13 +439,7 @@ def test_refusals_of_every_request_are_run_errors_and_a_prompt_too_long_is_the_r
     async def scenario(reply: tuple):
         state = {}
         async with serving(answering([reply], state)) as url:
-            client = http_client(url)
-            try:
-                await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
-            except Exception as exc:  # noqa: BLE001  (the type is the point)
-                return exc, client.telemetry(), url, len(state["times"])
-            finally:
-                await client.close()
+            return *await outcome(http_client(url), Exception), url, len(state["times"])  # the type is the point
 
     for status, text, fix in [
             (401, "Incorrect API key provided",
@@ -715,13 +713,7 @@ def test_reasoning_models_are_sent_max_completion_tokens_when_configured():
 
     async def scenario(**overrides):
         async with serving(reasoning_model) as url:
-            client = http_client(url, max_output_tokens=900, **overrides)
-            try:
-                return await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT), client.telemetry(), url
-            except ConfigError as exc:
-                return exc, client.telemetry(), url
-            finally:
-                await client.close()
+            return *await outcome(http_client(url, max_output_tokens=900, **overrides), ConfigError), url
 
     state = {"requests": []}
     error, calls, url = asyncio.run(scenario())

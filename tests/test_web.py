@@ -63,18 +63,24 @@ ROBOTS = "User-agent: *\nDisallow: /private/\n"
 
 
 class LoopbackSite:
-    """An aiohttp server on a free loopback port for the life of an `async with`; `handle` answers."""
+    """An aiohttp server on a free loopback port for the life of an `async with`; `handle` answers, and `requests`
+    records every request's path in arrival order."""
 
     def __init__(self):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        self.requests: list[str] = []
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raise NotImplementedError
 
+    async def _recorded(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(request.path)
+        return await self.handle(request)
+
     async def __aenter__(self):
         app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", self.handle)
+        app.router.add_route("GET", "/{tail:.*}", self._recorded)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -89,7 +95,6 @@ class Site(LoopbackSite):
 
     def __init__(self):
         super().__init__()
-        self.requests: list[str] = []
         self.times: list[float] = []  # when each request arrived (loop time)
         self.queries: list[str] = []
 
@@ -109,7 +114,6 @@ class Site(LoopbackSite):
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        self.requests.append(path)
         self.times.append(asyncio.get_running_loop().time())
         if path == "/robots.txt":
             return web.Response(text=ROBOTS, content_type="text/plain")
@@ -647,12 +651,7 @@ def test_provider_answers_that_are_not_usable_json():
 class FlakySite(LoopbackSite):
     """`/busy` answers 503 once, `/limited` 429 once, then both serve the page; `/gone` is always 404."""
 
-    def __init__(self):
-        super().__init__()
-        self.requests: list[str] = []
-
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(request.path)
         first = self.requests.count(request.path) == 1
         if request.path == "/busy" and first:
             return web.Response(status=503, text="try later")
@@ -831,10 +830,8 @@ class RobotsSite(LoopbackSite):
     def __init__(self, robots):
         super().__init__()
         self.robots = robots
-        self.requests: list[str] = []
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(request.path)
         if request.path == "/robots.txt":
             if self.robots == "slow":
                 await asyncio.sleep(2)
@@ -896,12 +893,7 @@ def test_a_redirected_robots_txt_is_followed():
 class SlowRedirectSite(LoopbackSite):
     """`/hop/N` answers after 0.3 s with a redirect to `/hop/N+1`, up to `/hop/4`, which serves a page."""
 
-    def __init__(self):
-        super().__init__()
-        self.requests: list[str] = []
-
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(request.path)
         if request.path == "/robots.txt":
             return web.Response(status=404)
         await asyncio.sleep(0.3)
