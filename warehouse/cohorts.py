@@ -38,7 +38,7 @@ import duckdb
 import polars as pl
 from tqdm import tqdm
 
-from dxr.errors import ConfigError, InputError, NotFoundError
+from dxr.errors import InputError, NotFoundError
 from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
@@ -182,17 +182,11 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     config = {"dataset": dataset_id, "name": name, **asdict(options), "seed": seed, "shard_size": shard_size,
               "oracle_draws": oracle_draws}
     with registered_run(wh, "cohort", config, run_id) as run:
-        what = f"cohort build of {name} from dataset {dataset_id}"
-        try:
+        # The build writes to both stores and spills under the gold one: the data dir is where room is needed.
+        with duck.resource_errors(f"cohort build of {name} from dataset {dataset_id}", wh.root, memory_limit,
+                                  "cohort.memory_limit"):
             row = _build_locked(wh, dataset_id, name, options, seed=seed, shard_size=shard_size,
                                 oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
-        except (duckdb.Error, OSError) as exc:
-            # The build writes to both stores and spills under the gold one: the data dir is where room is needed.
-            if duck.out_of_disk(exc):
-                raise ConfigError(duck.out_of_disk_message(what, wh.root)) from exc
-            if isinstance(exc, duckdb.OutOfMemoryException):
-                raise ConfigError(duck.out_of_memory_message(what, memory_limit, exc, "cohort.memory_limit")) from exc
-            raise
         run.cohort_id = row["cohort_id"]
     return row
 

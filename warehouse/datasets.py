@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from dxr.errors import ConfigError, InputError, NotFoundError
+from dxr.errors import InputError, NotFoundError
 from warehouse import duck
 from warehouse.importers import ImportSummary, import_mimic3, import_mimic4
 from warehouse.locks import held
@@ -61,12 +61,9 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
         info = validate_meds_dir(source_dir)  # fail before copying anything
         with writing_dataset(wh, dataset_id):
             target = wh.meds_dir(dataset_id)
-            try:
+            # shutil.copytree's Error gathers each file's, without errno or file name: `out_of_disk` reads its text.
+            with duck.resource_errors(f"MEDS ingest of {source_dir}", target.parent):
                 copy_meds_dir(Path(source_dir), target, info.encounter_column)
-            except OSError as exc:  # shutil.copytree's Error gathers each file's, without errno or file name
-                if duck.out_of_disk(exc):
-                    raise ConfigError(duck.out_of_disk_message(f"MEDS ingest of {source_dir}", target.parent)) from exc
-                raise
             return register_dataset(wh, dataset_id, source="meds")
 
 

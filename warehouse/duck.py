@@ -9,6 +9,7 @@ running in worker threads, which never see the signal, are stopped too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import tempfile
 import uuid
@@ -16,6 +17,8 @@ import weakref
 from pathlib import Path
 
 import duckdb
+
+from dxr.errors import ConfigError
 
 _open: weakref.WeakSet[duckdb.DuckDBPyConnection] = weakref.WeakSet()
 
@@ -57,20 +60,25 @@ def out_of_disk(exc: BaseException) -> bool:
         isinstance(exc, duckdb.OutOfMemoryException) and "max_temp_directory_size" in text)
 
 
-def out_of_disk_message(what: str, directory: Path) -> str:
-    """The one-line error of `what` (e.g. "MIMIC-IV import of /data/mimic") that filled the disk at `directory`, where
-    it writes its output and, for DuckDB work, its spill files."""
-    return (f"{what}: out of disk space in {directory}: free disk space there, or point --data-dir (DXR_DATA_DIR) to "
-            "a disk with room")
+@contextlib.contextmanager
+def resource_errors(what: str, directory: Path, memory_limit: str | None = None, setting: str | None = None):
+    """Inside the block, running out of disk (at `directory`, where `what` writes its output and DuckDB its spill
+    files) or, with `memory_limit`, out of DuckDB memory is one ConfigError with its fix; other errors pass.
 
-
-def out_of_memory_message(what: str, memory_limit: str, exc: duckdb.OutOfMemoryException,
-                          setting: str | None = None) -> str:
-    """The one-line error of `what` whose DuckDB work needed more than `memory_limit`: DuckDB spills what it can to
-    disk, so this is memory it could not spill. `setting` names the setting that also holds the limit."""
-    also = f", or the setting {setting}" if setting else ""
-    return (f"{what}: DuckDB ran out of memory within its limit of {memory_limit} ({str(exc).strip().splitlines()[0]})"
-            f": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB{also}) that the machine has free")
+    DuckDB spills what it can to disk, so out of memory means memory it could not spill. `setting` names the
+    setting that also holds the limit."""
+    try:
+        yield
+    except (duckdb.Error, OSError) as exc:
+        if out_of_disk(exc):
+            raise ConfigError(f"{what}: out of disk space in {directory}: free disk space there, or point --data-dir "
+                              "(DXR_DATA_DIR) to a disk with room") from exc
+        if memory_limit is None or not isinstance(exc, duckdb.OutOfMemoryException):
+            raise
+        also = f", or the setting {setting}" if setting else ""
+        raise ConfigError(f"{what}: DuckDB ran out of memory within its limit of {memory_limit} "
+                          f"({str(exc).strip().splitlines()[0]}): rerun with a larger memory limit "
+                          f"(`--memory-limit`, e.g. 8GB{also}) that the machine has free") from exc
 
 
 def interrupt_queries() -> int:

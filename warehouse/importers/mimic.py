@@ -64,7 +64,7 @@ import duckdb
 import polars as pl
 
 from dxr import __version__
-from dxr.errors import ConfigError, InputError
+from dxr.errors import InputError
 from warehouse import duck
 from warehouse.meds import SPLITS, hash_split, replace_dir, validate_meds_dir, write_data_shard, write_metadata
 from warehouse.scratch import remove_abandoned, scratch
@@ -451,65 +451,61 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
         log(f"{name}: {now - mark:.1f}s")
         return now
 
-    con = None
-    try:
-        workdir.mkdir()
-        con = duck.connect(str(workdir / "import.duckdb"))
-        con.execute(f"SET memory_limit = '{memory_limit}'")
-        con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
-        mark = time.perf_counter()
-        rows_read = {}
-        for name, spec in tables.items():
-            rows_read[name] = _load_table(con, layout, name, spec, files.get(name))
-        mark = stage("read", mark)
-        for name, spec in tables.items():
-            _check_values(con, name, spec, files.get(name))
-        _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
-        _check_unique(con, "patients", "subject_id", "patient", files["patients"])
-        for name in ("diagnoses_icd", "procedures_icd", "prescriptions", *(("labevents",) if labs else ())):
-            _check_admission_subjects(con, name, files.get(name), files["admissions"])
-        con.execute(layout.normalize_sql)
-        _check_codes(con, "dx", files["diagnoses_icd"])
-        _check_codes(con, "px", files.get("procedures_icd"))
-        mark = stage("check", mark)
-        con.execute(_MEDICATIONS_SQL)
-        if labs:
-            con.execute(_LABS_SQL)
-        con.execute(_EVENTS_SQL + (_LAB_EVENTS_SQL if labs else ""))
-        if not con.sql("SELECT count(*) FROM events WHERE code LIKE 'DIAGNOSIS//%'").fetchall()[0][0]:
-            raise InputError(f"{files['diagnoses_icd']}: no diagnosis row belongs to an admission in "
-                             f"{files['admissions'].name}: forecasting needs diagnoses; check that both files come "
-                             "from the same release")
-        mark = stage("events", mark)
-        n_shards = _write_shards(con, staging, workdir, seed, events_per_shard)
-        mark = stage("shards", mark)
-        codes = con.sql(_CODES_SQL).to_arrow_table()
-        counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards)
-        con.close()
-        mark = stage("codes and counts", mark)
-        splits = pl.read_parquet(workdir / "splits.parquet")
-        recorded = {k: v for k, v in asdict(counts).items() if k not in ("seconds", "stage_seconds")}
-        write_metadata(staging, dataset_name=layout.title, dataset_version="unspecified",
-                       etl_name="dxr.warehouse.importers.mimic", etl_version=__version__, codes=codes, splits=splits,
-                       extra={"other_extension_columns": list(EXTENSION_COLUMNS), "source": layout.source,
-                              "source_dir": str(Path(src).resolve()), "seed": seed, "import_summary": recorded})
-        validate_meds_dir(staging)
-        stage("metadata and validation", mark)
-        replace_dir(staging, out_dir)
-        summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
-        log(f"wrote {out_dir}")
-        return summary
-    except (duckdb.Error, OSError) as exc:
-        # A full disk surfaces from DuckDB (an IOException, or a refused spill) and from the Parquet writers alike.
-        if duck.out_of_disk(exc):
-            raise ConfigError(duck.out_of_disk_message(f"{layout.title} import of {src}", out_dir.parent)) from exc
-        if not isinstance(exc, duckdb.OutOfMemoryException):
-            raise
-        raise ConfigError(duck.out_of_memory_message(f"{layout.title} import of {src}", memory_limit, exc)) from exc
-    finally:
-        if con is not None:
+    # A full disk surfaces from DuckDB (an IOException, or a refused spill) and from the Parquet writers alike.
+    with duck.resource_errors(f"{layout.title} import of {src}", out_dir.parent, memory_limit):
+        con = None
+        try:
+            workdir.mkdir()
+            con = duck.connect(str(workdir / "import.duckdb"))
+            con.execute(f"SET memory_limit = '{memory_limit}'")
+            con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
+            mark = time.perf_counter()
+            rows_read = {}
+            for name, spec in tables.items():
+                rows_read[name] = _load_table(con, layout, name, spec, files.get(name))
+            mark = stage("read", mark)
+            for name, spec in tables.items():
+                _check_values(con, name, spec, files.get(name))
+            _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
+            _check_unique(con, "patients", "subject_id", "patient", files["patients"])
+            for name in ("diagnoses_icd", "procedures_icd", "prescriptions", *(("labevents",) if labs else ())):
+                _check_admission_subjects(con, name, files.get(name), files["admissions"])
+            con.execute(layout.normalize_sql)
+            _check_codes(con, "dx", files["diagnoses_icd"])
+            _check_codes(con, "px", files.get("procedures_icd"))
+            mark = stage("check", mark)
+            con.execute(_MEDICATIONS_SQL)
+            if labs:
+                con.execute(_LABS_SQL)
+            con.execute(_EVENTS_SQL + (_LAB_EVENTS_SQL if labs else ""))
+            if not con.sql("SELECT count(*) FROM events WHERE code LIKE 'DIAGNOSIS//%'").fetchall()[0][0]:
+                raise InputError(f"{files['diagnoses_icd']}: no diagnosis row belongs to an admission in "
+                                 f"{files['admissions'].name}: forecasting needs diagnoses; check that both files come "
+                                 "from the same release")
+            mark = stage("events", mark)
+            n_shards = _write_shards(con, staging, workdir, seed, events_per_shard)
+            mark = stage("shards", mark)
+            codes = con.sql(_CODES_SQL).to_arrow_table()
+            counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards)
             con.close()
-        scratches.close()
+            mark = stage("codes and counts", mark)
+            splits = pl.read_parquet(workdir / "splits.parquet")
+            recorded = {k: v for k, v in asdict(counts).items() if k not in ("seconds", "stage_seconds")}
+            write_metadata(staging, dataset_name=layout.title, dataset_version="unspecified",
+                           etl_name="dxr.warehouse.importers.mimic", etl_version=__version__, codes=codes,
+                           splits=splits,
+                           extra={"other_extension_columns": list(EXTENSION_COLUMNS), "source": layout.source,
+                                  "source_dir": str(Path(src).resolve()), "seed": seed, "import_summary": recorded})
+            validate_meds_dir(staging)
+            stage("metadata and validation", mark)
+            replace_dir(staging, out_dir)
+            summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
+            log(f"wrote {out_dir}")
+            return summary
+        finally:
+            if con is not None:
+                con.close()
+            scratches.close()
 
 
 def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> dict[str, Path]:
