@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from datetime import datetime
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -489,3 +491,35 @@ def test_a_system_pair_or_pool_named_twice_is_written_once(wh):
     for table, key in keys.items():
         stored = wh.read(table, run_id="r1")
         assert stored.height == stored.select(key).unique().height > 0, table
+
+
+
+def load_prior_gap():
+    path = Path(__file__).parents[1] / "benchmarks" / "prior_gap.py"
+    spec = importlib.util.spec_from_file_location("prior_gap", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prior_gap_splits_new_onset_codes_by_icd_category(tmp_path):
+    """benchmarks/prior_gap.py: a new code of a category the record holds is a sibling, the rest new categories."""
+    prior_gap = load_prior_gap()
+    wh = Warehouse(tmp_path / "wh")
+    sibling = dx("A019")  # category A01, as A
+    write_cohort(wh, targets={T1: [A, sibling, B], T2: [A, D]}, pretarget={T1: [A], T2: [dx("Z00")]})
+    rankings = {"ehr_prior": {T1: [A, sibling, X], T2: [D, X, Y]}}
+    for run_id in ("bench-prior-20250101T000000", "bench-prior-20260101T000000", "bench-prior-20260101T000000-all"):
+        write_rankings(wh, run_id, rankings=rankings, status={})
+    run_id = prior_gap.newest_benchmark_run(wh)
+    assert run_id == "bench-prior-20260101T000000"
+
+    gap = prior_gap.gap_summary(wh, run_id, k=2)
+    # T1: A repeated, A019 sibling, B new; T2: A and D new (Z00 shares no category with them).
+    assert gap["targets"] == {"repeated": 1, "sibling": 1, "new_category": 3}
+    # Top 2: T1 {A, A019} both hit, A in the record; T2 {D, X}, D hits, neither in the record.
+    assert gap["systems"] == [{"system": "ehr_prior", "repeated": 1.0, "sibling": 1.0, "new_category": 1 / 3,
+                               "record_places": 0.5, "record_place_hits": 1.0, "other_place_hits": 2 / 3}]
+    assert gap["categories"] == [{"category": "10:A01", "targets": 2, "ehr_prior": 1},
+                                 {"category": "10:B02", "targets": 1, "ehr_prior": 0},
+                                 {"category": "10:D04", "targets": 1, "ehr_prior": 1}]
