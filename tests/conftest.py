@@ -46,6 +46,11 @@ def disk_full_errors() -> list:
     ]
 
 
+# DuckDB's reason, as a one-line error quotes it, for running out of memory within a tiny limit: which allocation
+# fails first (a query's data, a buffer block) depends on the timing of its threads.
+OUT_OF_MEMORY = (r"\(Out of Memory Error: (failed to allocate data|could not allocate block) of size [0-9.]+ [KM]iB "
+                 r"\([^()\n]+ used\)\)")
+
 class FailsAt:
     """A real DuckDB connection on which the first statement containing `marker` raises `error` instead."""
 

@@ -409,6 +409,16 @@ def test_prefects_temporary_server_ends_with_a_sigkilled_dxr(tmp_path):
             os.kill(server, signal.SIGKILL)
 
 
+def test_ingest_meds_memory_limit_option_bounds_the_validation_and_running_out_is_one_line(tiny_meds, wh_vocab):
+    line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "tiny", "--memory-limit", "1MB",
+                              data_dir=wh_vocab.root))
+    assert line.startswith(f"Error: MEDS ingest of {tiny_meds}: DuckDB ran out of memory within its limit of 1MB "
+                           "(Out of Memory Error: "), line
+    assert line.endswith(": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB) that the machine has free"
+                         ), line
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--memory-limit", "64MB",
+               data_dir=wh_vocab.root).exit_code == 0
+
 def test_cohort_build_memory_limit_option_overrides_the_setting_and_running_out_is_one_line(tmp_path, tiny_meds,
                                                                                             wh_vocab, monkeypatch):
     data_dir = wh_vocab.root

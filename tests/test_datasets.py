@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
+import duckdb
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,9 +19,12 @@ import pytest
 
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
-from tests.conftest import abandoned_scratch, tiny_events, write_tiny_meds
+from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, tiny_events,
+                            write_tiny_meds)
+from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
+from warehouse.meds import hash_split, read_splits, validate_meds_dir
 
 
 def data_files(root: Path) -> dict[str, bytes]:
@@ -90,6 +97,37 @@ def test_a_full_disk_during_meds_ingest_says_so_and_where(wh_vocab, tiny_meds, m
     assert not wh_vocab.meds_dir("full").exists()
     assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-full", "failed")]
 
+
+def test_meds_validation_holds_to_the_memory_limit_and_running_out_is_one_line(wh_vocab, tiny_meds):
+    # Validation ran DuckDB without a limit (80% of the machine's memory) and an out-of-memory was a traceback.
+    with pytest.raises(ConfigError) as raised:
+        ingest_meds(wh_vocab, tiny_meds, "tiny", run_id="ing-oom", memory_limit="1MB")
+    assert re.fullmatch(re.escape(f"MEDS ingest of {tiny_meds}: DuckDB ran out of memory within its limit of 1MB ")
+                        + OUT_OF_MEMORY
+                        + re.escape(": rerun with a larger memory limit (`--memory-limit`, e.g. 8GB) that the machine "
+                                    "has free"), str(raised.value)), str(raised.value)
+    assert not wh_vocab.meds_dir("tiny").exists()
+    assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-oom", "failed")]
+    info = validate_meds_dir(tiny_meds, memory_limit="64MB")
+    # The hash rule, for a dataset without subject_splits.parquet, reads the subjects within the limit too.
+    with pytest.raises(duckdb.OutOfMemoryException):
+        read_splits(replace(info, has_splits=False), seed=7, memory_limit="1MB")
+    assert read_splits(replace(info, has_splits=False), seed=7, memory_limit="64MB").rows() == [
+        (subject, hash_split(subject, 7)) for subject in sorted(SPLITS)]
+
+
+@pytest.mark.parametrize("error", disk_full_errors(), ids=["enospc", "spill_cap"])
+def test_a_full_disk_for_the_validation_spill_names_the_temporary_directory(wh_vocab, tiny_meds, monkeypatch, error):
+    # Validation spills to the system's temporary directory, not the data dir: its full disk was a DuckDB traceback.
+    connect = duck.connect
+    monkeypatch.setattr(duck, "connect", lambda database: FailsAt(connect(database), "count(DISTINCT subject_id)",
+                                                                  error))
+    with pytest.raises(ConfigError) as raised:
+        ingest_meds(wh_vocab, tiny_meds, "tiny", run_id="ing-full")
+    assert str(raised.value) == (f"validation of MEDS directory {tiny_meds}: out of disk space in "
+                                 f"{tempfile.gettempdir()}: free disk space there, or set TMPDIR to a directory on a "
+                                 "disk with room")
+    assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-full", "failed")]
 
 def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):
     ingest_meds(wh_vocab, tiny_meds, "tiny")

@@ -197,7 +197,7 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
     with held(wh, f"dataset:{dataset_id}", shared=True,
               busy=f"dataset {dataset_id!r} is being written by another dxr process (synth or ingest)"):
         dataset = get_dataset(wh, dataset_id)
-        info = validate_meds_dir(dataset["meds_dir"])
+        info = validate_meds_dir(dataset["meds_dir"], memory_limit)
         if info.fingerprint != dataset["fingerprint"]:
             remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
             raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "
@@ -244,7 +244,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.execute(f"CREATE TEMP TABLE encounter_starts AS {encounter_starts_sql('raw')}")
         steps.update()
 
-        splits = read_splits(info, seed)
+        splits = read_splits(info, seed, memory_limit)
         con.register("splits_frame", splits.to_arrow())
         # Encounters with at least one raw diagnosis, ordered per patient. The prior encounters of one are those
         # whose diagnoses its pre-target record shows: begun before it and coded before it began. A stay still

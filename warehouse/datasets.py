@@ -29,13 +29,15 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None) -> dict:
-    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` and write its `datasets` row.
+def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None,
+                     memory_limit: str = "2GB") -> dict:
+    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` (DuckDB within `memory_limit`) and write
+    its `datasets` row.
 
     Returns the row plus what the ingest should tell the user but the table does not keep.
     """
     check_name("dataset", dataset_id)
-    info = validate_meds_dir(wh.meds_dir(dataset_id))
+    info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit)
     row = {
         "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
         "generator_version": generator_version,
@@ -52,19 +54,20 @@ def writing_dataset(wh: Warehouse, dataset_id: str):
                 busy=f"dataset {dataset_id!r} is being written, or read by a cohort build, in another dxr process")
 
 
-def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | None = None) -> dict:
+def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | None = None,
+                memory_limit: str = "2GB") -> dict:
     """Copy an external MEDS dataset into the gold store and register it (and the run, kind
-    `ingest:meds`; `dxr ingest meds`)."""
+    `ingest:meds`; `dxr ingest meds`). Its validation reads the events with DuckDB within `memory_limit`."""
     config = {"path": str(source_dir), "dataset": dataset_id}
     with registered_run(wh, "ingest:meds", config, run_id):
         check_name("dataset", dataset_id)
-        info = validate_meds_dir(source_dir)  # fail before copying anything
-        with writing_dataset(wh, dataset_id):
-            target = wh.meds_dir(dataset_id)
-            # shutil.copytree's Error gathers each file's, without errno or file name: `out_of_disk` reads its text.
-            with duck.resource_errors(f"MEDS ingest of {source_dir}", target.parent):
+        target = wh.meds_dir(dataset_id)
+        # shutil.copytree's Error gathers each file's, without errno or file name: `out_of_disk` reads its text.
+        with duck.resource_errors(f"MEDS ingest of {source_dir}", target.parent, memory_limit):
+            info = validate_meds_dir(source_dir, memory_limit)  # fail before copying anything
+            with writing_dataset(wh, dataset_id):
                 copy_meds_dir(Path(source_dir), target, info.encounter_column)
-            return register_dataset(wh, dataset_id, source="meds")
+                return register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit)
 
 
 def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,
@@ -85,7 +88,9 @@ def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, 
         with writing_dataset(wh, dataset_id):
             summary = importers[source](Path(source_dir), wh.meds_dir(dataset_id), seed=seed, labs=labs,
                                         log=log, memory_limit=memory_limit)
-            return register_dataset(wh, dataset_id, source=source), summary
+            with duck.resource_errors(f"registration of {wh.meds_dir(dataset_id)}", wh.meds_dir(dataset_id).parent,
+                                      memory_limit):
+                return register_dataset(wh, dataset_id, source=source, memory_limit=memory_limit), summary
 
 
 def get_dataset(wh: Warehouse, dataset_id: str) -> dict:

@@ -61,18 +61,19 @@ def out_of_disk(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def resource_errors(what: str, directory: Path, memory_limit: str | None = None, setting: str | None = None):
+def resource_errors(what: str, directory: Path, memory_limit: str | None = None, setting: str | None = None,
+                    elsewhere: str = "point --data-dir (DXR_DATA_DIR) to a disk with room"):
     """Inside the block, running out of disk (at `directory`, where `what` writes its output and DuckDB its spill
     files) or, with `memory_limit`, out of DuckDB memory is one ConfigError with its fix; other errors pass.
 
     DuckDB spills what it can to disk, so out of memory means memory it could not spill. `setting` names the
-    setting that also holds the limit."""
+    setting that also holds the limit; `elsewhere` says how to move `directory` to another disk."""
     try:
         yield
     except (duckdb.Error, OSError) as exc:
         if out_of_disk(exc):
-            raise ConfigError(f"{what}: out of disk space in {directory}: free disk space there, or point --data-dir "
-                              "(DXR_DATA_DIR) to a disk with room") from exc
+            raise ConfigError(f"{what}: out of disk space in {directory}: free disk space there, or {elsewhere}"
+                              ) from exc
         if memory_limit is None or not isinstance(exc, duckdb.OutOfMemoryException):
             raise
         also = f", or the setting {setting}" if setting else ""

@@ -7,16 +7,20 @@ Every importer writes this layout first; everything downstream reads only MEDS +
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import duckdb
 import meds
 import polars as pl
 import pyarrow as pa
@@ -114,8 +118,10 @@ class MedsInfo:
     encounter_column: str = "encounter_id"  # or an alias (ENCOUNTER_ALIASES) that ingest copies into encounter_id
 
 
-def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
-    """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix."""
+def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB") -> MedsInfo:
+    """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix.
+
+    DuckDB reads the events within `memory_limit` (`_spilling_connection`)."""
     root = Path(path)
     if not root.exists():
         raise InputError(f"MEDS directory {root} does not exist: check the path")
@@ -164,9 +170,78 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
             meds.DataSchema.validate(core.cast(_meds_types(core.schema)))
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
-    glob = str(data_dir / "**" / "*.parquet")
-    con = duck.connect(":memory:")
     [encounter] = encounter_columns
+    with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
+        n_subjects, n_events, n_loose, versions = _check_events(con, data_dir, shards, encounter, float_encounters)
+    if not versions:
+        raise InputError(f"{root}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//...): "
+                         "next-encounter forecasting needs diagnosis codes")
+    metadata_path = root / meds.dataset_metadata_filepath
+    try:
+        metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
+                         "fix it or remove it (the file is optional)") from exc
+    if not isinstance(metadata, dict):
+        raise InputError(f"{metadata_path}: a JSON {type(metadata).__name__}, not an object of dataset fields "
+                         "(dataset_name, …): fix it or remove it (the file is optional)")
+    codes_path = root / meds.code_metadata_filepath
+    if codes_path.is_file():
+        # Read by the cohort build (a dictionary becomes Ω): refused here, before the dataset is registered.
+        try:
+            code_schema = pq.read_schema(codes_path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _unreadable_optional_file(codes_path, exc) from exc
+        if "code" not in code_schema.names:
+            raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
+                             "MEDS code metadata has code, description and parent_codes")
+        # A description column may be all-null as pandas writes it (no code described); text may be dictionary-encoded.
+        untyped = next((f for f in code_schema if f.name in ("code", "description") and not _holds_text(f.type)
+                        and not (f.name == "description" and pa.types.is_null(f.type))), None)
+        if untyped is not None:
+            raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
+                             "MEDS code metadata holds codes and descriptions as strings")
+        _check_dictionary_codes(codes_path)
+    splits_path = root / meds.subject_splits_filepath
+    if splits_path.is_file():
+        # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
+        try:
+            splits = pl.read_parquet(splits_path)
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise _unreadable_optional_file(splits_path, exc) from exc
+        missing = [column for column in ("subject_id", "split") if column not in splits.columns]
+        if missing:
+            raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
+                             f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
+        check_splits(splits, splits_path)
+    return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
+                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
+                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+
+
+@contextlib.contextmanager
+def _spilling_connection(what: str, memory_limit: str) -> Iterator[duckdb.DuckDBPyConnection]:
+    """An in-memory DuckDB connection for `what` that spills beyond `memory_limit` to the system's temporary
+    directory (`duck.connect`), where a full disk is one ConfigError saying so.
+
+    Without a limit DuckDB takes 80% of the machine's memory for a dataset of hundreds of millions of events.
+    Running out of memory within the limit is left to the command, which knows how its user sets the limit
+    (`duck.resource_errors`)."""
+    con = duck.connect(":memory:")
+    try:
+        with duck.resource_errors(what, Path(tempfile.gettempdir()),
+                                  elsewhere="set TMPDIR to a directory on a disk with room"):
+            con.execute(f"SET memory_limit = '{memory_limit}'")
+            yield con
+    finally:
+        con.close()
+
+
+def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[Path, ...], encounter: str,
+                  float_encounters: bool) -> tuple[int, int, int, tuple[int, ...]]:
+    """The event checks of `validate_meds_dir`, in DuckDB; returns the subjects, events, diagnoses without an
+    encounter, and ICD versions of the data."""
+    glob = str(data_dir / "**" / "*.parquet")
 
     def scan(options: str = "") -> str:  # the shards, with the encounter column under its platform name
         relation = f"read_parquet({duck.literal(glob)}, union_by_name=true{options})"
@@ -232,50 +307,7 @@ def validate_meds_dir(path: str | os.PathLike) -> MedsInfo:
                                  "the two; every event must be stored once")
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
-    if not versions:
-        raise InputError(f"{root}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//...): "
-                         "next-encounter forecasting needs diagnosis codes")
-    metadata_path = root / meds.dataset_metadata_filepath
-    try:
-        metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
-                         "fix it or remove it (the file is optional)") from exc
-    if not isinstance(metadata, dict):
-        raise InputError(f"{metadata_path}: a JSON {type(metadata).__name__}, not an object of dataset fields "
-                         "(dataset_name, …): fix it or remove it (the file is optional)")
-    codes_path = root / meds.code_metadata_filepath
-    if codes_path.is_file():
-        # Read by the cohort build (a dictionary becomes Ω): refused here, before the dataset is registered.
-        try:
-            code_schema = pq.read_schema(codes_path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise _unreadable_optional_file(codes_path, exc) from exc
-        if "code" not in code_schema.names:
-            raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
-                             "MEDS code metadata has code, description and parent_codes")
-        # A description column may be all-null as pandas writes it (no code described); text may be dictionary-encoded.
-        untyped = next((f for f in code_schema if f.name in ("code", "description") and not _holds_text(f.type)
-                        and not (f.name == "description" and pa.types.is_null(f.type))), None)
-        if untyped is not None:
-            raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
-                             "MEDS code metadata holds codes and descriptions as strings")
-        _check_dictionary_codes(codes_path)
-    splits_path = root / meds.subject_splits_filepath
-    if splits_path.is_file():
-        # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
-        try:
-            splits = pl.read_parquet(splits_path)
-        except (pl.exceptions.PolarsError, OSError) as exc:
-            raise _unreadable_optional_file(splits_path, exc) from exc
-        missing = [column for column in ("subject_id", "split") if column not in splits.columns]
-        if missing:
-            raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
-                             f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
-        check_splits(splits, splits_path)
-    return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
-                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
-                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+    return n_subjects, n_events, n_loose, versions
 
 
 def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
@@ -450,15 +482,17 @@ def check_splits(splits: pl.DataFrame, path: Path) -> None:
                          f"{first['row']:,}, split {first['split']!r}): list every subject once")
 
 
-def read_splits(info: MedsInfo, seed: int) -> pl.DataFrame:
-    """Subject splits: the dataset's own when present, else the deterministic hash rule."""
+def read_splits(info: MedsInfo, seed: int, memory_limit: str = "2GB") -> pl.DataFrame:
+    """Subject splits: the dataset's own when present, else the deterministic hash rule (DuckDB reads the
+    subjects within `memory_limit`)."""
     if info.has_splits:
         path = info.root / meds.subject_splits_filepath
         splits = pl.read_parquet(path).select("subject_id", "split")
         check_splits(splits, path)  # again: the file may have changed since the dataset was registered
         return splits
-    con = duck.connect(":memory:")
-    ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}) "
-                      "ORDER BY subject_id").fetchnumpy()["subject_id"]
+    with _spilling_connection(f"reading the subjects of MEDS directory {info.root}", memory_limit) as con:
+        ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet("
+                          f"{duck.literal(f'{info.root}/data/**/*.parquet')}) ORDER BY subject_id"
+                          ).fetchnumpy()["subject_id"]
     return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},
                         schema={"subject_id": pl.Int64, "split": pl.String})

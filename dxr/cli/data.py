@@ -105,9 +105,11 @@ def ingest() -> None:
 @ingest.command("meds")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--name", required=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.option("--memory-limit", default="2GB", show_default=True, callback=check_memory_limit,
+              help="DuckDB memory of the validation; beyond it DuckDB spills to the system's temporary directory.")
 @click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, run_id: str | None) -> None:
+def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str, run_id: str | None) -> None:
     """Validate a MEDS directory, copy it into the gold store and register it.
 
     The directory needs data/*.parquet with the MEDS columns plus `encounter_id` (or `hadm_id`, as
@@ -120,7 +122,7 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, run_id: str | Non
     """
     from warehouse.datasets import ingest_meds
 
-    row = ingest_meds(warehouse(ctx), path, name, run_id=run_id)
+    row = ingest_meds(warehouse(ctx), path, name, run_id=run_id, memory_limit=memory_limit)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
     if row["n_diagnoses_without_encounter"]:

@@ -496,7 +496,7 @@ def import_mimic(layout: Layout, src: Path, out_dir: Path, *, seed: int, labs: b
                            splits=splits,
                            extra={"other_extension_columns": list(EXTENSION_COLUMNS), "source": layout.source,
                                   "source_dir": str(Path(src).resolve()), "seed": seed, "import_summary": recorded})
-            validate_meds_dir(staging)
+            validate_meds_dir(staging, memory_limit)
             stage("metadata and validation", mark)
             replace_dir(staging, out_dir)
             summary = replace(counts, seconds=round(time.perf_counter() - started, 3), stage_seconds=dict(stages))
