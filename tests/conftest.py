@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import subprocess
 import sys
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +52,20 @@ def disk_full_errors() -> list:
 # fails first (a query's data, a buffer block) depends on the timing of its threads.
 OUT_OF_MEMORY = (r"\(Out of Memory Error: (failed to allocate data|could not allocate block) of size [0-9.]+ [KM]iB "
                  r"\([^()\n]+ used\)\)")
+
+
+@contextmanager
+def file_size_limit(n_bytes: int):
+    """Writes past `n_bytes` of a file fail with EFBIG (RLIMIT_FSIZE), the way a full disk fails them with ENOSPC."""
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the signal's default action ends the process
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
 
 class FailsAt:
     """A real DuckDB connection on which the first statement containing `marker` raises `error` instead."""

@@ -19,12 +19,12 @@ import pytest
 
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
-from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, tiny_events,
-                            write_tiny_meds)
+from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, file_size_limit,
+                            tiny_events, write_tiny_meds)
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
-from warehouse.meds import hash_split, read_splits, validate_meds_dir
+from warehouse.meds import hash_split, read_splits, validate_meds_dir, write_data_shard
 
 
 def data_files(root: Path) -> dict[str, bytes]:
@@ -128,6 +128,14 @@ def test_a_full_disk_for_the_validation_spill_names_the_temporary_directory(wh_v
                                  f"{tempfile.gettempdir()}: free disk space there, or set TMPDIR to a directory on a "
                                  "disk with room")
     assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-full", "failed")]
+
+def test_a_failed_meds_shard_write_names_the_shard(tmp_path):
+    # As a warehouse partition's (test_store): pyarrow names no file, the synthetic generator and the importers
+    # write their shards through write_data_shard.
+    size = (write_tiny_meds(tmp_path / "whole") / "data" / "0.parquet").stat().st_size
+    with file_size_limit(size // 2), pytest.raises(OSError) as raised:
+        write_data_shard(tmp_path / "half", "0", tiny_events())
+    assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(tmp_path / "half" / "data" / "0.parquet"))
 
 def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):
     ingest_meds(wh_vocab, tiny_meds, "tiny")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -13,8 +14,9 @@ import polars as pl
 import pytest
 
 import warehouse.store as store
+from dxr.cli import one_line
 from dxr.errors import InputError, NotFoundError
-from tests.conftest import abandoned_scratch, legacy_scratch
+from tests.conftest import abandoned_scratch, file_size_limit, legacy_scratch
 from warehouse.scratch import _HOST, remove_abandoned, scratch
 
 
@@ -29,6 +31,19 @@ def test_rewriting_a_partition_replaces_it(wh):
     wh.write("targets", targets("a", 1), cohort_id="a")
     counts = wh.connect(gold=True).execute("SELECT cohort_id, count(*) FROM targets GROUP BY 1 ORDER BY 1").fetchall()
     assert counts == [("a", 1), ("b", 2)]
+
+
+def test_a_failed_partition_write_names_the_partition_and_keeps_the_old_one(wh):
+    # pyarrow's writer raises OSError(27, 'Error writing bytes to file. Detail: ...') without a file name: the
+    # CLI's line was "[Errno 27] Error writing bytes to file. Detail: [errno 27] File too large", no path.
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    partition = wh.partition_path("targets", cohort_id="a")
+    with file_size_limit(16 * 1024), pytest.raises(OSError) as raised:
+        wh.write("targets", targets("a", 100_000), cohort_id="a")
+    assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(partition))
+    assert one_line(raised.value) == f"{partition}: File too large: check the path"
+    assert wh.read("targets", cohort_id="a").equals(targets("a", 3))
+    assert sorted(p.name for p in partition.parent.iterdir()) == ["data.parquet"]
 
 
 def test_temporary_files_of_a_killed_writer_are_invisible_and_removed_by_the_next_write(wh):

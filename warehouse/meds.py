@@ -29,7 +29,7 @@ from flexible_schema.exceptions import SchemaValidationError
 
 from dxr.errors import InputError
 from warehouse import duck
-from warehouse.scratch import remove_abandoned, scratch
+from warehouse.scratch import naming, remove_abandoned, scratch
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
 EXTRA_COLUMNS = {"encounter_id": pa.int64()}
@@ -90,14 +90,16 @@ def write_metadata(root: Path, *, dataset_name: str, dataset_version: str, etl_n
     meds.DatasetMetadataSchema.validate(metadata)
     path = root / meds.dataset_metadata_filepath
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(metadata, indent=2, default=str))
+    with naming(path):
+        tmp.write_text(json.dumps(metadata, indent=2, default=str))
     os.replace(tmp, path)
 
 
 def _atomic_write(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    with naming(path):
+        pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
 
 

@@ -47,6 +47,22 @@ def scratch(target: Path, kind: str) -> Iterator[Path]:
             lock_path.unlink(missing_ok=True)
 
 
+@contextmanager
+def naming(target: Path) -> Iterator[None]:
+    """Inside the block, an OSError that names no file is raised again naming `target`, the file being written.
+
+    pyarrow's Parquet writer reports a full disk as `OSError(28, 'Error writing bytes to file. Detail: [errno 28]
+    No space left on device')`, and Python's own file writes name no file either, so the CLI's one line
+    (`dxr.cli.one_line`) could not say where; the scratch sibling's hidden name would not help the user.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc), str(target)) from exc
+
+
 def remove_abandoned(target: Path) -> list[Path]:
     """Remove the scratch siblings of `target` whose owner has ended; returns them."""
     pattern = re.compile(rf"^\.{re.escape(target.name)}\.(([A-Za-z0-9_]+)-(\d+)-[0-9a-f]{{8}})\.(\w+)$")

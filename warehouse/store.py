@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck
 from warehouse.schemas import FORECAST, GOLD, RUN_TABLES, TABLES, Table
-from warehouse.scratch import remove_abandoned, scratch
+from warehouse.scratch import naming, remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
@@ -117,7 +117,7 @@ class Warehouse:
         """Write a partition's file beside it under a scratch name, then rename it over the old one."""
         path = self.partition_path(table, **keys)
         remove_abandoned(path)
-        with scratch(path, "tmp") as tmp:
+        with scratch(path, "tmp") as tmp, naming(path):
             write_file(tmp)
             os.replace(tmp, path)
         return path
