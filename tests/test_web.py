@@ -804,6 +804,26 @@ def test_a_page_reached_with_fragments_is_fetched_and_cached_once(wh):
     assert [(p.url, p.error, p.title) for p in [*first, again]] == [read] * 4
 
 
+def test_pages_an_earlier_version_cached_under_a_fragment_are_found_without_it(wh):
+    # Before fragments were dropped, `…/leaf/ok#diet` was fetched and stored as such: the reader, which now looks
+    # up `…/leaf/ok`, never found it again and fetched the page anew.
+    async def scenario():
+        async with Site() as site, aiohttp.ClientSession() as session:
+            earlier = PageCache(wh)
+            for url, title in ((f"{site.base}/leaf/ok#diet", "stored with #diet"),
+                               (f"{site.base}/leaf/two#a", "stored with #a"), (f"{site.base}/leaf/two", "stored")):
+                earlier.put(Page(url, url, 200, "text/html", title, "text", []))
+            earlier.flush()
+            async with PageReader(session, config(), PageCache(wh)) as reader:
+                pages = [await reader.read(f"{site.base}/leaf/{name}") for name in ("ok", "two", "ok#sodium")]
+            return site, pages
+
+    site, pages = asyncio.run(scenario())
+    assert site.requests == []
+    # Of two rows of one page, the one stored without a fragment is taken.
+    assert [(p.url.removeprefix(site.base), p.title) for p in pages] == [
+        ("/leaf/ok", "stored with #diet"), ("/leaf/two", "stored"), ("/leaf/ok", "stored with #diet")]
+
 def test_two_caches_flushing_the_same_bucket_keep_each_others_pages(wh):
     bucket = PageCache.bucket("http://example.org/0")
     early, first, second = [url for url in (f"http://example.org/{n}" for n in range(10_000))

@@ -185,10 +185,15 @@ class PageCache:
         self._dirty: set[str] = set()
         if warehouse is not None:
             for row in warehouse.read("page_cache").iter_rows(named=True):
-                page = Page(row["url"], row["final_url"], row["status"], row["content_type"], row["title"],
+                # Earlier versions fetched and stored `…/page#a` as such: the same page (a fragment is never sent),
+                # found under the URL the reader now looks up. A row stored without the fragment is preferred.
+                url = row["url"].partition("#")[0]
+                page = Page(url, row["final_url"], row["status"], row["content_type"], row["title"],
                             row["text"], json.loads(row["links_json"] or "[]"), row["error"])
-                if not page.transient:  # earlier versions cached rate limits and server errors
-                    self.pages[page.url] = page
+                if page.transient:  # earlier versions cached rate limits and server errors
+                    continue
+                if url not in self.pages or "#" not in row["url"]:
+                    self.pages[url] = page
 
     @staticmethod
     def bucket(url: str) -> str:
