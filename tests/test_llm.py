@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 import polars as pl
 import pytest
@@ -600,8 +602,58 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     identity = LocalBackend(Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "log"), 1.0).identity
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
-         "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION}}
+         "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION,
+                     "llama_cpp_python": version("llama-cpp-python"), "threads": 1,
+                     "threads_batch": max(1, os.cpu_count())}}
         for window in (2048, 4096)]
+
+
+def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_and_the_server_threads(tmp_path, monkeypatch):
+    """Another llama-cpp-python (its llama.cpp kernels and samplers) or another thread count may compute another
+    reply: the embedded backend asks again; an OpenAI-compatible backend's key holds neither (its server's own)."""
+    from models.llm import local_server
+    from models.llm.local_server import LocalBackend, LocalServer
+
+    requests: list[int] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        requests.append(1)
+        return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": len(requests)})}}]})
+
+    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
+        url = ""
+
+        def start(self) -> str:
+            return self.url
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
+
+    async def ask(client: LLMClient) -> tuple[int, bool, dict]:
+        value = (await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"]
+        await client.close()
+        return value, client.telemetry()["cache_hit"][0], client.serving
+
+    def local_client(url: str, threads: int) -> LLMClient:
+        server = Started(tmp_path / "m.gguf", 2048, threads, tmp_path / "server.log")
+        server.url = url
+        return LLMClient(LLMConfig(context_window=2048), LocalBackend(server, 10.0), ResponseCache(tmp_path / "c"))
+
+    async def scenario():
+        async with serving(handler) as url:
+            asked = [await ask(local_client(url, threads)) for threads in (1, 2, 1)]
+            monkeypatch.setattr(local_server, "llama_cpp_python_version", lambda: "0.4.0")
+            asked.append(await ask(local_client(url, 1)))
+            http = LLMClient(LLMConfig(backend="openai", base_url=url, model="served", context_window=2048),
+                             OpenAIBackend(url, 10.0), ResponseCache(tmp_path / "http"))
+            return asked, await ask(http)
+
+    asked, http = asyncio.run(scenario())
+    assert [(value, hit) for value, hit, _ in asked] == [(1, False), (2, False), (1, True), (3, False)]
+    installed = version("llama-cpp-python")
+    assert [(key["llama_cpp_python"], key["threads"], key["threads_batch"]) for _, _, key in asked] == [
+        (installed, 1, max(1, os.cpu_count())), (installed, 2, max(2, os.cpu_count())),
+        (installed, 1, max(1, os.cpu_count())), ("0.4.0", 1, max(1, os.cpu_count()))]
+    assert http[:2] == (4, False) and http[2] == {"context_window": 2048}
 
 
 def test_the_cache_key_of_the_embedded_backend_holds_how_system_messages_are_folded(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import hashlib
+import importlib.metadata
 import os
 import socket
 import subprocess
@@ -87,6 +88,14 @@ def default_threads() -> int:
     """Every core but one: the orchestrating process needs one, and llama.cpp's spinning worker threads
     slow down many-fold when they compete with another busy process for a core."""
     return max(1, (os.cpu_count() or 1) - 1)
+
+
+def llama_cpp_python_version() -> str | None:
+    """The installed llama-cpp-python's version; None without it (the server then refuses to start, `start`)."""
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class LocalServer:
@@ -215,9 +224,12 @@ class LocalBackend:
         self.server = server
         self.identity = gguf_identity(server.model_path)
         # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`), the chat
-        # template that turns the messages into the prompt, and how system messages are folded before it.
+        # template that turns the messages into the prompt, how system messages are folded before it, and what
+        # computes it: llama-cpp-python's version (its bundled llama.cpp kernels and samplers) and the server's
+        # thread counts (split otherwise, llama.cpp's sums may round otherwise, and a greedy reply turn on it).
         self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT,
-                        "system_fold": SYSTEM_FOLD_VERSION}
+                        "system_fold": SYSTEM_FOLD_VERSION, "llama_cpp_python": llama_cpp_python_version(),
+                        "threads": server.threads, "threads_batch": server.batch_threads}
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
