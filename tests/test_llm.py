@@ -784,3 +784,33 @@ def test_reasoning_models_are_sent_max_completion_tokens_when_configured():
     with pytest.raises(ValueError, match="llm.max_tokens_field = 'max_completion_tokens' is for OpenAI-compatible "
                                          "endpoints that take it; the embedded llama.cpp server"):
         LLMConfig(backend="local", max_tokens_field="max_completion_tokens")
+
+
+def test_a_refused_temperature_names_the_setting_to_change():
+    from dxr.errors import ConfigError
+
+    # OpenAI's reasoning models take only temperature 1; the default is 0. The refusal read "check llm.model,
+    # llm.response_format and llm.base_url", none of which is the one to change.
+    async def reasoning_model(request: web.Request) -> web.Response:
+        body = await request.json()
+        temperatures.append(body["temperature"])
+        if body["temperature"] != 1:
+            return web.json_response({"error": {
+                "message": f"Unsupported value: 'temperature' does not support {body['temperature']:g} with this "
+                           "model. Only the default (1) value is supported.", "type": "invalid_request_error",
+                "param": "temperature", "code": "unsupported_value"}}, status=400)
+        return web.json_response({"choices": [{"message": {"content": '{"answer": 7}'}, "finish_reason": "stop"}]})
+
+    async def scenario(**overrides):
+        async with serving(reasoning_model) as url:
+            client = http_client(url, max_tokens_field="max_completion_tokens", **overrides)
+            return *await outcome(client, ConfigError), url
+
+    temperatures: list[float] = []
+    error, _, url = asyncio.run(scenario())
+    assert str(error) == (f"HTTP 400 from {url}/chat/completions: Unsupported value: 'temperature' does not support "
+                          "0 with this model. Only the default (1) value is supported.; the model refuses the "
+                          "temperature sent (llm.temperature, default 0; OpenAI's reasoning models take only 1): set "
+                          "llm.temperature to one it takes, e.g. DXR_LLM__TEMPERATURE=1")
+    value, _, _ = asyncio.run(scenario(temperature=1))
+    assert (value, temperatures) == ({"answer": 7}, [0.0, 1.0])

@@ -154,12 +154,12 @@ CONTENT_REFUSAL = re.compile(r"content[ _]filter|content management policy|flagg
 CONTENT_REFUSAL_CODES = {"content_filter", "content_policy_violation", "invalid_prompt"}
 
 
-def error_code(raw: bytes) -> str | None:
-    """The `error.code` of an OpenAI-style refusal body, when it is a string."""
+def error_field(raw: bytes, name: str) -> str | None:
+    """The `error.<name>` (`code`, `param`) of an OpenAI-style refusal body, when it is a string."""
     body = json_or_none(raw)
     error = body.get("error") if isinstance(body, dict) else None
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, str) else None
+    value = error.get(name) if isinstance(error, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def context_counts(raw: bytes, message: str) -> tuple[int | None, int | None]:
@@ -200,7 +200,8 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
     """
     message = server_message(raw)
     where = f"HTTP {status} from {url}: {message}"
-    if status == 429 and error_code(raw) == "insufficient_quota":  # OpenAI's: no retry can help, nor any request
+    # OpenAI's used-up quota: no retry can help, nor any other request.
+    if status == 429 and error_field(raw, "code") == "insufficient_quota":
         return ConfigError(f"{where}; the API key's quota is used up: check the plan and billing of the key in the "
                            "environment variable named by llm.api_key_env")
     if status in (408, 429) or status >= 500:
@@ -208,7 +209,7 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
     if status == 413 or CONTEXT_REFUSAL.search(message):
         return ContextLengthError(f"{where} (request rejected: the prompt is too long for the model's context)",
                                   *context_counts(raw, message))
-    if CONTENT_REFUSAL.search(message) or error_code(raw) in CONTENT_REFUSAL_CODES:
+    if CONTENT_REFUSAL.search(message) or error_field(raw, "code") in CONTENT_REFUSAL_CODES:
         return ContentRefusalError(f"{where} (request rejected: the endpoint's content filter refused this "
                                    "prompt; the run's other requests go on)")
     if status in (401, 403):
@@ -218,6 +219,11 @@ def http_refusal(url: str, status: int, raw: bytes, retry_after: str | None) -> 
     elif "max_completion_tokens" in message:  # OpenAI's reasoning models
         fix = ('the model takes max_completion_tokens instead of max_tokens: set '
                'llm.max_tokens_field = "max_completion_tokens"')
+    elif error_field(raw, "param") == "temperature" or "temperature" in message:
+        # OpenAI's reasoning models refuse the default temperature 0: "Unsupported value: 'temperature' does not
+        # support 0 with this model. Only the default (1) value is supported."
+        fix = ("the model refuses the temperature sent (llm.temperature, default 0; OpenAI's reasoning models take "
+               "only 1): set llm.temperature to one it takes, e.g. DXR_LLM__TEMPERATURE=1")
     else:
         fix = "the endpoint refuses the request's parameters: check llm.model, llm.response_format and llm.base_url"
     return ConfigError(f"{where}; {fix}")
