@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -603,14 +602,14 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
          "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION,
-                     "llama_cpp_python": version("llama-cpp-python"), "threads": 1,
-                     "threads_batch": max(1, os.cpu_count())}}
+                     "llama_cpp_python": version("llama-cpp-python")}}
         for window in (2048, 4096)]
 
 
-def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_and_the_server_threads(tmp_path, monkeypatch):
-    """Another llama-cpp-python (its llama.cpp kernels and samplers) or another thread count may compute another
-    reply: the embedded backend asks again; an OpenAI-compatible backend's key holds neither (its server's own)."""
+def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_not_the_server_threads(tmp_path, monkeypatch):
+    """Another llama-cpp-python (its llama.cpp kernels and samplers) may compute another reply: the embedded backend
+    asks again. Another thread count (another machine's cores) replays the cache. An OpenAI-compatible backend's key
+    holds no version (its server's own)."""
     from models.llm import local_server
     from models.llm.local_server import LocalBackend, LocalServer
 
@@ -648,12 +647,10 @@ def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_and_the_se
             return asked, await ask(http)
 
     asked, http = asyncio.run(scenario())
-    assert [(value, hit) for value, hit, _ in asked] == [(1, False), (2, False), (1, True), (3, False)]
+    assert [(value, hit) for value, hit, _ in asked] == [(1, False), (1, True), (1, True), (2, False)]
     installed = version("llama-cpp-python")
-    assert [(key["llama_cpp_python"], key["threads"], key["threads_batch"]) for _, _, key in asked] == [
-        (installed, 1, max(1, os.cpu_count())), (installed, 2, max(2, os.cpu_count())),
-        (installed, 1, max(1, os.cpu_count())), ("0.4.0", 1, max(1, os.cpu_count()))]
-    assert http[:2] == (4, False) and http[2] == {"context_window": 2048}
+    assert [key["llama_cpp_python"] for _, _, key in asked] == [installed, installed, installed, "0.4.0"]
+    assert http[:2] == (3, False) and http[2] == {"context_window": 2048}
 
 
 def test_the_cache_key_of_the_embedded_backend_holds_how_system_messages_are_folded(tmp_path, monkeypatch):

@@ -18,8 +18,8 @@ from models.llm.backends import Completion, canonical_json
 def cache_key_input(backend: str, identity: str | None, prompt_version: str, request: dict, serving: dict) -> str:
     """Everything that determines a response: backend, which model answers (`Backend.identity`: a server's URL,
     a GGUF's fingerprint), how it is served beyond the request (`serving`: the context window a full window cuts
-    a reply off or refuses a prompt at, the embedded server's chat template, system-message fold, llama-cpp-python
-    version and thread counts), prompt version, model name, messages, parameters."""
+    a reply off or refuses a prompt at, the embedded server's chat template, system-message fold and llama-cpp-python
+    version), prompt version, model name, messages, parameters."""
     return canonical_json({"backend": backend, "identity": identity, "serving": serving,
                            "prompt_version": prompt_version, "request": request})
 

@@ -225,11 +225,11 @@ class LocalBackend:
         self.identity = gguf_identity(server.model_path)
         # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`), the chat
         # template that turns the messages into the prompt, how system messages are folded before it, and what
-        # computes it: llama-cpp-python's version (its bundled llama.cpp kernels and samplers) and the server's
-        # thread counts (split otherwise, llama.cpp's sums may round otherwise, and a greedy reply turn on it).
+        # computes it: llama-cpp-python's version (its bundled llama.cpp kernels and samplers). The thread counts
+        # stay out, although a sum split over other threads may round otherwise: they follow the machine's cores,
+        # and a cache that another machine could not replay would not make a run reproducible there.
         self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT,
-                        "system_fold": SYSTEM_FOLD_VERSION, "llama_cpp_python": llama_cpp_python_version(),
-                        "threads": server.threads, "threads_batch": server.batch_threads}
+                        "system_fold": SYSTEM_FOLD_VERSION, "llama_cpp_python": llama_cpp_python_version()}
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
