@@ -247,10 +247,18 @@ def run_shards(run: Callable[[int, int | None], int], shards: list[int], workers
 
 def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:
     """The shards a forecast visits: those holding trajectories of the split, or of the patient in the
-    split (none for a patient is an input error: a mistyped id or a patient outside the split)."""
+    split (none for a patient is an input error: a mistyped id or a patient outside the split).
+
+    An empty split is an input error too: the forecast would finish having written nothing, and only
+    `dxr evaluate` would then say the run has no rankings (the MIMIC-III demo has no held_out patient)."""
     trajectories = wh.read("trajectories", cohort_id=cohort_id)
     if split != "all":
+        counts = trajectories.group_by("split").len().sort("split").rows()
         trajectories = trajectories.filter(pl.col("split") == split)
+        if trajectories.is_empty():
+            found = ", ".join(f"{name} {n}" for name, n in counts) or "none at all"
+            raise InputError(f"cohort {cohort_id} has no trajectory in split {split} (it has {found}): forecast "
+                             "a split that has some (all covers every split)")
     if subject_id is not None:
         trajectories = trajectories.filter(pl.col("subject_id") == subject_id)
         if trajectories.is_empty():

@@ -282,6 +282,20 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
     assert line == "Error: run id 'demo[1]' has unsafe characters: use letters, digits and _.:-"
 
 
+def test_forecast_of_a_split_without_trajectories_is_one_line_and_registers_no_run(tiny_meds, wh_vocab):
+    # The tiny cohort has no tuning trajectory, as the MIMIC-III demo has no held_out one: the forecast used
+    # to finish as "wrote rankings" with none written, and `dxr evaluate` then said to run a forecast first.
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    cohort_id = Warehouse(data_dir).read("cohorts")["cohort_id"][0]
+    line = one_line_error(run("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "tuning",
+                              "--run-id", "r1", data_dir=data_dir))
+    assert line == (f"Error: cohort {cohort_id} has no trajectory in split tuning (it has held_out 2, train 1): "
+                    "forecast a split that has some (all covers every split)")
+    assert not Warehouse(data_dir).has_rows("runs", run_id="r1")
+
+
 def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0

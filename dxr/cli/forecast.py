@@ -46,8 +46,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id)
                 | llm_run_config(system, data_dir))
-    if subject_id is not None:
-        forecast_shards(wh, cohort_id, split, subject_id)
+    forecast_shards(wh, cohort_id, split, subject_id)  # an empty split or a patient outside it
     pinned_model(wh, cohort_id, system)  # a learned system without a registered model
     start_temporary_api()
     run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
