@@ -100,8 +100,10 @@ def epoch_reporter(system: str, epochs: int) -> EpochReport:
     logger = stage_logger(__name__)
 
     def report(epoch: int, metrics: dict[str, float]) -> None:
-        logger.info("%s epoch %d/%d: train loss %.4f, tuning R@20 %.4f", system, epoch + 1, epochs,
-                    metrics.get("train_loss", float("nan")), metrics.get("val_recall_at_20", float("nan")))
+        recall = metrics.get("val_recall_at_20")
+        logger.info("%s epoch %d/%d: train loss %.4f, tuning R@20 %s", system, epoch + 1, epochs,
+                    metrics.get("train_loss", float("nan")),
+                    "n/a (no tuning pair)" if recall is None else f"{recall:.4f}")
     return report
 
 

@@ -250,6 +250,30 @@ def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_pat
         ("cli-train-1", "train:dense_prior", "finished", cohort), ("cli-train-1", "train:gru", "finished", cohort)]
 
 
+def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_harness, tmp_path):
+    # Three planted patients are all train (SPLIT_CYCLE), as the MIMIC-III demo's two tuning patients have one
+    # visit each before their target: nothing to validate on, so the last epoch's weights are registered.
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=3, seed=4)
+    progress = EpochLines()
+    logger = logging.getLogger("tasks.prior")
+    logger.addHandler(progress)
+    logger.setLevel(logging.INFO)
+    try:
+        train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="no-tuning-1")
+    finally:
+        logger.removeHandler(progress)
+        logger.setLevel(logging.NOTSET)
+    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in progress.lines] == [
+        "gru epoch 1/1: train loss L, tuning R@20 n/a (no tuning pair)"]
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", cohort,
+                                       "--system", "gru", "--epochs", "2", "--run-id", "no-tuning-2"])
+    assert result.exit_code == 0, result.output
+    line = re.search(r"gru: registered .*", result.output).group(0)  # MLflow's progress bar may precede it
+    assert re.sub(r"in \d+ s \(mlflow run \w+\)$", "in S s", line) == (
+        f"gru: registered gru-{cohort} v2 @champion; no tuning pair to validate on (kept the last epoch, 2), "
+        "3 train patients in S s")
+
+
 def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained):
     wh, cohort, first, _ = trained
     tracking.use_tracking(wh.root, None, PriorConfig().experiment)  # other tests point MLflow at their own stores

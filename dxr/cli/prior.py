@@ -50,10 +50,13 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     cfg = s.prior.model_copy(update=overrides)
     start_temporary_api()
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
+        epoch = int(result['metrics']['selected_epoch']) + 1
+        recall = result['metrics'].get('val_recall_at_20')
+        # No tuning record with two visits (the MIMIC-III demo's 2 tuning patients): no R@20, not "nan".
+        validated = (f"no tuning pair to validate on (kept the last epoch, {epoch})" if recall is None
+                     else f"val R@20 {recall:.3f} (epoch {epoch})")
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
-                   f"{' @' + result['alias'] if result['alias'] else ''}; "
-                   f"val R@20 {result['metrics'].get('val_recall_at_20', float('nan')):.3f} "
-                   f"(epoch {int(result['metrics']['selected_epoch']) + 1}), "
+                   f"{' @' + result['alias'] if result['alias'] else ''}; {validated}, "
                    f"{result['n_train_patients']} train patients in {result['train_seconds']:.0f} s "
                    f"(mlflow run {result['mlflow_run_id']})")
 
