@@ -73,7 +73,7 @@ def test_ingest_missing_path(tmp_path):
 def test_ingest_malformed_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     line = one_line_error(run("ingest", "meds", tmp_path / "empty", "--name", "x", data_dir=tmp_path / "wh"))
-    assert "is not a MEDS directory: no Parquet shards" in line and "data/*.parquet" in line
+    assert "is not a MEDS directory: no Parquet shards" in line and "data/**/*.parquet" in line
 
 
 def test_ingest_missing_column(tmp_path):

@@ -1,6 +1,6 @@
 """MEDS datasets: writing shards and metadata, validating a directory, registering it.
 
-Layout (MEDS 0.4): `data/*.parquet` (a subject lives in exactly one shard, rows sorted by subject and
+Layout (MEDS 0.4): `data/**/*.parquet` (a subject lives in exactly one shard, rows sorted by subject and
 time), `metadata/dataset.json`, `metadata/codes.parquet`, `metadata/subject_splits.parquet`.
 Every importer writes this layout first; everything downstream reads only MEDS + warehouse tables.
 """
@@ -133,7 +133,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB") -> Med
     shards = tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ()
     if not shards:
         raise InputError(f"{root} is not a MEDS directory: no Parquet shards under {data_dir}; "
-                         "MEDS keeps events in data/*.parquet")
+                         "MEDS keeps events in data/**/*.parquet")
     schema = meds_data_schema()
     encounter_columns: dict[str, Path] = {}  # encounter column name -> first shard using it
     float_encounters = False  # pandas writes an integer column with missing values as float64

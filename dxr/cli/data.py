@@ -112,7 +112,7 @@ def ingest() -> None:
 def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str, run_id: str | None) -> None:
     """Validate a MEDS directory, copy it into the gold store and register it.
 
-    The directory needs data/*.parquet with the MEDS columns plus `encounter_id` (or `hadm_id`, as
+    The directory needs data/**/*.parquet with the MEDS columns plus `encounter_id` (or `hadm_id`, as
     MEDS-Extract's MIMIC-IV ETL names it); diagnosis codes must be DIAGNOSIS//ICD//9//... or
     DIAGNOSIS//ICD//10//... without dots.
 
