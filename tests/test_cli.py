@@ -229,6 +229,22 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
                                                                          data_dir=data_dir))
 
 
+def test_the_same_cohort_built_under_another_name_is_renamed_and_says_so(tiny_meds, wh_vocab):
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    first = run("cohort", "build", "--dataset", "tiny", "--name", "native", data_dir=data_dir)
+    assert first.exit_code == 0 and "note: these options" not in first.output, first.output
+    again = run("cohort", "build", "--dataset", "tiny", "--name", "native", data_dir=data_dir)
+    assert again.exit_code == 0 and "note: these options" not in again.output, again.output
+    renamed = run("cohort", "build", "--dataset", "tiny", "--name", "mine", data_dir=data_dir)
+    assert renamed.exit_code == 0, renamed.output
+    cohort_id = Warehouse(data_dir).read("cohorts")["cohort_id"].item()
+    assert renamed.output.splitlines()[1] == (
+        f"note: these options of dataset tiny were cohort native, which is now named mine: a cohort's id is its "
+        f"dataset, options and seed, so --cohort native no longer finds it (use the id or the new name)")
+    assert Warehouse(data_dir).read("cohorts").select("cohort_id", "name").rows() == [(cohort_id, "mine")]
+
+
 def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(tmp_path, tiny_meds, wh_vocab):
     # Subject 4 (two encounters, held_out) is missing from subject_splits.parquet: the dataset's owners did not
     # assign it, so it is neither trained on nor forecast, and the build says so instead of failing.

@@ -213,8 +213,11 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
 
 def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions, *,
                   seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
-    """Every table of a cohort, its `cohorts` row last (the caller holds the locks)."""
+    """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
+    under which other name (`previous_name`) this id was registered, if any: the id leaves the name out, so the
+    same build under a new name renames the cohort, and the old name no longer finds it."""
     dataset_id = dataset["dataset_id"]
+    previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
     # disable=None: bars only on a terminal, never in logs or captured output.
     steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=None if progress else True)
 
@@ -339,7 +342,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
                                     "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
-    return row
+    return {**row, "previous_name": next((n for n in previous if n != name), None)}
 
 
 @contextmanager

@@ -173,6 +173,10 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                        progress=True, run_id=run_id)
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories, "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
+    if row["previous_name"]:
+        click.echo(f"note: these options of dataset {dataset} were cohort {row['previous_name']}, which is now named "
+                   f"{row['name']}: a cohort's id is its dataset, options and seed, so --cohort "
+                   f"{row['previous_name']} no longer finds it (use the id or the new name)")
     built = json.loads(row["options_json"])
     if built["unmapped_diagnosis_codes"]:
         click.echo(f"note: {built['unmapped_diagnosis_codes']:,} diagnosis codes of the data have no "
