@@ -89,7 +89,32 @@ def test_medication_codes_of_meds_extract_keep_the_drug_and_what_was_done_with_i
     )
     assert render_history(record, {}).blocks[0].text.splitlines()[1:] == [
         "  Medications: Furosemide Administered; Heparin Not Given; START Furosemide; STOP Furosemide",
-        "  Labs: RESULT 50912 1.4 mg/dL"]
+        "  Labs: 50912 1.4 mg/dL"]
+
+
+def test_labs_of_the_newer_meds_extract_etl_read_as_their_results():
+    # MIMIC_IV_MEDS on MEDS-Extract (MEDS 0.4) writes a lab as its collection, LAB//SPECIMEN_COLLECTED//<item> at the
+    # chart time without a value, and its result, LAB//RESULT//<item>//<unit> at the store time; a part the source
+    # left empty is UNK. A collection whose result the record holds would only repeat it; one still without its
+    # result says that the specimen was taken. Nor is UNK a unit or a discharge location.
+    record = events(
+        ("HOSPITAL_ADMISSION//EW EMER.//UNK", datetime(2150, 4, 4, 8), None, None, 20),
+        ("LAB//SPECIMEN_COLLECTED//51003", datetime(2150, 4, 4, 9), None, None, 20),
+        ("LAB//SPECIMEN_COLLECTED//50912", datetime(2150, 4, 4, 9), None, None, 20),
+        ("LAB//RESULT//50912//mg/dL", datetime(2150, 4, 4, 10), 1.4, "1.4", 20),
+        ("LAB//SPECIMEN_COLLECTED//51508", datetime(2150, 4, 4, 11), None, None, 20),
+        ("LAB//RESULT//51508//UNK", datetime(2150, 4, 4, 12), None, "Clear", 20),
+        ("DIAGNOSIS//ICD//10//I5022", datetime(2150, 4, 9), None, None, 20),
+        ("HOSPITAL_DISCHARGE//UNK", datetime(2150, 4, 9), None, None, 20),
+        ("LAB//SPECIMEN_COLLECTED//50912", datetime(2150, 5, 1, 9), None, None, None),
+        ("LAB//RESULT//50912//mg/dL", datetime(2150, 5, 1, 10), 0.9, "0.9", None),
+    )
+    titles = {**TITLES, "LAB//SPECIMEN_COLLECTED//51003": "Troponin T", "LAB//RESULT//50912//mg/dL": "Creatinine"}
+    assert render_history(record, titles).text.splitlines()[2:] == [
+        "Encounter 1: 2150-04-04 to 2150-04-09, admitted EW EMER.",
+        "  Diagnoses: I50.22 Chronic systolic heart failure",
+        "  Labs: Troponin T collected; Creatinine 1.4 mg/dL; 51508 Clear", "",
+        "Outside encounters: 2150-05-01 to 2150-05-01", "  2150-05-01 Labs: Creatinine 0.9 mg/dL"]
 
 
 def test_events_outside_encounters_sit_between_encounters_in_time_order_with_their_values():

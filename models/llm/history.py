@@ -164,6 +164,23 @@ def _medication_words(code: str) -> str:
     return " ".join(part for part in parts if part != "UNK") or code
 
 
+def _lab_parts(code: str) -> tuple[bool, str, str]:
+    """(a specimen collection?, item, unit) of a lab code: `LAB//<item>//<unit>`, or in MEDS-Extract's newer MIMIC-IV
+    ETL a result `LAB//RESULT//<item>//<unit>` (the values, at the store time) and a collection
+    `LAB//SPECIMEN_COLLECTED//<item>` (no value, at the chart time); a unit the source left empty (`UNK`) is none.
+
+    >>> [_lab_parts(c) for c in ("LAB//50912//mg/dL", "LAB//RESULT//51508//UNK", "LAB//SPECIMEN_COLLECTED//51003")]
+    [(False, '50912', 'mg/dL'), (False, '51508', ''), (True, '51003', '')]
+    """
+    parts = code.split("//")[1:]
+    if parts[:1] == ["SPECIMEN_COLLECTED"]:
+        return True, " ".join(parts[1:]), ""
+    parts = parts[1:] if parts[:1] == ["RESULT"] else parts
+    if len(parts) < 2:
+        return False, parts[0] if parts else code, ""
+    return False, " ".join(parts[:-1]), "" if parts[-1] == "UNK" else parts[-1]
+
+
 def _day(value) -> str:
     return value.strftime("%Y-%m-%d") if value is not None else "undated"
 
@@ -189,9 +206,12 @@ def _note(time, code: str, text: str | None) -> Line:
 
 
 def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: str = "") -> list[Line]:
-    """One line per kind of event (items in time order, repeats shown once), then one line per note."""
+    """One line per kind of event (items in time order, repeats shown once), then one line per note. A specimen's
+    collection is left out where its result is among `events`."""
     groups: dict[str, list[str]] = defaultdict(list)
     notes = []
+    resulted = {item for collected, item, _ in map(_lab_parts, events.filter(pl.col("code").str.starts_with("LAB//"))
+                                                   ["code"].to_list()) if not collected}
     for time, code, value, text in events.select("time", "code", "numeric_value", "text_value").iter_rows():
         kind = MEDS_KINDS.get(code.split("//", 1)[0], "other")
         if kind == "note":
@@ -203,11 +223,11 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
             tail = code.split("//", 1)[-1].replace("//", " ")
             groups[kind].append(_one_line(f"{title} ({tail})" if title else _medication_words(code)))
         elif kind == "lab":  # a title stands for the code's label: the label may be an item number
-            parts = code.split("//")
-            unit = parts[-1] if len(parts) > 2 else ""
-            shown = f"{value:g}" if value is not None else _bounded(text or "")
-            label = _new_words(titles.get(code), code) or (" ".join(parts[1:-1]) if len(parts) > 2
-                                                           else parts[1] if len(parts) > 1 else code)
+            collected, item, unit = _lab_parts(code)
+            if collected and item in resulted:
+                continue  # its result says more, in the same place
+            shown = "collected" if collected else f"{value:g}" if value is not None else _bounded(text or "")
+            label = _new_words(titles.get(code), code) or item
             groups[kind].append(_one_line(f"{label} {shown} {unit}"))
         else:  # with its value, as a lab shows its own: `Blood Pressure 128/82`
             title = _new_words(titles.get(code), code)
@@ -222,9 +242,11 @@ def _encounter_block(number: int, start, events: pl.DataFrame, titles: dict[str,
     kinds = pl.col("code").str.split("//").list.first()
     admission = events.filter(kinds == "HOSPITAL_ADMISSION")["code"].to_list()
     discharge = events.filter(kinds == "HOSPITAL_DISCHARGE")["code"].to_list()
+    # MEDS-Extract writes a part the source left empty as UNK (`HOSPITAL_DISCHARGE//UNK`): nothing to say.
+    admitted, discharged = ("//".join(part for part in codes[-1].split("//")[1:] if part != "UNK") if codes else ""
+                            for codes in (admission, discharge))
     title = (f"Encounter {number}: {_day(start)} to {_day(events['time'].max())}"
-             + (f", admitted {admission[-1].split('//', 1)[-1]}" if admission else "")
-             + (f", discharged {discharge[-1].split('//', 1)[-1]}" if discharge else ""))
+             + (f", admitted {admitted}" if admitted else "") + (f", discharged {discharged}" if discharged else ""))
     rest = events.filter(~kinds.is_in(["HOSPITAL_ADMISSION", "HOSPITAL_DISCHARGE"]))
     return Block(title, tuple(_event_lines(rest, titles)))
 
