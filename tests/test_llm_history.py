@@ -331,6 +331,34 @@ Outside encounters: 2150-04-20 to 2150-05-01
     assert f"[history shortened to fit: {dropped} characters omitted (28 lab results)]" in text
 
 
+def test_the_ed_visit_that_led_into_an_admission_is_shown_in_its_block_as_the_cohort_cuts_it():
+    # An export whose ED transfer row carries no hadm_id either: the admission's first own event is its admission,
+    # hours after the ED registration. The cohort takes the registration as the start of the admission's span
+    # (`encounter_starts_sql`), so the ED draw and order in between are the admission's: in its block, as the EHR
+    # prior takes them. An ED visit that ended (ED_OUT) before the next admission stays outside.
+    record = events(
+        ("ED_REGISTRATION", datetime(2150, 4, 3, 22), None, None, None),
+        ("LAB//51003//ng/mL", datetime(2150, 4, 3, 23), 0.01, "0.01", None),
+        ("MEDICATION//START//Aspirin", datetime(2150, 4, 4, 1), None, None, None),
+        ("HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM", datetime(2150, 4, 4, 3), None, None, 20),
+        ("DIAGNOSIS//ICD//10//I5022", datetime(2150, 4, 9), None, None, 20),
+        ("ED_REGISTRATION", datetime(2150, 6, 1, 8), None, None, None),
+        ("LAB//51003//ng/mL", datetime(2150, 6, 1, 9), 0.02, "0.02", None),
+        ("ED_OUT", datetime(2150, 6, 1, 12), None, None, None),
+        ("HOSPITAL_ADMISSION//ELECTIVE//PHYSICIAN REFERRAL", datetime(2150, 6, 2), None, None, 21),
+        ("DIAGNOSIS//ICD//10//N179", datetime(2150, 6, 5), None, None, 21),
+    )
+    assert render_history(record, TITLES).text.splitlines() == [
+        "Demographics: not recorded", "",
+        "Encounter 1: 2150-04-03 to 2150-04-09, admitted EW EMER.//EMERGENCY ROOM",
+        "  Diagnoses: I50.22 Chronic systolic heart failure", "  Medications: START Aspirin",
+        "  Labs: 51003 0.01 ng/mL", "  Other: ED_REGISTRATION", "",
+        "Outside encounters: 2150-06-01 to 2150-06-01", "  2150-06-01 Labs: 51003 0.02 ng/mL",
+        "  2150-06-01 Other: ED_REGISTRATION; ED_OUT", "",
+        "Encounter 2: 2150-06-02 to 2150-06-05, admitted ELECTIVE//PHYSICIAN REFERRAL",
+        "  Diagnoses: N17.9 Acute kidney failure, unspecified"]
+
+
 def test_other_codes_show_their_value_bounded():
     # MEDS-Extract keeps an OMR reading's value and a DRG's description in text_value and an infusion's patient weight
     # in numeric_value: the code alone lost them. A value is shown as a lab's is, and a long text only in part.

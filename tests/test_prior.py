@@ -21,6 +21,7 @@ from models.prior.nn import (N_HISTORY_FEATURES, MoEFeedForward, NetConfig, Prio
                              history_features, init_weights, visit_losses, visit_multi_hot)
 from models.prior.planted import dx, write_planted_cohort
 from models.prior.train import fit_network
+from warehouse.cohorts import encounter_starts_sql
 from warehouse.store import Warehouse
 
 TINY = dict(d_model=16, n_layers=1, n_heads=2, n_experts=4, top_k=2, expert_hidden=16, dropout=0.0)
@@ -645,3 +646,34 @@ def test_the_vocabulary_holds_the_codes_without_an_encounter_that_visits_take():
     vocab = prior_data.build_vocabulary(con, "c", min_code_count=2)
     assert vocab.input_codes == [dx("X"), start] and vocab.within_stays
     assert prior_data.build_vocabulary(con, "c", min_code_count=3).input_codes == []
+
+
+def test_the_ed_draws_and_orders_before_an_admission_are_its_tokens_as_the_cohort_rules_them():
+    # An export whose ED transfer row carries no hadm_id either: admission 1's first own event is its admission, five
+    # hours after the untagged ED registration. The cohort cuts a trajectory targeting it at the registration
+    # (`encounter_starts_sql`: the ED draw and the pharmacy order in between are the target's own); the prior takes
+    # them as that visit's tokens by the same rule. Models registered before keep their stays from the first own event.
+    t = dt.datetime
+    start, ed_lab = "MEDICATION//START//Aspirin", "LAB//51003//ng/mL"
+    events = pl.DataFrame({
+        "subject_id": 1, "time": [t(2150, 1, 1, 3), t(2150, 1, 1, 4), t(2150, 1, 1, 5), t(2150, 1, 1, 8),
+                                  t(2150, 1, 4), t(2150, 3, 1), t(2150, 3, 4)],
+        "code": ["ED_REGISTRATION", ed_lab, start, "HOSPITAL_ADMISSION//EW EMER.//EMERGENCY ROOM", dx("X"),
+                 "HOSPITAL_ADMISSION//ELECTIVE//PHYSICIAN REFERRAL", dx("Y")],
+        "numeric_value": [None, 0.25, None, None, None, None, None], "encounter_id": [None, None, None, 1, 1, 2, 2]},
+        schema_overrides={"numeric_value": pl.Float32, "encounter_id": pl.Int64})
+    con = duckdb.connect()
+    con.register("train_events", events.with_columns(cohort_id=pl.lit("c")).to_arrow())
+    con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c", "c"], "code": [dx("X"), dx("Y")]}).to_arrow())
+    assert con.execute(f"SELECT encounter_id, claims_from FROM ({encounter_starts_sql('train_events')}) ORDER BY 1"
+                       ).fetchall() == [(1, t(2150, 1, 1, 3)), (2, t(2150, 3, 1))]
+    vocab = prior_data.build_vocabulary(con, "c", min_code_count=1)
+    assert vocab.input_codes == [dx("X"), dx("Y"), *(f"{ed_lab}//q{q}" for q in range(5)), start]
+    assert vocab.stays_from_ed_registration and vocab.lab_cuts == {ed_lab: [0.25] * 4}
+    ids = {code: i + 2 for i, code in enumerate(vocab.input_codes)}
+    out = visit_tensors(events, "subject_id", vocab, PriorConfig(), keys=[1])
+    assert out.codes[0, 0].tolist()[:4] == [ids[dx("X")], ids[start], ids[f"{ed_lab}//q0"], 0]
+    assert out.numeric[0, 1, 0].item() == pytest.approx(math.log1p(59 - 8 / 24) / 5)  # gaps from the first own event
+    registered = {key: value for key, value in vocab.to_json().items() if key != "stays_from_ed_registration"}
+    old = visit_tensors(events, "subject_id", Vocabulary(**registered), PriorConfig(), keys=[1])
+    assert old.codes[0, 0].tolist()[:2] == [ids[dx("X")], 0] and torch.equal(old.numeric, out.numeric)

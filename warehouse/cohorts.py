@@ -114,7 +114,7 @@ def encounter_starts_sql(events: str) -> str:
 
     - `start_time`: its admission (the first `HOSPITAL_ADMISSION//…` event, else its first dated event), the
       cutoff of a trajectory that targets it;
-    - `first_time`: its first dated own event;
+    - `first_time`, `last_time`: its first and its last dated own event;
     - `claims_from`: from when an event without an encounter may be its own: `first_time`, or earlier the
       registration of an emergency-department visit that was still open then and led into it. MEDS-Extract's
       MIMIC-IV ETL writes the `ED_REGISTRATION` (edregtime) and `ED_OUT` (edouttime) of an admission without
@@ -122,7 +122,8 @@ def encounter_starts_sql(events: str) -> str:
       (MIMIC records edregtime on the admission's row). The visit is open when no untagged `ED_OUT` follows
       the registration before `first_time`, and it led into this encounter when no other encounter of the
       patient began in between (an export without `ED_OUT` then cannot stretch one registration over
-      later stays). An ED visit that ended before the admission began stays history;
+      later stays). An ED visit that ended before the admission began stays history. The EHR prior and the
+      readable record place such events in the same span (`models.stays.stay_spans`);
     - `n_dx`, and `dx_time`: from when its diagnoses are in later records, its first dated one (none when one
       is undated, as an undated event is in every record).
     """
@@ -130,7 +131,7 @@ def encounter_starts_sql(events: str) -> str:
         WITH own AS (
             SELECT encounter_id, any_value(subject_id) AS subject_id,
                    coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
-                   min(time) AS first_time,
+                   min(time) AS first_time, max(time) AS last_time,
                    count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
                    CASE WHEN bool_or(time IS NULL) FILTER (WHERE code LIKE 'DIAGNOSIS//%') THEN NULL
                         ELSE min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%') END AS dx_time
@@ -144,7 +145,7 @@ def encounter_starts_sql(events: str) -> str:
               AND (code IN ('ED_REGISTRATION', 'ED_OUT') OR code LIKE 'ED_REGISTRATION//%' OR code LIKE 'ED_OUT//%')),
         registrations AS (SELECT subject_id, time FROM untagged WHERE NOT is_exit),
         exits AS (SELECT subject_id, time FROM untagged WHERE is_exit)
-        SELECT o.encounter_id, o.subject_id, o.start_time, o.first_time,
+        SELECT o.encounter_id, o.subject_id, o.start_time, o.first_time, o.last_time,
                CASE WHEN r.time IS NOT NULL AND (x.time IS NULL OR x.time < r.time)
                          AND (o.previous_first IS NULL OR o.previous_first < r.time) THEN r.time
                     ELSE o.first_time END AS claims_from,

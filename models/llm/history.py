@@ -3,9 +3,9 @@
 H reads as demographics, then a timeline from oldest to newest: each earlier encounter, with the
 events recorded outside any encounter (outpatient labs, notes) in a block of their own between the
 encounters they fall between, one line per day and kind. An event without an encounter within an encounter's
-stay (a pharmacy order, an ED draw) is that encounter's, placed as the EHR prior places it
-(`models.stays.within_stays`). Only `pretarget_events` rows are rendered, so whatever H excludes (the target
-encounter) cannot appear.
+stay (a pharmacy order, an ED draw, from the ED registration that led into it on) is that encounter's, placed as
+the EHR prior places it (`models.stays.within_stays`). Only `pretarget_events` rows are rendered, so whatever H
+excludes (the target encounter) cannot appear.
 
 `fit_history` shortens H to a character budget by giving up the least informative text first
 (`DROP_STEPS`); the diagnoses of an encounter go only with the whole encounter, after everything else.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
-from models.stays import within_stays
+from models.stays import stay_spans, within_stays
 from warehouse.vocab import dotted, dotted_procedure, parse_meds_code
 
 # Line labels of the event kinds, in the order an encounter lists them (notes follow, one line each).
@@ -262,14 +262,12 @@ def _outside_block(events: pl.DataFrame, titles: dict[str, str | None]) -> Block
 
 
 def _place_within_stays(events: pl.DataFrame) -> pl.DataFrame:
-    """`events` with each event without an encounter that falls within an encounter's stay (its first to its last
-    dated event) given that encounter, as `within_stays` places it for the EHR prior (here every encounter is a
-    stay, not only those with a diagnosis: each has its block). The birth stays in the header."""
-    stays = (events.filter(pl.col("encounter_id").is_not_null() & pl.col("time").is_not_null())
-             .group_by("encounter_id").agg(pl.col("time").min().alias("start"), pl.col("time").max().alias("end"))
-             .with_columns(pl.lit(0).alias("_record")))
+    """`events` with each event without an encounter that falls within an encounter's stay (`stay_spans`: from its
+    first dated event, or the ED registration that led into it, to its last) given that encounter, as `within_stays`
+    places it for the EHR prior (here every encounter is a stay, not only those with a diagnosis: each has its
+    block). The birth stays in the header."""
     rows = events.with_row_index("_row").with_columns(pl.lit(0).alias("_record"))
-    placed = within_stays(rows.filter(pl.col("code") != "MEDS_BIRTH"), "_record", stays)
+    placed = within_stays(rows.filter(pl.col("code") != "MEDS_BIRTH"), "_record", stay_spans(rows, "_record"))
     return rows.update(placed.select("_row", "encounter_id"), on="_row").drop("_row", "_record")
 
 

@@ -12,7 +12,8 @@ cuts there instead (`unserved_visits`, `cut_pairs`).
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
 (`LAB//…//q0`…`q4`, cut points from train patients' values); such an event without an encounter is a token
-of the visit whose stay (first to last dated own event) holds it (`within_stays`). A visit's numbers are the
+of the visit whose stay holds it (`within_stays`): from its first dated own event, or the ED registration that led
+into it, to its last (`stay_spans`, the cohort's rule). A visit's numbers are the
 gap since the previous visit and the age (without a MEDS_BIRTH, the train patients' mean age at their visits). A
 record's static codes (MEDS rows without a time or an encounter, such as `GENDER//F`) are the patient's
 own tokens, embedded apart from the visits and added to each of them. The output vocabulary is the
@@ -33,8 +34,9 @@ from torch.utils.data import Dataset
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
 from models.pretarget import cut_records, unserved_visits
-from models.stays import within_stays
+from models.stays import stay_spans, within_stays
 from models.transition import sql_frame
+from warehouse.cohorts import encounter_starts_sql
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
 LAB_PREFIX = "LAB//"  # lab value tokens come last
@@ -54,6 +56,10 @@ class Vocabulary:
     # Whether events without an encounter within a visit's stay are its tokens (`within_stays`); False in models
     # registered before, which were trained without them and keep seeing exactly the inputs they learned from.
     within_stays: bool = False
+    # Whether a visit's stay begins at the untagged ED registration that led into it (`stay_spans`), so that the ED
+    # draws and orders before its first own event are its tokens; False in models registered before, whose stays
+    # began at their first own event.
+    stays_from_ed_registration: bool = False
 
     @property
     def n_input(self) -> int:
@@ -65,7 +71,8 @@ class Vocabulary:
 
     def to_json(self) -> dict:
         return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
-                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill, "within_stays": self.within_stays}
+                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill, "within_stays": self.within_stays,
+                "stays_from_ed_registration": self.stays_from_ed_registration}
 
     @cached_property
     def input_ids(self) -> pl.DataFrame:
@@ -89,21 +96,21 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     """Vocabularies from train patients only (counts of encounters carrying each code; of patients
     carrying each static code)."""
     prefixes = " OR ".join(f"code LIKE '{p}%'" for p in TOKEN_PREFIXES)
-    # The encounters a code's events belong to, or for an event without one the visit whose stay holds it, as
-    # `within_stays` places it: of the stays open at its time, the one begun last.
+    # The encounters a code's events belong to, or for an event without one the visit whose stay (`stay_spans`)
+    # holds it, as `within_stays` places it: of the stays open at its time, the one begun last.
+    records = "(SELECT subject_id, time, code, encounter_id FROM train_events WHERE cohort_id = $1)"
     inputs = sql_frame(con, f"""
         WITH visits AS (
-            SELECT subject_id, encounter_id, min(time) AS first_time, max(time) AS last_time FROM train_events
-            WHERE cohort_id = $1 AND encounter_id IS NOT NULL GROUP BY subject_id, encounter_id
-            HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL),
+            SELECT subject_id, encounter_id, claims_from AS start, last_time
+            FROM ({encounter_starts_sql(records)}) WHERE n_dx > 0 AND claims_from IS NOT NULL),
         loose AS (
             SELECT row_number() OVER () AS event, subject_id, time, code FROM train_events
             WHERE cohort_id = $1 AND encounter_id IS NULL AND time IS NOT NULL AND code NOT LIKE 'DIAGNOSIS//%'
               AND ({prefixes})),
         placed AS (
             SELECT l.code, v.encounter_id FROM loose l
-            JOIN visits v ON v.subject_id = l.subject_id AND v.first_time <= l.time AND l.time <= v.last_time
-            QUALIFY row_number() OVER (PARTITION BY l.event ORDER BY v.first_time DESC, v.encounter_id DESC) = 1),
+            JOIN visits v ON v.subject_id = l.subject_id AND v.start <= l.time AND l.time <= v.last_time
+            QUALIFY row_number() OVER (PARTITION BY l.event ORDER BY v.start DESC, v.encounter_id DESC) = 1),
         coded AS (
             SELECT code, encounter_id FROM train_events
             WHERE cohort_id = $1 AND encounter_id IS NOT NULL AND ({prefixes})
@@ -132,7 +139,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
     lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
     lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
     return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts,
-                      mean_visit_age(con, cohort_id), within_stays=True)
+                      mean_visit_age(con, cohort_id), within_stays=True, stays_from_ed_registration=True)
 
 
 def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
@@ -222,7 +229,9 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
                .select(key, "encounter_id").unique())
     spans = spans.join(with_dx, on=[key, "encounter_id"], how="semi")
     if vocab.within_stays:
-        in_encounter = pl.concat([in_encounter, within_stays(events, key, spans)])
+        stays = (stay_spans(events, key).filter(pl.col("n_dx") > 0) if vocab.stays_from_ed_registration
+                 else spans)
+        in_encounter = pl.concat([in_encounter, within_stays(events, key, stays)])
     visits = (spans.drop("end").sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
                             pl.len().over(key).cast(pl.Int64).alias("n_visits")))
