@@ -4,6 +4,7 @@ registered files cannot change underneath a cohort build."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, d
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
-from warehouse.meds import hash_split, read_splits, validate_meds_dir, write_data_shard
+from warehouse.meds import hash_split, read_splits, validate_meds_dir, write_data_shard, write_metadata
 
 
 def data_files(root: Path) -> dict[str, bytes]:
@@ -129,6 +130,7 @@ def test_a_full_disk_for_the_validation_spill_names_the_temporary_directory(wh_v
                                  "disk with room")
     assert wh_vocab.read("runs").select("run_id", "status").rows() == [("ing-full", "failed")]
 
+
 def test_a_failed_meds_shard_write_names_the_shard(tmp_path):
     # As a warehouse partition's (test_store): pyarrow names no file, the synthetic generator and the importers
     # write their shards through write_data_shard.
@@ -136,6 +138,20 @@ def test_a_failed_meds_shard_write_names_the_shard(tmp_path):
     with file_size_limit(size // 2), pytest.raises(OSError) as raised:
         write_data_shard(tmp_path / "half", "0", tiny_events())
     assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(tmp_path / "half" / "data" / "0.parquet"))
+
+
+def test_a_failed_dataset_json_write_names_it_and_leaves_no_partial_file(tmp_path):
+    # Python's own file write names no file and, unlike pyarrow's Parquet writer, leaves what it wrote behind.
+    root = write_tiny_meds(tmp_path / "meds")
+    before = sorted(p.name for p in (root / "metadata").iterdir())
+    with file_size_limit(20_000), pytest.raises(OSError) as raised:
+        write_metadata(root, dataset_name="tiny", dataset_version="2", etl_name="tests", etl_version="1",
+                       codes=pl.DataFrame({"code": ["LAB//x"]}),
+                       splits=pl.DataFrame({"subject_id": [1], "split": ["train"]}), extra={"note": "x" * 50_000})
+    assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(root / "metadata" / "dataset.json"))
+    assert sorted(p.name for p in (root / "metadata").iterdir()) == before
+    assert json.loads((root / "metadata" / "dataset.json").read_text())["dataset_version"] == "1"
+
 
 def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_meds):
     ingest_meds(wh_vocab, tiny_meds, "tiny")

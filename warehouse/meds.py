@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -89,18 +89,24 @@ def write_metadata(root: Path, *, dataset_name: str, dataset_version: str, etl_n
     }
     meds.DatasetMetadataSchema.validate(metadata)
     path = root / meds.dataset_metadata_filepath
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with naming(path):
-        tmp.write_text(json.dumps(metadata, indent=2, default=str))
-    os.replace(tmp, path)
+    _atomic_replace(path, lambda tmp: tmp.write_text(json.dumps(metadata, indent=2, default=str)))
 
 
 def _atomic_write(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_replace(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def _atomic_replace(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` a hidden sibling of `path`, then rename it over `path`; a failed write leaves no sibling behind."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with naming(path):
-        pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    try:
+        with naming(path):
+            write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)
