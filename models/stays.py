@@ -12,6 +12,16 @@ from warehouse import duck
 from warehouse.cohorts import encounter_starts_sql
 
 
+# An event that `within_stays` may place: dated, without an encounter, and no diagnosis.
+LOOSE = pl.col("encounter_id").is_null() & pl.col("time").is_not_null() & ~pl.col("code").str.starts_with("DIAGNOSIS//")
+
+
+def has_loose_events(events: pl.DataFrame) -> bool:
+    """Whether `within_stays` would have anything of `events` to place; `stay_spans` (a DuckDB query) is not worth
+    running otherwise."""
+    return bool(events.select(LOOSE.any()).item())
+
+
 def stay_spans(events: pl.DataFrame, key: str) -> pl.DataFrame:
     """(key, encounter_id, start, end, n_dx) of each encounter of `events` with a dated own event: the span within
     which an event without an encounter is its own, as the cohort rules it (`encounter_starts_sql`).
@@ -46,9 +56,7 @@ def within_stays(events: pl.DataFrame, key: str, spans: pl.DataFrame) -> pl.Data
     stay after a stay nested in it ended, the long stay. A diagnosis stays out: a visit's diagnoses are its
     encounter's coding, its labels. `build_vocabulary` counts the same placement in SQL.
     """
-    loose = (events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
-                           & ~pl.col("code").str.starts_with("DIAGNOSIS//"))
-             .drop("encounter_id").sort("time"))
+    loose = events.filter(LOOSE).drop("encounter_id").sort("time")
     if loose.is_empty() or spans.is_empty():
         return events.head(0)
     # The stay begun last on or before each event, and how long any stay begun by then lasts (`_open`).

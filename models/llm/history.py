@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import polars as pl
 
-from models.stays import stay_spans, within_stays
+from models.stays import has_loose_events, stay_spans, within_stays
 from warehouse.vocab import dotted, dotted_procedure, parse_meds_code
 
 # Line labels of the event kinds, in the order an encounter lists them (notes follow, one line each).
@@ -267,7 +267,10 @@ def _place_within_stays(events: pl.DataFrame) -> pl.DataFrame:
     places it for the EHR prior (here every encounter is a stay, not only those with a diagnosis: each has its
     block). The birth stays in the header."""
     rows = events.with_row_index("_row").with_columns(pl.lit(0).alias("_record"))
-    placed = within_stays(rows.filter(pl.col("code") != "MEDS_BIRTH"), "_record", stay_spans(rows, "_record"))
+    placeable = rows.filter(pl.col("code") != "MEDS_BIRTH")
+    if not has_loose_events(placeable):
+        return events
+    placed = within_stays(placeable, "_record", stay_spans(rows, "_record"))
     return rows.update(placed.select("_row", "encounter_id"), on="_row").drop("_row", "_record")
 
 

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
 from models.pretarget import cut_records, unserved_visits
-from models.stays import stay_spans, within_stays
+from models.stays import has_loose_events, stay_spans, within_stays
 from models.transition import sql_frame
 from warehouse.cohorts import encounter_starts_sql
 
@@ -228,10 +228,14 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     with_dx = (in_encounter.filter(pl.col("code").str.starts_with("DIAGNOSIS//"))
                .select(key, "encounter_id").unique())
     spans = spans.join(with_dx, on=[key, "encounter_id"], how="semi")
-    if vocab.within_stays:
+    # Only token kinds are worth placing: a birth or an ED registration without an encounter, in every record, would
+    # otherwise run `stay_spans` (a DuckDB query) for records with nothing to place.
+    placeable = events.filter(pl.any_horizontal(pl.col("code").str.starts_with(prefix)
+                                                for prefix in (*TOKEN_PREFIXES, LAB_PREFIX)))
+    if vocab.within_stays and has_loose_events(placeable):
         stays = (stay_spans(events, key).filter(pl.col("n_dx") > 0) if vocab.stays_from_ed_registration
                  else spans)
-        in_encounter = pl.concat([in_encounter, within_stays(events, key, stays)])
+        in_encounter = pl.concat([in_encounter, within_stays(placeable, key, stays)])
     visits = (spans.drop("end").sort(key, "start", "encounter_id")
               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).over(key).alias("visit"),
                             pl.len().over(key).cast(pl.Int64).alias("n_visits")))
