@@ -5,8 +5,8 @@ synthetic cohort, through the same loader as `dxr evaluate` (`tasks.evaluate.loa
 code of the run's trajectories into three kinds by the trajectory's pre-target diagnoses:
 
 - `repeated`: the code itself is among them (the `repeated` subset of the metrics);
-- `sibling`: a new code whose ICD category (version and first three characters) is among them, e.g. a new
-  stage of a coded kidney disease, another BMI class, a specified form of a coded condition;
+- `sibling`: a new code whose ICD category (its version and category, as `--harmonize category` cuts it) is among
+  them, e.g. a new stage of a coded kidney disease, another BMI class, a specified form of a coded condition;
 - `new_category`: neither.
 
 Per system it prints the share of each kind's target codes in its top K (pooled over trajectories, so not the
@@ -31,12 +31,23 @@ RESULTS = REPO / "benchmarks" / "results"
 import polars as pl  # noqa: E402
 
 from tasks.evaluate import load_run  # noqa: E402
+from warehouse.vocab import category, parse_meds_code  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 KINDS = ("repeated", "sibling", "new_category")
-# ICD category of a diagnosis code: its version and first three characters ("10:N18" for N18.4).
-CATEGORY = pl.concat_str(pl.col("code").str.extract(r"^DIAGNOSIS//ICD//(\d+)//", 1), pl.lit(":"),
-                         pl.col("code").str.extract(r"^DIAGNOSIS//ICD//\d+//(.{1,3})", 1))
+
+
+def icd_category(code: str) -> str:
+    """A diagnosis code's ICD category with its version, as the cohort's `category` harmonization cuts it.
+
+    >>> [icd_category(c) for c in ("DIAGNOSIS//ICD//10//N184", "DIAGNOSIS//ICD//9//E8497")]
+    ['10:N18', '9:E849']
+    """
+    _, version, raw = parse_meds_code(code)
+    return f"{version}:{category(version, raw)}"
+
+
+CATEGORY = pl.col("code").map_elements(icd_category, return_dtype=pl.String)
 
 
 def newest_benchmark_run(wh: Warehouse) -> str:
@@ -108,7 +119,9 @@ def gap_summary(wh: Warehouse, run_id: str, k: int = 20, top: int = 25) -> dict:
     for system in oracles + sorted(set(run.systems) - set(oracles)):
         row = {"system": system, **{kind: hits.get((system, kind), 0) / kinds[kind] if kinds.get(kind) else None
                                     for kind in KINDS}}
-        row.update(places.filter(pl.col("system") == system).drop("system").row(0, named=True))
+        spent = places.filter(pl.col("system") == system).drop("system")
+        # A system with no ranked code at all (every trajectory failed) spends no place.
+        row.update(spent.row(0, named=True) if spent.height else dict.fromkeys(spent.columns))
         systems.append(row)
 
     shown = [s for s in ("ehr_prior", "gru", "record_oracle", "oracle") if s in run.systems]
@@ -143,8 +156,8 @@ def main() -> None:
     wh = Warehouse(args.data_dir)
     gap = gap_summary(wh, args.run or newest_benchmark_run(wh), args.k, args.top)
 
-    def share(v) -> str:
-        return "—" if v is None else f"{v:.3f}"
+    def share(v, digits: int = 3) -> str:
+        return "—" if v is None else f"{v:.{digits}f}"
 
     print(f"run {gap['run_id']}, cohort {gap['cohort_id']}: {gap['trajectories']} trajectories, K = {gap['k']}")
     print(" | ".join(["target codes"] + [f"{kind} {gap['targets'][kind]}" for kind in KINDS]))
@@ -152,7 +165,7 @@ def main() -> None:
           + " | record places | their hit rate | other places' hit rate")
     for row in gap["systems"]:
         print(" | ".join([row["system"]] + [share(row[kind]) for kind in KINDS]
-                         + [f"{row['record_places']:.1f}", share(row["record_place_hits"]),
+                         + [share(row["record_places"], 1), share(row["record_place_hits"]),
                             share(row["other_place_hits"])]))
     print(f"\nnew-onset target codes by ICD category: hits in each top {gap['k']}")
     if gap["categories"]:

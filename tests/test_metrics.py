@@ -508,9 +508,10 @@ def test_prior_gap_splits_new_onset_codes_by_icd_category(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     sibling = dx("A019")  # category A01, as A
     write_cohort(wh, targets={T1: [A, sibling, B], T2: [A, D]}, pretarget={T1: [A], T2: [dx("Z00")]})
-    rankings = {"ehr_prior": {T1: [A, sibling, X], T2: [D, X, Y]}}
+    rankings = {"ehr_prior": {T1: [A, sibling, X], T2: [D, X, Y]}, "gru": {T1: [], T2: []}}
+    failed = {("gru", T1): "failed", ("gru", T2): "failed"}
     for run_id in ("bench-prior-20250101T000000", "bench-prior-20260101T000000", "bench-prior-20260101T000000-all"):
-        write_rankings(wh, run_id, rankings=rankings, status={})
+        write_rankings(wh, run_id, rankings=rankings, status=failed)
     run_id = prior_gap.newest_benchmark_run(wh)
     assert run_id == "bench-prior-20260101T000000"
 
@@ -518,8 +519,11 @@ def test_prior_gap_splits_new_onset_codes_by_icd_category(tmp_path):
     # T1: A repeated, A019 sibling, B new; T2: A and D new (Z00 shares no category with them).
     assert gap["targets"] == {"repeated": 1, "sibling": 1, "new_category": 3}
     # Top 2: T1 {A, A019} both hit, A in the record; T2 {D, X}, D hits, neither in the record.
+    # gru failed everywhere: it hits nothing and spends no place.
     assert gap["systems"] == [{"system": "ehr_prior", "repeated": 1.0, "sibling": 1.0, "new_category": 1 / 3,
-                               "record_places": 0.5, "record_place_hits": 1.0, "other_place_hits": 2 / 3}]
-    assert gap["categories"] == [{"category": "10:A01", "targets": 2, "ehr_prior": 1},
-                                 {"category": "10:B02", "targets": 1, "ehr_prior": 0},
-                                 {"category": "10:D04", "targets": 1, "ehr_prior": 1}]
+                               "record_places": 0.5, "record_place_hits": 1.0, "other_place_hits": 2 / 3},
+                              {"system": "gru", "repeated": 0.0, "sibling": 0.0, "new_category": 0.0,
+                               "record_places": None, "record_place_hits": None, "other_place_hits": None}]
+    assert gap["categories"] == [{"category": "10:A01", "targets": 2, "ehr_prior": 1, "gru": 0},
+                                 {"category": "10:B02", "targets": 1, "ehr_prior": 0, "gru": 0},
+                                 {"category": "10:D04", "targets": 1, "ehr_prior": 1, "gru": 0}]
