@@ -31,8 +31,8 @@ RESULTS = REPO / "benchmarks" / "results"
 import polars as pl  # noqa: E402
 
 from tasks.evaluate import load_run  # noqa: E402
-from warehouse.vocab import category, parse_meds_code  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
+from warehouse.vocab import category, parse_meds_code  # noqa: E402
 
 KINDS = ("repeated", "sibling", "new_category")
 
@@ -83,7 +83,7 @@ def target_kinds(targets: pl.DataFrame, history: pl.DataFrame) -> pl.DataFrame:
     ['repeated', 'sibling', 'new_category']
     """
     seen_codes = history.with_columns(pl.lit(True).alias("seen_code"))
-    seen_categories = (history.select("trajectory_id", CATEGORY.alias("category")).drop_nulls().unique()
+    seen_categories = (history.select("trajectory_id", CATEGORY.alias("category")).unique()
                        .with_columns(pl.lit(True).alias("seen_category")))
     return (targets.with_columns(CATEGORY.alias("category"))
             .join(seen_codes, on=["trajectory_id", "code"], how="left", maintain_order="left")
