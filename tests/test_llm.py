@@ -549,24 +549,31 @@ def test_doctests():
     assert result.attempted > 0 and result.failed == 0
 
 
+def served_locally(tmp_path: Path, url: str, window: int = 2048, threads: int = 1):
+    """The embedded backend, its llama.cpp server stood in for by the local HTTP endpoint at `url`, its model a
+    small file to fingerprint."""
+    from models.llm.local_server import LocalBackend, LocalServer
+
+    class Started(LocalServer):
+        def start(self) -> str:
+            return url
+
+    model = tmp_path / "m.gguf"
+    if not model.exists():
+        model.write_bytes(b"GGUF" + b"w" * 1000)
+    return LocalBackend(Started(model, window, threads, tmp_path / "server.log"), 10.0)
+
+
 def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_path):
     """A reply depends on the window it was computed in (a server with a full window cuts it off or refuses the
     prompt), which the request does not carry: another window asks again instead of replaying it."""
-    from models.llm.local_server import CHAT_FORMAT, SYSTEM_FOLD_VERSION, LocalBackend, LocalServer
+    from models.llm.local_server import CHAT_FORMAT, SYSTEM_FOLD_VERSION
 
     def counting(state: dict):
         async def handler(request: web.Request) -> web.Response:
             state["requests"] += 1
             return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": state["requests"]})}}]})
         return handler
-
-    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
-        url = ""
-
-        def start(self) -> str:
-            return self.url
-
-    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
 
     async def ask(make_client, windows: list[int]) -> list[tuple[int, bool]]:
         answers = []
@@ -581,9 +588,7 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
         local_state, http_state = {"requests": 0}, {"requests": 0}
         async with serving(counting(local_state)) as local_url, serving(counting(http_state)) as http_url:
             def local_client(window: int) -> LLMClient:
-                server = Started(tmp_path / "m.gguf", window, 1, tmp_path / "server.log")
-                server.url = local_url
-                return LLMClient(LLMConfig(context_window=window), LocalBackend(server, 10.0),
+                return LLMClient(LLMConfig(context_window=window), served_locally(tmp_path, local_url, window),
                                  ResponseCache(tmp_path / "local-cache"))
 
             def http_client_of(window: int) -> LLMClient:
@@ -598,7 +603,7 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     files = (tmp_path / "local-cache").rglob("*.json")
     keys = sorted((json.loads(json.loads(p.read_text())["key_input"]) for p in files),
                   key=lambda key: key["serving"]["context_window"])
-    identity = LocalBackend(Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "log"), 1.0).identity
+    identity = served_locally(tmp_path, "").identity
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
          "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION,
@@ -611,7 +616,6 @@ def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_not_the_se
     asks again. Another thread count (another machine's cores) replays the cache. An OpenAI-compatible backend's key
     holds no version (its server's own)."""
     from models.llm import local_server
-    from models.llm.local_server import LocalBackend, LocalServer
 
     requests: list[int] = []
 
@@ -619,23 +623,14 @@ def test_the_cache_key_of_the_embedded_backend_holds_llama_cpp_python_not_the_se
         requests.append(1)
         return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": len(requests)})}}]})
 
-    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
-        url = ""
-
-        def start(self) -> str:
-            return self.url
-
-    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
-
     async def ask(client: LLMClient) -> tuple[int, bool, dict]:
         value = (await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"]
         await client.close()
         return value, client.telemetry()["cache_hit"][0], client.serving
 
     def local_client(url: str, threads: int) -> LLMClient:
-        server = Started(tmp_path / "m.gguf", 2048, threads, tmp_path / "server.log")
-        server.url = url
-        return LLMClient(LLMConfig(context_window=2048), LocalBackend(server, 10.0), ResponseCache(tmp_path / "c"))
+        return LLMClient(LLMConfig(context_window=2048), served_locally(tmp_path, url, threads=threads),
+                         ResponseCache(tmp_path / "c"))
 
     async def scenario():
         async with serving(handler) as url:
@@ -657,7 +652,6 @@ def test_the_cache_key_of_the_embedded_backend_holds_how_system_messages_are_fol
     """The key holds the request before the embedded backend folds its system messages into the first user turn:
     a fold that renders the prompt differently is a version of its own, so the client asks again."""
     from models.llm import local_server
-    from models.llm.local_server import LocalBackend, LocalServer
 
     received: list[list[dict]] = []
 
@@ -665,18 +659,8 @@ def test_the_cache_key_of_the_embedded_backend_holds_how_system_messages_are_fol
         received.append((await request.json())["messages"])
         return web.json_response({"choices": [{"message": {"content": json.dumps({"answer": len(received)})}}]})
 
-    class Started(LocalServer):  # the embedded backend's server, stood in for by a local HTTP endpoint
-        url = ""
-
-        def start(self) -> str:
-            return self.url
-
-    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"w" * 1000)
-
     async def ask(url: str) -> tuple[int, bool, dict]:
-        server = Started(tmp_path / "m.gguf", 2048, 1, tmp_path / "server.log")
-        server.url = url
-        client = LLMClient(LLMConfig(context_window=2048), LocalBackend(server, 10.0), ResponseCache(tmp_path / "c"))
+        client = LLMClient(LLMConfig(context_window=2048), served_locally(tmp_path, url), ResponseCache(tmp_path / "c"))
         value = (await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))["answer"]
         hit = client.telemetry()["cache_hit"][0]
         await client.close()
