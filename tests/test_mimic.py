@@ -588,6 +588,28 @@ def test_admissions_without_edregtime_are_read_and_then_only_the_hospital_stay_c
     assert (summary.n_labs_outside_admissions, summary.n_labs_within_stays) == (2, 0)
 
 
+def test_a_prescription_without_hadm_id_belongs_to_the_admission_whose_stay_holds_it(tmp_path):
+    # Left outside any encounter, an order given in the ED before admission 20000001 (edregtime 06:10, admittime
+    # 08:00) sat before that admission's cutoff, in the pre-target record of the very admission it belongs to.
+    hosp = copy_fixture(tmp_path)
+    order = "10000001,,1009,10000001-19,19,P00001,{start},,MAIN,{drug},,,,,,1,g,1,VIAL,1,IV"
+    edit_table(hosp, "prescriptions", lambda lines: lines + [
+        order.format(start="2150-03-01 07:30:00", drug="Ceftriaxone"),  # in the ED, before admittime
+        order.format(start="2150-03-04 12:00:00", drug="Ondansetron"),  # during the hospital stay
+        order.format(start="2151-06-01 09:00:00", drug="Aspirin")])  # outside any stay: no encounter
+    summary = import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    orders = read_meds(tmp_path / "meds").filter(
+        pl.col("code").is_in(["MEDICATION//NAME//ceftriaxone", "MEDICATION//NAME//ondansetron",
+                              "MEDICATION//NAME//aspirin"]))
+    assert orders.select("time", "code", "encounter_id", "time_imputed").rows() == [
+        (ts("2150-03-01 07:30"), "MEDICATION//NAME//ceftriaxone", 20000001, False),
+        (ts("2150-03-04 12:00"), "MEDICATION//NAME//ondansetron", 20000001, False),
+        (ts("2151-06-01 09:00"), "MEDICATION//NAME//aspirin", None, False)]
+    assert (summary.n_medications, summary.n_medications_within_stays) == (7, 2)
+    [line] = [line for line in summary.table().splitlines() if "within an admission's ED" in line]
+    assert line.split()[-1] == "2", line
+
+
 def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_path):
     src = shared_data("mimic-iii-demo")
     with pytest.raises(InputError, match=r"PATIENTS.csv: missing column 'anchor_age' .*: this file has the "

@@ -17,7 +17,8 @@ Events (all with `encounter_id` = `hadm_id` where there is an admission):
 - `DIAGNOSIS//ICD//{9|10}//{code without dot}` at `dischtime`, extra column `seq_num`;
 - `PROCEDURE//ICD//{9|10}//{code}` at `chartdate` (MIMIC-IV) or `dischtime` (MIMIC-III);
 - `MEDICATION//NDC//{ndc}` when the row has a real NDC, else `MEDICATION//NAME//{drug, lower case,
-  single spaces}`, at `starttime` (MIMIC-III: `startdate`);
+  single spaces}`, at `starttime` (MIMIC-III: `startdate`); one without `hadm_id` belongs to the
+  admission whose stay it falls in, as a lab result does;
 - only when asked for (`labs`): `LAB//{label} ({fluid})//{unit}` from `labevents` and `d_labitems`
   (the itemid when the item is not in the dictionary; `no unit` when none) at `charttime`, with
   `numeric_value` = `valuenum`, else `text_value` = `value`; a result without `hadm_id` belongs to
@@ -158,7 +159,8 @@ MIMIC3 = Layout(
         CREATE VIEW px AS SELECT p.subject_id, p.hadm_id, p.seq_num, 9 AS icd_version, p.icd9_code AS icd_code,
                    p.src_row, coalesce(a.dischtime, a.admittime) AS time, a.dischtime IS NULL AS time_imputed
             FROM t_procedures_icd p LEFT JOIN t_admissions a ON a.hadm_id = p.hadm_id;
-        CREATE VIEW rx AS SELECT subject_id, hadm_id, startdate AS starttime, drug, ndc FROM t_prescriptions;
+        CREATE VIEW rx AS SELECT subject_id, hadm_id, startdate AS starttime, drug, ndc, src_row
+            FROM t_prescriptions;
         CREATE VIEW dict_dx AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title
             FROM t_d_icd_diagnoses;
         CREATE VIEW dict_px AS SELECT 9 AS icd_version, icd9_code AS icd_code, long_title AS title
@@ -199,11 +201,24 @@ MIMIC4 = Layout(
         CREATE VIEW px AS SELECT p.subject_id, p.hadm_id, p.seq_num, p.icd_version, p.icd_code, p.src_row,
                    coalesce(p.chartdate, a.dischtime, a.admittime) AS time, p.chartdate IS NULL AS time_imputed
             FROM t_procedures_icd p LEFT JOIN t_admissions a ON a.hadm_id = p.hadm_id;
-        CREATE VIEW rx AS SELECT subject_id, hadm_id, starttime, drug, ndc FROM t_prescriptions;
+        CREATE VIEW rx AS SELECT subject_id, hadm_id, starttime, drug, ndc, src_row FROM t_prescriptions;
         CREATE VIEW dict_dx AS SELECT icd_version, icd_code, long_title AS title FROM t_d_icd_diagnoses;
         CREATE VIEW dict_px AS SELECT icd_version, icd_code, long_title AS title FROM t_d_icd_procedures;
     """,
 )
+
+
+def _stay_sql(view: str, rows: str, time: str) -> str:
+    """`view(src_row, hadm_id)`: for each row of `rows` without an hadm_id, the admission of its subject whose stay,
+    from `edregtime` (else `admittime`) to `dischtime`, holds its `time`; the latest admitted when stays overlap."""
+    return f"""CREATE VIEW {view} AS
+SELECT r.src_row, arg_max(a.hadm_id, a.admittime) AS hadm_id
+FROM {rows} r JOIN adm a ON a.subject_id = r.subject_id
+     AND r.{time} >= least(coalesce(a.edregtime, a.admittime), a.admittime)
+     AND r.{time} <= greatest(coalesce(a.dischtime, a.admittime), a.admittime)
+WHERE r.hadm_id IS NULL GROUP BY r.src_row;
+"""
+
 
 # Laboratory results (`--labs`): the same columns in both releases. Opt-in because labevents is by far the
 # largest table (MIMIC-IV: over 100 million rows), which the import, the cohort build and training then carry.
@@ -220,13 +235,7 @@ LAB_TABLES = {
 # emergency-department registration (`edregtime`, else `admittime`) to `dischtime`: MIMIC leaves hadm_id empty on
 # the ED draws that precede an admission, which would otherwise sit in the pre-target record of that very
 # admission. Any other is an outpatient result and stays outside any encounter.
-_LABS_SQL = """
-CREATE VIEW lab_stay AS
-SELECT l.src_row, arg_max(a.hadm_id, a.admittime) AS hadm_id
-FROM t_labevents l JOIN adm a ON a.subject_id = l.subject_id
-     AND l.charttime >= least(coalesce(a.edregtime, a.admittime), a.admittime)
-     AND l.charttime <= greatest(coalesce(a.dischtime, a.admittime), a.admittime)
-WHERE l.hadm_id IS NULL GROUP BY l.src_row;
+_LABS_SQL = _stay_sql("lab_stay", "t_labevents", "charttime") + """
 CREATE VIEW lab_coded AS
 SELECT l.subject_id, l.charttime AS time, coalesce(l.hadm_id, s.hadm_id) AS hadm_id,
        l.hadm_id IS NULL AND s.hadm_id IS NOT NULL AS within_stay,
@@ -243,17 +252,20 @@ FROM t_labevents l LEFT JOIN t_d_labitems d USING (itemid) LEFT JOIN adm a ON a.
 # One normalization for every ICD code the importer emits: no dot, no spaces, upper case.
 _NORMALIZED = "upper(replace(trim({col}), '.', ''))"
 
-# A view: the events take its usable rows and the import summary counts the rest by reason.
-_MEDICATIONS_SQL = """
+# A view: the events take its usable rows and the import summary counts the rest by reason. A prescription without
+# hadm_id is placed like a lab result (`_stay_sql`): one given in the emergency department before its admission would
+# otherwise be in that admission's pre-target record.
+_MEDICATIONS_SQL = _stay_sql("rx_stay", "rx", "starttime") + """
 CREATE VIEW rx_coded AS
-SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, r.hadm_id, r.starttime IS NULL AS time_imputed,
+SELECT r.subject_id, coalesce(r.starttime, a.admittime) AS time, coalesce(r.hadm_id, s.hadm_id) AS hadm_id,
+       r.starttime IS NULL AS time_imputed, r.hadm_id IS NULL AND s.hadm_id IS NOT NULL AS within_stay,
        CASE WHEN regexp_full_match(replace(trim(r.ndc), '-', ''), '[0-9]*[1-9][0-9]*')
             THEN 'MEDICATION//NDC//' || replace(trim(r.ndc), '-', '')
             ELSE 'MEDICATION//NAME//' || lower(regexp_replace(nullif(trim(r.drug), ''), '\\s+', ' ', 'g'))
        END AS code,
        nullif(regexp_replace(trim(r.drug), '\\s+', ' ', 'g'), '') AS drug,
        r.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
-FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id
+FROM rx r LEFT JOIN adm a ON a.hadm_id = r.hadm_id LEFT JOIN rx_stay s ON s.src_row = r.src_row
 """
 
 _EVENTS_SQL = f"""
@@ -362,6 +374,7 @@ class ImportSummary:
     n_prescription_rows_without_admission: int  # hadm_id given but not in admissions
     n_prescription_rows_without_time: int  # no start time and no admission to take admittime from
     n_prescription_rows_without_drug: int  # neither an NDC nor a drug name
+    n_medications_within_stays: int  # no hadm_id but within an admission's stay (ED orders): given that admission
     n_labs: int  # lab results written (0 unless imported with labs)
     n_labs_outside_admissions: int  # outpatient results: no hadm_id, kept outside any encounter
     n_labs_within_stays: int  # no hadm_id but within an admission's stay (ED draws): given that admission
@@ -392,6 +405,8 @@ class ImportSummary:
                 ("  dropped (rows whose admission is not in admissions)", self.n_procedure_rows_without_admission),
                 ("  dropped (rows without a code)", self.n_procedure_rows_without_code),
                 ("medications", self.n_medications),
+                ("  without hadm_id, within an admission's ED or hospital stay (given it)",
+                 self.n_medications_within_stays),
                 ("  dropped (rows whose admission is not in admissions)", self.n_prescription_rows_without_admission),
                 ("  dropped (rows without a start time or admission)", self.n_prescription_rows_without_time),
                 ("  dropped (rows without an NDC or drug name)", self.n_prescription_rows_without_drug),
@@ -766,7 +781,8 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         FROM px""").fetchone()
     rx = con.execute("""SELECT count(*) FILTER (WHERE without_admission),
         count(*) FILTER (WHERE NOT without_admission AND time IS NULL),
-        count(*) FILTER (WHERE NOT without_admission AND time IS NOT NULL AND code IS NULL)
+        count(*) FILTER (WHERE NOT without_admission AND time IS NOT NULL AND code IS NULL),
+        count(*) FILTER (WHERE within_stay AND time IS NOT NULL AND code IS NOT NULL)
         FROM rx_coded""").fetchone()
     ev = con.execute("""SELECT count(DISTINCT subject_id), count(*),
         count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%'),
@@ -797,7 +813,8 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         n_diagnoses_without_admission=dx[2], diagnoses_by_icd_version=versions,
         n_procedures=ev[5], n_procedure_rows_without_admission=px[0], n_procedure_rows_without_code=px[1],
         n_medications=ev[6], n_prescription_rows_without_admission=rx[0], n_prescription_rows_without_time=rx[1],
-        n_prescription_rows_without_drug=rx[2], n_labs=labs[0], n_labs_outside_admissions=labs[1],
+        n_prescription_rows_without_drug=rx[2], n_medications_within_stays=rx[3], n_labs=labs[0],
+        n_labs_outside_admissions=labs[1],
         n_labs_within_stays=labs[4], n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3],
         n_ages_capped=ev[7], n_events=ev[1], n_shards=n_shards)
 
