@@ -101,6 +101,41 @@ def test_real_ingest_into_the_warehouse_embeds_a_handful(wh, tmp_path, embedder)
     assert (manifest["n_chunks"], manifest["embedded"]) == (6, 6)
 
 
+JATS_TEXT = """<article xmlns:mml="http://www.w3.org/1998/Math/MathML"><front><article-meta>
+<article-id pub-id-type="pmc">42</article-id><title-group><article-title>Stage<break/>at diagnosis</article-title>
+</title-group><abstract><sec><title>Background:</title><p>Stage varies.</p></sec></abstract></article-meta></front>
+<body><sec><title>Results</title><p>Stage varied (Table 1).<table-wrap><label>Table 1.</label><caption><p>Stage by
+cancer</p></caption><table><tr><td>Stage I</td><td>2219</td></tr></table></table-wrap> Age mattered.<fig><caption>
+<p>Figure caption</p></caption></fig></p><p>Fitness could be written<disp-formula><alternatives><tex-math>
+\\documentclass{minimal}\\begin{document}$f=e^x$\\end{document}</tex-math><mml:math><mml:mi>f</mml:mi></mml:math>
+</alternatives></disp-formula>in which<!-- an editor's note -->n is the size.</p>
+<list><list-item><p>Adults only.</p></list-item><list-item><p>No prior stroke.</p></list-item></list>
+<table-wrap><caption><p>Table at section level</p></caption></table-wrap></sec></body></article>"""
+
+
+def test_jats_running_text_leaves_out_floats_and_tex_and_keeps_word_boundaries(tmp_path):
+    path = tmp_path / "a.nxml"
+    path.write_text(JATS_TEXT)
+    article = next(read_jats(path, "pmc"))
+    assert article.title == "Stage at diagnosis"
+    assert article.sections == [
+        ("Abstract", "Background: Stage varies."),
+        ("Results", "Stage varied (Table 1). Age mattered. Fitness could be written f in which n is the size. "
+                    "Adults only. No prior stroke.")]
+
+
+def test_real_jats_tables_inside_paragraphs_stay_out_of_the_text():
+    samples = shared_data("corpora", "samples")
+    results = dict(next(read_jats(samples / "mds526.nxml", "pmc")).sections)["results"]
+    assert results.startswith("In total, there were 98 942 patients diagnosed with a relevant cancer during the "
+                              "study period.")
+    assert "Table 1.Distribution" not in results and "2219 45%8595 38%" not in results
+    pone = next(read_jats(samples / "pone.0000217.nxml", "pmc")).text
+    assert "could be written in which" in pone and "writtenin" not in pone
+    bjc = next(read_jats(samples / "6605965a.nxml", "pmc"))
+    assert bjc.sections[0][1].startswith("Background: Oral contraceptive use")
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 def test_bad_files_give_one_line_errors(tmp_path):

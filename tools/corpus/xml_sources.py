@@ -31,8 +31,43 @@ def parse_xml(path: Path) -> etree._Element:
                          "XML declaration names") from None
 
 
+# Floating objects (tables, figures) may sit inside a paragraph, yet they are not its prose: a table inlined
+# there ran its cells together with the sentences around it ('...(Table 1).Table 1.Distribution...2219 45%8595').
+# TeX source of a formula is markup ('\documentclass{minimal}...'), not words; its MathML or image stands for it.
+_LEFT_OUT = frozenset({"table-wrap", "table-wrap-group", "fig", "fig-group", "supplementary-material", "media",
+                       "tex-math"})
+# Block elements meet their neighbours without whitespace in the XML ('written<disp-formula/>in which'):
+# they are word boundaries.
+_BLOCKS = frozenset({"p", "break", "disp-formula", "list", "list-item", "def-list", "def-item", "term", "def",
+                     "disp-quote", "boxed-text", "statement", "speech", "verse-group", "verse-line", "title",
+                     "label"})
+# What a section holds as running text besides <p> (lists of criteria, quotes, boxes); floats are left out.
+_SECTION_TEXT = frozenset({"p", "list", "def-list", "disp-quote", "boxed-text", "statement", "speech",
+                           "verse-group", "disp-formula"})
+
+
 def _text(element) -> str:
-    return clean_text("".join(element.itertext())) if element is not None else ""
+    """The prose of an element: floats and TeX left out, block elements read as word boundaries."""
+    if element is None:
+        return ""
+    parts: list[str] = []
+
+    def walk(node) -> None:
+        parts.append(node.text or "")
+        for child in node:
+            # Comments and processing instructions are not text, but the text after them is.
+            name = _local(child.tag)
+            if name and name not in _LEFT_OUT:
+                block = " " if name in _BLOCKS else ""
+                parts.append(block)
+                walk(child)
+                parts.append(block)
+            else:
+                parts.append(" ")
+            parts.append(child.tail or "")
+
+    walk(element)
+    return clean_text("".join(parts))
 
 
 def _local(tag) -> str:
@@ -75,7 +110,8 @@ def read_jats(path: Path, corpus: str) -> Iterator[Document]:
 def _abstract_text(abstract) -> str:
     parts = []
     for sec in abstract.findall("{*}sec"):
-        label = _text(sec.find("{*}title"))
+        # Some publishers end the heading with its colon ('Background:'); the label gets one colon.
+        label = _text(sec.find("{*}title")).rstrip(":").rstrip()
         body = " ".join(_text(p) for p in sec.findall(".//{*}p"))
         parts.append(f"{label}: {body}" if label else body)
     if not parts:
@@ -90,12 +126,12 @@ def _body_sections(body) -> list[tuple[str, str]]:
     def walk(sec, path: list[str]):
         heading = _text(sec.find("{*}title"))
         here = path + [heading] if heading else path
-        paragraphs = [_text(p) for p in sec.findall("{*}p")]
+        paragraphs = [_text(child) for child in sec if _local(child.tag) in _SECTION_TEXT]
         out.append((" / ".join(here) or "Body", clean_text(" ".join(paragraphs))))
         for child in sec.findall("{*}sec"):
             walk(child, here)
 
-    loose = [_text(p) for p in body.findall("{*}p")]
+    loose = [_text(child) for child in body if _local(child.tag) in _SECTION_TEXT]
     if loose:
         out.append(("Body", clean_text(" ".join(loose))))
     for sec in body.findall("{*}sec"):
