@@ -192,6 +192,24 @@ def test_dedupe_by_identifier_then_url_and_title():
 
 
 
+def test_dedupe_keeps_the_document_with_the_most_text(tmp_path, wh):
+    # The MEDLINE citation of a PMC article: 'medline' sorts before 'pmc', yet the full text is what to search.
+    ingest(wh, "jats", shared_data("corpora", "samples", "pone.0000217.nxml"))
+    citation = tmp_path / "m.xml"
+    citation.write_text("<MedlineCitationSet><MedlineCitation><PMID>17299597</PMID><Article><ArticleTitle>"
+                        "Quantifying organismal complexity.</ArticleTitle></Article></MedlineCitation>"
+                        "</MedlineCitationSet>")
+    ingest(wh, "medline", citation)
+    kept, dropped = dedupe(load_documents(wh, ["medline", "pmc"]))
+    assert [d.doc_id for d in kept] == ["pmc:PMC1790863"]
+    assert dropped == [("pmid:17299597", "pmc:PMC1790863")]
+    short = Document("x:1", "x", "jsonl", "A", [("Text", "Short.")], doi="10.1/a")
+    long = Document("x:2", "x", "jsonl", "A", [("Text", "A longer text.")], doi="10.1/A")
+    other = Document("x:3", "x", "jsonl", "B", [("Text", "Other.")])
+    kept, dropped = dedupe([short, other, long])
+    assert ([d.doc_id for d in kept], dropped) == (["x:3", "x:2"], [("x:1", "x:2")])
+
+
 @pytest.mark.parametrize(("reader", "content", "message"), [
     (read_jsonl, '{"id": {"x": 1}, "text": "t"}\n', r"x:1: field 'id' must be a string or a number, got an object"),
     (read_jsonl, '{"id": "a", "text": ["t"]}\n', r"x:1: field 'text' must be a string, got a list"),

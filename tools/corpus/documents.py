@@ -111,13 +111,17 @@ def normalize_title(title: str) -> str:
 
 
 def dedupe(documents: list[Document]) -> tuple[list[Document], list[tuple[str, str]]]:
-    """Keep the first of each duplicate: by PMCID / arXiv id / DOI / PMID, then normalized URL + title.
+    """Keep one of each duplicate (by PMCID / arXiv id / DOI / PMID, then normalized URL + title): the one
+    with the most text, the first of equals.
 
-    Returns the kept documents and (dropped doc_id, kept doc_id) pairs.
+    The same article often comes from two corpora, e.g. its PMC full text and its MEDLINE citation (abstract
+    only, or title only): the full text is the one to search, whichever corpus sorts first.
+    Returns the kept documents in input order and (dropped doc_id, kept doc_id) pairs.
     """
     seen: dict[str, str] = {}
     kept, dropped = [], []
-    for doc in documents:
+    for position in sorted(range(len(documents)), key=lambda i: (-len(documents[i].text), i)):
+        doc = documents[position]
         keys = [f"doc:{doc.doc_id}"]
         if doc.pmcid:
             keys.append(f"pmc:{normalize_pmcid(doc.pmcid)}")
@@ -131,12 +135,12 @@ def dedupe(documents: list[Document]) -> tuple[list[Document], list[tuple[str, s
             keys.append(f"url+title:{normalize_url(doc.url)}|{normalize_title(doc.title)}")
         first = next((seen[k] for k in keys if k in seen), None)
         if first is not None:
-            dropped.append((doc.doc_id, first))
+            dropped.append((position, doc.doc_id, first))
             continue
         for key in keys:
             seen[key] = doc.doc_id
-        kept.append(doc)
-    return kept, dropped
+        kept.append((position, doc))
+    return [doc for _, doc in sorted(kept, key=lambda pair: pair[0])], [pair[1:] for pair in sorted(dropped)]
 
 
 def split_sentences(text: str) -> list[str]:
