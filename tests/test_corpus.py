@@ -61,7 +61,10 @@ def test_real_jats_samples():
 
 
 def test_real_medline_sample():
-    documents = list(read_medline(shared_data("corpora", "samples", "medline16n0902.xml.gz"), "medline"))
+    records = list(read_medline(shared_data("corpora", "samples", "medline16n0902.xml.gz"), "medline"))
+    assert [(d.doc_id, d.meta) for d in records if "withdrawn" in d.meta] == [
+        ("pmid:26432306", {"withdrawn": "deleted"})]
+    documents = [d for d in records if "withdrawn" not in d.meta]
     assert len(documents) == 604
     assert documents[0].doc_id == "pmid:17942999"
     assert documents[0].sections[0][1].startswith("PURPOSE: An auditory electrophysiological study")
@@ -71,6 +74,40 @@ def test_real_medline_sample():
 def test_ingest_counts_documents_without_text(wh):
     summary = ingest(wh, "medline", shared_data("corpora", "samples", "medline16n0902.xml.gz"))
     assert (summary.documents, summary.without_text) == (604, 604 - 526)  # titles only: kept, not searchable
+    assert summary.withdrawn == 1  # the update file's <DeleteCitation> of PMID 26432306
+
+
+def citation(pmid: str, title: str, abstract: str = "", extra: str = "") -> str:
+    text = f"<Abstract><AbstractText>{abstract}</AbstractText></Abstract>" if abstract else ""
+    return (f"<MedlineCitation><PMID Version=\"1\">{pmid}</PMID><Article><ArticleTitle>{title}</ArticleTitle>"
+            f"{text}{extra}</Article></MedlineCitation>")
+
+
+def test_medline_update_files_revise_delete_and_retract_citations(tmp_path, wh):
+    # MEDLINE is a baseline plus update files (read in name order): an update carries the new version of a
+    # citation, <DeleteCitation> removes one, and a retraction comes as a revision typed 'Retracted Publication'.
+    (tmp_path / "medline16n0001.xml").write_text(
+        "<MedlineCitationSet>" + citation("1", "Aspirin and stroke.", "Old abstract.")
+        + citation("2", "Statins.", "Lipids fell.") + citation("3", "Vitamin D.", "Falls fell.")
+        + citation("4", "", "Le texte.", "<VernacularTitle>Le titre.</VernacularTitle>") + "</MedlineCitationSet>")
+    (tmp_path / "medline16n0902.xml").write_text(
+        "<MedlineCitationSet>" + citation("1", "Aspirin and stroke.", "Revised abstract.")
+        + citation("3", "Vitamin D.", "Falls fell.", "<PublicationTypeList><PublicationType>Retracted Publication"
+                   "</PublicationType></PublicationTypeList>")
+        + "<DeleteCitation><PMID Version=\"1\">2</PMID></DeleteCitation></MedlineCitationSet>")
+    summary = ingest(wh, "medline", tmp_path)
+    assert (summary.documents, summary.withdrawn, summary.duplicates) == (2, 2, 0)
+    stored = wh.read("documents").sort("doc_id")
+    assert stored.select("doc_id", "title", "sections_json").rows() == [
+        ("pmid:1", "Aspirin and stroke.", '[["Abstract", "Revised abstract."]]'),
+        ("pmid:4", "Le titre.", '[["Abstract", "Le texte."]]')]
+    assert wh.read("chunks")["text"].sort().to_list() == ["Le texte.", "Revised abstract."]
+    from dxr.cli import main
+
+    data = ["--data-dir", str(tmp_path / "wh")]
+    result = CliRunner().invoke(main, [*data, "corpus", "ingest", "medline", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith(": 2 documents (0 duplicates dropped, 2 deleted or retracted: left out), 2 chunks\n")
 
 
 def test_real_medquad_and_pubmedqa():
@@ -240,7 +277,7 @@ def test_encodings_and_compression_are_read_by_content(tmp_path):
         list(read_jsonl(latin1, "c"))
     hidden_gzip = tmp_path / "citations.xml"  # gzip content under a plain name
     hidden_gzip.write_bytes(shared_data("corpora", "samples", "medline16n0902.xml.gz").read_bytes())
-    assert len(list(read_medline(hidden_gzip, "medline"))) == 604
+    assert len(list(read_medline(hidden_gzip, "medline"))) == 604 + 1  # and its one <DeleteCitation>
 
 
 def test_empty_files_are_named(tmp_path, wh):

@@ -105,8 +105,9 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
             summary = ingest(wh, fmt, path, corpus_name, chunk_chars,
                              progress=lambda f: click.echo(f"  read {f}", err=True))
     unsearchable = f", {summary.without_text} without text: not searchable" if summary.without_text else ""
+    withdrawn = f", {summary.withdrawn} deleted or retracted: left out" if summary.withdrawn else ""
     click.echo(f"corpus {summary.corpus} source {summary.source}: {summary.documents} documents "
-               f"({summary.duplicates} duplicates dropped{unsearchable}), {summary.chunks} chunks")
+               f"({summary.duplicates} duplicates dropped{unsearchable}{withdrawn}), {summary.chunks} chunks")
 
 
 @corpus.command("build")

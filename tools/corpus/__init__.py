@@ -29,11 +29,14 @@ class Format:
     # File name endings read when PATH is a directory.
     suffixes: tuple[str, ...]
     default_corpus: str
+    # The files are a baseline and its updates (read in name order): a later record of a document replaces the
+    # earlier one, and a record marked `meta["withdrawn"]` removes it.
+    revised: bool = False
 
 
 FORMATS: dict[str, Format] = {
     "jats": Format(read_jats, (".nxml", ".xml", ".nxml.gz"), "pmc"),
-    "medline": Format(read_medline, (".xml", ".xml.gz"), "medline"),
+    "medline": Format(read_medline, (".xml", ".xml.gz"), "medline", revised=True),
     "arxiv": Format(read_arxiv, (".json", ".jsonl", ".json.gz", ".jsonl.gz"), "arxiv"),
     "medquad": Format(read_medquad, (".json", ".json.gz"), "medquad"),
     "pubmedqa": Format(read_pubmedqa, (".json", ".json.gz"), "pubmedqa"),
@@ -51,6 +54,8 @@ class IngestSummary:
     chunks: int
     # Kept (they carry identifiers and titles) but not searchable: e.g. MEDLINE citations without abstract.
     without_text: int = 0
+    # Withdrawal records read (MEDLINE deleted or retracted citations); their documents are not stored.
+    withdrawn: int = 0
 
 
 def source_key(path: Path) -> str:
@@ -80,7 +85,8 @@ def input_files(fmt: str, path: Path) -> list[Path]:
     return files
 
 
-def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None) -> list[Document]:
+def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None) -> tuple[list[Document], int]:
+    """The documents of the files at `path` and the number of withdrawal records among them."""
     files = input_files(fmt, path)
     corpus = corpus or FORMATS[fmt].default_corpus
     documents: list[Document] = []
@@ -88,7 +94,23 @@ def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=Non
         documents.extend(FORMATS[fmt].reader(file, corpus))
         if progress:
             progress(file)
-    return documents
+    return revise(documents) if FORMATS[fmt].revised else (documents, 0)
+
+
+def revise(records: list[Document]) -> tuple[list[Document], int]:
+    """Apply records in order: each replaces the earlier document of its id, a withdrawn one removes it.
+
+    Returns the documents left (in order of their latest record) and the number of withdrawal records.
+    """
+    latest: dict[str, Document] = {}
+    withdrawn = 0
+    for record in records:
+        latest.pop(record.doc_id, None)
+        if "withdrawn" in record.meta:
+            withdrawn += 1
+        else:
+            latest[record.doc_id] = record
+    return list(latest.values()), withdrawn
 
 
 def documents_frame(documents: list[Document], corpus: str, source: str) -> pl.DataFrame:
@@ -110,7 +132,7 @@ def chunks_frame(documents: list[Document], corpus: str, source: str, max_chars:
 
 
 def store_documents(warehouse, documents: list[Document], corpus: str, source: str,
-                    max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1) -> IngestSummary:
+                    max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1, withdrawn: int = 0) -> IngestSummary:
     """Dedupe and write one (corpus, source) partition of `documents` and `chunks`."""
     kept, dropped = dedupe(documents)
     if not kept:
@@ -119,15 +141,15 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
     warehouse.write("documents", documents_frame(kept, corpus, source), corpus=corpus, source=source)
     warehouse.write("chunks", chunks, corpus=corpus, source=source)
     without_text = sum(1 for d in kept if not d.text)
-    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text)
+    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text, withdrawn)
 
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
            progress=None) -> IngestSummary:
     files = input_files(fmt, Path(path))
     corpus = corpus or FORMATS[fmt].default_corpus
-    documents = read_documents(fmt, Path(path), corpus, progress)
-    return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files))
+    documents, withdrawn = read_documents(fmt, Path(path), corpus, progress)
+    return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files), withdrawn)
 
 
 def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document]:

@@ -140,10 +140,16 @@ def _body_sections(body) -> list[tuple[str, str]]:
 
 
 def read_medline(path: Path, corpus: str) -> Iterator[Document]:
-    """MEDLINE/PubMed citation XML: PMID (required), title, abstract (labelled parts kept)."""
+    """MEDLINE/PubMed citation XML: PMID (required), title, abstract (labelled parts kept).
+
+    Update files withdraw citations: a <DeleteCitation> PMID, and a citation revised into a 'Retracted
+    Publication', come as records marked `meta["withdrawn"]` ("deleted", "retracted"); `ingest` removes
+    their documents (retracted work is no evidence).
+    """
     root = parse_xml(path)
     citations = list(root.iter("MedlineCitation"))
-    if not citations:
+    deletions = [clean_text(pmid.text) for pmid in root.iterfind(".//DeleteCitation/PMID")]
+    if not citations and not deletions:
         raise InputError(f"{path}: no <MedlineCitation> element (root is <{_local(root.tag)}>); "
                          "is this MEDLINE XML? use FORMAT jats for PMC articles")
     for index, citation in enumerate(citations):
@@ -151,7 +157,9 @@ def read_medline(path: Path, corpus: str) -> Iterator[Document]:
         if not pmid:
             raise InputError(f"{path}: <MedlineCitation> #{index + 1} has no <PMID>")
         article = citation.find("Article")
-        title = _text(article.find("ArticleTitle")) if article is not None else ""
+        # A citation of an article in another language may have only its original-language title.
+        title = (_text(article.find("ArticleTitle")) or _text(article.find("VernacularTitle"))) \
+            if article is not None else ""
         if not title:
             raise InputError(f"{path}: <MedlineCitation> PMID {pmid} has no <Article>/<ArticleTitle>")
         parts = []
@@ -163,6 +171,13 @@ def read_medline(path: Path, corpus: str) -> Iterator[Document]:
             if loc.get("EIdType") == "doi":
                 doi = clean_text(loc.text)
         sections = [("Abstract", clean_text(" ".join(parts)))] if parts else []
+        meta = {"file": str(path)}
+        if any(clean_text(kind.text) == "Retracted Publication"
+               for kind in article.iterfind("./PublicationTypeList/PublicationType")):
+            meta["withdrawn"] = "retracted"
         yield Document(doc_id=stable_doc_id(corpus, pmid=pmid), corpus=corpus, source_format="medline",
                        title=title, sections=sections, url=f"https://pubmed.ncbi.nlm.nih.gov/{pmid}/",
-                       doi=doi, pmid=pmid, meta={"file": str(path)})
+                       doi=doi, pmid=pmid, meta=meta)
+    for pmid in deletions:
+        yield Document(doc_id=stable_doc_id(corpus, pmid=pmid), corpus=corpus, source_format="medline", title="",
+                       sections=[], pmid=pmid, meta={"withdrawn": "deleted"})
