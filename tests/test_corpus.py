@@ -641,6 +641,20 @@ def test_dictionary_definitions_and_lexical_icd_index(tmp_path):
     assert hits[0].doc_id == "icd10:E11.9" and hits[0].engine == "icd"
 
 
+def test_dictionary_reads_codes_as_written_and_refuses_a_code_without_its_version():
+    dictionary = Dictionary(*tiny_vocabulary())
+    for written in (" DIAGNOSIS//ICD//10//E11.9", "diagnosis//icd//10//e119\n"):
+        assert dictionary.define(written).doc_id == "icd10:E11.9", written
+    assert [dictionary.define(c, icd_version=v).doc_id for c, v in [("e11.9 ", 10), ("E11", 10), ("25000", 9)]] == [
+        "icd10:E11.9", "icd10:E11", "icd9:250.00"]
+    # 'E11.9' names a code only with its version ('E880.9' and 'E88.09' are one undotted string): no silent miss.
+    with pytest.raises(InputError, match=r"ICD code 'E11\.9' without its version: pass icd_version=9 or 10, or "
+                                         r"the MEDS code \(e\.g\. DIAGNOSIS//ICD//10//E119\)"):
+        dictionary.define("E11.9")
+    with pytest.raises(InputError, match=r"icd_version 11 of code 'E11\.9': ICD versions are 9 and 10"):
+        dictionary.define("E11.9", icd_version=11)
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def test_cli_ingest_build_search(tmp_path, monkeypatch):

@@ -85,9 +85,22 @@ class Dictionary:
                 self._by_key[key.upper()] = doc
 
     def define(self, code: str, icd_version: int | None = None) -> Definition | None:
-        """The definition of a MEDS code string, or of a raw/dotted code with its ICD version."""
-        key = code if code.upper().startswith(("DIAGNOSIS//", "PROCEDURE//")) else f"{icd_version}:{code}"
-        doc = self._by_key.get(key.upper())
+        """The definition of a MEDS code string, or of a raw/dotted code with its ICD version; None when the
+        dictionary does not hold the code. Case, surrounding space and a dot in a MEDS code do not matter."""
+        written = code.strip().upper()
+        if written.startswith(("DIAGNOSIS//", "PROCEDURE//")):
+            head, _, raw = written.rpartition("//")
+            key = f"{head}//{raw.replace('.', '')}"
+        elif icd_version is None:
+            # Without the version a raw code is ambiguous (ICD-9 E880.9 and ICD-10 E88.09 are both 'E8809'),
+            # and a lookup under 'None:' would report a known code as missing from the dictionary.
+            raise InputError(f"ICD code {code!r} without its version: pass icd_version=9 or 10, or the MEDS code "
+                             "(e.g. DIAGNOSIS//ICD//10//E119)")
+        elif icd_version not in (9, 10):
+            raise InputError(f"icd_version {icd_version} of code {code!r}: ICD versions are 9 and 10")
+        else:
+            key = f"{icd_version}:{written}"
+        doc = self._by_key.get(key)
         if doc is None:
             return None
         return Definition(doc.meta["code"], doc.doc_id, doc.title, doc.text)
