@@ -655,6 +655,19 @@ def test_dictionary_reads_codes_as_written_and_refuses_a_code_without_its_versio
         dictionary.define("E11.9", icd_version=11)
 
 
+def test_the_icd_index_finds_codes_written_without_their_dot(tmp_path):
+    # MEDS codes, and the EHR exports they come from, write ICD codes without the dot (E119, 25000).
+    codes, notes = tiny_vocabulary()
+    assert [d.sections[0][1] for d in icd_documents(codes, notes)] == [
+        "ICD-9-CM 250.00 (25000) Diabetes mellitus without mention of complication, type II",
+        "ICD-10-CM E11 Type 2 diabetes mellitus",
+        "ICD-10-CM E11.9 (E119) Type 2 diabetes mellitus without complications"]
+    build_index(chunk_frame(icd_documents(codes, notes)), tmp_path / "icd", None, name="icd")
+    index = CorpusIndex(tmp_path / "icd")
+    assert [index.search(code, k=1)[0].doc_id for code in ("E119", "e11.9", "25000", "250.00", "E11")] == [
+        "icd10:E11.9", "icd10:E11.9", "icd9:250.00", "icd9:250.00", "icd10:E11"]
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def test_cli_ingest_build_search(tmp_path, monkeypatch):

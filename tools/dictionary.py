@@ -51,7 +51,11 @@ def icd_documents(codes: pl.DataFrame, notes: pl.DataFrame, corpus: str = CORPUS
     for row in codes.sort(["icd_version", "code"]).iter_rows(named=True):
         version = int(row["icd_version"])
         title = f"{row['dotted']} {row['title']}"
-        sections = [("Title", f"ICD-{version}-CM {title}")]
+        # The undotted form too: it is how MEDS codes and EHR exports write the code, and the lexical index
+        # splits 'E11.9' into 'e11' and '9', so a search for 'E119' would find nothing.
+        raw = row["code"].rsplit("//", 1)[-1]
+        written = f"{row['dotted']} ({raw})" if raw != row["dotted"] else row["dotted"]
+        sections = [("Title", f"ICD-{version}-CM {written} {row['title']}")]
         by_kind: dict[str, list[str]] = {}
         for kind, text in grouped.get(row["code"], []):
             by_kind.setdefault(kind, []).append(text)
