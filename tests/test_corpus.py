@@ -507,6 +507,15 @@ def test_parent_expansion_and_focused_passage(tmp_path):
 
 
 
+def test_the_focused_passage_reads_hyphenated_and_spaced_terms_alike():
+    # The support cue is decided on this excerpt and reads 'heart-failure' as 'heart failure': the passage
+    # must pick the sentence stating the query's terms in either spelling, not one sharing only its spaced words.
+    text = "Heart failure is common in older adults. Readmission within 30-day windows follows heart-failure stays."
+    passage = focused_passage("heart failure 30 day readmission", text, 70)
+    assert passage == "Readmission within 30-day windows follows heart-failure stays."
+    assert support_cue(passage, ["heart failure"], ["30 day readmission"]) == (True, 1.0)
+
+
 class CountingEmbedder:
     """Deterministic vectors from text; `stop_after` calls, it dies like a killed process would."""
 

@@ -18,7 +18,7 @@ import polars as pl
 
 from dxr.errors import InputError
 from tools.sanitize import sanitize_query
-from tools.text import content_terms
+from tools.text import match_terms
 
 PURPOSES = ("validation", "discovery", "force_carry")
 CHANNELS = ("definition", "relation", "discovery")
@@ -92,25 +92,19 @@ def support_cue(text: str, entity_terms, endpoint_terms, threshold: float = 0.5)
     >>> support_cue("Heart failure readmission within 30 days is common.", ["heart failure"], ["readmission"])
     (True, 1.0)
     """
-    present = set(_cue_words(text))
+    present = set(match_terms(text))
 
     def share(terms) -> tuple[float, bool]:
-        terms = [t for t in terms if _cue_words(t)]
+        terms = [t for t in terms if match_terms(t)]
         if not terms:  # nothing to look for supports nothing
             return 0.0, False
-        found = [all(w in present for w in _cue_words(t)) for t in terms]
+        found = [all(w in present for w in match_terms(t)) for t in terms]
         return sum(found) / len(found), any(found)
 
     entity_share, entity_any = share(entity_terms)
     endpoint_share, endpoint_any = share(endpoint_terms)
     score = round((entity_share + endpoint_share) / 2, 4)
     return (score >= threshold and entity_any and endpoint_any), score
-
-
-def _cue_words(text: str) -> list[str]:
-    """Content words with hyphens read as spaces: 'heart-failure' and '30-day' are kept whole as words, yet
-    a source writing 'heart failure' or '30 day' (or the reverse) states the same term."""
-    return content_terms((text or "").replace("-", " "))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tools.corpus.documents import split_sentences
-from tools.text import content_terms
+from tools.text import match_terms
 
 DEFAULT_PASSAGE_CHARS = 700
 
@@ -19,8 +19,9 @@ def focused_passage(query: str, text: str, max_chars: int = DEFAULT_PASSAGE_CHAR
     sentences = split_sentences(text)
     if not sentences:
         return text[:max_chars]
-    wanted = set(content_terms(query))
-    sentence_terms = [set(content_terms(s)) & wanted for s in sentences]
+    # Hyphens read as spaces, as the support cue reads this passage: '30-day' in the text states '30 day'.
+    wanted = set(match_terms(query))
+    sentence_terms = [set(match_terms(s)) & wanted for s in sentences]
     best_score, best = (-1, 0), (0, 1)
     for start in range(len(sentences)):
         covered: set[str] = set()

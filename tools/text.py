@@ -42,3 +42,14 @@ def stem(word: str) -> str:
 def content_terms(text: str) -> list[str]:
     """Stemmed words without stopwords, in order."""
     return [stem(w) for w in words(text) if w not in STOPWORDS]
+
+
+def match_terms(text: str) -> list[str]:
+    """Content terms with hyphens read as spaces, for matching a query's terms in a text: 'heart-failure' and
+    '30-day' are single words elsewhere, yet a text writing 'heart failure' or '30 day' (or the reverse) states
+    the same term.
+
+    >>> match_terms("30-day heart-failure readmissions")
+    ['30', 'day', 'heart', 'failur', 'readmiss']
+    """
+    return content_terms((text or "").replace("-", " "))
