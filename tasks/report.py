@@ -4,7 +4,8 @@ The report is built once as a list of blocks (headings, paragraphs, tables, figu
 twice: `report.md` (figures as PNG files next to it) and `report.html` (figures embedded as base64
 data URIs, inline CSS, no external URL: it opens offline). The K-sweep (K = 1..20, point values)
 is recomputed from `rankings` and the gold targets; everything else is read from the tables that
-`dxr evaluate` wrote.
+`dxr evaluate` wrote. A render writes no clock time (the run registry table says when the
+evaluation ran), so the same stored evaluation renders the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import matplotlib
@@ -304,8 +304,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                   f"(|C| = each system's whole list). "
                   + ("Intervals are 95% patient-cluster bootstrap percentile intervals."
                      if has_interval else "No bootstrap intervals were computed.")
-                  + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")
-                  + f" Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC."),
+                  + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
     runs = wh.read("runs", run_id=run_id).sort("kind")
     if not runs.is_empty():

@@ -196,3 +196,26 @@ def test_cli_repeats_with_an_oracle_among_the_systems(wh):
     result = CliRunner().invoke(main, args + ["oracle"])
     assert result.exit_code == 1
     assert result.output.startswith("Error: --systems oracle names only gold-side oracles, which are the same")
+
+
+def test_a_report_is_a_function_of_the_warehouse_not_of_the_clock(wh, tmp_path, monkeypatch):
+    # Rendered again an hour later from the same stored evaluation, every file is the same bytes: the page
+    # can be diffed or checked in, and says when its evaluation ran in its run registry table instead.
+    from datetime import datetime, timezone
+
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=20)
+    render_report(wh, "r1", tmp_path / "first")
+
+    class AnHourLater(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + (datetime(2000, 1, 1, 1) - datetime(2000, 1, 1))
+
+    assert AnHourLater.now(timezone.utc) > datetime.now(timezone.utc)
+    monkeypatch.setattr("tasks.report.datetime", AnHourLater, raising=False)
+    render_report(wh, "r1", tmp_path / "second")
+    first = sorted(p.name for p in (tmp_path / "first").iterdir())
+    assert first == sorted(p.name for p in (tmp_path / "second").iterdir())
+    assert "report.md" in first and "report.html" in first
+    for name in first:
+        assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
