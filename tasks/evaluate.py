@@ -40,7 +40,9 @@ union of the full lists of some systems (`headroom` table).
 Repeated runs of one configuration: a configuration is the cohort, the run kind and the run's
 `config_json` without the keys in `CONFIG_IGNORED_KEYS`; its metrics are the mean of the run-level
 metrics (with the same patient resample in every run), written under the run id
-`config-<hash>` with `n_runs` = the number of runs.
+`config-<hash>` with `n_runs` = the number of runs, and registered there (kind `evaluate`, the
+averaged runs under `runs` in its config) so that a report refuses the mean once a forecast of one
+of those runs is run again.
 """
 
 from __future__ import annotations
@@ -664,17 +666,23 @@ def evaluate_run_task(data_dir: str, run_id: str, systems: list[str] | None = No
 
 # ---- repeated runs ----------------------------------------------------------------------------
 
-def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
-    """The configuration a run of a system belongs to: cohort, kind and config minus CONFIG_IGNORED_KEYS."""
+def producing_row(wh: Warehouse, run_id: str, system: str) -> dict:
+    """The registry row of the run that produced a system's lists in `run_id` (its `*:<system>` row, or the
+    run's only row)."""
     rows = wh.read("runs", run_id=run_id).filter(pl.col("kind") != EVALUATE_KIND)
     if rows.is_empty():
         raise NotFoundError(f"run {run_id!r} is not in the run registry (`runs`); only registered runs can be "
                             "grouped as repeats of one configuration")
     own = rows.filter(pl.col("kind").str.ends_with(f":{system}"))
-    row = (own if own.height else rows).row(0, named=True)
     if not own.height and rows.height > 1:
         raise NotFoundError(f"run {run_id!r} has {rows.height} registry rows and none of kind '*:{system}'; "
                             f"cannot tell which configuration produced system {system!r}")
+    return (own if own.height else rows).row(0, named=True)
+
+
+def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
+    """The configuration a run of a system belongs to: cohort, kind and config minus CONFIG_IGNORED_KEYS."""
+    row = producing_row(wh, run_id, system)
     config = {k: v for k, v in json.loads(row["config_json"]).items() if k not in CONFIG_IGNORED_KEYS}
     return json.dumps({"cohort_id": row["cohort_id"], "kind": row["kind"], "config": config}, sort_keys=True)
 
@@ -702,6 +710,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     to every run, and the interval is that of the mean over runs. Oracles named in `systems` are left
     out: they are read from the gold store, the same in every run, and no forecast configures them.
     """
+    started = datetime.now()  # before the lists are read: a forecast finishing after it may not be in the mean
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
@@ -735,9 +744,38 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
                                                                   n_runs=pl.lit(len(runs))))
     if write:
-        for (run_id, system), part in metrics.group_by("run_id", "system"):
-            wh.write("metrics", part, run_id=run_id, system=system)
+        for (config_id,), part in metrics.group_by("run_id"):
+            # Like a run's evaluation: not `finished` until its rows are all written.
+            mark_stale(wh, config_id, EVALUATE_KIND)
+            for (system,), rows in part.group_by("system"):
+                wh.write("metrics", rows, run_id=config_id, system=system)
+            # Registered with the runs it averages and when it read them, so that a report can tell when one
+            # of their forecasts was run again since (`changed_since_mean`).
+            record_run(wh, config_id, first.cohort_id, EVALUATE_KIND,
+                       {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
+                        "n_boot": n_boot, "seed": seed}, "finished", started, datetime.now())
     return metrics
+
+
+def changed_since_mean(wh: Warehouse, run_id: str) -> str | None:
+    """Why the stored mean over repeated runs `run_id` (a `config-…` id) no longer describes its runs' lists,
+    or None: a forecast of one of them that is not `finished`, or finished after the mean read the lists."""
+    evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    if evaluation.is_empty():
+        return None
+    mean = evaluation.row(0, named=True)
+    config = json.loads(mean["config_json"])
+    for member in config.get("runs", []):
+        for system in config["systems"]:
+            try:
+                row = producing_row(wh, member, system)
+            except NotFoundError:
+                return f"run {member!r} is no longer in the run registry"
+            if row["status"] != "finished":
+                return f"the {row['kind']} run of {member!r} is {row['status']}"
+            if row["finished_at"] is None or row["finished_at"] > mean["started_at"]:
+                return f"the {row['kind']} run of {member!r} finished at {row['finished_at']}, after the mean was taken"
+    return None
 
 
 def _only(run: RunData, systems: list[str]) -> RunData:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
-from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, evaluate  # noqa: E402
+from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.scratch import remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
@@ -288,6 +289,12 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (its forecasts or metrics "
                          f"changed after it was written): run `dxr evaluate --run {run_id}` again, then the report")
+    # A mean over repeated runs is stored under its own id, which no forecast rerun of its runs touches.
+    changed = changed_since_mean(wh, run_id)
+    if changed:
+        runs = " ".join(f"--run {r}" for r in json.loads(evaluation["config_json"][0])["runs"])
+        raise InputError(f"the mean over repeated runs {run_id!r} is out of date ({changed}): run `dxr evaluate "
+                         f"{runs}` with the same options again, then the report")
     coverage = wh.read("evaluation_coverage", run_id=run_id)
     paired = wh.read("paired_comparisons", run_id=run_id)
     headroom = wh.read("headroom", run_id=run_id)

@@ -219,3 +219,35 @@ def test_a_report_is_a_function_of_the_warehouse_not_of_the_clock(wh, tmp_path, 
     assert "report.md" in first and "report.html" in first
     for name in first:
         assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
+
+
+def test_a_mean_over_repeated_runs_is_refused_once_one_of_their_forecasts_ran_again(wh, tmp_path):
+    from datetime import datetime
+
+    from dxr.errors import InputError
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
+    assert render_report(wh, config_id, tmp_path / "before").is_file()
+
+    # s1 of r9 is forecast again after the mean was taken; its new lists hit nothing.
+    record_run(wh, "r9", COHORT, "forecast:s1", {"k": 2}, "running", datetime.now())
+    with pytest.raises(InputError, match=f"the mean over repeated runs '{config_id}' is out of date \\(the "
+                                         "forecast:s1 run of 'r9' is running\\): run `dxr evaluate --run r1 --run r9`"):
+        render_report(wh, config_id, tmp_path / "during")
+    write_rankings(wh, "r9", rankings={"s1": {T1: [X, D], T2: [X, B], T3: [X, A]}}, status={})
+    record_run(wh, "r9", COHORT, "forecast:s1", {"k": 2}, "finished", datetime.now(), datetime.now())
+    with pytest.raises(InputError, match="forecast:s1 run of 'r9' finished at .*, after the mean was taken"):
+        render_report(wh, config_id, tmp_path / "after")
+    assert not (tmp_path / "during").exists() and not (tmp_path / "after").exists()
+
+    # Taken again, the mean is of r1's micro-F1@2 0.5 (test_metrics) and r9's new 0.
+    evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)
+    stored = wh.read("metrics", run_id=config_id).filter((pl.col("metric") == "micro_f1") & (pl.col("k") == 2)
+                                                         & (pl.col("subset") == "all"))
+    assert stored["value"].to_list() == [0.25]
+    assert "| s1 | 0.250 | " in (render_report(wh, config_id, tmp_path / "again").parent / "report.md").read_text()
