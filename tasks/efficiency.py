@@ -66,6 +66,16 @@ def matched_patients(con, run_id: str) -> pl.DataFrame:
         ORDER BY system, trajectory_id""", {"run": run_id})
 
 
+def matched_subjects(wh: Warehouse, run_id: str) -> int:
+    """Distinct patients of the run's matched trajectories: fewer than the trajectories in a cohort that
+    targets every encounter (`--target every`), where each trajectory counts as one patient above."""
+    return fetch_frame(wh.connect(run_id=run_id), """
+        SELECT count(DISTINCT t.subject_id) AS n FROM trajectories t JOIN (
+            SELECT trajectory_id FROM rankings WHERE run_id = $run
+            UNION SELECT trajectory_id FROM ranking_status WHERE run_id = $run) USING (trajectory_id)""",
+                       {"run": run_id})["n"].item()
+
+
 def _stage_map(systems: list[str]) -> pl.DataFrame:
     pairs = [(system, stage) for system in systems for stage in footprint(system)]
     return pl.DataFrame(pairs, schema={"system": pl.String, "stage": pl.String}, orient="row")

@@ -29,7 +29,7 @@ from prefect import task  # noqa: E402
 from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
-from tasks.efficiency import efficiency_notes, run_efficiency  # noqa: E402
+from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.scratch import remove_abandoned, scratch  # noqa: E402
@@ -158,9 +158,12 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
         return blocks + [Paragraph("No per-patient telemetry: this run id has no rankings of its own (an aggregate "
                                    "of repeated runs); each underlying run's report has its own.")]
     rows = frame.to_dicts()
-    n = max(r["patients"] for r in rows)
+    n, subjects = max(r["patients"] for r in rows), matched_subjects(wh, run_id)
+    matched = (f"{n} matched patients" if subjects == n else
+               f"{n} matched trajectories of {subjects} patients; a patient forecast at several target encounters "
+               "counts once per trajectory in every per-patient column")
     blocks += [
-        Paragraph(f"Totals over each system's trajectories of the run ({n} matched patients) divided by their number. "
+        Paragraph(f"Totals over each system's trajectories of the run ({matched}) divided by their number. "
                   "Calls count cache hits; backend calls do not (a cache hit sends no request: no tokens, latency or "
                   "cost). Cost per patient uses the configured `llm.prices` table (US dollars; n/a = a model without "
                   "a price). Patients/hour is observed from the clock named in the last column (a registered run's "

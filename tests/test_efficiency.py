@@ -210,3 +210,19 @@ def test_report_has_the_efficiency_section(run, tmp_path, monkeypatch):
     monkeypatch.delenv("DXR_CONFIG")
     unpriced = to_markdown(build_report(run, "e1"))
     assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a | 120 |" in unpriced
+
+
+def test_a_cohort_of_every_encounter_says_its_per_patient_columns_count_trajectories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout
+    wh = Warehouse(tmp_path / "wh")
+    # Patient 1 is forecast at two target encounters (`--target every`), patient 2 at one.
+    first, second, other = f"{COHORT}:1:10", f"{COHORT}:1:11", f"{COHORT}:2:20"
+    write_cohort(wh, targets={first: [A], second: [B], other: [D]}, pretarget={}, train_counts={A: 1})
+    write_rankings(wh, "ev", rankings={"global_frequency": {first: [A], second: [A], other: [A]}}, status={})
+    record_run(wh, "ev", COHORT, "forecast:global_frequency", {}, "finished", START, START + timedelta(seconds=9))
+    evaluate_run(wh, "ev", ks=(1,), n_boot=0)
+    markdown = to_markdown(build_report(wh, "ev"))
+    assert ("Totals over each system's trajectories of the run (3 matched trajectories of 2 patients; a patient "
+            "forecast at several target encounters counts once per trajectory in every per-patient column) divided "
+            "by their number.") in markdown
+    assert "| global_frequency | 3 | n/a | 0.00 | 0.00 | 0 | 0.000000 | 1,200 |" in markdown
