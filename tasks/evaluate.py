@@ -391,12 +391,16 @@ def _per_trajectory(counts: Counts) -> dict[str, np.ndarray]:
 
 
 def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray) -> np.ndarray:
-    """The six metrics (last axis, in METRICS order) from weighted sums; NaN where undefined."""
+    """The six metrics (last axis, in METRICS order) from weighted sums; NaN where a subset has no trajectory.
+
+    No predictions at all (every list empty at natural list sizes) means no correct prediction: pooled
+    precision 0, in the point value and in every resample alike.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.stack([
             sums["precision"] / patients,
             sums["recall"] / patients,
-            sums["hits"] / sums["predicted"],
+            np.where(sums["predicted"] > 0, sums["hits"] / sums["predicted"], np.where(patients > 0, 0.0, np.nan)),
             sums["hits"] / gold,
             2 * sums["hits"] / (sums["predicted"] + gold),
             sums["f1"] / patients,
@@ -420,7 +424,7 @@ def estimate(counts: Counts, weights: np.ndarray | None) -> Estimates:
     patients = (counts.targets > 0).sum(axis=1).astype(float)          # (S,)
     gold = counts.targets.sum(axis=1)                                  # (S,)
     point = _ratios({k: v.sum(axis=-1) for k, v in parts.items()}, patients[None, :, None], gold[None, :, None])
-    # A defined denominator of zero predictions means no correct predictions: precision 0, not NaN.
+    # A subset without trajectories (NaN) has no rows (`metric_frame` leaves it out); 0 keeps the arrays finite.
     point = np.nan_to_num(point, nan=0.0)
     boot = None
     if weights is not None:

@@ -527,3 +527,17 @@ def test_prior_gap_splits_new_onset_codes_by_icd_category(tmp_path):
     assert gap["categories"] == [{"category": "10:A01", "targets": 2, "ehr_prior": 1, "gru": 0},
                                  {"category": "10:B02", "targets": 1, "ehr_prior": 0, "gru": 0},
                                  {"category": "10:D04", "targets": 1, "ehr_prior": 1, "gru": 0}]
+
+
+def test_pooled_precision_of_no_predictions_is_zero_in_every_resample_too(wh):
+    # s9 failed everywhere: at natural list sizes it predicts nothing, so no prediction is correct. The point
+    # value says 0; the resamples (every one with trajectories) must say the same, not NaN dropped as if the
+    # subset were empty, which left the interval null.
+    wh.write("ranking_status", pl.DataFrame({"run_id": "r8", "system": "s9", "trajectory_id": [T1, T2, T3],
+                                             "status": "failed", "detail": "backend timeout"}),
+             run_id="r8", system="s9", shard=0)
+    record_run(wh, "r8", COHORT, "forecast:s9", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    metrics = evaluate(wh, "r8", ks=(2,), n_boot=25).metrics
+    rows = metrics.filter((pl.col("k") == NATURAL_K) & (pl.col("metric") == "micro_precision"))
+    assert rows.height == len(SUBSETS)
+    assert set(rows["value"]) == set(rows["ci_low"]) == set(rows["ci_high"]) == {0.0}
