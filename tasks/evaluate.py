@@ -714,7 +714,6 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     to every run, and the interval is that of the mean over runs. Oracles named in `systems` are left
     out: they are read from the gold store, the same in every run, and no forecast configures them.
     """
-    started = datetime.now()  # before the lists are read: a forecast finishing after it may not be in the mean
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
@@ -723,6 +722,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     with ExitStack() as locks:
         for run_id in sorted(set(run_ids)):
             locks.enter_context(holding_run(wh, run_id, exclusive=True))
+        started = datetime.now()  # the lists are read from here on: a forecast finished later is not in the mean
         runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
                 for r in run_ids]
     first = runs[0]

@@ -289,15 +289,17 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    # A mean over repeated runs (`config-…`) is evaluated again by naming the runs it averages.
+    averaged = [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
+    again = f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}"
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (its forecasts or metrics "
-                         f"changed after it was written): run `dxr evaluate --run {run_id}` again, then the report")
-    # A mean over repeated runs is stored under its own id, which no forecast rerun of its runs touches.
+                         f"changed after it was written): run `{again}` again, then the report")
+    # A mean is stored under its own id, which no forecast rerun of the runs it averages touches.
     changed = changed_since_mean(wh, run_id)
     if changed:
-        runs = " ".join(f"--run {r}" for r in json.loads(evaluation["config_json"][0])["runs"])
-        raise InputError(f"the mean over repeated runs {run_id!r} is out of date ({changed}): run `dxr evaluate "
-                         f"{runs}` with the same options again, then the report")
+        raise InputError(f"the mean over repeated runs {run_id!r} is out of date ({changed}): run `{again}` with "
+                         "the same options again, then the report")
     coverage = wh.read("evaluation_coverage", run_id=run_id)
     paired = wh.read("paired_comparisons", run_id=run_id)
     headroom = wh.read("headroom", run_id=run_id)

@@ -226,7 +226,7 @@ def test_a_mean_over_repeated_runs_is_refused_once_one_of_their_forecasts_ran_ag
 
     from dxr.errors import InputError
     from tasks.evaluate import evaluate_repeated
-    from warehouse.runs import record_run
+    from warehouse.runs import mark_stale, record_run
 
     write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
     for run_id in ("r1", "r9"):
@@ -251,3 +251,8 @@ def test_a_mean_over_repeated_runs_is_refused_once_one_of_their_forecasts_ran_ag
                                                          & (pl.col("subset") == "all"))
     assert stored["value"].to_list() == [0.25]
     assert "| s1 | 0.250 | " in (render_report(wh, config_id, tmp_path / "again").parent / "report.md").read_text()
+    # A mean killed among its writes stays stale; the fix names the runs it averages, not its own id.
+    mark_stale(wh, config_id, "evaluate")
+    with pytest.raises(InputError, match=f"the evaluation of run '{config_id}' is stale .*: run `dxr evaluate --run r1 "
+                                         "--run r9` again"):
+        render_report(wh, config_id, tmp_path / "killed")
