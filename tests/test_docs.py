@@ -8,6 +8,7 @@ import pytest
 
 from dxr.config import load_settings
 from dxr.docs import PAGES, ROOT
+from warehouse.sql import _READ_ONLY_PREFIXES
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
@@ -59,3 +60,9 @@ def test_every_documented_sql_example_runs(page, query, tmp_path):
     query = re.sub(r"\s*--[^\n]*\n", "\n", query).strip().rstrip(";")  # a SQL comment line of a ```sql block
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", query])
     assert result.exit_code == 0, f"{page}: {query!r} fails: {result.output}"
+
+
+def test_readme_names_every_statement_dxr_sql_runs():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r"`dxr sql` runs exactly one read-only statement \(([^)]*)\)", readme).group(1)
+    assert sorted(re.findall(r"`([A-Z]+)`", listed)) == sorted({p.upper() for p in _READ_ONLY_PREFIXES} | {"ANALYZE"})
