@@ -166,6 +166,27 @@ def test_cohort_build_refuses_files_changed_after_registration(wh_vocab, tiny_me
     assert build_cohort(wh_vocab, "tiny", "main", CohortOptions(), seed=0)["cohort_id"]
 
 
+def test_a_moved_warehouse_builds_cohorts_from_its_own_files(wh_vocab, tiny_meds, tmp_path):
+    # `datasets.meds_dir` records where the files were registered; a warehouse moved or restored elsewhere
+    # (another mount point, a backup) must read the files it holds, not a path that is gone or another copy's.
+    from warehouse.store import Warehouse
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    moved = Warehouse(shutil.move(wh_vocab.root, tmp_path / "moved"))
+    row = build_cohort(moved, "tiny", "main", CohortOptions(), seed=0)
+    assert (row["n_trajectories"], moved.read("datasets")["meds_dir"].to_list()) == (
+        3, [str(wh_vocab.root / "gold" / "meds" / "tiny")])
+
+
+def test_a_moved_warehouse_keeps_its_synthetic_dataset_current(wh, tmp_path):
+    # Otherwise `dxr demo` in a moved warehouse would generate the same dataset again.
+    from warehouse.store import Warehouse
+
+    create_synthetic(wh, "synthetic", patients=60, seed=5, shard_size=60)
+    moved = Warehouse(shutil.move(wh.root, tmp_path / "moved"))
+    assert synthetic_is_current(moved, "synthetic", 60, 5)
+
+
 def test_ingest_takes_hadm_id_as_the_encounter_id_of_a_mimic_iv_meds_export(wh_vocab, tmp_path):
     # MEDS-Extract's MIMIC-IV ETL (the MIMIC-IV MEDS convention) keeps the admission id as `hadm_id`.
     events = tiny_events()

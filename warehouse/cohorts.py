@@ -198,7 +198,9 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
     with held(wh, f"dataset:{dataset_id}", shared=True,
               busy=f"dataset {dataset_id!r} is being written by another dxr process (synth or ingest)"):
         dataset = get_dataset(wh, dataset_id)
-        info = validate_meds_dir(dataset["meds_dir"], memory_limit)
+        # The files this warehouse holds, not `meds_dir`: that records where they were registered, which a
+        # moved or restored warehouse no longer is (and a copy's would be another warehouse's files).
+        info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit)
         if info.fingerprint != dataset["fingerprint"]:
             remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
             raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "

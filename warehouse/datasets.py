@@ -134,7 +134,7 @@ def synthetic_is_current(wh: Warehouse, dataset_id: str, patients: int, seed: in
     if row["source"] != "synthetic" or row["generator_version"] != GENERATOR_VERSION:
         return False
     try:
-        info = validate_meds_dir(row["meds_dir"])
+        info = validate_meds_dir(wh.meds_dir(dataset_id))  # where this warehouse holds it, as a cohort build reads
     except InputError:
         return False
     return info.fingerprint == row["fingerprint"] and generation_parameters(info.root) == {
