@@ -80,6 +80,21 @@ def test_validation_retries_are_bounded(tmp_path):
     assert client.telemetry()["status"].to_list() == ["invalid", "invalid"]
 
 
+def test_a_re_ask_after_the_same_invalid_reply_says_so_instead_of_repeating_the_previous_request(tmp_path):
+    # A deterministic model (or the cache) answers the same request with the same reply: a third request equal to
+    # the second could only get the same invalid reply back.
+    bad = "not json at all"
+    feedback = re_ask(bad, "the reply is not JSON (Expecting value at character 0)")
+    noted = [*feedback[:-1], {"role": "user", "content": feedback[-1]["content"].replace(
+        "\nReply again", "\nThe same problems as in your previous reply (2 replies in a row): write a different "
+        "reply.\nReply again")}]
+    client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, bad, 1, 1), (noted, '{"answer": 3}', 1, 1)],
+                           cache=True)
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    calls = client.telemetry()
+    assert (calls["status"].to_list(), calls["cache_hit"].to_list()) == (["invalid", "invalid", "ok"], [False] * 3)
+
+
 def test_unrecorded_request_fails_naming_its_hash(tmp_path):
     client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 1, 1)])
     other = [{"role": "user", "content": "Something else?"}]

@@ -48,6 +48,9 @@ MAX_ERROR_CHARS = 200
 FEEDBACK_RESERVE_CHARS = 800
 FEEDBACK_HEAD = "That reply does not follow the required JSON structure:\n"
 FEEDBACK_TAIL = "\nReply again with only a JSON object that fixes every listed problem."
+# Said when a re-ask would be the previous re-ask again (the same invalid reply, or, where the reply is not quoted,
+# the same errors): its answer, from the cache or from a deterministic model, would be the same invalid reply.
+FEEDBACK_REPEATED = "\nThe same problems as in your previous reply ({times} replies in a row): write a different reply."
 CANCELLED = "cancelled in flight: the run stopped (another request's error, or an interrupt)"
 
 
@@ -187,6 +190,7 @@ class LLMClient:
         """
         conversation = list(messages)
         errors: list[str] = []
+        asked, repeats = None, 0  # the previous re-ask (without FEEDBACK_REPEATED); how many in a row were alike
         for _ in range(self.config.validation_retries + 1):
             completion, row = await self._complete(self.request(conversation, schema), prompt_version, context)
             try:
@@ -207,7 +211,9 @@ class LLMClient:
                     f"window: its prompt took {completion.tokens_in} of the {self.config.context_window} tokens, "
                     f"less than llm.max_output_tokens = {self.config.max_output_tokens} left for the reply",
                     prompt_tokens=completion.tokens_in, context_window=self.config.context_window)
-            conversation = self.retry_conversation(messages, completion.text, errors, budget_chars)
+            retry = self.retry_conversation(messages, completion.text, errors, budget_chars)
+            repeats, asked = (repeats + 1 if retry == asked else 0), retry
+            conversation = self.retry_conversation(messages, completion.text, errors, budget_chars, repeats)
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
                              f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
 
@@ -217,9 +223,10 @@ class LLMClient:
                 and completion.tokens_in + self.config.max_output_tokens > self.config.context_window)
 
     def retry_conversation(self, messages: list[dict], reply: str, errors: list[str],
-                           budget_chars: int | None = None) -> list[dict]:
+                           budget_chars: int | None = None, repeats: int = 0) -> list[dict]:
         """`messages`, the invalid reply and its structural errors (at most MAX_LISTED_ERRORS lines), within the
-        prompt budget (`budget_chars`, default: `prompt_budget` of the configuration).
+        prompt budget (`budget_chars`, default: `prompt_budget` of the configuration). `repeats`: how many re-asks
+        before this one were the same (FEEDBACK_REPEATED then says so, so that the request differs).
 
         Only the latest reply is quoted, so retries do not grow the prompt; when it would not fit the budget,
         only the errors are appended, as many as fit (at least one: a first prompt leaves
@@ -232,7 +239,8 @@ class LLMClient:
             lines = [f"- {e}" for e in listed[:shown]]
             if len(errors) > shown:
                 lines.append(f"- and {len(errors) - shown} more problems of the same kinds")
-            return {"role": "user", "content": FEEDBACK_HEAD + "\n".join(lines) + FEEDBACK_TAIL}
+            repeated = FEEDBACK_REPEATED.format(times=repeats + 1) if repeats else ""
+            return {"role": "user", "content": FEEDBACK_HEAD + "\n".join(lines) + repeated + FEEDBACK_TAIL}
 
         used = sum(len(m["content"]) for m in messages)
         shown = min(len(errors), MAX_LISTED_ERRORS)
