@@ -107,7 +107,9 @@ class Transition:
         last = visits.filter(pl.col("visit") == pl.col("visit").max().over("trajectory_id"))
         n_last = last.group_by("trajectory_id").agg(pl.len().alias("n_last"))
         learned = (last.rename({"code": "source"}).join(self.table, on="source")
-                   .group_by("trajectory_id", "code").agg(pl.col("probability").sum())
+                   # Summed in value order: the join yields the sources in a different order from run to run, and
+                   # a floating sum in that order made equal scores differ in the last bit, swapping their codes.
+                   .group_by("trajectory_id", "code").agg(pl.col("probability").sort().sum())
                    .join(n_last, on="trajectory_id")
                    .select("trajectory_id", "code", (pl.col("probability") / pl.col("n_last")).alias("score"),
                            pl.lit(True).alias("native"), pl.lit(0).alias("tier")))
