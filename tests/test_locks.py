@@ -396,3 +396,21 @@ def test_a_report_waits_for_the_evaluation_of_its_run(tiny_cohort, prefect_harne
         with pytest.raises(InputError, match="run 'r1' is being evaluated by another dxr process"):
             render_report(wh, "r1", wh.root / "report")
     assert not (wh.root / "report").exists()
+
+
+def test_a_run_that_cannot_write_its_marker_names_it_and_leaves_nothing_behind(wh):
+    # A full disk fails the first write of every command, its marker's; Python's own file write names no file, so
+    # the CLI's line was "[Errno 28] No space left on device" for synth, forecast, a prior's training alike.
+    import errno
+
+    from dxr.cli import one_line
+    from tests.conftest import file_size_limit
+    from warehouse.runs import RUNNING_DIR, _marker, registered_run
+
+    with file_size_limit(8), pytest.raises(OSError) as raised, registered_run(wh, "synth", {}, "full-1"):
+        raise AssertionError("the body ran without a marker")
+    marker = _marker(wh, "full-1", "synth")
+    assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(marker))
+    assert one_line(raised.value) == f"{marker}: File too large: check the path"
+    assert list((wh.root / RUNNING_DIR).iterdir()) == []
+    assert not wh.has_rows("runs")

@@ -23,7 +23,7 @@ from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError
 from warehouse.locks import held
 from warehouse.schemas import TABLES
-from warehouse.scratch import scratch
+from warehouse.scratch import naming, scratch
 from warehouse.store import Warehouse, check_run_id
 
 
@@ -129,7 +129,8 @@ def _marker(wh: Warehouse, run_id: str, kind: str) -> Path:
 
 def _write_marker(wh: Warehouse, run_id: str, kind: str) -> Path:
     marker = _marker(wh, run_id, kind)
-    with scratch(marker, "tmp") as tmp:
+    # Named: Python's file write names no file, and on a full disk this is the first write of every command to fail.
+    with scratch(marker, "tmp") as tmp, naming(marker):
         tmp.write_text(json.dumps({"run_id": run_id, "kind": kind}))
         os.replace(tmp, marker)
     return marker
