@@ -32,7 +32,7 @@ from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
-from warehouse.scratch import remove_abandoned, scratch  # noqa: E402
+from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 SWEEP_MAX_K = 20
@@ -427,7 +427,7 @@ def write_whole(path: Path, data: bytes) -> None:
     """Write a report file beside it and rename it into place: a re-render killed or out of disk space midway
     leaves the previous file whole, not a truncated page that a backfill's Prefect artifact points to."""
     remove_abandoned(path)
-    with scratch(path, "tmp") as tmp:
+    with scratch(path, "tmp") as tmp, naming(path):  # Python's file write names no file (a full disk, a quota)
         tmp.write_bytes(data)
         os.replace(tmp, path)
 

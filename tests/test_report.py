@@ -99,6 +99,23 @@ def test_a_rerender_that_fails_midway_leaves_the_previous_report_whole(wh, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+
+def test_a_report_file_that_does_not_fit_on_the_disk_is_named(wh, tmp_path):
+    # Python's own file write names no file: on a full disk `dxr report` printed "[Errno 28] No space left on
+    # device" and not which of its files (or which --out) it could not write.
+    import errno
+
+    from dxr.cli import one_line
+    from tests.conftest import file_size_limit
+
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    with file_size_limit(64), pytest.raises(OSError) as raised:
+        render_report(wh, "r1", tmp_path / "out")
+    first = tmp_path / "out" / "comparison.png"  # the first file the report writes
+    assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(first))
+    assert one_line(raised.value) == f"{first}: File too large: check the path"
+    assert list((tmp_path / "out").iterdir()) == []
+
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
