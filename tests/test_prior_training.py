@@ -558,3 +558,38 @@ def test_an_unreachable_tracking_server_is_one_line_naming_the_store(trained, mo
     error = result.output.strip().splitlines()[-1]
     assert error.startswith("Error: MLflow store http://127.0.0.1:9 failed while opening experiment"), error
     assert "DXR_PRIOR__TRACKING_URI" in error
+
+
+def test_a_model_download_that_fills_the_disk_names_the_local_copy_not_the_store(tmp_path, monkeypatch):
+    # MLflow's text as seen on a full disk: the path it names is the store's, and the store was blamed ("check that
+    # it is reachable and writable"), while the disk that was full holds the warehouse's copy of the model.
+    seen = ("The following failures occurred while downloading one or more artifacts from file:///srv/store/"
+            "artifacts/models/m-1/artifacts: ##### File requirements.txt ##### [Errno 28] No space left on device: "
+            "'/srv/store/artifacts/models'")
+
+    def disk_full(**kwargs):
+        raise MlflowException(seen)
+
+    monkeypatch.setattr(tracking.mlflow.artifacts, "download_artifacts", disk_full)
+    cache = tmp_path / "mlflow" / "cache"
+    with pytest.raises(ConfigError) as raised:
+        tracking.download_model("ehr_prior", "c1", "1", "r1", cache)
+    assert str(raised.value) == (f"downloading ehr_prior-c1 version 1: out of disk space in {cache}: free disk "
+                                 "space there, or point --data-dir (DXR_DATA_DIR) to a disk with room")
+    assert list((cache / "ehr_prior-c1").iterdir()) == []
+
+
+def test_a_full_disk_under_the_tracking_store_is_said_to_be_one():
+    # SQLite's text as seen when a training could not be recorded; the line quoted it, cut off in the SQL.
+    seen = MlflowException("(raised as a result of Query-invoked autoflush) (sqlite3.OperationalError) database or "
+                           "disk is full [SQL: INSERT INTO runs (run_uuid, name) VALUES (?, ?)]")
+    previous = tracking.mlflow.get_tracking_uri()
+    tracking.mlflow.set_tracking_uri("sqlite:////srv/dxr/mlflow/mlflow.db")
+    try:
+        error = tracking.store_error(seen, "recording the training of ehr_prior-c1")
+    finally:
+        tracking.mlflow.set_tracking_uri(previous)
+    assert str(error) == (
+        "MLflow store sqlite:////srv/dxr/mlflow/mlflow.db failed while recording the training of ehr_prior-c1: out "
+        "of disk space: free disk space there, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI) to a store "
+        "on a disk with room")

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dxr.errors import ConfigError, NotFoundError
+from warehouse.duck import out_of_disk
 from warehouse.scratch import remove_abandoned, scratch
 
 # Offline hygiene: no telemetry from MLflow (set before mlflow is imported).
@@ -60,9 +61,18 @@ def artifact_root(uri: str) -> str | None:
 def store_error(exc: MlflowException, action: str) -> ConfigError:
     """One line for an MLflow failure (server down, database locked, no permission) naming the store
     and the setting that chooses it, instead of a traceback from deep inside MLflow."""
+    if full_disk(exc):
+        return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: out of disk space: free "
+                           "disk space there, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI) to a store on a "
+                           "disk with room")
     reason = " ".join(str(exc).split())[:300]
     return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: {reason}: check that it "
                        "is reachable and writable, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)")
+
+
+def full_disk(exc: MlflowException) -> bool:
+    """Whether an MLflow error says a disk is full: ENOSPC in the text of a failed artifact copy, or SQLite's own."""
+    return out_of_disk(exc) or "database or disk is full" in str(exc)
 
 
 @contextmanager
@@ -184,8 +194,13 @@ def download_model(system: str, cohort_id: str, version: str, run_id: str, cache
     remove_abandoned(target)
     with scratch(target, "download") as staging:
         staging.mkdir()
-        with store_errors(f"downloading {name} version {version}"):
+        try:
             mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(staging))
+        except MlflowException as exc:
+            if full_disk(exc):  # the copy's disk: the path MLflow's text names is the store's
+                raise ConfigError(f"downloading {name} version {version}: out of disk space in {cache_dir}: free "
+                                  "disk space there, or point --data-dir (DXR_DATA_DIR) to a disk with room") from exc
+            raise store_error(exc, f"downloading {name} version {version}") from exc
         if (target / WEIGHTS).is_file():  # another process finished the same download first
             return target
         if target.exists():  # an incomplete copy (left by an older dxr) or one without weights
