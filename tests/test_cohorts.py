@@ -8,8 +8,8 @@ import re
 import polars as pl
 import pytest
 
-from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, OUT_OF_MEMORY, FailsAt, disk_full_errors, dx, t, tiny_events,
-                            write_described_meds, write_tiny_meds)
+from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, OUT_OF_MEMORY, FailsAt, abandoned_scratch, disk_full_errors, dx,
+                            t, tiny_events, write_described_meds, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -442,3 +442,15 @@ def test_a_full_disk_during_a_build_says_so_and_where(wh_vocab, tiny_meds, monke
     assert str(raised.value) == (f"cohort build of default from dataset tiny: out of disk space in {wh_vocab.root}: "
                                  "free disk space there, or point --data-dir (DXR_DATA_DIR) to a disk with room")
     assert wh_vocab.read("cohorts").is_empty()
+
+
+def test_a_build_removes_the_spill_directory_a_killed_build_of_another_cohort_left(wh_vocab, tiny_meds):
+    # A build killed by SIGKILL (the OOM killer, at MIMIC scale) leaves its DuckDB spill files, gigabytes under a
+    # hidden name in the gold store; only a build of that same cohort removed them, and a cohort built again with
+    # other options (a new id) is never built under the old id again.
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    killed = abandoned_scratch(wh_vocab.gold_dir / "cohort-build-c0123456789a", "work")
+    killed.mkdir()
+    (killed / "duckdb_temp_storage-0.tmp").write_bytes(b"spilled rows")
+    build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
+    assert not [p.name for p in wh_vocab.gold_dir.iterdir() if p.name.startswith(".cohort-build-")]

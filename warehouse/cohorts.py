@@ -49,6 +49,7 @@ from warehouse.store import Warehouse, fetch_frame
 
 TARGET_RULES = ("final", "every")
 HARMONIZATIONS = ("native", "icd10", "category")
+SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 
 
 @dataclass(frozen=True)
@@ -354,11 +355,14 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
 
     A MEDS export with lab results runs to tens or hundreds of millions of events; without a limit
     DuckDB would keep them all in memory. The scratch directory is on the gold side, because the
-    spilled rows include target encounters, and is removed afterwards (or by the next build of the
+    spilled rows include target encounters, and is removed afterwards (or by the next build of any
     cohort when a SIGKILL left it).
     """
-    target = wh.gold_dir / f"cohort-build-{cohort_id}"
-    remove_abandoned(target)
+    # Every cohort's abandoned spill, not only this one's: a build killed before its options changed (a new id)
+    # never runs under its id again, and its spill files run to gigabytes. Those of live builds stay (their lock).
+    for name in {p.name.split(".")[1] for p in wh.gold_dir.glob(f".{SPILL_PREFIX}*")}:
+        remove_abandoned(wh.gold_dir / name)
+    target = wh.gold_dir / f"{SPILL_PREFIX}{cohort_id}"
     with scratch(target, "work") as workdir:
         workdir.mkdir()
         con = duck.connect(":memory:")
