@@ -324,6 +324,18 @@ def test_only_runs_in_progress_keep_a_marker_and_finding_killed_runs_does_not_re
     assert wh.read("runs", run_id="doomed-1")["status"].to_list() == ["killed"]
 
 
+def test_a_run_id_that_cannot_be_a_partition_is_refused_before_its_marker_is_written(wh):
+    from warehouse.runs import RUNNING_DIR, registered_run
+
+    # `dxr prior train --run-id 'a b'`, or a run_id typed into a deployment's run form: the marker written
+    # before the registry row refused the id stayed behind, for every later run to look at again.
+    with pytest.raises(InputError, match=r"^run id 'a b' has unsafe characters: use letters, digits and _\.:-$"):
+        with registered_run(wh, "train:ehr_prior", {}, "a b"):
+            raise AssertionError("the body ran under an unsafe run id")
+    assert list((wh.root / RUNNING_DIR).glob("*.json")) == []
+    assert not (wh.root / "forecast" / "runs").exists()
+
+
 def test_running_rows_written_before_the_markers_are_still_found_once(wh):
     from datetime import datetime
 

@@ -145,7 +145,8 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
     row and the marker's removal, so a marker whose lock is free was left by a killed process
     (`mark_killed`).
     """
-    run = Run(run_id or new_run_id(kind.split(":")[0]), kind, config, cohort_id)
+    # Checked before the marker: the registry write refusing it would leave the marker behind for good.
+    run = Run(check_run_id(run_id) if run_id else new_run_id(kind.split(":")[0]), kind, config, cohort_id)
     mark_killed(wh)
     # `wait`: another process's `mark_killed` may hold the lock for a moment.
     with held(wh, _record_lock(run.run_id, kind), shared=False, wait=5.0,
