@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows import flow_run_id
-from models.prior.config import PriorConfig
+from models.prior.config import PriorConfig, check_prior_systems
 from tasks.prior import train_prior_task
 
 
@@ -19,6 +19,8 @@ def train_prior_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = ("eh
     failure are not trained again (`tasks.prior.finished_training`), nor is one whose version was registered
     before the failure (`models.prior.train.registered_training`).
     """
+    systems = tuple(systems)
+    check_prior_systems(systems)  # a typo in the last system must not wait for the trainings before it
     cfg = cfg or PriorConfig()
     run_id = run_id or flow_run_id("train")
     return [train_prior_task(data_dir, cohort, system, cfg, run_id) for system in systems]

@@ -353,6 +353,23 @@ def test_a_retry_after_a_failure_past_registration_reuses_the_registered_version
     assert json.loads(runs["config_json"][0])["result"] == result
 
 
+@pytest.mark.parametrize(("systems", "message"), [
+    ((), "no system given: name at least one of ehr_prior, dense_prior, gru"),
+    (("gru", "repeat_history"), "unknown prior system 'repeat_history': use one of ehr_prior, dense_prior, gru"),
+    (("gru", "dense_prior", "gru"), "gru is listed twice in systems: list each system once"),
+])
+def test_the_systems_of_a_train_prior_flow_are_checked_before_any_training(prefect_harness, tmp_path, systems,
+                                                                           message):
+    # Typed into train_prior/adhoc's run form: an empty list finished without training anything, and a typo
+    # in the second system failed only after the first one had been trained and registered.
+    from flows.train_prior import train_prior_flow
+
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
+    with pytest.raises(InputError, match=f"^{re.escape(message)}$"):
+        train_prior_flow(str(tmp_path), cohort, systems, PriorConfig(**TINY, epochs=1))
+    assert Warehouse(tmp_path).read("runs").is_empty()
+
+
 def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_path):
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
     with pytest.raises(InputError, match="unknown prior system 'repeat_history': use one of ehr_prior"):

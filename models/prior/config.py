@@ -17,6 +17,16 @@ def check_prior_system(system: str) -> str:
     return system
 
 
+def check_prior_systems(systems: tuple[str, ...]) -> None:
+    """At least one system, each known and listed once: checked before the first of them is trained."""
+    if not systems:
+        raise InputError(f"no system given: name at least one of {', '.join(ARCHS)}")
+    for position, system in enumerate(systems):
+        check_prior_system(system)
+        if system in systems[:position]:
+            raise InputError(f"{system} is listed twice in systems: list each system once")
+
+
 class PriorConfig(BaseModel):
     """Model, training and MLflow settings; CPU-friendly defaults (2 cores, minutes not hours)."""
 
