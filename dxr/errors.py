@@ -4,6 +4,7 @@ Every message names the offending value and says how to fix it.
 """
 
 import logging
+import sys
 
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
@@ -33,9 +34,23 @@ class UserErrorTraceback(logging.Filter):
     to fix: its one-line message is the report, and the traceback only buries it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], (DxrError, OSError)):
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (DxrError, OSError)):
+            record.exc_info = record.exc_text = None
+        elif _is_parameter_error(error):
+            # Prefect's check of a run's parameters (a value of a run form that a settings validator refuses)
+            # reaches the run's log only as this record: the reason goes into its message, on one line.
+            head, *items = str(error).splitlines()
+            reasons = "; ".join(item.strip().removeprefix("- ") for item in items)
+            record.msg, record.args = f"{record.getMessage()}: {head} {reasons}".rstrip(), None
             record.exc_info = record.exc_text = None
         return True
+
+
+def _is_parameter_error(error: BaseException | None) -> bool:
+    # Prefect is loaded wherever its run loggers log; importing it here would slow every CLI command.
+    exceptions = sys.modules.get("prefect.exceptions")
+    return exceptions is not None and isinstance(error, exceptions.ParameterTypeError)
 
 
 def quiet_user_error_tracebacks() -> None:

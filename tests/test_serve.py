@@ -324,6 +324,15 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
         assert runs["status"].to_list() == ["finished"]
         result = json.loads(runs["config_json"][0])["result"]
         assert (result["version"], result["alias"], result["system"]) == ("1", None, "gru")
+        # Settings the run form's types allow but the model refuses: Prefect's own parameter check fails the run,
+        # and its log says why in one line instead of ending in a traceback of Prefect's engine.
+        refused = run_deployment("train_prior/adhoc", timeout=300, parameters={
+            "cohort": "default", "systems": ["gru"], "cfg": {"d_model": 30, "n_heads": 4}})
+        assert refused.state.is_failed(), (refused.state, log.read_text())
+        messages = flow_run_log(refused.id, "must be a multiple")
+        assert "Engine execution exited with unexpected exception: Flow run received invalid parameters: cfg: Value " \
+               "error, d_model 30 must be a multiple of n_heads 4" in messages, messages
+        assert not any("Traceback" in m for m in messages), messages
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
