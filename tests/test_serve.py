@@ -244,6 +244,24 @@ def test_serve_needs_a_prefect_server(tmp_path):
         "PREFECT_API_URL=http://127.0.0.1:4200/api"]
 
 
+def test_serve_refuses_a_data_dir_without_a_warehouse(tmp_path, monkeypatch):
+    import prefect
+
+    # Started in another directory (the default data dir `data` is relative), it re-pointed the deployments a
+    # server already had at an empty folder, where every patient rerun and scheduled backfill then failed.
+    def serves(*deployments, **options):
+        raise AssertionError(f"served {len(deployments)} deployments of a data dir without a warehouse")
+
+    monkeypatch.setattr(prefect, "serve", serves)
+    (tmp_path / "none.toml").write_text("")
+    monkeypatch.setenv("DXR_CONFIG", str(tmp_path / "none.toml"))
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "elsewhere"), "serve"])
+    assert result.exit_code == 1, result.output
+    assert result.output.splitlines() == [
+        f"Error: no warehouse at {tmp_path / 'elsewhere'}: pass the right --data-dir (or DXR_DATA_DIR), or create one "
+        "with `dxr synth` or `dxr ingest`"]
+
+
 @pytest.mark.parametrize("command", [["serve"], ["forecast", "--cohort", "default", "--system", "repeat_history"]])
 def test_a_prefect_server_that_does_not_answer_is_one_line(wh_vocab, tiny_cohort_id, command):
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, settings
+from dxr.cli import main, settings, warehouse
 from dxr.errors import ConfigError
 
 
@@ -36,6 +36,9 @@ def serve(ctx: click.Context, limit: int) -> None:
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
                           "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
     check_configured_api()
+    # Every served flow needs a cohort of this warehouse; a mistyped or relative data dir would re-point the
+    # server's deployments at a folder where each run fails.
+    warehouse(ctx, existing=True)
     deployments = build_deployments(settings(ctx))
     for deployment in deployments:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
