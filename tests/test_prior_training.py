@@ -353,6 +353,33 @@ def test_a_retry_after_a_failure_past_registration_reuses_the_registered_version
     assert json.loads(runs["config_json"][0])["result"] == result
 
 
+def test_a_train_prior_run_given_part_of_cfg_keeps_the_configured_prior_settings(prefect_harness, tmp_path,
+                                                                              monkeypatch):
+    # Prefect merges a run's parameters into the deployment's one level deep: `prefect deployment run
+    # train_prior/adhoc --param cfg='{"promote": false}'` got every other prior setting at its default, and
+    # trained into the default experiment under the default alias instead of the configured ones.
+    from flows.train_prior import train_prior_flow
+
+    (tmp_path / "dxr.toml").write_text(
+        '[prior]\nexperiment = "nightly-priors"\nalias = "production"\nn_heads = 2\nn_experts = 2\n')
+    monkeypatch.setenv("DXR_CONFIG", str(tmp_path / "dxr.toml"))
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    run_form = {key: value for key, value in TINY.items() if key != "n_heads"} | {"epochs": 1, "promote": False}
+    [result] = train_prior_flow(str(tmp_path), cohort, ("gru",), PriorConfig.model_validate(run_form))
+
+    recorded = json.loads(Warehouse(tmp_path).read("runs")["config_json"][0])["prior"]
+    assert (recorded["experiment"], recorded["alias"], recorded["n_heads"]) == ("nightly-priors", "production", 2)
+    assert (recorded["epochs"], recorded["promote"], recorded["d_model"]) == (1, False, 16)
+    assert tracking.MlflowClient().get_run(result["mlflow_run_id"]).info.experiment_id == \
+        tracking.MlflowClient().get_experiment_by_name("nightly-priors").experiment_id
+    # A run's cfg valid alone that clashes with the configuration is one error, before any training.
+    with pytest.raises(InputError, match=r"^cfg of this run: top_k 3 cannot exceed n_experts 2 with the configured "
+                                         r"prior settings \(the run sets top_k\): set the clashing settings in cfg "
+                                         r"together$"):
+        train_prior_flow(str(tmp_path), cohort, ("gru",), PriorConfig.model_validate({"top_k": 3}))
+    assert Warehouse(tmp_path).read("runs").height == 1
+
+
 @pytest.mark.parametrize(("systems", "message"), [
     ((), "no system given: name at least one of ehr_prior, dense_prior, gru"),
     (("gru", "repeat_history"), "unknown prior system 'repeat_history': use one of ehr_prior, dense_prior, gru"),
