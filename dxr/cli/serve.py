@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import click
 
 from dxr.cli import main, settings, warehouse
@@ -44,4 +47,17 @@ def serve(ctx: click.Context, limit: int) -> None:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
         click.echo(f"deployment {deployment.flow_name}/{deployment.name}: {schedules or 'ad hoc'}")
     click.echo(f"serving to {PREFECT_API_URL.value()}; stop with Ctrl-C")
+    interrupted = []
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        def stop_as_sigterm(signum: int, frame) -> None:
+            # Prefect's runner stops gracefully on SIGTERM only: it cancels the flow runs in progress (each records
+            # its run `failed`) and pauses the schedules. Ctrl-C unwinding out of its event loop instead killed
+            # their processes outright, and their flow runs stayed Running in the UI for good.
+            interrupted.append(signum)
+            signal.getsignal(signal.SIGTERM)(signum, frame)
+
+        signal.signal(signal.SIGINT, stop_as_sigterm)
     prefect_serve(*deployments, limit=limit, print_starting_message=False)
+    if interrupted:
+        click.echo("dxr: stopped by SIGINT", err=True)
+        raise SystemExit(128 + signal.SIGINT)
