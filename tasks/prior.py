@@ -5,6 +5,7 @@ records, tuning pre-target records), a registered MLflow model out, a `runs` row
 `train_prior_task` is its Prefect wrapper. `ensure_prior` trains only when the alias resolves to
 nothing (the demo's once-per-cohort-build training), and then puts that model in service.
 `prior_versions` and `promote_prior` list the registered versions and move the alias.
+`run_prior_config` lays the fields a flow run sets over the configured prior settings.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from prefect import task
+from pydantic import ValidationError
 
-from dxr.errors import NotFoundError
+from dxr.config import load_settings
+from dxr.errors import InputError, NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig, check_prior_system
 from tasks import stage_logger
@@ -62,6 +65,25 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
                                            identity=identity)
             run.config = {**config, "result": asdict(result)}
     return result
+
+
+def run_prior_config(data_dir: str, cfg: PriorConfig | None) -> PriorConfig:
+    """The configured prior settings with the fields `cfg` sets (`model_fields_set`) over them.
+
+    Prefect merges a run's parameters into its deployment's one level deep: a run of `train_prior/adhoc`
+    given `cfg={"promote": false}` receives every other field at its default, not at the configured value
+    the deployment's `cfg` holds (the experiment, the alias, a tracking server).
+    """
+    configured = load_settings(data_dir=data_dir).prior
+    if cfg is None:
+        return configured
+    try:
+        return PriorConfig.model_validate(configured.model_dump() | cfg.model_dump(include=cfg.model_fields_set))
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise InputError(f"cfg of this run: {reason} with the configured prior settings (the run sets "
+                         f"{', '.join(sorted(cfg.model_fields_set))}): set the clashing settings in cfg together"
+                         ) from None
 
 
 def training_identity(run_id: str, config: dict) -> dict[str, str]:

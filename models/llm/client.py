@@ -213,7 +213,8 @@ class LLMClient:
                     prompt_tokens=completion.tokens_in, context_window=self.config.context_window)
             retry = self.retry_conversation(messages, completion.text, errors, budget_chars)
             repeats, asked = (repeats + 1 if retry == asked else 0), retry
-            conversation = self.retry_conversation(messages, completion.text, errors, budget_chars, repeats)
+            conversation = (self.retry_conversation(messages, completion.text, errors, budget_chars, repeats)
+                            if repeats else retry)
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
                              f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
 
