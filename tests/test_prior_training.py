@@ -424,6 +424,71 @@ def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_vers
     assert not all(torch.equal(a, b) for a, b in zip(old.net.state_dict().values(), new.net.state_dict().values()))
 
 
+def file_digests(root) -> dict[str, str]:
+    """Every file under `root` by relative path, with a digest of its bytes."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_copied_data_dir_trains_and_forecasts_with_its_own_mlflow_artifacts_only(tmp_path):
+    import shutil
+
+    original, copy = tmp_path / "prod", tmp_path / "trial"
+    cohort = write_planted_cohort(Warehouse(original), n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1)
+    first = train_prior(str(original), cohort, "ehr_prior", cfg)
+    served = RegisteredPrior(cfg)
+    served.fit(Warehouse(original).connect(), cohort)
+    shutil.copytree(original, copy)  # a team trying something on a copy of the production warehouse
+    before = file_digests(original)
+    second = train_prior(str(copy), cohort, "ehr_prior", cfg.model_copy(update={"seed": 2}))
+    assert file_digests(original) == before  # MLflow recorded the original's artifact directory
+    artifacts = (copy / "mlflow" / "artifacts").as_uri() + "/"
+    client = tracking.MlflowClient()
+    assert client.get_run(second.mlflow_run_id).info.artifact_uri.startswith(artifacts)
+    for version in ("1", "2"):
+        assert client.get_model_version_download_uri(second.registered_model, version).startswith(artifacts)
+    # The original gone (moved, or a restored backup elsewhere) and the copy's model cache cleared: the copy
+    # loads the version trained before it was copied from its own files and forecasts with its champion.
+    shutil.rmtree(original)
+    shutil.rmtree(copy / "mlflow" / "cache")
+    wh = Warehouse(copy)
+    again = RegisteredPrior(cfg, version="1", run_id=first.mlflow_run_id)
+    again.fit(wh.connect(), cohort)
+    assert all(torch.equal(a, b) for a, b in zip(served.net.state_dict().values(), again.net.state_dict().values(),
+                                                 strict=True))
+    result = CliRunner().invoke(main, ["--data-dir", str(copy), "forecast", "--cohort", cohort, "--system",
+                                       "ehr_prior", "--split", "all", "--run-id", "trial-1"])
+    assert result.exit_code == 0, result.output
+    recorded = json.loads(wh.read("runs", run_id="trial-1", kind="forecast:ehr_prior")["config_json"][0])
+    assert (recorded["model"]["version"], recorded["model"]["mlflow_run_id"]) == ("2", second.mlflow_run_id)
+    assert wh.read("rankings", run_id="trial-1").height == 20 * wh.read("trajectories").height
+
+
+def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
+    # What a truncated copy or backup of the database looks like to SQLite (MLflow raised a SQLAlchemy traceback).
+    db = tmp_path / "mlflow" / "mlflow.db"
+    db.parent.mkdir()
+    db.write_bytes(b"SQLite format 3\x00" + b"\x01" * 200)
+    with pytest.raises(ConfigError) as raised:
+        tracking.use_tracking(tmp_path, None, "dxr-ehr-prior")
+    assert str(raised.value) == (f"MLflow store {db} failed while checking where its artifacts are: file is not a "
+                                 "database: it must be a readable and writable SQLite file (restore it from a backup "
+                                 "if it is damaged)")
+
+
+def test_a_configured_store_is_not_re_pointed_at_the_data_dir_that_uses_it(tmp_path):
+    # Two data dirs sharing one configured store (here: the first one's own database): only the default store,
+    # which belongs to its data dir, follows that data dir.
+    shared = tracking.use_tracking(tmp_path / "first", None, "shared")
+    tracking.use_tracking(tmp_path / "second", shared, "shared")
+    location = (tmp_path / "first" / "mlflow" / "artifacts").as_uri()
+    assert tracking.mlflow.get_experiment_by_name("shared").artifact_location == location
+    assert not (tmp_path / "second" / "mlflow").exists()
+
+
 def test_a_long_lived_process_forecasts_with_the_pinned_run_not_an_earlier_stores_same_version(tmp_path,
                                                                                              monkeypatch):
     from flows.forecast import forecast_flow

@@ -4,6 +4,10 @@ Default store: `sqlite:///<data_dir>/mlflow/mlflow.db` with artifacts in `<data_
 any tracking URI by configuration (`prior.tracking_uri`; a configured sqlite store keeps its artifacts
 beside it too). One registered model per system and
 cohort, named `{system}-{cohort_id}`; inference resolves `models:/{name}@{alias}`.
+
+MLflow stores absolute artifact locations. The default store is the data dir's own, so it is re-pointed at
+the data dir it is opened in (`relocate_store`): a moved, copied or restored data dir reads and writes
+its own artifacts, never the original's.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -83,9 +88,60 @@ def store_errors(action: str) -> Iterator[None]:
         raise store_error(exc, action) from exc
 
 
+# Where MLflow keeps an absolute artifact location in its sqlite schema (version 3.x; 2.x lacks `logged_models`
+# and `storage_location`, and kept a version's files in `source`).
+LOCATION_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                    ("logged_models", "artifact_location"), ("model_versions", "storage_location"),
+                    ("model_versions", "source"))
+
+
+def relocate_store(db: Path) -> None:
+    """Re-point the artifact locations of the data dir's own sqlite store at the data dir it is in now.
+
+    Every experiment dxr creates there keeps its artifacts in `<data_dir>/mlflow/artifacts`; one whose recorded
+    location is another `…/mlflow/artifacts` was made in the data dir this one was moved, copied or restored
+    from. Its location, and those of its runs, logged models and model versions, are rewritten to this data
+    dir in one transaction; a training here would otherwise write into the original's artifact directory,
+    and a load read the original's files (or fail once it is gone). Other locations (MLflow's `Default`
+    experiment in the working directory) are left as they are.
+    """
+    if not db.is_file():
+        return
+    here = artifact_root(f"sqlite:///{db}")
+    try:
+        with closing(sqlite3.connect(db, timeout=60, isolation_level=None)) as con:
+            if not columns(con, "experiments") or not moved_from(con, here):
+                return
+            con.execute("BEGIN IMMEDIATE")  # re-read under the write lock: another process may have done it
+            present = [(table, column) for table, column in LOCATION_COLUMNS if column in columns(con, table)]
+            for old in moved_from(con, here):
+                for table, column in present:
+                    con.execute(f"UPDATE {table} SET {column} = ? || substr({column}, length(?) + 1) "
+                                f"WHERE {column} = ? OR substr({column}, 1, length(?) + 1) = ? || '/'",
+                                (here, old, old, old, old))
+            con.execute("COMMIT")  # closing without it (an error above) rolls every update back
+    except sqlite3.Error as exc:
+        raise ConfigError(f"MLflow store {db} failed while checking where its artifacts are: {exc}: it must be a "
+                          "readable and writable SQLite file (restore it from a backup if it is damaged)") from exc
+
+
+def columns(con: sqlite3.Connection, table: str) -> set[str]:
+    """The columns of a table (none when the store's schema has no such table)."""
+    return {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+
+
+def moved_from(con: sqlite3.Connection, here: str) -> list[str]:
+    """The artifact roots of other data dirs that experiments of this store record."""
+    return [location for (location,) in con.execute("SELECT DISTINCT artifact_location FROM experiments")
+            if location != here and location.startswith("file://") and location.endswith("/mlflow/artifacts")]
+
+
 def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
-    """Point mlflow at the store and experiment (created with `artifact_root` when new)."""
+    """Point mlflow at the store and experiment (created with `artifact_root` when new); the default store is
+    first re-pointed at this data dir (`relocate_store`), a configured one is left as it is."""
     uri = tracking_uri(data_dir, configured)
+    if not configured:
+        relocate_store(Path(uri.removeprefix("sqlite:///")))
     mlflow.set_tracking_uri(uri)
     with store_errors(f"opening experiment {experiment!r}"):
         if mlflow.get_experiment_by_name(experiment) is None:
