@@ -73,6 +73,10 @@ SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b i
 # Keys that differ between repeats of one configuration without changing what it is.
 CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate")
 EXPLICIT_INCOMPLETE = ("short", "failed")
+# Resamples drawn at a time: bounds the integer draws beside the weights at (BOOTSTRAP_CHUNK, patients).
+BOOTSTRAP_CHUNK = 100
+# Per-trajectory summands whose mean over a subset's trajectories is a metric (the others are pooled).
+AVERAGED = ("precision", "recall", "f1")
 
 
 # ---- target classes ---------------------------------------------------------------------------
@@ -367,11 +371,20 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
 # ---- metrics and bootstrap --------------------------------------------------------------------
 
 def bootstrap_weights(subject_index: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """(B, n) resample multiplicities: patients drawn with replacement, all their trajectories kept."""
+    """(B, n) float64 resample multiplicities: patients drawn with replacement, all their trajectories kept.
+
+    The array is laid out trajectory-major (the transpose of an (n, B) C-contiguous array), the layout
+    `estimate` multiplies by, and drawn BOOTSTRAP_CHUNK resamples at a time: at 50,000 trajectories and
+    B = 1000 it is the one 400 MB array, with no (B, patients) int64 draws or second copy beside it.
+    """
     n_subjects = int(subject_index.max()) + 1 if len(subject_index) else 0
     rng = np.random.default_rng(seed)
-    draws = rng.multinomial(n_subjects, np.full(n_subjects, 1.0 / n_subjects), size=n_boot)
-    return draws[:, subject_index].astype(np.float32)
+    weights = np.empty((len(subject_index), n_boot))
+    for start in range(0, n_boot, BOOTSTRAP_CHUNK):  # the same draws as one call of size n_boot
+        size = min(BOOTSTRAP_CHUNK, n_boot - start)
+        draws = rng.multinomial(n_subjects, np.full(n_subjects, 1.0 / n_subjects), size=size)
+        weights[:, start:start + size] = draws[:, subject_index].T
+    return weights.T
 
 
 def _per_trajectory(counts: Counts) -> dict[str, np.ndarray]:
@@ -390,20 +403,22 @@ def _per_trajectory(counts: Counts) -> dict[str, np.ndarray]:
         }
 
 
-def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray) -> np.ndarray:
+def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray,
+            reference: dict[str, np.ndarray]) -> np.ndarray:
     """The six metrics (last axis, in METRICS order) from weighted sums; NaN where a subset has no trajectory.
 
+    The sums of the patient-averaged summands are of their differences from `reference` (see `estimate`).
     No predictions at all (every list empty at natural list sizes) means no correct prediction: pooled
     precision 0, in the point value and in every resample alike.
     """
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.stack([
-            sums["precision"] / patients,
-            sums["recall"] / patients,
+            reference["precision"] + sums["precision"] / patients,
+            reference["recall"] + sums["recall"] / patients,
             np.where(sums["predicted"] > 0, sums["hits"] / sums["predicted"], np.where(patients > 0, 0.0, np.nan)),
             sums["hits"] / gold,
             2 * sums["hits"] / (sums["predicted"] + gold),
-            sums["f1"] / patients,
+            reference["f1"] + sums["f1"] / patients,
         ], axis=-1)
 
 
@@ -419,24 +434,39 @@ class Estimates:
 
 
 def estimate(counts: Counts, weights: np.ndarray | None) -> Estimates:
-    """Every metric of every (system, subset, K), with bootstrap replicates when weights are given."""
+    """Every metric of every (system, subset, K), with bootstrap replicates when weights are given.
+
+    In float64 throughout, and a patient average is taken as r + mean(x − r), with r the summand of the
+    subset's first trajectory: a metric that is the same for every trajectory is then exactly that value, in
+    the point and in every resample, so its interval is the point (float32 sums put it ~1e-7 off the point,
+    and a plain mean of 300 × 0.1 is 0.09999999999999999). Pooled metrics are ratios of integer-valued sums,
+    exact in float64.
+    """
     parts = _per_trajectory(counts)
-    patients = (counts.targets > 0).sum(axis=1).astype(float)          # (S,)
+    member = counts.targets > 0                                        # (S, n)
+    patients = member.sum(axis=1).astype(float)                        # (S,)
     gold = counts.targets.sum(axis=1)                                  # (S,)
-    point = _ratios({k: v.sum(axis=-1) for k, v in parts.items()}, patients[None, :, None], gold[None, :, None])
-    # A subset without trajectories (NaN) has no rows (`metric_frame` leaves it out); 0 keeps the arrays finite.
-    point = np.nan_to_num(point, nan=0.0)
+    first = member.argmax(axis=1)[None, :, None, None]                 # an empty subset's NaN hides its r
+    reference = {name: np.take_along_axis(parts[name], first, axis=-1)[..., 0] for name in AVERAGED}  # (M,S,K)
+    n_sys, n_sub, n_k, n = counts.hits.shape
+    point = np.empty((n_sys, n_sub, n_k, len(METRICS)))
     boot = None
     if weights is not None:
-        wt = np.ascontiguousarray(weights.T)                             # (n, B); contiguous: ~2x faster matmul
-        b_patients = ((counts.targets > 0).astype(np.float32) @ wt).T    # (B, S)
-        b_gold = (counts.targets.astype(np.float32) @ wt).T              # (B, S)
-        n_sys, n_sub, n_k, n = counts.hits.shape
-        boot = np.empty((weights.shape[0], n_sys, n_sub, n_k, len(METRICS)), dtype=np.float32)
-        for m in range(n_sys):  # one system at a time bounds memory at (5·S·K, B)
-            stacked = np.concatenate([parts[name][m].reshape(-1, n) for name in parts]).astype(np.float32)
-            sums = (stacked @ wt).reshape(len(parts), n_sub, n_k, -1).transpose(0, 3, 1, 2)  # (5, B, S, K)
-            boot[:, m] = _ratios(dict(zip(parts, sums)), b_patients[:, :, None], b_gold[:, :, None])
+        wt = np.ascontiguousarray(weights.T)    # (n, B); no copy of `bootstrap_weights`; contiguous: ~2x faster matmul
+        b_patients = (member.astype(float) @ wt).T                      # (B, S)
+        b_gold = (counts.targets @ wt).T                                # (B, S)
+        boot = np.empty((weights.shape[0], n_sys, n_sub, n_k, len(METRICS)))
+    for m in range(n_sys):  # one system at a time bounds memory at (5·S·K, n)
+        mine = {name: reference[name][m] for name in AVERAGED}
+        stacked = np.stack([np.where(member[:, None, :], parts[name][m] - mine[name][..., None], 0.0)
+                            if name in AVERAGED else parts[name][m] for name in parts])      # (5, S, K, n)
+        point[m] = _ratios(dict(zip(parts, stacked.sum(axis=-1))), patients[:, None], gold[:, None], mine)
+        if boot is not None:
+            # (5, B, S, K)
+            sums = (stacked.reshape(-1, n) @ wt).reshape(len(parts), n_sub, n_k, -1).transpose(0, 3, 1, 2)
+            boot[:, m] = _ratios(dict(zip(parts, sums)), b_patients[:, :, None], b_gold[:, :, None], mine)
+    # A subset without trajectories (NaN) has no rows (`metric_frame` leaves it out); 0 keeps the arrays finite.
+    point = np.nan_to_num(point, nan=0.0)
     return Estimates(counts, point, boot, patients.astype(np.int64), parts["f1"])
 
 

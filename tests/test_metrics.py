@@ -422,6 +422,25 @@ def test_cluster_bootstrap_keeps_a_patients_trajectories_together():
     assert (weights[:, [0, 2, 3]].sum(axis=1) == 3).all()
 
 
+def test_a_metric_equal_for_every_trajectory_has_exactly_that_value_and_interval():
+    # Every trajectory has 1 hit among 3 targets in its top 10: P@10 = 0.1, R@10 = 1/3, F1 = 2/13 for each, so
+    # every resample has the same values. Summed in float32 the resamples gave P@10 in [0.1000001, 0.1000002],
+    # an interval that excluded its own point value, and the point sum of 300 × 0.1 gave 0.09999999999999999.
+    from tasks.evaluate import metric_rows
+
+    n = 300
+    targets = np.zeros((len(SUBSETS), n))
+    targets[0] = 3
+    hits = np.zeros((1, len(SUBSETS), 1, n))
+    hits[0, 0, 0] = 1
+    counts = Counts(["s"], (10,), hits, np.full((1, 1, n), 10.0), targets)
+    rows = metric_rows(estimate(counts, bootstrap_weights(np.arange(n) // 2, 200, 0))).filter(pl.col("subset") == "all")
+    expected = {"precision_at_k": 0.1, "recall_at_k": 1 / 3, "micro_precision": 0.1, "micro_recall": 1 / 3,
+                "micro_f1": 2 / 13, "macro_f1": 2 / 13}
+    assert {r["metric"]: (r["value"], r["ci_low"], r["ci_high"]) for r in rows.iter_rows(named=True)} == {
+        metric: (v, v, v) for metric, v in expected.items()}
+
+
 def test_vectorised_bootstrap_is_fast():
     """5,000 patients × 15 systems × 9 subsets × 3 K values × 6 metrics, B = 1000, within seconds."""
     import time
