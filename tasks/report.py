@@ -83,7 +83,11 @@ def k_label(k: int) -> str:
 
 
 def system_table(metrics: pl.DataFrame, coverage: pl.DataFrame, k: int, subset: str = "all") -> Table:
-    """One row per system (best micro-F1 first): headline metrics with intervals, n, short/failed, native share."""
+    """One row per system (best micro-F1 first): headline metrics with intervals, n, short/failed, native share.
+
+    `short` is the trajectories whose list has fewer than K codes (`n_below_k`): a list recorded `short` of
+    the largest K may be complete at a smaller one, and a failed one is short of every K.
+    """
     rows = metrics.filter((pl.col("k") == k) & (pl.col("subset") == subset))
     order = (rows.filter(pl.col("metric") == "micro_f1").sort(["value", "system"], descending=[True, False])
              ["system"].to_list())
@@ -94,7 +98,8 @@ def system_table(metrics: pl.DataFrame, coverage: pl.DataFrame, k: int, subset: 
         cells = [system] + [with_interval(mine[m]["value"], mine[m]["ci_low"], mine[m]["ci_high"]) for m in HEADLINE]
         c = cov.get(system)
         share = "" if c is None or c["native_share"] is None else f"{c['native_share']:.3f}"
-        cells += [str(mine["micro_f1"]["n"]), str(c["n_short"]) if c else "", str(c["n_failed"]) if c else "", share]
+        cells += [str(mine["micro_f1"]["n"]), str(c["n_below_k"]) if c else "", str(c["n_failed"]) if c else "",
+                  share]
         out.append(cells)
     return Table(["system"] + [LABELS[m] for m in HEADLINE] + ["n", "short", "failed", "native share"], out)
 
@@ -325,8 +330,12 @@ def build_report(wh: Warehouse, run_id: str) -> list:
             [[r["kind"], r["status"], r["code_version"], f"{r['started_at']:%Y-%m-%d %H:%M:%S}",
               f"{(r['finished_at'] - r['started_at']).total_seconds():.1f}" if r["finished_at"] else "",
               r["config_json"]] for r in runs.iter_rows(named=True)])]
-    for kk in fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else []):
-        blocks += [Heading(f"Systems at K = {k_label(kk)}"), system_table(metrics, coverage, kk)]
+    for i, kk in enumerate(fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else [])):
+        blocks += [Heading(f"Systems at K = {k_label(kk)}")]
+        if i == 0:
+            blocks.append(Paragraph("short = trajectories whose list has fewer than K codes (failed ones included), "
+                                    "scored with the hits they have; failed = trajectories whose forecast failed."))
+        blocks.append(system_table(metrics, coverage, kk))
     blocks += [Heading("System comparison"),
                Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",
                       comparison_figure(metrics, k))]

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from dxr.cli import main
 from tasks.evaluate import evaluate_run
-from tasks.report import render_report
-from test_metrics import A, B, C, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
+from tasks.report import build_report, render_report, system_table, to_markdown
+from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, write_cohort, write_rankings
 from warehouse.store import Warehouse
 
 
@@ -49,6 +49,27 @@ def test_html_report_is_self_contained_with_embedded_plots(wh, tmp_path):
     for figure in ("comparison", "k_sweep", "frequency", "onset"):
         assert (tmp_path / "out" / f"{figure}.png").stat().st_size > 1000
         assert f"]({figure}.png)" in markdown
+
+
+def test_the_short_column_counts_the_trajectories_ranked_below_k_at_each_k(wh):
+    # s2 ranks one code for T2 and records it `short`: short of K = 2 but not of K = 1. The column showed the
+    # status rows, 1 at every K; a failed trajectory (no codes) is below K too.
+    write_rankings(wh, "r4", rankings={"s1": RANKINGS["s1"], "s2": RANKINGS["s2"], "s5": {T1: [A, B], T2: [], T3: [E]}},
+                   status={("s2", T2): "short", ("s5", T2): "failed", ("s5", T3): "short"})
+    evaluate_run(wh, "r4", ks=(1, 2), n_boot=0)
+    metrics, coverage = wh.read("metrics", run_id="r4"), wh.read("evaluation_coverage", run_id="r4")
+
+    def short_and_failed(k):
+        table = system_table(metrics, coverage, k)
+        at = table.columns.index("short")
+        return {row[0]: (row[at], row[at + 1]) for row in table.rows}
+
+    assert short_and_failed(1) == {"s1": ("0", "0"), "s2": ("0", "0"), "s5": ("1", "1"), "oracle": ("0", "0")}
+    assert short_and_failed(2) == {"s1": ("0", "0"), "s2": ("1", "0"), "s5": ("2", "1"), "oracle": ("0", "0")}
+    assert short_and_failed(0) == {"s1": ("0", "0"), "s2": ("0", "0"), "s5": ("0", "1"), "oracle": ("0", "0")}
+    markdown = to_markdown(build_report(wh, "r4"))
+    assert ("short = trajectories whose list has fewer than K codes (failed ones included), scored with the hits "
+            "they have; failed = trajectories whose forecast failed.") in markdown
 
 
 def test_report_needs_an_evaluation(wh, tmp_path):
