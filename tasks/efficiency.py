@@ -129,10 +129,22 @@ def retrieval_part(con, run_id: str, patients: pl.DataFrame) -> pl.DataFrame:
             .with_columns(pl.lit(True).alias("retrieval")).join(totals, on="system", how="left"))
 
 
-def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice]) -> pl.DataFrame:
-    """One row per system of the run (sorted by name) with the `SCHEMA` columns; empty for a run without rankings."""
+def run_systems(wh: Warehouse, run_id: str) -> list[str]:
+    """The systems with lists (rankings or statuses) in the run, sorted; none for an aggregate of repeated runs."""
+    return sorted(matched_patients(wh.connect(run_id=run_id), run_id)["system"].unique().to_list())
+
+
+def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
+                   systems: list[str] | None = None) -> pl.DataFrame:
+    """One row per system of the run (sorted by name) with the `SCHEMA` columns; empty for a run without rankings.
+
+    `systems` keeps those of them (the evaluated ones): a system that `dxr evaluate --systems` left out has no
+    micro-F1 of this evaluation to set its costs against.
+    """
     con = wh.connect(run_id=run_id)  # only this run's partitions are opened
     patients = matched_patients(con, run_id)
+    if systems is not None:
+        patients = patients.filter(pl.col("system").is_in(systems))
     if patients.is_empty():
         return pl.DataFrame(schema=SCHEMA)
     counts = patients.group_by("system").agg(pl.len().cast(pl.Int64).alias("patients")).sort("system")
@@ -169,18 +181,26 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice]) ->
     return frame.select([pl.col(name).cast(dtype) for name, dtype in SCHEMA.items()]).sort("system")
 
 
-def efficiency_notes(wh: Warehouse, run_id: str) -> list[str]:
-    """What the per-system numbers leave out or share: unmatched LLM stages or patients, unclaimed retrieval."""
+def efficiency_notes(wh: Warehouse, run_id: str, systems: list[str] | None = None) -> list[str]:
+    """What the per-system numbers leave out or share: unmatched LLM stages or patients, unclaimed retrieval.
+
+    `systems` are the systems shown (`run_efficiency`); by default every system of the run.
+    """
     con = wh.connect(run_id=run_id)
     patients = matched_patients(con, run_id)
-    systems = sorted(patients["system"].unique().to_list())
+    ranked = sorted(patients["system"].unique().to_list())
+    systems = ranked if systems is None else [s for s in ranked if s in systems]
     notes = []
     calls = fetch_frame(con, "SELECT stage, trajectory_id FROM llm_calls WHERE run_id = ?", [run_id])
     covered = {stage for system in systems for stage in footprint(system)}
-    stray = calls.filter(~pl.col("stage").is_in(sorted(covered)))
-    if stray.height:
-        notes.append(f"{stray.height} LLM call(s) of stage(s) {', '.join(sorted(set(stray['stage'])))} belong to no "
-                     "system of this run and are not counted.")
+    left_out = {stage for system in ranked for stage in footprint(system)} - covered
+    for stray, whose in ((calls.filter(pl.col("stage").is_in(sorted(left_out))),
+                          "are of systems left out of the evaluation"),
+                         (calls.filter(~pl.col("stage").is_in(sorted(covered | left_out))),
+                          "belong to no system of this run")):
+        if stray.height:
+            notes.append(f"{stray.height} LLM call(s) of stage(s) {', '.join(sorted(set(stray['stage'])))} {whose} "
+                         "and are not counted.")
     outside = (calls.filter(pl.col("stage").is_in(sorted(covered)) & pl.col("trajectory_id").is_not_null())
                .join(patients.select("trajectory_id").unique(), on="trajectory_id", how="anti"))
     if outside.height:
@@ -188,8 +208,10 @@ def efficiency_notes(wh: Warehouse, run_id: str) -> list[str]:
                      "counted.")
     jobs = fetch_frame(con, "SELECT count(*) AS n FROM search_jobs WHERE run_id = ?", [run_id])["n"].item()
     if jobs and not retrieval_claimers(systems):
-        notes.append(f"{jobs} search job(s) under this run belong to no retrieval system of the run "
-                     f"({', '.join(RETRIEVAL_SYSTEMS)}) and are not counted.")
+        unevaluated = retrieval_claimers(ranked)
+        whose = (f"are of systems left out of the evaluation ({', '.join(unevaluated)})" if unevaluated else
+                 f"belong to no retrieval system of the run ({', '.join(RETRIEVAL_SYSTEMS)})")
+        notes.append(f"{jobs} search job(s) under this run {whose} and are not counted.")
     own = [s for s in systems if s in RETRIEVAL_SYSTEMS]
     if jobs and len(own) > 1:
         notes.append("The ledger has no system column: the run's whole retrieval is counted for each of "

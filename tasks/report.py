@@ -29,7 +29,7 @@ from prefect import task  # noqa: E402
 from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
-from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency  # noqa: E402
+from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
@@ -150,18 +150,25 @@ def _value(value, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
-def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] | None = None) -> list:
+def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] | None = None,
+                      systems: list[str] | None = None) -> list:
     """Spec §6 per system on the run's matched patients: LLM calls, tokens, cost, throughput, retrieval, micro-F1@20.
 
-    Prices default to the configured `llm.prices` table (cost is computed now, never stored).
+    Prices default to the configured `llm.prices` table (cost is computed now, never stored). `systems` are the
+    evaluated systems (default: every system of the run); the others are named as left out, not listed.
     """
     if prices is None:
         prices = load_settings(data_dir=wh.root).llm.prices
-    frame = run_efficiency(wh, run_id, prices)
+    ranked = run_systems(wh, run_id)
+    left_out = [] if systems is None else [s for s in ranked if s not in systems]
+    frame = run_efficiency(wh, run_id, prices, systems)
     blocks: list = [Heading("Efficiency (per patient, same patients)")]
-    if frame.is_empty():
+    if not ranked:
         return blocks + [Paragraph("No per-patient telemetry: this run id has no rankings of its own (an aggregate "
                                    "of repeated runs); each underlying run's report has its own.")]
+    if frame.is_empty():
+        return blocks + [Paragraph("No per-patient telemetry: no system with lists in this run was evaluated (left "
+                                   f"out by `dxr evaluate --systems`: {', '.join(left_out)}).")]
     rows = frame.to_dicts()
     n, subjects = max(r["patients"] for r in rows), matched_subjects(wh, run_id)
     matched = (f"{n} matched patients" if subjects == n else
@@ -181,6 +188,9 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
                 f"{r['calls_per_patient']:.2f}", f"{r['backend_calls_per_patient']:.2f}", str(r["cache_hits"]),
                 _value(r["cost_per_patient_usd"], ".6f"), _value(r["patients_per_hour"], ",.0f"), r["clock"]]
                for r in rows])]
+    if left_out:
+        blocks.append(Paragraph("Not listed (lists in this run, but left out of its evaluation by `dxr evaluate "
+                                f"--systems`): {', '.join(left_out)}."))
     llm = [r for r in rows if r["llm_calls"]]
     if llm:
         blocks += [Heading("LLM tokens and latency per patient", 3),
@@ -210,7 +220,7 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
         blocks.append(Paragraph(f"No retrieval in this run: no search jobs or ledger rows under run {run_id} are "
                                 "attributed to its systems, so queries, retrieval operations and source accesses "
                                 "are 0 for every system."))
-    notes = efficiency_notes(wh, run_id)
+    notes = efficiency_notes(wh, run_id, systems)
     if notes:
         blocks.append(Paragraph("Not counted above: " + " ".join(notes)))
     return blocks
@@ -365,7 +375,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                    Paragraph("Best achievable top-K within each pool (union of full lists): min(K, |pool ∩ Y|) "
                              "hits per trajectory."),
                    headroom_table(headroom, metrics, k)]
-    blocks += efficiency_blocks(wh, run_id)
+    blocks += efficiency_blocks(wh, run_id, systems=systems)
     return blocks
 
 

@@ -180,6 +180,10 @@ def test_retrieval_counts_from_ledger_writes(run):
     assert rows["global_frequency"]["queries_per_patient"] == 0.0 and rows["global_frequency"]["retrieval"] is False
     assert efficiency_notes(run, "e3") == [
         "The ledger has no system column: the run's whole retrieval is counted for each of full, research_path."]
+    # Shown without its searching systems (left out of the evaluation), the run's retrieval is theirs, not nobody's.
+    assert efficiency_notes(run, "e3", systems=["global_frequency"]) == [
+        "3 search job(s) under this run are of systems left out of the evaluation (full, research_path) and are not "
+        "counted."]
     # Retrieval under a run whose systems do not search is reported as unclaimed, not silently dropped.
     write_retrieval(run, "e1")
     assert by_system(run_efficiency(run, "e1", PRICES))["direct"]["queries_per_patient"] == 0.0
@@ -226,3 +230,32 @@ def test_a_cohort_of_every_encounter_says_its_per_patient_columns_count_trajecto
             "forecast at several target encounters counts once per trajectory in every per-patient column) divided "
             "by their number.") in markdown
     assert "| global_frequency | 3 | n/a | 0.00 | 0.00 | 0 | 0.000000 | 1,200 |" in markdown
+
+
+def test_only_the_evaluated_systems_are_listed(run, tmp_path, monkeypatch):
+    # `dxr evaluate --systems` scored two of the run's four systems: the report listed all four, two of them with
+    # micro-F1@20 n/a as if K = 20 had not been evaluated.
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout
+    evaluate_run(run, "e1", systems=["global_frequency", "rrf_prior_direct"], ks=(20,), n_boot=0, natural=False)
+    efficiency = to_markdown(build_report(run, "e1")).split("## Efficiency")[1]
+    listed = [line.split(" | ")[0][2:] for line in efficiency.splitlines() if line.startswith("| ")]
+    assert listed == ["system", "global_frequency", "rrf_prior_direct", "system", "rrf_prior_direct"]
+    assert "| rrf_prior_direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a |" in efficiency   # it fuses direct's calls
+    assert ("Not listed (lists in this run, but left out of its evaluation by `dxr evaluate --systems`): direct, "
+            "ehr_prior.") in efficiency
+    assert "Not counted above: 1 LLM call(s) of stage(s) unit belong to no system of this run" in efficiency
+
+    evaluate_run(run, "e1", systems=["global_frequency"], ks=(20,), n_boot=0, natural=False)
+    assert sorted(run_efficiency(run, "e1", PRICES, systems=["global_frequency"])["system"]) == ["global_frequency"]
+    assert efficiency_notes(run, "e1", systems=["global_frequency"]) == [
+        "5 LLM call(s) of stage(s) direct are of systems left out of the evaluation and are not counted.",
+        "1 LLM call(s) of stage(s) unit belong to no system of this run and are not counted."]
+
+    # Only the gold-side oracle scored: no system with telemetry was evaluated (this is no aggregate of runs).
+    run.write("oracle_probabilities", pl.DataFrame({"cohort_id": COHORT, "trajectory_id": [T1, T2, T3], "code": A,
+                                                    "probability": 0.5}), cohort_id=COHORT)
+    evaluate_run(run, "e1", systems=["oracle"], ks=(20,), n_boot=0, natural=False)
+    efficiency = to_markdown(build_report(run, "e1")).split("## Efficiency")[1]
+    assert efficiency.strip().splitlines()[-1] == (
+        "No per-patient telemetry: no system with lists in this run was evaluated (left out by `dxr evaluate "
+        "--systems`: direct, ehr_prior, global_frequency, rrf_prior_direct).")
