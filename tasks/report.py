@@ -14,7 +14,6 @@ import base64
 import html
 import io
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,17 @@ from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
+from warehouse.locks import held  # noqa: E402
+from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 SWEEP_MAX_K = 20
+# Every file a report writes: its figures (`Figure.name` + .png) and its two pages.
+REPORT_FILES = ("comparison.png", "k_sweep.png", "frequency.png", "onset.png", "report.md", "report.html")
+# A render waits this long for another one to finish swapping its files into the same directory (a rename).
+SWAP_WAIT_SECONDS = 10.0
 LABELS = {"precision_at_k": "P@K", "recall_at_k": "R@K", "micro_precision": "micro-P", "micro_recall": "micro-R",
           "micro_f1": "micro-F1", "macro_f1": "macro-F1"}
 HEADLINE = ("precision_at_k", "recall_at_k", "micro_f1", "macro_f1")
@@ -429,26 +434,46 @@ def report_path(wh: Warehouse, run_id: str) -> Path:
 
 
 def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None) -> Path:
-    """Write report.md (+ PNGs) and report.html for a run; returns the HTML path (`report_path` by default)."""
+    """Write report.md (+ PNGs) and report.html for a run as one set; returns the HTML path (`report_path` by default).
+
+    The files are written into a staging directory beside the output directory and swapped in whole: a
+    reader sees the previous complete report or the new one, never files of two evaluations (a figure of one
+    beside the page of another), and a render killed or out of disk space midway leaves the previous set in
+    place for the next render to replace (its staging is removed then). So the output directory holds a
+    report and nothing else: one holding other files is refused rather than replaced.
+    """
     with holding_run(wh, run_id, exclusive=False):  # no evaluation rewrites the metrics meanwhile
         blocks = build_report(wh, run_id)
     out = Path(out_dir) if out_dir is not None else report_path(wh, run_id).parent
-    for block in blocks:
-        if isinstance(block, Figure):
-            write_whole(out / f"{block.name}.png", block.png)
-    write_whole(out / "report.md", to_markdown(blocks).encode("utf-8"))
-    page = out / "report.html"
-    write_whole(page, to_html(blocks).encode("utf-8"))
-    return page
+    files = {f"{block.name}.png": block.png for block in blocks if isinstance(block, Figure)}
+    files["report.md"] = to_markdown(blocks).encode("utf-8")
+    files["report.html"] = to_html(blocks).encode("utf-8")
+    assert set(files) <= set(REPORT_FILES), f"{sorted(set(files) - set(REPORT_FILES))} are not in REPORT_FILES"
+    target = out.absolute()  # a name to put the staging beside (`.` has none)
+    if not target.exists():  # a path through a file fails here, naming `out` (Not a directory)
+        target.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(target)
+    with scratch(target, "staging") as staging:
+        staging.mkdir()
+        for name, data in files.items():
+            with naming(out / name):  # Python's file write names no file (a full disk, a quota)
+                (staging / name).write_bytes(data)
+        # Two renders into one directory would each move the other's report aside.
+        with held(wh, f"report-dir:{target}", shared=False, wait=SWAP_WAIT_SECONDS,
+                  busy=f"another dxr process is swapping a report into {out}"):
+            check_report_dir(out)
+            replace_dir(staging, target)
+    return out / "report.html"
 
 
-def write_whole(path: Path, data: bytes) -> None:
-    """Write a report file beside it and rename it into place: a re-render killed or out of disk space midway
-    leaves the previous file whole, not a truncated page that a backfill's Prefect artifact points to."""
-    remove_abandoned(path)
-    with scratch(path, "tmp") as tmp, naming(path):  # Python's file write names no file (a full disk, a quota)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+def check_report_dir(out: Path) -> None:
+    """Refuse an output directory that holds anything but a report's files (or their scratch from a killed write)."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file: give --out a directory for the report")
+    for entry in sorted(out.iterdir()) if out.is_dir() else []:
+        if entry.name not in REPORT_FILES and not any(entry.name.startswith(f".{f}.") for f in REPORT_FILES):
+            raise InputError(f"{out} holds {entry.name!r}, which is not a file of a report: a report replaces its "
+                             "directory whole, so give --out a new or empty directory of its own")
 
 
 @task(name="render-report")

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from dxr.cli import main
+from dxr.errors import InputError
 from tasks.evaluate import evaluate_run
 from tasks.report import build_report, render_report, system_table, to_markdown
 from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, write_cohort, write_rankings
@@ -84,41 +85,112 @@ def test_report_refuses_an_evaluation_a_forecast_rerun_made_stale(wh, tmp_path):
     evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
     clear_outputs(wh, "r1", "s1")  # what a rerun of s1 does first: its metrics go, the others' stay
     assert wh.has_rows("metrics", run_id="r1")
-    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(tmp_path)])
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(out)])
     assert result.exit_code == 1
     assert "the evaluation of run 'r1' is stale" in result.output
     assert "run `dxr evaluate --run r1` again" in result.output
-    assert not (tmp_path / "report.html").exists()
+    assert not out.exists()
     evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
-    assert render_report(wh, "r1", tmp_path).exists()
+    assert render_report(wh, "r1", out).exists()
 
 
-def test_a_rerender_that_fails_midway_leaves_the_previous_report_whole(wh, tmp_path, monkeypatch):
+def test_a_rerender_that_fails_between_files_leaves_the_previous_set_whole(wh, tmp_path, monkeypatch):
+    # The files were renamed into place one by one: a render that failed (or was killed) at report.html left the
+    # new report.md and figures beside the previous evaluation's page, two evaluations shown as one report.
     import errno
     from pathlib import Path
 
+    out = tmp_path / "out"
     evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
-    page = render_report(wh, "r1", tmp_path)
-    before = page.read_bytes()
+    render_report(wh, "r1", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["comparison.png", "frequency.png", "k_sweep.png", "onset.png", "report.html",
+                              "report.md"]
+    evaluate_run(wh, "r1", ks=(2,), n_boot=10, seed=1)   # another evaluation: other K values and intervals
 
-    write_bytes, write_text = Path.write_bytes, Path.write_text
+    write_bytes = Path.write_bytes
 
-    def html_fills_the_disk(write):
-        def patched(self, data, *args, **kwargs):
-            if "report.html" not in self.name:
-                return write(self, data, *args, **kwargs)
-            with open(self, "wb") as f:  # half of the page, then the disk is full
-                f.write(data[:len(data) // 2] if isinstance(data, bytes) else data[:len(data) // 2].encode())
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return patched
+    def html_fills_the_disk(self, data):
+        if "report.html" not in self.name:
+            return write_bytes(self, data)
+        with open(self, "wb") as f:  # half of the page, then the disk is full
+            f.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_bytes", html_fills_the_disk(write_bytes))
-    monkeypatch.setattr(Path, "write_text", html_fills_the_disk(write_text))
+    monkeypatch.setattr(Path, "write_bytes", html_fills_the_disk)
     with pytest.raises(OSError, match="No space left"):
-        render_report(wh, "r1", tmp_path)
-    assert page.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+        render_report(wh, "r1", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"]   # no staging directory left behind
 
+    monkeypatch.undo()   # the disk has room again: a rerun renders the new evaluation whole
+    page = render_report(wh, "r1", out)
+    assert "Systems at K = 1" in before["report.md"].decode() and "Systems at K = 1" not in page.read_text()
+    assert (out / "report.md").read_bytes() != before["report.md"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
+
+
+def test_a_report_rendered_over_another_keeps_none_of_its_files(wh, tmp_path):
+    # A mean over repeated runs draws no K-sweep: rendered into r1's report directory, it left r1's k_sweep.png
+    # there beside its own figures.
+    from datetime import datetime
+
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    out = tmp_path / "out"
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    render_report(wh, "r1", out)
+    assert (out / "k_sweep.png").is_file()
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
+    render_report(wh, config_id, out)
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.png", "frequency.png", "onset.png", "report.html",
+                                                     "report.md"]
+
+
+def test_a_report_is_not_swapped_over_a_directory_holding_other_files(wh, tmp_path):
+    # The set is swapped in as a whole directory, so --out must hold only a report: the user's files are refused,
+    # not replaced.
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    (tmp_path / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: {tmp_path} holds 'notes.txt', which is not a file of a report: a report "
+                             "replaces its directory whole, so give --out a new or empty directory of its own\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "wh"]
+
+
+def test_a_report_is_not_swapped_over_a_file_and_replaces_scratch_of_a_killed_write(wh, tmp_path):
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    page = tmp_path / "page"
+    page.write_text("mine")
+    with pytest.raises(InputError, match=f"^{page} is a file: give --out a directory for the report$"):
+        render_report(wh, "r1", page)
+    assert page.read_text() == "mine"
+    # What a render killed inside an earlier version's per-file write left: part of the set, not the user's.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".report.html.host-1-0123abcd.tmp").write_text("<html>half")
+    render_report(wh, "r1", out)
+    assert sorted(p.name for p in out.iterdir()) == ["comparison.png", "frequency.png", "k_sweep.png", "onset.png",
+                                                     "report.html", "report.md"]
+
+
+def test_two_renders_do_not_swap_one_directory_at_once(wh, tmp_path, monkeypatch):
+    import tasks.report
+    from warehouse.locks import held
+
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(tasks.report, "SWAP_WAIT_SECONDS", 0.0)
+    with held(wh, f"report-dir:{out.absolute()}", shared=False, busy="held by the test"):
+        with pytest.raises(InputError, match=f"another dxr process is swapping a report into {out}: retry"):
+            render_report(wh, "r1", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"] and list(out.iterdir()) == []
 
 
 def test_a_report_file_that_does_not_fit_on_the_disk_is_named(wh, tmp_path):
@@ -135,7 +207,7 @@ def test_a_report_file_that_does_not_fit_on_the_disk_is_named(wh, tmp_path):
     first = tmp_path / "out" / "comparison.png"  # the first file the report writes
     assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(first))
     assert one_line(raised.value) == f"{first}: File too large: check the path"
-    assert list((tmp_path / "out").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"] and list((tmp_path / "out").iterdir()) == []
 
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     runner = CliRunner()

@@ -113,7 +113,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
 @main.command("report")
 @click.option("--run", "run_id", required=True, help="Evaluated run (see `dxr evaluate`).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default: <data_dir>/reports/<run>).")
+              help="Output directory, replaced whole by the report: new, empty or holding a report "
+                   "(default: <data_dir>/reports/<run>).")
 @click.pass_context
 def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None:
     """Write report.md and a self-contained report.html (plots embedded) for an evaluated run.
