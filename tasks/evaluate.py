@@ -292,20 +292,24 @@ def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids:
 
 @dataclass
 class Counts:
-    """Dense per-trajectory counts: hits H (M,S,K,n), predictions C (M,K,n), targets Y (S,n)."""
+    """Dense per-trajectory counts: hits H (M,S,K,n), predictions C (M,K,n), targets Y (S,n) of the S `subsets`."""
 
     names: list[str]
     ks: tuple[int, ...]
     hits: np.ndarray
     predictions: np.ndarray
     targets: np.ndarray
+    subsets: tuple[str, ...] = SUBSETS
 
 
-def system_counts(run: RunData, ks: tuple[int, ...]) -> Counts:
-    """Hits of each system's top-K (K = 0: whole list) per subset, from the ranking positions."""
-    n, n_sub, n_k, n_sys = len(run.trajectory_ids), len(SUBSETS), len(ks), len(run.systems)
+def system_counts(run: RunData, ks: tuple[int, ...], subsets: tuple[str, ...] = SUBSETS) -> Counts:
+    """Hits of each system's top-K (K = 0: whole list) per subset, from the ranking positions.
+
+    The arrays are (systems, subsets, K, trajectories): a caller that needs fewer subsets names them.
+    """
+    n, n_sub, n_k, n_sys = len(run.trajectory_ids), len(subsets), len(ks), len(run.systems)
     traj_index = pl.DataFrame({"trajectory_id": run.trajectory_ids, "i": np.arange(n)})
-    sub_index = pl.DataFrame({"subset": list(SUBSETS), "s": np.arange(n_sub)})
+    sub_index = pl.DataFrame({"subset": list(subsets), "s": np.arange(n_sub)})
     sys_index = pl.DataFrame({"system": run.systems, "m": np.arange(n_sys)})
     labelled = run.labelled.join(traj_index, on="trajectory_id").join(sub_index, on="subset")
     targets = np.bincount(labelled["s"].to_numpy() * n + labelled["i"].to_numpy(), minlength=n_sub * n)
@@ -320,7 +324,7 @@ def system_counts(run: RunData, ks: tuple[int, ...]) -> Counts:
     lengths = np.bincount(lists["m"].to_numpy() * n + lists["i"].to_numpy(), minlength=n_sys * n).reshape(n_sys, n)
     predictions = np.stack([lengths if k == NATURAL_K else np.full((n_sys, n), k) for k in ks], axis=1)
     return Counts(list(run.systems), tuple(ks), hits, predictions.astype(float),
-                  targets.reshape(n_sub, n).astype(float))
+                  targets.reshape(n_sub, n).astype(float), tuple(subsets))
 
 
 def pool_oracle_counts(run: RunData, pools: list[tuple[str, ...]], ks: tuple[int, ...]) -> tuple[Counts, np.ndarray]:
@@ -486,18 +490,18 @@ def percentile_interval(replicates: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def metric_rows(est: Estimates) -> pl.DataFrame:
     """Long rows (system, subset, k, metric, value, ci_low, ci_high, n); subsets without patients omitted."""
-    return metric_frame(est.counts.names, est.counts.ks, est.point, est.boot, est.n)
+    return metric_frame(est.counts.names, est.counts.ks, est.point, est.boot, est.n, est.counts.subsets)
 
 
 def metric_frame(names: list[str], ks: tuple[int, ...], point: np.ndarray, boot: np.ndarray | None,
-                 n: np.ndarray) -> pl.DataFrame:
-    """`metric_rows` from arrays: point (M,S,K,6), replicates (B,M,S,K,6) or None, n (S,)."""
+                 n: np.ndarray, subsets: tuple[str, ...] = SUBSETS) -> pl.DataFrame:
+    """`metric_rows` from arrays: point (M,S,K,6), replicates (B,M,S,K,6) or None, n (S,) of the S `subsets`."""
     low = high = np.full(point.shape, np.nan)
     if boot is not None:
         low, high = percentile_interval(boot)
     m, s, kk, q = np.meshgrid(*(np.arange(d) for d in point.shape), indexing="ij")
     frame = pl.DataFrame({
-        "system": np.array(names)[m.ravel()], "subset": np.array(SUBSETS)[s.ravel()],
+        "system": np.array(names)[m.ravel()], "subset": np.array(subsets)[s.ravel()],
         "k": np.array(ks, dtype=np.int32)[kk.ravel()], "metric": np.array(METRICS)[q.ravel()],
         "value": point.ravel().astype(float), "ci_low": low.ravel().astype(float),
         "ci_high": high.ravel().astype(float),
@@ -556,7 +560,7 @@ def paired_rows(est: Estimates, pairs: list[tuple[str, str]], subject_index: np.
         s, kk, q = np.meshgrid(*(np.arange(d) for d in diff.shape), indexing="ij")
         s, kk, q = s.ravel(), kk.ravel(), q.ravel()
         frames.append(pl.DataFrame({
-            "system_a": a, "system_b": b, "subset": np.array(SUBSETS)[s],
+            "system_a": a, "system_b": b, "subset": np.array(est.counts.subsets)[s],
             "k": np.array(est.counts.ks, dtype=np.int32)[kk], "metric": np.array(METRICS)[q],
             "value_a": est.point[ia].ravel(), "value_b": est.point[ib].ravel(), "difference": diff.ravel(),
             "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float), "n": est.n[s],

@@ -29,7 +29,8 @@ from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
-from tasks.evaluate import FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, evaluate  # noqa: E402
+from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, estimate, load_run,  # noqa: E402
+                            metric_rows, system_counts)
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
@@ -297,9 +298,13 @@ def grouped_figure(metrics: pl.DataFrame, k: int, subsets: list[str], metric: st
 # ---- assembly and rendering ------------------------------------------------------------------
 
 def k_sweep(wh: Warehouse, run_id: str, systems: list[str], max_k: int) -> pl.DataFrame:
-    """Point values (no bootstrap) of every metric at K = 1..max_k for the subset `all`."""
-    sweep = evaluate(wh, run_id, systems=systems, ks=range(1, max_k + 1), n_boot=0, natural=False, pairs=[], pools=[])
-    return sweep.metrics.filter(pl.col("subset") == "all")
+    """Point values (no bootstrap) of every metric at K = 1..max_k for the subset `all`.
+
+    Only `all` is counted: the counts are (systems, subsets, K, trajectories) float64 arrays, so the other
+    eight subsets at twenty K values would take ~10 GB for 16 systems at 50,000 trajectories.
+    """
+    run = load_run(wh, run_id, systems, ks=range(1, max_k + 1))
+    return metric_rows(estimate(system_counts(run, tuple(range(1, max_k + 1)), subsets=("all",)), None))
 
 
 def build_report(wh: Warehouse, run_id: str) -> list:

@@ -13,7 +13,7 @@ from dxr.cli import main
 from dxr.errors import InputError
 from tasks.evaluate import evaluate_run
 from tasks.report import build_report, render_report, system_table, to_markdown
-from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, write_cohort, write_rankings
+from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, dx, write_cohort, write_rankings
 from warehouse.store import Warehouse
 
 
@@ -71,6 +71,33 @@ def test_the_short_column_counts_the_trajectories_ranked_below_k_at_each_k(wh):
     markdown = to_markdown(build_report(wh, "r4"))
     assert ("short = trajectories whose list has fewer than K codes (failed ones included), scored with the hits "
             "they have; failed = trajectories whose forecast failed.") in markdown
+
+
+def test_the_k_sweep_counts_only_the_subset_it_draws(tmp_path):
+    # The K-sweep draws subset `all` at K = 1..20 but counted all nine subsets: nine times the memory of its
+    # (systems, subsets, K, trajectories) float64 arrays, about 10 GB for 16 systems at 50,000 trajectories.
+    import tracemalloc
+
+    from tasks.report import k_sweep
+
+    wh = Warehouse(tmp_path / "wh")
+    codes = [dx(f"C{c:02d}") for c in range(21)]
+    ids = [f"{COHORT}:{i}:{i}" for i in range(1, 2001)]
+    write_cohort(wh, targets={t: codes[i % 7:i % 7 + 3] for i, t in enumerate(ids)}, pretarget={}, train_counts={})
+    write_rankings(wh, "big", rankings={"s1": {t: codes[:20] for t in ids}, "s2": {t: codes[1:] for t in ids}},
+                   status={})
+    tracemalloc.start()
+    try:
+        sweep = k_sweep(wh, "big", ["s1", "s2"], 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 15e6, f"{peak / 1e6:.0f} MB"
+    recall = dict(sweep.filter((pl.col("k") == 20) & (pl.col("metric") == "micro_recall"))
+                  .select("system", "value").iter_rows())
+    # s1 ranks every target code; s2 misses codes[0], a target of the 286 trajectories with i % 7 == 0.
+    assert recall == {"s1": 1.0, "s2": (6000 - 286) / 6000}
+    assert set(sweep["subset"]) == {"all"} and sorted(set(sweep["k"])) == list(range(1, 21))
 
 
 def test_report_needs_an_evaluation(wh, tmp_path):
