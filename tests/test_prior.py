@@ -235,6 +235,29 @@ def test_a_stay_nested_in_a_longer_one_is_trained_on_the_record_its_forecast_see
     assert torch.equal(tensors.static[1, :S], served.static[0]) and tensors.static[1, S:].sum() == 0
 
 
+def test_a_nested_stays_pair_holds_no_more_visits_than_the_network_embeds(wh_vocab, tmp_path):
+    from tests.conftest import dx as icd10, nested_stay_meds
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    ingest_meds(wh_vocab, nested_stay_meds(tmp_path / "meds"), "nested")
+    cid = build_cohort(wh_vocab, "nested", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    con, cfg = wh_vocab.connect(), PriorConfig(min_code_count=1, max_visits=2, **TINY)
+    vocab = prior_data.build_vocabulary(con, cid, min_code_count=1)
+    tensors, _ = training_sequences(con, cid, vocab, cfg)
+    # Subject 2's sequence keeps its last 2 visits (204, 205); the pair of 205 the last of its cut record (202),
+    # then 205: a third visit had no position embedding, and training failed with 'index out of range in self'.
+    assert tensors.keys == [2, (2, 205)] and tensors.lengths.tolist() == [2, 2] and tensors.codes.shape[1] == 2
+    assert [vocab.input_codes[i - 2] for i in tensors.codes[1, 0].tolist() if i > 1] == [
+        icd10("I10"), icd10("J189"), "LAB//HBA1C//%//q0"]
+    assert tensors.targets[1].tolist() == [False, True]
+    net = PriorNet(NetConfig(vocab.n_input, vocab.n_output, max_visits=2, **TINY)).eval()
+    batch = trim({"codes": tensors.codes, "numeric": tensors.numeric, "static": tensors.static,
+                  "lengths": tensors.lengths, "dx": tensors.dx})
+    assert net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])[0].shape == (
+        2, 2, vocab.n_output)
+
+
 def test_a_validation_record_whose_last_visit_is_nested_is_cut_at_its_cutoff():
     t = dt.datetime
     # Two tuning records of one patient (target rule every) share encounters 1-3: record "a", cut on day 30, holds

@@ -446,7 +446,9 @@ def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocab
     padded with n_output. A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
     """
     cut, label_codes, names = cut_records(events, key, visits)
-    inputs = visit_tensors(cut, "pair", vocab, cfg)  # only the pairs whose cut record has a visit
+    # Only the pairs whose cut record has a visit; at most max_visits - 1 of its visits, as in a patient's own
+    # sequence: `pair_sequences` appends the label visit, and the network embeds max_visits positions only.
+    inputs = visit_tensors(cut, "pair", vocab, cfg.model_copy(update={"max_visits": cfg.max_visits - 1}))
     rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
                         schema={"pair": cut.schema["pair"], "row": pl.Int64})
     labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")
