@@ -8,6 +8,7 @@ import math
 
 import duckdb
 import lightning as L
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -256,6 +257,32 @@ def test_a_nested_stays_pair_holds_no_more_visits_than_the_network_embeds(wh_voc
                   "lengths": tensors.lengths, "dx": tensors.dx})
     assert net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])[0].shape == (
         2, 2, vocab.n_output)
+
+
+@pytest.mark.parametrize("arch", ["moe", "dense", "gru"])
+def test_a_forecast_reads_the_visits_training_inputs_hold_not_the_untrained_last_position(arch):
+    from models.prior.forecaster import RegisteredPrior
+
+    t = dt.datetime
+    codes = [dx("A"), dx("B"), dx("C"), dx("D")]
+    events = pl.DataFrame({"trajectory_id": "t", "time": [t(2020, 1, 1), t(2020, 2, 1), t(2020, 3, 1), t(2020, 4, 1)],
+                           "code": codes, "encounter_id": [1, 2, 3, 4]})
+    cfg = PriorConfig(max_visits=3, **TINY)
+    vocab = Vocabulary(input_codes=codes, output_codes=codes, omega=codes)
+    torch.manual_seed(0)
+    net = PriorNet(NetConfig(vocab.n_input, vocab.n_output, arch=arch, max_visits=3, **TINY)).eval()
+    # A training sequence holds at most max_visits = 3 visits, the third only ever a target: no loss trains
+    # position 2 as an input. A forecast that read the record's last visit there would score NaN.
+    with torch.no_grad():
+        net.visits.position.weight[2] = float("nan")
+    forecaster = RegisteredPrior()
+    forecaster.vocab, forecaster.train_cfg, forecaster.batch_size = vocab, cfg, 8
+    forecaster.net, forecaster.output_codes = net, np.array(codes, dtype=object)
+    ranked = forecaster.predict(pl.DataFrame({"trajectory_id": ["t"]}), events, 4)
+    assert sorted(ranked["code"].to_list()) == codes and ranked["score"].is_finite().all()
+    # It reads the 2 most recent visits, C and D, at positions 0 and 1.
+    kept = visit_tensors(events, "trajectory_id", vocab, prior_data.input_config(cfg), keys=["t"])
+    assert kept.lengths.tolist() == [2] and kept.codes[0, :, 0].tolist() == [4, 5]
 
 
 def test_a_validation_record_whose_last_visit_is_nested_is_cut_at_its_cutoff():

@@ -39,7 +39,8 @@ class PriorConfig(BaseModel):
     top_k: int = Field(2, ge=1)
     expert_hidden: int = Field(64, ge=4)
     dropout: float = Field(0.1, ge=0, lt=1)
-    # Longer records keep their most recent visits; the synthetic patients rarely exceed this.
+    # Visits of a training sequence (positions the network embeds); longer records keep their most recent visits,
+    # and a forecast reads the most recent max_visits - 1 (`input_config`). The synthetic patients rarely exceed this.
     max_visits: int = Field(24, ge=2)
     max_codes_per_visit: int = Field(
         48, ge=1, description="kept in this order: diagnoses, procedures, medications, lab values")

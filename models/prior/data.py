@@ -317,6 +317,15 @@ def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl
     return torch.from_numpy(ids)
 
 
+def input_config(cfg: PriorConfig) -> PriorConfig:
+    """`cfg` for the inputs of a pair or a forecast: the most recent max_visits - 1 visits.
+
+    A training sequence holds at most max_visits visits (the positions the network embeds), its last one
+    only ever a target: no loss trains position max_visits - 1 as an input (only the router losses move it).
+    """
+    return cfg.model_copy(update={"max_visits": cfg.max_visits - 1})
+
+
 def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch.Tensor]:
     """Inputs without each sequence's last visit, and that visit's output ids (N, D) as labels.
 
@@ -446,9 +455,8 @@ def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocab
     padded with n_output. A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
     """
     cut, label_codes, names = cut_records(events, key, visits)
-    # Only the pairs whose cut record has a visit; at most max_visits - 1 of its visits, as in a patient's own
-    # sequence: `pair_sequences` appends the label visit, and the network embeds max_visits positions only.
-    inputs = visit_tensors(cut, "pair", vocab, cfg.model_copy(update={"max_visits": cfg.max_visits - 1}))
+    # Only the pairs whose cut record has a visit; `pair_sequences` appends the label visit to their inputs.
+    inputs = visit_tensors(cut, "pair", vocab, input_config(cfg))
     rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
                         schema={"pair": cut.schema["pair"], "row": pl.Int64})
     labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")

@@ -18,7 +18,7 @@ from dxr.config import load_settings
 from dxr.errors import ConfigError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.data import Vocabulary, trim, visit_tensors
+from models.prior.data import Vocabulary, input_config, trim, visit_tensors
 from models.prior.nn import PriorNet
 
 
@@ -102,7 +102,7 @@ class RegisteredPrior:
     @torch.inference_mode()
     def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
         keys = trajectories["trajectory_id"].to_list()
-        t = visit_tensors(pretarget, "trajectory_id", self.vocab, self.train_cfg, keys=keys)
+        t = visit_tensors(pretarget, "trajectory_id", self.vocab, input_config(self.train_cfg), keys=keys)
         top_k = min(k, self.vocab.n_output)
         scores, codes, states = [], [], []
         for start in range(0, len(keys), self.batch_size):
