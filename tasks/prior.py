@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from dxr.config import load_settings
 from dxr.errors import InputError, NotFoundError
 from models.prior import tracking
-from models.prior.config import PriorConfig, check_prior_system
+from models.prior.config import PriorConfig, check_prior_system, check_prior_systems
 from tasks import stage_logger
 from warehouse.cohorts import get_cohort, reading_cohort
 from warehouse.runs import registered_run
@@ -147,6 +147,7 @@ def ensure_prior(data_dir: str, cohort_id: str, system: str, cfg: PriorConfig) -
 
 def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: PriorConfig) -> list[dict]:
     """Every registered version of the systems' models for a cohort (by name or id), newest first per system."""
+    check_prior_systems(systems)  # a system listed twice would list each of its versions twice
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)

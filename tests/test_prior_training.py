@@ -404,6 +404,14 @@ def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_pa
     assert Warehouse(tmp_path).read("runs").is_empty()
 
 
+def test_prior_models_refuses_a_system_listed_twice(tmp_path):
+    # `dxr prior train` refuses it; `dxr prior models` listed every version of the system twice.
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
+    listed = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort,
+                                       "--system", "gru", "--system", "ehr_prior", "--system", "gru"])
+    assert (listed.exit_code, listed.output) == (1, "Error: gru is listed twice in systems: list each system once\n")
+
+
 def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_version(tmp_path):
     wh = Warehouse(tmp_path)
     cohort = write_planted_cohort(wh, n_patients=60, seed=4)
