@@ -168,6 +168,25 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
                         "evaluate": "stale"}
 
 
+def test_a_model_trained_on_codes_the_cohorts_vocabulary_no_longer_holds_is_refused(trained):
+    # A cohort rebuilt under its id with another Ω (e.g. an ICD release update): the model would rank codes outside it.
+    wh, cohort, result, _ = trained
+    omega = wh.read("cohort_vocabulary", cohort_id=cohort)
+    fitted = RegisteredPrior()
+    fitted.fit(wh.connect(), cohort)
+    dropped = fitted.vocab.output_codes[0]
+    wh.write("cohort_vocabulary", omega.filter(pl.col("code") != dropped), cohort_id=cohort)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            RegisteredPrior().fit(wh.connect(), cohort)
+    finally:
+        wh.write("cohort_vocabulary", omega, cohort_id=cohort)
+    assert str(refused.value) == (
+        f"ehr_prior-{cohort} version {result.version} was trained when cohort {cohort}'s vocabulary held codes that it "
+        f"no longer holds (1, e.g. {dropped}): the cohort was rebuilt with another vocabulary since; train the model "
+        f"again (dxr prior train --cohort {cohort} --system ehr_prior)")
+
+
 def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache(trained, monkeypatch):
     wh, cohort, _, _ = trained
     trajectories, pretarget = shard_inputs(wh, cohort, 0, "all")

@@ -48,6 +48,20 @@ def load_network(model_dir: Path) -> PriorNet:
     return net.eval()
 
 
+def check_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vocabulary, system: str,
+                     version: str) -> None:
+    """Refuse a model trained when the cohort's Ω held codes it no longer holds (a rebuild under the same cohort
+    id, e.g. after an ICD release update): it would rank them, and a forecast names Ω codes only."""
+    omega = {code for (code,) in con.execute("SELECT code FROM cohort_vocabulary WHERE cohort_id = ?",
+                                             [cohort_id]).fetchall()}
+    gone = [code for code in vocab.omega if code not in omega]
+    if gone:
+        raise ConfigError(f"{tracking.registered_name(system, cohort_id)} version {version} was trained when cohort "
+                          f"{cohort_id}'s vocabulary held codes that it no longer holds ({len(gone)}, e.g. {gone[0]}): "
+                          "the cohort was rebuilt with another vocabulary since; train the model again "
+                          f"(dxr prior train --cohort {cohort_id} --system {system})")
+
+
 class RegisteredPrior:
     """Ranks Ω codes with a registered model of one system: the version `version` when pinned (a forecast
     run resolves its alias once, so that every shard uses one version), else the one the alias points to.
@@ -93,6 +107,7 @@ class RegisteredPrior:
                           "version": self.version, "mlflow_run_id": self.run_id}
         bundle = tracking.read_bundle(model_dir)
         self.vocab = Vocabulary(**bundle["vocabulary.json"])
+        check_vocabulary(con, cohort_id, self.vocab, self.system, self.version)
         self.train_cfg = PriorConfig(**bundle["prior_config.json"])
         self.batch_size = cfg.predict_batch_size
         torch.set_num_threads(cfg.threads)
