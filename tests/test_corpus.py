@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -108,6 +109,65 @@ def test_medline_update_files_revise_delete_and_retract_citations(tmp_path, wh):
     result = CliRunner().invoke(main, [*data, "corpus", "ingest", "medline", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert result.stdout.endswith(": 2 documents (0 duplicates dropped, 2 deleted or retracted: left out), 2 chunks\n")
+
+
+def jsonl_corpus(path, documents: list[Document]) -> None:
+    path.write_text("".join(json.dumps({"id": d.doc_id.split(":")[1], "title": d.title, "text": d.text}) + "\n"
+                            for d in documents))
+
+
+def corpus_rows(warehouse) -> tuple[list, list]:
+    """Every documents row (but its ingestion time) and every chunks row, sorted."""
+    return (sorted(warehouse.read("documents").drop("ingested_at").rows()), sorted(warehouse.read("chunks").rows()))
+
+
+def test_an_ingest_killed_between_the_documents_and_chunks_writes_leaves_them_in_step(tmp_path, wh, monkeypatch):
+    import os
+
+    import warehouse.store as store
+    from warehouse.store import Warehouse
+
+    source, other = tmp_path / "tiny.jsonl", tmp_path / "other.jsonl"
+    jsonl_corpus(source, TINY[:2])
+    ingest(wh, "jsonl", source)
+    before = corpus_rows(wh)
+    jsonl_corpus(source, TINY[1:])  # the file is updated and ingested again
+    jsonl_corpus(other, TINY[:1])
+    clean = Warehouse(tmp_path / "clean")
+    for path in (other, source):
+        ingest(clean, "jsonl", path)
+    written = []
+
+    def killed_after_the_first_file(*args, **kwargs):
+        if written:
+            raise KeyboardInterrupt("killed after the documents file was written")
+        written.append(args[1])
+        return real_write_table(*args, **kwargs)
+
+    real_write_table = store.pq.write_table
+    monkeypatch.setattr(store.pq, "write_table", killed_after_the_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(wh, "jsonl", source)
+    monkeypatch.undo()
+    assert corpus_rows(wh) == before  # not the new documents beside the old chunks
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+
+    def killed_between_the_renames(src, dst):
+        if "chunks" in Path(dst).parts:
+            raise KeyboardInterrupt("killed after the documents file was renamed into place")
+        return real_replace(src, dst)
+
+    real_replace = os.replace
+    monkeypatch.setattr(store.os, "replace", killed_between_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(wh, "jsonl", source)
+    monkeypatch.undo()
+    # The commit was made: the next ingest of any path finishes it before its own.
+    ingest(wh, "jsonl", other)
+    assert corpus_rows(wh) == corpus_rows(clean)
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+    ingest(wh, "jsonl", source)
+    assert corpus_rows(wh) == corpus_rows(clean)
 
 
 def test_real_medquad_and_pubmedqa():

@@ -2,12 +2,14 @@
 
 A write replaces exactly one partition file atomically (temporary file + rename), so a rerun
 replaces its own partition, a killed writer leaves either the old or the new file, and rows are
-never duplicated. Readers see complete files only: temporaries do not match the view globs, and a
-deleted partition is moved out of its table (into the store's `.trash`) before its files go.
+never duplicated; `write_together` commits several partitions that must change together. Readers
+see complete files only: temporaries do not match the view globs, and a deleted partition is moved
+out of its table (into the store's `.trash`) before its files go.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +29,9 @@ from warehouse.scratch import naming, remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
+COMMIT_DIR = ".commits"  # per store: partitions staged by `write_together`, renamed into place once all are whole
+COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whole files that must reach their places
+COMMIT_PLAN = "plan.json"  # in a commit: [{"file": staged file name, "target": partition path in the store}]
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
 
@@ -68,15 +73,36 @@ class Warehouse:
     # ---- writes ---------------------------------------------------------------------------
     def write(self, table: str, data: pl.DataFrame | pa.Table, **keys) -> Path:
         """Replace one partition with `data` (validated against the declared schema)."""
-        spec = _spec(table)
-        arrow = conform(spec, data)
-        for key in spec.partition_by:
-            if key in spec.columns:
-                values = set(arrow.column(key).unique().to_pylist())
-                if values - {keys[key]} and len(arrow):
-                    raise ValueError(f"{table}: rows with {key} in {sorted(map(str, values))} written to "
-                                     f"partition {key}={keys[key]}")
+        arrow = _checked(table, data, keys)
         return self._replace_partition(table, keys, lambda tmp: pq.write_table(arrow, tmp, compression="zstd"))
+
+    def write_together(self, writes: list[tuple[str, pl.DataFrame | pa.Table, dict]]) -> list[Path]:
+        """Replace several partitions of one store, given as (table, data, keys), as one commit.
+
+        Each file is written into a staging directory under the store's `.commits`, which one rename
+        turns into a commit; only then are the files renamed over their partitions. A writer killed
+        before that rename leaves every partition as it was; one killed after it leaves a commit that
+        the next `write_together` of the store finishes first, so a rerun gives a clean run's rows.
+        """
+        stores = {_spec(table).store for table, _, _ in writes}
+        if len(stores) != 1:
+            raise ValueError(f"write_together needs partitions of one store, got tables of stores {sorted(stores)}")
+        store_dir = self.store_dir(stores.pop())
+        checked = [(self.partition_path(table, **keys), _checked(table, data, keys)) for table, data, keys in writes]
+        commits = store_dir / COMMIT_DIR
+        finish_commits(commits)
+        plan = []
+        with scratch(commits / "batch", "staging") as staging:
+            staging.mkdir()
+            for number, (path, arrow) in enumerate(checked):
+                with naming(path):
+                    pq.write_table(arrow, staging / f"{number}.parquet", compression="zstd")
+                plan.append({"file": f"{number}.parquet", "target": str(path.relative_to(store_dir))})
+            (staging / COMMIT_PLAN).write_text(json.dumps(plan))
+            committed = commits / f"{uuid.uuid4().hex}{COMMITTED}"
+            os.replace(staging, committed)  # the commit point: from here on the files are the partitions' own
+        apply_commit(committed)
+        return [store_dir / entry["target"] for entry in plan]
 
     def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
         """Replace one partition with the rows of a DuckDB query, streamed to Parquet by DuckDB.
@@ -202,6 +228,47 @@ class Warehouse:
         select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
         return (f"SELECT {select} FROM read_parquet({duck.literal(glob)}, union_by_name=true, hive_partitioning=true, "
                 f"hive_types={{{types}}})")
+
+
+def finish_commits(commits: Path) -> None:
+    """Finish the commits that killed writers left in `commits`, and remove their unfinished staging."""
+    remove_abandoned(commits / "batch")
+    for committed in sorted(commits.glob(f"*{COMMITTED}")) if commits.is_dir() else ():
+        apply_commit(committed)
+
+
+def apply_commit(committed: Path) -> None:
+    """Rename a commit's files over their partitions, then remove it.
+
+    Safe to run twice at once (a writer finishing its own commit while another finishes what it takes
+    for a killed writer's): each staged file is renamed once, by whichever gets to it first.
+    """
+    try:
+        plan = json.loads((committed / COMMIT_PLAN).read_text())
+    except FileNotFoundError:  # finished and removed meanwhile
+        return
+    store_dir = committed.parent.parent
+    for entry in plan:
+        target = store_dir / entry["target"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(committed / entry["file"], target)
+        except FileNotFoundError:  # renamed already
+            pass
+    shutil.rmtree(committed, ignore_errors=True)
+
+
+def _checked(table: str, data: pl.DataFrame | pa.Table, keys: dict) -> pa.Table:
+    """`data` conformed to the declared schema, its partition columns holding the partition's values only."""
+    spec = _spec(table)
+    arrow = conform(spec, data)
+    for key in spec.partition_by:
+        if key in spec.columns:
+            values = set(arrow.column(key).unique().to_pylist())
+            if values - {keys[key]} and len(arrow):
+                raise ValueError(f"{table}: rows with {key} in {sorted(map(str, values))} written to "
+                                 f"partition {key}={keys[key]}")
+    return arrow
 
 
 def _partition_pattern(spec: Table, keys: dict) -> str:

@@ -138,8 +138,9 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
     if not kept:
         raise InputError(f"corpus {corpus}: source {source} produced no documents; check the FORMAT and PATH")
     chunks = chunks_frame(kept, corpus, source, max_chars)
-    warehouse.write("documents", documents_frame(kept, corpus, source), corpus=corpus, source=source)
-    warehouse.write("chunks", chunks, corpus=corpus, source=source)
+    # One commit: chunks written apart from their documents could be left out of step with them by a kill.
+    keys = {"corpus": corpus, "source": source}
+    warehouse.write_together([("documents", documents_frame(kept, corpus, source), keys), ("chunks", chunks, keys)])
     without_text = sum(1 for d in kept if not d.text)
     return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text, withdrawn)
 
