@@ -737,6 +737,41 @@ def test_the_icd_index_finds_codes_written_without_their_dot(tmp_path):
         "icd10:E11.9", "icd10:E11.9", "icd9:250.00", "icd9:250.00", "icd10:E11"]
 
 
+def test_a_code_query_answers_the_code_first_then_its_subcodes_in_code_order(tmp_path):
+    # Every subcode repeats its category's code (its title, the notes it inherits 'from E11'), so BM25 put I50.82
+    # above I50, 428.0 below 428.9, and E11 (with more subcodes than the search depth) nowhere.
+    from warehouse import vocab
+
+    families = ("E11", "I50", "E88", "250", "428", "E880")
+    codes = pl.concat([vocab.icd10_codes(), vocab.icd9_codes()], how="vertical_relaxed").filter(
+        pl.any_horizontal(pl.col("raw_code").str.starts_with(family) for family in families))
+    notes = vocab.icd10_notes().filter(pl.col("code").is_in(codes["code"].implode()))
+    build_index(chunk_frame(icd_documents(codes, notes)), tmp_path / "icd", None, name="icd")
+    index = CorpusIndex(tmp_path / "icd")
+
+    def top(query: str, k: int) -> list[str]:
+        return [hit.doc_id for hit in index.search(query, k=k)]
+
+    for query in ("E11", " e11"):
+        assert top(query, 6) == ["icd10:E11", "icd10:E11.0", "icd10:E11.00", "icd10:E11.01", "icd10:E11.1",
+                                 "icd10:E11.10"], query
+    assert top("I50", 6) == ["icd10:I50", "icd10:I50.1", "icd10:I50.2", "icd10:I50.20", "icd10:I50.21",
+                             "icd10:I50.22"]
+    for query in ("I50.2", "i502"):
+        assert top(query, 5) == ["icd10:I50.2", "icd10:I50.20", "icd10:I50.21", "icd10:I50.22", "icd10:I50.23"], query
+    assert top("250", 4) == ["icd9:250", "icd9:250.0", "icd9:250.00", "icd9:250.01"]
+    assert top("428", 4) == ["icd9:428", "icd9:428.0", "icd9:428.1", "icd9:428.2"]
+    for query in ("428.2", "4282"):
+        assert top(query, 5) == ["icd9:428.2", "icd9:428.20", "icd9:428.21", "icd9:428.22", "icd9:428.23"], query
+    # Undotted, E880 is ICD-10 E88.0 and ICD-9 E880 (ICD-10 first), each followed by its own subcodes; dotted, one.
+    assert top("E880", 6) == ["icd10:E88.0", "icd9:E880", "icd10:E88.01", "icd10:E88.02", "icd10:E88.09",
+                              "icd9:E880.0"]
+    assert top("E880.1", 1) == ["icd9:E880.1"] and top("E88.01", 1) == ["icd10:E88.01"]
+    # Anything else is a plain search.
+    assert index.code_matches("E1") == index.code_matches("heart failure") == [] and top("heart failure", 1) == [
+        "icd10:I50"]
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def test_cli_ingest_build_search(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,12 @@ FUSIONS = ("zscore", "minmax", "rrf")
 # the reported test halves never took part): benchmarks/retrieval.py, docs/tools.md.
 DEFAULT_FUSION = "zscore"
 DEFAULT_DENSE_SHARE = 0.7
+
+# The id of an ICD dictionary document (tools.dictionary): `icd10:E11.9`, `icd9:250.00`. ICD-9's ranges
+# (`icd9:001-139`) are chapters and blocks, not codes.
+ICD_DOC_ID = re.compile(r"icd(9|10):([A-Z0-9]+(?:\.[A-Z0-9]+)?)")
+# A query that is one code as written in a record: dotted or not, any case (`E11`, `i50.2`, `25000`).
+CODE_QUERY = re.compile(r"[A-Z0-9]*[0-9][A-Z0-9]*(?:\.[A-Z0-9]+)?")
 
 CHUNK_COLUMNS = {
     "chunk_id": pl.String, "doc_id": pl.String, "corpus": pl.String, "engine": pl.String, "ordinal": pl.Int32,
@@ -416,6 +423,10 @@ class CorpusIndex:
         self._rows_of_doc: dict[str, list[int]] = {}
         for row, doc_id in enumerate(self._col["doc_id"]):
             self._rows_of_doc.setdefault(doc_id, []).append(row)
+        # ICD dictionary documents as (undotted, version, dotted, doc_id), for queries that name a code.
+        self._icd_codes = sorted((m[2].replace(".", ""), int(m[1]), m[2], doc_id) for doc_id in self._rows_of_doc
+                                 if (m := ICD_DOC_ID.fullmatch(doc_id)))
+        self._icd_keys = [undotted for undotted, *_ in self._icd_codes]
         # Stored as the source gave them (a JSONL record may say 'arXiv:2101.00001v2' or 'https://doi.org/10.1/X'):
         # keyed in the normalized form `resolve` looks up, so a web hit on any spelling finds the document.
         self._ids = {}
@@ -497,18 +508,26 @@ class CorpusIndex:
                fusion: str = DEFAULT_FUSION, dense_share: float = DEFAULT_DENSE_SHARE) -> list[Hit]:
         """Top-k documents for `query` (one hit per document). In hybrid mode the two retrievers'
         lists are fused by `fusion` with `dense_share` of the weight on the dense side; a single
-        retriever's hits carry its own score (BM25 or cosine)."""
+        retriever's hits carry its own score (BM25 or cosine). A query that is one ICD code answers
+        that code, then its subcodes (`code_matches`), ahead of their scores (0 where not retrieved)."""
         if k < 1:
             raise InputError(f"k = {k}: a search returns at least 1 hit; pass k >= 1")
         if mode == "hybrid" and self._dense is None:
             mode = "bm25"  # a lexical-only index: plain BM25 order and scores
         lexical, dense = self.retrieve(query, mode, depth)
         ranked = rank_documents(lexical, dense, mode, fusion, dense_share)
+        if codes := self.code_matches(query):
+            # BM25 ranks a category below its subcodes (they repeat its code in their notes) or not at all
+            # (past `depth`): the code named comes first, whatever the retrievers' scores.
+            scores, placed = dict(ranked), set(codes)
+            ranked = [(doc_id, scores.get(doc_id, 0.0)) for doc_id in codes] + [
+                (doc_id, score) for doc_id, score in ranked if doc_id not in placed]
         lexical_rank = {d: i for i, d in enumerate(lexical, 1)}
         dense_rank = {d: i for i, d in enumerate(dense, 1)}
         hits = []
         for rank, (doc_id, score) in enumerate(ranked[:k], 1):
-            row = lexical[doc_id][0] if doc_id in lexical else dense[doc_id][0]
+            row = lexical[doc_id][0] if doc_id in lexical else dense[doc_id][0] if doc_id in dense else (
+                self._rows_of_doc[doc_id][0])  # a code match neither retriever returned: its title chunk
             if doc_id in lexical and doc_id in dense and dense_rank[doc_id] < lexical_rank[doc_id]:
                 # Take the chunk of the retriever that ranked this document higher.
                 row = dense[doc_id][0]
@@ -517,6 +536,24 @@ class CorpusIndex:
                             self._col["url"][row], self._col["corpus"][row], self._col["engine"][row], passage,
                             lexical_rank.get(doc_id), dense_rank.get(doc_id)))
         return hits
+
+    def code_matches(self, query: str) -> list[str]:
+        """The ICD dictionary documents of the code a query names, dotted or not: the code (ICD-10 before ICD-9
+        when the undotted form names both, e.g. E880), then its subcodes in code order; [] when the query is
+        not one code of the index."""
+        written = query.strip().upper()
+        if not CODE_QUERY.fullmatch(written):
+            return []
+        undotted = written.replace(".", "")
+        # The code and its subcodes, which extend it (I50.2 -> I50.21, 250 -> 250.01); a dotted query names them
+        # dotted, so it cannot mean the other version's code of the same characters (E880.1 is not E88.01).
+        family = [(key, version, doc_id) for key, version, dotted, doc_id in self._icd_codes[
+                  bisect_left(self._icd_keys, undotted):bisect_right(self._icd_keys, undotted + "~")]
+                  if "." not in written or dotted.startswith(written)]
+        versions = {version for key, version, _ in family if key == undotted}
+        # The code first (ICD-10 before ICD-9), then the subcodes of each version in code order.
+        return [doc_id for _, doc_id in sorted(((key != undotted, -version, key), doc_id)
+                                               for key, version, doc_id in family if version in versions)]
 
     def _best_chunk_per_doc(self, chunks: list[tuple[int, float]]) -> dict[str, tuple[int, float]]:
         best: dict[str, tuple[int, float]] = {}
