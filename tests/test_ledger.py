@@ -256,3 +256,44 @@ def test_a_job_of_another_ledger_cannot_be_recorded(wh):
         mine.record(foreign, engine="pmc", state="no_result")
     mine.flush()  # the ledger partition never holds a row whose job is missing from search_jobs
     assert wh.read("ledger").height == 0
+
+
+def test_ledger_rows_name_the_chunk_of_their_excerpt_and_join_to_chunks_and_documents(wh, tmp_path):
+    from tools.corpus import load_documents, store_documents
+
+    store_documents(wh, TINY, "tiny", "tiny.jsonl", max_chars=80)  # two chunks per document
+    build_index(chunk_frame(load_documents(wh), 80), tmp_path / "lit", None, name="literature")
+    ledger = Ledger("r1", 0, wh)
+    local = LocalChannel(CorpusIndex(tmp_path / "lit"), ledger, k=2)
+    rows = local.run(ledger.job(trajectory_id="t1", query="anemia of chronic kidney disease", **JOB))
+    definition = DictionaryChannel(Dictionary(*tiny_vocabulary()), ledger).define(
+        ledger.job(trajectory_id="t1", query="type 2 diabetes", **{**JOB, "code": "DIAGNOSIS//ICD//10//E119"}))
+    assert [(r.evidence_id, r.doc_id, r.chunk_id) for r in [*rows, definition]] == [
+        ("E1", "tiny:ckd", "tiny:ckd#1"), ("E2", "tiny:copd", "tiny:copd#0"), ("E3", "icd10:E11.9", None)]
+    ledger.flush()
+    joined = wh.connect().execute("""
+        SELECT l.evidence_id, c.section, c.text, d.title
+        FROM ledger l JOIN chunks c ON c.chunk_id = l.chunk_id
+                      JOIN documents d ON (d.corpus, d.source, d.doc_id) = (c.corpus, c.source, c.doc_id)
+        ORDER BY l.evidence_id""").fetchall()
+    assert joined == [("E1", "Text", "start dialysis within five years. Anemia of chronic kidney disease is common.",
+                       "Chronic kidney disease"),
+                      ("E2", "Text", "Chronic obstructive pulmonary disease exacerbations follow viral infections;",
+                       "COPD")]
+
+
+def test_a_ledger_written_before_chunk_ids_were_recorded_opens_with_them_null(wh):
+    old = Ledger("old", 0, wh)
+    old.record(old.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB), engine="pmc",
+               state="no_result")
+    path = wh.partition_path("ledger", run_id="old", shard=0)
+    path.parent.mkdir(parents=True)
+    old.ledger_frame().drop("chunk_id").write_parquet(path)  # as an earlier version wrote it
+    assert wh.connect().execute("SELECT evidence_id, chunk_id FROM ledger").fetchall() == [("E1", None)]
+    assert wh.read("ledger").select("evidence_id", "chunk_id").rows() == [("E1", None)]
+    new = Ledger("new", 0, wh)
+    new.record(new.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB), engine="pmc",
+               state="no_result")
+    new.flush()
+    assert wh.connect().execute("SELECT run_id, chunk_id FROM ledger ORDER BY run_id").fetchall() == [
+        ("new", None), ("old", None)]

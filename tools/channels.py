@@ -20,7 +20,8 @@ class LocalChannel:
             return [self.ledger.record(job, engine=self.index.manifest["name"], state="no_result")]
         # The whole document is scanned for instruction-like text, as a web page is, not only the excerpt.
         return [self.ledger.record(job, engine=hit.engine, state="readable", doc_id=hit.doc_id, title=hit.title,
-                                   url=hit.url, excerpt=hit.passage, source_text=self.index.document_text(hit.doc_id))
+                                   url=hit.url, excerpt=hit.passage, source_text=self.index.document_text(hit.doc_id),
+                                   chunk_id=hit.chunk_id)
                 for hit in hits]
 
 

@@ -132,6 +132,8 @@ class LedgerRow:
     state: str
     detail: str | None = None
     injection_suspected: bool = False
+    # The `chunks` row (corpus index hit) the excerpt was drawn from; None for pages and definitions.
+    chunk_id: str | None = None
 
 
 @dataclass
@@ -184,7 +186,7 @@ class Ledger:
     def record(self, job: SearchJob, *, engine: str, state: str, channel: str | None = None,
                doc_id: str | None = None, title: str | None = None, url: str | None = None,
                excerpt: str | None = None, provenance: str | None = None, detail: str | None = None,
-               source_text: str | None = None) -> LedgerRow:
+               source_text: str | None = None, chunk_id: str | None = None) -> LedgerRow:
         """Append one retrieval record. `state` is `readable` (text obtained; the ledger decides
         supported/unsupported), `unreadable` or `no_result`. `source_text` (the whole page or
         document) is scanned for instruction-like content; only the excerpt is stored."""
@@ -209,7 +211,7 @@ class Ledger:
         row = LedgerRow(f"E{number}", self.run_id, job.trajectory_id, job.job_id, job.hypothesis_id, job.code,
                         job.anchor, job.temporal_class, job.query, engine, doc_id, title, url, excerpt, cue, score,
                         job.iteration, _now(), provenance, channel, state, detail,
-                       looks_like_injection(source_text or excerpt or ""))
+                        looks_like_injection(source_text or excerpt or ""), chunk_id)
         self.rows.append(row)
         return row
 

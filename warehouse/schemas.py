@@ -242,12 +242,16 @@ TABLES.update({
             "title": pa.string(), "url": pa.string(), "excerpt": pa.large_string(), "support_cue": pa.bool_(),
             "support_score": pa.float64(), "iteration": pa.int32(), "retrieved_at": TS,
             "provenance": pa.string(), "channel": pa.string(), "state": pa.string(), "detail": pa.string(),
-            "injection_suspected": pa.bool_(),
+            "injection_suspected": pa.bool_(), "chunk_id": pa.string(),
         }, ["run_id", "shard"], "The evidence ledger (spec 4.4): one row per retrieval record, including "
            "no_result and unreadable attempts; `evidence_id` (E1, E2, ... per trajectory) is what verdicts cite; "
            "channel in {definition, relation, discovery}; state in {readable_supported, readable_unsupported, "
-           "unreadable, no_result}; `detail` says why a page was rejected; excerpts are untrusted data.",
-           nullable=["hypothesis_id", "anchor", "doc_id", "title", "url", "excerpt", "provenance", "detail"]),
+           "unreadable, no_result}; `detail` says why a page was rejected; excerpts are untrusted data; "
+           "`chunk_id` is the `chunks` row whose passage (with its neighbours in the section) the excerpt was "
+           "drawn from, null for evidence not drawn from one chunk (web pages, definitions, rows written before "
+           "it was recorded).",
+           nullable=["hypothesis_id", "anchor", "doc_id", "title", "url", "excerpt", "provenance", "detail",
+                     "chunk_id"]),
         _t("page_cache", FORECAST, {
             "url": pa.string(), "final_url": pa.string(), "status": pa.int32(), "content_type": pa.string(),
             "title": pa.string(), "text": pa.large_string(), "links_json": pa.large_string(), "error": pa.string(),

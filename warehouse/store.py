@@ -185,15 +185,23 @@ class Warehouse:
             check_run_id(run_id)  # it goes into the views' file patterns
         wanted = set(TABLES) if tables is None else {_spec(name).name for name in tables}
         con = duck.connect(":memory:")
+        over_files = {}
         for spec in TABLES.values():
             if spec.name not in wanted or (spec.store == GOLD and not gold):
                 continue
             scope = {"run_id": run_id} if run_id is not None and spec.name in RUN_TABLES else {}
+            sql = self._view_sql(spec, scope)
+            if sql is None:
+                cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
+                sql = f"SELECT {cols} WHERE false"
+            else:
+                over_files[spec.name] = sql
             try:
-                con.execute(f"CREATE VIEW {spec.name} AS {self._view_sql(spec, scope)}")
+                con.execute(f"CREATE VIEW {spec.name} AS {sql}")
             except duckdb.InvalidInputException as exc:  # a file our atomic writes cannot have left: damaged since
                 raise InputError(f"table {spec.name}: {exc.args[0].splitlines()[0]}; move that file out of the "
                                  "warehouse and rerun the command that wrote it") from exc
+        _add_missing_columns(con, over_files)
         if not gold:
             con.execute(f"SET allowed_directories=[{duck.literal(f'{self.forecast_dir}/')}]")
             con.execute("SET enable_external_access=false")
@@ -214,10 +222,10 @@ class Warehouse:
     def _files(self, spec: Table, keys: dict):
         return (self.store_dir(spec.store) / spec.name).glob(_partition_pattern(spec, keys))
 
-    def _view_sql(self, spec: Table, keys: dict) -> str:
+    def _view_sql(self, spec: Table, keys: dict) -> str | None:
+        """The view over the files of the partitions matching `keys`; None when there are none."""
         if not any(self._files(spec, keys)):
-            cols = ", ".join(f"CAST(NULL AS {_duck_type(t)}) AS \"{n}\"" for n, t in spec.columns.items())
-            return f"SELECT {cols} WHERE false"
+            return None
         glob = f"{self.store_dir(spec.store) / spec.name}/{_partition_pattern(spec, keys)}"
         # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other
         # partitions' files. Its values come from the directory names, which `write` made equal to
@@ -228,6 +236,26 @@ class Warehouse:
         select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
         return (f"SELECT {select} FROM read_parquet({duck.literal(glob)}, union_by_name=true, hive_partitioning=true, "
                 f"hive_types={{{types}}})")
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection, views: dict[str, str]) -> None:
+    """Give each view over files (`views`: name -> its query) the nullable columns none of them has, as NULL.
+
+    Such a view reads each column that one of its files has (null in the others); a column added to a
+    table after all its partitions were written would be missing, and every query naming it would fail.
+    """
+    if not views:
+        return
+    present: dict[str, set[str]] = {}
+    for view, column in con.execute("SELECT table_name, column_name FROM duckdb_columns() WHERE table_name IN "
+                                    f"({', '.join('?' for _ in views)})", list(views)).fetchall():
+        present.setdefault(view, set()).add(column)
+    for view, sql in views.items():
+        spec = TABLES[view]
+        missing = [name for name in spec.columns if name in spec.nullable and name not in present.get(view, ())]
+        if missing:
+            nulls = ", ".join(f'CAST(NULL AS {_duck_type(spec.columns[name])}) AS "{name}"' for name in missing)
+            con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT *, {nulls} FROM ({sql})")
 
 
 def finish_commits(commits: Path) -> None:
