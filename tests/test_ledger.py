@@ -297,3 +297,35 @@ def test_a_ledger_written_before_chunk_ids_were_recorded_opens_with_them_null(wh
     new.flush()
     assert wh.connect().execute("SELECT run_id, chunk_id FROM ledger ORDER BY run_id").fetchall() == [
         ("new", None), ("old", None)]
+
+
+def test_a_flush_killed_between_the_jobs_and_the_rows_leaves_the_earlier_attempt_whole(wh, monkeypatch):
+    import warehouse.store as store
+
+    first = Ledger("r1", 0, wh)
+    first.record(first.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB), engine="pmc",
+                 state="no_result")
+    first.flush()
+    rerun = Ledger("r1", 0, wh)
+    rerun.record(rerun.job(trajectory_id="t1", query="dialysis after kidney transplant", **JOB), engine="pmc",
+                 state="no_result")
+    written = []
+
+    def killed_after_the_first_file(*args, **kwargs):
+        if written:
+            raise KeyboardInterrupt("killed after the search_jobs file was written")
+        written.append(args[1])
+        return real_write_table(*args, **kwargs)
+
+    real_write_table = store.pq.write_table
+    monkeypatch.setattr(store.pq, "write_table", killed_after_the_first_file)
+    with pytest.raises(KeyboardInterrupt):
+        rerun.flush()
+    monkeypatch.undo()
+    jobs, rows = wh.read("search_jobs", run_id="r1"), wh.read("ledger", run_id="r1")
+    assert jobs["query"].to_list() == ["chronic kidney disease dialysis"]
+    assert rows["job_id"].to_list() == jobs["job_id"].to_list()  # no row without its job
+    rerun.flush()
+    jobs, rows = wh.read("search_jobs", run_id="r1"), wh.read("ledger", run_id="r1")
+    assert jobs["query"].to_list() == ["dialysis after kidney transplant"]
+    assert rows["job_id"].to_list() == jobs["job_id"].to_list()

@@ -236,12 +236,17 @@ class Ledger:
             [asdict(r) for r in self.rows], schema_overrides={"retrieved_at": pl.Datetime("us"),
                                                               "iteration": pl.Int32}).select(list(columns))
 
+    def partitions(self) -> list[tuple[str, pl.DataFrame, dict]]:
+        """This (run_id, shard) partition of `search_jobs` and `ledger`, as `Warehouse.write_together` takes them."""
+        keys = {"run_id": self.run_id, "shard": self.shard}
+        return [("search_jobs", self.jobs_frame(), keys), ("ledger", self.ledger_frame(), keys)]
+
     def flush(self) -> None:
-        """Replace this (run_id, shard) partition of `search_jobs` and `ledger` with the rows so far."""
+        """Replace this (run_id, shard) partition of `search_jobs` and `ledger` with the rows so far, as one
+        commit: a rerun's jobs beside an earlier attempt's rows would leave rows whose job is missing."""
         if self.warehouse is None:
             raise InputError("this Ledger has no warehouse to write to: pass warehouse=Warehouse(root)")
-        self.warehouse.write("search_jobs", self.jobs_frame(), run_id=self.run_id, shard=self.shard)
-        self.warehouse.write("ledger", self.ledger_frame(), run_id=self.run_id, shard=self.shard)
+        self.warehouse.write_together(self.partitions())
 
 
 def merge_evidence(rows: list[LedgerRow]) -> list[LedgerRow]:
