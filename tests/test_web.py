@@ -350,29 +350,44 @@ def test_early_stop_no_result_reuse_and_warehouse_rows(wh, local_index):
 
 
 def test_ledger_rows_never_cite_pages_that_were_not_stored(wh, local_index, monkeypatch):
-    """Pages are written before the ledger rows citing them, and a rerun of the shard replaces its pages."""
+    """Pages are one commit with the ledger rows citing them, and a rerun of the shard replaces its pages."""
+    import warehouse.store as store
+
     def cited_but_missing() -> set:
         cited = {d for d in wh.read("ledger", run_id="run1")["doc_id"].to_list() if d and d.startswith("web:")}
         return cited - set(wh.read("documents", corpus="web")["doc_id"].to_list())
 
-    write = wh.write
+    def failing_at(number: int):
+        """Parquet writes that fail from the `number`th on (the pages' file is the first of a flush)."""
+        written = []
 
-    def documents_fail(table, frame, **keys):
-        if table == "documents":
-            raise OSError("disk full")
-        return write(table, frame, **keys)
+        def write_table(*args, **kwargs):
+            if len(written) + 1 >= number:
+                raise OSError("disk full")
+            written.append(args[1])
+            return real_write_table(*args, **kwargs)
+
+        return write_table
 
     async def scenario(query: str):
         async with Site() as site:
             await _run(site, config(), wh, local_index, [{**JOB, "query": query}])
 
-    monkeypatch.setattr(wh, "write", documents_fail)
+    real_write_table = store.pq.write_table
+    monkeypatch.setattr(store.pq, "write_table", failing_at(1))
     with pytest.raises(OSError, match="disk full"):  # killed while storing the pages
         asyncio.run(scenario("heart failure outcomes"))
     assert cited_but_missing() == set()
-    monkeypatch.setattr(wh, "write", write)
+    monkeypatch.undo()
     asyncio.run(scenario("heart failure outcomes"))
     assert wh.read("documents", corpus="web").height == 1 and cited_but_missing() == set()
+    # A rerun reading other pages, killed after storing them: the earlier attempt's rows keep their pages.
+    monkeypatch.setattr(store.pq, "write_table", failing_at(2))
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(scenario("mirror original"))
+    monkeypatch.undo()
+    assert wh.read("documents", corpus="web")["url"].str.ends_with("/support").to_list() == [True]
+    assert cited_but_missing() == set()
     asyncio.run(scenario("nothing matches this"))  # a rerun of the shard that read no page
     assert wh.read("documents", corpus="web").height == 0
 

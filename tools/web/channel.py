@@ -174,14 +174,16 @@ class WebChannel:
             "ingested_at": pl.Datetime("us")})
 
     def flush(self) -> None:
-        """Write the pages read (documents, corpus `web`), then the ledger partition citing them, then the page
-        cache: a flush cut short never leaves ledger rows citing pages that were not stored. The pages' partition
-        is replaced even when empty, so a rerun of the shard keeps no pages of an earlier attempt."""
+        """Write the pages read (documents, corpus `web`) and the ledger partition citing them as one commit, then
+        the page cache: a flush cut short never leaves ledger rows citing pages that were not stored, neither this
+        attempt's nor, beside this attempt's pages, an earlier one's. The pages' partition is replaced even when
+        empty, so a rerun of the shard keeps no pages of an earlier attempt."""
         if self.ledger.warehouse is None:
             raise InputError("this WebChannel's ledger has no warehouse to write to: pass warehouse=Warehouse(root)")
         source = f"{self.ledger.run_id}-{self.ledger.shard}"
-        self.ledger.warehouse.write("documents", self.documents_frame(source), corpus="web", source=source)
-        self.ledger.flush()
+        self.ledger.warehouse.write_together([("documents", self.documents_frame(source), {"corpus": "web",
+                                                                                           "source": source}),
+                                              *self.ledger.partitions()])
         self.reader.cache.flush()
 
     async def close(self) -> None:
