@@ -737,16 +737,29 @@ def test_the_icd_index_finds_codes_written_without_their_dot(tmp_path):
         "icd10:E11.9", "icd10:E11.9", "icd9:250.00", "icd9:250.00", "icd10:E11"]
 
 
-def test_a_code_query_answers_the_code_first_then_its_subcodes_in_code_order(tmp_path):
-    # Every subcode repeats its category's code (its title, the notes it inherits 'from E11'), so BM25 put I50.82
-    # above I50, 428.0 below 428.9, and E11 (with more subcodes than the search depth) nowhere.
+@pytest.fixture(scope="module")
+def real_icd() -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Codes and notes of a few families of the packaged ICD-10-CM and ICD-9-CM."""
     from warehouse import vocab
 
     families = ("E11", "I50", "E88", "250", "428", "E880")
     codes = pl.concat([vocab.icd10_codes(), vocab.icd9_codes()], how="vertical_relaxed").filter(
         pl.any_horizontal(pl.col("raw_code").str.starts_with(family) for family in families))
-    notes = vocab.icd10_notes().filter(pl.col("code").is_in(codes["code"].implode()))
-    build_index(chunk_frame(icd_documents(codes, notes)), tmp_path / "icd", None, name="icd")
+    return codes, vocab.icd10_notes().filter(pl.col("code").is_in(codes["code"].implode()))
+
+
+def test_inherited_notes_name_their_ancestor_dotted(real_icd):
+    text = Dictionary(*real_icd).define("DIAGNOSIS//ICD//10//E8801").text
+    # Not 'from E880' (ICD-9's accidental fall on stairs): the ancestor is E88.0; a block stays a range.
+    assert "disorder of lipoprotein metabolism (E78.-) (from E88.0)" in text and "(from E880)" not in text
+    assert "Ehlers-Danlos syndromes (Q79.6-) (from E70-E88)" in text
+    assert "(from I50.2)" in Dictionary(*real_icd).define("DIAGNOSIS//ICD//10//I5021").text
+
+
+def test_a_code_query_answers_the_code_first_then_its_subcodes_in_code_order(tmp_path, real_icd):
+    # Every subcode repeats its category's code (its title, the notes it inherits 'from E11'), so BM25 put I50.82
+    # above I50, 428.0 below 428.9, and E11 (with more subcodes than the search depth) nowhere.
+    build_index(chunk_frame(icd_documents(*real_icd)), tmp_path / "icd", None, name="icd")
     index = CorpusIndex(tmp_path / "icd")
 
     def top(query: str, k: int) -> list[str]:

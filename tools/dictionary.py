@@ -41,11 +41,14 @@ def icd_documents(codes: pl.DataFrame, notes: pl.DataFrame, corpus: str = CORPUS
     for column in ("code", "icd_version", "dotted", "title", "billable"):
         if column not in codes.columns:
             raise InputError(f"ICD codes frame lacks column '{column}'; expected the icd_codes table schema")
+    # An ancestor is named as codes are written in notes and titles, dotted: 'from I50.2', not 'from I502' (and
+    # 'from E88.0', not 'from E880', which reads as ICD-9's E880). Blocks ('E70-E88') are no codes: as they are.
+    dotted = dict(zip(codes["code"].to_list(), codes["dotted"].to_list()))
     grouped: dict[str, list[tuple[str, str]]] = {}
     for row in notes.iter_rows(named=True):
         text = row["text"]
-        if row.get("inherited_from"):
-            text = f"{text} (from {row['inherited_from'].rsplit('//', 1)[-1]})"
+        if ancestor := row.get("inherited_from"):
+            text = f"{text} (from {dotted.get(ancestor, ancestor.rsplit('//', 1)[-1])})"
         grouped.setdefault(row["code"], []).append((row["kind"], text))
     documents = []
     for row in codes.sort(["icd_version", "code"]).iter_rows(named=True):
