@@ -815,6 +815,40 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
 
 
 
+def test_cli_build_refuses_chunks_other_than_the_ingested_ones(tmp_path, monkeypatch):
+    # Ledger rows name their evidence's chunk by id, to be joined to the chunks table: an index chunked with another
+    # size would hand out ids (and texts) that table does not hold.
+    from dxr.cli import main
+
+    long = doc("ckd", "Chronic kidney disease", " ".join(["Chronic kidney disease progresses to dialysis."] * 6))
+    jsonl_corpus(tmp_path / "tiny.jsonl", [long, TINY[1]])
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    monkeypatch.setenv("DXR_TOOLS__CHUNK_CHARS", "200")
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl"), "--corpus", "tiny"])
+    assert result.exit_code == 0 and result.stdout.endswith(": 2 documents (0 duplicates dropped), 3 chunks\n")
+    monkeypatch.delenv("DXR_TOOLS__CHUNK_CHARS")
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only"])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (
+        "Error: corpus tiny (1 chunk): not the chunks ingested, which another tools.chunk_chars than 1000 made; "
+        "re-ingest it (dxr corpus ingest) or set tools.chunk_chars back, so the chunk_id of ledger rows names rows "
+        "of the chunks table")
+    assert not (tmp_path / "wh" / "forecast" / "corpus" / "literature").exists()
+    monkeypatch.setenv("DXR_TOOLS__CHUNK_CHARS", "200")
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only"])
+    assert result.exit_code == 0 and "literature: 2 documents, 3 chunks" in result.stdout, result.output
+    # Pages read by the web channel are stored whole: no chunks rows to compare with.
+    from tools.corpus import documents_frame
+    from warehouse.store import Warehouse
+
+    page = Document("web:0123", "web", "web", "A page", [("Page", TINY[2].text)], url="https://example.org/hf")
+    Warehouse(tmp_path / "wh").write("documents", documents_frame([page], "web", "run1-0"), corpus="web",
+                                     source="run1-0")
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only", "--name", "pages", "--corpus", "web"])
+    assert result.exit_code == 0 and "pages: 1 documents, 1 chunks" in result.stdout, result.output
+
+
 def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_path):
     from dxr.cli import main
 

@@ -126,7 +126,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import load_documents
+    from tools.corpus import check_stored_chunks, load_documents
     from tools.corpus.documents import dedupe
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
@@ -157,10 +157,12 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
         unsearchable = f", {without_text} without text: not indexed" if without_text else ""
         click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
                    f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
+        chunks = chunk_frame(documents, config.tools.chunk_chars)
+        check_stored_chunks(wh, chunks, config.tools.chunk_chars)
         if not lexical and embedder is None:
             embedder = make_embedder(config.tools.embedding)
-        manifest = build_index(chunk_frame(documents, config.tools.chunk_chars), root / index_name,
-                               None if lexical else embedder, name=index_name, corpora=chosen)
+        manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
+                               corpora=chosen)
         click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
                    f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
                    f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> {root / index_name}")

@@ -167,3 +167,22 @@ def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document
                      sections=[tuple(s) for s in json.loads(r["sections_json"])], url=r["url"], doi=r["doi"],
                      pmcid=r["pmcid"], pmid=r["pmid"], arxiv_id=r["arxiv_id"])
             for r in frame.iter_rows(named=True)]
+
+
+def check_stored_chunks(warehouse, chunks: pl.DataFrame, max_chars: int) -> None:
+    """Refuse to index chunks that are not the `chunks` rows of their corpus, id and text alike: ledger rows
+    name the chunk of their evidence by id, to be found in that table. They differ when `max_chars`
+    (tools.chunk_chars) is not the size the corpus was chunked with when it was ingested."""
+    con = warehouse.connect(tables=["chunks"])
+    con.register("built", chunks.select("corpus", "chunk_id", "text").to_arrow())
+    # Pages read by the web channel (corpus `web`) are stored whole, without chunks rows.
+    differing = con.execute("""
+        SELECT b.corpus, count(*) FROM built b
+        ANTI JOIN chunks c ON c.corpus = b.corpus AND c.chunk_id = b.chunk_id AND c.text = b.text
+        WHERE b.corpus IN (SELECT corpus FROM chunks)
+        GROUP BY b.corpus ORDER BY b.corpus""").fetchall()
+    if differing:
+        found = ", ".join(f"{corpus} ({count} chunk{'s' if count > 1 else ''})" for corpus, count in differing)
+        raise InputError(f"corpus {found}: not the chunks ingested, which another tools.chunk_chars than {max_chars} "
+                         "made; re-ingest it (dxr corpus ingest) or set tools.chunk_chars back, so the chunk_id of "
+                         "ledger rows names rows of the chunks table")
