@@ -104,6 +104,39 @@ def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_clean
     assert not any((wh.gold_dir / store.TRASH_DIR).iterdir())
 
 
+def chunk_rows(text: str, source: str = "s") -> pl.DataFrame:
+    return pl.DataFrame({"corpus": ["c"], "source": [source], "chunk_id": ["c:1#0"], "doc_id": ["c:1"],
+                         "ordinal": pl.Series([0], dtype=pl.Int32), "section": ["Text"], "text": [text]})
+
+
+def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_delete(wh, monkeypatch):
+    """Finished only by the next `write_together`, it would undo the writes and deletes made since."""
+    import os
+
+    real_replace = os.replace
+
+    def killed_before_the_renames(src, dst):
+        if Path(src).parent.name.endswith(store.COMMITTED):
+            raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
+        return real_replace(src, dst)
+
+    def killed_commit(text: str) -> None:
+        monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+        with pytest.raises(KeyboardInterrupt):
+            wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
+        monkeypatch.undo()
+
+    killed_commit("committed, then killed")
+    wh.write("chunks", chunk_rows("written later"), corpus="c", source="s")
+    wh.write_together([("chunks", chunk_rows("elsewhere", "t"), {"corpus": "c", "source": "t"})])
+    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["written later"]
+    killed_commit("committed, then killed")
+    wh.delete("chunks", corpus="c", source="s")
+    wh.write_together([("chunks", chunk_rows("elsewhere", "t"), {"corpus": "c", "source": "t"})])
+    assert wh.read("chunks", corpus="c", source="s").height == 0
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+
+
 def test_forecasting_connection_cannot_read_the_gold_store(wh):
     wh.write("targets", targets("a", 3), cohort_id="a")
     con = wh.connect()

@@ -82,7 +82,7 @@ class Warehouse:
         Each file is written into a staging directory under the store's `.commits`, which one rename
         turns into a commit; only then are the files renamed over their partitions. A writer killed
         before that rename leaves every partition as it was; one killed after it leaves a commit that
-        the next `write_together` of the store finishes first, so a rerun gives a clean run's rows.
+        the next write or delete in the store finishes first, so a rerun gives a clean run's rows.
         """
         stores = {_spec(table).store for table, _, _ in writes}
         if len(stores) != 1:
@@ -142,6 +142,8 @@ class Warehouse:
     def _replace_partition(self, table: str, keys: dict, write_file: Callable[[Path], object]) -> Path:
         """Write a partition's file beside it under a scratch name, then rename it over the old one."""
         path = self.partition_path(table, **keys)
+        # A commit a killed `write_together` left is older than this write: finished later, it would undo it.
+        finish_commits(self.store_dir(_spec(table).store) / COMMIT_DIR)
         remove_abandoned(path)
         with scratch(path, "tmp") as tmp, naming(path):
             write_file(tmp)
@@ -151,6 +153,7 @@ class Warehouse:
     def delete(self, table: str, **keys) -> None:
         """Remove every partition matching the given leading keys (e.g. one cohort's shards)."""
         spec = _spec(table)
+        finish_commits(self.store_dir(spec.store) / COMMIT_DIR)  # or it could bring a deleted partition back
         path = self.table_dir(table)
         for key in spec.partition_by:
             if key not in keys:
