@@ -210,16 +210,16 @@ def test_truncation_gives_up_notes_and_labs_before_any_diagnosis_at_every_budget
     assert fit_history(history, len(full)) == (full, 0)
     # What goes first comes first: each piece is present only while everything before it still is.
     order = ["older note", "HbA1c 8.1", "Creatinine 2.3", "newest note", "metformin", "furosemide", "E11.9",
-             "I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, unspecified"]
+             "I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, unspecified",
+             "N17.9 Acute kidney failure, unspecified"]
     seen = set()
     for budget in range(len(full) - 1, 199, -1):  # render() allows 200 and up
         text, dropped = fit_history(history, budget)
         assert len(text) <= budget and dropped > 0, budget
         assert fit_history(history, budget) == (text, dropped)  # deterministic
         present = [piece in text for piece in order]
-        if not any(present):  # only the beginning of the newest encounter is left
-            kept = text.split("\n\n", 2)[2]
-            assert kept.endswith("…") and history.blocks[-1].text.startswith(kept[:-1]), budget
+        if not any(present):  # only the newest encounter's title is left: no code is cut in two
+            assert text.split("\n\n", 2)[2] == "Encounter 2: 2020-01-04 to 2020-01-05", budget
             continue
         first_kept = present.index(True)
         assert all(present[first_kept:]), f"budget {budget}: {dict(zip(order, present))}"
@@ -243,9 +243,37 @@ def test_truncation_marker_counts_what_went():
                     "2020-01-05\n  Diagnoses: I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, "
                     "unspecified")
     assert dropped == 926
-    # Below the newest encounter's own diagnoses, its beginning is kept.
+    # Below the newest encounter's own diagnoses, its newest whole ones are kept, then its title alone.
+    text, dropped = fit_history(history, 280)
+    assert text == ("Demographics: not recorded\n\n[history shortened to fit: 965 characters omitted (1 earlier "
+                    "encounter, 2 diagnoses, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "
+                    "2020-01-05\n  Diagnoses: [1 earlier omitted] N17.9 Acute kidney failure, unspecified")
     text, dropped = fit_history(history, 200)
-    assert len(text) == 200 and text.endswith("\n\nEncounter 2: 2020-01-04 to 2020-01-05\n  Diag…")
+    assert text == ("Demographics: not recorded\n\n[history shortened to fit: 1018 characters omitted (1 earlier "
+                    "encounter, 3 diagnoses, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "
+                    "2020-01-05")
+    assert dropped == 1018 == 1083 - len("Demographics: not recorded\n\nEncounter 2: 2020-01-04 to 2020-01-05")
+
+
+def test_years_of_outpatient_diagnoses_after_the_last_encounter_keep_their_newest_days_whole():
+    # A claims-like record: one admission, then weekly outpatient diagnoses without an encounter for almost four
+    # years, one line per day in one block. When that newest block alone overflows, its oldest days go first;
+    # it kept its beginning (2018) instead, cut in the middle of a code.
+    rows = [("DIAGNOSIS//ICD//10//I5022", d(2018, 1, 5), None, None, 1)]
+    for week in range(200):
+        rows += [(f"DIAGNOSIS//ICD//10//{code}", d(2018, 3, 1) + timedelta(days=7 * week), None, None, None)
+                 for code in ("E119", "I10", "N183")]
+    history = render_history(events(*rows), TITLES)
+    assert [block.title for block in history.blocks] == ["Encounter 1: 2018-01-05 to 2018-01-05",
+                                                         "Outside encounters: 2018-03-01 to 2021-12-23"]
+    text, dropped = fit_history(history, 800)
+    assert text == "\n".join([
+        "Demographics: not recorded\n\n[history shortened to fit: 7860 characters omitted (1 earlier encounter, 556 "
+        "diagnoses)]\n\nOutside encounters: 2018-03-01 to 2021-12-23",
+        *(f"  {(d(2018, 3, 1) + timedelta(days=7 * week)).strftime('%Y-%m-%d')} Diagnoses: E11.9; I10; N18.3"
+          for week in range(185, 200))])
+    assert dropped == len(history.text) - len(text) + len("[history shortened to fit: 7860 characters omitted (1 "
+                                                          "earlier encounter, 556 diagnoses)]\n\n")
 
 
 def test_a_note_cannot_close_the_record_or_fake_an_encounter():

@@ -320,7 +320,8 @@ def fit_history(history: History, budget_chars: int) -> tuple[str, int]:
 
     Older notes go first, then older labs, then the labs and notes of the newest encounter (the newest
     values last), then medications, procedures and other codes; only then whole blocks with their
-    diagnoses, oldest first. One line may be shortened instead of dropped, marked where it was cut;
+    diagnoses, oldest first, and last the newest block's lines, oldest first. One line may be shortened
+    instead of dropped (a list keeps its newest items whole), marked where it was cut;
     a marker after the header says how much was omitted.
     """
     full = history.text
@@ -344,6 +345,25 @@ def fit_history(history: History, budget_chars: int) -> tuple[str, int]:
         reserve = min(max(reserve + 1, len(marker)), longest)
 
 
+def _give_way(block: list[Line | None], kinds: set[str] | None, over: int, gone: Counter) -> int:
+    """Shorten or drop the lines of `block` of `kinds` (None: every kind), first to last, until `over` characters
+    went; returns what is still over."""
+    for i, line in enumerate(block):
+        if over <= 0:
+            break
+        if line is None or (kinds is not None and line.kind not in kinds):
+            continue
+        shorter = line.cut(len(line.text) - over)
+        if shorter is None:
+            over -= len(line.text) + 1  # with its newline
+            gone[line.kind] += line.count
+        else:
+            over -= len(line.text) - len(shorter.text)
+            gone[line.kind] += line.count - shorter.count  # a shortened note is still there
+        block[i] = shorter
+    return over
+
+
 def _shrink(history: History, room: int) -> tuple[str, int, Counter]:
     """The blocks of H, shortened (`DROP_STEPS`) so that header, blank line and blocks fit in `room` characters;
     returns (blocks text, characters of H omitted, what went by kind)."""
@@ -357,22 +377,11 @@ def _shrink(history: History, room: int) -> tuple[str, int, Counter]:
         for b, block in enumerate(lines):
             if not alive[b] or (b >= recent_from) != recent:
                 continue
-            for i, line in enumerate(block):
-                if over <= 0:
-                    break
-                if line is None or line.kind not in kinds:
-                    continue
-                shorter = line.cut(len(line.text) - over)
-                if shorter is None:
-                    over -= len(line.text) + 1  # with its newline
-                    gone[line.kind] += line.count
-                else:
-                    over -= len(line.text) - len(shorter.text)
-                    gone[line.kind] += line.count - shorter.count  # a shortened note is still there
-                block[i] = shorter
+            over = _give_way(block, kinds, over, gone)
             if not history.blocks[b].encounter and all(line is None for line in block):
                 alive[b] = False  # a title over nothing left says nothing
                 over -= len(history.blocks[b].title) + 2
+    newest = max((b for b in range(len(lines)) if alive[b]), default=None)
     for b in [b for b in range(len(lines)) if alive[b]][:-1]:  # whole blocks, oldest first; never the newest
         if over <= 0:
             break
@@ -382,11 +391,16 @@ def _shrink(history: History, room: int) -> tuple[str, int, Counter]:
         gone["encounter"] += history.blocks[b].encounter
         for line in kept:
             gone[line.kind] += line.count
+    if newest is not None:
+        # The newest block alone overflows (an encounter's diagnoses, or years of outpatient diagnoses after the
+        # last encounter, one line per day): its lines go oldest first and a list keeps its newest items whole,
+        # so that what stays is the most recent and no code is cut in two.
+        over = _give_way(lines[newest], None, over, gone)
     body = "\n\n".join(Block(history.blocks[b].title, tuple(line for line in lines[b] if line is not None)).text
                        for b in range(len(lines)) if alive[b])
     marks = sum(len(line.mark) for block in lines for line in block if line is not None)
     left = room - len(history.header) - 2
-    if body and len(body) > left:  # the newest block's diagnoses alone overflow: keep their beginning
+    if body and len(body) > left:  # the newest block's title alone overflows: keep its beginning
         body = body[:max(left - 1, 0)] + "…"
         marks += 1
     return body, full - len(history.header) - 2 - (len(body) - marks), gone
