@@ -95,6 +95,24 @@ def test_a_re_ask_after_the_same_invalid_reply_says_so_instead_of_repeating_the_
     assert (calls["status"].to_list(), calls["cache_hit"].to_list()) == (["invalid", "invalid", "ok"], [False] * 3)
 
 
+@pytest.mark.parametrize("reply", ['```json {"answer": 3}```', '```json\n{"answer": 3}\n```',
+                                   'Here is the JSON:\n```json\n{"answer": 3}\n```\nIt counts every item.'])
+def test_a_reply_in_a_code_fence_is_read_without_a_re_ask(tmp_path, reply):
+    # A fence on one line, or after a sentence, was read as "not JSON" and re-asked (the replay file holds no
+    # re-ask: one would stop the run).
+    client = replay_client(tmp_path, [(QUESTION, reply, 40, 9)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["ok"]
+
+
+def test_an_unclosed_fence_is_re_asked_with_the_error_inside_it(tmp_path):
+    bad = '```json\n{"answer": 3'  # a reply cut off inside its fence
+    feedback = re_ask(bad, "the reply is not JSON (Expecting ',' delimiter at character 12)")
+    client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, '{"answer": 3}', 1, 1)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["invalid", "ok"]
+
+
 def test_unrecorded_request_fails_naming_its_hash(tmp_path):
     client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 1, 1)])
     other = [{"role": "user", "content": "Something else?"}]
@@ -559,9 +577,11 @@ def test_doctests():
     import doctest
 
     import models.llm.backends
+    import models.llm.client
 
-    result = doctest.testmod(models.llm.backends)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (models.llm.backends, models.llm.client):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def served_locally(tmp_path: Path, url: str, window: int = 2048, threads: int = 1):

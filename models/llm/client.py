@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -109,12 +110,25 @@ def refit_chars_per_token(config: LLMConfig, messages: list[dict], refusal: Cont
     return min(fitting, chars_per_token) * 0.95
 
 
+# A Markdown code fence and what it holds (to the end of the reply when it is not closed: a reply cut off).
+_FENCE = re.compile(r"```[A-Za-z]*[ \t]*\n?(.*?)(?:```|$)", re.S)
+
+
 def parse_json_reply(text: str) -> object:
-    """The JSON object in a reply; tolerates a Markdown code fence around it."""
+    """The JSON value of a reply; tolerates a Markdown code fence around it, on one line or with a sentence before
+    or after it, as models write it.
+
+    >>> parse_json_reply('```json {"a": 1}```'), parse_json_reply('Here it is:\\n```json\\n{"a": 1}\\n```\\nDone.')
+    ({'a': 1}, {'a': 1})
+    """
     stripped = text.strip()
-    if stripped.startswith("```"):
-        stripped = stripped.split("\n", 1)[-1].rsplit("```", 1)[0]
-    return json.loads(stripped)
+    try:
+        return json.loads(stripped)
+    except json.JSONDecodeError:
+        fenced = _FENCE.search(stripped)
+        if fenced is None:
+            raise
+    return json.loads(fenced.group(1))
 
 
 @dataclass
