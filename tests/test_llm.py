@@ -113,6 +113,29 @@ def test_an_unclosed_fence_is_re_asked_with_the_error_inside_it(tmp_path):
     assert client.telemetry()["status"].to_list() == ["invalid", "ok"]
 
 
+def test_a_reply_cut_off_at_the_output_limit_says_so_to_the_model_and_in_the_error(tmp_path):
+    # A long reply stops inside a string; a reasoning model whose reasoning used up max_completion_tokens answers
+    # nothing. Both read as "not JSON" alone, which named neither the cause nor the setting.
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="m", validation_retries=1,
+                       max_output_tokens=64)
+    probe = LLMClient(config, backend=None)
+    cut = "the reply was cut off at the limit of 64 output tokens (llm.max_output_tokens) before it was complete"
+    bad = '{"answer'
+    append_recording(config.replay_file, probe.request(QUESTION, SCHEMA),
+                     Completion(bad, 40, 0, 64, finish_reason="length"))
+    append_recording(config.replay_file, probe.request(re_ask(
+        bad, cut, "the reply is not JSON (Unterminated string starting at at character 1)"), SCHEMA),
+        Completion("", 90, 0, 64, tokens_reasoning=64, finish_reason="length"))
+    client = LLMClient(config, ReplayBackend(config.replay_file))
+    with pytest.raises(LLMOutputError) as raised:
+        asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    assert str(raised.value) == ("unit reply for c:1:10 stayed invalid after 2 attempts: " + cut
+                                 + "; the reply is not JSON (Expecting value at character 0)")
+    assert client.telemetry()["error"].to_list() == [
+        cut + "; the reply is not JSON (Unterminated string starting at at character 1)",
+        cut + "; the reply is not JSON (Expecting value at character 0)"]
+
+
 def test_unrecorded_request_fails_naming_its_hash(tmp_path):
     client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 1, 1)])
     other = [{"role": "user", "content": "Something else?"}]

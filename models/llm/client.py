@@ -216,6 +216,11 @@ class LLMClient:
                 errors = [f"the reply is not JSON ({exc.msg} at character {exc.pos})"]
             if not errors:
                 return value
+            if completion.finish_reason == "length" and not self.cut_by_context(completion):
+                # Stopped at the output limit (or, for a reasoning model, its reasoning used it up): the errors of
+                # what was left (an unterminated string, no JSON at all) do not say why, to the model or the user.
+                errors.insert(0, f"the reply was cut off at the limit of {self.config.max_output_tokens} output "
+                                 "tokens (llm.max_output_tokens) before it was complete")
             row["status"], row["error"] = "invalid", "; ".join(errors)[:1000]
             if self.cut_by_context(completion):
                 # A server with a full window stops the reply (llama.cpp's shortens max_tokens to what is left
