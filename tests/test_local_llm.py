@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 
 import polars as pl
 import pytest
@@ -42,6 +43,24 @@ def test_a_server_that_cannot_load_its_model_fails_with_its_log(tmp_path):
     assert server.process is None  # reaped, and its exit hook withdrawn
     with pytest.raises(ConfigError, match="does not exist"):
         LocalServer(tmp_path / "missing.gguf", 2048, 1, tmp_path / "server.log")
+
+
+def test_a_server_that_exits_silently_is_not_described_by_an_earlier_server_s_log(tmp_path):
+    # The log keeps every server's output (append): a server killed before it wrote a line (out of memory) was
+    # reported with the last line of the previous server, which had started fine.
+    log = tmp_path / "server.log"
+    log.write_text("INFO:     Uvicorn running on http://127.0.0.1:40123 (Press CTRL+C to quit)\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+
+    class Silent(LocalServer):
+        def command(self, port: int) -> list[str]:
+            return [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    with pytest.raises(ConfigError) as raised:
+        Silent(model, 2048, 1, log, startup_timeout_s=60).start()
+    assert str(raised.value) == (f"the embedded llama.cpp server exited with code 3 while starting: no output "
+                                 f"(full log: {log})")
 
 
 def test_lazy_grammar_sampling_emits_the_tokens_of_full_grammar_sampling(tmp_path, monkeypatch):

@@ -116,6 +116,8 @@ class LocalServer:
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.base_url = ""
+        # Where this server's output begins in its log, which keeps the output of every earlier server.
+        self._log_start = 0
 
     def command(self, port: int) -> list[str]:
         # `--logits_all false`: the server's default keeps every position's logits (n_ctx × a 262k
@@ -139,6 +141,7 @@ class LocalServer:
         port = free_loopback_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        self._log_start = log.tell()
         self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL,
                                         preexec_fn=die_with_parent if sys.platform == "linux" else None)
@@ -171,7 +174,12 @@ class LocalServer:
         return "still running" if code is None else f"exited with code {code}"
 
     def _log_tail(self) -> str:
-        lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.is_file() else []
+        """The last line this server wrote (not an earlier server's, from the same log), or `no output`."""
+        if not self.log_path.is_file():
+            return "no output"
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_start)
+            lines = log.read().decode(errors="replace").strip().splitlines()
         return lines[-1][:300] if lines else "no output"
 
     def stop(self) -> None:
