@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import warehouse.meds as meds_module
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
 from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, file_size_limit,
@@ -25,6 +26,7 @@ from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, d
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
+from warehouse.importers.mimic import MIMIC4, import_mimic_validated
 from warehouse.meds import hash_split, read_splits, validate_meds_dir, write_data_shard, write_metadata
 
 
@@ -78,6 +80,35 @@ def test_ingests_register_their_runs_also_when_called_from_python(wh_vocab, tiny
                     ("ing-mimic", "ingest:mimic4", "finished")]
     with pytest.raises(InputError, match="unknown MIMIC source 'mimic5'"):
         ingest_mimic(wh_vocab, "mimic5", mimic4, "fixture", seed=0)
+
+
+def test_a_mimic_ingest_reads_the_events_once_and_registration_hands_on_only_an_unchanged_validation(
+        wh_vocab, tmp_path, monkeypatch):
+    # The importer validated its output and registration validated it again: two full reads of every event.
+    mimic4 = Path(__file__).resolve().parent / "fixtures" / "mimic4"
+    event_reads = []
+    check_events = meds_module._check_events
+
+    def counted(con, data_dir, *rest):  # the real check, noting which directory's events it read
+        event_reads.append(data_dir.parent.name)
+        return check_events(con, data_dir, *rest)
+
+    monkeypatch.setattr(meds_module, "_check_events", counted)
+    row, _ = ingest_mimic(wh_vocab, "mimic4", mimic4, "fixture", seed=0)
+    assert (len(event_reads), row["n_events"]) == (1, 41)
+    assert row["fingerprint"] == validate_meds_dir(wh_vocab.meds_dir("fixture")).fingerprint
+    # A validation handed on is taken only for the files it read: after a shard's rewrite, the directory is read.
+    _, info = import_mimic_validated(MIMIC4, mimic4, tmp_path / "meds", seed=0)
+    assert validate_meds_dir(tmp_path / "meds", validated=info) == info
+    shard = info.shards[0]
+    events = pl.read_parquet(shard)
+    pq.write_table(events.head(events.height - 1).to_arrow(), shard)
+    event_reads.clear()
+    again = validate_meds_dir(tmp_path / "meds", validated=info)
+    assert (event_reads, again.n_events) == (["meds"], info.n_events - 1)
+    (tmp_path / "meds" / "data" / "extra.parquet").write_bytes(b"not parquet")
+    with pytest.raises(InputError, match="extra.parquet is not a readable Parquet file"):
+        validate_meds_dir(tmp_path / "meds", validated=again)
 
 
 def test_a_full_disk_during_meds_ingest_says_so_and_where(wh_vocab, tiny_meds, monkeypatch):

@@ -11,9 +11,10 @@ import polars as pl
 
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck
-from warehouse.importers import ImportSummary, import_mimic3, import_mimic4
+from warehouse.importers import ImportSummary
+from warehouse.importers.mimic import MIMIC3, MIMIC4, import_mimic_validated
 from warehouse.locks import held
-from warehouse.meds import copy_meds_dir, validate_meds_dir
+from warehouse.meds import MedsInfo, copy_meds_dir, validate_meds_dir
 from warehouse.runs import registered_run
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse
@@ -30,14 +31,14 @@ def check_name(kind: str, name: str) -> str:
 
 
 def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None,
-                     memory_limit: str = "2GB") -> dict:
-    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` (DuckDB within `memory_limit`) and write
-    its `datasets` row.
+                     memory_limit: str = "2GB", validated: MedsInfo | None = None) -> dict:
+    """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` (DuckDB within `memory_limit`; `validated`
+    is a validation of it to hand on, see `validate_meds_dir`) and write its `datasets` row.
 
     Returns the row plus what the ingest should tell the user but the table does not keep.
     """
     check_name("dataset", dataset_id)
-    info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit)
+    info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit, validated)
     row = {
         "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
         "generator_version": generator_version,
@@ -78,19 +79,21 @@ def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, 
 
     Returns the dataset row and the importer's `ImportSummary`.
     """
-    importers = {"mimic3": import_mimic3, "mimic4": import_mimic4}
-    if source not in importers:
-        raise InputError(f"unknown MIMIC source {source!r}: use one of {', '.join(importers)}")
+    layouts = {layout.source: layout for layout in (MIMIC3, MIMIC4)}
+    if source not in layouts:
+        raise InputError(f"unknown MIMIC source {source!r}: use one of {', '.join(layouts)}")
     config = {"path": str(source_dir), "dataset": dataset_id, "seed": seed, "labs": labs}
     with registered_run(wh, f"ingest:{source}", config, run_id):
         check_name("dataset", dataset_id)  # before any work: the name becomes a partition key
         # The MEDS directory appears at its final place only once complete; registration comes after.
         with writing_dataset(wh, dataset_id):
-            summary = importers[source](Path(source_dir), wh.meds_dir(dataset_id), seed=seed, labs=labs,
-                                        log=log, memory_limit=memory_limit)
+            summary, info = import_mimic_validated(layouts[source], Path(source_dir), wh.meds_dir(dataset_id),
+                                                   seed=seed, labs=labs, log=log, memory_limit=memory_limit)
             with duck.resource_errors(f"registration of {wh.meds_dir(dataset_id)}", wh.meds_dir(dataset_id).parent,
                                       memory_limit):
-                return register_dataset(wh, dataset_id, source=source, memory_limit=memory_limit), summary
+                # The import validated these very files: not read again unless they changed (`validate_meds_dir`).
+                return register_dataset(wh, dataset_id, source=source, memory_limit=memory_limit,
+                                        validated=info), summary
 
 
 def get_dataset(wh: Warehouse, dataset_id: str) -> dict:

@@ -13,10 +13,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -124,17 +125,32 @@ class MedsInfo:
     # Diagnoses coded outside any encounter (outpatient, problem lists): history only, never a target.
     n_diagnoses_without_encounter: int = 0
     encounter_column: str = "encounter_id"  # or an alias (ENCOUNTER_ALIASES) that ingest copies into encounter_id
+    # Every file under `root` as validation found it (`_file_stamps`): what lets a validation be handed on.
+    stamps: tuple[tuple, ...] = ()
+
+    def moved_to(self, root: Path) -> MedsInfo:
+        """This validation of the directory after its move to `root`."""
+        return replace(self, root=root, shards=tuple(root / shard.relative_to(self.root) for shard in self.shards))
 
 
-def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB") -> MedsInfo:
+def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", validated: MedsInfo | None = None
+                      ) -> MedsInfo:
     """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix.
 
-    DuckDB reads the events within `memory_limit` (`_spilling_connection`)."""
+    DuckDB reads the events within `memory_limit` (`_spilling_connection`). `validated` hands on an earlier
+    validation of the same files, such as an importer's of its staging directory before moving it to `path`: it
+    is returned for `path` when every file is still the one it read (same inode, size, modification and change
+    times; a rename keeps them all, any write changes the change time), else the directory is validated afresh.
+    """
     root = Path(path)
     if not root.exists():
         raise InputError(f"MEDS directory {root} does not exist: check the path")
     if not root.is_dir():
         raise InputError(f"{root} is a file, not a MEDS directory: pass the folder that holds data/ and metadata/")
+    # Taken before anything is read: a file changed while validation reads it fails the comparison later.
+    stamps = _file_stamps(root)
+    if validated is not None and validated.stamps == stamps:
+        return validated.moved_to(root)
     data_dir = root / meds.data_subdirectory
     shards = tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ()
     if not shards:
@@ -224,7 +240,18 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB") -> Med
         check_splits(splits, splits_path)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
-                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter)
+                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps)
+
+
+def _file_stamps(root: Path) -> tuple[tuple, ...]:
+    """(relative path, inode, size, modification and change time in ns) of every file under `root`, sorted."""
+    stamps = []
+    for path in root.rglob("*"):
+        status = path.lstat()
+        if stat.S_ISREG(status.st_mode):
+            stamps.append((str(path.relative_to(root)), status.st_ino, status.st_size, status.st_mtime_ns,
+                           status.st_ctime_ns))
+    return tuple(sorted(stamps))
 
 
 @contextlib.contextmanager
