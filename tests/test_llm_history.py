@@ -12,7 +12,7 @@ import pytest
 
 from models.llm.client import prompt_budget
 from models.llm.config import LLMConfig
-from models.llm.history import render_history
+from models.llm.history import Block, Line, render_history
 from models.llm.prompts import fit_history, load_prompt, render
 
 SCHEMA = {"code": pl.String, "time": pl.Datetime("us"), "numeric_value": pl.Float32, "text_value": pl.String,
@@ -418,3 +418,38 @@ def test_a_lab_text_value_is_bounded_like_other_codes():
     ), TITLES)
     labs = history.text.splitlines()[4]
     assert labs == "  Labs: 51003 <0.01 ng/mL; 70012 " + " ".join(long_text.split())[:79] + "…"
+
+
+def test_rendering_runs_the_same_frame_operations_for_any_number_of_encounters_and_days(monkeypatch):
+    # Each encounter block filtered the record's frame three times and each outside block partitioned it by day:
+    # on a 5,000-patient synthetic cohort the frame calls took most of the rendering (7.2 ms a record, now 2.9).
+    def record(n: int) -> pl.DataFrame:
+        rows = [("GENDER//F", None, None, None, None)]
+        for i in range(n):
+            start = d(2010 + i, 3, 1)
+            rows += [("HOSPITAL_ADMISSION//EW EMER.", start, None, None, i),
+                     ("DIAGNOSIS//ICD//10//I5022", start, None, None, i),
+                     ("LAB//HIV Antibody (Blood)//no unit", start + timedelta(days=40), None, "NEG", None)]
+        return events(*rows)
+
+    calls = []
+    for method in ("filter", "partition_by"):
+        real = getattr(pl.DataFrame, method)
+
+        def counted(frame, *args, _real=real, _method=method, **kwargs):
+            calls.append(_method)
+            return _real(frame, *args, **kwargs)
+
+        monkeypatch.setattr(pl.DataFrame, method, counted)
+    counts = []
+    for n in (1, 12):
+        calls.clear()
+        history = render_history(record(n), TITLES)
+        assert len(history.blocks) == 2 * n
+        counts.append(len(calls))
+    assert counts[0] == counts[1], counts
+    assert history.blocks[-2:] == [
+        Block("Encounter 12: 2021-03-01 to 2021-03-01, admitted EW EMER.",
+              (Line("diagnosis", "  Diagnoses: ", ("I50.22 Chronic systolic heart failure",)),)),
+        Block("Outside encounters: 2021-04-10 to 2021-04-10",
+              (Line("lab", "  2021-04-10 Labs: ", ("HIV Antibody (Blood) NEG no unit",)),), encounter=False)]

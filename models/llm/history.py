@@ -16,6 +16,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 import polars as pl
 
@@ -205,14 +206,15 @@ def _note(time, code: str, text: str | None) -> Line:
     return Line("note", f"  Note [{code.split('//', 1)[-1]}, {_day(time)}] ", (body,))
 
 
-def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: str = "") -> list[Line]:
-    """One line per kind of event (items in time order, repeats shown once), then one line per note. A specimen's
-    collection is left out where its result is among `events`."""
+def _event_lines(events: list[tuple], titles: dict[str, str | None], prefix: str = "") -> list[Line]:
+    """One line per kind of event (items in time order, repeats shown once), then one line per note, from `events`
+    (time, code, numeric_value, text_value) in time order. A specimen's collection is left out where its result is
+    among `events`."""
     groups: dict[str, list[str]] = defaultdict(list)
     notes = []
-    resulted = {item for collected, item, _ in map(_lab_parts, events.filter(pl.col("code").str.starts_with("LAB//"))
-                                                   ["code"].to_list()) if not collected}
-    for time, code, value, text in events.select("time", "code", "numeric_value", "text_value").iter_rows():
+    resulted = {item for collected, item, _ in (_lab_parts(code) for _, code, _, _ in events
+                                                if code.startswith("LAB//")) if not collected}
+    for time, code, value, text in events:
         kind = MEDS_KINDS.get(code.split("//", 1)[0], "other")
         if kind == "note":
             notes.append(_note(time, code, text))
@@ -238,26 +240,32 @@ def _event_lines(events: pl.DataFrame, titles: dict[str, str | None], prefix: st
     return lines + notes
 
 
-def _encounter_block(number: int, start, events: pl.DataFrame, titles: dict[str, str | None]) -> Block:
-    kinds = pl.col("code").str.split("//").list.first()
-    admission = events.filter(kinds == "HOSPITAL_ADMISSION")["code"].to_list()
-    discharge = events.filter(kinds == "HOSPITAL_DISCHARGE")["code"].to_list()
+def _encounter_block(number: int, start, events: list[tuple], titles: dict[str, str | None]) -> Block:
+    """The block of one encounter from its `events` (time, code, numeric_value, text_value) in time order."""
+    stays: dict[str, list[str]] = {"HOSPITAL_ADMISSION": [], "HOSPITAL_DISCHARGE": []}
+    rest = []
+    for event in events:
+        kind = event[1].split("//", 1)[0]
+        if kind in stays:
+            stays[kind].append(event[1])
+        else:
+            rest.append(event)
     # MEDS-Extract writes a part the source left empty as UNK (`HOSPITAL_DISCHARGE//UNK`): nothing to say.
     admitted, discharged = ("//".join(part for part in codes[-1].split("//")[1:] if part != "UNK") if codes else ""
-                            for codes in (admission, discharge))
-    title = (f"Encounter {number}: {_day(start)} to {_day(events['time'].max())}"
+                            for codes in stays.values())
+    end = max((time for time, *_ in events if time is not None), default=None)
+    title = (f"Encounter {number}: {_day(start)} to {_day(end)}"
              + (f", admitted {admitted}" if admitted else "") + (f", discharged {discharged}" if discharged else ""))
-    rest = events.filter(~kinds.is_in(["HOSPITAL_ADMISSION", "HOSPITAL_DISCHARGE"]))
     return Block(title, tuple(_event_lines(rest, titles)))
 
 
-def _outside_block(events: pl.DataFrame, titles: dict[str, str | None]) -> Block:
-    """Events outside any encounter, one line per day and kind (they can span years: each keeps its date)."""
+def _outside_block(events: list[tuple], titles: dict[str, str | None]) -> Block:
+    """Events outside any encounter (time, code, numeric_value, text_value; dated, in time order), one line per day
+    and kind (they can span years: each keeps its date)."""
     lines = []
-    days = events.with_columns(pl.col("time").dt.date().alias("_day"))
-    for day in days.partition_by("_day", maintain_order=True):
-        lines += _event_lines(day, titles, prefix=f"{_day(day['time'][0])} ")
-    title = f"Outside encounters: {_day(events['time'].min())} to {_day(events['time'].max())}"
+    for day, rows in groupby(events, key=lambda event: event[0].date()):
+        lines += _event_lines(list(rows), titles, prefix=f"{_day(day)} ")
+    title = f"Outside encounters: {_day(events[0][0])} to {_day(events[-1][0])}"
     return Block(title, tuple(lines), encounter=False)
 
 
@@ -289,17 +297,21 @@ def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> Histo
     inside = events.filter(pl.col("encounter_id").is_not_null())
     encounters = (inside.group_by("encounter_id").agg(pl.col("time").min().alias("start"))
                   .sort("start", "encounter_id", nulls_last=True))
-    by_encounter = inside.partition_by("encounter_id", as_dict=True)
+    # Blocks are built from Python rows: a frame operation per block cost more than the rendering itself.
+    shown = ("time", "code", "numeric_value", "text_value")
+    by_encounter = defaultdict(list)
+    for encounter_id, *event in inside.select("encounter_id", *shown).iter_rows():
+        by_encounter[encounter_id].append(tuple(event))
     outside = events.filter(pl.col("encounter_id").is_null() & pl.col("time").is_not_null()
                             & (pl.col("code") != "MEDS_BIRTH"))
     # An event outside encounters follows the last encounter that began on or before it.
     starts = [start for start in encounters["start"].to_list() if start is not None]
-    gaps = outside.with_columns(pl.Series("_gap", [bisect_right(starts, t) for t in outside["time"].to_list()],
-                                          dtype=pl.Int64))
-    between = {gap: part.drop("_gap") for (gap,), part in gaps.partition_by("_gap", as_dict=True).items()}
+    between = defaultdict(list)
+    for event in outside.select(shown).iter_rows():
+        between[bisect_right(starts, event[0])].append(event)
     blocks = [_outside_block(between[0], titles)] if 0 in between else []
     for number, (encounter_id, start) in enumerate(encounters.iter_rows(), 1):
-        blocks.append(_encounter_block(number, start, by_encounter[(encounter_id,)], titles))
+        blocks.append(_encounter_block(number, start, by_encounter[encounter_id], titles))
         if number in between:
             blocks.append(_outside_block(between[number], titles))
     return History("\n".join(header) or "Demographics: not recorded", blocks)
