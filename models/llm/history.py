@@ -42,6 +42,8 @@ MIN_NOTE_CHARS = 200
 # The longest text value of a lab or other code that is shown whole (a DRG's description, an OMR reading fit); a
 # longer free text keeps its beginning, so that one event cannot take the room of many.
 MAX_VALUE_CHARS = 80
+# The unit part of a lab code that names no unit: MEDS-Extract's `UNK`, the MIMIC importers' `no unit`.
+NO_UNIT = ("UNK", "no unit")
 # How the marker counts what it omitted, in this order: kind -> (singular, plural).
 NOUNS = {"encounter": ("earlier encounter", "earlier encounters"), "diagnosis": ("diagnosis", "diagnoses"),
          "procedure": ("procedure", "procedures"), "medication": ("medication", "medications"),
@@ -168,10 +170,13 @@ def _medication_words(code: str) -> str:
 def _lab_parts(code: str) -> tuple[bool, str, str]:
     """(a specimen collection?, item, unit) of a lab code: `LAB//<item>//<unit>`, or in MEDS-Extract's newer MIMIC-IV
     ETL a result `LAB//RESULT//<item>//<unit>` (the values, at the store time) and a collection
-    `LAB//SPECIMEN_COLLECTED//<item>` (no value, at the chart time); a unit the source left empty (`UNK`) is none.
+    `LAB//SPECIMEN_COLLECTED//<item>` (no value, at the chart time); a unit the source left empty (`UNK`, the MIMIC
+    importers' `no unit`) is none, so that a text-only result reads `Leukocytes (Urine) NEG`.
 
     >>> [_lab_parts(c) for c in ("LAB//50912//mg/dL", "LAB//RESULT//51508//UNK", "LAB//SPECIMEN_COLLECTED//51003")]
     [(False, '50912', 'mg/dL'), (False, '51508', ''), (True, '51003', '')]
+    >>> _lab_parts("LAB//Leukocytes (Urine)//no unit")
+    (False, 'Leukocytes (Urine)', '')
     """
     parts = code.split("//")[1:]
     if parts[:1] == ["SPECIMEN_COLLECTED"]:
@@ -179,7 +184,7 @@ def _lab_parts(code: str) -> tuple[bool, str, str]:
     parts = parts[1:] if parts[:1] == ["RESULT"] else parts
     if len(parts) < 2:
         return False, parts[0] if parts else code, ""
-    return False, " ".join(parts[:-1]), "" if parts[-1] == "UNK" else parts[-1]
+    return False, " ".join(parts[:-1]), "" if parts[-1] in NO_UNIT else parts[-1]
 
 
 def _day(value) -> str:
