@@ -27,12 +27,13 @@ def register_records(con: duckdb.DuckDBPyConnection, events: pl.DataFrame, key: 
     """
     con.register("frame", events)
     numeric = "numeric_value" if "numeric_value" in events.columns else "NULL::FLOAT"
+    text = "text_value" if "text_value" in events.columns else "NULL::VARCHAR"
     ids = ("subject_id, encounter_id" if key == "subject_id" else
            f"dense_rank() OVER (ORDER BY {key}) AS subject_id, CASE WHEN encounter_id IS NOT NULL "
            f"THEN dense_rank() OVER (ORDER BY {key}, encounter_id) END AS encounter_id")
     # A view: a train chunk's events are read where they lie, not copied.
     con.execute(f"""CREATE TEMP VIEW rec AS SELECT {key} AS record, {ids}, encounter_id AS source_encounter_id,
-                    time, code, {numeric} AS numeric_value, NULL::VARCHAR AS text_value FROM frame""")
+                    time, code, {numeric} AS numeric_value, {text} AS text_value FROM frame""")
 
 
 def unserved_visits(events: pl.DataFrame, key: str) -> pl.DataFrame:
@@ -74,8 +75,8 @@ def unserved_visits(events: pl.DataFrame, key: str) -> pl.DataFrame:
 def cut_records(events: pl.DataFrame, key: str, visits: pl.DataFrame
                 ) -> tuple[pl.DataFrame, pl.DataFrame, dict[int, tuple]]:
     """For each visit (key, encounter_id) of `visits`, numbered `pair`: its record as `pretarget_sql` cuts it at
-    the visit's cutoff (pair, time, code, numeric_value, encounter_id), the visit's own diagnoses (pair, code),
-    and each pair's (key value, encounter_id)."""
+    the visit's cutoff (pair, time, code, numeric_value, text_value, encounter_id), the visit's own diagnoses
+    (pair, code), and each pair's (key value, encounter_id)."""
     con = duck.connect()
     try:
         register_records(con, events.join(visits.select(key).unique(), on=key, how="semi"), key)
@@ -86,7 +87,7 @@ def cut_records(events: pl.DataFrame, key: str, visits: pl.DataFrame
                    s.start_time AS cutoff_time, r.record, r.source_encounter_id
             FROM rec r JOIN wanted w ON w.{key} = r.record AND w.encounter_id = r.source_encounter_id
             JOIN starts s ON s.encounter_id = r.encounter_id""")
-        cut = con.sql(f"""SELECT trajectory_id AS pair, time, code, numeric_value, encounter_id
+        cut = con.sql(f"""SELECT trajectory_id AS pair, time, code, numeric_value, text_value, encounter_id
                           FROM ({cohorts.pretarget_sql('rec', 'pairs', 'starts')})""").pl()
         label_codes = con.sql("""SELECT DISTINCT p.trajectory_id AS pair, r.code FROM pairs p
                                  JOIN rec r ON r.encounter_id = p.target_encounter_id

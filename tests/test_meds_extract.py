@@ -290,10 +290,13 @@ def test_a_mimic_iv_meds_extract_export_runs_end_to_end_and_keeps_the_boundary(l
     for system in systems:
         run("forecast", "--cohort", "native", "--system", system, "--split", "all", "--run-id", "mext")
     # The prior's inputs: diagnoses, procedures of both ICD versions, medications (the emar's administrations and
-    # the pharmacy's orders, which carry no hadm_id), lab value quintiles (the ED troponin too), the ICU's procedure
-    # events and sex.
+    # the pharmacy's orders, which carry no hadm_id), lab value quintiles (the ED troponin too) and the texts of results
+    # without a number (urine protein NEG; in 0.6.7 urine appearance Clear), the ICU's procedure events and sex.
     vocab = fitted_forecaster(str(root), cohorts["native"], "ehr_prior").vocab
-    labs = [f"{lab}//q{q}" for lab in ("LAB//220045//bpm", creatinine(layout), ed_lab(layout)) for q in range(5)]
+    texts = [f"{lab_code(layout, 51484, 'mg/dL')}//NEG"] + ([f"{lab_code(layout, 51508, None)}//CLEAR"]
+                                                           if layout == "0.6.7" else [])
+    labs = sorted([f"{lab}//q{q}" for lab in ("LAB//220045//bpm", creatinine(layout), ed_lab(layout)) for q in range(5)]
+                  + texts)
     icu = [f"PROCEDURE//{part}//{VENTILATION}" for part in ("START", "END")] if layout == "0.6.7" else []
     assert [c for c in vocab.input_codes if not c.startswith("DIAGNOSIS//")] == [
         "GENDER//F", "GENDER//M", *labs, "MEDICATION//Furosemide//Administered", PHARMACY,

@@ -388,7 +388,7 @@ def test_a_record_without_birth_gets_the_mean_age_of_train_visits_and_old_models
         "numeric_value": [None, None, 1.0, None, 2.0, None], "encounter_id": [None, 1, 2, 2, 3, 4]},
         schema_overrides={"numeric_value": pl.Float32})
     con = duckdb.connect()
-    con.register("train_events", train.to_arrow())
+    con.register("train_events", train.with_columns(text_value=pl.lit(None, pl.String)).to_arrow())
     con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c"], "code": [dx("X")]}).to_arrow())
     vocab = prior_data.build_vocabulary(con, "c", min_code_count=1)
     assert vocab.age_fill == pytest.approx((25567 + 29220) / 2 / 365.25, abs=1e-9)
@@ -673,7 +673,8 @@ def test_an_event_within_a_stay_that_spans_a_nested_one_is_the_outer_stays_after
     assert out.codes[0, :, :3].tolist() == [[ids[dx("X")], ids[stop], 0], [ids[dx("Y")], ids[heparin], 0]]
     # The vocabulary counts each where the visits take it: one encounter each, so all but Metformin at 1.
     con = duckdb.connect()
-    con.register("train_events", events.with_columns(cohort_id=pl.lit("c")).to_arrow())
+    con.register("train_events",
+                 events.with_columns(cohort_id=pl.lit("c"), text_value=pl.lit(None, pl.String)).to_arrow())
     con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c", "c"], "code": [dx("X"), dx("Y")]}).to_arrow())
     assert prior_data.build_vocabulary(con, "c", min_code_count=1).input_codes == [
         dx("X"), dx("Y"), heparin, stop]
@@ -691,7 +692,7 @@ def test_the_vocabulary_holds_the_codes_without_an_encounter_that_visits_take():
         "numeric_value": None, "encounter_id": [1, None, 1, None, 2, None, 2, None]},
         schema_overrides={"numeric_value": pl.Float32})
     con = duckdb.connect()
-    con.register("train_events", train.to_arrow())
+    con.register("train_events", train.with_columns(text_value=pl.lit(None, pl.String)).to_arrow())
     con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c"], "code": [dx("X")]}).to_arrow())
     vocab = prior_data.build_vocabulary(con, "c", min_code_count=2)
     assert vocab.input_codes == [dx("X"), start] and vocab.within_stays
@@ -713,7 +714,8 @@ def test_the_ed_draws_and_orders_before_an_admission_are_its_tokens_as_the_cohor
         "numeric_value": [None, 0.25, None, None, None, None, None], "encounter_id": [None, None, None, 1, 1, 2, 2]},
         schema_overrides={"numeric_value": pl.Float32, "encounter_id": pl.Int64})
     con = duckdb.connect()
-    con.register("train_events", events.with_columns(cohort_id=pl.lit("c")).to_arrow())
+    con.register("train_events",
+                 events.with_columns(cohort_id=pl.lit("c"), text_value=pl.lit(None, pl.String)).to_arrow())
     con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c", "c"], "code": [dx("X"), dx("Y")]}).to_arrow())
     assert con.execute(f"SELECT encounter_id, claims_from FROM ({encounter_starts_sql('train_events')}) ORDER BY 1"
                        ).fetchall() == [(1, t(2150, 1, 1, 3)), (2, t(2150, 3, 1))]
@@ -727,3 +729,40 @@ def test_the_ed_draws_and_orders_before_an_admission_are_its_tokens_as_the_cohor
     registered = {key: value for key, value in vocab.to_json().items() if key != "stays_from_ed_registration"}
     old = visit_tensors(events, "subject_id", Vocabulary(**registered), PriorConfig(), keys=[1])
     assert old.codes[0, 0].tolist()[:2] == [ids[dx("X")], 0] and torch.equal(old.numeric, out.numeric)
+
+
+def test_a_lab_result_without_a_number_is_a_token_of_its_text_when_train_results_give_it_often(wh_vocab, tmp_path):
+    # Text-only results (POSITIVE, NEG, >1000) had no token: only numbers were binned into quintiles.
+    from tests.conftest import t, tiny_events, write_tiny_meds
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    hiv = "LAB//HIV Antibody (Blood)//no unit"
+    rows = [(2, t(0, 7), hiv, None, "Positive", 201), (2, t(5, 7), hiv, None, " POSITIVE ", 202),
+            (2, t(5, 8), hiv, None, "see  comment", 202),  # once: no token
+            (2, t(5, 9), "LAB//HBA1C//%", None, "ERROR", 202),  # a numeric lab's text: once, no token either
+            (1, t(10, 7), hiv, None, "positive", 102),
+            (1, t(20, 7), hiv, None, "POSITIVE", 103)]  # the target encounter's: never an input
+    extra = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "meds", pl.concat([tiny_events(), extra])), "texts")
+    cid = build_cohort(wh_vocab, "texts", "final", CohortOptions(), seed=7)["cohort_id"]
+    con, cfg = wh_vocab.connect(), PriorConfig(min_code_count=2)
+    vocab = prior_data.build_vocabulary(con, cid, min_code_count=2)
+    token = f"{hiv}//POSITIVE"
+    assert vocab.lab_texts == {hiv: ["POSITIVE"]} and token in vocab.input_codes
+    assert [code for code in vocab.input_codes if code.startswith("LAB//")] == [
+        *(f"LAB//HBA1C//%//q{q}" for q in range(5)), token]
+    assert Vocabulary(**vocab.to_json()) == vocab
+
+    def tokens(t, row: int, visit: int) -> list[str]:
+        return [vocab.input_codes[i - 2] for i in t.codes[row, visit].tolist() if i > 1 and
+                vocab.input_codes[i - 2].startswith(hiv)]
+
+    tensors, _ = training_sequences(con, cid, vocab, cfg)
+    assert tensors.keys == [2] and [tokens(tensors, 0, v) for v in range(2)] == [[token], [token]]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    served = visit_tensors(pretarget, "trajectory_id", vocab, cfg)
+    assert served.lengths.tolist() == [2] and [tokens(served, 0, v) for v in range(2)] == [[], [token]]
+    # A model registered before the field has no text tokens and keeps featurizing as it was trained.
+    old = Vocabulary(**{k: v for k, v in vocab.to_json().items() if k != "lab_texts"})
+    assert [tokens(visit_tensors(pretarget, "trajectory_id", old, cfg), 0, v) for v in range(2)] == [[], []]

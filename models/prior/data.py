@@ -11,9 +11,10 @@ cuts there instead (`unserved_visits`, `cut_pairs`).
 
 A visit is an encounter with at least one diagnosis event; it starts at its earliest event. Input
 tokens are diagnosis, procedure and medication codes, plus one token per lab and value quintile
-(`LAB//…//q0`…`q4`, cut points from train patients' values); such an event without an encounter is a token
-of the visit whose stay holds it (`within_stays`): from its first dated own event, or the ED registration that led
-into it, to its last (`stay_spans`, the cohort's rule). A visit's numbers are the
+(`LAB//…//q0`…`q4`, cut points from train patients' values) and, for a result without a number, per lab and
+result text (`LAB//…//NEG`, the texts that train patients' results give often enough); such an event without an
+encounter is a token of the visit whose stay holds it (`within_stays`): from its first dated own event, or the ED
+registration that led into it, to its last (`stay_spans`, the cohort's rule). A visit's numbers are the
 gap since the previous visit and the age (without a MEDS_BIRTH, the train patients' mean age at their visits). A
 record's static codes (MEDS rows without a time or an encounter, such as `GENDER//F`) are the patient's
 own tokens, embedded apart from the visits and added to each of them. The output vocabulary is the
@@ -60,6 +61,9 @@ class Vocabulary:
     # draws and orders before its first own event are its tokens; False in models registered before, whose stays
     # began at their first own event.
     stays_from_ed_registration: bool = False
+    # Lab code → the result texts (`lab_text`) with a token of their own, for results without a number (POSITIVE,
+    # NEG, >1000); empty in models registered before, which had no token for such results and keep seeing none.
+    lab_texts: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def n_input(self) -> int:
@@ -71,8 +75,8 @@ class Vocabulary:
 
     def to_json(self) -> dict:
         return {"input_codes": self.input_codes, "output_codes": self.output_codes, "omega": self.omega,
-                "lab_cuts": self.lab_cuts, "age_fill": self.age_fill, "within_stays": self.within_stays,
-                "stays_from_ed_registration": self.stays_from_ed_registration}
+                "lab_cuts": self.lab_cuts, "lab_texts": self.lab_texts, "age_fill": self.age_fill,
+                "within_stays": self.within_stays, "stays_from_ed_registration": self.stays_from_ed_registration}
 
     @cached_property
     def input_ids(self) -> pl.DataFrame:
@@ -138,8 +142,29 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
                               GROUP BY code HAVING count(*) >= ? ORDER BY code""", [cohort_id, min_code_count])
     lab_cuts = {code: [float(c) for c in values] for code, values in cuts.iter_rows()}
     lab_tokens = [f"{code}//q{q}" for code in lab_cuts for q in range(len(LAB_QUANTILES) + 1)]
+    # Texts are counted as raw values first: far fewer distinct values than results, normalized in one place.
+    texts = (sql_frame(con, f"""SELECT code, text_value, count(*) AS n FROM train_events
+                                WHERE cohort_id = ? AND code LIKE '{LAB_PREFIX}%' AND text_value IS NOT NULL
+                                  AND (numeric_value IS NULL OR NOT isfinite(numeric_value))
+                                GROUP BY ALL""", [cohort_id])
+             .with_columns(lab_text(pl.col("text_value")).alias("text")).filter(pl.col("text") != "")
+             .group_by("code", "text").agg(pl.col("n").sum()).filter(pl.col("n") >= min_code_count)
+             .group_by("code").agg(pl.col("text").sort()).sort("code"))
+    lab_texts = dict(texts.iter_rows())
+    lab_tokens += [f"{code}//{text}" for code, values in lab_texts.items() for text in values]
     return Vocabulary(sorted(set(inputs + static + lab_tokens)), outputs, omega, lab_cuts,
-                      mean_visit_age(con, cohort_id), within_stays=True, stays_from_ed_registration=True)
+                      mean_visit_age(con, cohort_id), lab_texts=lab_texts, within_stays=True,
+                      stays_from_ed_registration=True)
+
+
+def lab_text(text: pl.Expr) -> pl.Expr:
+    """A lab result's text as its token spells it: single spaces, upper case, `//` (the code separator) as `/`.
+
+    >>> pl.select(lab_text(pl.lit("  Positive\t(see  comment)"))).item()
+    'POSITIVE (SEE COMMENT)'
+    """
+    return text.str.replace_all(r"\s+", " ").str.strip_chars(" ").str.to_uppercase().str.replace_all("//", "/",
+                                                                                                       literal=True)
 
 
 def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
@@ -160,24 +185,42 @@ def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
     return 0.0 if mean is None else float(mean)
 
 
-def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]]) -> pl.DataFrame:
-    """Lab rows (…, code, numeric_value) → the same rows with code `{lab}//q{quintile}`; unknown labs and
-    missing or non-finite values dropped.
+def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]],
+                     lab_texts: dict[str, list[str]] | None = None) -> pl.DataFrame:
+    """Lab rows (…, code, numeric_value[, text_value]) → the same rows with code `{lab}//q{quintile}`, or for a
+    result without a finite number whose text is one of `lab_texts`, `{lab}//{text}` (`lab_text`); other rows
+    dropped.
 
     >>> rows = pl.DataFrame({"code": ["LAB//k//u"] * 6, "numeric_value": [1.0, 5.0, 9.0, None, float("nan"),
     ...                                                                     float("inf")]})
     >>> lab_value_tokens(rows, {"LAB//k//u": [2.0, 4.0, 6.0, 8.0]})["code"].to_list()
     ['LAB//k//u//q0', 'LAB//k//u//q2', 'LAB//k//u//q4']
+    >>> rows = rows.with_columns(pl.Series("text_value", [None, None, None, "neg", "Pos", "free text"]))
+    >>> lab_value_tokens(rows, {"LAB//k//u": [2.0, 4.0, 6.0, 8.0]}, {"LAB//k//u": ["NEG", "POS"]})["code"].to_list()
+    ['LAB//k//u//q0', 'LAB//k//u//q2', 'LAB//k//u//q4', 'LAB//k//u//NEG', 'LAB//k//u//POS']
     """
+    texts = lab_value_texts(labs, lab_texts or {})
     if not lab_cuts or labs.is_empty():
-        return labs.head(0)
+        return texts
     cuts = pl.DataFrame({"code": list(lab_cuts), **{f"cut{i}": [c[i] for c in lab_cuts.values()]
                                                     for i in range(len(LAB_QUANTILES))}})
     # Non-finite values have no quintile (the cut points leave them out too); NaN would compare above every cut.
     binned = labs.filter(pl.col("numeric_value").is_finite()).join(cuts, on="code")
     quintile = pl.sum_horizontal((pl.col("numeric_value") > pl.col(f"cut{i}")).cast(pl.Int32)
                                  for i in range(len(LAB_QUANTILES)))
-    return binned.with_columns(pl.format("{}//q{}", "code", quintile).alias("code")).select(labs.columns)
+    binned = binned.with_columns(pl.format("{}//q{}", "code", quintile).alias("code")).select(labs.columns)
+    return pl.concat([binned, texts]) if texts.height else binned
+
+
+def lab_value_texts(labs: pl.DataFrame, lab_texts: dict[str, list[str]]) -> pl.DataFrame:
+    """The rows of `lab_value_tokens` for results without a finite number: code `{lab}//{text}`."""
+    if not lab_texts or labs.is_empty() or "text_value" not in labs.columns:
+        return labs.head(0)
+    known = pl.DataFrame([(code, text) for code, values in lab_texts.items() for text in values],
+                         schema={"code": pl.String, "_text": pl.String}, orient="row")
+    return (labs.filter(pl.col("numeric_value").is_null() | ~pl.col("numeric_value").is_finite())
+            .with_columns(lab_text(pl.col("text_value")).alias("_text")).join(known, on=["code", "_text"])
+            .with_columns(pl.format("{}//{}", "code", "_text").alias("code")).select(labs.columns))
 
 
 def token_rank(code: pl.Expr) -> pl.Expr:
@@ -265,7 +308,8 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
 
     coded = in_encounter.filter(pl.any_horizontal(pl.col("code").str.starts_with(p) for p in TOKEN_PREFIXES))
     if "numeric_value" in in_encounter.columns:
-        labs = lab_value_tokens(in_encounter.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts)
+        labs = lab_value_tokens(in_encounter.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts,
+                                vocab.lab_texts)
         coded = pl.concat([coded, labs])
     tokens = (coded.select(key, "encounter_id", "code").unique()
               .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
@@ -376,7 +420,7 @@ def train_subject_ranges(con: duckdb.DuckDBPyConnection, cohort_id: str, max_pat
 def load_training_events(con: duckdb.DuckDBPyConnection, cohort_id: str, first: int, last: int) -> pl.DataFrame:
     """Events of the train patients with first <= subject_id <= last (train_events hold the full
     records of train patients only, the one split whose full records the forecasting store holds)."""
-    return sql_frame(con, """SELECT subject_id, time, code, numeric_value, encounter_id FROM train_events
+    return sql_frame(con, """SELECT subject_id, time, code, numeric_value, text_value, encounter_id FROM train_events
                              WHERE cohort_id = ? AND subject_id BETWEEN ? AND ?""", [cohort_id, first, last])
 
 
@@ -500,7 +544,7 @@ def validation_pairs(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: Pri
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
     """Pre-target records of `tuning` trajectories (their targets live in the gold store and are not read)."""
-    return sql_frame(con, """SELECT p.trajectory_id, p.time, p.code, p.numeric_value, p.encounter_id
+    return sql_frame(con, """SELECT p.trajectory_id, p.time, p.code, p.numeric_value, p.text_value, p.encounter_id
                              FROM pretarget_events p
                              JOIN trajectories t ON t.cohort_id = p.cohort_id AND t.trajectory_id = p.trajectory_id
                              WHERE p.cohort_id = ? AND t.split = 'tuning'""", [cohort_id])
