@@ -786,3 +786,13 @@ def test_cli_full_disk_during_import_is_one_line(tmp_path, monkeypatch):
         f"Error: MIMIC-IV import of {FIXTURE}: out of disk space in {tmp_path / 'wh' / 'gold' / 'meds'}: free disk "
         "space there, or point --data-dir (DXR_DATA_DIR) to a disk with room"]
     assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-9", "failed")]
+
+
+def test_a_lab_unit_holding_the_code_separator_is_escaped_like_a_label(tmp_path):
+    # A unit written 'mg//dL' would otherwise make the code LAB//Creatinine (Blood)//mg//dL: four parts, read as
+    # the item 'Creatinine (Blood) mg' with the unit 'dL'.
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "labevents", replace_on_line(8, ",mg/dL,", ",mg//dL,"))
+    import_mimic4(hosp.parent, tmp_path / "meds", seed=SEED, labs=True)
+    codes = read_meds(tmp_path / "meds").filter(pl.col("subject_id") == 10000001, pl.col("numeric_value") == 1.3)
+    assert codes["code"].to_list() == ["LAB//Creatinine (Blood)//mg/dL"]

@@ -231,8 +231,9 @@ LAB_TABLES = {
                               required=False),
 }
 # `LAB//<label> (<fluid>)//<unit>`: readable in prompts, and the EHR prior bins `numeric_value` per code. Items
-# missing from d_labitems keep their itemid. A lab of an admission the file does not have is dropped and counted,
-# like a prescription. One without an admission belongs to the admission whose stay it falls in, from the
+# missing from d_labitems keep their itemid. A `//` in a label or unit becomes `/`: readers split codes on `//`, so
+# 'mg//dL' would read as the item '<label> mg' with the unit 'dL'. A lab of an admission the file does not have is
+# dropped and counted, like a prescription. One without an admission belongs to the admission whose stay it falls in, from the
 # emergency-department registration (`edregtime`, else `admittime`) to `dischtime`: MIMIC leaves hadm_id empty on
 # the ED draws that precede an admission, which would otherwise sit in the pre-target record of that very
 # admission. Any other is an outpatient result and stays outside any encounter.
@@ -242,7 +243,7 @@ SELECT l.subject_id, l.charttime AS time, coalesce(l.hadm_id, s.hadm_id) AS hadm
        l.hadm_id IS NULL AND s.hadm_id IS NOT NULL AS within_stay,
        'LAB//' || replace(coalesce(nullif(trim(d.label), '') || coalesce(' (' || nullif(trim(d.fluid), '') || ')', ''),
                                    l.itemid::VARCHAR), '//', '/')
-               || '//' || coalesce(nullif(trim(l.valueuom), ''), 'no unit') AS code,
+               || '//' || replace(coalesce(nullif(trim(l.valueuom), ''), 'no unit'), '//', '/') AS code,
        l.valuenum AS numeric_value,
        CASE WHEN l.valuenum IS NULL THEN nullif(trim(l.value), '') END AS text_value,
        l.hadm_id IS NOT NULL AND a.hadm_id IS NULL AS without_admission
