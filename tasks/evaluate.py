@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
@@ -334,11 +335,6 @@ def pool_oracle_counts(run: RunData, pools: list[tuple[str, ...]], ks: tuple[int
     (trajectory, code) are encoded as integers once, so each pool is a numpy union and lookup.
     """
     n, n_sub = len(run.trajectory_ids), len(SUBSETS)
-    for pool in pools:
-        missing = [p for p in pool if p not in run.systems]
-        if missing:
-            raise NotFoundError(f"pool {'+'.join(pool)} names system(s) {missing} not evaluated in run {run.run_id!r}; "
-                                f"evaluated: {', '.join(run.systems)}")
     traj_index = pl.DataFrame({"trajectory_id": run.trajectory_ids, "i": np.arange(n, dtype=np.int64)})
     code_index = (pl.concat([run.rankings["code"], run.labelled["code"]]).unique().sort().to_frame()
                   .with_row_index("c").with_columns(pl.col("c").cast(pl.Int64)))
@@ -609,6 +605,38 @@ def budgets(ks, natural: bool) -> tuple[int, ...]:
     return ks + ((NATURAL_K,) if natural else ())
 
 
+def _named(pairs: list[tuple[str, ...]], pools: list[tuple[str, ...]]) -> Iterator[tuple[str, str]]:
+    """(how the user wrote the pair or pool, system) for each system each names."""
+    for label, group in [*((f"pair {','.join(p)}", p) for p in pairs), *((f"pool {'+'.join(p)}", p) for p in pools)]:
+        for system in group:
+            yield label, system
+
+
+def check_comparisons(run_id: str, systems: list[str], pairs: list[tuple[str, ...]],
+                      pools: list[tuple[str, ...]]) -> None:
+    """Refuse a pair or pool naming a system that is not among the evaluated `systems` of run `run_id`."""
+    for label, system in _named(pairs, pools):
+        if system not in systems:
+            raise NotFoundError(f"{label} names {system!r}, not evaluated in run {run_id!r}; evaluated: "
+                                f"{', '.join(systems)}")
+
+
+def comparisons_named(wh: Warehouse, run_id: str, systems: list[str] | None, pairs: list[tuple[str, ...]] | None,
+                      pools: list[tuple[str, ...]] | None) -> None:
+    """`check_comparisons` before the run is read, so that a command given several runs refuses a mistyped name
+    before evaluating the first: against `systems` when given, else each named system must have ranking files in
+    the run (cheap: no file is read) or be an oracle (whose gold rows `evaluate` checks)."""
+    if systems is not None:
+        check_comparisons(run_id, systems, pairs or [], pools or [])
+        return
+    for label, system in _named(pairs or [], pools or []):
+        if not (system in ORACLES or wh.has_rows("rankings", run_id=check_run_id(run_id), system=system)
+                or wh.has_rows("ranking_status", run_id=run_id, system=system)):
+            raise NotFoundError(f"{label} names {system!r}, which has no rankings in run {run_id!r}: correct the name "
+                                f"(`dxr sql \"SELECT DISTINCT system FROM rankings WHERE run_id = '{run_id}'\"` lists "
+                                "the run's systems)")
+
+
 def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS, n_boot: int = 1000,
              seed: int = 0, natural: bool = True, pairs: list[tuple[str, str]] | None = None,
              pools: list[tuple[str, ...]] | None = None) -> Evaluation:
@@ -621,18 +649,15 @@ def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         raise InputError(f"--bootstrap must be >= 0 (0 skips intervals), got {n_boot}")
     all_ks = budgets(ks, natural)
     run = load_run(wh, run_id, systems, ks=[k for k in all_ks if k != NATURAL_K])
-    weights = bootstrap_weights(run.subject_index, n_boot, seed) if n_boot else None
-    est = estimate(system_counts(run, all_ks), weights)
     # A pair or pool given twice is one comparison: written twice, its rows would be duplicates.
     pairs = list(combinations(run.systems, 2)) if pairs is None else list(dict.fromkeys(pairs))
-    for pair in pairs:
-        if any(p not in run.systems for p in pair):
-            raise NotFoundError(f"pair {pair[0]},{pair[1]}: both systems must be evaluated; evaluated: "
-                                f"{', '.join(run.systems)}")
     forecasting = [s for s in run.systems if s not in ORACLES]
     if pools is None:
         pools = [(s,) for s in forecasting] + ([tuple(forecasting)] if len(forecasting) > 1 else [])
     pools = list(dict.fromkeys(pools))
+    check_comparisons(run_id, run.systems, pairs, pools)  # before the bootstrap, minutes at 50,000 trajectories
+    weights = bootstrap_weights(run.subject_index, n_boot, seed) if n_boot else None
+    est = estimate(system_counts(run, all_ks), weights)
     extra = dict(run_id=run_id, cohort_id=run.cohort_id)
     metrics = metric_rows(est).with_columns(**{c: pl.lit(v) for c, v in extra.items()}, n_runs=pl.lit(1))
     headroom = pl.from_arrow(TABLES["headroom"].schema.empty_table())

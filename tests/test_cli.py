@@ -322,6 +322,18 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", data_dir=data_dir))
     assert line.startswith(f"Error: run 'r2' has no rankings in the warehouse at {data_dir}: run a forecast first")
     assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
+    # So is a pair or pool naming a system one of the runs lacks, before the bootstrap of any run.
+    assert run("forecast", "--cohort", "default", "--system", "global_frequency", "--split", "all", "--run-id", "r2",
+               data_dir=data_dir).exit_code == 0
+    line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", "--pool", "repeat_history", data_dir=data_dir))
+    assert line == ("Error: pool repeat_history names 'repeat_history', which has no rankings in run 'r2': correct the "
+                    "name (`dxr sql \"SELECT DISTINCT system FROM rankings WHERE run_id = 'r2'\"` lists the run's "
+                    "systems)")
+    line = one_line_error(run("evaluate", "--run", "r1", "--systems", "repeat_history", "--pair",
+                              "repeat_history,global_frequency", data_dir=data_dir))
+    assert line == ("Error: pair repeat_history,global_frequency names 'global_frequency', not evaluated in run 'r1'; "
+                    "evaluated: repeat_history")
+    assert not Warehouse(data_dir).has_rows("metrics")
     # Option values are checked before the work starts, and a list option naming nothing is no silent default.
     for option, value, line in [
         ("--systems", ",", "Error: --systems names no system; give a comma-separated list such as "

@@ -501,6 +501,16 @@ def test_a_narrower_re_evaluation_leaves_no_rows_of_the_earlier_one(wh):
     assert wh.read("metrics", run_id="r1")["ci_low"].null_count() == wh.read("metrics", run_id="r1").height
 
 
+def test_a_pair_or_pool_naming_a_system_not_evaluated_is_refused_before_the_bootstrap(wh):
+    # 10**12 resamples cannot even be allocated: only names checked before the bootstrap give these errors.
+    with pytest.raises(NotFoundError) as raised:
+        evaluate(wh, "r1", ks=(2,), n_boot=10**12, pairs=[("s1", "s3")])
+    assert str(raised.value) == "pair s1,s3 names 's3', not evaluated in run 'r1'; evaluated: s1, s2"
+    with pytest.raises(NotFoundError) as raised:
+        evaluate(wh, "r1", systems=["s1"], ks=(2,), n_boot=10**12, pools=[("s1", "s2")])
+    assert str(raised.value) == "pool s1+s2 names 's2', not evaluated in run 'r1'; evaluated: s1"
+
+
 def test_a_system_pair_or_pool_named_twice_is_written_once(wh):
     evaluate_run(wh, "r1", systems=["s1", "s2", "s1"], ks=(2,), n_boot=0, pairs=[("s1", "s2"), ("s1", "s2")],
                  pools=[("s1", "s2"), ("s1", "s2")])

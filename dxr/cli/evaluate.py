@@ -91,7 +91,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import budgets, check_has_rankings, evaluate_repeated, evaluate_run, repeated_systems
+    from tasks.evaluate import (budgets, check_has_rankings, comparisons_named, evaluate_repeated, evaluate_run,
+                                repeated_systems)
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
@@ -101,6 +102,7 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
         repeated_systems(system_list)  # refuses a mean over runs of oracles alone before any work
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
+        comparisons_named(wh, run_id, system_list, pair_list, pool_list)
     frames = []
     for run_id in run_ids:
         click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
