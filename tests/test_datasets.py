@@ -15,6 +15,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -250,10 +251,45 @@ def test_ingest_takes_shards_with_the_types_pandas_writes_and_stores_the_meds_ty
     key = ["subject_id", "time", "code", "numeric_value", "encounter_id"]
     assert pl.from_arrow(gold).select(key).equals(pl.from_arrow(events).select(key))
     assert build_cohort(wh_vocab, "pandas", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
-    tz_aware = pandas_like.set_column(1, "time", pandas_like["time"].cast(pa.timestamp("ns", tz="UTC")))
-    pq.write_table(tz_aware, shard)
-    with pytest.raises(InputError, match=r"0\.parquet: not the MEDS data schema .*time"):
-        ingest_meds(wh_vocab, source, "zoned")
+
+
+def test_times_at_one_utc_offset_keep_the_wall_clock_time_they_show_and_mixed_offsets_are_refused(wh_vocab, tmp_path):
+    # A single-zone export: its times order the events as they show them, as the MIMIC importers keep CSV times
+    # written at one offset. Arrow stores such times as UTC instants, so 09:30 at -05:00 is stored as 14:30.
+    source = write_tiny_meds(tmp_path / "zoned")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    zoned = pc.assume_timezone(events["time"], "-05:00").cast(pa.timestamp("ns", "-05:00"))  # as pandas writes it
+    at_offset = events.set_column(1, "time", zoned)
+    pq.write_table(at_offset, shard)
+    ingest_meds(wh_vocab, source, "offset")
+    gold = pq.read_table(wh_vocab.meds_dir("offset") / "data" / "0.parquet")
+    assert (str(gold.schema.field("time").type), gold["time"].equals(events["time"])) == ("timestamp[us]", True)
+    pq.write_table(events.set_column(1, "time", events["time"].cast(pa.timestamp("us", "UTC"))), shard)
+    ingest_meds(wh_vocab, source, "utc")  # its stored instants are the wall-clock times
+    assert pq.read_table(wh_vocab.meds_dir("utc") / "data" / "0.parquet")["time"].equals(events["time"])
+    # Daylight saving: a second shard at -04:00.
+    first = pc.equal(at_offset["subject_id"], at_offset["subject_id"][0])
+    pq.write_table(at_offset.filter(first), shard)
+    later = at_offset.filter(pc.invert(first))
+    pq.write_table(later.set_column(1, "time", later["time"].cast(pa.timestamp("ns", "-04:00"))),
+                   source / "data" / "1.parquet")
+    with pytest.raises(InputError) as raised:
+        ingest_meds(wh_vocab, source, "mixed")
+    assert str(raised.value) == (
+        f"{source / 'data' / '1.parquet'}: column 'time' is timestamp[ns, tz=-04:00] but {shard} has "
+        "timestamp[ns, tz=-05:00]: times at mixed offsets can misorder events; convert every time to one UTC offset "
+        "(such as UTC itself) or to local time without an offset")
+    (source / "data" / "1.parquet").unlink()
+    pq.write_table(events.set_column(1, "time", pc.assume_timezone(events["time"], "America/New_York")), shard)
+    with pytest.raises(InputError) as raised:
+        ingest_meds(wh_vocab, source, "named")
+    assert str(raised.value) == (
+        f"{shard}: column 'time' is timestamp[us, tz=America/New_York], in a time zone whose UTC offset can change "
+        "(daylight saving) and misorder events: convert every time to one UTC offset (such as UTC itself) or to "
+        "local time without an offset")
+    assert not wh_vocab.has_rows("datasets", dataset_id="mixed") and not wh_vocab.has_rows("datasets",
+                                                                                             dataset_id="named")
 
 
 def test_ingest_adds_the_optional_value_columns_that_no_shard_has(wh_vocab, tmp_path):

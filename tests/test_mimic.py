@@ -442,6 +442,18 @@ def replace_on_line(index: int, old: str, new: str):
     return edit
 
 
+def at_offset(offset: str, *exceptions: tuple[str, int, str]):
+    """Write every time of day of every table at `offset`, except the (table, line, offset) `exceptions`."""
+    def damage(hosp: Path) -> None:
+        for table in ("admissions", "prescriptions", "labevents"):
+            def edit(lines, table=table):
+                others = {index: other for name, index, other in exceptions if name == table}
+                return [re.sub(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", rf"\g<1>{others.get(index, offset)}", line)
+                        for index, line in enumerate(lines)]
+            edit_table(hosp, table, edit)
+    return damage
+
+
 BAD_INPUTS = {
     "missing table": (lambda hosp: (hosp / "admissions.csv.gz").unlink(),
                       "hosp: missing MIMIC-IV table admissions (admissions.csv or admissions.csv.gz): "
@@ -464,6 +476,21 @@ BAD_INPUTS = {
                                                                  replace_on_line(2, "2152-07-11", "2152-07-32")),
                                          "procedures_icd.csv, data row 2, column 'chartdate': '2152-07-32' is not a "
                                          "timestamp"),
+    "times at mixed offsets": (at_offset("-05:00", ("admissions", 2, "-04:00")),
+                               "admissions.csv.gz, data row 2, column 'admittime': '2152-07-10 09:30:00-04:00' is at "
+                               "UTC offset -04:00 but admissions.csv.gz, data row 1, column 'admittime' has "
+                               "'2150-03-01 08:00:00-05:00': times at mixed offsets (daylight saving, sites in several "
+                               "zones) can misorder events; convert every time to one UTC offset (such as UTC itself) "
+                               "or to local time without an offset"),
+    "times with and without an offset": (at_offset("", ("prescriptions", 3, "+01:00")),
+                                         "prescriptions.csv, data row 3, column 'starttime': "
+                                         "'2163-05-01 06:00:00+01:00' is at UTC offset +01:00 but admissions.csv.gz, "
+                                         "data row 1, column 'admittime' has '2150-03-01 08:00:00': times at mixed "
+                                         "offsets"),
+    "time zone name": (at_offset(" America/New_York"),
+                       "admissions.csv.gz, data row 1, column 'admittime': '2150-03-01 08:00:00 America/New_York' "
+                       "names the time zone 'America/New_York', whose UTC offset can change (daylight saving) and "
+                       "misorder events: convert every time to one UTC offset"),
     "non-integer id": (lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(5, "20000003", "2000000x")),
                        "diagnoses_icd.csv.gz, data row 5, column 'hadm_id': '2000000x' is not an integer"),
     "empty admittime": (lambda hosp: edit_table(hosp, "admissions", replace_on_line(2, "2152-07-10 09:30:00", "")),
@@ -796,3 +823,16 @@ def test_a_lab_unit_holding_the_code_separator_is_escaped_like_a_label(tmp_path)
     import_mimic4(hosp.parent, tmp_path / "meds", seed=SEED, labs=True)
     codes = read_meds(tmp_path / "meds").filter(pl.col("subject_id") == 10000001, pl.col("numeric_value") == 1.3)
     assert codes["code"].to_list() == ["LAB//Creatinine (Blood)//mg/dL"]
+
+
+def test_times_at_one_utc_offset_are_imported_at_the_wall_clock_time_they_show(tmp_path):
+    # A single-zone export writing its offset: the times order the events as they are, so the offset is dropped.
+    hosp = copy_fixture(tmp_path)
+    at_offset("-05:00")(hosp)
+    edit_table(hosp, "labevents", replace_on_line(1, "09:30:00-05:00", "14:30:00Z"))  # 09:30 at -05:00 is 14:30 UTC
+    with pytest.raises(InputError, match=r"'2150-03-01 14:30:00Z' is at UTC offset \+00:00 but admissions.csv.gz"):
+        import_mimic4(hosp.parent, tmp_path / "mixed", seed=SEED, labs=True)
+    edit_table(hosp, "labevents", replace_on_line(1, "14:30:00Z", "09:30:00-0500"))  # the same offset, spelled apart
+    import_mimic4(hosp.parent, tmp_path / "offset", seed=SEED, labs=True)
+    import_mimic4(FIXTURE, tmp_path / "plain", seed=SEED, labs=True)
+    assert read_meds(tmp_path / "offset").equals(read_meds(tmp_path / "plain"))

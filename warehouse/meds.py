@@ -25,6 +25,7 @@ import duckdb
 import meds
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from flexible_schema.exceptions import SchemaValidationError
 
@@ -43,6 +44,29 @@ _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
 # A diagnosis dictionary (codes.parquet) may also list chapters and blocks by their range, e.g. C00-C96.
 _DICTIONARY_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+(-[A-Z0-9]+)?$")
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
+_OFFSET = re.compile(r"([+-])(\d{2}):?(\d{2})?")
+# Every time of a dataset must be at one UTC offset, or none have one (see `utc_offset`).
+MIXED_OFFSETS_FIX = "convert every time to one UTC offset (such as UTC itself) or to local time without an offset"
+
+
+def utc_offset(zone: str) -> str | None:
+    """A time zone as written after a time (or in an Arrow timestamp type) as its UTC offset, '' for none; None for
+    a zone name, whose offset can change (daylight saving).
+
+    Times are kept as the wall-clock time they show, which orders the events of a single-zone export correctly.
+    Times at several offsets (across a daylight-saving change, or sites in two zones) would not be, so importers
+    refuse them, and a zone name, and some times with an offset beside others without one.
+
+    >>> [utc_offset(z) for z in ("", "-05:00", "-0500", "+02", "Z", "UTC", "Etc/UTC", "-00:00", "America/New_York")]
+    ['', '-05:00', '-05:00', '+02:00', '+00:00', '+00:00', '+00:00', '+00:00', None]
+    """
+    if zone.upper() in ("Z", "UTC", "ETC/UTC", "GMT"):
+        return "+00:00"
+    if match := _OFFSET.fullmatch(zone):
+        sign, hours, minutes = match.groups()
+        offset = f"{hours}:{minutes or '00'}"
+        return f"{'+' if offset == '00:00' else sign}{offset}"
+    return "" if zone == "" else None
 
 
 def meds_data_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
@@ -158,6 +182,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                          "MEDS keeps events in data/**/*.parquet")
     schema = meds_data_schema()
     encounter_columns: dict[str, Path] = {}  # encounter column name -> first shard using it
+    first_zone: tuple[str, Path, pa.DataType] | None = None  # UTC offset of the first shard's times, shard, type
     float_encounters = False  # pandas writes an integer column with missing values as float64
     for shard in shards:
         try:
@@ -177,6 +202,16 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                        "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
                        else "every MEDS shard needs it")
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
+        time_type = shard_schema.field("time").type
+        if pa.types.is_timestamp(time_type):
+            offset = utc_offset(time_type.tz or "")
+            if offset is None:
+                raise InputError(f"{shard}: column 'time' is {time_type}, in a time zone whose UTC offset can change "
+                                 f"(daylight saving) and misorder events: {MIXED_OFFSETS_FIX}")
+            first_zone = first_zone or (offset, shard, time_type)
+            if offset != first_zone[0]:
+                raise InputError(f"{shard}: column 'time' is {time_type} but {first_zone[1]} has "
+                                 f"{first_zone[2]}: times at mixed offsets can misorder events; {MIXED_OFFSETS_FIX}")
         encounter_columns.setdefault(encounter, shard)
         if len(encounter_columns) > 1:
             first_name, first_shard = next(iter(encounter_columns.items()))
@@ -392,9 +427,9 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
 
     Any string type (Parquet stores them alike: polars records large_string, pandas string), also
     dictionary-encoded (a polars Categorical, a pandas category); a column that pandas wrote as all-null; a
-    numeric_value of double or integers (pandas' float64; MEDS keeps float32); a time of another unit without
-    a time zone (pandas: ns); a subject_id of another signed integer width, or unsigned up to 32 bits.
-    Anything else (a time zone, dates, text times) keeps its type, so validation names it.
+    numeric_value of double or integers (pandas' float64; MEDS keeps float32); a time of another unit, without
+    a time zone (pandas: ns) or at one UTC offset (`utc_offset`); a subject_id of another signed integer width, or
+    unsigned up to 32 bits. Anything else (a zone name, dates, text times) keeps its type, so validation names it.
     """
     declared = meds.DataSchema.schema()
 
@@ -405,7 +440,8 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
         takes = {"numeric_value": pa.types.is_null(have) or pa.types.is_floating(have) or pa.types.is_integer(have),
                  "text_value": pa.types.is_null(have) or _holds_text(have),
                  "code": _holds_text(have),
-                 "time": pa.types.is_timestamp(have) and have.tz is None,
+                 # at the wall-clock time of its one UTC offset (`_conform_shard`)
+                 "time": pa.types.is_timestamp(have) and utc_offset(have.tz or "") is not None,
                  # uint64 ids may not fit int64
                  "subject_id": pa.types.is_signed_integer(have) or pa.types.is_unsigned_integer(have)
                  and have.bit_width < 64}
@@ -482,11 +518,17 @@ def _conform_shard(shard: Path, encounter_column: str) -> None:
                 columns = [*batch.columns, *(pa.nulls(batch.num_rows, declared.field(name).type) for name in absent)]
                 if encounter_column != "encounter_id":
                     columns = [*columns, batch.column(encounter_column)]
-                # Times and values lose what MEDS does not keep (nanoseconds, float64 digits); ids must fit.
+                # Times and values lose what MEDS does not keep (nanoseconds, float64 digits, a UTC offset: the
+                # times at one offset keep the wall-clock time they show); ids must fit.
                 writer.write_batch(pa.RecordBatch.from_arrays(
-                    [column.cast(field.type, safe=field.name not in ("time", "numeric_value"))
+                    [_wall_clock(column).cast(field.type, safe=field.name not in ("time", "numeric_value"))
                      for column, field in zip(columns, want)], schema=want))
     os.replace(tmp, shard)
+
+
+def _wall_clock(column: pa.Array) -> pa.Array:
+    """A time zone's times (stored as UTC instants) as the wall-clock times they show there; others as they are."""
+    return pc.local_timestamp(column) if pa.types.is_timestamp(column.type) and column.type.tz else column
 
 
 def replace_dir(staging: Path, target: Path) -> None:

@@ -42,6 +42,9 @@ Pinned rules:
 - rows that cannot become events (no code, an unknown admission, no time, no drug) are dropped and
   counted per reason in the summary; admissions discharged before they began are kept and counted;
 - MIMIC ships no split, so `metadata/subject_splits.parquet` holds the seeded hash split.
+- times are kept as the wall-clock time they show: every time of day in the release must be at one UTC offset (an
+  export writing `-05:00` after each), or none may have one; mixed offsets and zone names are refused
+  (`_check_time_zones`), as they can misorder events.
 - `metadata/codes.parquet` lists every code written and the diagnosis and procedure dictionaries, with a
   `description`: a diagnosis's or procedure's `long_title`; for an NDC, the drug name its prescriptions
   write most often (single spaces; a tie goes to the first name in sort order), as the code is a bare
@@ -67,8 +70,8 @@ import polars as pl
 from dxr import __version__
 from dxr.errors import InputError
 from warehouse import duck
-from warehouse.meds import (SPLITS, MedsInfo, hash_split, replace_dir, validate_meds_dir, write_data_shard,
-                            write_metadata)
+from warehouse.meds import (MIXED_OFFSETS_FIX, SPLITS, MedsInfo, hash_split, replace_dir, utc_offset,
+                            validate_meds_dir, write_data_shard, write_metadata)
 from warehouse.scratch import remove_abandoned, scratch
 
 # Events per data shard (a subject's events are never split): a shard is built in memory as one Arrow table and
@@ -492,6 +495,7 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
             mark = stage("read", mark)
             for name, spec in tables.items():
                 _check_values(con, name, spec, files.get(name))
+            _check_time_zones(con, tables, files)
             _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
             _check_unique(con, "patients", "subject_id", "patient", files["patients"])
             for name in ("diagnoses_icd", "procedures_icd", "prescriptions", *(("labevents",) if labs else ())):
@@ -696,6 +700,49 @@ def _check_values(con: duckdb.DuckDBPyConnection, name: str, spec: SourceTable, 
                              f"every {spec.stem} row needs a value there")
         raise InputError(f"{path}, data row {row:,}, column '{column}': {value!r} is not "
                          f"{_FRIENDLY_TYPE[kind]}{more}: correct the value or restore the official file")
+
+
+_DATE_RE = r"\s*[0-9]{4}-[0-9]{2}-[0-9]{2}"
+_TIME_RE = r"[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]+)?)?"
+
+
+def _zone_sql(col: str) -> str:
+    """The time zone written after the time of day in text column `col` ('' when none; NULL for a date or no value).
+
+    DuckDB's cast to TIMESTAMP drops it: '2150-03-01 09:30:00-05:00' reads as 09:30. The official form (YYYY-MM-DD
+    HH:MM:SS, 19 characters) is told apart without a regular expression, which would cost seconds on a hundred
+    million lab rows.
+    """
+    return (f"CASE WHEN {col} IS NULL OR length({col}) = 10 THEN NULL "
+            f"WHEN length({col}) = 19 AND {col}[17] = ':' THEN '' "
+            f"WHEN regexp_full_match({col}, '{_DATE_RE}\\s*') THEN NULL "
+            f"ELSE regexp_extract({col}, '^{_DATE_RE}[ T]{_TIME_RE}\\s*(.*?)\\s*$', 3) END")
+
+
+def _check_time_zones(con: duckdb.DuckDBPyConnection, tables: dict[str, SourceTable], files: dict[str, Path]) -> None:
+    """Every time of day in the release is at one UTC offset, or none has one (`utc_offset` says why); else name
+    the first time that differs and the first time it differs from."""
+    seen: tuple[str, Path, int, str, str] | None = None  # the offset, file, row, column and value of the first time
+    for name, spec in tables.items():
+        columns = [column for column, kind in spec.columns.items() if kind == "TIMESTAMP"]
+        if files.get(name) is None or not columns:
+            continue
+        zones = con.execute(" UNION ALL ".join(
+            f"SELECT {index}, zone, min(row), arg_min(value, row) FROM (SELECT {_zone_sql(column)} AS zone, "
+            f"rowid + 1 AS row, {column} AS value FROM raw_{name}) WHERE zone IS NOT NULL GROUP BY zone"
+            for index, column in enumerate(columns))).fetchall()
+        for index, zone, row, value in sorted(zones, key=lambda found: (found[0], found[2])):  # by column, then row
+            where = f"{files[name]}, data row {row:,}, column '{columns[index]}': {value!r}"
+            offset = utc_offset(zone)
+            if offset is None:
+                raise InputError(f"{where} names the time zone {zone!r}, whose UTC offset can change (daylight "
+                                 f"saving) and misorder events: {MIXED_OFFSETS_FIX}")
+            seen = seen or (offset, files[name], row, columns[index], value)
+            if offset != seen[0]:
+                raise InputError(f"{where} is at {'UTC offset ' + offset if offset else 'no UTC offset'} but "
+                                 f"{seen[1].name}, data row {seen[2]:,}, column '{seen[3]}' has {seen[4]!r}: times at "
+                                 "mixed offsets (daylight saving, sites in several zones) can misorder events; "
+                                 f"{MIXED_OFFSETS_FIX}")
 
 
 def _check_unique(con: duckdb.DuckDBPyConnection, table: str, key: str, what: str, path: Path) -> None:
