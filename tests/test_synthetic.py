@@ -29,7 +29,7 @@ from warehouse.synthetic.oracle import encounter_probabilities, record_state
 from warehouse.synthetic.realism import (
     REALISM_BANDS, diagnosis_encounters, final_encounter_cohort, realism_report, violations,
 )
-from warehouse.synthetic.simulate import DIAGNOSIS, simulate_patient
+from warehouse.synthetic.simulate import DIAGNOSIS, EncounterModel, draw_encounter, simulate_patient, stream
 
 SEED = 7
 PATIENTS = 300
@@ -228,6 +228,31 @@ def test_oracle_is_unchanged_when_the_target_draw_is_redrawn(cohort):
         assert encounter_probabilities(SEED, sid, k, state_a, t_a, 50) == \
             encounter_probabilities(SEED, sid, k, state_b, t_b, 50)
     assert changed >= 20, "redrawing the target encounter should usually change its codes"
+
+
+def test_the_oracle_prepares_a_target_encounter_once_and_draws_as_before(monkeypatch):
+    """Each of the oracle's 200 draws of a target encounter recomputed its tokens, reason weights and coding rules,
+    most of a synthetic cohort build's time; now one `EncounterModel` per encounter serves them all. The draws are
+    unchanged: the values below are those of the unprepared draw (a delivery with its weeks-of-gestation code, a
+    patient with 11 conditions), and a model reused for many draws draws as a fresh one on the same stream."""
+    simulate = importlib.import_module("warehouse.synthetic.simulate")
+    weights, prepared = simulate.reason_weights, []
+    monkeypatch.setattr(simulate, "reason_weights", lambda *args: prepared.append(args) or weights(*args))
+    assert simulate_patient(SEED, 36).encounters[2].draw.codes == (
+        "O82", "Z37.0", "O99.02", "Z3A.34", "O99.334", "O99.333", "K59.09")
+    expected = {
+        36: (2, 1224, [("Z370", 194), ("Z3A34", 107), ("O99334", 91), ("O99333", 67), ("O1404", 59)]),
+        57: (7, 2176, [("F319", 134), ("I129", 126), ("I350", 115), ("E1122", 112), ("I2510", 100)]),
+    }
+    for sid, (k, total, top) in expected.items():
+        state, t = simulate_patient(SEED, sid, capture=frozenset({k}), stop_after=k).captured[k]
+        prepared.clear()
+        counts = encounter_probabilities(SEED, sid, k, state, t, 200)
+        assert len(prepared) == 1
+        assert sum(counts.values()) == total
+        assert sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:5] == [(DIAGNOSIS + c, n) for c, n in top]
+        model, reused, fresh = EncounterModel(state, t), stream(SEED, sid, "x"), stream(SEED, sid, "x")
+        assert [model.draw(reused) for _ in range(100)] == [draw_encounter(state, t, fresh) for _ in range(100)]
 
 
 def test_record_state_keeps_exactly_the_conditions_the_record_reveals(cohort):

@@ -98,12 +98,9 @@ class Rule:
         return self._codes[-1]
 
 
-def choose(rules: tuple[Rule, ...], tokens: set[str], u_draw: float, u_sticky: float) -> str | None:
-    """The code of the first rule whose condition holds (None when none does)."""
-    for rule in rules:
-        if holds(rule._cond, tokens):
-            return rule.pick(u_sticky if rule.sticky else u_draw)
-    return None
+def first_holding(rules: tuple[Rule, ...], tokens: set[str]) -> Rule | None:
+    """The rule that codes under `tokens`: the first whose condition holds (None when none does)."""
+    return next((rule for rule in rules if holds(rule._cond, tokens)), None)
 
 
 @dataclass(frozen=True)

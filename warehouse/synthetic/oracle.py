@@ -2,11 +2,11 @@
 
 For each trajectory the patient is re-simulated (deterministically, from its own streams) up to
 the latent state just before its target encounter; that encounter is then drawn `draws` times
-with `draw_encounter` — the very function the generator used — from an oracle stream that is
-distinct from the realized encounter's stream. The oracle thus marginalizes everything decided at
-the target encounter (its reason, which conditions get coded, which sibling, complications) and
-never reads the target encounter's events: it is the ceiling a forecaster can approach, not a
-copy of the target.
+with `draw_encounter` (prepared once for them all, `EncounterModel`) — the very code the generator
+used — from an oracle stream that is distinct from the realized encounter's stream. The oracle
+thus marginalizes everything decided at the target encounter (its reason, which conditions get
+coded, which sibling, complications) and never reads the target encounter's events: it is the
+ceiling a forecaster can approach, not a copy of the target.
 
 That ceiling knows the whole latent state, including conditions that began after the last
 visit or were never coded, which no record shows. The **record oracle** (`information="record"`)
@@ -35,7 +35,7 @@ from dxr.errors import ConfigError, InputError
 from warehouse.synthetic.conditions import CHRONIC_BY_NAME, codes_of
 from warehouse.synthetic.events import to_us
 from warehouse.synthetic.generate import GENERATOR_VERSION, read_synthetic_metadata
-from warehouse.synthetic.simulate import (DIAGNOSIS, MAX_ENCOUNTERS, Encounter, State, draw_encounter,
+from warehouse.synthetic.simulate import (DIAGNOSIS, MAX_ENCOUNTERS, Encounter, EncounterModel, State,
                                           simulate_patient, stream)
 
 _EPOCH = datetime(1970, 1, 1)
@@ -64,10 +64,11 @@ def encounter_probabilities(seed: int, subject_id: int, index: int, state: State
                             harmonize: Callable[[list[str]], list[str]] | None = None) -> Counter:
     """Monte Carlo estimate of P(code ∈ Y) for encounter `index` given the state before it."""
     rng = stream(seed, subject_id, "oracle", index)
+    model = EncounterModel(state, t)
     counts: Counter = Counter()
     cache: dict[tuple[str, ...], tuple[str, ...]] = {}
     for _ in range(draws):
-        codes = tuple(sorted(DIAGNOSIS + c.replace(".", "") for c in draw_encounter(state, t, rng).codes))
+        codes = tuple(sorted(DIAGNOSIS + c.replace(".", "") for c in model.draw(rng).codes))
         if harmonize is not None:
             if codes not in cache:
                 cache[codes] = tuple(set(harmonize(list(codes))))

@@ -21,7 +21,7 @@ from random import Random
 from warehouse.synthetic.conditions import (
     CANCER_NAMES, CHRONIC, CHRONIC_BY_NAME, COMPLICATIONS, REASON_BY_NAME, REASONS,
 )
-from warehouse.synthetic.model import Chronic, choose, holds
+from warehouse.synthetic.model import Chronic, first_holding, holds
 
 DATA_START = 2016.0  # first admissions of the synthetic hospital
 ENTRY_END = 2024.0  # patients enter (first admission) between DATA_START and ENTRY_END
@@ -252,47 +252,72 @@ def reason_weights(state: State, t: float, tokens: set[str]) -> list[tuple[objec
 
 def draw_encounter(state: State, t: float, rng: Random) -> Draw:
     """What is decided at an encounter starting at t, given the latent state: reason and codes."""
-    tokens = state.tokens(t)
-    weights = reason_weights(state, t, tokens)
-    total = sum(w for _, w in weights)
-    u, acc = rng.random() * total, 0.0
-    reason = weights[-1][0]
-    for r, w in weights:
-        acc += w
-        if u < acc:
-            reason = r
-            break
-    tokens.add(f"reason:{reason.name}")
-    tokens.update(reason.tags)
-    codes: list[str] = []
-    cover = state.conds.get(reason.covers[0]) if reason.covers else None
-    code = choose(reason.principal, tokens, rng.random(), cover.u if cover else rng.random())
-    if code is not None:
-        codes.append(code)
-    for e in reason.secondary:
-        if holds(e._cond, tokens) and rng.random() < e.p:
-            code = choose(e.rules, tokens, rng.random(), rng.random())
-            if code is not None:
-                codes.append(code)
-    depth = reason.coding_depth
-    for name, cond in state.conds.items():
-        c = CHRONIC_BY_NAME[name]
-        if name not in reason.covers and rng.random() < c.coding * depth:
-            code = choose(c.codes, tokens, rng.random(), cond.u)
-            if code is not None:
-                codes.append(code if code != "Z3A.{week}" else _week_code(state, t))
-        for e in c.also:
-            if holds(e._cond, tokens) and rng.random() < e.p * depth:
-                code = choose(e.rules, tokens, rng.random(), cond.u)
-                if code is not None:
-                    codes.append(code)
-    for comp in COMPLICATIONS:
-        p = comp.probability(tokens)
-        if p > 0.0 and rng.random() < p:
-            code = choose(comp.codes, tokens, rng.random(), rng.random())
-            if code is not None:
-                codes.append(code)
-    return Draw(reason.name, tuple(dict.fromkeys(codes)), frozenset(tokens))
+    return EncounterModel(state, t).draw(rng)
+
+
+_WEEK = "Z3A.{week}"
+
+
+class EncounterModel:
+    """`draw_encounter` for one state and time, prepared for many draws (the oracle draws each target 200 times).
+
+    Everything but the random numbers depends on the state and the time alone: the tokens, the reason weights and,
+    per reason, which extras and complications can be coded with what probability and which rule would code them.
+    `draw` consumes the stream exactly as the unprepared draw did, one number per roll and two per coded choice
+    (the draw's and a sticky one, a condition's own `u` standing in for the latter), so a generated dataset and
+    its oracle are the same with or without the preparation. The state must not change between draws.
+    """
+
+    def __init__(self, state: State, t: float):
+        self.state, self.t = state, t
+        self.tokens = state.tokens(t)
+        self.weights = reason_weights(state, t, self.tokens)
+        self.total = sum(w for _, w in self.weights)
+        self._plans: dict[str, tuple] = {}
+
+    def _plan(self, reason) -> tuple:
+        """(name, tokens, steps) of an encounter for `reason`; a step is (roll threshold or None for no roll, rule
+        or None, the sticky uniform or None for a drawn one, whether a weeks-of-gestation code is filled in)."""
+        state, depth = self.state, reason.coding_depth
+        tokens = self.tokens | {f"reason:{reason.name}", *reason.tags}
+        cover = state.conds.get(reason.covers[0]) if reason.covers else None
+        steps = [(None, first_holding(reason.principal, tokens), cover.u if cover else None, False)]
+        steps += [(e.p, first_holding(e.rules, tokens), None, False)
+                  for e in reason.secondary if holds(e._cond, tokens)]
+        for name, cond in state.conds.items():
+            c = CHRONIC_BY_NAME[name]
+            if name not in reason.covers:
+                steps.append((c.coding * depth, first_holding(c.codes, tokens), cond.u, True))
+            steps += [(e.p * depth, first_holding(e.rules, tokens), cond.u, False)
+                      for e in c.also if holds(e._cond, tokens)]
+        for comp in COMPLICATIONS:
+            p = comp.probability(tokens)
+            if p > 0.0:
+                steps.append((p, first_holding(comp.codes, tokens), None, False))
+        return reason.name, frozenset(tokens), tuple(steps)
+
+    def draw(self, rng: Random) -> Draw:
+        u, acc = rng.random() * self.total, 0.0
+        reason = self.weights[-1][0]
+        for r, w in self.weights:
+            acc += w
+            if u < acc:
+                reason = r
+                break
+        plan = self._plans.get(reason.name)
+        if plan is None:
+            plan = self._plans[reason.name] = self._plan(reason)
+        name, tokens, steps = plan
+        codes: list[str] = []
+        for threshold, rule, sticky, week in steps:
+            if threshold is not None and not rng.random() < threshold:
+                continue
+            u_draw = rng.random()
+            u_sticky = rng.random() if sticky is None else sticky
+            if rule is not None:
+                code = rule.pick(u_sticky if rule.sticky else u_draw)
+                codes.append(_week_code(self.state, self.t) if week and code == _WEEK else code)
+        return Draw(name, tuple(dict.fromkeys(codes)), tokens)
 
 
 def _week_code(state: State, t: float) -> str:
