@@ -256,6 +256,7 @@ def draw_encounter(state: State, t: float, rng: Random) -> Draw:
 
 
 _WEEK = "Z3A.{week}"
+_UNRESOLVED = object()
 
 
 class EncounterModel:
@@ -276,25 +277,25 @@ class EncounterModel:
         self._plans: dict[str, tuple] = {}
 
     def _plan(self, reason) -> tuple:
-        """(name, tokens, steps) of an encounter for `reason`; a step is (roll threshold or None for no roll, rule
-        or None, the sticky uniform or None for a drawn one, whether a weeks-of-gestation code is filled in)."""
+        """(name, tokens, steps, coders) of an encounter for `reason`. A step is (roll threshold or None for no roll,
+        the rules of its code, the sticky uniform or None for a drawn one, whether a weeks-of-gestation code is
+        filled in); `coders` keeps, by step, the rule that codes under these tokens once a draw has needed it (many
+        steps, such as rare complications, are never coded)."""
         state, depth = self.state, reason.coding_depth
-        tokens = self.tokens | {f"reason:{reason.name}", *reason.tags}
+        tokens = frozenset(self.tokens | {f"reason:{reason.name}", *reason.tags})
         cover = state.conds.get(reason.covers[0]) if reason.covers else None
-        steps = [(None, first_holding(reason.principal, tokens), cover.u if cover else None, False)]
-        steps += [(e.p, first_holding(e.rules, tokens), None, False)
-                  for e in reason.secondary if holds(e._cond, tokens)]
+        steps = [(None, reason.principal, cover.u if cover else None, False)]
+        steps += [(e.p, e.rules, None, False) for e in reason.secondary if holds(e._cond, tokens)]
         for name, cond in state.conds.items():
             c = CHRONIC_BY_NAME[name]
             if name not in reason.covers:
-                steps.append((c.coding * depth, first_holding(c.codes, tokens), cond.u, True))
-            steps += [(e.p * depth, first_holding(e.rules, tokens), cond.u, False)
-                      for e in c.also if holds(e._cond, tokens)]
+                steps.append((c.coding * depth, c.codes, cond.u, True))
+            steps += [(e.p * depth, e.rules, cond.u, False) for e in c.also if holds(e._cond, tokens)]
         for comp in COMPLICATIONS:
             p = comp.probability(tokens)
             if p > 0.0:
-                steps.append((p, first_holding(comp.codes, tokens), None, False))
-        return reason.name, frozenset(tokens), tuple(steps)
+                steps.append((p, comp.codes, None, False))
+        return reason.name, tokens, tuple(steps), {}
 
     def draw(self, rng: Random) -> Draw:
         u, acc = rng.random() * self.total, 0.0
@@ -307,13 +308,16 @@ class EncounterModel:
         plan = self._plans.get(reason.name)
         if plan is None:
             plan = self._plans[reason.name] = self._plan(reason)
-        name, tokens, steps = plan
+        name, tokens, steps, coders = plan
         codes: list[str] = []
-        for threshold, rule, sticky, week in steps:
+        for i, (threshold, rules, sticky, week) in enumerate(steps):
             if threshold is not None and not rng.random() < threshold:
                 continue
             u_draw = rng.random()
             u_sticky = rng.random() if sticky is None else sticky
+            rule = coders.get(i, _UNRESOLVED)
+            if rule is _UNRESOLVED:
+                rule = coders[i] = first_holding(rules, tokens)
             if rule is not None:
                 code = rule.pick(u_sticky if rule.sticky else u_draw)
                 codes.append(_week_code(self.state, self.t) if week and code == _WEEK else code)
