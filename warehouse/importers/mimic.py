@@ -236,10 +236,10 @@ LAB_TABLES = {
 # `LAB//<label> (<fluid>)//<unit>`: readable in prompts, and the EHR prior bins `numeric_value` per code. Items
 # missing from d_labitems keep their itemid. A `//` in a label or unit becomes `/`: readers split codes on `//`, so
 # 'mg//dL' would read as the item '<label> mg' with the unit 'dL'. A lab of an admission the file does not have is
-# dropped and counted, like a prescription. One without an admission belongs to the admission whose stay it falls in, from the
-# emergency-department registration (`edregtime`, else `admittime`) to `dischtime`: MIMIC leaves hadm_id empty on
-# the ED draws that precede an admission, which would otherwise sit in the pre-target record of that very
-# admission. Any other is an outpatient result and stays outside any encounter.
+# dropped and counted, like a prescription. One without an admission belongs to the admission whose stay it falls
+# in, from the emergency-department registration (`edregtime`, else `admittime`) to `dischtime`: MIMIC leaves
+# hadm_id empty on the ED draws that precede an admission, which would otherwise sit in the pre-target record of
+# that very admission. Any other is an outpatient result and stays outside any encounter.
 _LABS_SQL = _stay_sql("lab_stay", "t_labevents", "charttime") + """
 CREATE VIEW lab_coded AS
 SELECT l.subject_id, l.charttime AS time, coalesce(l.hadm_id, s.hadm_id) AS hadm_id,
