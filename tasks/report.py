@@ -472,9 +472,15 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
 
 
 def check_report_dir(out: Path) -> None:
-    """Refuse an output directory that holds anything but a report's files (or their scratch from a killed write)."""
+    """Refuse an output directory that holds anything but a report's files (or their scratch from a killed write), or
+    that the process runs in."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} is a file: give --out a directory for the report")
+    # Swapped away, it would leave the caller (a shell in it, `--out .`) in a removed directory, where the
+    # report's printed relative path names nothing.
+    if out.is_dir() and out.resolve() == Path.cwd():
+        raise InputError(f"{out} is the directory dxr runs in: a report replaces its directory whole; give --out "
+                         "another directory, or run dxr from outside this one")
     for entry in sorted(out.iterdir()) if out.is_dir() else []:
         if entry.name not in REPORT_FILES and not any(entry.name.startswith(f".{f}.") for f in REPORT_FILES):
             raise InputError(f"{out} holds {entry.name!r}, which is not a file of a report: a report replaces its "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -189,6 +190,25 @@ def test_a_report_is_not_swapped_over_a_directory_holding_other_files(wh, tmp_pa
     assert result.output == (f"Error: {tmp_path} holds 'notes.txt', which is not a file of a report: a report "
                              "replaces its directory whole, so give --out a new or empty directory of its own\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "wh"]
+
+
+def test_a_report_is_not_swapped_over_the_directory_dxr_runs_in(wh, tmp_path, monkeypatch):
+    # `dxr report --out .` swapped the directory away from under the caller: the report landed in a new directory
+    # at that path, the caller's shell sat in the removed one, and the printed `report.html` was not there.
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    empty, rendered = tmp_path / "empty", tmp_path / "rendered"
+    empty.mkdir()
+    render_report(wh, "r1", rendered)
+    before = {p.name: p.read_bytes() for p in rendered.iterdir()}
+    for cwd in (empty, rendered):
+        monkeypatch.chdir(cwd)
+        result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", "."])
+        assert (result.exit_code, result.output) == (1, (
+            "Error: . is the directory dxr runs in: a report replaces its directory whole; give --out another "
+            "directory, or run dxr from outside this one\n"))
+        assert Path.cwd() == cwd and cwd.is_dir()
+    assert list(empty.iterdir()) == [] and {p.name: p.read_bytes() for p in rendered.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "rendered", "wh"]
 
 
 def test_a_report_is_not_swapped_over_a_file_and_replaces_scratch_of_a_killed_write(wh, tmp_path):
