@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 import time
@@ -135,6 +136,25 @@ def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_
     wh.write_together([("chunks", chunk_rows("elsewhere", "t"), {"corpus": "c", "source": "t"})])
     assert wh.read("chunks", corpus="c", source="s").height == 0
     assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+
+
+def test_a_commit_whose_removal_was_killed_is_removed_by_the_next_write(wh, monkeypatch):
+    real_unlink = os.unlink
+
+    def killed_after_the_plan(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        if Path(path).name == store.COMMIT_PLAN:
+            raise KeyboardInterrupt("killed while removing the finished commit")
+
+    monkeypatch.setattr(os, "unlink", killed_after_the_plan)  # as shutil.rmtree removes the commit's plan
+    with pytest.raises(KeyboardInterrupt):
+        wh.write_together([("chunks", chunk_rows("whole"), {"corpus": "c", "source": "s"})])
+    monkeypatch.undo()
+    [left] = (wh.forecast_dir / store.COMMIT_DIR).glob(f"*{store.COMMITTED}")
+    assert list(left.iterdir()) == []  # every file reached its partition, the plan is gone
+    wh.write("chunks", chunk_rows("other", "t"), corpus="c", source="t")
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+    assert wh.read("chunks")["text"].to_list() == ["whole", "other"]
 
 
 def test_forecasting_connection_cannot_read_the_gold_store(wh):

@@ -276,7 +276,10 @@ def apply_commit(committed: Path) -> None:
     """
     try:
         plan = json.loads((committed / COMMIT_PLAN).read_text())
-    except FileNotFoundError:  # finished and removed meanwhile
+    except FileNotFoundError:
+        # Finished: the plan is in the commit from its rename on and goes only once every file has been renamed.
+        # Removed meanwhile, or a removal was killed after the plan went and left the rest behind for good.
+        shutil.rmtree(committed, ignore_errors=True)
         return
     store_dir = committed.parent.parent
     for entry in plan:
