@@ -138,6 +138,31 @@ def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_
     assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
 
 
+def test_a_read_after_a_commit_killed_between_its_renames_sees_the_whole_commit(wh, monkeypatch):
+    """A read finishes the commit first: it saw the new partition beside the old one until the next write."""
+    import os
+
+    for source in ("s", "t"):
+        wh.write("chunks", chunk_rows("old", source), corpus="c", source=source)
+    real_replace = os.replace
+
+    def killed_between_the_renames(src, dst):
+        if "source=t" in Path(dst).parts:
+            raise KeyboardInterrupt("killed after the first file was renamed into place")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(store.os, "replace", killed_between_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        wh.write_together([("chunks", chunk_rows("new", source), {"corpus": "c", "source": source})
+                           for source in ("s", "t")])
+    monkeypatch.undo()
+    assert wh.has_rows("chunks", corpus="c", source="t")
+    assert wh.connect().execute("SELECT source, text FROM chunks ORDER BY source").fetchall() == [
+        ("s", "new"), ("t", "new")]
+    assert wh.read("chunks")["text"].to_list() == ["new", "new"]
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+
+
 def test_a_commit_whose_removal_was_killed_is_removed_by_the_next_write(wh, monkeypatch):
     real_unlink = os.unlink
 

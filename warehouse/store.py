@@ -4,7 +4,10 @@ A write replaces exactly one partition file atomically (temporary file + rename)
 replaces its own partition, a killed writer leaves either the old or the new file, and rows are
 never duplicated; `write_together` commits several partitions that must change together. Readers
 see complete files only: temporaries do not match the view globs, and a deleted partition is moved
-out of its table (into the store's `.trash`) before its files go.
+out of its table (into the store's `.trash`) before its files go. A read (`connect`, `read`,
+`has_rows`) first finishes the commits in its stores, so it sees all of a commit or none of it; a
+connection's views list their files again at each query, so a query made while another process
+renames a commit's files into place can see some of them new and the others old.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class Warehouse:
         Each file is written into a staging directory under the store's `.commits`, which one rename
         turns into a commit; only then are the files renamed over their partitions. A writer killed
         before that rename leaves every partition as it was; one killed after it leaves a commit that
-        the next write or delete in the store finishes first, so a rerun gives a clean run's rows.
+        the next read, write or delete in the store finishes first, so a rerun gives a clean run's rows.
         """
         stores = {_spec(table).store for table, _, _ in writes}
         if len(stores) != 1:
@@ -186,6 +189,8 @@ class Warehouse:
         self.forecast_dir.mkdir(parents=True, exist_ok=True)
         if run_id is not None:
             check_run_id(run_id)  # it goes into the views' file patterns
+        for store in (FORECAST, GOLD) if gold else (FORECAST,):
+            finish_commits(self.store_dir(store) / COMMIT_DIR)
         wanted = set(TABLES) if tables is None else {_spec(name).name for name in tables}
         con = duck.connect(":memory:")
         over_files = {}
@@ -211,11 +216,15 @@ class Warehouse:
         return con
 
     def has_rows(self, table: str, **keys) -> bool:
-        return any(self._files(_spec(table), keys))
+        spec = _spec(table)
+        finish_commits(self.store_dir(spec.store) / COMMIT_DIR)
+        return any(self._files(spec, keys))
 
     def read(self, table: str, **keys) -> pl.DataFrame:
         """All rows of the partitions matching the given leading keys (empty frame if none)."""
         spec = _spec(table)
+        # A commit a killed `write_together` left: read without it, its partitions could be half new, half old.
+        finish_commits(self.store_dir(spec.store) / COMMIT_DIR)
         # The empty frame first: every declared column in order and type, null in partitions written
         # before a (nullable) column was added.
         empty = pl.from_arrow(spec.schema.empty_table())
