@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
 import polars as pl
+import pyarrow as pa
 import pytest
 
 import warehouse.store as store
@@ -212,9 +214,26 @@ def test_empty_tables_are_typed_views(wh):
     assert types["rank"] == "INTEGER" and types["native"] == "BOOLEAN"
 
 
-def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(wh):
-    from datetime import datetime
+def test_an_empty_view_has_the_types_of_a_view_over_files_list_columns_too(wh, tmp_path):
+    """`entity_terms` of an empty `search_jobs` was VARCHAR, so `unnest(entity_terms)` was a binder error."""
+    from warehouse.schemas import TABLES
+    from warehouse.store import Warehouse
 
+    def described(con) -> list[tuple[str, str]]:
+        return con.execute("SELECT column_name, column_type FROM (DESCRIBE search_jobs)").fetchall()
+
+    written = Warehouse(tmp_path / "written")
+    job = {name: None for name in TABLES["search_jobs"].columns} | {
+        "job_id": "j1", "run_id": "r", "trajectory_id": "t", "code": "c", "temporal_class": "onset", "iteration": 1,
+        "purpose": "p", "query": "q", "entity_terms": ["a"], "endpoint_terms": [], "created_at": datetime(2026, 1, 1)}
+    written.write("search_jobs", pa.Table.from_pylist([job], schema=TABLES["search_jobs"].schema), run_id="r", shard=0)
+    empty = wh.connect()
+    assert described(empty) == described(written.connect())
+    assert dict(described(empty))["entity_terms"] == "VARCHAR[]"
+    assert empty.execute("SELECT count(*) FROM search_jobs, unnest(entity_terms)").fetchall() == [(0,)]
+
+
+def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(wh):
     from warehouse.runs import record_run
 
     for run_id in ("a", "b", "a.b"):  # "a.b" would match a careless prefix or pattern for "a"

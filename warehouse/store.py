@@ -380,6 +380,8 @@ def _duck_type(t: pa.DataType) -> str:
         return "DOUBLE" if t.bit_width == 64 else "FLOAT"
     if pa.types.is_integer(t):
         return {8: "TINYINT", 16: "SMALLINT", 32: "INTEGER", 64: "BIGINT"}[t.bit_width]
+    if pa.types.is_list(t) or pa.types.is_large_list(t):  # search_jobs' terms: an empty view's type as a file's
+        return f"{_duck_type(t.value_type)}[]"
     return "VARCHAR"
 
 
