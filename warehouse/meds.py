@@ -532,11 +532,20 @@ def _wall_clock(column: pa.Array) -> pa.Array:
 
 
 def replace_dir(staging: Path, target: Path) -> None:
-    """Swap a fully written directory into place; the old one is removed only after the swap."""
+    """Swap a fully written directory into place; the old one is removed only after the swap.
+
+    An exception between the two renames (Ctrl-C, SIGTERM as the CLI raises it) puts the old one back: the
+    scratch block would otherwise remove it, leaving neither.
+    """
     with scratch(target, "old") as old:
-        if target.exists():
-            os.replace(target, old)
-        os.replace(staging, target)
+        try:
+            if target.exists():
+                os.replace(target, old)
+            os.replace(staging, target)
+        except BaseException:
+            if old.exists() and not target.exists():
+                os.replace(old, target)
+            raise
 
 
 def check_splits(splits: pl.DataFrame, path: Path) -> None:
