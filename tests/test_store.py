@@ -503,3 +503,35 @@ def test_an_in_memory_connection_spills_to_a_directory_of_its_own_in_the_system_
     # A database file spills next to itself, as DuckDB does.
     assert duck.connect(str(tmp_path / "x.duckdb")).execute("SELECT current_setting('temp_directory')").fetchone() == (
         f"{tmp_path / 'x.duckdb'}.tmp",)
+
+
+@pytest.mark.parametrize("pattern", ["*", "?", "[ab]", "a*"])
+def test_a_key_value_no_write_accepts_names_no_partition_rather_than_matching_others(wh, pattern):
+    # `dxr evaluate --pair a,'*'` asked `has_rows(..., system='*')`, which globbed every system's files.
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    wh.write("targets", targets("b", 2), cohort_id="b")
+    assert not wh.has_rows("targets", cohort_id=pattern)
+    assert wh.read("targets", cohort_id=pattern).height == 0
+    assert wh.read("targets", cohort_id="a").height == 3
+
+
+def test_an_interrupt_between_the_renames_of_a_directory_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
+    import warehouse.meds as meds
+
+    target, staging = tmp_path / "report", tmp_path / "staging"
+    target.mkdir()
+    (target / "report.md").write_text("old")
+    staging.mkdir()
+    (staging / "report.md").write_text("new")
+    rename = os.replace
+
+    def interrupted(src, dst):  # Ctrl-C arriving once the old directory is moved aside
+        if Path(src) == staging:
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    monkeypatch.setattr(meds.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        meds.replace_dir(staging, target)
+    assert (target / "report.md").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report", "staging"]

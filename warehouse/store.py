@@ -232,6 +232,9 @@ class Warehouse:
                          how="diagonal_relaxed")
 
     def _files(self, spec: Table, keys: dict):
+        # A value no write accepts names no partition; as a glob (`*`, `?`, `[`) it could match others.
+        if any(unsafe(str(value)) for value in keys.values()):
+            return iter(())
         return (self.store_dir(spec.store) / spec.name).glob(_partition_pattern(spec, keys))
 
     def _view_sql(self, spec: Table, keys: dict) -> str | None:
