@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from datetime import datetime, timezone
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 import aiohttp
 import polars as pl
