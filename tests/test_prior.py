@@ -731,6 +731,16 @@ def test_the_ed_draws_and_orders_before_an_admission_are_its_tokens_as_the_cohor
     assert old.codes[0, 0].tolist()[:2] == [ids[dx("X")], 0] and torch.equal(old.numeric, out.numeric)
 
 
+def test_mimic_ivs_masked_lab_text_is_no_text_and_makes_no_token():
+    # MIMIC-IV writes `___` as the value of a result whose words it moved to `comments` (de-identification): the
+    # mask says nothing of the result, yet it made a token `LAB//…//___` for every lab that often has a comment.
+    labs = pl.DataFrame({"code": ["LAB//k//u"] * 3, "numeric_value": [None, None, None],
+                         "text_value": ["___", " _____ ", "NEG"]}, schema_overrides={"numeric_value": pl.Float64})
+    # A vocabulary built before the mask counted as no text may hold its token: it is not made any more.
+    tokens = prior_data.lab_value_tokens(labs, {}, {"LAB//k//u": ["NEG", "___"]})
+    assert tokens["code"].to_list() == ["LAB//k//u//NEG"]
+
+
 def test_a_lab_result_without_a_number_is_a_token_of_its_text_when_train_results_give_it_often(wh_vocab, tmp_path):
     # Text-only results (POSITIVE, NEG, >1000) had no token: only numbers were binned into quintiles.
     from tests.conftest import t, tiny_events, write_tiny_meds
@@ -741,6 +751,7 @@ def test_a_lab_result_without_a_number_is_a_token_of_its_text_when_train_results
     rows = [(2, t(0, 7), hiv, None, "Positive", 201), (2, t(5, 7), hiv, None, " POSITIVE ", 202),
             (2, t(5, 8), hiv, None, "see  comment", 202),  # once: no token
             (2, t(5, 9), "LAB//HBA1C//%", None, "ERROR", 202),  # a numeric lab's text: once, no token either
+            (2, t(0, 8), hiv, None, "___", 201), (2, t(5, 10), hiv, None, "___", 202),  # MIMIC-IV's mask: no text
             (1, t(10, 7), hiv, None, "positive", 102),
             (1, t(20, 7), hiv, None, "POSITIVE", 103)]  # the target encounter's: never an input
     extra = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")

@@ -158,13 +158,14 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
 
 
 def lab_text(text: pl.Expr) -> pl.Expr:
-    """A lab result's text as its token spells it: single spaces, upper case, `//` (the code separator) as `/`.
+    """A lab result's text as its token spells it: single spaces, upper case, `//` (the code separator) as `/`; empty
+    for MIMIC-IV's de-identification mask (`___`, the result's words being in `comments`), which says nothing.
 
-    >>> pl.select(lab_text(pl.lit("  Positive\t(see  comment)"))).item()
-    'POSITIVE (SEE COMMENT)'
+    >>> pl.DataFrame({"t": ["  Positive\t(see  comment)", " ___ "]}).select(lab_text(pl.col("t")))["t"].to_list()
+    ['POSITIVE (SEE COMMENT)', '']
     """
-    return text.str.replace_all(r"\s+", " ").str.strip_chars(" ").str.to_uppercase().str.replace_all("//", "/",
-                                                                                                       literal=True)
+    return (text.str.replace_all(r"\s+", " ").str.strip_chars(" ").str.to_uppercase()
+            .str.replace_all("//", "/", literal=True).str.replace(r"^_+$", ""))
 
 
 def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
