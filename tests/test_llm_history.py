@@ -420,6 +420,20 @@ def test_a_lab_text_value_is_bounded_like_other_codes():
     assert labs == "  Labs: 51003 <0.01 ng/mL; 70012 " + " ".join(long_text.split())[:79] + "…"
 
 
+def test_mimic_ivs_masked_lab_text_is_shown_as_no_text():
+    # MIMIC-IV writes `___` as the value of a result whose words it moved to `comments` (de-identification, not
+    # imported): printed, the mask read as if it were the result.
+    history = render_history(events(
+        ("DIAGNOSIS//ICD//10//I5022", d(2150, 4, 20), None, None, 20),
+        ("LAB//51003//ng/mL", d(2150, 4, 5), None, "<0.01", 20),
+        ("LAB//Blood Culture (Blood)//no unit", d(2150, 4, 6), None, "___", 20),
+        ("LAB//Urine Comments (Urine)//no unit", d(2150, 5, 1), None, " _____ ", None),
+    ), TITLES)
+    assert history.text.splitlines()[4:] == [
+        "  Labs: 51003 <0.01 ng/mL; Blood Culture (Blood)", "",
+        "Outside encounters: 2150-05-01 to 2150-05-01", "  2150-05-01 Labs: Urine Comments (Urine)"]
+
+
 def test_rendering_runs_the_same_frame_operations_for_any_number_of_encounters_and_days(monkeypatch):
     # Each encounter block filtered the record's frame three times and each outside block partitioned it by day:
     # on a 5,000-patient synthetic cohort the frame calls took most of the rendering (7.2 ms a record, now 2.9).

@@ -13,6 +13,7 @@ excludes (the target encounter) cannot appear.
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
@@ -42,6 +43,8 @@ MIN_NOTE_CHARS = 200
 # The longest text value of a lab or other code that is shown whole (a DRG's description, an OMR reading fit); a
 # longer free text keeps its beginning, so that one event cannot take the room of many.
 MAX_VALUE_CHARS = 80
+# A text value of underscores only: MIMIC-IV's de-identification mask, no value at all.
+MASK = re.compile("_+")
 # The unit part of a lab code that names no unit: MEDS-Extract's `UNK`, the MIMIC importers' `no unit`.
 NO_UNIT = ("UNK", "no unit")
 # How the marker counts what it omitted, in this order: kind -> (singular, plural).
@@ -196,12 +199,15 @@ def _one_line(text: str) -> str:
 
 
 def _bounded(text: str) -> str:
-    """`text` on one line in at most `MAX_VALUE_CHARS` characters, its beginning when longer.
+    """`text` on one line in at most `MAX_VALUE_CHARS` characters, its beginning when longer; nothing for MIMIC-IV's
+    de-identification mask (`___`: the result's words are in `comments`, which is not imported).
 
-    >>> _bounded("HEART FAILURE & SHOCK WITH MCC"), len(_bounded("word " * 40))
-    ('HEART FAILURE & SHOCK WITH MCC', 80)
+    >>> _bounded("HEART FAILURE & SHOCK WITH MCC"), len(_bounded("word " * 40)), _bounded(" ___ ")
+    ('HEART FAILURE & SHOCK WITH MCC', 80, '')
     """
     text = _one_line(text)
+    if MASK.fullmatch(text):
+        return ""
     return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 1] + "…"
 
 
