@@ -420,6 +420,15 @@ def test_a_lab_text_value_is_bounded_like_other_codes():
     assert labs == "  Labs: 51003 <0.01 ng/mL; 70012 " + " ".join(long_text.split())[:79] + "…"
 
 
+def test_an_undated_birth_tells_no_year_and_does_not_hide_a_dated_one():
+    # The pre-target view keeps every undated row without an encounter; an undated MEDS_BIRTH sorted first and
+    # its missing time was read as a date (AttributeError): the record of such a patient could not be rendered.
+    record = [("MEDS_BIRTH", None, None, None, None), ("DIAGNOSIS//ICD//10//I5022", d(2020, 1, 5), None, None, 1)]
+    assert render_history(events(*record), TITLES).header == "Demographics: not recorded"
+    assert render_history(events(*record, ("MEDS_BIRTH", d(1950, 6, 1), None, None, None)), TITLES).header == (
+        "Born: 1950")
+
+
 def test_mimic_ivs_masked_lab_text_is_shown_as_no_text():
     # MIMIC-IV writes `___` as the value of a result whose words it moved to `comments` (de-identification, not
     # imported): printed, the mask read as if it were the result.

@@ -302,7 +302,8 @@ def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> Histo
     header = []
     for code in events.filter(pl.col("code").str.starts_with("GENDER//"))["code"].to_list():
         header.append(f"Sex: {code.split('//', 1)[1]}")
-    births = events.filter(pl.col("code") == "MEDS_BIRTH")["time"].to_list()
+    # An undated birth (a MEDS export may write one) tells no year; a dated one beside it still does.
+    births = events.filter((pl.col("code") == "MEDS_BIRTH") & pl.col("time").is_not_null())["time"].to_list()
     if births:
         header.append(f"Born: {births[0].year}")
     inside = events.filter(pl.col("encounter_id").is_not_null())
