@@ -131,6 +131,28 @@ def test_direct_forecast_names_medications_by_the_cohorts_code_titles(wh_vocab, 
     assert status["status"].to_list() == ["ok"] * 3
 
 
+def test_the_record_shows_the_patients_undated_facts_and_no_fact_of_the_target_encounter(wh_vocab, tmp_path):
+    # A MEDS export's static rows (no time, no encounter) such as race or language were left out of the record the
+    # LLM reads, while the EHR prior takes them as the patient's own tokens. A per-admission fact (insurance, as
+    # MIMIC-IV's admissions table holds it) is its encounter's: the earlier encounter's is shown in its block, the
+    # target encounter's, even undated, nowhere.
+    from tests.conftest import t, tiny_events, write_tiny_meds
+
+    rows = [(1, None, "RACE//WHITE", None, None, None), (1, None, "LANGUAGE//ENGLISH", None, None, None),
+            (1, None, "HEIGHT//CM", 172.0, None, None),
+            (1, t(10, 1), "INSURANCE//Medicare", None, None, 102), (1, None, "INSURANCE//Medicaid", None, None, 103)]
+    extra = pl.DataFrame(rows, schema=tiny_events().schema, orient="row")
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "meds", pl.concat([tiny_events(), extra])), "static")
+    cohort_id = build_cohort(wh_vocab, "static", "final", CohortOptions(), seed=7)["cohort_id"]
+    _, pretarget = cohort_inputs(wh_vocab, cohort_id)
+    events = pretarget.filter(pl.col("trajectory_id") == f"{cohort_id}:1:103")
+    text = direct_prompt(events, Vocabulary.from_warehouse(wh_vocab.connect(), cohort_id), LLMConfig()
+                         ).messages[1]["content"]
+    assert text.split("\n\n")[1].splitlines()[1:] == [
+        "Sex: F", "Born: 1950", "Recorded without a date: HEIGHT//CM 172; LANGUAGE//ENGLISH; RACE//WHITE"]
+    assert "  Other: INSURANCE//Medicare" in text.splitlines() and "Medicaid" not in text
+
+
 def test_history_is_shortened_to_the_context_window_diagnoses_last(planted_cohort):
     wh, cohort_id, _ = planted_cohort
     trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "all")

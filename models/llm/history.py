@@ -1,11 +1,11 @@
 """The readable text of a pre-target record H, and how it shrinks to fit a prompt.
 
-H reads as demographics, then a timeline from oldest to newest: each earlier encounter, with the
-events recorded outside any encounter (outpatient labs, notes) in a block of their own between the
-encounters they fall between, one line per day and kind. An event without an encounter within an encounter's
-stay (a pharmacy order, an ED draw, from the ED registration that led into it on) is that encounter's, placed as
-the EHR prior places it (`models.stays.within_stays`). Only `pretarget_events` rows are rendered, so whatever H
-excludes (the target encounter) cannot appear.
+H reads as demographics (sex, birth year, the other static rows: no time, no encounter), then a timeline from
+oldest to newest: each earlier encounter, with the events recorded outside any encounter (outpatient labs, notes)
+in a block of their own between the encounters they fall between, one line per day and kind. An event without an
+encounter within an encounter's stay (a pharmacy order, an ED draw, from the ED registration that led into it on)
+is that encounter's, placed as the EHR prior places it (`models.stays.within_stays`). Only `pretarget_events` rows
+are rendered, so whatever H excludes (the target encounter) cannot appear.
 
 `fit_history` shortens H to a character budget by giving up the least informative text first
 (`DROP_STEPS`); the diagnoses of an encounter go only with the whole encounter, after everything else.
@@ -47,6 +47,9 @@ MAX_VALUE_CHARS = 80
 MASK = re.compile("_+")
 # The unit part of a lab code that names no unit: MEDS-Extract's `UNK`, the MIMIC importers' `no unit`.
 NO_UNIT = ("UNK", "no unit")
+# The longest header line of undated facts (demographics beyond sex and birth, as race or language): the header is
+# never shortened to fit, so a record with many undated rows must not crowd out its encounters.
+MAX_UNDATED_CHARS = 240
 # How the marker counts what it omitted, in this order: kind -> (singular, plural).
 NOUNS = {"encounter": ("earlier encounter", "earlier encounters"), "diagnosis": ("diagnosis", "diagnoses"),
          "procedure": ("procedure", "procedures"), "medication": ("medication", "medications"),
@@ -217,6 +220,30 @@ def _note(time, code: str, text: str | None) -> Line:
     return Line("note", f"  Note [{code.split('//', 1)[-1]}, {_day(time)}] ", (body,))
 
 
+def _other_item(code: str, value, text: str | None, titles: dict[str, str | None]) -> str:
+    """A code of no kind of its own with its value, as a lab shows its own: `Blood Pressure 128/82`."""
+    title = _new_words(titles.get(code), code)
+    shown = f"{value:g}" if value is not None else _bounded(text or "")
+    return _one_line(f"{title} ({code}) {shown}" if title else f"{code} {shown}")
+
+
+def _undated_line(items: list[str]) -> str:
+    """The header line of the undated facts `items`, its first items whole within `MAX_UNDATED_CHARS` when longer.
+
+    >>> _undated_line(["RACE//WHITE", "LANGUAGE//ENGLISH"])
+    'Recorded without a date: RACE//WHITE; LANGUAGE//ENGLISH'
+    >>> line = _undated_line([f"FLAG//{i:03}" for i in range(40)])
+    >>> len(line), line[-39:]
+    (240, 'FLAG//016; FLAG//017; [22 more omitted]')
+    """
+    line = "Recorded without a date: " + "; ".join(items)
+    for kept in range(len(items) - 1, 0, -1):
+        if len(line) <= MAX_UNDATED_CHARS:
+            break
+        line = f"Recorded without a date: {'; '.join(items[:kept])}; [{len(items) - kept} more omitted]"
+    return line
+
+
 def _event_lines(events: list[tuple], titles: dict[str, str | None], prefix: str = "") -> list[Line]:
     """One line per kind of event (items in time order, repeats shown once), then one line per note, from `events`
     (time, code, numeric_value, text_value) in time order. A specimen's collection is left out where its result is
@@ -242,10 +269,8 @@ def _event_lines(events: list[tuple], titles: dict[str, str | None], prefix: str
             shown = "collected" if collected else f"{value:g}" if value is not None else _bounded(text or "")
             label = _new_words(titles.get(code), code) or item
             groups[kind].append(_one_line(f"{label} {shown} {unit}"))
-        else:  # with its value, as a lab shows its own: `Blood Pressure 128/82`
-            title = _new_words(titles.get(code), code)
-            shown = f"{value:g}" if value is not None else _bounded(text or "")
-            groups[kind].append(_one_line(f"{title} ({code}) {shown}" if title else f"{code} {shown}"))
+        else:
+            groups[kind].append(_other_item(code, value, text, titles))
     lines = [Line(kind, f"  {prefix}{label}: ", tuple(dict.fromkeys(groups[kind])))
              for kind, label in LABELS.items() if groups[kind]]
     return lines + notes
@@ -306,6 +331,14 @@ def render_history(events: pl.DataFrame, titles: dict[str, str | None]) -> Histo
     births = events.filter((pl.col("code") == "MEDS_BIRTH") & pl.col("time").is_not_null())["time"].to_list()
     if births:
         header.append(f"Born: {births[0].year}")
+    # The rest of the pre-target view's static rows (no time, no encounter), as the EHR prior takes them as the
+    # patient's own tokens: nothing places them at an encounter, so none can be the target encounter's.
+    undated = events.filter(pl.col("time").is_null() & pl.col("encounter_id").is_null()
+                            & ~pl.col("code").str.starts_with("GENDER//") & (pl.col("code") != "MEDS_BIRTH"))
+    if undated.height:
+        items = (_other_item(code, value, text, titles)
+                 for code, value, text in undated.select("code", "numeric_value", "text_value").iter_rows())
+        header.append(_undated_line(list(dict.fromkeys(items))))
     inside = events.filter(pl.col("encounter_id").is_not_null())
     encounters = (inside.group_by("encounter_id").agg(pl.col("time").min().alias("start"))
                   .sort("start", "encounter_id", nulls_last=True))
