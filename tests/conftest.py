@@ -121,6 +121,22 @@ def abandoned_scratch(target: Path, kind: str = "tmp") -> Path:
     return Path(ended.stdout.strip())
 
 
+def parquet_writes_failing_from(monkeypatch, number: int, error: BaseException) -> None:
+    """The warehouse's Parquet writes raise `error` from the `number`th on, the earlier ones written: a kill or a
+    full disk partway through a write of several files. `monkeypatch.undo()` ends it."""
+    import warehouse.store as store
+
+    real_write_table, written = store.pq.write_table, []
+
+    def write_table(*args, **kwargs):
+        if len(written) + 1 >= number:
+            raise error
+        written.append(args[1])
+        return real_write_table(*args, **kwargs)
+
+    monkeypatch.setattr(store.pq, "write_table", write_table)
+
+
 def legacy_scratch(target: Path, kind: str = "tmp") -> Path:
     """A scratch name of an ended process on this host, without a lock file (as earlier versions wrote)."""
     from warehouse.scratch import _HOST

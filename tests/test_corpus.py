@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import shared_data
+from conftest import parquet_writes_failing_from, shared_data
 from dxr.errors import InputError
 from tools.corpus import ingest, load_documents
 from tools.corpus.documents import Document, chunk_document, dedupe, normalize_url, stable_doc_id
@@ -136,16 +136,7 @@ def test_an_ingest_killed_between_the_documents_and_chunks_writes_leaves_them_in
     clean = Warehouse(tmp_path / "clean")
     for path in (other, source):
         ingest(clean, "jsonl", path)
-    written = []
-
-    def killed_after_the_first_file(*args, **kwargs):
-        if written:
-            raise KeyboardInterrupt("killed after the documents file was written")
-        written.append(args[1])
-        return real_write_table(*args, **kwargs)
-
-    real_write_table = store.pq.write_table
-    monkeypatch.setattr(store.pq, "write_table", killed_after_the_first_file)
+    parquet_writes_failing_from(monkeypatch, 2, KeyboardInterrupt("killed after the documents file was written"))
     with pytest.raises(KeyboardInterrupt):
         ingest(wh, "jsonl", source)
     monkeypatch.undo()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import parquet_writes_failing_from
 from dxr.errors import InputError
 from test_corpus import TINY, tiny_vocabulary
 from tools.channels import DictionaryChannel, LocalChannel
@@ -300,8 +301,6 @@ def test_a_ledger_written_before_chunk_ids_were_recorded_opens_with_them_null(wh
 
 
 def test_a_flush_killed_between_the_jobs_and_the_rows_leaves_the_earlier_attempt_whole(wh, monkeypatch):
-    import warehouse.store as store
-
     first = Ledger("r1", 0, wh)
     first.record(first.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB), engine="pmc",
                  state="no_result")
@@ -309,16 +308,7 @@ def test_a_flush_killed_between_the_jobs_and_the_rows_leaves_the_earlier_attempt
     rerun = Ledger("r1", 0, wh)
     rerun.record(rerun.job(trajectory_id="t1", query="dialysis after kidney transplant", **JOB), engine="pmc",
                  state="no_result")
-    written = []
-
-    def killed_after_the_first_file(*args, **kwargs):
-        if written:
-            raise KeyboardInterrupt("killed after the search_jobs file was written")
-        written.append(args[1])
-        return real_write_table(*args, **kwargs)
-
-    real_write_table = store.pq.write_table
-    monkeypatch.setattr(store.pq, "write_table", killed_after_the_first_file)
+    parquet_writes_failing_from(monkeypatch, 2, KeyboardInterrupt("killed after the search_jobs file was written"))
     with pytest.raises(KeyboardInterrupt):
         rerun.flush()
     monkeypatch.undo()

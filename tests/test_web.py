@@ -14,6 +14,7 @@ import polars as pl
 import pytest
 from aiohttp import web
 
+from conftest import parquet_writes_failing_from
 from dxr.errors import ConfigError, InputError
 from tools.config import SerpMapping, WebConfig
 from tools.corpus.documents import Document
@@ -351,30 +352,16 @@ def test_early_stop_no_result_reuse_and_warehouse_rows(wh, local_index):
 
 def test_ledger_rows_never_cite_pages_that_were_not_stored(wh, local_index, monkeypatch):
     """Pages are one commit with the ledger rows citing them, and a rerun of the shard replaces its pages."""
-    import warehouse.store as store
-
     def cited_but_missing() -> set:
         cited = {d for d in wh.read("ledger", run_id="run1")["doc_id"].to_list() if d and d.startswith("web:")}
         return cited - set(wh.read("documents", corpus="web")["doc_id"].to_list())
-
-    def failing_at(number: int):
-        """Parquet writes that fail from the `number`th on (the pages' file is the first of a flush)."""
-        written = []
-
-        def write_table(*args, **kwargs):
-            if len(written) + 1 >= number:
-                raise OSError("disk full")
-            written.append(args[1])
-            return real_write_table(*args, **kwargs)
-
-        return write_table
 
     async def scenario(query: str):
         async with Site() as site:
             await _run(site, config(), wh, local_index, [{**JOB, "query": query}])
 
-    real_write_table = store.pq.write_table
-    monkeypatch.setattr(store.pq, "write_table", failing_at(1))
+    # The pages' file is the first Parquet file of a flush.
+    parquet_writes_failing_from(monkeypatch, 1, OSError("disk full"))
     with pytest.raises(OSError, match="disk full"):  # killed while storing the pages
         asyncio.run(scenario("heart failure outcomes"))
     assert cited_but_missing() == set()
@@ -382,7 +369,7 @@ def test_ledger_rows_never_cite_pages_that_were_not_stored(wh, local_index, monk
     asyncio.run(scenario("heart failure outcomes"))
     assert wh.read("documents", corpus="web").height == 1 and cited_but_missing() == set()
     # A rerun reading other pages, killed after storing them: the earlier attempt's rows keep their pages.
-    monkeypatch.setattr(store.pq, "write_table", failing_at(2))
+    parquet_writes_failing_from(monkeypatch, 2, OSError("disk full"))
     with pytest.raises(OSError, match="disk full"):
         asyncio.run(scenario("mirror original"))
     monkeypatch.undo()
