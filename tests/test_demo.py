@@ -55,3 +55,16 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
     assert wh.read("metrics").sort(pl.all()).drop("value", "ci_low", "ci_high").equals(
         metrics.drop("value", "ci_low", "ci_high"))
     assert wh.read("metrics").sort(pl.all())["value"].to_list() == metrics["value"].to_list()
+
+
+def test_a_violated_band_is_named_with_its_value_range_and_fix():
+    from dxr.cli.demo import band_violation
+
+    realism = pl.DataFrame({"band": ["mean_target_size", "oracle_r20"], "value": [9.5, 0.5321],
+                            "low": [8.0, 0.55], "high": [20.0, 0.85], "within_band": [True, False]})
+    assert band_violation(realism, 200) == (
+        "realism band violated: oracle_r20 0.532 outside [0.55, 0.85]; the bands are set for 5,000 patients "
+        "and 200 give noisy statistics: rerun with --patients 5000")
+    assert band_violation(realism, 5000) == (
+        "realism band violated: oracle_r20 0.532 outside [0.55, 0.85]; the generator no longer produces the "
+        "cohort its bands describe: see docs/synthetic.md#realism-bands")

@@ -55,7 +55,23 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
                    "reply; see ranking_status)")
         click.echo(f"report: {llm['report']}")
     if not realism["within_band"].all():
-        raise click.ClickException("a realism band is violated (see the table above)")
+        raise click.ClickException(band_violation(realism, cfg.synth.patients))
+
+
+def band_violation(realism, patients: int) -> str:
+    """The demo's failure line: which bands missed, by how much, and what to do about it."""
+    from dxr.config import SynthConfig
+
+    missed = "; ".join(f"{r['band']} {r['value']:.3f} outside [{r['low']:g}, {r['high']:g}]"
+                       for r in realism.iter_rows(named=True) if not r["within_band"])
+    calibrated = SynthConfig.model_fields["patients"].default
+    if patients < calibrated:
+        # Fewer patients, fewer held_out trajectories: the statistics scatter more around the generator's values.
+        fix = (f"the bands are set for {calibrated:,} patients and {patients:,} give noisy statistics: "
+               f"rerun with --patients {calibrated}")
+    else:
+        fix = "the generator no longer produces the cohort its bands describe: see docs/synthetic.md#realism-bands"
+    return f"realism band violated: {missed}; {fix}"
 
 
 def headline_table(metrics) -> str:
