@@ -209,6 +209,21 @@ def test_variable_that_sets_nothing_is_one_line_naming_it(monkeypatch):
     assert run("config", "show").exit_code == 0
 
 
+def test_ingest_meds_says_which_time_zone_the_wall_clock_times_are_in(tmp_path, tiny_meds):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    assert "note: times" not in run("ingest", "meds", tiny_meds, "--name", "plain", data_dir=tmp_path / "wh").output
+    shard = tiny_meds / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    pq.write_table(events.set_column(1, "time", pc.assume_timezone(events["time"], "Asia/Kolkata")), shard)
+    result = run("ingest", "meds", tiny_meds, "--name", "kolkata", data_dir=tmp_path / "wh")
+    assert (result.exit_code, result.output.splitlines()) == (0, [
+        "dataset kolkata: 4 patients, 60 events, ICD versions 10",
+        "note: times are in Asia/Kolkata (UTC offset +05:30 throughout the data): kept as the wall-clock times they "
+        "show there, without the zone"])
+
+
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -262,7 +264,8 @@ def test_times_at_one_utc_offset_keep_the_wall_clock_time_they_show_and_mixed_of
     zoned = pc.assume_timezone(events["time"], "-05:00").cast(pa.timestamp("ns", "-05:00"))  # as pandas writes it
     at_offset = events.set_column(1, "time", zoned)
     pq.write_table(at_offset, shard)
-    ingest_meds(wh_vocab, source, "offset")
+    row = ingest_meds(wh_vocab, source, "offset")
+    assert (row["time_zone"], row["utc_offset"]) == ("-05:00", "-05:00")
     gold = pq.read_table(wh_vocab.meds_dir("offset") / "data" / "0.parquet")
     assert (str(gold.schema.field("time").type), gold["time"].equals(events["time"])) == ("timestamp[us]", True)
     pq.write_table(events.set_column(1, "time", events["time"].cast(pa.timestamp("us", "UTC"))), shard)
@@ -285,11 +288,73 @@ def test_times_at_one_utc_offset_keep_the_wall_clock_time_they_show_and_mixed_of
     with pytest.raises(InputError) as raised:
         ingest_meds(wh_vocab, source, "named")
     assert str(raised.value) == (
-        f"{shard}: column 'time' is timestamp[us, tz=America/New_York], in a time zone whose UTC offset can change "
-        "(daylight saving) and misorder events: convert every time to one UTC offset (such as UTC itself) or to "
-        "local time without an offset")
+        f"{shard}: column 'time' (timestamp[us, tz=America/New_York]) names the time zone 'America/New_York', whose "
+        "UTC offset changes from -05:00 to -04:00 on 1950-04-30, within the data's times (1950-01-01 to 2020-01-23): "
+        "times at mixed offsets (daylight saving) can misorder events; convert every time to one UTC offset (such as "
+        "UTC itself) or to local time without an offset")
     assert not wh_vocab.has_rows("datasets", dataset_id="mixed") and not wh_vocab.has_rows("datasets",
                                                                                              dataset_id="named")
+
+
+def test_a_named_time_zone_at_one_utc_offset_over_the_data_keeps_its_wall_clock_times(wh_vocab, tmp_path):
+    # Asia/Kolkata has been at +05:30 since 1945, before the data's first time (a 1950 birth): its times order the
+    # events as a fixed offset's do. Arrow stores them as UTC instants, 05:30 earlier.
+    source = write_tiny_meds(tmp_path / "kolkata")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    in_zone = events.set_column(1, "time", pc.assume_timezone(events["time"], "Asia/Kolkata"))
+    first = pc.equal(events["subject_id"], events["subject_id"][0])
+    pq.write_table(in_zone.filter(first), shard)
+    # Another shard spelling the same offset: one offset for every time, as the rule asks.
+    rest = in_zone.filter(pc.invert(first))
+    pq.write_table(rest.set_column(1, "time", rest["time"].cast(pa.timestamp("us", "+05:30"))),
+                   source / "data" / "1.parquet")
+    row = ingest_meds(wh_vocab, source, "kolkata")
+    assert (row["time_zone"], row["utc_offset"]) == ("Asia/Kolkata, +05:30", "+05:30")
+    gold = pa.concat_tables(pq.read_table(wh_vocab.meds_dir("kolkata") / "data" / f"{n}.parquet") for n in (0, 1))
+    assert (str(gold.schema.field("time").type), gold["time"].equals(events["time"])) == ("timestamp[us]", True)
+    # Asia/Tokyo kept daylight saving until 1951: the 1950 birth lies before its first change.
+    pq.write_table(events.set_column(1, "time", pc.assume_timezone(events["time"], "Asia/Tokyo")), shard)
+    (source / "data" / "1.parquet").unlink()
+    with pytest.raises(InputError) as raised:
+        ingest_meds(wh_vocab, source, "tokyo")
+    assert str(raised.value) == (
+        f"{shard}: column 'time' (timestamp[us, tz=Asia/Tokyo]) names the time zone 'Asia/Tokyo', whose UTC offset "
+        "changes from +09:00 to +10:00 on 1950-05-07, within the data's times (1950-01-01 to 2020-01-23): times at "
+        "mixed offsets (daylight saving) can misorder events; convert every time to one UTC offset (such as UTC "
+        "itself) or to local time without an offset")
+    without_1950 = events.filter(pc.greater(events["time"], pa.scalar(datetime(1952, 1, 1), pa.timestamp("us"))))
+    pq.write_table(without_1950.set_column(1, "time", pc.assume_timezone(without_1950["time"], "Asia/Tokyo")), shard)
+    assert ingest_meds(wh_vocab, source, "tokyo")["utc_offset"] == "+09:00"
+    assert pq.read_table(wh_vocab.meds_dir("tokyo") / "data" / "0.parquet")["time"].equals(without_1950["time"])
+    pq.write_table(events.set_column(1, "time", events["time"].cast(pa.timestamp("us", "Mars/Olympus_Mons"))), shard)
+    with pytest.raises(InputError, match=r"names the time zone 'Mars/Olympus_Mons', which the time zone database "
+                                         r"does not know: write a zone name it has \(such as Asia/Tokyo\) or convert"):
+        ingest_meds(wh_vocab, source, "mars")
+
+
+def test_a_named_time_zone_without_a_zone_database_is_refused(tmp_path, monkeypatch):
+    import zoneinfo
+
+    source = write_tiny_meds(tmp_path / "kolkata")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    pq.write_table(events.set_column(1, "time", pc.assume_timezone(events["time"], "Asia/Kolkata")), shard)
+    # Neither the system's database nor the tzdata package.
+    for module in [name for name in sys.modules if name.split(".")[0] == "tzdata"] + ["tzdata"]:
+        monkeypatch.setitem(sys.modules, module, None)  # its zone packages too: imported, they would be found
+    zoneinfo.reset_tzpath(to=[])
+    zoneinfo.ZoneInfo.clear_cache()
+    try:
+        with pytest.raises(InputError) as raised:
+            validate_meds_dir(source)
+    finally:
+        zoneinfo.reset_tzpath()
+        zoneinfo.ZoneInfo.clear_cache()
+    assert str(raised.value) == (
+        f"{shard}: column 'time' (timestamp[us, tz=Asia/Kolkata]) names the time zone 'Asia/Kolkata', but this "
+        "system has no time zone database to tell its UTC offsets: install one (pip install tzdata) or convert "
+        "every time to one UTC offset (such as UTC itself) or to local time without an offset")
 
 
 def test_ingest_adds_the_optional_value_columns_that_no_shard_has(wh_vocab, tmp_path):

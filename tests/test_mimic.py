@@ -487,10 +487,20 @@ BAD_INPUTS = {
                                          "'2163-05-01 06:00:00+01:00' is at UTC offset +01:00 but admissions.csv.gz, "
                                          "data row 1, column 'admittime' has '2150-03-01 08:00:00': times at mixed "
                                          "offsets"),
-    "time zone name": (at_offset(" America/New_York"),
-                       "admissions.csv.gz, data row 1, column 'admittime': '2150-03-01 08:00:00 America/New_York' "
-                       "names the time zone 'America/New_York', whose UTC offset can change (daylight saving) and "
-                       "misorder events: convert every time to one UTC offset"),
+    "time zone with daylight saving": (at_offset(" America/New_York"),
+                                       "admissions.csv.gz, data row 1, column 'admittime': '2150-03-01 08:00:00 "
+                                       "America/New_York' names the time zone 'America/New_York', whose UTC offset "
+                                       "changes from -05:00 to -04:00 on 2150-03-08, within the data's times "
+                                       "(2150-03-01 to 2171-01-11): times at mixed offsets (daylight saving) can "
+                                       "misorder events; convert every time to one UTC offset"),
+    "unknown time zone": (at_offset(" Mars/Olympus_Mons"),
+                          "admissions.csv.gz, data row 1, column 'admittime': '2150-03-01 08:00:00 Mars/Olympus_Mons' "
+                          "names the time zone 'Mars/Olympus_Mons', which the time zone database does not know: write "
+                          "a zone name it has (such as Asia/Tokyo) or convert every time to one UTC offset"),
+    "time zone at another offset": (at_offset("+05:30", ("prescriptions", 2, " Asia/Tokyo")),
+                                    "prescriptions.csv, data row 2, column 'starttime': '2150-03-01 10:00:00 "
+                                    "Asia/Tokyo' is at UTC offset +09:00 but admissions.csv.gz, data row 1, column "
+                                    "'admittime' has '2150-03-01 08:00:00+05:30': times at mixed offsets"),
     "non-integer id": (lambda hosp: edit_table(hosp, "diagnoses_icd", replace_on_line(5, "20000003", "2000000x")),
                        "diagnoses_icd.csv.gz, data row 5, column 'hadm_id': '2000000x' is not an integer"),
     "empty admittime": (lambda hosp: edit_table(hosp, "admissions", replace_on_line(2, "2152-07-10 09:30:00", "")),
@@ -823,6 +833,22 @@ def test_a_lab_unit_holding_the_code_separator_is_escaped_like_a_label(tmp_path)
     import_mimic4(hosp.parent, tmp_path / "meds", seed=SEED, labs=True)
     codes = read_meds(tmp_path / "meds").filter(pl.col("subject_id") == 10000001, pl.col("numeric_value") == 1.3)
     assert codes["code"].to_list() == ["LAB//Creatinine (Blood)//mg/dL"]
+
+
+def test_a_named_time_zone_at_one_utc_offset_over_the_data_is_imported_at_the_wall_clock_time_it_shows(tmp_path):
+    # Asia/Kolkata has been at +05:30 since 1945; a time written at that offset is at the same one.
+    hosp = copy_fixture(tmp_path)
+    at_offset(" Asia/Kolkata", ("labevents", 1, "+05:30"))(hosp)
+    summary = import_mimic4(hosp.parent, tmp_path / "kolkata", seed=SEED, labs=True)
+    assert (summary.time_zone, summary.utc_offset) == ("Asia/Kolkata, +05:30", "+05:30")
+    [line] = [line for line in summary.table().splitlines() if line.startswith("time zone")]
+    assert line.split("  ")[-1].strip() == "Asia/Kolkata, +05:30 (UTC+05:30)"
+    recorded = json.loads((tmp_path / "kolkata" / "metadata" / "dataset.json").read_text())["import_summary"]
+    assert (recorded["time_zone"], recorded["utc_offset"]) == ("Asia/Kolkata, +05:30", "+05:30")
+    plain = import_mimic4(FIXTURE, tmp_path / "plain", seed=SEED, labs=True)
+    assert read_meds(tmp_path / "kolkata").equals(read_meds(tmp_path / "plain"))
+    assert (plain.time_zone, plain.utc_offset) == ("", "")
+    assert "none written" in [line for line in plain.table().splitlines() if line.startswith("time zone")][0]
 
 
 def test_times_at_one_utc_offset_are_imported_at_the_wall_clock_time_they_show(tmp_path):

@@ -14,7 +14,7 @@ from warehouse import duck
 from warehouse.importers import ImportSummary
 from warehouse.importers.mimic import MIMIC3, MIMIC4, import_mimic_validated
 from warehouse.locks import held
-from warehouse.meds import MedsInfo, copy_meds_dir, validate_meds_dir
+from warehouse.meds import MedsInfo, copy_meds_dir, offset_text, validate_meds_dir
 from warehouse.runs import registered_run
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse
@@ -67,8 +67,11 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
         with duck.resource_errors(f"MEDS ingest of {source_dir}", target.parent, memory_limit):
             info = validate_meds_dir(source_dir, memory_limit)  # fail before copying anything
             with writing_dataset(wh, dataset_id):
-                copy_meds_dir(Path(source_dir), target, info.encounter_column)
-                return register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit)
+                copy_meds_dir(Path(source_dir), target, info.encounter_column, info.utc_offset)
+                row = register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit)
+                # The copy keeps wall-clock times without their zone: the user is told which zone that was.
+                return {**row, "time_zone": info.time_zone,
+                        "utc_offset": "" if info.utc_offset is None else offset_text(info.utc_offset)}
 
 
 def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,

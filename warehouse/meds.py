@@ -18,8 +18,9 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import duckdb
 import meds
@@ -51,11 +52,12 @@ MIXED_OFFSETS_FIX = "convert every time to one UTC offset (such as UTC itself) o
 
 def utc_offset(zone: str) -> str | None:
     """A time zone as written after a time (or in an Arrow timestamp type) as its UTC offset, '' for none; None for
-    a zone name, whose offset can change (daylight saving).
+    a zone name, whose offset can change (daylight saving): `zone_offset` tells it over the data's times.
 
     Times are kept as the wall-clock time they show, which orders the events of a single-zone export correctly.
     Times at several offsets (across a daylight-saving change, or sites in two zones) would not be, so importers
-    refuse them, and a zone name, and some times with an offset beside others without one.
+    refuse them, a zone name whose offset changes within the data, and some times with an offset beside others
+    without one.
 
     >>> [utc_offset(z) for z in ("", "-05:00", "-0500", "+02", "Z", "UTC", "Etc/UTC", "-00:00", "America/New_York")]
     ['', '-05:00', '-05:00', '+02:00', '+00:00', '+00:00', '+00:00', '+00:00', None]
@@ -67,6 +69,63 @@ def utc_offset(zone: str) -> str | None:
         offset = f"{hours}:{minutes or '00'}"
         return f"{'+' if offset == '00:00' else sign}{offset}"
     return "" if zone == "" else None
+
+
+# Offset changes in the zone database are months apart (a daylight-saving season, a new standard time): a scan in
+# steps this long finds each one, and a few hundred years of data take a fraction of a second.
+_ZONE_SCAN_STEP = timedelta(hours=6)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_TIME_LIMITS = (datetime(1, 1, 2, tzinfo=timezone.utc) - _EPOCH, datetime(9999, 12, 30, tzinfo=timezone.utc) - _EPOCH)
+
+
+def zone_offset(zone: str, first: datetime, last: datetime, where: str) -> timedelta:
+    """The UTC offset that time zone name `zone` gives every time from `first` to `last` (naive ones are read as
+    wall-clock times in the zone), by the zone database that ships with Python (the system's, else `tzdata`).
+
+    An InputError starting with `where` (the file and column naming the zone) when the offset changes in between
+    (daylight saving: the wall-clock times could misorder events), the zone is unknown, or there is no database.
+
+    >>> zone_offset("Asia/Tokyo", datetime(2150, 1, 1), datetime(2180, 7, 1), "x")
+    datetime.timedelta(seconds=32400)
+    """
+    try:
+        info = ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+        if not available_timezones():
+            raise InputError(f"{where} names the time zone {zone!r}, but this system has no time zone database to "
+                             f"tell its UTC offsets: install one (pip install tzdata) or {MIXED_OFFSETS_FIX}") from exc
+        raise InputError(f"{where} names the time zone {zone!r}, which the time zone database does not know: write "
+                         f"a zone name it has (such as Asia/Tokyo) or {MIXED_OFFSETS_FIX}") from exc
+    first, last = (time if time.tzinfo else time.replace(tzinfo=info) for time in (first, last))
+    offset = first.astimezone(info).utcoffset()
+    before = first
+    while before < last:
+        after = min(before + _ZONE_SCAN_STEP, last)
+        if after.astimezone(info).utcoffset() != offset:
+            while after - before > timedelta(seconds=1):  # the change itself, to name its date
+                middle = before + (after - before) / 2
+                before, after = (middle, after) if middle.astimezone(info).utcoffset() == offset else (before, middle)
+            changed = after.astimezone(info)
+            raise InputError(f"{where} names the time zone {zone!r}, whose UTC offset changes from "
+                             f"{offset_text(offset)} to {offset_text(changed.utcoffset())} on {changed:%Y-%m-%d}, "
+                             f"within the data's times ({first.astimezone(info):%Y-%m-%d} to "
+                             f"{last.astimezone(info):%Y-%m-%d}): times at mixed offsets (daylight saving) can "
+                             f"misorder events; {MIXED_OFFSETS_FIX}")
+        before = after
+    return offset
+
+
+def offset_text(offset: timedelta) -> str:
+    """A UTC offset as `utc_offset` writes it.
+
+    >>> [offset_text(timedelta(hours=h, minutes=m)) for h, m in ((9, 0), (-5, 0), (5, 30), (0, 0))]
+    ['+09:00', '-05:00', '+05:30', '+00:00']
+    >>> offset_text(timedelta(hours=5, minutes=21, seconds=10))
+    '+05:21:10'
+    """
+    minutes, seconds = divmod(abs(int(offset.total_seconds())), 60)
+    return f"{'-' if offset < timedelta(0) else '+'}{minutes // 60:02d}:{minutes % 60:02d}" + (
+        f":{seconds:02d}" if seconds else "")
 
 
 def meds_data_schema(extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
@@ -149,6 +208,10 @@ class MedsInfo:
     # Diagnoses coded outside any encounter (outpatient, problem lists): history only, never a target.
     n_diagnoses_without_encounter: int = 0
     encounter_column: str = "encounter_id"  # or an alias (ENCOUNTER_ALIASES) that ingest copies into encounter_id
+    # The time zones that the shards' times are in ('UTC', '-05:00', 'Asia/Tokyo'; '' when none) and their one UTC
+    # offset (None when none), whose wall-clock times ingest keeps (`_time_zone`).
+    time_zone: str = ""
+    utc_offset: timedelta | None = None
     # Every file under `root` as validation found it (`_file_stamps`): what lets a validation be handed on.
     stamps: tuple[tuple, ...] = ()
 
@@ -182,7 +245,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                          "MEDS keeps events in data/**/*.parquet")
     schema = meds_data_schema()
     encounter_columns: dict[str, Path] = {}  # encounter column name -> first shard using it
-    first_zone: tuple[str, Path, pa.DataType] | None = None  # UTC offset of the first shard's times, shard, type
+    time_types: dict[Path, pa.DataType] = {}  # each shard's type of timestamps
     float_encounters = False  # pandas writes an integer column with missing values as float64
     for shard in shards:
         try:
@@ -202,16 +265,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                        "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
                        else "every MEDS shard needs it")
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
-        time_type = shard_schema.field("time").type
-        if pa.types.is_timestamp(time_type):
-            offset = utc_offset(time_type.tz or "")
-            if offset is None:
-                raise InputError(f"{shard}: column 'time' is {time_type}, in a time zone whose UTC offset can change "
-                                 f"(daylight saving) and misorder events: {MIXED_OFFSETS_FIX}")
-            first_zone = first_zone or (offset, shard, time_type)
-            if offset != first_zone[0]:
-                raise InputError(f"{shard}: column 'time' is {time_type} but {first_zone[1]} has "
-                                 f"{first_zone[2]}: times at mixed offsets can misorder events; {MIXED_OFFSETS_FIX}")
+        if pa.types.is_timestamp(time_type := shard_schema.field("time").type):
+            time_types[shard] = time_type
         encounter_columns.setdefault(encounter, shard)
         if len(encounter_columns) > 1:
             first_name, first_shard = next(iter(encounter_columns.items()))
@@ -230,6 +285,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     [encounter] = encounter_columns
+    time_zone, offset = _time_zone(time_types)
     with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
         n_subjects, n_events, n_loose, versions = _check_events(con, data_dir, shards, encounter, float_encounters)
     if not versions:
@@ -275,7 +331,56 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         check_splits(splits, splits_path)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
-                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps)
+                    n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps,
+                    time_zone=time_zone, utc_offset=offset)
+
+
+def _time_zone(time_types: dict[Path, pa.DataType]) -> tuple[str, timedelta | None]:
+    """The time zones of the shards' timestamps (`time_types`), ', '-joined ('' when none), and their UTC offset,
+    which must be one (`utc_offset`); None when the times have no zone.
+
+    A zone name's offset is the one it has over the times of every shard naming it (`zone_offset`).
+    """
+    offsets: dict[str, timedelta | None] = {}
+    first: tuple[timedelta | None, Path, pa.DataType] | None = None  # the first shard's offset, the shard, its type
+    for shard, time_type in time_types.items():
+        zone = time_type.tz or ""
+        if zone not in offsets:
+            fixed = utc_offset(zone)
+            if fixed is None:
+                named = [other for other, other_type in time_types.items() if other_type.tz == zone]
+                offsets[zone] = zone_offset(zone, *_time_range(named), where=f"{shard}: column 'time' ({time_type})")
+            else:
+                offsets[zone] = _offset_delta(fixed) if fixed else None
+        first = first or (offsets[zone], shard, time_type)
+        if offsets[zone] != first[0]:
+            raise InputError(f"{shard}: column 'time' is {time_type} but {first[1]} has "
+                             f"{first[2]}: times at mixed offsets can misorder events; {MIXED_OFFSETS_FIX}")
+    written = (zone if utc_offset(zone) is None else utc_offset(zone) for zone in offsets)  # names, and offsets alike
+    return ", ".join(dict.fromkeys(filter(None, written))), first[0] if first else None
+
+
+def _offset_delta(offset: str) -> timedelta:
+    """An offset as `utc_offset` writes it ('-05:00') as a timedelta."""
+    hours, minutes = offset[1:].split(":")
+    return (-1 if offset[0] == "-" else 1) * timedelta(hours=int(hours), minutes=int(minutes))
+
+
+def _time_range(shards: list[Path]) -> tuple[datetime, datetime]:
+    """The first and last time (UTC) in the shards; the present when they hold none (static rows only)."""
+    bounds: list[int] = []  # microseconds since the epoch
+    for shard in shards:
+        with pq.ParquetFile(shard) as source:
+            for batch in source.iter_batches(columns=["time"]):
+                times = batch.column(0).cast(pa.timestamp("us", batch.column(0).type.tz), safe=False)
+                least, most = pc.min_max(times.cast(pa.int64())).values()
+                bounds += [bound.as_py() for bound in (least, most) if bound.is_valid]
+    if not bounds:
+        now = datetime.now(timezone.utc)
+        return now, now
+    # Times beyond those a datetime holds (years 1 to 9999, with a day to spare for the offset) take its ends'.
+    return tuple(_EPOCH + min(max(timedelta(microseconds=bound), _TIME_LIMITS[0]), _TIME_LIMITS[1])
+                 for bound in (min(bounds), max(bounds)))
 
 
 def _file_stamps(root: Path) -> tuple[tuple, ...]:
@@ -428,8 +533,9 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
     Any string type (Parquet stores them alike: polars records large_string, pandas string), also
     dictionary-encoded (a polars Categorical, a pandas category); a column that pandas wrote as all-null; a
     numeric_value of double or integers (pandas' float64; MEDS keeps float32); a time of another unit, without
-    a time zone (pandas: ns) or at one UTC offset (`utc_offset`); a subject_id of another signed integer width, or
-    unsigned up to 32 bits. Anything else (a zone name, dates, text times) keeps its type, so validation names it.
+    a time zone (pandas: ns) or in one (validation checks that the times are at one UTC offset, `_time_zone`); a
+    subject_id of another signed integer width, or unsigned up to 32 bits. Anything else (dates, text times) keeps
+    its type, so validation names it.
     """
     declared = meds.DataSchema.schema()
 
@@ -441,7 +547,7 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
                  "text_value": pa.types.is_null(have) or _holds_text(have),
                  "code": _holds_text(have),
                  # at the wall-clock time of its one UTC offset (`_conform_shard`)
-                 "time": pa.types.is_timestamp(have) and utc_offset(have.tz or "") is not None,
+                 "time": pa.types.is_timestamp(have),
                  # uint64 ids may not fit int64
                  "subject_id": pa.types.is_signed_integer(have) or pa.types.is_unsigned_integer(have)
                  and have.bit_width < 64}
@@ -472,14 +578,17 @@ def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id") -> None:
+def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id",
+                  offset: timedelta | None = None) -> None:
     """Copy a MEDS directory into the gold store, replacing any older copy.
 
     A real copy, not hard links: a source file later rewritten in place must not change the
     registered dataset under its fingerprint. Shards whose encounter column has another name
     (`encounter_column`, see `validate_meds_dir`) gain an `encounter_id` copy of it, the column
     everything downstream reads; shards with columns of other writers' types (`_meds_types`) are
-    rewritten with the MEDS types, and shards without the optional value columns gain them empty.
+    rewritten with the MEDS types, and shards without the optional value columns gain them empty. Times in a
+    time zone become the wall-clock times they show at `offset`, the one UTC offset validation found for them
+    (`MedsInfo.utc_offset`).
     """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve() and encounter_column == "encounter_id":
@@ -488,11 +597,11 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
         for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
-            _conform_shard(shard, encounter_column)
+            _conform_shard(shard, encounter_column, offset)
         replace_dir(staging, target)
 
 
-def _conform_shard(shard: Path, encounter_column: str) -> None:
+def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None) -> None:
     """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
     (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
     floats (int64 too), or it lacks a value column.
@@ -521,14 +630,23 @@ def _conform_shard(shard: Path, encounter_column: str) -> None:
                 # Times and values lose what MEDS does not keep (nanoseconds, float64 digits, a UTC offset: the
                 # times at one offset keep the wall-clock time they show); ids must fit.
                 writer.write_batch(pa.RecordBatch.from_arrays(
-                    [_wall_clock(column).cast(field.type, safe=field.name not in ("time", "numeric_value"))
+                    [_wall_clock(column, offset).cast(field.type, safe=field.name not in ("time", "numeric_value"))
                      for column, field in zip(columns, want)], schema=want))
     os.replace(tmp, shard)
 
 
-def _wall_clock(column: pa.Array) -> pa.Array:
-    """A time zone's times (stored as UTC instants) as the wall-clock times they show there; others as they are."""
-    return pc.local_timestamp(column) if pa.types.is_timestamp(column.type) and column.type.tz else column
+def _wall_clock(column: pa.Array, offset: timedelta | None) -> pa.Array:
+    """A time zone's times (stored as UTC instants) as the wall-clock times they show at its UTC `offset`; others as
+    they are.
+
+    Adding the offset needs no zone database, which Arrow would read from the system (a slim container has none).
+    """
+    if not (pa.types.is_timestamp(column.type) and column.type.tz):
+        return column
+    if offset is None:
+        raise ValueError(f"times in time zone {column.type.tz} copied without the UTC offset validation found for them")
+    unit = column.type.unit
+    return pc.add(column.cast(pa.timestamp(unit)), pa.scalar(offset, pa.duration(unit)))
 
 
 def replace_dir(staging: Path, target: Path) -> None:

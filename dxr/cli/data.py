@@ -125,6 +125,9 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     row = ingest_meds(warehouse(ctx), path, name, run_id=run_id, memory_limit=memory_limit)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
+    if row["time_zone"]:
+        click.echo(f"note: times are in {row['time_zone']} (UTC offset {row['utc_offset']} throughout the data): kept "
+                   "as the wall-clock times they show there, without the zone")
     if row["n_diagnoses_without_encounter"]:
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")

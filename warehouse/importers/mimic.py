@@ -43,8 +43,9 @@ Pinned rules:
   counted per reason in the summary; admissions discharged before they began are kept and counted;
 - MIMIC ships no split, so `metadata/subject_splits.parquet` holds the seeded hash split.
 - times are kept as the wall-clock time they show: every time of day in the release must be at one UTC offset (an
-  export writing `-05:00` after each), or none may have one; mixed offsets and zone names are refused
-  (`_check_time_zones`), as they can misorder events.
+  export writing `-05:00` or a zone name such as `Asia/Tokyo` whose offset does not change over the data's times
+  after each), or none may have one; mixed offsets are refused (`_check_time_zones`), as they can misorder events.
+  The summary records the zone and offset.
 - `metadata/codes.parquet` lists every code written and the diagnosis and procedure dictionaries, with a
   `description`: a diagnosis's or procedure's `long_title`; for an NDC, the drug name its prescriptions
   write most often (single spaces; a tie goes to the first name in sort order), as the code is a bare
@@ -62,6 +63,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -70,8 +72,8 @@ import polars as pl
 from dxr import __version__
 from dxr.errors import InputError
 from warehouse import duck
-from warehouse.meds import (MIXED_OFFSETS_FIX, SPLITS, MedsInfo, hash_split, replace_dir, utc_offset,
-                            validate_meds_dir, write_data_shard, write_metadata)
+from warehouse.meds import (MIXED_OFFSETS_FIX, SPLITS, MedsInfo, hash_split, offset_text, replace_dir, utc_offset,
+                            validate_meds_dir, write_data_shard, write_metadata, zone_offset)
 from warehouse.scratch import remove_abandoned, scratch
 
 # Events per data shard (a subject's events are never split): a shard is built in memory as one Arrow table and
@@ -388,6 +390,10 @@ class ImportSummary:
     n_ages_capped: int
     n_events: int
     n_shards: int
+    # The time zones the times were written in ('-05:00', 'Asia/Tokyo'; '' when none, as in the official files) and
+    # their one UTC offset: the times are kept as the wall-clock times they show there.
+    time_zone: str
+    utc_offset: str
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -422,7 +428,10 @@ class ImportSummary:
                    ("  dropped (rows without a chart time)", self.n_lab_rows_without_time))
                   if "labevents" in self.rows_read else ()),
                 ("ages capped at 90", self.n_ages_capped), ("MEDS events", self.n_events),
-                ("shards", self.n_shards), ("seconds", f"{self.seconds:.1f}")]
+                ("shards", self.n_shards),
+                ("time zone of the times (kept at its wall-clock time)",
+                 f"{self.time_zone} (UTC{self.utc_offset})" if self.time_zone else "none written"),
+                ("seconds", f"{self.seconds:.1f}")]
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value:>12,}" if isinstance(value, int) else f"{name:<{width}}  {value:>12}"
                  for name, value in rows]
@@ -495,7 +504,7 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
             mark = stage("read", mark)
             for name, spec in tables.items():
                 _check_values(con, name, spec, files.get(name))
-            _check_time_zones(con, tables, files)
+            time_zone = _check_time_zones(con, tables, files)
             _check_unique(con, "admissions", "hadm_id", "admission", files["admissions"])
             _check_unique(con, "patients", "subject_id", "patient", files["patients"])
             for name in ("diagnoses_icd", "procedures_icd", "prescriptions", *(("labevents",) if labs else ())):
@@ -516,7 +525,7 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
             n_shards = _write_shards(con, staging, workdir, seed, events_per_shard)
             mark = stage("shards", mark)
             codes = con.sql(_CODES_SQL).to_arrow_table()
-            counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards)
+            counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards, time_zone)
             con.close()
             mark = stage("codes and counts", mark)
             splits = pl.read_parquet(workdir / "splits.parquet")
@@ -719,10 +728,16 @@ def _zone_sql(col: str) -> str:
             f"ELSE regexp_extract({col}, '^{_DATE_RE}[ T]{_TIME_RE}\\s*(.*?)\\s*$', 3) END")
 
 
-def _check_time_zones(con: duckdb.DuckDBPyConnection, tables: dict[str, SourceTable], files: dict[str, Path]) -> None:
+def _check_time_zones(con: duckdb.DuckDBPyConnection, tables: dict[str, SourceTable], files: dict[str, Path]
+                      ) -> tuple[str, str]:
     """Every time of day in the release is at one UTC offset, or none has one (`utc_offset` says why); else name
-    the first time that differs and the first time it differs from."""
+    the first time that differs and the first time it differs from. A zone name's offset is the one it has over
+    all the times written with it (`zone_offset`).
+
+    Returns the zones written (', '-joined, '' when none) and their UTC offset ('' when none)."""
     seen: tuple[str, Path, int, str, str] | None = None  # the offset, file, row, column and value of the first time
+    written: dict[str, None] = {}  # the zone names and offsets written, in the order found
+    named: dict[str, str] = {}  # the UTC offset of each zone name, over all the times written with it
     for name, spec in tables.items():
         columns = [column for column, kind in spec.columns.items() if kind == "TIMESTAMP"]
         if files.get(name) is None or not columns:
@@ -735,14 +750,26 @@ def _check_time_zones(con: duckdb.DuckDBPyConnection, tables: dict[str, SourceTa
             where = f"{files[name]}, data row {row:,}, column '{columns[index]}': {value!r}"
             offset = utc_offset(zone)
             if offset is None:
-                raise InputError(f"{where} names the time zone {zone!r}, whose UTC offset can change (daylight "
-                                 f"saving) and misorder events: {MIXED_OFFSETS_FIX}")
+                if zone not in named:
+                    named[zone] = offset_text(zone_offset(zone, *_zone_time_range(con, tables, files, zone), where))
+                offset = named[zone]
+            written.setdefault(zone if zone in named else offset)
             seen = seen or (offset, files[name], row, columns[index], value)
             if offset != seen[0]:
                 raise InputError(f"{where} is at {'UTC offset ' + offset if offset else 'no UTC offset'} but "
                                  f"{seen[1].name}, data row {seen[2]:,}, column '{seen[3]}' has {seen[4]!r}: times at "
                                  "mixed offsets (daylight saving, sites in several zones) can misorder events; "
                                  f"{MIXED_OFFSETS_FIX}")
+    return ", ".join(filter(None, written)), seen[0] if seen else ""
+
+
+def _zone_time_range(con: duckdb.DuckDBPyConnection, tables: dict[str, SourceTable], files: dict[str, Path],
+                     zone: str) -> tuple[datetime, datetime]:
+    """The first and last wall-clock time written with time zone `zone`, in any table and column."""
+    return con.execute("SELECT min(time), max(time) FROM (" + " UNION ALL ".join(
+        f"SELECT {column}::TIMESTAMP AS time FROM raw_{name} WHERE {_zone_sql(column)} = {duck.literal(zone)}"
+        for name, spec in tables.items() if files.get(name) is not None
+        for column, kind in spec.columns.items() if kind == "TIMESTAMP") + ")").fetchone()
 
 
 def _check_unique(con: duckdb.DuckDBPyConnection, table: str, key: str, what: str, path: Path) -> None:
@@ -826,7 +853,8 @@ def _write_shards(con: duckdb.DuckDBPyConnection, staging: Path, workdir: Path, 
 
 
 def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str, SourceTable], out_dir: Path,
-               rows_read: dict[str, int], files: dict[str, Path], n_shards: int) -> ImportSummary:
+               rows_read: dict[str, int], files: dict[str, Path], n_shards: int, time_zone: tuple[str, str]
+               ) -> ImportSummary:
     dx = con.execute(f"""SELECT
         (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NOT NULL),
         (SELECT count(*) FROM dx WHERE nullif(trim(icd_code), '') IS NULL),
@@ -874,7 +902,7 @@ def _summarize(con: duckdb.DuckDBPyConnection, layout: Layout, tables: dict[str,
         n_prescription_rows_without_drug=rx[2], n_medications_within_stays=rx[3], n_labs=labs[0],
         n_labs_outside_admissions=labs[1],
         n_labs_within_stays=labs[4], n_lab_rows_without_admission=labs[2], n_lab_rows_without_time=labs[3],
-        n_ages_capped=ev[7], n_events=ev[1], n_shards=n_shards)
+        n_ages_capped=ev[7], n_events=ev[1], n_shards=n_shards, time_zone=time_zone[0], utc_offset=time_zone[1])
 
 
 def _first_line(exc: Exception) -> str:
