@@ -62,9 +62,12 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
                        response_format="json_object_schema", validation_retries=0)
     rising = predictions(VALID)
     rising["predictions"][5]["confidence"] = 99  # confidences must not increase: invalid, no retry left
+    # Codes tagged with their ICD version, as V(.) reads them, pass the reply's schema: V(.) resolves them, or
+    # drops and counts them (an ICD-9 code in an ICD-10 cohort), rather than the schema having them re-asked.
+    tagged = ["ICD10:I50.22", "ICD-10-CM E11.9", "ICD_N179", "icd10 I10"]
     replies = [
-        predictions(VALID[:19] + ["i50.22", "U99.99", "428.0"]),  # a duplicate, an unknown and an ICD-9 code
-        predictions(VALID),
+        predictions(VALID[:19] + ["i50.22", "U99.99", "ICD-9-CM 428.0"]),  # a duplicate, an unknown, an ICD-9 code
+        predictions(tagged + VALID[len(tagged):]),
         rising,
     ]
     prompt_texts = record_replies(config, wh, cohort_id, trajectories, pretarget, replies)
@@ -97,7 +100,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     calls = wh.read("llm_calls", run_id="run-d", stage="direct").sort("trajectory_id")
     assert calls.select("trajectory_id", "status", "cache_hit", "tokens_in", "tokens_out").rows() == [
         (ids[0], "ok", False, 800, 300), (ids[1], "ok", False, 800, 300), (ids[2], "invalid", False, 800, 300)]
-    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/4"]
+    assert calls["prompt_version"].unique().to_list() == ["direct_forecast/5"]
 
     # A rerun answers everything from the response cache: no backend call, same rankings.
     (tmp_path / "replay.jsonl").write_text("")
