@@ -96,13 +96,25 @@ def test_a_re_ask_after_the_same_invalid_reply_says_so_instead_of_repeating_the_
 
 
 @pytest.mark.parametrize("reply", ['```json {"answer": 3}```', '```json\n{"answer": 3}\n```',
-                                   'Here is the JSON:\n```json\n{"answer": 3}\n```\nIt counts every item.'])
+                                   'Here is the JSON:\n```json\n{"answer": 3}\n```\nIt counts every item.',
+                                   # Other JSON flavours' info strings (json5 was read as content: "Extra data").
+                                   '```json5\n{"answer": 3}\n```', 'Here:\n```json5 {"answer": 3}```',
+                                   '``` JSON\n{"answer": 3}\n```', '```jsonc title="reply"\n{"answer": 3}\n```',
+                                   '```application/json\n{"answer": 3}\n```'])
 def test_a_reply_in_a_code_fence_is_read_without_a_re_ask(tmp_path, reply):
     # A fence on one line, or after a sentence, was read as "not JSON" and re-asked (the replay file holds no
     # re-ask: one would stop the run).
     client = replay_client(tmp_path, [(QUESTION, reply, 40, 9)])
     assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
     assert client.telemetry()["status"].to_list() == ["ok"]
+
+
+def test_a_json5_fence_is_still_read_as_strict_json(tmp_path):
+    bad = '```json5\n{answer: 3,}\n```'  # JSON5's unquoted keys and trailing commas are not JSON
+    feedback = re_ask(bad, "the reply is not JSON (Expecting property name enclosed in double quotes at character 1)")
+    client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, '{"answer": 3}', 1, 1)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["invalid", "ok"]
 
 
 def test_an_unclosed_fence_is_re_asked_with_the_error_inside_it(tmp_path):

@@ -110,15 +110,16 @@ def refit_chars_per_token(config: LLMConfig, messages: list[dict], refusal: Cont
     return min(fitting, chars_per_token) * 0.95
 
 
-# A Markdown code fence and what it holds (to the end of the reply when it is not closed: a reply cut off).
-_FENCE = re.compile(r"```[A-Za-z]*[ \t]*\n?(.*?)(?:```|$)", re.S)
+# A Markdown code fence, its info string's first word (`json`, `json5`, `JSONC`, `application/json`) and what follows
+# (to the end of the reply when the fence is not closed: a reply cut off).
+_FENCE = re.compile(r"```[ \t]*(?:[A-Za-z][\w+./-]*)?(.*?)(?:```|$)", re.S)
 
 
 def parse_json_reply(text: str) -> object:
     """The JSON value of a reply; tolerates a Markdown code fence around it, on one line or with a sentence before
-    or after it, as models write it.
+    or after it, as models write it. Its content is read as JSON, whichever JSON flavour the fence names.
 
-    >>> parse_json_reply('```json {"a": 1}```'), parse_json_reply('Here it is:\\n```json\\n{"a": 1}\\n```\\nDone.')
+    >>> parse_json_reply('```json {"a": 1}```'), parse_json_reply('Here it is:\\n```json5\\n{"a": 1}\\n```\\nDone.')
     ({'a': 1}, {'a': 1})
     """
     stripped = text.strip()
@@ -128,7 +129,10 @@ def parse_json_reply(text: str) -> object:
         fenced = _FENCE.search(stripped)
         if fenced is None:
             raise
-    return json.loads(fenced.group(1))
+    # The rest of a fence's opening line belongs to its info string (`json title="reply"`), unless the value starts
+    # there (a fence on one line, or `{` after the info word).
+    opening, newline, body = fenced.group(1).partition("\n")
+    return json.loads(body if newline and not opening.strip().startswith(("{", "[")) else fenced.group(1))
 
 
 @dataclass
