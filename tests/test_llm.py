@@ -136,7 +136,7 @@ def test_a_reply_cut_off_at_the_output_limit_says_so_to_the_model_and_in_the_err
     append_recording(config.replay_file, probe.request(QUESTION, SCHEMA),
                      Completion(bad, 40, 0, 64, finish_reason="length"))
     append_recording(config.replay_file, probe.request(re_ask(
-        bad, cut, "the reply is not JSON (Unterminated string starting at at character 1)"), SCHEMA),
+        bad, cut, "the reply is not JSON (Unterminated string starting at character 1)"), SCHEMA),
         Completion("", 90, 0, 64, tokens_reasoning=64, finish_reason="length"))
     client = LLMClient(config, ReplayBackend(config.replay_file))
     with pytest.raises(LLMOutputError) as raised:
@@ -144,7 +144,7 @@ def test_a_reply_cut_off_at_the_output_limit_says_so_to_the_model_and_in_the_err
     assert str(raised.value) == ("unit reply for c:1:10 stayed invalid after 2 attempts: " + cut
                                  + "; the reply is not JSON (Expecting value at character 0)")
     assert client.telemetry()["error"].to_list() == [
-        cut + "; the reply is not JSON (Unterminated string starting at at character 1)",
+        cut + "; the reply is not JSON (Unterminated string starting at character 1)",
         cut + "; the reply is not JSON (Expecting value at character 0)"]
 
 

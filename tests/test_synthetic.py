@@ -367,6 +367,11 @@ def test_invalid_dataset_json_is_a_one_line_error_naming_the_file(tmp_path):
     with pytest.raises(InputError,
                        match=r"dataset\.json: not valid JSON \(.* at line 1 column \d+\): fix it or remove"):
         validate_meds_dir(tmp_path)
+    (tmp_path / "metadata" / "dataset.json").write_text('{"dataset_name": "x')  # json's message ends with "at"
+    with pytest.raises(InputError) as raised:
+        validate_meds_dir(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / 'metadata' / 'dataset.json'}: not valid JSON (Unterminated string "
+                                 "starting at line 1 column 18): fix it or remove it (the file is optional)")
 
 
 # ---- validate_meds_dir: each bad event, a copied shard or a bad split name is one line naming it ----------

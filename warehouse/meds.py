@@ -295,8 +295,9 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     try:
         metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
     except json.JSONDecodeError as exc:
-        raise InputError(f"{metadata_path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
-                         "fix it or remove it (the file is optional)") from exc
+        # Some of json's messages end with "at" ("Unterminated string starting at"): said once.
+        raise InputError(f"{metadata_path}: not valid JSON ({exc.msg.removesuffix(' at')} at line {exc.lineno} "
+                         f"column {exc.colno}): fix it or remove it (the file is optional)") from exc
     if not isinstance(metadata, dict):
         raise InputError(f"{metadata_path}: a JSON {type(metadata).__name__}, not an object of dataset fields "
                          "(dataset_name, …): fix it or remove it (the file is optional)")

@@ -217,7 +217,8 @@ class LLMClient:
                 if not errors and check is not None:
                     errors = check(value)
             except json.JSONDecodeError as exc:
-                errors = [f"the reply is not JSON ({exc.msg} at character {exc.pos})"]
+                # Some of json's messages end with "at" ("Unterminated string starting at"): said once.
+                errors = [f"the reply is not JSON ({exc.msg.removesuffix(' at')} at character {exc.pos})"]
             if not errors:
                 return value
             if completion.finish_reason == "length" and not self.cut_by_context(completion):
