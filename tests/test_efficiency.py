@@ -150,7 +150,7 @@ def test_missing_or_unfinished_run_record_gives_no_clock(run):
 def write_retrieval(wh: Warehouse, run_id: str) -> None:
     """Real ledger writes: T1 two queries over three (job, engine) operations, T2 one, T3 none."""
     ledger = Ledger(run_id, 0, wh)
-    terms = {"temporal_class": "chronic", "iteration": 1}
+    terms = {"temporal_class": "chronic_active", "iteration": 1}
     kidney = ledger.job(trajectory_id=T1, code=A, query="chronic kidney disease dialysis", purpose="validation",
                         entity_terms=["kidney disease"], endpoint_terms=["dialysis"], **terms)
     ledger.record(kidney, engine="pmc", state="readable", excerpt="Chronic kidney disease often leads to dialysis.")

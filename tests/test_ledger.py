@@ -128,7 +128,7 @@ def test_jobs_are_reused_only_for_the_same_trajectory_hypothesis_code_class_purp
                                   "validation", 1, "H2")
     others = [ledger.job(trajectory_id="t2", query="ckd progression dialysis", **JOB)] + [
         ledger.job(trajectory_id="t1", query="ckd progression dialysis", **{**JOB, field: value})
-        for field, value in (("temporal_class", "acute_active"), ("hypothesis_id", "H7"),
+        for field, value in (("temporal_class", "acute_or_lab"), ("hypothesis_id", "H7"),
                              ("purpose", "force_carry"), ("iteration", 2))]
     assert len({job.job_id for job in others} | {a.job_id}) == 6 and len(ledger.jobs) == 6
     # A force-carried repeat of the same query is a job of its own: its records keep its iteration and hypothesis.
@@ -235,6 +235,12 @@ def test_merge_across_channels_dedupes_by_document_then_url_and_title():
     ({"code": None}, r"search job code must be a non-empty string, got None"),
     ({"trajectory_id": " "}, r"search job trajectory_id must be a non-empty string, got ' '"),
     ({"query": None}, r"search job query must be a non-empty string, got None"),
+    # The spec's temporal classes only: `acute_active` is a support type, `chronic` no class at all.
+    ({"temporal_class": "acute_active"}, r"search job temporal_class 'acute_active' is not one of persistent_status, "
+                                         r"chronic_active, recurrent_condition, planned_followup, "
+                                         r"treatment_consequence, acute_or_lab"),
+    ({"temporal_class": "chronic"}, r"search job temporal_class 'chronic' is not one of persistent_status, "),
+    ({"temporal_class": None}, r"search job temporal_class None is not one of persistent_status, "),
     ({"iteration": "1"}, r"search job iteration must be a whole number >= 0, got '1'"),
     ({"iteration": -1}, r"search job iteration must be a whole number >= 0, got -1"),
     # A bare string would be split into letters, and letters occur in every excerpt.

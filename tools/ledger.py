@@ -21,6 +21,9 @@ from tools.sanitize import sanitize_query
 from tools.text import match_terms
 
 PURPOSES = ("validation", "discovery", "force_carry")
+# The proposal record's temporal classes (spec 4.1): a job and every ledger row it makes carry one of them.
+TEMPORAL_CLASSES = ("persistent_status", "chronic_active", "recurrent_condition", "planned_followup",
+                    "treatment_consequence", "acute_or_lab")
 CHANNELS = ("definition", "relation", "discovery")
 STATES = ("readable_supported", "readable_unsupported", "unreadable", "no_result")
 READABLE = "readable"  # what a channel passes when it has text; the ledger decides supported or not
@@ -158,8 +161,10 @@ class Ledger:
         other request is a job of its own, so each record keeps its own hypothesis, purpose and iteration."""
         if purpose not in PURPOSES:
             raise InputError(f"search job purpose {purpose!r} is not one of {', '.join(PURPOSES)}")
-        for name, value in (("trajectory_id", trajectory_id), ("code", code), ("temporal_class", temporal_class),
-                            ("query", query)):
+        if temporal_class not in TEMPORAL_CLASSES:
+            raise InputError(f"search job temporal_class {temporal_class!r} is not one of "
+                             f"{', '.join(TEMPORAL_CLASSES)}")
+        for name, value in (("trajectory_id", trajectory_id), ("code", code), ("query", query)):
             if not isinstance(value, str) or not value.strip():
                 raise InputError(f"search job {name} must be a non-empty string, got {value!r}")
         if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
