@@ -806,6 +806,35 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
 
 
 
+def test_cli_ingest_and_build_register_their_runs(tmp_path):
+    # Every producing command takes --run-id and registers its run (foundation contract), corpus commands too.
+    from dxr.cli import main
+    from warehouse.store import Warehouse
+
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl"), "--corpus", "tiny",
+                                  "--run-id", "ing-1"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only", "--run-id", "build-1"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "missing.jsonl"),
+                                  "--run-id", "ing-2"])
+    assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl")]).exit_code == 0
+    runs = Warehouse(tmp_path / "wh").read("runs").sort("started_at")
+    assert runs.select("run_id", "kind", "status", "cohort_id").rows()[:3] == [
+        ("ing-1", "corpus:ingest", "finished", None), ("build-1", "corpus:build", "finished", None),
+        ("ing-2", "corpus:ingest", "failed", None)]
+    assert runs["run_id"][3].startswith("corpus-") and runs["status"][3] == "finished"
+    assert json.loads(runs["config_json"][0]) == {"format": "jsonl", "path": str(tmp_path / "tiny.jsonl"),
+                                                  "corpus": "tiny", "fulltext_dir": None, "chunk_chars": 1000}
+    built = json.loads(runs["config_json"][1])
+    assert built["indexes"] == [{"name": "literature", "corpora": ["tiny"], "lexical_only": True}]
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only", "--run-id", "a b"])
+    assert result.exit_code == 1 and "run id 'a b' has unsafe characters" in result.output
+
 def test_cli_build_refuses_chunks_other_than_the_ingested_ones(tmp_path, monkeypatch):
     # Ledger rows name their evidence's chunk by id, to be joined to the chunks table: an index chunked with another
     # size would hand out ids (and texts) that table does not hold.

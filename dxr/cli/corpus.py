@@ -63,9 +63,10 @@ def corpus() -> None:
 @click.option("--corpus", "corpus_name", default=None, help="Corpus name (default: per format, e.g. pmc, medquad).")
 @click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="arXiv only: directory of <id>.txt full texts.")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name: str | None,
-                   fulltext_dir: Path | None) -> None:
+                   fulltext_dir: Path | None, run_id: str | None) -> None:
     """Parse FORMAT files at PATH (a file or a directory) into the documents and chunks tables.
 
     FORMAT icd takes no PATH: it reads the ICD vocabulary tables (or the packaged vocabularies).
@@ -76,46 +77,55 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
       dxr corpus ingest jats ../shared/data/corpora/samples
       dxr corpus ingest icd
     """
-    from tools.corpus import FORMATS, ingest, input_files, source_key, store_documents
+    from warehouse.runs import registered_run
 
     if corpus_name is not None:
         checked_corpus_name(corpus_name, fmt)
     if fulltext_dir is not None and fmt != "arxiv":
         raise InputError(f"--fulltext-dir applies to FORMAT arxiv only, not {fmt}: drop it")
+    if fmt == "icd" and path is not None:
+        raise InputError("FORMAT icd takes no PATH: it reads the ICD vocabulary tables")
+    if fmt != "icd" and path is None:
+        raise InputError(f"FORMAT {fmt} needs a PATH (a file or a directory)")
     wh = warehouse(ctx)
     chunk_chars = settings(ctx).tools.chunk_chars
-    if fmt == "icd":
-        from tools.dictionary import CORPUS, icd_documents, load_vocabulary
-
-        if path is not None:
-            raise InputError("FORMAT icd takes no PATH: it reads the ICD vocabulary tables")
-        documents = icd_documents(*load_vocabulary(wh), corpus=corpus_name or CORPUS)
-        summary = store_documents(wh, documents, corpus_name or CORPUS, "vocabulary", chunk_chars)
-    else:
-        if path is None:
-            raise InputError(f"FORMAT {fmt} needs a PATH (a file or a directory)")
-        if fmt == "arxiv" and fulltext_dir is not None:
-            from tools.corpus.json_sources import read_arxiv
-
-            name = corpus_name or FORMATS["arxiv"].default_corpus
-            files = input_files(fmt, path)
-            documents = [d for file in files for d in read_arxiv(file, name, fulltext_dir)]
-            summary = store_documents(wh, documents, name, source_key(path), chunk_chars, len(files))
-        else:
-            summary = ingest(wh, fmt, path, corpus_name, chunk_chars,
-                             progress=lambda f: click.echo(f"  read {f}", err=True))
+    config = {"format": fmt, "path": None if path is None else str(path), "corpus": corpus_name,
+              "fulltext_dir": None if fulltext_dir is None else str(fulltext_dir), "chunk_chars": chunk_chars}
+    with registered_run(wh, "corpus:ingest", config, run_id):
+        summary = _ingest(wh, fmt, path, corpus_name, fulltext_dir, chunk_chars)
     unsearchable = f", {summary.without_text} without text: not searchable" if summary.without_text else ""
     withdrawn = f", {summary.withdrawn} deleted or retracted: left out" if summary.withdrawn else ""
     click.echo(f"corpus {summary.corpus} source {summary.source}: {summary.documents} documents "
                f"({summary.duplicates} duplicates dropped{unsearchable}{withdrawn}), {summary.chunks} chunks")
 
 
+def _ingest(wh, fmt: str, path: Path | None, corpus_name: str | None, fulltext_dir: Path | None, chunk_chars: int):
+    """Store the documents and chunks of `dxr corpus ingest`; returns its IngestSummary."""
+    from tools.corpus import FORMATS, ingest, input_files, source_key, store_documents
+
+    if fmt == "icd":
+        from tools.dictionary import CORPUS, icd_documents, load_vocabulary
+
+        documents = icd_documents(*load_vocabulary(wh), corpus=corpus_name or CORPUS)
+        return store_documents(wh, documents, corpus_name or CORPUS, "vocabulary", chunk_chars)
+    if fmt == "arxiv" and fulltext_dir is not None:
+        from tools.corpus.json_sources import read_arxiv
+
+        name = corpus_name or FORMATS["arxiv"].default_corpus
+        files = input_files(fmt, path)
+        documents = [d for file in files for d in read_arxiv(file, name, fulltext_dir)]
+        return store_documents(wh, documents, name, source_key(path), chunk_chars, len(files))
+    return ingest(wh, fmt, path, corpus_name, chunk_chars, progress=lambda f: click.echo(f"  read {f}", err=True))
+
+
 @corpus.command("build")
 @click.option("--name", default=None, help=f"Index name (default: {LITERATURE}, plus icd when ingested).")
 @click.option("--corpus", "corpora", multiple=True, help="Corpora to include (default: every literature corpus).")
 @click.option("--lexical-only", is_flag=True, help="BM25 only, no embeddings (the icd index always is).")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...], lexical_only: bool) -> None:
+def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...], lexical_only: bool,
+                  run_id: str | None) -> None:
     """Build the BM25 + dense index of ingested corpora (embeddings cached with the index).
 
     Without options: the `literature` index over every corpus except icd, and a lexical `icd`
@@ -131,6 +141,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
     from tools.index import build_index, chunk_frame
+    from warehouse.runs import registered_run
 
     if name is not None:
         checked_index_name(name)
@@ -150,22 +161,27 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
         if ICD in ingested:
             plans.append((ICD, [ICD], True))
     root = index_root(ctx)
+    run_config = {"indexes": [{"name": n, "corpora": c, "lexical_only": lex} for n, c, lex in plans],
+                  "index_root": str(root), "chunk_chars": config.tools.chunk_chars,
+                  "embedding": config.tools.embedding.model_dump(mode="json")}
     embedder = None
-    for index_name, chosen, lexical in plans:
-        documents, dropped = dedupe(load_documents(wh, chosen))
-        without_text = sum(1 for d in documents if not d.text)
-        unsearchable = f", {without_text} without text: not indexed" if without_text else ""
-        click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
-                   f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
-        chunks = chunk_frame(documents, config.tools.chunk_chars)
-        check_stored_chunks(wh, chunks, config.tools.chunk_chars)
-        if not lexical and embedder is None:
-            embedder = make_embedder(config.tools.embedding)
-        manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
-                               corpora=chosen)
-        click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
-                   f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
-                   f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> {root / index_name}")
+    with registered_run(wh, "corpus:build", run_config, run_id):
+        for index_name, chosen, lexical in plans:
+            documents, dropped = dedupe(load_documents(wh, chosen))
+            without_text = sum(1 for d in documents if not d.text)
+            unsearchable = f", {without_text} without text: not indexed" if without_text else ""
+            click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
+                       f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
+            chunks = chunk_frame(documents, config.tools.chunk_chars)
+            check_stored_chunks(wh, chunks, config.tools.chunk_chars)
+            if not lexical and embedder is None:
+                embedder = make_embedder(config.tools.embedding)
+            manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
+                                   corpora=chosen)
+            click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
+                       f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
+                       f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> "
+                       f"{root / index_name}")
 
 
 @corpus.command("search")
