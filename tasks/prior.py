@@ -155,7 +155,8 @@ def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: Pr
             for row in tracking.registered_versions(system, cohort_id)]
 
 
-def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: PriorConfig) -> dict:
+def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: PriorConfig,
+                  run_id: str | None = None) -> dict:
     """Point the configured alias of a system's registered model for a cohort at `version` (a rollback,
     or a model trained with `promote = false` made champion); recorded in `runs` as `promote:<system>`
     with the version the alias pointed to before. Forecasts started afterwards use the new version."""
@@ -164,7 +165,7 @@ def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: Pr
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
     tracking.version_run(system, cohort_id, version)  # a typo fails here, before a run is recorded
     config = {"system": system, "cohort": cohort_id, "alias": cfg.alias, "version": version}
-    with registered_run(wh, f"promote:{system}", config, cohort_id=cohort_id) as run:
+    with registered_run(wh, f"promote:{system}", config, run_id, cohort_id=cohort_id) as run:
         previous = tracking.set_alias(system, cohort_id, version, cfg.alias)
         run.config = {**config, "previous_version": previous}
     return {"run_id": run.run_id, **run.config}

@@ -601,10 +601,10 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
                                           "version": "1", "mlflow_run_id": first.mlflow_run_id}
     by_first = lists("pinned-1")
     promoted = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
-                                    "--version", "2"])
+                                    "--version", "2", "--run-id", "rollout-2"])
     assert promoted.exit_code == 0, promoted.output
-    assert f"ehr_prior-{cohort}: @champion -> v2 (was v1; recorded as run promote-" in promoted.output
-    promotion = json.loads(wh.read("runs").filter(pl.col("kind") == "promote:ehr_prior")["config_json"][0])
+    assert promoted.stdout == f"ehr_prior-{cohort}: @champion -> v2 (was v1; recorded as run rollout-2)\n"
+    promotion = json.loads(wh.read("runs", run_id="rollout-2", kind="promote:ehr_prior")["config_json"][0])
     assert (promotion["version"], promotion["previous_version"], promotion["alias"]) == ("2", "1", "champion")
     # A rerun of the same run id is allowed; it uses, and records, the version the alias points to now.
     forecast_flow(str(tmp_path), cohort, "ehr_prior", split="all", run_id="pinned-1")

@@ -92,8 +92,9 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> N
 @click.option("--system", type=click.Choice(PRIOR_SYSTEMS), default="ehr_prior", show_default=True,
               help="System whose alias moves.")
 @click.option("--version", "version", required=True, help="Registered version the alias should point to.")
+@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
 @click.pass_context
-def prior_promote(ctx: click.Context, cohort: str, system: str, version: str) -> None:
+def prior_promote(ctx: click.Context, cohort: str, system: str, version: str, run_id: str | None) -> None:
     """Point the alias (setting prior.alias, default champion) at a registered version: a rollback, or a
     model trained with --no-promote put into service. Forecasts started afterwards use it.
 
@@ -104,7 +105,7 @@ def prior_promote(ctx: click.Context, cohort: str, system: str, version: str) ->
     from tasks.prior import promote_prior
 
     s = settings(ctx)
-    done = promote_prior(str(s.data_dir), cohort, system, version, s.prior)
+    done = promote_prior(str(s.data_dir), cohort, system, version, s.prior, run_id)
     before = "was unset" if done["previous_version"] is None else f"was v{done['previous_version']}"
     click.echo(f"{system}-{done['cohort']}: @{done['alias']} -> v{version} ({before}; "
                f"recorded as run {done['run_id']})")
