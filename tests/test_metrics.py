@@ -117,6 +117,15 @@ def test_variable_cardinality_uses_list_lengths(wh):
     assert value(metrics, "s2", "micro_precision", NATURAL_K) == pytest.approx(3 / 5, abs=1e-15)
 
 
+def test_the_metrics_table_reference_names_every_metric_subset_and_the_natural_k():
+    # docs/tables.md is generated from this text: what a query on `metrics` can filter on must be in it.
+    from warehouse.schemas import TABLES
+
+    doc = TABLES["metrics"].doc
+    assert f"`metric` in {{{', '.join(METRICS)}}}" in doc
+    assert f"`subset` in {{{', '.join(SUBSETS)}}}" in doc
+    assert f"`k` = {NATURAL_K} is the variable-cardinality version" in doc
+
 def test_subsets_restrict_targets_and_hits(wh):
     metrics = evaluate(wh, "r1", ks=(2,), n_boot=0).metrics
     n = dict(metrics.filter((pl.col("system") == "s1") & (pl.col("metric") == "micro_recall") & (pl.col("k") == 2))

@@ -154,7 +154,12 @@ TABLES: dict[str, Table] = {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "subset": pa.string(),
             "k": pa.int32(), "metric": pa.string(), "value": pa.float64(), "ci_low": pa.float64(),
             "ci_high": pa.float64(), "n": pa.int64(), "n_runs": pa.int32(),
-        }, ["run_id", "system"], "Aggregate forecast metrics with bootstrap 95% intervals.",
+        }, ["run_id", "system"], "Aggregate forecast metrics with bootstrap 95% intervals. `metric` in "
+           "{precision_at_k, recall_at_k, micro_precision, micro_recall, micro_f1, macro_f1} (spec/evaluation.md "
+           "§1); `subset` in {all, icd9, icd10, new_onset, repeated, freq_0, freq_1_9, freq_10_99, freq_100plus} "
+           "restricts the target codes "
+           "(a subset no trajectory has a target code of has no rows); `k` = 0 is the variable-cardinality version "
+           "(K = the length of each trajectory's whole list); `n` counts the trajectories, `n_runs` the runs averaged.",
            nullable=["ci_low", "ci_high"]),
         # ---- gold -----------------------------------------------------------------------------
         _t("targets", GOLD, {
