@@ -184,6 +184,34 @@ def test_a_commit_whose_removal_was_killed_is_removed_by_the_next_write(wh, monk
     assert wh.read("chunks")["text"].to_list() == ["whole", "other"]
 
 
+def test_commits_left_by_killed_writers_are_finished_in_the_order_they_were_made(wh, monkeypatch):
+    """By random ids the later commit's sorted first and lost to the older one, which was finished after it."""
+    import uuid
+
+    real_replace = os.replace
+
+    def killed_before_the_renames(src, dst):
+        if Path(src).parent.name.endswith(store.COMMITTED):
+            raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
+        return real_replace(src, dst)
+
+    # Both writers committed before either one's commit could be finished (by the other, or a reader).
+    monkeypatch.setattr(store, "finish_commits", lambda commits: None)
+    monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+    commits = wh.forecast_dir / store.COMMIT_DIR
+    for text, token in (("made first", "e" * 32), ("made second", "f" * 32), ("made third", "0" * 32)):
+        monkeypatch.setattr(store.uuid, "uuid4", lambda token=token: uuid.UUID(token))
+        with pytest.raises(KeyboardInterrupt):
+            wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
+        if text == "made first":  # as an earlier version named it: its random id alone
+            [first] = commits.glob(f"*{store.COMMITTED}")
+            real_replace(first, commits / f"{token}{store.COMMITTED}")
+    monkeypatch.undo()
+    assert len(list(commits.glob(f"*{store.COMMITTED}"))) == 3
+    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["made third"]
+    assert list(commits.iterdir()) == []
+
+
 def test_forecasting_connection_cannot_read_the_gold_store(wh):
     wh.write("targets", targets("a", 3), cohort_id="a")
     con = wh.connect()

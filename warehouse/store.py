@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -34,6 +35,10 @@ PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
 COMMIT_DIR = ".commits"  # per store: partitions staged by `write_together`, renamed into place once all are whole
 COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whole files that must reach their places
+# A commit's id starts with its creation time, so the commits a killed writer left are finished in the order they
+# were made: a later commit of a partition must land last. `t` sorts after the hex digits that began the random ids
+# of earlier versions, whose commits are older than any of these.
+COMMIT_ID = "t{ns:020d}-{token}"
 COMMIT_PLAN = "plan.json"  # in a commit: [{"file": staged file name, "target": partition path in the store}]
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
@@ -102,7 +107,7 @@ class Warehouse:
                     pq.write_table(arrow, staging / f"{number}.parquet", compression="zstd")
                 plan.append({"file": f"{number}.parquet", "target": str(path.relative_to(store_dir))})
             (staging / COMMIT_PLAN).write_text(json.dumps(plan))
-            committed = commits / f"{uuid.uuid4().hex}{COMMITTED}"
+            committed = commits / (COMMIT_ID.format(ns=time.time_ns(), token=uuid.uuid4().hex[:8]) + COMMITTED)
             os.replace(staging, committed)  # the commit point: from here on the files are the partitions' own
         apply_commit(committed)
         return [store_dir / entry["target"] for entry in plan]
@@ -274,7 +279,7 @@ def _add_missing_columns(con: duckdb.DuckDBPyConnection, views: dict[str, str]) 
 
 
 def finish_commits(commits: Path) -> None:
-    """Finish the commits that killed writers left in `commits`, and remove their unfinished staging."""
+    """Finish the commits that killed writers left in `commits`, oldest first, and remove their unfinished staging."""
     remove_abandoned(commits / "batch")
     for committed in sorted(commits.glob(f"*{COMMITTED}")) if commits.is_dir() else ():
         apply_commit(committed)
