@@ -161,6 +161,38 @@ def test_an_ingest_killed_between_the_documents_and_chunks_writes_leaves_them_in
     assert corpus_rows(wh) == corpus_rows(clean)
 
 
+def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_line(tmp_path, wh):
+    """Two ingests of one path would make concurrent commits of its partitions, whose renames can interleave."""
+    import subprocess
+    import sys
+
+    from dxr.cli import main
+
+    source = tmp_path / "tiny.jsonl"
+    jsonl_corpus(source, TINY)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from tools.corpus import ingest; from warehouse.store import Warehouse\n"
+        "def hold(file):\n"
+        "    print('reading', flush=True); time.sleep(60)\n"
+        f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), 'tiny', progress=hold)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "reading"
+        busy = "corpus 'tiny' is being ingested by another dxr process (dxr corpus ingest): retry when it has finished"
+        result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "ingest", "jsonl", str(source),
+                                           "--corpus", "tiny"])
+        assert (result.exit_code, result.output) == (1, f"Error: {busy}\n")
+        with pytest.raises(InputError) as refused:
+            ingest(wh, "jsonl", source, "tiny")
+        assert str(refused.value) == busy
+        assert not wh.has_rows("documents", corpus="tiny")
+        assert ingest(wh, "jsonl", source, "other").documents == 4  # another corpus meanwhile
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert ingest(wh, "jsonl", source, "tiny").documents == 4  # the kernel dropped the lock with its holder
+
+
 def test_real_medquad_and_pubmedqa():
     medquad = list(read_medquad(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "medquad"))
     assert len(medquad) == 5486 and len({d.doc_id for d in medquad}) == 5486
@@ -925,6 +957,8 @@ def test_search_refuses_k_below_one_and_wordless_queries(tmp_path):
 
 def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_path):
     from dxr.cli import main
+    from warehouse.locks import held
+    from warehouse.store import Warehouse
 
     (tmp_path / "meta").mkdir()
     (tmp_path / "texts").mkdir()
@@ -933,6 +967,12 @@ def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_pa
     (tmp_path / "texts" / "2101.00001.txt").write_text("Full text about heart failure readmission.")
     runner = CliRunner()
     data = ["--data-dir", str(tmp_path / "wh")]
+    with held(Warehouse(tmp_path / "wh"), "corpus:arxiv", shared=False, busy="an ingest"):
+        result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
+                                      "--fulltext-dir", str(tmp_path / "texts")])
+    assert (result.exit_code, result.output) == (
+        1, "Error: corpus 'arxiv' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
+           "finished\n")
     result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
                                   "--fulltext-dir", str(tmp_path / "texts")])
     assert result.exit_code == 0 and result.stdout.endswith(": 1 documents (0 duplicates dropped), 2 chunks\n")
@@ -955,6 +995,7 @@ def test_doctests(module):
 
 def test_cli_icd_dictionary_from_the_vocabulary_tables(tmp_path):
     from dxr.cli import main
+    from warehouse.locks import held
     from warehouse.store import Warehouse
 
     codes, notes = tiny_vocabulary()
@@ -964,6 +1005,11 @@ def test_cli_icd_dictionary_from_the_vocabulary_tables(tmp_path):
     wh.write("icd_notes", notes, icd_version=10)
     runner = CliRunner()
     data = ["--data-dir", str(tmp_path / "wh")]
+    with held(wh, "corpus:icd", shared=False, busy="an ingest"):
+        result = runner.invoke(main, [*data, "corpus", "ingest", "icd"])
+    assert (result.exit_code, result.output) == (
+        1, "Error: corpus 'icd' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
+           "finished\n")
     result = runner.invoke(main, [*data, "corpus", "ingest", "icd"])
     assert result.exit_code == 0, result.output
     assert result.stdout == "corpus icd source vocabulary: 3 documents (0 duplicates dropped), 6 chunks\n"

@@ -131,9 +131,22 @@ def chunks_frame(documents: list[Document], corpus: str, source: str, max_chars:
                                       "text": pl.String})
 
 
+def writing_corpus(warehouse, corpus: str):
+    """The exclusive lock of a corpus, held by an ingest from before it reads until it has written.
+
+    Two ingests of one path make concurrent commits of the same partitions, and their renames can interleave:
+    one's documents beside the other's chunks.
+    """
+    from warehouse.locks import held
+
+    return held(warehouse, f"corpus:{corpus}", shared=False,
+                busy=f"corpus {corpus!r} is being ingested by another dxr process (dxr corpus ingest)")
+
+
 def store_documents(warehouse, documents: list[Document], corpus: str, source: str,
                     max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1, withdrawn: int = 0) -> IngestSummary:
-    """Dedupe and write one (corpus, source) partition of `documents` and `chunks`."""
+    """Dedupe and write one (corpus, source) partition of `documents` and `chunks`; the caller holds
+    `writing_corpus`."""
     kept, dropped = dedupe(documents)
     if not kept:
         raise InputError(f"corpus {corpus}: source {source} produced no documents; check the FORMAT and PATH")
@@ -149,8 +162,10 @@ def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars
            progress=None) -> IngestSummary:
     files = input_files(fmt, Path(path))
     corpus = corpus or FORMATS[fmt].default_corpus
-    documents, withdrawn = read_documents(fmt, Path(path), corpus, progress)
-    return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files), withdrawn)
+    with writing_corpus(warehouse, corpus):
+        documents, withdrawn = read_documents(fmt, Path(path), corpus, progress)
+        return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files),
+                               withdrawn)
 
 
 def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document]:
