@@ -26,8 +26,9 @@ from models.baselines import FORECASTER_COLUMNS, RANKING_COLUMNS, Forecaster
 from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
+from tasks.evaluate import ORACLES
 from warehouse.runs import EVALUATE_KIND, check_run_id, code_version, mark_stale
-from warehouse.schemas import NON_RUN_TABLES
+from warehouse.schemas import NON_RUN_TABLES, SYSTEMS
 from warehouse.store import Warehouse
 
 SPLITS = ("train", "tuning", "held_out", "all")
@@ -42,9 +43,16 @@ CANDIDATE_STAGES = {"ehr_prior": "candidate_generation", "direct": "direct_forec
 
 
 def check_system(system: str) -> None:
-    if system not in FORECASTERS and system not in LLM_SYSTEMS:
-        available = ", ".join(sorted([*FORECASTERS, *LLM_SYSTEMS]))
-        raise InputError(f"unknown or not yet available system {system!r}; available: {available}")
+    """A system `dxr forecast` can run; the error tells a typo from a declared system that no forecast produces."""
+    if system in FORECASTERS or system in LLM_SYSTEMS:
+        return
+    available = ", ".join(sorted([*FORECASTERS, *LLM_SYSTEMS]))
+    if system in ORACLES:
+        raise InputError(f"system {system!r} is not forecast: dxr evaluate adds it from the gold store to every "
+                         f"evaluation of a synthetic cohort; forecast one of: {available}")
+    if system in SYSTEMS:
+        raise InputError(f"system {system!r} is declared but not built yet; available: {available}")
+    raise InputError(f"unknown system {system!r}; available: {available}")
 
 
 def check_system_order(systems: tuple[str, ...]) -> None:

@@ -139,3 +139,21 @@ def test_a_failing_shard_fails_the_run_and_nothing_is_written_into_it_afterwards
     assert at_failure == shard0  # shard 0 ended before the run was recorded failed; no later shard started
     time.sleep(1.5)
     assert written() == at_failure
+
+
+def test_every_forecast_system_is_declared_and_the_refusal_tells_a_typo_from_a_declared_system():
+    from models.registry import FORECASTERS
+    from tasks.forecast import LLM_SYSTEMS, check_system
+    from warehouse.schemas import SYSTEMS
+
+    assert set(FORECASTERS) | set(LLM_SYSTEMS) <= set(SYSTEMS)
+    available = ("direct, ehr_prior, global_frequency, gru, dense_prior, repeat_history, rrf_prior_direct, "
+                 "transition")
+    available = ", ".join(sorted(available.split(", ")))
+    with pytest.raises(InputError, match=rf"^unknown system 'ehr-prior'; available: {available}$"):
+        check_system("ehr-prior")
+    with pytest.raises(InputError, match=rf"^system 'full' is declared but not built yet; available: {available}$"):
+        check_system("full")
+    with pytest.raises(InputError, match=r"^system 'oracle' is not forecast: dxr evaluate adds it from the gold store"):
+        check_system("oracle")
+    check_system("ehr_prior")

@@ -99,7 +99,7 @@ def test_a_run_of_one_patient_cannot_be_redone_as_a_cohort_run(wh_vocab, tiny_co
 
 @pytest.mark.parametrize(("systems", "message"), [
     ((), "no system given"),
-    (("repeat_history", "nosuch"), "unknown or not yet available system 'nosuch'"),
+    (("repeat_history", "nosuch"), "unknown system 'nosuch'"),
     (("ehr_prior", "rrf_prior_direct", "direct"), "rrf_prior_direct fuses the lists of ehr_prior, direct: put "
                                                   "direct before it in systems"),
     # A second forecast of a system redoes the first; after a fused system it would delete the fused lists.
