@@ -31,9 +31,10 @@ def forecast_patient_flow(data_dir: str, cohort: str, subject_id: int, systems: 
     run_id = run_id or flow_run_id("patient")
     for system in systems:
         forecast_flow(data_dir, cohort, system, split="all", k=k, run_id=run_id, subject_id=subject_id)
-    rankings = labelled_rankings(Warehouse(data_dir), run_id)
+    wh = Warehouse(data_dir)
+    rankings = labelled_rankings(wh, run_id)
     logger = get_run_logger()
-    for line in ranking_lines(rankings, systems):
+    for line in ranking_lines(rankings, wh.read("ranking_status", run_id=run_id), systems):
         logger.info(line)
     create_table_artifact(table=ranking_table(rankings, systems), key=artifact_key("patient", str(subject_id)),
                           description=f"cohort {cohort}, patient {subject_id}: run {run_id}")

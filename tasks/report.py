@@ -508,13 +508,24 @@ def labelled_rankings(wh: Warehouse, run_id: str) -> pl.DataFrame:
             .sort("trajectory_id", "rank"))
 
 
-def ranking_lines(rankings: pl.DataFrame, systems: tuple[str, ...], codes: int = LOGGED_CODES) -> list[str]:
-    """One line per (trajectory, system), systems in the order given: the top codes with their titles."""
+def ranking_lines(rankings: pl.DataFrame, statuses: pl.DataFrame, systems: tuple[str, ...],
+                  codes: int = LOGGED_CODES) -> list[str]:
+    """One line per (trajectory, system), systems in the order given: the top codes with their titles.
+
+    A list that is not `ok` says its status and why after the system: a `failed` one has no codes, and
+    its line would otherwise read as if the system had answered nothing for no reason.
+    """
     lines = []
-    for trajectory_id in rankings["trajectory_id"].unique(maintain_order=True).to_list():
+    # From the statuses: a trajectory whose every system failed has no rankings row.
+    for trajectory_id in sorted(set(statuses["trajectory_id"].to_list())):
         for system in systems:
             top = rankings.filter((pl.col("trajectory_id") == trajectory_id) & (pl.col("system") == system))
-            lines.append(f"{trajectory_id} {system}: {'; '.join(top['shown'].head(codes).to_list())}")
+            outcome = statuses.filter((pl.col("trajectory_id") == trajectory_id) & (pl.col("system") == system))
+            label = system
+            if outcome.height and outcome["status"][0] != "ok":
+                status, detail = outcome.row(0, named=True)["status"], outcome.row(0, named=True)["detail"]
+                label = f"{system} ({status}: {detail})" if detail else f"{system} ({status})"
+            lines.append(f"{trajectory_id} {label}: {'; '.join(top['shown'].head(codes).to_list())}")
     return lines
 
 

@@ -52,17 +52,38 @@ def test_patient_flow_forecasts_only_that_patient_and_no_target_event_reaches_it
         ("global_frequency", "all", subject), ("repeat_history", "all", subject)}
     assert_no_leak(sentinels, forecast_store_texts(wh.forecast_dir))
 
-    lines = ranking_lines(labelled_rankings(wh, run_id), ("repeat_history", "global_frequency"))
-    assert [line.split(" ")[1] for line in lines] == ["repeat_history:", "global_frequency:"]
+    lines = ranking_lines(labelled_rankings(wh, run_id), statuses, ("repeat_history", "global_frequency"))
+    [trajectory_id] = statuses["trajectory_id"].unique()
+    # The tiny cohort's lists are short of 20 codes; the log says so.
+    assert [line.split("): ", 1)[0] for line in lines] == [f"{trajectory_id} repeat_history (short: 5 of 20 codes",
+                                                           f"{trajectory_id} global_frequency (short: 3 of 20 codes"]
     first = rankings.filter((pl.col("system") == "repeat_history") & (pl.col("rank") == 1))["code"][0]
     dotted, title = wh.read("icd_codes").filter(pl.col("code") == first).select("dotted", "title").row(0)
-    assert lines[0].split(": ", 1)[1].startswith(f"{dotted} {title}; ")
+    assert lines[0].split("): ", 1)[1].startswith(f"{dotted} {title}; ")
 
     [artifact] = artifacts(f"patient-{subject}")
     table = json.loads(artifact.data)
     assert [list(row) for row in table[:1]] == [["trajectory_id", "rank", "global_frequency", "repeat_history"]]
     assert table[0]["repeat_history"] == f"{dotted} {title}" and table[0]["rank"] == 1
     assert len(table) == rankings.group_by("system").len()["len"].max()
+
+
+def test_a_patient_rerun_logs_why_a_system_gave_no_or_too_few_codes():
+    # A failed Direct Forecast has no rankings rows; its log line read `t1 direct: ` with no reason.
+    rankings = pl.DataFrame({"trajectory_id": ["t1", "t1", "t1"], "system": ["ehr_prior", "ehr_prior", "rrf"],
+                             "shown": ["I10 Essential (primary) hypertension", "E03.9 Hypothyroidism", "I10 x"]})
+    statuses = pl.DataFrame({"trajectory_id": ["t1", "t1", "t1", "t2", "t2", "t2"],
+                             "system": ["ehr_prior", "direct", "rrf", "ehr_prior", "direct", "rrf"],
+                             "status": ["ok", "failed", "short", "failed", "failed", "failed"],
+                             "detail": [None, "direct reply stayed invalid after 3 attempts", "1 of 20 codes",
+                                        None, "timed out", None]})
+    assert ranking_lines(rankings, statuses, ("ehr_prior", "direct", "rrf")) == [
+        "t1 ehr_prior: I10 Essential (primary) hypertension; E03.9 Hypothyroidism",
+        "t1 direct (failed: direct reply stayed invalid after 3 attempts): ",
+        "t1 rrf (short: 1 of 20 codes): I10 x",
+        "t2 ehr_prior (failed): ",
+        "t2 direct (failed: timed out): ",
+        "t2 rrf (failed): "]
 
 
 def test_a_stray_patient_or_a_bad_k_or_limit_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
