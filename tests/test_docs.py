@@ -66,3 +66,45 @@ def test_readme_names_every_statement_dxr_sql_runs():
     readme = " ".join((ROOT / "README.md").read_text().split())
     listed = re.search(r"`dxr sql` runs exactly one read-only statement \(([^)]*)\)", readme).group(1)
     assert sorted(re.findall(r"`([A-Z]+)`", listed)) == sorted({p.upper() for p in _READ_ONLY_PREFIXES} | {"ANALYZE"})
+
+
+# `duckdb -c "QUERY"` in the README and docs: DuckDB run directly on the Parquet files, no dxr in between.
+DUCKDB_EXAMPLES = [(path.name, query) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                   for query in re.findall(r'duckdb -c "([^"]+)"', path.read_text())]
+
+
+def test_the_readme_reads_the_parquet_files_with_duckdb():
+    assert len([page for page, _ in DUCKDB_EXAMPLES if page == "README.md"]) == 2
+
+
+@pytest.mark.parametrize("page, query", DUCKDB_EXAMPLES,
+                         ids=[f"{page}-{i}" for i, (page, _) in enumerate(DUCKDB_EXAMPLES)])
+def test_every_documented_duckdb_example_reads_every_file(page, query, tmp_path, monkeypatch):
+    """Run against files of two generations: a `runs` file written before `host` and `pid` existed."""
+    from datetime import datetime
+
+    import duckdb
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    from warehouse.store import Warehouse
+
+    wh = Warehouse(tmp_path / "data")
+    started = datetime(2026, 12, 1)
+    run = {"cohort_id": "c1", "config_json": "{}", "code_version": "v", "started_at": started,
+           "finished_at": started, "status": "finished"}
+    wh.write("runs", pl.DataFrame([{**run, "run_id": "new", "kind": "evaluate", "host": "h1", "pid": 7}]),
+             run_id="new", kind="evaluate")
+    old = wh.write("runs", pl.DataFrame([{**run, "run_id": "old", "kind": "evaluate", "host": None, "pid": None}]),
+                   run_id="old", kind="evaluate")
+    pq.write_table(pq.read_table(old).drop_columns(["host", "pid"]), old)  # as dxr wrote it before `host`
+    for run_id in ("new", "old"):
+        wh.write("metrics", pl.DataFrame({
+            "run_id": run_id, "cohort_id": "c1", "system": "repeat_history", "subset": "all", "k": [10, 20],
+            "metric": "recall_at_k", "value": [0.25, 0.5], "ci_low": None, "ci_high": None, "n": 4, "n_runs": 1},
+            schema_overrides={"k": pl.Int32, "ci_low": pl.Float64, "ci_high": pl.Float64, "n_runs": pl.Int32}),
+            run_id=run_id, system="repeat_history")
+    monkeypatch.chdir(tmp_path)
+    rows = duckdb.sql(" ".join(query.split())).fetchall()
+    assert rows in ([("new", "repeat_history", 0.5), ("old", "repeat_history", 0.5)],
+                    [("new", "evaluate", "finished", "h1"), ("old", "evaluate", "finished", None)]), f"{page}: {rows}"
