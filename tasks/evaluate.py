@@ -281,12 +281,41 @@ def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids:
     silent = (grid.join(lengths, on=["system", "trajectory_id"], how="left").with_columns(pl.col("n").fill_null(0))
               .filter(pl.col("n") < needed).join(explicit, on=["system", "trajectory_id"], how="anti")
               .sort("system", "trajectory_id"))
+    _check_addressed(silent, status, trajectory_ids, systems, run_id)
     if silent.height:
         row = silent.row(0, named=True)
         bound = f"K={k}" if k else "1 (natural list sizes still need a list)"
         raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
                          f"{row['n']} code(s) < {bound} with no ranking_status 'short' or 'failed' row "
                          f"({silent.height} such trajectories): fix the system's output or record its status")
+
+
+def _check_addressed(silent: pl.DataFrame, status: pl.DataFrame, trajectory_ids: list[str], systems: list[str],
+                     run_id: str) -> None:
+    """Refuse a system that has neither a list nor a status for trajectories another system of the run forecast.
+
+    Every forecast records a status for each trajectory it addressed, so such a gap is no short list:
+    the system was forecast into the run with another --split, --limit or --subject-id than the others.
+    """
+    unaddressed = silent.filter(pl.col("n") == 0).join(status, on=["system", "trajectory_id"], how="anti")
+    if unaddressed.is_empty():
+        return
+    row = unaddressed.row(0, named=True)
+    system = row["system"]
+    n = unaddressed.filter(pl.col("system") == system).height
+    gaps = set(unaddressed["system"])
+    others = [s for s in systems if s not in gaps]
+    # Left out, the gaps' systems still put their trajectories in the evaluated set (any system's count),
+    # so the others alone pass only if their forecasts cover every one; an oracle's list covers all.
+    forecasts = [s for s in others if s not in ORACLES]
+    covered = set(status.filter(pl.col("system").is_in(forecasts))["trajectory_id"])
+    alone = (f"evaluate the others alone (--systems {','.join(others)}), or "
+             if forecasts and covered >= set(trajectory_ids) else "")
+    # Forecasting it again into this run with other options is refused (a run keeps a system's options).
+    raise InputError(f"run {run_id!r}: system {system!r} was not forecast for {n} of the run's {len(trajectory_ids)} "
+                     f"trajectories (e.g. {row['trajectory_id']!r}), which another system of the run was (another "
+                     f"--split, --limit or --subject-id); a run's systems are evaluated on the same trajectories: "
+                     f"{alone}forecast {system} with the others' options under a new run id")
 
 
 # ---- per-trajectory counts --------------------------------------------------------------------

@@ -161,14 +161,21 @@ def test_silently_short_ranking_is_refused(wh):
 def test_missing_trajectory_without_status_is_refused(wh):
     write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X]}, "s4": {T1: [A, B], T2: [A, B]}},
                    status={})
-    with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code"):
+    # Without a status either, s4 never addressed T3: it was forecast on fewer trajectories than s1.
+    missing = f"run 'r3': system 's4' was not forecast for 1 of the run's 3 trajectories \\(e.g. '{T3}'\\)"
+    with pytest.raises(InputError, match=missing):
         evaluate(wh, "r3", ks=(2,), n_boot=0)
     # Asking for K = 1 does not make it acceptable: a missing list is short at every K...
-    with pytest.raises(InputError, match="'s4'"):
+    with pytest.raises(InputError, match=missing):
         evaluate(wh, "r3", ks=(1,), n_boot=0)
     # ...and at the natural list size, the one "K" that any list length satisfies.
-    with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code\\(s\\) < 1 \\(natural"):
+    with pytest.raises(InputError, match=missing):
         evaluate(wh, "r3", ks=(), natural=True, n_boot=0)
+    # A list that exists but is short without saying so is the system's output to fix.
+    write_rankings(wh, "r5", status={},
+                   rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X]}, "s4": {T1: [A, B], T2: [A, B], T3: []}})
+    with pytest.raises(InputError, match=f"system 's4', trajectory '{T3}' ranks 0 code\\(s\\) < 1 \\(natural"):
+        evaluate(wh, "r5", ks=(), natural=True, n_boot=0)
 
 
 def test_explicit_short_and_failed_are_counted(wh):

@@ -287,6 +287,31 @@ def test_cli_rejects_bad_k_and_silent_short(wh):
     assert f"Error: run 'r2', system 's3', trajectory '{T2}' ranks 1 code(s) < K=2" in result.output
 
 
+def test_cli_names_a_system_forecast_on_fewer_trajectories_than_the_others_of_its_run(wh):
+    # s3 forecast with --limit 1 into a run whose s1 covers three trajectories: it has no list and no
+    # status for two of them, which was reported as if its output were short ("fix the system's output").
+    write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [D, A], T3: [E, X]}, "s3": {T1: [A, B]}}, status={})
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2"])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        "evaluating run r3 (K=2, bootstrap 1000) …",
+        f"Error: run 'r3': system 's3' was not forecast for 2 of the run's 3 trajectories (e.g. '{T2}'), which another "
+        "system of the run was (another --split, --limit or --subject-id); a run's systems are evaluated on the same "
+        "trajectories: evaluate the others alone (--systems s1,oracle), or forecast s3 with the others' options under "
+        "a new run id"]
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2",
+                                       "--bootstrap", "0", "--systems", "s1,oracle"])
+    assert result.exit_code == 0, result.output
+    # Two systems on different patients: neither alone covers the run, so only a new run id helps.
+    write_rankings(wh, "r4", rankings={"s4": {T1: [A, B]}, "s5": {T2: [D, A]}}, status={})
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r4", "--k", "2"])
+    assert result.output.splitlines() == [
+        "evaluating run r4 (K=2, bootstrap 1000) …",
+        f"Error: run 'r4': system 's4' was not forecast for 1 of the run's 2 trajectories (e.g. '{T2}'), which another "
+        "system of the run was (another --split, --limit or --subject-id); a run's systems are evaluated on the same "
+        "trajectories: forecast s4 with the others' options under a new run id"]
+
+
 def test_report_of_repeated_runs_aggregate(wh, tmp_path):
     from datetime import datetime
 
