@@ -136,8 +136,24 @@ def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     assert "exactly one read-only query" in one_line_error(run("sql", hidden_write, data_dir=tmp_path))
     assert not (tmp_path / "forecast" / "leak.csv").exists()
     assert "exactly one read-only query" in one_line_error(run("sql", "SELECT 1; SELECT 2", data_dir=tmp_path))
-    line = one_line_error(run("sql", "SELECT * FROM targets", data_dir=tmp_path))
-    assert "(gold tables need --with-gold)" in line
+    assert one_line_error(run("sql", "SELECT * FROM targets", data_dir=tmp_path)) == (
+        "Error: Catalog Error: Table with name targets does not exist! targets is a gold table: add --with-gold")
+    # The connection has views of the tables a query names only, so DuckDB had no name to offer for a typo,
+    # and every unknown name (a function's too) was said to need --with-gold.
+    assert one_line_error(run("sql", "SELECT * FROM rankingz", data_dir=tmp_path)) == (
+        "Error: Catalog Error: Table with name rankingz does not exist! Did you mean rankings or ranking_status? "
+        "(SHOW TABLES lists the tables; gold ones need --with-gold)")
+    assert one_line_error(run("sql", "SELECT * FROM targetz", data_dir=tmp_path)) == (
+        "Error: Catalog Error: Table with name targetz does not exist! Did you mean targets (a gold table: add "
+        "--with-gold)? (SHOW TABLES lists the tables; gold ones need --with-gold)")
+    assert one_line_error(run("sql", "SELECT * FROM targetz", "--with-gold", data_dir=tmp_path)) == (
+        "Error: Catalog Error: Table with name targetz does not exist! Did you mean targets? (SHOW TABLES lists the "
+        "tables)")
+    assert one_line_error(run("sql", "SELECT * FROM nothing_like_it", data_dir=tmp_path)) == (
+        "Error: Catalog Error: Table with name nothing_like_it does not exist! (SHOW TABLES lists the tables; gold "
+        "ones need --with-gold)")
+    assert one_line_error(run("sql", "SELECT floorr(1.5)", data_dir=tmp_path)) == (
+        'Error: Catalog Error: Scalar Function with name floorr does not exist! Did you mean "floor"?')
     result = run("sql", "SELECT count(*) AS n FROM targets", "--with-gold", "--format", "csv", data_dir=tmp_path)
     assert result.output == "n\n0\n"
     # EXPLAIN ANALYZE executes the statement it explains: a COPY inside it would write, with or without gold.

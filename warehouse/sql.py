@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import math
@@ -109,8 +110,7 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> 
             raise InputError(f"query reads outside the forecasting store ({exc.args[0].splitlines()[0]}); "
                              "add --with-gold to read gold tables") from exc
         except duckdb.CatalogException as exc:
-            hint = " (gold tables need --with-gold)" if not with_gold else ""
-            raise InputError(f"{exc.args[0].splitlines()[0]}{hint}") from exc
+            raise InputError(_catalog_error(exc.args[0], with_gold)) from exc
         except duckdb.Error as exc:
             # Another process removed a table's last partition after the views were made (a cohort
             # rebuild): the views of a new connection show the tables as they are now. The second attempt
@@ -118,6 +118,30 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> 
             if attempt == 1 and isinstance(exc, duckdb.IOException) and "No files found" in exc.args[0]:
                 continue
             raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+
+
+def _catalog_error(message: str, with_gold: bool) -> str:
+    """DuckDB's unknown-name error on one line, with the tables a misspelt table name may mean.
+
+    DuckDB's own guess (its second line) picks among the views of the connection, which are those of the
+    tables the query names (`named_tables`): for `rankingz` or `targets` without --with-gold it has
+    none to offer, or a wrong one. Its guess for a function is kept.
+    """
+    first, *rest = message.splitlines()
+    table = re.search(r"Table with name (\S+) does not exist", first)
+    if table is None:
+        return " ".join([first, *(line for line in rest[:1] if line.startswith("Did you mean"))])
+    name = table.group(1).lower()
+
+    def shown(candidate: str) -> str:
+        gold = TABLES[candidate].store == "gold" and not with_gold
+        return f"{candidate} (a gold table: add --with-gold)" if gold else candidate
+
+    if name in TABLES and TABLES[name].store == "gold" and not with_gold:
+        return f"{first} {name} is a gold table: add --with-gold"
+    close = difflib.get_close_matches(name, sorted(TABLES), n=2)
+    guess = f"Did you mean {' or '.join(shown(c) for c in close)}? " if close else ""
+    return f"{first} {guess}(SHOW TABLES lists the tables{'' if with_gold else '; gold ones need --with-gold'})"
 
 
 def _analyzes(query: str) -> bool:
