@@ -343,6 +343,24 @@ def test_forecast_of_a_split_without_trajectories_is_one_line_and_registers_no_r
     assert not Warehouse(data_dir).has_rows("runs", run_id="r1")
 
 
+def test_forecast_says_how_many_lists_are_short_or_failed(tiny_meds, wh_vocab):
+    # The tiny cohort's records hold fewer than 20 diagnosis codes, so every list is short; the command
+    # said only "wrote rankings", as if every list were whole.
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    result = run("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r1",
+                 data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == (
+        "run r1: system repeat_history wrote rankings for cohort default (all): 3 trajectories, 3 short "
+        "(ranking_status says why)")
+    result = run("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--k", "2",
+                 "--run-id", "r2", data_dir=data_dir)
+    assert result.stdout.splitlines()[-1] == (
+        "run r2: system repeat_history wrote rankings for cohort default (all): 3 trajectories, 3 ok")
+
+
 def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0

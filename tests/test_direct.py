@@ -275,7 +275,8 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
 
     result = forecast("direct")
     assert result.exit_code == 0, result.output
-    assert "run cli-d: system direct wrote rankings for cohort default (held_out)" in result.output
+    assert ("run cli-d: system direct wrote rankings for cohort default (held_out): 2 trajectories, 2 ok\n"
+            in result.output)
     status = wh.read("ranking_status", run_id="cli-d", system="direct")
     assert status["status"].to_list() == ["ok"] * trajectories.height == ["ok", "ok"]
     assert forecast("direct").exit_code == 0

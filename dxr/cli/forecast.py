@@ -60,4 +60,9 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     recorded = json.loads(wh.read("runs", run_id=run, kind=f"forecast:{system}")["config_json"][0])
     model = recorded.get("model")
     using = "" if model is None else f" with {model['registered_model']} v{model['version']} (@{model['alias']})"
-    click.echo(f"run {run}: system {system}{using} wrote rankings for cohort {cohort} ({split}{whom})")
+    # A short or failed list is no error of the run, but the user should not have to look for it.
+    counts = dict(status.group_by("status").len().iter_rows())
+    outcome = ", ".join(f"{counts[s]:,} {s}" for s in ("ok", "short", "failed") if s in counts)
+    why = " (ranking_status says why)" if set(counts) - {"ok"} else ""
+    click.echo(f"run {run}: system {system}{using} wrote rankings for cohort {cohort} ({split}{whom}): "
+               f"{status.height:,} trajector{'y' if status.height == 1 else 'ies'}, {outcome}{why}")
