@@ -15,7 +15,7 @@ from prefect.logging import get_run_logger
 from flows import flow_run_id
 from flows.forecast import forecast_flow
 from tasks.forecast import check_system_order
-from tasks.report import artifact_key, labelled_rankings, ranking_lines, ranking_table
+from tasks.report import artifact_key, incomplete_lists, labelled_rankings, ranking_lines, ranking_table
 from warehouse.store import Warehouse
 
 # The forecasting pipeline as far as it is built: the EHR prior, Direct Forecast, and their fusion.
@@ -34,8 +34,11 @@ def forecast_patient_flow(data_dir: str, cohort: str, subject_id: int, systems: 
     wh = Warehouse(data_dir)
     rankings = labelled_rankings(wh, run_id)
     logger = get_run_logger()
-    for line in ranking_lines(rankings, wh.read("ranking_status", run_id=run_id), systems):
+    statuses = wh.read("ranking_status", run_id=run_id)
+    for line in ranking_lines(rankings, statuses, systems):
         logger.info(line)
+    incomplete = incomplete_lists(statuses, systems)
+    note = f"; not ok: {incomplete} (the flow run's log says why)" if incomplete else ""
     create_table_artifact(table=ranking_table(rankings, systems), key=artifact_key("patient", str(subject_id)),
-                          description=f"cohort {cohort}, patient {subject_id}: run {run_id}")
+                          description=f"cohort {cohort}, patient {subject_id}: run {run_id}{note}")
     return run_id

@@ -529,6 +529,20 @@ def ranking_lines(rankings: pl.DataFrame, statuses: pl.DataFrame, systems: tuple
     return lines
 
 
+def incomplete_lists(statuses: pl.DataFrame, systems: tuple[str, ...]) -> str:
+    """The lists that are not `ok`, per system in the order given, e.g. `direct 1 failed`; empty when all are.
+
+    The patient artifact's table has no column for a system without codes, so its description says so.
+    """
+    counts = {(system, status): n for system, status, n in statuses.group_by("system", "status").len().iter_rows()}
+    parts = []
+    for system in systems:
+        found = [f"{counts[system, status]} {status}" for status in ("short", "failed") if (system, status) in counts]
+        if found:
+            parts.append(f"{system} {', '.join(found)}")
+    return "; ".join(parts)
+
+
 def ranking_table(rankings: pl.DataFrame, systems: tuple[str, ...]) -> list[dict]:
     """One row per (trajectory, rank) with a column per system, in the order given: the Prefect artifact."""
     wide = rankings.pivot(on="system", index=["trajectory_id", "rank"], values="shown").sort("trajectory_id", "rank")

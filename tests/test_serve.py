@@ -22,7 +22,7 @@ from flows.backfill import cohort_backfill_flow
 from flows.forecast import forecast_flow
 from flows.patient import forecast_patient_flow
 from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
-from tasks.report import labelled_rankings, ranking_lines, report_path
+from tasks.report import incomplete_lists, labelled_rankings, ranking_lines, report_path
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -62,6 +62,9 @@ def test_patient_flow_forecasts_only_that_patient_and_no_target_event_reaches_it
     assert lines[0].split("): ", 1)[1].startswith(f"{dotted} {title}; ")
 
     [artifact] = artifacts(f"patient-{subject}")
+    # The table cannot show a list that is not whole; the description names them.
+    assert artifact.description == (f"cohort default, patient {subject}: run {run_id}; not ok: global_frequency 1 "
+                                    "short; repeat_history 1 short (the flow run's log says why)")
     table = json.loads(artifact.data)
     assert [list(row) for row in table[:1]] == [["trajectory_id", "rank", "global_frequency", "repeat_history"]]
     assert table[0]["repeat_history"] == f"{dotted} {title}" and table[0]["rank"] == 1
@@ -84,6 +87,9 @@ def test_a_patient_rerun_logs_why_a_system_gave_no_or_too_few_codes():
         "t2 ehr_prior (failed): ",
         "t2 direct (failed: timed out): ",
         "t2 rrf (failed): "]
+    assert incomplete_lists(statuses, ("ehr_prior", "direct", "rrf")) == (
+        "ehr_prior 1 failed; direct 2 failed; rrf 1 short, 1 failed")
+    assert incomplete_lists(statuses.filter(pl.col("system") == "ehr_prior").head(1), ("ehr_prior",)) == ""
 
 
 def test_a_stray_patient_or_a_bad_k_or_limit_is_refused_before_a_run_is_registered(wh_vocab, tiny_cohort_id):
