@@ -171,7 +171,8 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
     source = tmp_path / "tiny.jsonl"
     jsonl_corpus(source, TINY)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path; from tools.corpus import ingest; from warehouse.store import Warehouse\n"
+        "import time; from pathlib import Path\n"
+        "from tools.corpus import ingest; from warehouse.store import Warehouse\n"
         "def hold(file):\n"
         "    print('reading', flush=True); time.sleep(60)\n"
         f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), 'tiny', progress=hold)")],
