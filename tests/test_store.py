@@ -380,6 +380,24 @@ def test_sql_streams_csv_and_json_lines_a_batch_at_a_time(wh, monkeypatch):
         next(failing)
 
 
+def test_sql_json_and_csv_spell_nested_blob_and_interval_values_as_json(wh):
+    from warehouse.sql import stream_query
+
+    query = ("SELECT {'a': 1, 'd': DATE '2020-01-02'} AS s, [{'x': 'p'}, {'x': NULL}] AS l, "
+             "MAP {'k': 1.5::DOUBLE} AS m, MAP {2: 'two'} AS n, MAP {[1]: 'one'} AS lk, 'ab\\x00'::BLOB AS b, "
+             "INTERVAL '1 day 2 hours' AS i, ['nan'::DOUBLE] AS f, [1, 2]::INTEGER[2] AS a, "
+             "TIMESTAMP '2020-01-02 03:04:05' AS t, 'x' AS v, NULL::STRUCT(a INTEGER) AS z")
+    line = json.loads("".join(stream_query(wh, query, fmt="json")))
+    assert line == {"s": {"a": 1, "d": "2020-01-02"}, "l": [{"x": "p"}, {"x": None}], "m": {"k": 1.5},
+                    "n": [{"key": 2, "value": "two"}], "lk": [{"key": [1], "value": "one"}], "b": "YWIA",
+                    "i": 93600.0, "f": [None], "a": [1, 2], "t": "2020-01-02 03:04:05", "v": "x", "z": None}
+    assert "".join(stream_query(wh, query, fmt="csv")).splitlines() == [
+        "s,l,m,n,lk,b,i,f,a,t,v,z",
+        '"{""a"": 1, ""d"": ""2020-01-02""}","[{""x"": ""p""}, {""x"": null}]","{""k"": 1.5}",'
+        '"[{""key"": 2, ""value"": ""two""}]","[{""key"": [1], ""value"": ""one""}]",YWIA,93600.0,[null],"[1, 2]",'
+        "2020-01-02 03:04:05,x,"]
+
+
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
     rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "
@@ -563,3 +581,12 @@ def test_an_interrupt_between_the_renames_of_a_directory_swap_puts_the_old_direc
         meds.replace_dir(staging, target)
     assert (target / "report.md").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report", "staging"]
+
+
+def test_sql_doctests():
+    import doctest
+
+    import warehouse.sql
+
+    result = doctest.testmod(warehouse.sql)
+    assert result.failed == 0 and result.attempted == 3, result

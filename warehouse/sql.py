@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import csv
+import datetime
 import difflib
 import io
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import duckdb
 
@@ -48,10 +50,14 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
         return
     if fmt == "json":
         keys = unique_names(columns)
-        header, text = "", lambda rows: "".join(json.dumps(dict(zip(keys, map(_json_value, r))), default=str) + "\n"
-                                                for r in rows)
+        convert = [_json_converter(d[1]) for d in cursor.description]
+        header, text = "", lambda rows: "".join(
+            json.dumps({k: f(v) for k, f, v in zip(keys, convert, r)}, default=str) + "\n" for r in rows)
     else:
-        header, text = _csv_text([columns]), _csv_text
+        convert = [_csv_converter(d[1]) for d in cursor.description]
+        header = _csv_text([columns])
+        text = (_csv_text if not any(convert) else
+                lambda rows: _csv_text([[f(v) if f else v for f, v in zip(convert, r)] for r in rows]))
     batch = _fetch(cursor, STREAM_ROWS)  # before the header: an error in the first rows prints nothing
     yield header
     while batch:
@@ -171,9 +177,77 @@ def unique_names(columns: list[str]) -> list[str]:
     return names
 
 
-def _json_value(value):
-    """NaN and infinities have no JSON spelling (json.dumps would write `NaN`, which JSON parsers refuse): null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+# Map key types that DuckDB's Python client cannot make dict keys of: it returns {'key': [...], 'value': [...]}.
+_LISTED_KEYS = {"list", "array", "struct", "map"}
+
+
+def _json_converter(kind: duckdb.DuckDBPyType) -> Callable:
+    """A function from a value of DuckDB type `kind`, as the Python client returns it, to plain JSON data.
+
+    A STRUCT is an object; a LIST or ARRAY an array; a MAP with VARCHAR or ENUM keys an object, a MAP with other
+    keys (numbers, dates, lists, ...) an array of {"key": ..., "value": ...} objects, since JSON keys are
+    strings only; a BLOB the base64 of its bytes; an INTERVAL its length in seconds (a number; DuckDB's client
+    counts a month as 30 days); NaN and infinities null (JSON has no spelling for them). Every other value is
+    left for json.dumps(default=str): dates and timestamps as ISO text, decimals and UUIDs as text.
+
+    >>> convert = _json_converter(duckdb.sql("SELECT MAP {1: {'b': 'ab'::BLOB}} AS m").description[0][1])
+    >>> convert({1: {"b": b"ab"}})
+    [{'key': 1, 'value': {'b': 'YWI='}}]
+    """
+    node = kind.id
+    if node == "struct":
+        fields = [(name, _json_converter(child)) for name, child in kind.children]
+        return lambda v: None if v is None else {name: f(v[name]) for name, f in fields}
+    if node in ("list", "array"):
+        item = _json_converter(kind.children[0][1])
+        return lambda v: None if v is None else [item(x) for x in v]
+    if node == "map":
+        (_, key_kind), (_, value_kind) = kind.children
+        key, value = _json_converter(key_kind), _json_converter(value_kind)
+        listed = key_kind.id in _LISTED_KEYS
+        pairs = (lambda v: zip(v["key"], v["value"])) if listed else (lambda v: v.items())
+        if key_kind.id in ("varchar", "enum"):
+            return lambda v: None if v is None else {k: value(x) for k, x in pairs(v)}
+        return lambda v: None if v is None else [{"key": key(k), "value": value(x)} for k, x in pairs(v)]
+    # A UNION's value comes without the name of its member, so it is converted by its Python type.
+    if node in ("union", "blob", "interval", "double", "float"):
+        return _json_plain
+    return _same
+
+
+def _same(value):
+    return value
+
+
+def _json_plain(value):
+    """A value of a type unknown here as JSON data: a dict as an object (its keys as text), a tuple or list as an
+    array, bytes, timedeltas and non-finite floats as `_json_converter` says."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, dict):
+        return {str(k): _json_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_plain(v) for v in value]
+    return value
+
+
+def _csv_converter(kind: duckdb.DuckDBPyType) -> Callable | None:
+    """How a CSV cell spells a value of DuckDB type `kind`, or None for the csv module's own text (numbers,
+    strings, dates and timestamps as before): a nested value is its JSON text, a BLOB its base64, an
+    INTERVAL its seconds, as `_json_converter` says."""
+    if kind.id in ("struct", "list", "array", "map"):
+        convert = _json_converter(kind)
+        return lambda v: None if v is None else json.dumps(convert(v), default=str)
+    if kind.id == "union":  # the member's value: JSON text when it is nested, as it is otherwise
+        return lambda v: json.dumps(_json_plain(v), default=str) if isinstance(v, (dict, list, tuple)) else (
+            _json_plain(v))
+    if kind.id in ("blob", "interval"):
+        return _json_plain
+    return None
 
 
 def named_tables(query: str) -> set[str] | None:
