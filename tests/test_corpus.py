@@ -179,7 +179,8 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "reading"
-        busy = "corpus 'tiny' is being ingested by another dxr process (dxr corpus ingest): retry when it has finished"
+        busy = ("corpus 'tiny' is being ingested or read for an index by another dxr process (dxr corpus ingest or "
+                "build): retry when it has finished")
         result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "ingest", "jsonl", str(source),
                                            "--corpus", "tiny"])
         assert (result.exit_code, result.output) == (1, f"Error: {busy}\n")
@@ -192,6 +193,51 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
         holder.kill()
         holder.wait(timeout=30)
     assert ingest(wh, "jsonl", source, "tiny").documents == 4  # the kernel dropped the lock with its holder
+
+
+def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_with_other_builds(tmp_path, wh):
+    """A build reading `documents` before an ingest's commit and `chunks` after it would index neither state."""
+    import subprocess
+    import sys
+
+    from dxr.cli import main
+
+    source = tmp_path / "tiny.jsonl"
+    jsonl_corpus(source, TINY)
+    ingest(wh, "jsonl", source, "tiny")
+    data = ["--data-dir", str(wh.root)]
+    build = [*data, "corpus", "build", "--lexical-only", "--corpus", "tiny"]
+    ingesting = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path\n"
+        "from tools.corpus import ingest; from warehouse.store import Warehouse\n"
+        "def hold(file):\n"
+        "    print('reading', flush=True); time.sleep(60)\n"
+        f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), 'tiny', progress=hold)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert ingesting.stdout.readline().strip() == "reading"
+        result = CliRunner().invoke(main, build)
+        assert (result.exit_code, result.output) == (
+            1, "Error: corpus 'tiny' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
+               "finished\n")
+    finally:
+        ingesting.kill()
+        ingesting.wait(timeout=30)
+    building = subprocess.Popen([sys.executable, "-c", (
+        "import time; from tools.corpus import reading_corpora; from warehouse.store import Warehouse\n"
+        f"with reading_corpora(Warehouse({str(wh.root)!r}), ['tiny']):\n"
+        "    print('reading', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert building.stdout.readline().strip() == "reading"
+        result = CliRunner().invoke(main, build)
+        assert result.exit_code == 0 and "literature: 4 documents, 4 chunks, 0 embedded" in result.stdout, result.output
+        result = CliRunner().invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"])
+        assert (result.exit_code, result.output) == (
+            1, "Error: corpus 'tiny' is being ingested or read for an index by another dxr process (dxr corpus ingest "
+               "or build): retry when it has finished\n")
+    finally:
+        building.kill()
+        building.wait(timeout=30)
 
 
 def test_real_medquad_and_pubmedqa():
@@ -972,8 +1018,8 @@ def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_pa
         result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
                                       "--fulltext-dir", str(tmp_path / "texts")])
     assert (result.exit_code, result.output) == (
-        1, "Error: corpus 'arxiv' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
-           "finished\n")
+        1, "Error: corpus 'arxiv' is being ingested or read for an index by another dxr process (dxr corpus ingest "
+           "or build): retry when it has finished\n")
     result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
                                   "--fulltext-dir", str(tmp_path / "texts")])
     assert result.exit_code == 0 and result.stdout.endswith(": 1 documents (0 duplicates dropped), 2 chunks\n")
@@ -1009,8 +1055,8 @@ def test_cli_icd_dictionary_from_the_vocabulary_tables(tmp_path):
     with held(wh, "corpus:icd", shared=False, busy="an ingest"):
         result = runner.invoke(main, [*data, "corpus", "ingest", "icd"])
     assert (result.exit_code, result.output) == (
-        1, "Error: corpus 'icd' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
-           "finished\n")
+        1, "Error: corpus 'icd' is being ingested or read for an index by another dxr process (dxr corpus ingest "
+           "or build): retry when it has finished\n")
     result = runner.invoke(main, [*data, "corpus", "ingest", "icd"])
     assert result.exit_code == 0, result.output
     assert result.stdout == "corpus icd source vocabulary: 3 documents (0 duplicates dropped), 6 chunks\n"

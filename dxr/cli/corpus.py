@@ -140,7 +140,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import check_stored_chunks, load_documents
+    from tools.corpus import check_stored_chunks, load_documents, reading_corpora
     from tools.corpus.documents import dedupe
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
@@ -171,13 +171,14 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     embedder = None
     with registered_run(wh, "corpus:build", run_config, run_id):
         for index_name, chosen, lexical in plans:
-            documents, dropped = dedupe(load_documents(wh, chosen))
-            without_text = sum(1 for d in documents if not d.text)
-            unsearchable = f", {without_text} without text: not indexed" if without_text else ""
-            click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
-                       f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
-            chunks = chunk_frame(documents, config.tools.chunk_chars)
-            check_stored_chunks(wh, chunks, config.tools.chunk_chars)
+            with reading_corpora(wh, chosen):  # the index is then built from what was read: ingests may go on
+                documents, dropped = dedupe(load_documents(wh, chosen))
+                without_text = sum(1 for d in documents if not d.text)
+                unsearchable = f", {without_text} without text: not indexed" if without_text else ""
+                click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
+                           f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
+                chunks = chunk_frame(documents, config.tools.chunk_chars)
+                check_stored_chunks(wh, chunks, config.tools.chunk_chars)
             if not lexical and embedder is None:
                 embedder = make_embedder(config.tools.embedding)
             manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -140,7 +141,25 @@ def writing_corpus(warehouse, corpus: str):
     from warehouse.locks import held
 
     return held(warehouse, f"corpus:{corpus}", shared=False,
-                busy=f"corpus {corpus!r} is being ingested by another dxr process (dxr corpus ingest)")
+                busy=f"corpus {corpus!r} is being ingested or read for an index by another dxr process "
+                     "(dxr corpus ingest or build)")
+
+
+@contextmanager
+def reading_corpora(warehouse, corpora: Iterable[str]) -> Iterator[None]:
+    """The shared locks of corpora, held by an index build while it reads their documents and chunks.
+
+    An ingest committing meanwhile could leave the build the documents from before its commit and the chunks
+    from after it. Builds share the locks, so they run alongside each other.
+    """
+    from warehouse.locks import held
+
+    with ExitStack() as stack:
+        for corpus in sorted(set(corpora)):
+            stack.enter_context(held(warehouse, f"corpus:{corpus}", shared=True,
+                                     busy=f"corpus {corpus!r} is being ingested by another dxr process "
+                                          "(dxr corpus ingest)"))
+        yield
 
 
 def store_documents(warehouse, documents: list[Document], corpus: str, source: str,
