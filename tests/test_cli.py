@@ -79,8 +79,9 @@ def test_ingest_malformed_directory(tmp_path):
 def test_ingest_missing_column(tmp_path):
     root = write_tiny_meds(tmp_path / "m", tiny_events().drop("encounter_id"))
     line = one_line_error(run("ingest", "meds", root, "--name", "x", data_dir=tmp_path / "wh"))
-    assert line.endswith("missing column 'encounter_id' (int64): add the hospital encounter (admission) id "
-                         "to every event")
+    assert line == (f"Error: {root / 'data' / '0.parquet'}: missing column 'encounter_id' (int64): add the hospital "
+                    "encounter (admission) id to every event, as encounter_id or as hadm_id (MEDS-Extract's MIMIC-IV "
+                    "layout)")
 
 
 def test_ingest_unknown_code_system(tmp_path):

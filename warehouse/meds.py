@@ -260,7 +260,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             if field.name == "encounter_id" and encounter in shard_schema.names:
                 continue
             if field.name not in shard_schema.names:
-                fix = ("add the hospital encounter (admission) id to every event" if field.name == "encounter_id"
+                fix = ("add the hospital encounter (admission) id to every event, as encounter_id or as hadm_id "
+                       "(MEDS-Extract's MIMIC-IV layout)" if field.name == "encounter_id"
                        else "this is the MEDS layout before 0.3; rename patient_id to subject_id (and timestamp to "
                        "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
                        else "every MEDS shard needs it")
