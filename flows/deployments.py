@@ -13,11 +13,12 @@ from __future__ import annotations
 from prefect.client.schemas.schedules import CronSchedule
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
-from dxr.config import Settings
+from dxr.config import BackfillConfig, Settings
 from flows.backfill import cohort_backfill_flow
 from flows.patient import forecast_patient_flow
 from flows.train_prior import train_prior_flow
 from tasks.forecast import check_system_order
+from warehouse.store import Warehouse
 
 PATIENT_DEPLOYMENT = "adhoc"
 TRAIN_DEPLOYMENT = "adhoc"
@@ -47,3 +48,13 @@ def build_deployments(settings: Settings) -> list[RunnerDeployment]:
             description=f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
                         "into a new run, evaluate it and render its report."))
     return deployments
+
+
+def unbuilt_backfill_cohorts(wh: Warehouse, backfills: list[BackfillConfig]) -> list[str]:
+    """A warning line per backfill whose cohort, by name or id, is not in the warehouse: every firing fails until
+    it is built. A warning, not a refusal: it may be built after `dxr serve` starts."""
+    cohorts = wh.read("cohorts")
+    known = set(cohorts["cohort_id"].to_list()) | set(cohorts["name"].to_list())
+    return [f"warning: backfill {b.name!r}: cohort {b.cohort!r} is not in the warehouse at {wh.root} (yet), and every "
+            f"firing fails until it is: build it with `dxr cohort build --dataset DATASET --name {b.cohort}`"
+            for b in backfills if b.cohort not in known]

@@ -289,6 +289,24 @@ def test_serve_refuses_a_data_dir_without_a_warehouse(tmp_path, monkeypatch):
         "with `dxr synth` or `dxr ingest`"]
 
 
+def test_serve_warns_of_each_backfill_whose_cohort_is_not_built(wh_vocab, tiny_cohort_id, tmp_path, monkeypatch):
+    import prefect
+
+    # Served silently, such a backfill failed at every firing; the cohort may still be built later, so it is served.
+    served = []
+    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.extend(d.name for d in deployments))
+    backfill = '[[backfills]]\nname = "{}"\ncohort = "{}"\ncron = "0 2 * * *"\n'
+    write_config(tmp_path, monkeypatch, backfill.format("by-name", "default") + backfill.format("by-id", tiny_cohort_id)
+                 + backfill.format("typo", "defualt") + backfill.format("later", "big"))
+    result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "serve"])
+    assert result.exit_code == 0, result.output
+    assert served == ["adhoc", "adhoc", "by-name", "by-id", "typo", "later"]
+    assert result.stderr.splitlines() == [
+        f"warning: backfill {name!r}: cohort {cohort!r} is not in the warehouse at {wh_vocab.root} (yet), and every "
+        f"firing fails until it is: build it with `dxr cohort build --dataset DATASET --name {cohort}`"
+        for name, cohort in (("typo", "defualt"), ("later", "big"))]
+
+
 @pytest.mark.parametrize("command", [["serve"], ["forecast", "--cohort", "default", "--system", "repeat_history"]])
 def test_a_prefect_server_that_does_not_answer_is_one_line(wh_vocab, tiny_cohort_id, command):
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -33,7 +33,7 @@ def serve(ctx: click.Context, limit: int) -> None:
     from prefect.settings import PREFECT_API_URL
 
     from flows.api_server import check_configured_api
-    from flows.deployments import build_deployments
+    from flows.deployments import build_deployments, unbuilt_backfill_cohorts
 
     if not PREFECT_API_URL.value():
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
@@ -41,11 +41,13 @@ def serve(ctx: click.Context, limit: int) -> None:
     check_configured_api()
     # Every served flow needs a cohort of this warehouse; a mistyped or relative data dir would re-point the
     # server's deployments at a folder where each run fails.
-    warehouse(ctx, existing=True)
+    wh = warehouse(ctx, existing=True)
     deployments = build_deployments(settings(ctx))
     for deployment in deployments:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
         click.echo(f"deployment {deployment.flow_name}/{deployment.name}: {schedules or 'ad hoc'}")
+    for warning in unbuilt_backfill_cohorts(wh, settings(ctx).backfills):
+        click.echo(warning, err=True)
     click.echo(f"serving to {PREFECT_API_URL.value()}; stop with Ctrl-C")
     interrupted = []
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
