@@ -188,28 +188,49 @@ def test_commits_left_by_killed_writers_are_finished_in_the_order_they_were_made
     """By random ids the later commit's sorted first and lost to the older one, which was finished after it."""
     import uuid
 
-    real_replace = os.replace
+    # Every writer committed, then was killed before any commit could be finished (by a writer, or a reader):
+    # without `finish_commits`, a writer leaves its commit as a kill right after the commit point would.
+    monkeypatch.setattr(store, "finish_commits", lambda commits: None)
+    commits = wh.forecast_dir / store.COMMIT_DIR
+    for text, token in (("made first", "e" * 32), ("made second", "f" * 32), ("made third", "0" * 32)):
+        monkeypatch.setattr(store.uuid, "uuid4", lambda token=token: uuid.UUID(token))
+        wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
+        if text == "made first":  # as an earlier version named it: its random id alone
+            [first] = commits.glob(f"*{store.COMMITTED}")
+            os.replace(first, commits / f"{token}{store.COMMITTED}")
+    monkeypatch.undo()
+    assert len(list(commits.glob(f"*{store.COMMITTED}"))) == 3
+    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["made third"]
+    assert list(commits.iterdir()) == []
+
+
+def test_a_commit_killed_while_a_later_writer_staged_does_not_undo_that_writer(wh, monkeypatch):
+    """A writer past its `finish_commits` that applied only its own commit left an older one behind, which
+    the next read finished over its newer files."""
+    real_replace, real_write_table = os.replace, store.pq.write_table
+    killed = []
 
     def killed_before_the_renames(src, dst):
         if Path(src).parent.name.endswith(store.COMMITTED):
             raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
         return real_replace(src, dst)
 
-    # Both writers committed before either one's commit could be finished (by the other, or a reader).
-    monkeypatch.setattr(store, "finish_commits", lambda commits: None)
-    monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
-    commits = wh.forecast_dir / store.COMMIT_DIR
-    for text, token in (("made first", "e" * 32), ("made second", "f" * 32), ("made third", "0" * 32)):
-        monkeypatch.setattr(store.uuid, "uuid4", lambda token=token: uuid.UUID(token))
-        with pytest.raises(KeyboardInterrupt):
-            wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
-        if text == "made first":  # as an earlier version named it: its random id alone
-            [first] = commits.glob(f"*{store.COMMITTED}")
-            real_replace(first, commits / f"{token}{store.COMMITTED}")
+    def older_writer_commits_meanwhile(*args, **kwargs):
+        # While the later writer stages its files, an older one commits the same partition and is killed.
+        if not killed:
+            killed.append(True)
+            monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+            with pytest.raises(KeyboardInterrupt):
+                wh.write_together([("chunks", chunk_rows("older"), {"corpus": "c", "source": "s"})])
+            monkeypatch.setattr(store.os, "replace", real_replace)
+        return real_write_table(*args, **kwargs)
+
+    monkeypatch.setattr(store.pq, "write_table", older_writer_commits_meanwhile)
+    wh.write_together([("chunks", chunk_rows("newer"), {"corpus": "c", "source": "s"})])
     monkeypatch.undo()
-    assert len(list(commits.glob(f"*{store.COMMITTED}"))) == 3
-    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["made third"]
-    assert list(commits.iterdir()) == []
+    assert killed == [True]
+    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["newer"]
+    assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
 
 
 def test_forecasting_connection_cannot_read_the_gold_store(wh):

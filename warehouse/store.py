@@ -109,7 +109,9 @@ class Warehouse:
             (staging / COMMIT_PLAN).write_text(json.dumps(plan))
             committed = commits / (COMMIT_ID.format(ns=time.time_ns(), token=uuid.uuid4().hex[:8]) + COMMITTED)
             os.replace(staging, committed)  # the commit point: from here on the files are the partitions' own
-        apply_commit(committed)
+        # With the older commits first: one that a writer killed since our `finish_commits` above left would
+        # otherwise be finished after ours, by the next read, and undo it.
+        finish_commits(commits)
         return [store_dir / entry["target"] for entry in plan]
 
     def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
