@@ -112,8 +112,8 @@ TABLES: dict[str, Table] = {
             "host": pa.string(), "pid": pa.int64(),
         }, ["run_id", "kind"], "Every producing command registers its run here (`cohort_id` is null for "
            "dataset-level runs such as `synth`, `ingest` and `corpus:ingest`). `status` is running, finished, "
-           "failed, killed (the process ended without recording how, e.g. SIGKILL or out of memory; set by the next run that "
-           "starts), or stale (a finished fused forecast or evaluation whose outputs were removed because a "
+           "failed, killed (the process ended without recording how, e.g. SIGKILL or out of memory; set by the next "
+           "run that starts), or stale (a finished fused forecast or evaluation whose outputs were removed because a "
            "forecast it read was run again into the run; run it again). `host` and `pid` are the recording "
            "process (null in rows written before they were added). A mean over repeated runs (`dxr evaluate` "
            "with several --run) is registered under its `config-…` run id with kind `evaluate` and the runs it "
