@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -161,24 +164,35 @@ def test_an_ingest_killed_between_the_documents_and_chunks_writes_leaves_them_in
     assert corpus_rows(wh) == corpus_rows(clean)
 
 
+@contextmanager
+def process_holding(program: str):
+    """A child Python process running `program`, which prints 'reading' once it holds its lock; killed at the end
+    (the kernel drops the lock with it)."""
+    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "reading"
+        yield
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def paused_ingest(wh, source: Path, corpus: str) -> str:
+    """A program ingesting `source` into `corpus` that stops for a minute once it holds the corpus's lock."""
+    return ("import time; from pathlib import Path\n"
+            "from tools.corpus import ingest; from warehouse.store import Warehouse\n"
+            "def hold(file):\n"
+            "    print('reading', flush=True); time.sleep(60)\n"
+            f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), {corpus!r}, progress=hold)")
+
+
 def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_line(tmp_path, wh):
     """Two ingests of one path would make concurrent commits of its partitions, whose renames can interleave."""
-    import subprocess
-    import sys
-
     from dxr.cli import main
 
     source = tmp_path / "tiny.jsonl"
     jsonl_corpus(source, TINY)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path\n"
-        "from tools.corpus import ingest; from warehouse.store import Warehouse\n"
-        "def hold(file):\n"
-        "    print('reading', flush=True); time.sleep(60)\n"
-        f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), 'tiny', progress=hold)")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "reading"
+    with process_holding(paused_ingest(wh, source, "tiny")):
         busy = ("corpus 'tiny' is being ingested or read for an index by another dxr process (dxr corpus ingest or "
                 "build): retry when it has finished")
         result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "ingest", "jsonl", str(source),
@@ -189,17 +203,11 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
         assert str(refused.value) == busy
         assert not wh.has_rows("documents", corpus="tiny")
         assert ingest(wh, "jsonl", source, "other").documents == 4  # another corpus meanwhile
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
     assert ingest(wh, "jsonl", source, "tiny").documents == 4  # the kernel dropped the lock with its holder
 
 
 def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_with_other_builds(tmp_path, wh):
     """A build reading `documents` before an ingest's commit and `chunks` after it would index neither state."""
-    import subprocess
-    import sys
-
     from dxr.cli import main
 
     source = tmp_path / "tiny.jsonl"
@@ -207,37 +215,21 @@ def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_wit
     ingest(wh, "jsonl", source, "tiny")
     data = ["--data-dir", str(wh.root)]
     build = [*data, "corpus", "build", "--lexical-only", "--corpus", "tiny"]
-    ingesting = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path\n"
-        "from tools.corpus import ingest; from warehouse.store import Warehouse\n"
-        "def hold(file):\n"
-        "    print('reading', flush=True); time.sleep(60)\n"
-        f"ingest(Warehouse({str(wh.root)!r}), 'jsonl', Path({str(source)!r}), 'tiny', progress=hold)")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert ingesting.stdout.readline().strip() == "reading"
+    with process_holding(paused_ingest(wh, source, "tiny")):
         result = CliRunner().invoke(main, build)
         assert (result.exit_code, result.output) == (
             1, "Error: corpus 'tiny' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
                "finished\n")
-    finally:
-        ingesting.kill()
-        ingesting.wait(timeout=30)
-    building = subprocess.Popen([sys.executable, "-c", (
-        "import time; from tools.corpus import reading_corpora; from warehouse.store import Warehouse\n"
-        f"with reading_corpora(Warehouse({str(wh.root)!r}), ['tiny']):\n"
-        "    print('reading', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert building.stdout.readline().strip() == "reading"
+    with process_holding(
+            "import time; from tools.corpus import reading_corpora; from warehouse.store import Warehouse\n"
+            f"with reading_corpora(Warehouse({str(wh.root)!r}), ['tiny']):\n"
+            "    print('reading', flush=True); time.sleep(60)\n"):
         result = CliRunner().invoke(main, build)
         assert result.exit_code == 0 and "literature: 4 documents, 4 chunks, 0 embedded" in result.stdout, result.output
         result = CliRunner().invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"])
         assert (result.exit_code, result.output) == (
             1, "Error: corpus 'tiny' is being ingested or read for an index by another dxr process (dxr corpus ingest "
                "or build): retry when it has finished\n")
-    finally:
-        building.kill()
-        building.wait(timeout=30)
 
 
 def test_real_medquad_and_pubmedqa():
