@@ -109,6 +109,28 @@ def test_a_reply_in_a_code_fence_is_read_without_a_re_ask(tmp_path, reply):
     assert client.telemetry()["status"].to_list() == ["ok"]
 
 
+@pytest.mark.parametrize("reply", [
+    # Another language's fence before the JSON one was read as the answer ("not JSON") and re-asked.
+    'An example:\n```python\nprint(count)\n```\nThe answer:\n```json\n{"answer": 3}\n```',
+    '```text\ncounted 3 items\n```\n```\n{"answer": 3}\n```',
+    # A JSON fence comes before an untagged one; a fence that is not JSON gives way to the next one that is.
+    '```\n{"answer": 4}\n```\n```json\n{"answer": 3}\n```', '```json\n{answer: 4}\n```\n```{"answer": 3}```',
+    # Small models tag their JSON as another language: read when there is no other fence, the first that is JSON.
+    '```python\n{"answer": 3}\n```', '```text\nI count 3.\n```\n```python\n{"answer": 3}\n```'])
+def test_a_fence_tagged_with_another_language_is_the_answer_only_when_there_is_no_other(tmp_path, reply):
+    client = replay_client(tmp_path, [(QUESTION, reply, 40, 9)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["ok"]
+
+
+def test_beside_a_json_fence_a_python_one_is_not_read_and_the_error_is_the_json_fences(tmp_path):
+    bad = '```json\n{answer: 3}\n```\n```python\n{"answer": 3}\n```'
+    feedback = re_ask(bad, "the reply is not JSON (Expecting property name enclosed in double quotes at character 1)")
+    client = replay_client(tmp_path, [(QUESTION, bad, 1, 1), (feedback, '{"answer": 3}', 1, 1)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["invalid", "ok"]
+
+
 def test_a_json5_fence_is_still_read_as_strict_json(tmp_path):
     bad = '```json5\n{answer: 3,}\n```'  # JSON5's unquoted keys and trailing commas are not JSON
     feedback = re_ask(bad, "the reply is not JSON (Expecting property name enclosed in double quotes at character 1)")

@@ -110,29 +110,52 @@ def refit_chars_per_token(config: LLMConfig, messages: list[dict], refusal: Cont
     return min(fitting, chars_per_token) * 0.95
 
 
-# A Markdown code fence, its info string's first word (`json`, `json5`, `JSONC`, `application/json`) and what follows
-# (to the end of the reply when the fence is not closed: a reply cut off).
-_FENCE = re.compile(r"```[ \t]*(?:[A-Za-z][\w+./-]*)?(.*?)(?:```|$)", re.S)
+# A Markdown code fence: its info string's first word (`json`, `json5`, `python`, none) and what follows (to the end
+# of the reply when the fence is not closed: a reply cut off).
+_FENCE = re.compile(r"```[ \t]*([A-Za-z][\w+./-]*)?(.*?)(?:```|$)", re.S)
 
 
 def parse_json_reply(text: str) -> object:
     """The JSON value of a reply; tolerates a Markdown code fence around it, on one line or with a sentence before
     or after it, as models write it. Its content is read as JSON, whichever JSON flavour the fence names.
 
+    Which fence, when there are several: those tagged with a JSON flavour (`json`, `json5`, `application/json`)
+    first, then untagged ones, each in reply order; the first whose content is JSON is the answer. A fence tagged
+    with another language (a `python` example, a `text` aside) is read only when the reply has no other: small
+    local models tag their JSON `python` or `js`, but beside a JSON fence such a block is not the answer. When no
+    fence read holds JSON, the error is the first one's.
+
     >>> parse_json_reply('```json {"a": 1}```'), parse_json_reply('Here it is:\\n```json5\\n{"a": 1}\\n```\\nDone.')
     ({'a': 1}, {'a': 1})
+    >>> parse_json_reply('```python\\n{"a": 1}\\n```'), parse_json_reply('```python\\nprint(1)\\n```\\n```{"a": 2}```')
+    ({'a': 1}, {'a': 2})
     """
     stripped = text.strip()
     try:
         return json.loads(stripped)
     except json.JSONDecodeError:
-        fenced = _FENCE.search(stripped)
-        if fenced is None:
+        fences = _FENCE.findall(stripped)
+        if not fences:
             raise
-    # The rest of a fence's opening line belongs to its info string (`json title="reply"`), unless the value starts
-    # there (a fence on one line, or `{` after the info word).
-    opening, newline, body = fenced.group(1).partition("\n")
-    return json.loads(body if newline and not opening.strip().startswith(("{", "[")) else fenced.group(1))
+    fences.sort(key=_fence_rank)  # stable: in reply order within a rank
+    if _fence_rank(fences[0]) < 2:
+        fences = [fence for fence in fences if _fence_rank(fence) < 2]
+    first_error = None
+    for _, content in fences:
+        # The rest of a fence's opening line belongs to its info string (`json title="reply"`), unless the value
+        # starts there (a fence on one line, or `{` after the info word).
+        opening, newline, body = content.partition("\n")
+        try:
+            return json.loads(body if newline and not opening.strip().startswith(("{", "[")) else content)
+        except json.JSONDecodeError as exc:
+            first_error = first_error or exc
+    raise first_error
+
+
+def _fence_rank(fence: tuple[str, str]) -> int:
+    """0 for a fence tagged with a JSON flavour, 1 for an untagged one, 2 for one tagged with another language."""
+    tag = fence[0].lower()
+    return 0 if "json" in tag else 1 if not tag else 2
 
 
 @dataclass
