@@ -156,8 +156,9 @@ def test_every_channel_writes_through_one_ledger(wh, tmp_path):
         ("E2", "tiny", "tiny:copd", "readable_unsupported", False)]
     assert rows[0].excerpt.startswith("Chronic kidney disease progresses") and rows[0].anchor == "eGFR 25"
     empty = ledger.job(trajectory_id="t1", query="zzzz qqqq", **{**JOB, "purpose": "discovery"})
-    assert [(r.evidence_id, r.engine, r.state, r.channel) for r in local.run(empty)] == [
-        ("E3", "literature", "no_result", "discovery")]
+    # The engine its hits record (tiny), not the index's name (literature), which no hit records.
+    assert [(r.evidence_id, r.engine, r.state, r.channel, r.detail) for r in local.run(empty)] == [
+        ("E3", "tiny", "no_result", "discovery", "no passage of corpus index literature matches the query")]
     definition = ledger.job(trajectory_id="t2", query="type 2 diabetes definition",
                             **{**JOB, "code": "DIAGNOSIS//ICD//10//E119"})
     row = dictionary.define(definition)
@@ -263,6 +264,26 @@ def test_a_job_of_another_ledger_cannot_be_recorded(wh):
         mine.record(foreign, engine="pmc", state="no_result")
     mine.flush()  # the ledger partition never holds a row whose job is missing from search_jobs
     assert wh.read("ledger").height == 0
+
+
+def test_a_search_without_hits_records_one_no_result_per_engine_its_hits_would_record(wh, tmp_path):
+    from tools.corpus.documents import Document
+
+    pmc = Document("pmc:PMC1", "pmc", "jats", "Dialysis", [("Text", "Dialysis in chronic kidney disease.")],
+                   pmcid="PMC1")
+    arxiv = Document("arxiv:2101.00001", "arxiv", "arxiv", "Forecasting", [("Text", "Forecasting heart failure.")],
+                     arxiv_id="2101.00001")
+    build_index(chunk_frame([pmc, arxiv, *TINY]), tmp_path / "lit", None, name="literature")
+    ledger = Ledger("r1", 0, wh)
+    local = LocalChannel(CorpusIndex(tmp_path / "lit"), ledger, k=5)
+    found = local.run(ledger.job(trajectory_id="t1", query="dialysis", **JOB))
+    assert [(r.evidence_id, r.engine, r.doc_id) for r in found] == [
+        ("E1", "pmc", "pmc:PMC1"), ("E2", "tiny", "tiny:ckd")]
+    empty = local.run(ledger.job(trajectory_id="t1", query="zzzz qqqq", **JOB))
+    assert [(r.evidence_id, r.engine, r.state) for r in empty] == [
+        ("E3", "arxiv", "no_result"), ("E4", "pmc", "no_result"), ("E5", "tiny", "no_result")]
+    ledger.flush()
+    assert retrieval_efficiency(wh.connect(), "r1").rows() == [("t1", 2, 5, 2, 2)]
 
 
 def test_ledger_rows_name_the_chunk_of_their_excerpt_and_join_to_chunks_and_documents(wh, tmp_path):

@@ -17,7 +17,12 @@ class LocalChannel:
     def run(self, job: SearchJob) -> list[LedgerRow]:
         hits = self.index.search(job.query, k=self.k, mode=self.mode if self.index.has_dense else "bm25")
         if not hits:
-            return [self.ledger.record(job, engine=self.index.manifest["name"], state="no_result")]
+            # One attempt per engine searched, each under the engine its hits record (pmc, arxiv, a corpus name;
+            # not the index name `literature`, which no hit records).
+            name = self.index.manifest["name"]
+            return [self.ledger.record(job, engine=engine, state="no_result",
+                                       detail=f"no passage of corpus index {name} matches the query")
+                    for engine in self.index.engines]
         # The whole document is scanned for instruction-like text, as a web page is, not only the excerpt.
         return [self.ledger.record(job, engine=hit.engine, state="readable", doc_id=hit.doc_id, title=hit.title,
                                    url=hit.url, excerpt=hit.passage, source_text=self.index.document_text(hit.doc_id),

@@ -455,6 +455,11 @@ class CorpusIndex:
     def has_dense(self) -> bool:
         return self._dense is not None
 
+    @property
+    def engines(self) -> list[str]:
+        """The ledger engines of the documents indexed (`engine_of`: pmc, arxiv, corpus names), sorted."""
+        return sorted(set(self._col["engine"]))
+
     # ---- retrieval --------------------------------------------------------------------------
     def bm25_chunks(self, query: str, depth: int = DEFAULT_DEPTH) -> list[tuple[int, float]]:
         """(chunk row, BM25 score) of the top `depth` chunks, best first."""
