@@ -419,6 +419,28 @@ def test_sql_json_and_csv_spell_nested_blob_and_interval_values_as_json(wh):
         "2020-01-02 03:04:05,x,"]
 
 
+def test_sql_json_writes_decimals_as_exact_numbers_and_csv_booleans_as_duckdb_does(wh, tmp_path):
+    from warehouse.sql import stream_query
+
+    query = ("SELECT 1.250::DECIMAL(18,3) AS d, 0.0000001::DECIMAL(18,7) AS tiny, "
+             "-12345678901234567890.12::DECIMAL(38,2) AS big, NULL::DECIMAL(9,2) AS none, true AS t, false AS f, "
+             "NULL::BOOLEAN AS nb, 2.5::DOUBLE AS x, [1.10::DECIMAL(4,2)] AS l, {'p': 0.50::DECIMAL(3,2)} AS s, "
+             "union_value(k := 1.5::DECIMAL(4,1)) AS u, [true] AS lb, [2.00]::DECIMAL(3,2)[1] AS a")
+    # Decimals were JSON strings ("1.250"), rounded by nothing but typed as text; now numbers with their digits.
+    assert "".join(stream_query(wh, query, fmt="json")) == (
+        '{"d": 1.250, "tiny": 0.0000001, "big": -12345678901234567890.12, "none": null, "t": true, "f": false, '
+        '"nb": null, "x": 2.5, "l": [1.10], "s": {"p": 0.50}, "u": 1.5, "lb": [true], "a": [2.00]}\n')
+    # Booleans were True / False and the tiny decimal 1E-7; nested values stay JSON text.
+    csv_text = "".join(stream_query(wh, query, fmt="csv"))
+    assert csv_text.splitlines() == ["d,tiny,big,none,t,f,nb,x,l,s,u,lb,a",
+                                     '1.250,0.0000001,-12345678901234567890.12,,true,false,,2.5,[1.10],'
+                                     '"{""p"": 0.50}",1.5,[true],[2.00]']
+    # The scalar cells as DuckDB's own CSV writer spells them.
+    scalars = "SELECT d, tiny, big, none, t, f, nb, x, u FROM (" + query + ")"
+    duckdb.sql(f"COPY ({scalars}) TO '{tmp_path / 'duck.csv'}' (HEADER)")
+    assert "".join(stream_query(wh, scalars, fmt="csv")) == (tmp_path / "duck.csv").read_text()
+
+
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
     rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "
@@ -610,4 +632,4 @@ def test_sql_doctests():
     import warehouse.sql
 
     result = doctest.testmod(warehouse.sql)
-    assert result.failed == 0 and result.attempted == 3, result
+    assert result.failed == 0 and result.attempted == 4, result

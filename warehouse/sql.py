@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import datetime
+import decimal
 import difflib
 import io
 import json
@@ -51,8 +52,11 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
     if fmt == "json":
         keys = unique_names(columns)
         convert = [_json_converter(d[1]) for d in cursor.description]
+        # json.dumps spells a Decimal as text: rows holding decimals are written by _json_text instead.
+        dumps = _json_text if any(_holds_decimal(d[1]) for d in cursor.description) else (
+            lambda value: json.dumps(value, default=str))
         header, text = "", lambda rows: "".join(
-            json.dumps({k: f(v) for k, f, v in zip(keys, convert, r)}, default=str) + "\n" for r in rows)
+            dumps({k: f(v) for k, f, v in zip(keys, convert, r)}) + "\n" for r in rows)
     else:
         convert = [_csv_converter(d[1]) for d in cursor.description]
         header = _csv_text([columns])
@@ -188,7 +192,8 @@ def _json_converter(kind: duckdb.DuckDBPyType) -> Callable:
     keys (numbers, dates, lists, ...) an array of {"key": ..., "value": ...} objects, since JSON keys are
     strings only; a BLOB the base64 of its bytes; an INTERVAL its length in seconds (a number; DuckDB's client
     counts a month as 30 days); NaN and infinities null (JSON has no spelling for them). Every other value is
-    left for json.dumps(default=str): dates and timestamps as ISO text, decimals and UUIDs as text.
+    left for json.dumps(default=str): dates and timestamps as ISO text, UUIDs as text; a DECIMAL stays a Decimal,
+    which `_json_text` writes as a JSON number.
 
     >>> convert = _json_converter(duckdb.sql("SELECT MAP {1: {'b': 'ab'::BLOB}} AS m").description[0][1])
     >>> convert({1: {"b": b"ab"}})
@@ -235,18 +240,53 @@ def _json_plain(value):
     return value
 
 
+def _holds_decimal(kind: duckdb.DuckDBPyType) -> bool:
+    """Whether a value of DuckDB type `kind` may hold a DECIMAL (itself, or a field, item or member of it)."""
+    if kind.id == "decimal":
+        return True
+    if kind.id in ("list", "array"):  # an ARRAY's second child is its size, a number
+        return _holds_decimal(kind.children[0][1])
+    return kind.id in ("struct", "map", "union") and any(_holds_decimal(child) for _, child in kind.children)
+
+
+def _json_text(value) -> str:
+    """`value` (as `_json_converter` makes it) as json.dumps(default=str) spells it, but a Decimal as a JSON number
+    with its exact digits (DECIMAL(18,3) 1.250 as 1.250, 1E-7 as 0.0000001, as DuckDB prints them), not as text
+    and not rounded through a float.
+
+    >>> _json_text({"a": decimal.Decimal("1.250"), "b": [decimal.Decimal("1E-7"), None], "c": "x"})
+    '{"a": 1.250, "b": [0.0000001, null], "c": "x"}'
+    """
+    if isinstance(value, decimal.Decimal):
+        return format(value, "f")
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_json_text(v) for v in value) + "]"
+    return json.dumps(value, default=str)
+
+
+def _csv_scalar(value):
+    """A cell as DuckDB's CSV writer spells it where Python's text differs: a boolean as true / false, a Decimal
+    in fixed-point digits (0.0000001, not 1E-7)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, decimal.Decimal):
+        return format(value, "f")
+    return _json_plain(value)
+
+
 def _csv_converter(kind: duckdb.DuckDBPyType) -> Callable | None:
     """How a CSV cell spells a value of DuckDB type `kind`, or None for the csv module's own text (numbers,
     strings, dates and timestamps as before): a nested value is its JSON text, a BLOB its base64, an
-    INTERVAL its seconds, as `_json_converter` says."""
+    INTERVAL its seconds, as `_json_converter` says; a BOOLEAN and a DECIMAL as `_csv_scalar` says."""
     if kind.id in ("struct", "list", "array", "map"):
         convert = _json_converter(kind)
-        return lambda v: None if v is None else json.dumps(convert(v), default=str)
+        return lambda v: None if v is None else _json_text(convert(v))
     if kind.id == "union":  # the member's value: JSON text when it is nested, as it is otherwise
-        return lambda v: json.dumps(_json_plain(v), default=str) if isinstance(v, (dict, list, tuple)) else (
-            _json_plain(v))
-    if kind.id in ("blob", "interval"):
-        return _json_plain
+        return lambda v: _json_text(_json_plain(v)) if isinstance(v, (dict, list, tuple)) else _csv_scalar(v)
+    if kind.id in ("blob", "interval", "boolean", "decimal"):
+        return _csv_scalar
     return None
 
 

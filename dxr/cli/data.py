@@ -50,7 +50,9 @@ def config_show(ctx: click.Context) -> None:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="An aligned table, CSV, or JSON lines; csv and json write the rows as they come (large exports), "
-                   "structs, lists and maps as JSON (in a CSV cell its text), blobs as base64, intervals as seconds.")
+                   "structs, lists and maps as JSON (in a CSV cell its text), blobs as base64, intervals as seconds, "
+                   "decimals with their exact digits (JSON numbers: DECIMAL(18,3) 1.250 as 1.250), booleans as "
+                   "true/false.")
 @click.option("--with-gold", is_flag=True, help="Also open the gold store (targets, raw MEDS, oracle).")
 @click.option("--run", "run_id", default=None, metavar="RUN_ID",
               help="Show only this run's rows of the tables partitioned by run (runs, rankings, metrics, ledger, "
