@@ -13,6 +13,7 @@ import aiohttp
 import polars as pl
 import pytest
 from aiohttp import web
+from click.testing import CliRunner
 
 from conftest import parquet_writes_failing_from
 from dxr.errors import ConfigError, InputError
@@ -377,6 +378,64 @@ def test_ledger_rows_never_cite_pages_that_were_not_stored(wh, local_index, monk
     assert cited_but_missing() == set()
     asyncio.run(scenario("nothing matches this"))  # a rerun of the shard that read no page
     assert wh.read("documents", corpus="web").height == 0
+
+
+def test_pages_are_committed_under_the_web_corpus_lock_that_a_build_reading_it_shares(wh, tmp_path, monkeypatch):
+    """A flush committed its pages without the corpus's lock: `dxr corpus build --corpus web` read the corpus while
+    it changed. It waits for a reading build now (another process), and a build waits for a flush."""
+    import threading
+
+    import tools.corpus
+    import tools.web.channel
+    from dxr.cli import main
+    from test_corpus import TINY, jsonl_corpus, process_holding
+    from tools.corpus import ingest
+
+    def channel_with(text: str) -> WebChannel:
+        channel = WebChannel(make_provider(WebConfig()), PageReader(None, config(), PageCache(wh)),
+                             Ledger("run1", 0, wh), config())
+        channel.documents["web:0123456789abcdef"] = {"doc_id": "web:0123456789abcdef", "title": "Outcomes",
+                                                     "url": "https://example.org/outcomes", "text": text}
+        return channel
+
+    def stored() -> list:
+        return wh.read("documents", corpus="web").select("source", "doc_id", "sections_json").rows()
+
+    reading = ("import time; from tools.corpus import reading_corpora; from warehouse.store import Warehouse\n"
+               f"with reading_corpora(Warehouse({str(wh.root)!r}), ['web']):\n"
+               "    print('reading', flush=True); time.sleep(60)\n")
+    monkeypatch.setattr(tools.web.channel, "WEB_WRITE_WAIT_SECONDS", 0.0)
+    with process_holding(reading):
+        with pytest.raises(InputError) as refused:
+            channel_with("heart failure readmission").flush()
+    assert str(refused.value) == ("corpus 'web' is being written by a web search or read for an index by another dxr "
+                                  "process (dxr corpus build): retry when it has finished")
+    assert stored() == []
+
+    monkeypatch.setattr(tools.web.channel, "WEB_WRITE_WAIT_SECONDS", 30.0)
+    with process_holding(reading):
+        flushing = threading.Thread(target=channel_with("heart failure readmission").flush)
+        flushing.start()
+        time.sleep(0.5)
+        assert flushing.is_alive() and stored() == []  # waiting for the build's read to end, not refused
+    flushing.join(timeout=30)
+    assert not flushing.is_alive()
+    assert stored() == [("run1-0", "web:0123456789abcdef", '[["Page", "heart failure readmission"]]')]
+
+    # The other way round: a build of the web corpus waits for a flush's commit, then says what holds it.
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    ingest(wh, "jsonl", tmp_path / "tiny.jsonl")  # a build needs an ingested corpus besides the pages
+    monkeypatch.setattr(tools.corpus, "WEB_WRITE_WAIT_SECONDS", 0.0)
+    with process_holding("import time; from tools.corpus import writing_corpus; from warehouse.store import Warehouse\n"
+                         f"with writing_corpus(Warehouse({str(wh.root)!r}), 'web'):\n"
+                         "    print('reading', flush=True); time.sleep(60)\n"):
+        result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "build", "--lexical-only",
+                                           "--corpus", "web", "--name", "pages"])
+    assert (result.exit_code, result.output) == (1, "Error: corpus 'web' is being written by a web search of "
+                                                    "another dxr process: retry when it has finished\n")
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "build", "--lexical-only", "--corpus",
+                                       "web", "--name", "pages"])
+    assert result.exit_code == 0 and "pages: 1 documents, 1 chunks, 0 embedded" in result.stdout, result.output
 
 
 def test_a_copy_of_a_page_another_job_read_is_evidence_for_this_job(wh, local_index):

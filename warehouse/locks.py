@@ -15,8 +15,9 @@ Resources, and who holds them:
 - `run:<id>` is also held shared while a report or the realism table reads the run's evaluation;
 - `run-system:<id>|<system>` (`|` cannot occur in a run id): exclusive during that system's forecast
   into the run; shared while a fused system (`rrf_prior_direct`) reads that system's lists of the run;
-- `corpus:<name>`: exclusive during an ingest of that corpus (`tools.corpus.writing_corpus`); shared while
-  `dxr corpus build` reads its documents and chunks (`tools.corpus.reading_corpora`);
+- `corpus:<name>`: exclusive during an ingest of that corpus (`tools.corpus.writing_corpus`), and `corpus:web`
+  while the web channel commits its pages (`WebChannel.flush`); shared while `dxr corpus build` reads its
+  documents and chunks (`tools.corpus.reading_corpora`);
 - `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a run marked in progress
   (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`).
 

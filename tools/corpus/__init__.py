@@ -45,6 +45,13 @@ FORMATS: dict[str, Format] = {
 }
 
 
+# Pages read by the web channel (tools.web.channel) are stored as this corpus; no ingest may write into it.
+WEB_CORPUS = "web"
+# How long a web search's commit of its pages waits for a build reading the corpus (or another search's commit),
+# and a build for a search's commit, before refusing: both hold the lock only for their read or write.
+WEB_WRITE_WAIT_SECONDS = 60.0
+
+
 @dataclass
 class IngestSummary:
     corpus: str
@@ -132,17 +139,20 @@ def chunks_frame(documents: list[Document], corpus: str, source: str, max_chars:
                                       "text": pl.String})
 
 
-def writing_corpus(warehouse, corpus: str):
-    """The exclusive lock of a corpus, held by an ingest from before it reads until it has written.
+def writing_corpus(warehouse, corpus: str, wait: float = 0.0):
+    """The exclusive lock of a corpus, held by an ingest from before it reads until it has written, and by the web
+    channel while it commits the pages it read (corpus `web`).
 
     Two ingests of one path make concurrent commits of the same partitions, and their renames can interleave:
     one's documents beside the other's chunks.
     """
     from warehouse.locks import held
 
-    return held(warehouse, f"corpus:{corpus}", shared=False,
-                busy=f"corpus {corpus!r} is being ingested or read for an index by another dxr process "
-                     "(dxr corpus ingest or build)")
+    busy = (f"corpus {WEB_CORPUS!r} is being written by a web search or read for an index by another dxr process "
+            "(dxr corpus build)" if corpus == WEB_CORPUS else
+            f"corpus {corpus!r} is being ingested or read for an index by another dxr process (dxr corpus ingest "
+            "or build)")
+    return held(warehouse, f"corpus:{corpus}", shared=False, busy=busy, wait=wait)
 
 
 @contextmanager
@@ -156,9 +166,13 @@ def reading_corpora(warehouse, corpora: Iterable[str]) -> Iterator[None]:
 
     with ExitStack() as stack:
         for corpus in sorted(set(corpora)):
-            stack.enter_context(held(warehouse, f"corpus:{corpus}", shared=True,
-                                     busy=f"corpus {corpus!r} is being ingested by another dxr process "
-                                          "(dxr corpus ingest)"))
+            if corpus == WEB_CORPUS:  # a web search holds it for one commit: wait that out rather than fail
+                lock = held(warehouse, f"corpus:{corpus}", shared=True, wait=WEB_WRITE_WAIT_SECONDS,
+                            busy=f"corpus {corpus!r} is being written by a web search of another dxr process")
+            else:
+                lock = held(warehouse, f"corpus:{corpus}", shared=True,
+                            busy=f"corpus {corpus!r} is being ingested by another dxr process (dxr corpus ingest)")
+            stack.enter_context(lock)
         yield
 
 

@@ -23,6 +23,7 @@ import polars as pl
 
 from dxr.errors import InputError
 from tools.config import WebConfig
+from tools.corpus import WEB_CORPUS, WEB_WRITE_WAIT_SECONDS, writing_corpus
 from tools.corpus.documents import normalize_url
 from tools.ledger import Ledger, LedgerRow, SearchJob
 from tools.passages import focused_passage
@@ -164,7 +165,7 @@ class WebChannel:
     def documents_frame(self, source: str) -> pl.DataFrame:
         """Pages read in this channel as `documents` rows (corpus `web`)."""
         now = datetime.now(timezone.utc).replace(tzinfo=None)
-        rows = [{"corpus": "web", "source": source, "doc_id": d["doc_id"], "source_format": "web",
+        rows = [{"corpus": WEB_CORPUS, "source": source, "doc_id": d["doc_id"], "source_format": "web",
                  "title": d["title"], "url": d["url"], "doi": None, "pmcid": None, "pmid": None, "arxiv_id": None,
                  "sections_json": json.dumps([["Page", d["text"]]], ensure_ascii=False), "n_chars": len(d["text"]),
                  "ingested_at": now} for d in sorted(self.documents.values(), key=lambda d: d["doc_id"])]
@@ -177,13 +178,18 @@ class WebChannel:
         """Write the pages read (documents, corpus `web`) and the ledger partition citing them as one commit, then
         the page cache: a flush cut short never leaves ledger rows citing pages that were not stored, neither this
         attempt's nor, beside this attempt's pages, an earlier one's. The pages' partition is replaced even when
-        empty, so a rerun of the shard keeps no pages of an earlier attempt."""
+        empty, so a rerun of the shard keeps no pages of an earlier attempt.
+
+        The commit holds the corpus's exclusive lock, as an ingest does: `dxr corpus build --corpus web` reads the
+        corpus under the shared one. Only the commit: the page cache's bucket locks are never taken inside it.
+        """
         if self.ledger.warehouse is None:
             raise InputError("this WebChannel's ledger has no warehouse to write to: pass warehouse=Warehouse(root)")
         source = f"{self.ledger.run_id}-{self.ledger.shard}"
-        self.ledger.warehouse.write_together([("documents", self.documents_frame(source), {"corpus": "web",
-                                                                                           "source": source}),
-                                              *self.ledger.partitions()])
+        with writing_corpus(self.ledger.warehouse, WEB_CORPUS, wait=WEB_WRITE_WAIT_SECONDS):
+            self.ledger.warehouse.write_together([
+                ("documents", self.documents_frame(source), {"corpus": WEB_CORPUS, "source": source}),
+                *self.ledger.partitions()])
         self.reader.cache.flush()
 
     async def close(self) -> None:
