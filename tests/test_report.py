@@ -159,6 +159,48 @@ def test_a_rerender_that_fails_between_files_leaves_the_previous_set_whole(wh, t
     assert sorted(p.name for p in out.iterdir()) == sorted(before)
 
 
+def test_a_render_killed_at_any_step_of_its_swap_leaves_one_whole_report(wh, tmp_path):
+    # The old report was moved aside before the new one was moved in: a render killed (SIGKILL, the OOM killer)
+    # between the two renames left no report at all, and the next render removed the old one as scratch.
+    import subprocess
+    import sys
+
+    out, expected = tmp_path / "out", tmp_path / "expected"
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    render_report(wh, "r1", out)
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    evaluate_run(wh, "r1", ks=(2,), n_boot=10, seed=1)
+    render_report(wh, "r1", expected)
+    new = {p.name: p.read_bytes() for p in expected.iterdir()}
+    assert old != new
+    # A render that kills itself at its `step`-th move of a directory: before it (even steps) or after it (odd).
+    program = ("import os, signal, sys\nimport warehouse.meds as meds\n"
+               "from tasks.report import render_report\nfrom warehouse.store import Warehouse\n"
+               "step, moves = int(sys.argv[1]), [0]\n"
+               "def killing(move):\n"
+               "    def moving(*paths):\n"
+               "        moves[0] += 1\n"
+               "        if step == 2 * moves[0] - 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+               "        done = move(*paths)\n"
+               "        if step == 2 * moves[0] - 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+               "        return done\n"
+               "    return moving\n"
+               "meds.exchange, meds.os.replace = killing(meds.exchange), killing(meds.os.replace)\n"
+               f"render_report(Warehouse({str(wh.root)!r}), 'r1', {str(out)!r})\n")
+    seen = []
+    for step in range(10):
+        child = subprocess.run([sys.executable, "-c", program, str(step)], capture_output=True, text=True, timeout=120)
+        assert child.returncode in (-9, 0), child.stderr
+        shown = {p.name: p.read_bytes() for p in out.iterdir()} if out.is_dir() else {}
+        seen.append("old" if shown == old else "new" if shown == new else sorted(shown))
+        if child.returncode == 0:
+            break
+    assert seen == ["old", "new", "new"]
+    render_report(wh, "r1", out)  # removes what the killed renders left beside the report
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["expected", "out", "wh"]
+
+
 def test_a_report_rendered_over_another_keeps_none_of_its_files(wh, tmp_path):
     # A mean over repeated runs draws no K-sweep: rendered into r1's report directory, it left r1's k_sweep.png
     # there beside its own figures.

@@ -604,6 +604,20 @@ def test_a_key_value_no_write_accepts_names_no_partition_rather_than_matching_ot
     assert wh.read("targets", cohort_id="a").height == 3
 
 
+def test_a_directory_swap_trades_the_two_places_in_one_step_where_the_system_can(tmp_path, monkeypatch):
+    import warehouse.meds as meds
+
+    target, staging = tmp_path / "report", tmp_path / "staging"
+    for directory, text in ((target, "old"), (staging, "new")):
+        directory.mkdir()
+        (directory / "report.md").write_text(text)
+    # Not moved aside and then replaced, two renames between which a kill would leave no directory at `target`.
+    monkeypatch.setattr(meds.os, "replace", lambda *paths: pytest.fail(f"renamed {paths} one after the other"))
+    meds.replace_dir(staging, target)
+    assert (target / "report.md").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
 def test_an_interrupt_between_the_renames_of_a_directory_swap_puts_the_old_directory_back(tmp_path, monkeypatch):
     import warehouse.meds as meds
 
@@ -612,6 +626,7 @@ def test_an_interrupt_between_the_renames_of_a_directory_swap_puts_the_old_direc
     (target / "report.md").write_text("old")
     staging.mkdir()
     (staging / "report.md").write_text("new")
+    monkeypatch.setattr(meds, "exchange", lambda a, b: False)  # a file system that cannot swap two paths (NFS)
     rename = os.replace
 
     def interrupted(src, dst):  # Ctrl-C arriving once the old directory is moved aside

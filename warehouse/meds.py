@@ -32,7 +32,7 @@ from flexible_schema.exceptions import SchemaValidationError
 
 from dxr.errors import InputError
 from warehouse import duck
-from warehouse.scratch import naming, remove_abandoned, scratch
+from warehouse.scratch import exchange, naming, remove_abandoned, scratch
 
 # Extra columns this platform relies on; `encounter_id` groups events into hospital encounters.
 EXTRA_COLUMNS = {"encounter_id": pa.int64()}
@@ -654,9 +654,14 @@ def _wall_clock(column: pa.Array, offset: timedelta | None) -> pa.Array:
 def replace_dir(staging: Path, target: Path) -> None:
     """Swap a fully written directory into place; the old one is removed only after the swap.
 
-    An exception between the two renames (Ctrl-C, SIGTERM as the CLI raises it) puts the old one back: the
-    scratch block would otherwise remove it, leaving neither.
+    Where the system can, the two trade places in one step (`exchange`), so a reader finds the old directory or the
+    new one at `target`, never neither, even when this process is killed (the old one is then left at `staging`,
+    the scratch of a killed write). Elsewhere the old one is moved aside first: an exception between the two renames
+    (Ctrl-C, SIGTERM as the CLI raises it) puts it back, since the scratch block would otherwise remove it.
     """
+    if target.is_dir() and exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # the old directory now
+        return
     with scratch(target, "old") as old:
         try:
             if target.exists():

@@ -13,6 +13,8 @@ works. Scratch without a lock file (left by earlier versions) is judged by host 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
 import re
@@ -25,6 +27,10 @@ from pathlib import Path
 
 _HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
 LOCK_KIND = "lock"
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # <linux/fs.h>: renameat2 swaps the two paths
+# renameat2's answers for a kernel or file system that cannot swap (Linux before 3.15, NFS, ...).
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 @contextmanager
@@ -61,6 +67,22 @@ def naming(target: Path) -> Iterator[None]:
         if exc.filename is not None:
             raise
         raise OSError(exc.errno, os.strerror(exc.errno) if exc.errno else str(exc), str(target)) from exc
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux `renameat2` with RENAME_EXCHANGE): there is no moment at which
+    either name is missing, not even for a process killed midway. False where the system cannot (not Linux, glibc
+    before 2.28, a file system without the flag); the caller then renames one after the other."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def remove_abandoned(target: Path) -> list[Path]:
