@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from datetime import datetime
 
 import polars as pl
@@ -460,8 +461,6 @@ def file_digests(root) -> dict[str, str]:
 
 
 def test_a_copied_data_dir_trains_and_forecasts_with_its_own_mlflow_artifacts_only(tmp_path):
-    import shutil
-
     original, copy = tmp_path / "prod", tmp_path / "trial"
     cohort = write_planted_cohort(Warehouse(original), n_patients=60, seed=4)
     cfg = PriorConfig(**TINY, epochs=1)
@@ -492,6 +491,21 @@ def test_a_copied_data_dir_trains_and_forecasts_with_its_own_mlflow_artifacts_on
     recorded = json.loads(wh.read("runs", run_id="trial-1", kind="forecast:ehr_prior")["config_json"][0])
     assert (recorded["model"]["version"], recorded["model"]["mlflow_run_id"]) == ("2", second.mlflow_run_id)
     assert wh.read("rankings", run_id="trial-1").height == 20 * wh.read("trajectories").height
+
+
+def test_re_pointing_a_copied_store_is_said_in_one_line_once(tmp_path, caplog):
+    # Without the line, a store opened under two paths (a container's mount and the host's) would flip silently.
+    tracking.use_tracking(tmp_path / "prod", None, "dxr-ehr-prior")
+    shutil.copytree(tmp_path / "prod", tmp_path / "trial")
+    db = (tmp_path / "trial" / "mlflow" / "mlflow.db").resolve()
+    caplog.set_level(logging.INFO, logger="models.prior.tracking")
+    tracking.use_tracking(tmp_path / "trial", None, "dxr-ehr-prior")
+    tracking.use_tracking(tmp_path / "trial", None, "dxr-ehr-prior")  # nothing left to re-point
+    old, new = ((tmp_path / d / "mlflow" / "artifacts").resolve().as_uri() for d in ("prod", "trial"))
+    assert [r.getMessage() for r in caplog.records if r.name == "models.prior.tracking"] == [
+        f"MLflow store {db}: artifact locations recorded under {old} re-pointed to {new} (the data dir was moved, "
+        "copied or restored)"]
+    assert tracking.mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == new
 
 
 def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
@@ -634,8 +648,6 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
 
 
 def test_an_interrupted_model_download_leaves_nothing_a_later_load_takes_for_a_model(trained, monkeypatch):
-    import shutil
-
     from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
     wh, cohort, _, _ = trained

@@ -13,6 +13,7 @@ its own artifacts, never the original's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -39,6 +40,7 @@ WEIGHTS = Path("data") / "model.pth"  # an `mlflow.pytorch` model's network, the
 # What a store answers for a registered model, version or alias that does not exist (an unknown alias
 # is an invalid parameter to MLflow); any other error is the store's, not a missing model.
 ABSENT = frozenset({"RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"})
+log = logging.getLogger(__name__)
 
 
 def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
@@ -101,9 +103,9 @@ def relocate_store(db: Path) -> None:
     Every experiment dxr creates there keeps its artifacts in `<data_dir>/mlflow/artifacts`; one whose recorded
     location is another `…/mlflow/artifacts` was made in the data dir this one was moved, copied or restored
     from. Its location, and those of its runs, logged models and model versions, are rewritten to this data
-    dir in one transaction; a training here would otherwise write into the original's artifact directory,
-    and a load read the original's files (or fail once it is gone). Other locations (MLflow's `Default`
-    experiment in the working directory) are left as they are.
+    dir in one transaction, and a warning names both; a training here would otherwise write into the original's
+    artifact directory, and a load read the original's files (or fail once it is gone). Other locations (MLflow's
+    `Default` experiment in the working directory) are left as they are.
     """
     if not db.is_file():
         return
@@ -114,7 +116,8 @@ def relocate_store(db: Path) -> None:
                 return
             con.execute("BEGIN IMMEDIATE")  # re-read under the write lock: another process may have done it
             present = [(table, column) for table, column in LOCATION_COLUMNS if column in columns(con, table)]
-            for old in moved_from(con, here):
+            olds = moved_from(con, here)
+            for old in olds:
                 for table, column in present:
                     con.execute(f"UPDATE {table} SET {column} = ? || substr({column}, length(?) + 1) "
                                 f"WHERE {column} = ? OR substr({column}, 1, length(?) + 1) = ? || '/'",
@@ -123,6 +126,9 @@ def relocate_store(db: Path) -> None:
     except sqlite3.Error as exc:
         raise ConfigError(f"MLflow store {db} failed while checking where its artifacts are: {exc}: it must be a "
                           "readable and writable SQLite file (restore it from a backup if it is damaged)") from exc
+    if olds:  # a warning, so a CLI command shows it: a store opened under two paths at once re-points on every open
+        log.warning("MLflow store %s: artifact locations recorded under %s re-pointed to %s (the data dir was moved, "
+                    "copied or restored)", db, ", ".join(olds), here)
 
 
 def columns(con: sqlite3.Connection, table: str) -> set[str]:
