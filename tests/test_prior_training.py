@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 from datetime import datetime
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -506,6 +507,25 @@ def test_re_pointing_a_copied_store_is_said_in_one_line_once(tmp_path, caplog):
         f"MLflow store {db}: artifact locations recorded under {old} re-pointed to {new} (the data dir was moved, "
         "copied or restored)"]
     assert tracking.mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == new
+
+
+def test_a_data_dir_copied_without_its_mlflow_artifacts_says_so_when_loading(trained, tmp_path):
+    # MLflow downloads nothing, without an error, from a local artifact location that does not exist.
+    wh, cohort, result, _ = trained
+    copy = Path(shutil.copytree(wh.root, tmp_path / "copy", ignore=shutil.ignore_patterns("artifacts", "cache")))
+    try:
+        with pytest.raises(NotFoundError) as raised:
+            RegisteredPrior(PriorConfig(**TINY)).fit(Warehouse(copy).connect(), cohort)
+        client = tracking.MlflowClient()
+        location = client.get_model_version_download_uri(result.registered_model, "1")
+    finally:
+        tracking.use_tracking(wh.root, None, "dxr-ehr-prior")  # process-wide: later tests use the original
+    assert location.startswith((copy / "mlflow" / "artifacts").as_uri() + "/models/m-")
+    assert str(raised.value) == (
+        f"{result.registered_model} version 1 has no model files at {location}: the MLflow store's artifacts are "
+        "missing (a data dir moved, copied or restored without mlflow/artifacts?): copy them in with mlflow.db, or "
+        f"train again with `dxr prior train --cohort {cohort} --system ehr_prior`")
+    assert not (copy / "mlflow" / "cache" / result.registered_model / f"v1-{result.mlflow_run_id}").exists()
 
 
 def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):

@@ -263,6 +263,13 @@ def download_model(system: str, cohort_id: str, version: str, run_id: str, cache
                 raise ConfigError(f"downloading {name} version {version}: out of disk space in {cache_dir}: free "
                                   "disk space there, or point --data-dir (DXR_DATA_DIR) to a disk with room") from exc
             raise store_error(exc, f"downloading {name} version {version}") from exc
+        if not (staging / WEIGHTS).is_file():  # MLflow downloads nothing, and says nothing, from a missing local dir
+            with store_errors(f"looking up where {name} version {version} is stored"):
+                location = MlflowClient().get_model_version_download_uri(name, version)
+            raise NotFoundError(f"{name} version {version} has no model files at {location}: the MLflow store's "
+                                "artifacts are missing (a data dir moved, copied or restored without "
+                                "mlflow/artifacts?): copy them in with mlflow.db, or train again with "
+                                f"`dxr prior train --cohort {cohort_id} --system {system}`")
         if (target / WEIGHTS).is_file():  # another process finished the same download first
             return target
         if target.exists():  # an incomplete copy (left by an older dxr) or one without weights
