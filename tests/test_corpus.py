@@ -726,6 +726,17 @@ def test_an_index_opened_while_a_build_swaps_it_is_read_from_one_build(tmp_path,
     assert (hit.doc_id, hit.title) == ("tiny:new2", "New 2") and "organ number 2" in hit.passage
 
 
+def test_a_rebuild_trades_places_with_the_old_index_in_one_step_where_the_system_can(tmp_path, monkeypatch):
+    import tools.index
+
+    build_index(chunk_frame(TINY), tmp_path / "idx", None)
+    # Not moved aside and then replaced: between those two renames a search found no index at all.
+    monkeypatch.setattr(tools.index.os, "replace", lambda *paths: pytest.fail(f"renamed {paths} one after the other"))
+    build_index(chunk_frame(TINY[:1]), tmp_path / "idx", None)
+    assert CorpusIndex(tmp_path / "idx").chunks.height == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".idx.lock", "idx"]
+
+
 def test_an_index_whose_parts_disagree_asks_for_a_rebuild(tmp_path):
     build_index(chunk_frame(TINY), tmp_path / "idx", None)
     chunks = pl.read_parquet(tmp_path / "idx" / "chunks.parquet")

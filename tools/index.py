@@ -36,6 +36,7 @@ from dxr.errors import InputError, NotFoundError
 from tools.corpus.documents import (DEFAULT_CHUNK_CHARS, Document, chunk_document, normalize_arxiv_id,
                                     normalize_doi, normalize_pmcid, text_hash)
 from tools.passages import DEFAULT_PASSAGE_CHARS, focused_passage
+from warehouse.scratch import exchange
 
 RRF_K = 60
 # The identifiers a web hit can name, each in the one form both sides of `CorpusIndex.resolve` compare.
@@ -215,7 +216,8 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
     """Write an index directory for `chunks`; `embedder=None` builds a lexical-only index.
 
     The index is written to a staging directory beside `out_dir` and swapped in by rename, so a
-    build killed at any point leaves the previous index intact; embeddings are checkpointed in
+    build killed at any point leaves the previous index intact (where the system can, the two trade places in one
+    step, `warehouse.scratch.exchange`, so a search never finds no index there); embeddings are checkpointed in
     batches there, so the next build resumes instead of re-embedding. Embeddings of chunk texts
     already present in a previous build of this directory (or of the index directories in
     `share_embeddings_with`) are reused. Two builds of one directory at once are refused.
@@ -238,6 +240,9 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
         _clear_staging(staging)
         manifest = _write_index(chunks, staging, embedder, cached, index_titles=index_titles,
                                 name=name or out_dir.name, corpora=corpora)
+        if out_dir.exists() and exchange(staging, out_dir):
+            shutil.rmtree(staging, ignore_errors=True)  # the old index now; a kill here leaves it to be cleared
+            return manifest
         if out_dir.exists():
             os.replace(out_dir, retired)
         os.replace(staging, out_dir)
