@@ -388,8 +388,7 @@ def test_pages_are_committed_under_the_web_corpus_lock_that_a_build_reading_it_s
     import tools.corpus
     import tools.web.channel
     from dxr.cli import main
-    from test_corpus import TINY, jsonl_corpus, process_holding
-    from tools.corpus import ingest
+    from test_corpus import process_holding
 
     def channel_with(text: str) -> WebChannel:
         channel = WebChannel(make_provider(WebConfig()), PageReader(None, config(), PageCache(wh)),
@@ -423,8 +422,6 @@ def test_pages_are_committed_under_the_web_corpus_lock_that_a_build_reading_it_s
     assert stored() == [("run1-0", "web:0123456789abcdef", '[["Page", "heart failure readmission"]]')]
 
     # The other way round: a build of the web corpus waits for a flush's commit, then says what holds it.
-    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
-    ingest(wh, "jsonl", tmp_path / "tiny.jsonl")  # a build needs an ingested corpus besides the pages
     monkeypatch.setattr(tools.corpus, "WEB_WRITE_WAIT_SECONDS", 0.0)
     with process_holding("import time; from tools.corpus import writing_corpus; from warehouse.store import Warehouse\n"
                          f"with writing_corpus(Warehouse({str(wh.root)!r}), 'web'):\n"
@@ -436,6 +433,23 @@ def test_pages_are_committed_under_the_web_corpus_lock_that_a_build_reading_it_s
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "build", "--lexical-only", "--corpus",
                                        "web", "--name", "pages"])
     assert result.exit_code == 0 and "pages: 1 documents, 1 chunks, 0 embedded" in result.stdout, result.output
+
+
+def test_the_pages_alone_can_be_indexed_when_no_corpus_is_ingested(wh):
+    """`dxr corpus build --corpus web` answered "no corpus ingested yet" when the web pages were the only corpus."""
+    from dxr.cli import main
+
+    channel = WebChannel(make_provider(WebConfig()), PageReader(None, config(), PageCache(wh)), Ledger("run1", 0, wh),
+                         config())
+    channel.documents["web:0123456789abcdef"] = {"doc_id": "web:0123456789abcdef", "title": "Outcomes",
+                                                 "url": "https://example.org/outcomes", "text": "heart failure"}
+    channel.flush()
+    build = ["--data-dir", str(wh.root), "corpus", "build", "--lexical-only"]
+    result = CliRunner().invoke(main, [*build, "--corpus", "web", "--name", "pages"])
+    assert result.exit_code == 0 and "pages: 1 documents, 1 chunks, 0 embedded" in result.stdout, result.output
+    result = CliRunner().invoke(main, build)  # without a corpus named, the pages alone make no literature index
+    assert (result.exit_code, result.output) == (
+        1, "Error: no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first\n")
 
 
 def test_a_copy_of_a_page_another_job_read_is_evidence_for_this_job(wh, local_index):

@@ -152,7 +152,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     config = settings(ctx)
     wh = warehouse(ctx)
     ingested = sorted(set(wh.read("documents")["corpus"].unique().to_list()) - {WEB_CORPUS})
-    if not ingested:
+    if not ingested and not corpora:  # named corpora (`web` too) are checked as they are read
         raise InputError("no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first")
     plans = []
     if name or corpora:
