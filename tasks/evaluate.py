@@ -40,9 +40,9 @@ union of the full lists of some systems (`headroom` table).
 Repeated runs of one configuration: a configuration is the cohort, the run kind and the run's
 `config_json` without the keys in `CONFIG_IGNORED_KEYS`; its metrics are the mean of the run-level
 metrics (with the same patient resample in every run), written under the run id
-`config-<hash>` with `n_runs` = the number of runs, and registered there (kind `evaluate`, the
-averaged runs under `runs` in its config) so that a report refuses the mean once a forecast of one
-of those runs is run again.
+`config-<hash>` (or every system's under one run id the caller names) with `n_runs` = the number
+of runs, and registered there (kind `evaluate`, the averaged runs under `runs` in its config) so
+that a report refuses the mean once a forecast of one of those runs is run again.
 """
 
 from __future__ import annotations
@@ -779,8 +779,32 @@ def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
     return json.dumps({"cohort_id": row["cohort_id"], "kind": row["kind"], "config": config}, sort_keys=True)
 
 
+# The run ids of means over repeated runs that are named after their configuration (`configuration_id`).
+CONFIGURATION_PREFIX = "config-"
+
+
 def configuration_id(key: str) -> str:
-    return "config-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return CONFIGURATION_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def check_mean_run_id(wh: Warehouse, run_id: str) -> None:
+    """Refuse a run id named for a mean over repeated runs that holds anything but an earlier mean.
+
+    A rerun under the same id replaces that mean; writing a mean under a forecast run's id (one of
+    the averaged runs, say) would replace that run's own evaluation and be mistaken for it.
+    """
+    check_run_id(run_id)
+    if run_id.startswith(CONFIGURATION_PREFIX):
+        raise InputError(f"--run-id {run_id}: ids starting with {CONFIGURATION_PREFIX} are those a mean over repeated "
+                         "runs gets without --run-id (one per configuration): choose another")
+    # A run's own evaluation is registered beside its forecasts (kind `evaluate` too): the other kinds tell them apart.
+    others = wh.read("runs", run_id=run_id).filter(pl.col("kind") != EVALUATE_KIND)["kind"].sort().to_list()
+    if others:
+        raise InputError(f"--run-id {run_id} is a {others[0]} run (see `runs`), not a mean over repeated runs: pass a "
+                         "new --run-id for the mean")
+    if wh.has_rows("rankings", run_id=run_id) or wh.has_rows("ranking_status", run_id=run_id):
+        raise InputError(f"--run-id {run_id} holds rankings (a forecast run), not a mean over repeated runs: pass a "
+                         "new --run-id for the mean")
 
 
 def repeated_systems(systems: list[str] | None) -> list[str] | None:
@@ -795,21 +819,26 @@ def repeated_systems(systems: list[str] | None) -> list[str] | None:
 
 
 def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | None = None, ks=DEFAULT_KS,
-                      n_boot: int = 1000, seed: int = 0, natural: bool = True, write: bool = True) -> pl.DataFrame:
+                      n_boot: int = 1000, seed: int = 0, natural: bool = True, write: bool = True,
+                      run_id: str | None = None) -> pl.DataFrame:
     """Mean of run-level metrics over repeats of one configuration per system, with `n_runs`.
 
     Every run must cover the same frozen trajectories; the bootstrap applies one patient resample
     to every run, and the interval is that of the mean over runs. Oracles named in `systems` are left
     out: they are read from the gold store, the same in every run, and no forecast configures them.
+    The mean of each system goes under its configuration's `config-…` id, or under `run_id` when
+    given; either id's earlier mean is replaced whole.
     """
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
         raise InputError(f"repeated runs need at least two distinct run ids, got {run_ids}")
+    if run_id is not None:
+        check_mean_run_id(wh, run_id)
     systems = repeated_systems(systems)
     all_ks = budgets(ks, natural)
     with ExitStack() as locks:
-        for run_id in sorted(set(run_ids)):
-            locks.enter_context(holding_run(wh, run_id, exclusive=True))
+        for member in sorted(set(run_ids)):
+            locks.enter_context(holding_run(wh, member, exclusive=True))
         started = datetime.now()  # the lists are read from here on: a forecast finished later is not in the mean
         runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
                 for r in run_ids]
@@ -832,20 +861,26 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
         point = np.mean([e.point[m:m + 1] for e in estimates], axis=0)
         boot = None if weights is None else np.mean([e.boot[:, m:m + 1] for e in estimates], axis=0)
         frames.append(metric_frame([system], all_ks, point, boot, estimates[0].n)
-                      .with_columns(run_id=pl.lit(configuration_id(keys.pop()))))
+                      .with_columns(run_id=pl.lit(run_id or configuration_id(keys.pop()))))
     metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
                                                                   n_runs=pl.lit(len(runs))))
     if write:
-        for (config_id,), part in metrics.group_by("run_id"):
-            # Like a run's evaluation: not `finished` until its rows are all written.
-            mark_stale(wh, config_id, EVALUATE_KIND)
-            for (system,), rows in part.group_by("system"):
-                wh.write("metrics", rows, run_id=config_id, system=system)
-            # Registered with the runs it averages and when it read them, so that a report can tell when one
-            # of their forecasts was run again since (`changed_since_mean`).
-            record_run(wh, config_id, first.cohort_id, EVALUATE_KIND,
-                       {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
-                        "n_boot": n_boot, "seed": seed}, "finished", started, datetime.now())
+        for (mean_id,), part in metrics.group_by("run_id"):
+            # Held like a run being evaluated: no report reads the mean, and no second mean writes it, meanwhile.
+            with holding_run(wh, mean_id, exclusive=True):
+                if run_id is not None:
+                    check_mean_run_id(wh, run_id)  # again under the lock: a forecast may have taken the id since
+                # Like a run's evaluation: not `finished` until its rows are all written, and replaced whole, so a
+                # rerun with fewer systems leaves none of the earlier mean's rows beside its own.
+                mark_stale(wh, mean_id, EVALUATE_KIND)
+                wh.delete("metrics", run_id=mean_id)
+                for (system,), rows in part.group_by("system"):
+                    wh.write("metrics", rows, run_id=mean_id, system=system)
+                # Registered with the runs it averages and when it read them, so that a report can tell when one
+                # of their forecasts was run again since (`changed_since_mean`).
+                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND,
+                           {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
+                            "n_boot": n_boot, "seed": seed}, "finished", started, datetime.now())
     return metrics
 
 

@@ -29,8 +29,8 @@ from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
-from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, estimate, load_run,  # noqa: E402
-                            metric_rows, system_counts)
+from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
+                            estimate, load_run, metric_rows, system_counts)
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
@@ -314,9 +314,11 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
-    # A mean over repeated runs (`config-…`) is evaluated again by naming the runs it averages.
+    # A mean over repeated runs is evaluated again by naming the runs it averages, and its id unless it is the
+    # `config-…` id the mean gets by default.
     averaged = [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
-    again = f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}"
+    named = f" --run-id {run_id}" if averaged and not run_id.startswith(CONFIGURATION_PREFIX) else ""
+    again = f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}{named}"
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (its forecasts or metrics "
                          f"changed after it was written): run `{again}` again, then the report")

@@ -383,6 +383,13 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
                               "repeat_history,global_frequency", data_dir=data_dir))
     assert line == ("Error: pair repeat_history,global_frequency names 'global_frequency', not evaluated in run 'r1'; "
                     "evaluated: repeat_history")
+    # The mean's --run-id must not be a forecast run's (here one of the averaged runs), nor name a mean of one run.
+    line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", "--run-id", "r1", data_dir=data_dir))
+    assert line == ("Error: --run-id r1 is a forecast:repeat_history run (see `runs`), not a mean over repeated runs: "
+                    "pass a new --run-id for the mean")
+    line = one_line_error(run("evaluate", "--run", "r1", "--run", "r1", "--run-id", "mean", data_dir=data_dir))
+    assert line == ("Error: --run-id names the mean over several --run values; the evaluation of the one run r1 is "
+                    "stored under its own id: leave --run-id out, or add the runs to average")
     assert not Warehouse(data_dir).has_rows("metrics")
     # Option values are checked before the work starts, and a list option naming nothing is no silent default.
     for option, value, line in [
@@ -396,6 +403,19 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     result = run("evaluate", "--run", "r1", "--bootstrap", "-1", data_dir=data_dir)
     assert result.exit_code == 2 and "Invalid value for '--bootstrap': -1 is not in the range x>=0." in result.output
     assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
+
+    # A repeat of r1's forecast: the mean of the two goes under the --run-id given, registered there.
+    assert run("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r3",
+               data_dir=data_dir).exit_code == 0
+    result = run("evaluate", "--run", "r1", "--run", "r3", "--run-id", "mean", "--k", "2", "--no-natural",
+                 "--bootstrap", "0", "--systems", "repeat_history", data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert [line.split()[:5] for line in result.stdout.splitlines()[1:]] == [
+        ["r1", "repeat_history", "2", "3", "1"], ["r3", "repeat_history", "2", "3", "1"],
+        ["mean", "repeat_history", "2", "3", "2"]]
+    registered = Warehouse(data_dir).read("runs", run_id="mean")
+    assert registered.select("kind", "status").rows() == [("evaluate", "finished")]
+    assert json.loads(registered["config_json"][0])["runs"] == ["r1", "r3"]
 
 
 def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):

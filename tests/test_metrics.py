@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
@@ -346,6 +347,46 @@ def test_repeated_runs_average_run_level_metrics(wh):
     assert value(metrics, "s1", "micro_precision", 2) == pytest.approx(2 / 3)
     stored = wh.read("metrics", run_id=metrics["run_id"][0])
     assert stored.height == metrics.height
+
+
+def test_a_named_mean_over_repeated_runs_is_replaced_whole_by_a_rerun_and_takes_no_other_runs_id(wh):
+    write_rankings(wh, "r6", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]},
+                                       "s2": {T1: [B, C], T2: [X, E], T3: [E, X]}}, status={})
+    started = datetime(2026, 1, 1)
+    for run_id in ("r1", "r6"):
+        for system in ("s1", "s2"):
+            record_run(wh, run_id, COHORT, f"forecast:{system}", {"system": system, "k": 2}, "finished", started,
+                       started)
+    both = evaluate_repeated(wh, ["r1", "r6"], systems=["s1", "s2"], ks=(2,), n_boot=0, run_id="mean-a")
+    assert set(both["run_id"]) == {"mean-a"}  # both systems under the one id, not a config-… id each
+    stored = wh.read("metrics", run_id="mean-a")
+    assert sorted(set(stored["system"])) == ["s1", "s2"] and stored.height == both.height
+    # micro-P@2 of s1: r1 1/2 (test_hand_computed_metrics_at_k2), r6 5/6; of s2: r1 1/2 and r6 1/2.
+    assert value(stored, "s1", "micro_precision", 2) == pytest.approx(2 / 3)
+    assert value(stored, "s2", "micro_precision", 2) == pytest.approx(1 / 2)
+    [registered] = wh.read("runs", run_id="mean-a").rows(named=True)
+    assert (registered["kind"], registered["status"]) == ("evaluate", "finished")
+    assert json.loads(registered["config_json"])["systems"] == ["s1", "s2"]
+
+    # The same id again with fewer systems replaces the mean: s2's earlier rows do not stay beside it.
+    evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="mean-a")
+    assert set(wh.read("metrics", run_id="mean-a")["system"]) == {"s1"}
+    assert json.loads(wh.read("runs", run_id="mean-a")["config_json"][0])["systems"] == ["s1"]
+
+    # An id holding a forecast (one of the averaged runs, say) or a single run's evaluation is refused before any
+    # work: the mean would replace that run's own rows.
+    evaluate_run(wh, "r6", ks=(2,), n_boot=0)
+    for taken, what in (("r1", "a forecast:s1 run"), ("r6", "a forecast:s1 run")):
+        with pytest.raises(InputError, match=f"^--run-id {taken} is {what} \\(see `runs`\\), not a mean over repeated "
+                                             "runs: pass a new --run-id for the mean$"):
+            evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id=taken)
+    write_rankings(wh, "unregistered", rankings={"s1": {T1: [A, B], T2: [A, D], T3: [E, X]}}, status={})
+    with pytest.raises(InputError, match="^--run-id unregistered holds rankings \\(a forecast run\\)"):
+        evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="unregistered")
+    with pytest.raises(InputError, match="^--run-id config-1: ids starting with config- are those a mean"):
+        evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="config-1")
+    assert set(wh.read("metrics", run_id="r1")["system"]) == set()  # r1 was never evaluated, and still is not
+    assert wh.read("metrics", run_id="r6")["n_runs"].unique().to_list() == [1]
 
 
 def test_repeated_runs_refuse_different_configurations(wh):

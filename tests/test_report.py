@@ -480,3 +480,22 @@ def test_a_mean_over_repeated_runs_is_refused_once_one_of_their_forecasts_ran_ag
     with pytest.raises(InputError, match=f"the evaluation of run '{config_id}' is stale .*: run `dxr evaluate --run r1 "
                                          "--run r9` again"):
         render_report(wh, config_id, tmp_path / "killed")
+
+
+def test_an_out_of_date_named_mean_says_to_take_it_again_under_its_run_id(wh, tmp_path):
+    from datetime import datetime
+
+    from dxr.errors import InputError
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import mark_stale, record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0, run_id="seeds")
+    assert render_report(wh, "seeds", tmp_path / "before").is_file()
+    # Without --run-id the mean would go to a config-… id, leaving this one stale.
+    mark_stale(wh, "seeds", "evaluate")
+    with pytest.raises(InputError, match="^the evaluation of run 'seeds' is stale .*: run `dxr evaluate --run r1 "
+                                         "--run r9 --run-id seeds` again, then the report$"):
+        render_report(wh, "seeds", tmp_path / "stale")

@@ -75,24 +75,28 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @click.option("--pair", "pairs", multiple=True, help="Paired comparison a,b (repeatable; default: every pair).")
 @click.option("--pool", "pools", multiple=True,
               help="Pool-oracle headroom over the union of systems a+b (repeatable; default: each system and all).")
+@click.option("--run-id", "mean_id", default=None,
+              help="Run id of the mean over several --run values (default: one config-… id per configuration); "
+                   "reuse it to replace that mean.")
 @click.pass_context
-def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, natural, pairs, pools) -> None:
+def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, natural, pairs, pools, mean_id) -> None:
     """Compute forecast metrics with bootstrap intervals and write them to the warehouse.
 
     Writes `metrics`, `paired_comparisons`, `headroom` and `evaluation_coverage` (a rerun replaces
     the run's whole earlier evaluation, every system's rows included) and prints the summary for
     the subset `all`. With several --run values, each
     run is evaluated and the mean over the runs (one configuration) of each forecasting system is
-    written with n_runs (the gold-side oracles are the same in every run).
+    written with n_runs (the gold-side oracles are the same in every run), under --run-id when given.
 
     \b
     Example:
       dxr evaluate --run forecast-20260101T000000-abc123 --systems global_frequency,repeat_history --k 10,20
+      dxr evaluate --run seed-1 --run seed-2 --run seed-3 --run-id seeds-mean
     """
     import polars as pl
 
-    from tasks.evaluate import (budgets, check_has_rankings, comparisons_named, evaluate_repeated, evaluate_run,
-                                repeated_systems)
+    from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
+                                evaluate_run, repeated_systems)
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
@@ -100,6 +104,11 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     budgets(k_list, natural)  # refuses K < 1 before any work
     if len(set(run_ids)) > 1:
         repeated_systems(system_list)  # refuses a mean over runs of oracles alone before any work
+        if mean_id is not None:
+            check_mean_run_id(wh, mean_id)
+    elif mean_id is not None:
+        raise InputError(f"--run-id names the mean over several --run values; the evaluation of the one run "
+                         f"{run_ids[0]} is stored under its own id: leave --run-id out, or add the runs to average")
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
         comparisons_named(wh, run_id, system_list, pair_list, pool_list)
@@ -108,7 +117,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
         click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
         frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, pair_list, pool_list))
     if len(set(run_ids)) > 1:
-        frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural))
+        frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural,
+                                        run_id=mean_id))
     click.echo(metrics_table(pl.concat(frames)))
 
 
