@@ -5,7 +5,8 @@ This is what a scheduled deployment runs (`dxr serve`, `[[backfills]]` in the co
 firing makes a fresh run id, so successive backfills stay side by side in `rankings` and `metrics`
 and can be compared with SQL; a retry of a firing (`flow_run_id`) finishes that firing's run. Systems
 run in the order given, so a fused system finds its inputs. The headline table also goes to a Prefect
-artifact (`backfill-<cohort>`), so the Prefect UI shows how each firing did without opening the warehouse.
+artifact keyed by the backfill's name (`backfill_artifact_key`), so the Prefect UI shows how each firing
+did without opening the warehouse.
 """
 
 from __future__ import annotations
@@ -35,12 +36,23 @@ def backfill_budgets(k: int) -> tuple[int, ...]:
     return tuple(x for x in DEFAULT_KS if x < k) + (k,)
 
 
+def backfill_artifact_key(name: str | None, cohort: str) -> str:
+    """The Prefect artifact key of a backfill's firings, one version per firing: `backfill-<name>`.
+
+    Keyed by the backfill (`[[backfills]]` name, its deployment's), not its cohort: two backfills of one
+    cohort (other systems or splits) would otherwise take turns as its latest version. A flow run without
+    a name (called directly, not by a deployment) goes under its cohort's name. Underscores become dashes,
+    as Prefect keys take lower-case letters, digits and dashes only.
+    """
+    return artifact_key("backfill", name or cohort)
+
+
 @flow(name="cohort-backfill")
 def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = BACKFILL_SYSTEMS,
                          split: str = "held_out", k: int = 20, limit: int | None = None,
-                         run_id: str | None = None) -> str:
+                         run_id: str | None = None, name: str | None = None) -> str:
     """Forecast `split` of `cohort` with each system into one run, write its metrics and report; returns
-    the run id."""
+    the run id. `name` is the backfill's (`[[backfills]]`), whose artifact key the headline table goes to."""
     systems = tuple(systems)
     check_system_order(systems)
     run_id = run_id or flow_run_id("backfill")
@@ -49,6 +61,6 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
     evaluate_run_task(data_dir, run_id, ks=backfill_budgets(k))
     report = render_report_task(data_dir, run_id)
     create_markdown_artifact(markdown=headline_markdown(Warehouse(data_dir), run_id, report, min(k, ARTIFACT_K)),
-                             key=artifact_key("backfill", cohort),
+                             key=backfill_artifact_key(name, cohort),
                              description=f"cohort {cohort}, {split}: run {run_id}")
     return run_id

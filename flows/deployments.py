@@ -4,8 +4,8 @@ scheduled backfills.
 `forecast-patient/adhoc` has no schedule: it is started from the Prefect UI (or `prefect deployment
 run`) with a cohort and a subject id. `train_prior/adhoc` retrains learned priors of a cohort, with
 the configured `prior` settings as its editable defaults. Each `[[backfills]]` entry of the configuration becomes
-`cohort-backfill/<name>` on its cron schedule. Entry points are module paths, so a served flow run
-imports the installed packages wherever `dxr serve` was started.
+`cohort-backfill/<name>` on its cron schedule, its firings' tables the versions of artifact `backfill-<name>`.
+Entry points are module paths, so a served flow run imports the installed packages wherever `dxr serve` was started.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from prefect.client.schemas.schedules import CronSchedule
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
 from dxr.config import BackfillConfig, Settings
-from flows.backfill import cohort_backfill_flow
+from dxr.errors import ConfigError
+from flows.backfill import backfill_artifact_key, cohort_backfill_flow
 from flows.patient import forecast_patient_flow
 from flows.train_prior import train_prior_flow
 from tasks.forecast import check_system_order
@@ -38,12 +39,18 @@ def build_deployments(settings: Settings) -> list[RunnerDeployment]:
             entrypoint_type=EntrypointType.MODULE_PATH,
             description="Train learned priors of a cohort on its train patients and register them in MLflow; "
                         "set cfg.promote to false to register a challenger without moving the alias.")]
+    keys: dict[str, str] = {}
     for backfill in settings.backfills:
         check_system_order(tuple(backfill.systems))
+        key = backfill_artifact_key(backfill.name, backfill.cohort)
+        if key in keys:  # unique names can still share a key: `a_b` and `a-b`
+            raise ConfigError(f"backfills {keys[key]!r} and {backfill.name!r} would publish under one Prefect "
+                              f"artifact key {key!r} (underscores become dashes there): rename one")
+        keys[key] = backfill.name
         deployments.append(cohort_backfill_flow.to_deployment(
             name=backfill.name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
             parameters={"data_dir": data_dir, "cohort": backfill.cohort, "systems": backfill.systems,
-                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit},
+                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit, "name": backfill.name},
             tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH,
             description=f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
                         "into a new run, evaluate it and render its report."))

@@ -139,9 +139,11 @@ def test_system_order_is_checked(systems, message):
 
 
 def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(wh_vocab, tiny_cohort_id):
+    # Two backfills of one cohort, as two `[[backfills]]` tables with other systems would fire them.
     first = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("global_frequency", "repeat_history"),
-                                 split="all")
-    second = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("repeat_history",), split="all")
+                                 split="all", name="nightly")
+    second = cohort_backfill_flow(str(wh_vocab.root), "default", systems=("repeat_history",), split="all",
+                                  name="nightly_history")
     assert first != second and first.startswith("backfill-")
     runs = wh_vocab.read("runs").filter(pl.col("run_id") == first)
     assert sorted(runs["kind"]) == ["evaluate", "forecast:global_frequency", "forecast:repeat_history"]
@@ -150,10 +152,33 @@ def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(
     n_trajectories = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id).height
     assert set(metrics.filter(pl.col("subset") == "all")["n"]) == {n_trajectories}
     assert report_path(wh_vocab, first).is_file() and report_path(wh_vocab, second).is_file()
-    # One artifact key per cohort: the Prefect UI lists the firings as versions of it, newest first.
-    latest, earlier = artifacts("backfill-default")
-    assert f"Run `{second}`" in latest.data and f"Run `{first}`" in earlier.data
-    assert "| repeat_history |" in earlier.data and "| global_frequency |" in earlier.data
+    # One artifact key per backfill: keyed by the cohort, the second backfill's firing became the first one's latest.
+    [nightly] = artifacts("backfill-nightly")
+    [history] = artifacts("backfill-nightly-history")
+    assert f"Run `{first}`" in nightly.data and "| global_frequency |" in nightly.data
+    assert f"Run `{second}`" in history.data and "| global_frequency |" not in history.data
+    assert not any(first in a.data or second in a.data for a in artifacts("backfill-default"))
+
+
+def test_a_backfill_artifact_key_is_its_name_in_prefect_key_characters():
+    from flows.backfill import backfill_artifact_key
+
+    assert backfill_artifact_key("nightly", "default") == "backfill-nightly"
+    assert backfill_artifact_key("nightly_icd10", "default") == "backfill-nightly-icd10"
+    assert backfill_artifact_key("weekly", "default") != backfill_artifact_key("nightly", "default")
+    # A flow run without a name (called directly, not from a deployment) goes under its cohort.
+    assert backfill_artifact_key(None, "MIMIC IV_demo") == "backfill-mimic-iv-demo"
+
+
+def test_backfills_whose_names_make_one_artifact_key_are_refused(tmp_path, monkeypatch):
+    from flows.deployments import build_deployments
+
+    backfill = '[[backfills]]\nname = "{}"\ncohort = "default"\ncron = "0 2 * * *"\n'
+    write_config(tmp_path, monkeypatch, backfill.format("nightly-a") + backfill.format("nightly_a"))
+    with pytest.raises(ConfigError, match="^backfills 'nightly-a' and 'nightly_a' would publish under one Prefect "
+                                          "artifact key 'backfill-nightly-a' \\(underscores become dashes there\\): "
+                                          "rename one$"):
+        build_deployments(load_settings(data_dir=tmp_path / "wh"))
 
 
 def test_a_backfill_with_lists_shorter_than_20_is_evaluated_at_its_own_k(wh_vocab, tiny_cohort_id):
@@ -257,7 +282,8 @@ def test_deployments_are_the_patient_rerun_prior_training_and_one_per_backfill(t
                                                                     "flows.backfill.cohort_backfill_flow")
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("30 2 * * 1-5", "Europe/Berlin")]
     assert nightly.parameters == {"data_dir": str(tmp_path / "wh"), "cohort": "default", "split": "held_out", "k": 20,
-                                  "systems": ["ehr_prior", "direct", "rrf_prior_direct"], "limit": 100}
+                                  "systems": ["ehr_prior", "direct", "rrf_prior_direct"], "limit": 100,
+                                  "name": "nightly"}
 
 
 def test_serve_needs_a_prefect_server(tmp_path):
