@@ -102,8 +102,8 @@ def llm_run_config(system: str, data_dir) -> dict:
 
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
-    """Refuse a run id that holds forecasts of another cohort, or this system's forecast under other
-    options.
+    """Refuse a run id that holds forecasts of another cohort, this system's forecast under other
+    options, or a mean over repeated runs.
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
@@ -112,6 +112,13 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
         return
     check_run_id(run_id)  # before it is used in a file pattern or a lock name
     registered = wh.read("runs", run_id=run_id)
+    # A mean over repeated runs is stored under an id of its own (`dxr evaluate --run-id`): lists forecast into it
+    # would be evaluated over its metrics, and its `evaluate` row would describe neither.
+    evaluation = registered.filter(pl.col("kind") == EVALUATE_KIND)["config_json"].to_list()
+    averaged = json.loads(evaluation[0]).get("runs") if evaluation else None
+    if averaged:
+        raise InputError(f"run {run_id} holds the mean over repeated runs {', '.join(averaged)} (dxr evaluate): "
+                         "pass a new --run-id for the forecast")
     other_cohorts = registered.filter(
         pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
     if other_cohorts.height:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from dxr.errors import InputError, NotFoundError
 from tasks.evaluate import (NATURAL_K, SUBSETS, Counts, bootstrap_weights, estimate, evaluate, evaluate_repeated,
                             evaluate_run, label_targets, sign_test)
+from tasks.forecast import check_rerun, forecast_config
 from warehouse.runs import record_run
 from warehouse.schemas import METRICS
 from warehouse.store import Warehouse
@@ -387,6 +388,10 @@ def test_a_named_mean_over_repeated_runs_is_replaced_whole_by_a_rerun_and_takes_
         evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="config-1")
     assert set(wh.read("metrics", run_id="r1")["system"]) == set()  # r1 was never evaluated, and still is not
     assert wh.read("metrics", run_id="r6")["n_runs"].unique().to_list() == [1]
+    # Nor does a forecast go into the mean's id, where it would be evaluated over the mean.
+    with pytest.raises(InputError, match="^run mean-a holds the mean over repeated runs r1, r6 \\(dxr evaluate\\): "
+                                         "pass a new --run-id for the forecast$"):
+        check_rerun(wh, "mean-a", forecast_config(COHORT, "s1", "all", 2, None))
 
 
 def test_repeated_runs_refuse_different_configurations(wh):
