@@ -441,6 +441,20 @@ def test_sql_json_writes_decimals_as_exact_numbers_and_csv_booleans_as_duckdb_do
     assert "".join(stream_query(wh, scalars, fmt="csv")) == (tmp_path / "duck.csv").read_text()
 
 
+def test_sql_table_spells_decimals_booleans_and_nested_values_as_csv_does_and_aligns_decimals_as_numbers(wh):
+    from warehouse.sql import stream_query
+
+    query = ("SELECT * FROM (VALUES (1.250::DECIMAL(18,3), 0.0000001::DECIMAL(18,7), true, {'p': [1, 2]}, 'a'), "
+             "(12.5, NULL, false, NULL, 'bb')) t(d, tiny, b, s, v)")
+    # Decimals were left-aligned like text, the tiny one as 1E-7; booleans True / False; the struct Python text.
+    assert "".join(stream_query(wh, query)) == (
+        "     d       tiny  b      s              v\n"
+        "------  ---------  -----  -------------  --\n"
+        " 1.250  0.0000001  true   {\"p\": [1, 2]}  a\n"
+        "12.500             false                 bb\n"
+        "(2 rows)\n")
+
+
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):
     con = duckdb.connect()
     rows = ("SELECT 'a' AS cohort_id, 'a:' || i || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code, "

@@ -303,18 +303,25 @@ def named_tables(query: str) -> set[str] | None:
 
 
 def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """A plain aligned text table (numbers right-aligned, floats with 4 decimals)."""
+    """A plain aligned text table: numbers right-aligned, floats with 4 decimals, a DECIMAL with its exact digits in
+    fixed point, booleans as true / false, structs, lists and maps as JSON text (as CSV cells spell them)."""
     def cell(v):
         if v is None:
             return ""
         if isinstance(v, float):
             return f"{v:.4f}"
+        if isinstance(v, (bool, decimal.Decimal)):
+            return _csv_scalar(v)
+        if isinstance(v, (dict, list, tuple)):
+            return _json_text(_json_plain(v))
         return str(v)
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
 
     cells = [[cell(v) for v in r] for r in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    numeric = [bool(rows) and all(isinstance(r[i], (int, float)) or r[i] is None for r in rows)
-               for i in range(len(columns))]
+    numeric = [bool(rows) and all(number(r[i]) or r[i] is None for r in rows) for i in range(len(columns))]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
