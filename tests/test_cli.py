@@ -251,8 +251,8 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
                        "--run-id", "coh-2", data_dir=data_dir))
     runs = run("sql", "SELECT run_id, kind, status, cohort_id IS NOT NULL AS has_cohort FROM runs ORDER BY run_id",
                "--format", "csv", data_dir=data_dir)
-    assert runs.output.splitlines() == ["run_id,kind,status,has_cohort", "coh-1,cohort,finished,True",
-                                        "coh-2,cohort,failed,False", "ing-1,ingest:meds,finished,False"]
+    assert runs.output.splitlines() == ["run_id,kind,status,has_cohort", "coh-1,cohort,finished,true",
+                                        "coh-2,cohort,failed,false", "ing-1,ingest:meds,finished,false"]
     one_run = run("sql", "--run", "coh-2", "SELECT run_id, kind FROM runs", "--format", "csv", data_dir=data_dir)
     assert one_run.output.splitlines() == ["run_id,kind", "coh-2,cohort"]
     assert "no run 'coh-3' in the warehouse" in one_line_error(run("sql", "--run", "coh-3", "SELECT 1",
