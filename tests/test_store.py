@@ -204,6 +204,20 @@ def test_commits_left_by_killed_writers_are_finished_in_the_order_they_were_made
     assert list(commits.iterdir()) == []
 
 
+def test_commits_left_pending_are_finished_in_the_order_they_were_made_when_the_clock_stepped_back(wh, monkeypatch):
+    """By the wall clock alone the second commit, made after the clock went back, sorted first and was undone."""
+    monkeypatch.setattr(store, "finish_commits", lambda commits: None)  # both writers killed after their commit
+    commits = wh.forecast_dir / store.COMMIT_DIR
+    for text, now in (("made first", 1_700_000_000_000_000_000), ("made second", 1_699_999_999_000_000_000)):
+        monkeypatch.setattr(store.time, "time_ns", lambda now=now: now)
+        wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
+    monkeypatch.undo()
+    assert sorted(path.name[:22] for path in commits.glob(f"*{store.COMMITTED}")) == [
+        "t01700000000000000000-", "t01700000000000000001-"]
+    assert wh.read("chunks", corpus="c", source="s")["text"].to_list() == ["made second"]
+    assert list(commits.iterdir()) == []
+
+
 def test_a_commit_killed_while_a_later_writer_staged_does_not_undo_that_writer(wh, monkeypatch):
     """A writer past its `finish_commits` that applied only its own commit left an older one behind, which
     the next read finished over its newer files."""

@@ -39,6 +39,7 @@ COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whol
 # were made: a later commit of a partition must land last. `t` sorts after the hex digits that began the random ids
 # of earlier versions, whose commits are older than any of these.
 COMMIT_ID = "t{ns:020d}-{token}"
+COMMIT_TIME = re.compile(r"^t(\d{20})-")  # the time in a COMMIT_ID
 COMMIT_PLAN = "plan.json"  # in a commit: [{"file": staged file name, "target": partition path in the store}]
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
@@ -107,7 +108,7 @@ class Warehouse:
                     pq.write_table(arrow, staging / f"{number}.parquet", compression="zstd")
                 plan.append({"file": f"{number}.parquet", "target": str(path.relative_to(store_dir))})
             (staging / COMMIT_PLAN).write_text(json.dumps(plan))
-            committed = commits / (COMMIT_ID.format(ns=time.time_ns(), token=uuid.uuid4().hex[:8]) + COMMITTED)
+            committed = commits / (new_commit_id(commits) + COMMITTED)
             os.replace(staging, committed)  # the commit point: from here on the files are the partitions' own
         # With the older commits first: one that a writer killed since our `finish_commits` above left would
         # otherwise be finished after ours, by the next read, and undo it.
@@ -278,6 +279,17 @@ def _add_missing_columns(con: duckdb.DuckDBPyConnection, views: dict[str, str]) 
         if missing:
             nulls = ", ".join(f'CAST(NULL AS {_duck_type(spec.columns[name])}) AS "{name}"' for name in missing)
             con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT *, {nulls} FROM ({sql})")
+
+
+def new_commit_id(commits: Path) -> str:
+    """The id of a commit about to be made in `commits`: its creation time, but past every pending commit's.
+
+    A clock stepped back (NTP, a VM resumed) would give it an earlier time than a commit made before it
+    and left pending by a killed writer, which would then be finished after it and undo it.
+    """
+    pending = (COMMIT_TIME.match(path.name) for path in commits.glob(f"t*{COMMITTED}"))
+    newest = max((int(found.group(1)) for found in pending if found), default=-1)
+    return COMMIT_ID.format(ns=max(time.time_ns(), newest + 1), token=uuid.uuid4().hex[:8])
 
 
 def finish_commits(commits: Path) -> None:
