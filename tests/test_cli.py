@@ -239,6 +239,11 @@ def test_ingest_meds_says_which_time_zone_the_wall_clock_times_are_in(tmp_path, 
         "dataset kolkata: 4 patients, 60 events, ICD versions 10",
         "note: times are in Asia/Kolkata (UTC offset +05:30 throughout the data): kept as the wall-clock times they "
         "show there, without the zone"])
+    # Recorded too, as the MIMIC imports record theirs: the copy's times no longer say which zone they were in.
+    stored = run("sql", "SELECT dataset_id, time_zone, utc_offset FROM datasets ORDER BY 1", "--format", "csv",
+                 data_dir=tmp_path / "wh")
+    assert (stored.exit_code, stored.output) == (
+        0, "dataset_id,time_zone,utc_offset\nkolkata,Asia/Kolkata,+05:30\nplain,,\n")
 
 
 def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):

@@ -728,7 +728,13 @@ def test_cli_ingest_mimic4_registers_the_dataset_and_its_run(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     row = wh.read("datasets").row(0, named=True)
     assert (row["dataset_id"], row["source"], row["n_events"]) == ("fixture", "mimic4", 41)
+    assert (row["time_zone"], row["utc_offset"]) == ("", "")
     assert wh.read("runs").select("run_id", "kind", "status").rows() == [("ing-4", "ingest:mimic4", "finished")]
+    hosp = copy_fixture(tmp_path)
+    at_offset(" Asia/Kolkata", ("labevents", 1, "+05:30"))(hosp)
+    assert run("--data-dir", tmp_path / "wh", "ingest", "mimic4", hosp.parent, "--name", "kolkata").exit_code == 0
+    row = wh.read("datasets", dataset_id="kolkata").row(0, named=True)
+    assert (row["time_zone"], row["utc_offset"]) == ("Asia/Kolkata", "+05:30")  # without --labs: no labevents' +05:30
 
 
 def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):

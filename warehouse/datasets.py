@@ -31,9 +31,13 @@ def check_name(kind: str, name: str) -> str:
 
 
 def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None,
-                     memory_limit: str = "2GB", validated: MedsInfo | None = None) -> dict:
+                     memory_limit: str = "2GB", validated: MedsInfo | None = None, time_zone: str = "",
+                     utc_offset: str = "") -> dict:
     """Validate the MEDS directory already at `wh.meds_dir(dataset_id)` (DuckDB within `memory_limit`; `validated`
     is a validation of it to hand on, see `validate_meds_dir`) and write its `datasets` row.
+
+    `time_zone` and `utc_offset` are those of the source's times ('' when none): the copy in the gold store keeps
+    their wall-clock times without the zone, so only the caller knows them.
 
     Returns the row plus what the ingest should tell the user but the table does not keep.
     """
@@ -44,6 +48,7 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
         "generator_version": generator_version,
         "n_subjects": info.n_subjects, "n_events": info.n_events,
         "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": datetime.now(),
+        "time_zone": time_zone, "utc_offset": utc_offset,
     }
     wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)
     return {**row, "n_diagnoses_without_encounter": info.n_diagnoses_without_encounter}
@@ -68,10 +73,10 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
             info = validate_meds_dir(source_dir, memory_limit)  # fail before copying anything
             with writing_dataset(wh, dataset_id):
                 copy_meds_dir(Path(source_dir), target, info.encounter_column, info.utc_offset)
-                row = register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit)
-                # The copy keeps wall-clock times without their zone: the user is told which zone that was.
-                return {**row, "time_zone": info.time_zone,
-                        "utc_offset": "" if info.utc_offset is None else offset_text(info.utc_offset)}
+                # The copy keeps wall-clock times without their zone: the row records which zone that was.
+                return register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit,
+                                        time_zone=info.time_zone,
+                                        utc_offset="" if info.utc_offset is None else offset_text(info.utc_offset))
 
 
 def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,
@@ -95,8 +100,8 @@ def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, 
             with duck.resource_errors(f"registration of {wh.meds_dir(dataset_id)}", wh.meds_dir(dataset_id).parent,
                                       memory_limit):
                 # The import validated these very files: not read again unless they changed (`validate_meds_dir`).
-                return register_dataset(wh, dataset_id, source=source, memory_limit=memory_limit,
-                                        validated=info), summary
+                return register_dataset(wh, dataset_id, source=source, memory_limit=memory_limit, validated=info,
+                                        time_zone=summary.time_zone, utc_offset=summary.utc_offset), summary
 
 
 def get_dataset(wh: Warehouse, dataset_id: str) -> dict:

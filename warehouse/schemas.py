@@ -48,8 +48,12 @@ TABLES: dict[str, Table] = {
             "dataset_id": pa.string(), "source": pa.string(), "meds_dir": pa.string(),
             "fingerprint": pa.string(), "generator_version": pa.string(), "n_subjects": pa.int64(),
             "n_events": pa.int64(), "icd_versions": pa.string(), "registered_at": TS,
-        }, ["dataset_id"], "Registered MEDS datasets (the MEDS files themselves live in the gold store).",
-           nullable=["generator_version"]),
+            "time_zone": pa.string(), "utc_offset": pa.string(),
+        }, ["dataset_id"], "Registered MEDS datasets (the MEDS files themselves live in the gold store). "
+           "`time_zone` and `utc_offset` name the zone(s) and the one UTC offset the source's times were written in, "
+           "whose wall-clock times the dataset keeps ('' when they had none; null for datasets registered before "
+           "they were recorded).",
+           nullable=["generator_version", "time_zone", "utc_offset"]),
         # ---- vocabularies ---------------------------------------------------------------------
         _t("icd_codes", FORECAST, {
             "code": pa.string(), "icd_version": pa.int8(), "raw_code": pa.string(), "dotted": pa.string(),
