@@ -216,16 +216,19 @@ def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_wit
     data = ["--data-dir", str(wh.root)]
     build = [*data, "corpus", "build", "--lexical-only", "--corpus", "tiny"]
     with process_holding(paused_ingest(wh, source, "tiny")):
-        result = CliRunner().invoke(main, build)
+        result = CliRunner().invoke(main, [*build, "--run-id", "build-1"])
         assert (result.exit_code, result.output) == (
             1, "Error: corpus 'tiny' is being ingested by another dxr process (dxr corpus ingest): retry when it has "
                "finished\n")
+        # Refused before the run was registered: nothing was attempted, so no `failed` build is on record.
+        assert not wh.has_rows("runs", run_id="build-1")
     with process_holding(
             "import time; from tools.corpus import reading_corpora; from warehouse.store import Warehouse\n"
             f"with reading_corpora(Warehouse({str(wh.root)!r}), ['tiny']):\n"
             "    print('reading', flush=True); time.sleep(60)\n"):
-        result = CliRunner().invoke(main, build)
+        result = CliRunner().invoke(main, [*build, "--run-id", "build-1"])
         assert result.exit_code == 0 and "literature: 4 documents, 4 chunks, 0 embedded" in result.stdout, result.output
+        assert wh.read("runs", run_id="build-1").select("kind", "status").rows() == [("corpus:build", "finished")]
         result = CliRunner().invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"])
         assert (result.exit_code, result.output) == (
             1, "Error: corpus 'tiny' is being ingested or read for an index by another dxr process (dxr corpus ingest "

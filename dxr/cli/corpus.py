@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -140,11 +141,10 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import check_stored_chunks, load_documents, reading_corpora
-    from tools.corpus.documents import dedupe
+    from tools.corpus import reading_corpora
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
-    from tools.index import build_index, chunk_frame
+    from tools.index import build_index
     from warehouse.runs import registered_run
 
     if name is not None:
@@ -169,24 +169,38 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
                   "index_root": str(root), "chunk_chars": config.tools.chunk_chars,
                   "embedding": config.tools.embedding.model_dump(mode="json")}
     embedder = None
-    with registered_run(wh, "corpus:build", run_config, run_id):
-        for index_name, chosen, lexical in plans:
-            with reading_corpora(wh, chosen):  # the index is then built from what was read: ingests may go on
-                documents, dropped = dedupe(load_documents(wh, chosen))
-                without_text = sum(1 for d in documents if not d.text)
-                unsearchable = f", {without_text} without text: not indexed" if without_text else ""
-                click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
-                           f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
-                chunks = chunk_frame(documents, config.tools.chunk_chars)
-                check_stored_chunks(wh, chunks, config.tools.chunk_chars)
-            if not lexical and embedder is None:
-                embedder = make_embedder(config.tools.embedding)
-            manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
-                                   corpora=chosen)
-            click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
-                       f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
-                       f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> "
-                       f"{root / index_name}")
+    # Every planned corpus is locked before the run is registered: one being ingested refuses the build without
+    # recording a failed run that never started. The indexes are then built from what was read: ingests may go on.
+    with ExitStack() as reading:
+        reading.enter_context(reading_corpora(wh, [corpus for _, chosen, _ in plans for corpus in chosen]))
+        with registered_run(wh, "corpus:build", run_config, run_id):
+            read = [(*plan, read_chunks(wh, *plan[:2], config.tools.chunk_chars)) for plan in plans]
+            reading.close()
+            for index_name, chosen, lexical, chunks in read:
+                if not lexical and embedder is None:
+                    embedder = make_embedder(config.tools.embedding)
+                manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
+                                       corpora=chosen)
+                click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
+                           f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
+                           f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> "
+                           f"{root / index_name}")
+
+
+def read_chunks(wh, index_name: str, chosen: list[str], chunk_chars: int):
+    """The chunks an index of the corpora `chosen` is built from; the caller holds their `reading_corpora` locks."""
+    from tools.corpus import check_stored_chunks, load_documents
+    from tools.corpus.documents import dedupe
+    from tools.index import chunk_frame
+
+    documents, dropped = dedupe(load_documents(wh, chosen))
+    without_text = sum(1 for d in documents if not d.text)
+    unsearchable = f", {without_text} without text: not indexed" if without_text else ""
+    click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
+               f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
+    chunks = chunk_frame(documents, chunk_chars)
+    check_stored_chunks(wh, chunks, chunk_chars)
+    return chunks
 
 
 @corpus.command("search")
