@@ -108,3 +108,17 @@ def test_every_documented_duckdb_example_reads_every_file(page, query, tmp_path,
     rows = duckdb.sql(" ".join(query.split())).fetchall()
     assert rows in ([("new", "repeat_history", 0.5), ("old", "repeat_history", 0.5)],
                     [("new", "evaluate", "finished", "h1"), ("old", "evaluate", "finished", None)]), f"{page}: {rows}"
+
+
+def test_the_readme_demo_realism_table_is_as_dxr_demo_prints_it():
+    # `dxr demo` prints the realism bands with format_table, which spells booleans true / false as DuckDB does;
+    # the README kept Python's right-aligned True.
+    from warehouse.sql import format_table
+
+    block = re.search(r"^band +value.*?^\(\d+ rows\)\n", (ROOT / "README.md").read_text(), flags=re.S | re.M)[0]
+    rows = []
+    for line in block.splitlines()[2:-1]:
+        band, value, low, high = line.split()[:4]
+        rows.append((band, float(value), float(low), float(high), float(low) <= float(value) <= float(high)))
+    assert len(rows) == 7
+    assert block == format_table(["band", "value", "low", "high", "within_band"], rows)
