@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import errno
+import io
 import json
 import os
 import subprocess
@@ -467,6 +469,18 @@ def test_sql_table_spells_decimals_booleans_and_nested_values_as_csv_does_and_al
         " 1.250  0.0000001  true   {\"p\": [1, 2]}  a\n"
         "12.500             false                 bb\n"
         "(2 rows)\n")
+
+
+def test_sql_table_spells_a_map_as_its_csv_cell_does_whatever_its_keys(wh):
+    from warehouse.sql import stream_query
+
+    query = "SELECT MAP {1: 'a', 22: 'b'} AS m, MAP {[1]: 2} AS ml, [MAP {DATE '2020-01-02': 1}] AS lm"
+    # The table spelled maps from their Python form: keys as text ({"1": "a"}), a map with list keys as DuckDB's
+    # client returns it ({"key": [[1]], "value": [2]}).
+    rows = list(csv.reader(io.StringIO("".join(stream_query(wh, query, fmt="csv")))))[1]
+    assert rows == ['[{"key": 1, "value": "a"}, {"key": 22, "value": "b"}]', '[{"key": [1], "value": 2}]',
+                    '[[{"key": "2020-01-02", "value": 1}]]']
+    assert "".join(stream_query(wh, query)).splitlines()[2].split("  ") == rows
 
 
 def test_write_query_streams_a_partition_with_the_same_checks_as_write(wh):

@@ -47,7 +47,12 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
     cursor = _execute(wh, query, with_gold, run_id)
     columns = [d[0] for d in cursor.description]
     if fmt == "table":
-        yield format_table(columns, _fetch(cursor, None))
+        # Nested values as their CSV cells: a MAP's spelling depends on its key type, which its Python value lacks.
+        nested = [_csv_converter(d[1]) if d[1].id in _NESTED else None for d in cursor.description]
+        rows = _fetch(cursor, None)
+        if any(nested):
+            rows = [tuple(f(v) if f else v for f, v in zip(nested, r)) for r in rows]
+        yield format_table(columns, rows)
         return
     if fmt == "json":
         keys = unique_names(columns)
@@ -183,6 +188,8 @@ def unique_names(columns: list[str]) -> list[str]:
 
 # Map key types that DuckDB's Python client cannot make dict keys of: it returns {'key': [...], 'value': [...]}.
 _LISTED_KEYS = {"list", "array", "struct", "map"}
+# Types whose CSV cell (and aligned-table cell) is JSON text.
+_NESTED = ("struct", "list", "array", "map")
 
 
 def _json_converter(kind: duckdb.DuckDBPyType) -> Callable:
@@ -280,7 +287,7 @@ def _csv_converter(kind: duckdb.DuckDBPyType) -> Callable | None:
     """How a CSV cell spells a value of DuckDB type `kind`, or None for the csv module's own text (numbers,
     strings, dates and timestamps as before): a nested value is its JSON text, a BLOB its base64, an
     INTERVAL its seconds, as `_json_converter` says; a BOOLEAN and a DECIMAL as `_csv_scalar` says."""
-    if kind.id in ("struct", "list", "array", "map"):
+    if kind.id in _NESTED:
         convert = _json_converter(kind)
         return lambda v: None if v is None else _json_text(convert(v))
     if kind.id == "union":  # the member's value: JSON text when it is nested, as it is otherwise
