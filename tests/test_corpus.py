@@ -954,6 +954,25 @@ def test_cli_build_refuses_chunks_other_than_the_ingested_ones(tmp_path, monkeyp
     assert result.exit_code == 0 and "pages: 1 documents, 1 chunks" in result.stdout, result.output
 
 
+def test_a_named_build_without_a_literature_corpus_to_default_to_is_refused(tmp_path):
+    # With only the ICD dictionary (and web pages) stored, `--name` alone chose no corpus, and no corpus named read
+    # every stored one: an index `dx` of the dictionary and the pages, embedded unless --lexical-only.
+    from dxr.cli import main
+    from tools.corpus import documents_frame, store_documents
+    from warehouse.store import Warehouse
+
+    wh = Warehouse(tmp_path / "wh")
+    store_documents(wh, [Document("icd:10:I50", "icd", "icd", "I50 Heart failure", [("Title", "Heart failure")])],
+                    "icd", "vocabulary")
+    page = Document("web:0123", "web", "web", "A page", [("Page", TINY[2].text)], url="https://example.org/hf")
+    wh.write("documents", documents_frame([page], "web", "run1-0"), corpus="web", source="run1-0")
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "corpus", "build", "--lexical-only", "--name", "dx"])
+    assert (result.exit_code, result.output) == (
+        1, "Error: no literature corpus ingested (only icd) for index dx: name its corpora with --corpus, or ingest "
+           "one first (dxr corpus ingest FORMAT PATH)\n")
+    assert not (tmp_path / "wh" / "forecast" / "corpus" / "dx").exists()
+
+
 def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_path):
     from dxr.cli import main
 

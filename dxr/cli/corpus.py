@@ -157,6 +157,9 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     plans = []
     if name or corpora:
         chosen = list(corpora) or [c for c in ingested if c != ICD]
+        if not chosen:  # no corpus named reads every stored one: the dictionary and the web pages
+            raise InputError(f"no literature corpus ingested (only {', '.join(ingested)}) for index {name}: name its "
+                             "corpora with --corpus, or ingest one first (dxr corpus ingest FORMAT PATH)")
         plans.append((name or LITERATURE, chosen, lexical_only or chosen == [ICD]))
     else:
         literature = [c for c in ingested if c != ICD]
