@@ -123,6 +123,16 @@ def test_a_fence_tagged_with_another_language_is_the_answer_only_when_there_is_n
     assert client.telemetry()["status"].to_list() == ["ok"]
 
 
+@pytest.mark.parametrize("reply", [
+    # The JSON tagged as another language beside an untagged fence that is not JSON: the untagged one was the only
+    # fence read, so a reply the first fence answered before cost a re-ask.
+    '```python\n{"answer": 3}\n```\n```\nDone.\n```', '```\nsee the answer below\n```\n```js\n{"answer": 3}\n```'])
+def test_a_fence_tagged_with_another_language_is_read_when_no_untagged_fence_holds_json(tmp_path, reply):
+    client = replay_client(tmp_path, [(QUESTION, reply, 40, 9)])
+    assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
+    assert client.telemetry()["status"].to_list() == ["ok"]
+
+
 def test_beside_a_json_fence_a_python_one_is_not_read_and_the_error_is_the_json_fences(tmp_path):
     bad = '```json\n{answer: 3}\n```\n```python\n{"answer": 3}\n```'
     feedback = re_ask(bad, "the reply is not JSON (Expecting property name enclosed in double quotes at character 1)")

@@ -120,10 +120,10 @@ def parse_json_reply(text: str) -> object:
     or after it, as models write it. Its content is read as JSON, whichever JSON flavour the fence names.
 
     Which fence, when there are several: those tagged with a JSON flavour (`json`, `json5`, `application/json`)
-    first, then untagged ones, each in reply order; the first whose content is JSON is the answer. A fence tagged
-    with another language (a `python` example, a `text` aside) is read only when the reply has no other: small
-    local models tag their JSON `python` or `js`, but beside a JSON fence such a block is not the answer. When no
-    fence read holds JSON, the error is the first one's.
+    first, then untagged ones, then those tagged with another language, each in reply order; the first whose
+    content is JSON is the answer. Small local models tag their JSON `python` or `js`, so such a fence is read
+    after the others, but not beside a JSON-tagged one: there it is an example, not the answer. When no fence read
+    holds JSON, the error is the first one's.
 
     >>> parse_json_reply('```json {"a": 1}```'), parse_json_reply('Here it is:\\n```json5\\n{"a": 1}\\n```\\nDone.')
     ({'a': 1}, {'a': 1})
@@ -138,7 +138,7 @@ def parse_json_reply(text: str) -> object:
         if not fences:
             raise
     fences.sort(key=_fence_rank)  # stable: in reply order within a rank
-    if _fence_rank(fences[0]) < 2:
+    if _fence_rank(fences[0]) == 0:
         fences = [fence for fence in fences if _fence_rank(fence) < 2]
     first_error = None
     for _, content in fences:
