@@ -870,23 +870,25 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
             with holding_run(wh, mean_id, exclusive=True):
                 if run_id is not None:
                     check_mean_run_id(wh, run_id)  # again under the lock: a forecast may have taken the id since
-                # Like a run's evaluation: not `finished` until its rows are all written, and replaced whole, so a
-                # rerun with fewer systems leaves none of the earlier mean's rows beside its own.
-                mark_stale(wh, mean_id, EVALUATE_KIND)
+                # Registered with the runs it averages and when it read them, so that a report can tell when one
+                # of their forecasts was run again since (`changed_since_mean`). `stale` until its rows are all
+                # written, the first mean under the id too (no earlier row to mark): one cut short among its writes
+                # is refused by a report, which names the command to take it again. Replaced whole, so a rerun with
+                # fewer systems leaves none of the earlier mean's rows beside its own.
+                config = {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
+                          "n_boot": n_boot, "seed": seed}
+                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "stale", started)
                 wh.delete("metrics", run_id=mean_id)
                 for (system,), rows in part.group_by("system"):
                     wh.write("metrics", rows, run_id=mean_id, system=system)
-                # Registered with the runs it averages and when it read them, so that a report can tell when one
-                # of their forecasts was run again since (`changed_since_mean`).
-                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND,
-                           {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
-                            "n_boot": n_boot, "seed": seed}, "finished", started, datetime.now())
+                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "finished", started, datetime.now())
     return metrics
 
 
 def changed_since_mean(wh: Warehouse, run_id: str) -> str | None:
-    """Why the stored mean over repeated runs `run_id` (a `config-…` id) no longer describes its runs' lists,
-    or None: a forecast of one of them that is not `finished`, or finished after the mean read the lists."""
+    """Why the stored mean over repeated runs `run_id` (a `config-…` id, or the id it was given) no longer describes
+    its runs' lists, or None: a forecast of one of them that is not `finished`, or finished after the mean read the
+    lists."""
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
     if evaluation.is_empty():
         return None

@@ -499,3 +499,39 @@ def test_an_out_of_date_named_mean_says_to_take_it_again_under_its_run_id(wh, tm
     with pytest.raises(InputError, match="^the evaluation of run 'seeds' is stale .*: run `dxr evaluate --run r1 "
                                          "--run r9 --run-id seeds` again, then the report$"):
         render_report(wh, "seeds", tmp_path / "stale")
+
+
+def test_a_first_mean_under_its_run_id_cut_short_among_its_writes_is_refused_by_the_report(wh, tmp_path, monkeypatch):
+    # The first mean under an id had no `runs` row for its writes to mark stale: cut short after one system's
+    # metrics, it left them unregistered, and the report showed that system alone as the mean.
+    from datetime import datetime
+
+    from dxr.errors import InputError
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9")  # as r1: s1 and s2
+    for run_id in ("r1", "r9"):
+        for system in ("s1", "s2"):
+            record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2}, "finished", datetime(2026, 1, 1),
+                       datetime(2026, 1, 1))
+    write, systems_written = Warehouse.write, []
+
+    def full_disk_at_the_second_system(self, table, frame, **keys):
+        if table == "metrics" and keys.get("run_id") == "seeds":
+            if systems_written:
+                raise OSError(28, "No space left on device")
+            systems_written.append(keys["system"])
+        return write(self, table, frame, **keys)
+
+    monkeypatch.setattr(Warehouse, "write", full_disk_at_the_second_system)
+    with pytest.raises(OSError):
+        evaluate_repeated(wh, ["r1", "r9"], systems=["s1", "s2"], ks=(2,), n_boot=0, run_id="seeds")
+    monkeypatch.undo()
+    assert len(systems_written) == 1 and set(wh.read("metrics", run_id="seeds")["system"]) == set(systems_written)
+    with pytest.raises(InputError, match="^the evaluation of run 'seeds' is stale .*: run `dxr evaluate --run r1 "
+                                         "--run r9 --run-id seeds` again, then the report$"):
+        render_report(wh, "seeds", tmp_path / "cut")
+    assert not (tmp_path / "cut").exists()
+    evaluate_repeated(wh, ["r1", "r9"], systems=["s1", "s2"], ks=(2,), n_boot=0, run_id="seeds")
+    assert "| s2 | " in (render_report(wh, "seeds", tmp_path / "whole").parent / "report.md").read_text()
