@@ -731,6 +731,9 @@ def test_an_index_opened_while_a_build_swaps_it_is_read_from_one_build(tmp_path,
 
 def test_a_rebuild_trades_places_with_the_old_index_in_one_step_where_the_system_can(tmp_path, monkeypatch):
     import tools.index
+    from conftest import skip_unless_directories_swap
+
+    skip_unless_directories_swap(tmp_path)
 
     build_index(chunk_frame(TINY), tmp_path / "idx", None)
     # Not moved aside and then replaced: between those two renames a search found no index at all.

@@ -648,6 +648,9 @@ def test_a_key_value_no_write_accepts_names_no_partition_rather_than_matching_ot
 
 def test_a_directory_swap_trades_the_two_places_in_one_step_where_the_system_can(tmp_path, monkeypatch):
     import warehouse.meds as meds
+    from conftest import skip_unless_directories_swap
+
+    skip_unless_directories_swap(tmp_path)
 
     target, staging = tmp_path / "report", tmp_path / "staging"
     for directory, text in ((target, "old"), (staging, "new")):

@@ -240,7 +240,7 @@ def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_tit
         _clear_staging(staging)
         manifest = _write_index(chunks, staging, embedder, cached, index_titles=index_titles,
                                 name=name or out_dir.name, corpora=corpora)
-        if out_dir.exists() and exchange(staging, out_dir):
+        if out_dir.is_dir() and exchange(staging, out_dir):
             shutil.rmtree(staging, ignore_errors=True)  # the old index now; a kill here leaves it to be cleared
             return manifest
         if out_dir.exists():
