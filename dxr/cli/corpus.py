@@ -17,11 +17,8 @@ LITERATURE = "literature"
 # so neither may hold a path separator, and an index name may not start with a dot ('.', '..').
 CORPUS_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 INDEX_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-# Pages read by the web channel are stored as corpus `web`; an ingested corpus must not mix with them.
-WEB_CORPUS = "web"
-
-
 def checked_corpus_name(name: str, fmt: str) -> str:
+    from tools.corpus import WEB_CORPUS  # pages read by the web channel: an ingested corpus must not mix with them
     from tools.dictionary import CORPUS as ICD
 
     if not CORPUS_NAME.fullmatch(name):
@@ -141,7 +138,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import reading_corpora
+    from tools.corpus import WEB_CORPUS, reading_corpora
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
     from tools.index import build_index
