@@ -17,6 +17,8 @@ LITERATURE = "literature"
 # so neither may hold a path separator, and an index name may not start with a dot ('.', '..').
 CORPUS_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 INDEX_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
 def checked_corpus_name(name: str, fmt: str) -> str:
     from tools.corpus import WEB_CORPUS  # pages read by the web channel: an ingested corpus must not mix with them
     from tools.dictionary import CORPUS as ICD
