@@ -61,7 +61,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.runs import EVALUATE_KIND, holding_run, mark_stale, record_run
+from warehouse.runs import EVALUATE_KIND, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, check_run_id, conform
 
@@ -736,16 +736,17 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
     started = datetime.now()
     with holding_run(wh, run_id, exclusive=True):
         evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
-        # Until every table is written, the earlier evaluation is not `finished`: a process killed among the
-        # writes leaves a mix of old and new rows, and says so.
-        mark_stale(wh, run_id, EVALUATE_KIND)
-        write_evaluation(wh, evaluation)
+        cohort_id = evaluation.metrics["cohort_id"][0]
         config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
                   "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
+        # Until every table is written the evaluation is `stale`, the run's first one too (no earlier row to mark):
+        # a process killed among the writes leaves a mix of old and new rows, or some systems' rows alone, and
+        # says so.
+        record_run(wh, run_id, cohort_id, EVALUATE_KIND, config, "stale", started)
+        write_evaluation(wh, evaluation)
         # Under the lock: a forecast rerun starting right after it marks this evaluation stale, and must not be
         # overwritten by a late `finished`.
-        record_run(wh, run_id, evaluation.metrics["cohort_id"][0], EVALUATE_KIND, config, "finished", started,
-                   datetime.now())
+        record_run(wh, run_id, cohort_id, EVALUATE_KIND, config, "finished", started, datetime.now())
     return evaluation.metrics
 
 

@@ -535,3 +535,29 @@ def test_a_first_mean_under_its_run_id_cut_short_among_its_writes_is_refused_by_
     assert not (tmp_path / "cut").exists()
     evaluate_repeated(wh, ["r1", "r9"], systems=["s1", "s2"], ks=(2,), n_boot=0, run_id="seeds")
     assert "| s2 | " in (render_report(wh, "seeds", tmp_path / "whole").parent / "report.md").read_text()
+
+
+def test_a_first_evaluation_cut_short_among_its_writes_is_refused_by_the_report(wh, tmp_path, monkeypatch):
+    # A run's first evaluation had no `runs` row for its writes to mark stale: cut short after one system's
+    # metrics, it left them unregistered, and the report showed that system alone as the run's evaluation.
+    write, systems_written = Warehouse.write, []
+
+    def full_disk_at_the_second_system(self, table, frame, **keys):
+        if table == "metrics" and keys.get("run_id") == "r1":
+            if systems_written:
+                raise OSError(28, "No space left on device")
+            systems_written.append(keys["system"])
+        return write(self, table, frame, **keys)
+
+    monkeypatch.setattr(Warehouse, "write", full_disk_at_the_second_system)
+    with pytest.raises(OSError):
+        evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    monkeypatch.undo()
+    assert len(systems_written) == 1 and set(wh.read("metrics", run_id="r1")["system"]) == set(systems_written)
+    with pytest.raises(InputError, match="^the evaluation of run 'r1' is stale .*: run `dxr evaluate --run r1` "
+                                         "again, then the report$"):
+        render_report(wh, "r1", tmp_path / "cut")
+    assert not (tmp_path / "cut").exists()
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    assert wh.read("runs", run_id="r1", kind="evaluate")["status"].to_list() == ["finished"]
+    assert render_report(wh, "r1", tmp_path / "whole").is_file()
