@@ -250,8 +250,15 @@ def main() -> None:
     path.write_text(json.dumps(record, indent=2))
     print(f"wrote {path}")
     shutil.rmtree(out, ignore_errors=True)
-    if not args.keep:
+    if args.keep:
+        return
+    if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
+    else:  # the caller's directory may hold other files: remove only what this script wrote there
+        shutil.rmtree(src.parent, ignore_errors=True)
+        marker.unlink(missing_ok=True)
+        if not any(workdir.iterdir()):
+            workdir.rmdir()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,26 @@ def test_benchmark_imports_resolve(path):
     missing = [f"{path.name}:{line}: from {module_name} import {name}"
                for line, module_name, name in project_imports(path) if not resolves(module_name, name)]
     assert not missing, "benchmark imports that no longer exist: " + "; ".join(missing)
+
+
+def load_benchmark(name: str):
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
+    """benchmarks/mimic_import.py --workdir D without --keep removes the files it generated there, not D."""
+    mimic_import = load_benchmark("mimic_import")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("the caller's")
+    monkeypatch.setattr(mimic_import, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["mimic_import.py", "--scale", "0.0002", "--prescriptions", "5000",
+                                     "--workdir", str(workdir)])
+    mimic_import.main()
+    assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
+    record = json.loads((tmp_path / "results" / "mimic_import.json").read_text())
+    assert (record["rows_per_table"]["patients"], record["rows_per_table"]["admissions"]) == (60, 86)
