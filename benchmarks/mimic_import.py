@@ -182,7 +182,9 @@ def main() -> None:
                         help="lab result rows at scale 1, imported with labs=True (default 0: no labs)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the generated files go (default: a temp dir)")
     parser.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit given to the importer")
-    parser.add_argument("--keep", action="store_true", help="keep the generated files and the MEDS output")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the generated files for the next run with the same sizes (the MEDS output is "
+                             "removed either way)")
     parser.add_argument("--child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
