@@ -122,3 +122,43 @@ def test_the_readme_demo_realism_table_is_as_dxr_demo_prints_it():
         rows.append((band, float(value), float(low), float(high), float(low) <= float(value) <= float(high)))
     assert len(rows) == 7
     assert block == format_table(["band", "value", "low", "high", "within_band"], rows)
+
+
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def code_lines(text: str) -> list[str]:
+    """Each line of a fenced block (`\\` continuations joined) and each inline code span (a span may wrap a line)."""
+    fence = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # a fence may be indented (a block inside a list item)
+    blocks = re.findall(fence, text, flags=re.S | re.M)
+    inline = re.findall(r"`([^`]+)`", re.sub(fence, "", text, flags=re.S | re.M))
+    return [*(line for block in blocks for line in block.replace("\\\n", " ").splitlines()),
+            *(" ".join(span.split()) for span in inline)]
+
+
+def script_options(script: Path) -> tuple[set[str], set[str]]:
+    """The `--options` a benchmark script's argparse parser defines, and those of them it requires."""
+    import ast
+
+    defined, required = set(), set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value.startswith("--")):
+            defined.add(node.args[0].value)
+            if any(kw.arg == "required" and getattr(kw.value, "value", False) for kw in node.keywords):
+                required.add(node.args[0].value)
+    return defined, required
+
+
+# `benchmarks/NAME.py ARGS` as a command line in the README and docs (a bare `benchmarks/NAME.py` names the script).
+BENCHMARK_COMMANDS = [(path.name, script, args) for path in DOC_PAGES for line in code_lines(path.read_text())
+                      for script, args in re.findall(r"benchmarks/(\w+)\.py((?: +[^\s#]+)*)", line) if args]
+
+
+@pytest.mark.parametrize("page, script, args", BENCHMARK_COMMANDS,
+                         ids=[f"{page}-{script}-{i}" for i, (page, script, _) in enumerate(BENCHMARK_COMMANDS)])
+def test_every_documented_benchmark_command_takes_its_options(page, script, args):
+    defined, required = script_options(ROOT / "benchmarks" / f"{script}.py")
+    given = set(re.findall(r"(?:^|[ \[])(--[a-z][a-z0-9-]*)", args))
+    assert given <= defined, f"{page}: benchmarks/{script}.py{args}: no option {sorted(given - defined)}"
+    assert required <= given, f"{page}: benchmarks/{script}.py{args}: requires {sorted(required - given)}"
