@@ -162,3 +162,79 @@ def test_every_documented_benchmark_command_takes_its_options(page, script, args
     given = set(re.findall(r"(?:^|[ \[])(--[a-z][a-z0-9-]*)", args))
     assert given <= defined, f"{page}: benchmarks/{script}.py{args}: no option {sorted(given - defined)}"
     assert required <= given, f"{page}: benchmarks/{script}.py{args}: requires {sorted(required - given)}"
+
+
+def dxr_arguments(line: str) -> list[list[str]]:
+    """The arguments of each `dxr` command a line shows, up to a comment, `&&`, a pipe or a redirection."""
+    import shlex
+
+    commands = []
+    for start in re.finditer(r"(?:^|(?<=[\s(/=]))dxr(?= |$)", line):
+        rest = line[start.end():]
+        for closing in ("", '"', "'"):  # a query that goes on in the block's next line closes here
+            try:
+                tokens = shlex.split(rest + closing, comments=True)
+                break
+            except ValueError:
+                continue
+        stop = next((i for i, token in enumerate(tokens) if token in ("&&", "|", ";", ">")), len(tokens))
+        commands.append(tokens[:stop])
+    return commands
+
+
+DXR_COMMANDS = [(path.name, args) for path in DOC_PAGES for line in code_lines(path.read_text())
+                for args in dxr_arguments(line)]
+PLACEHOLDER = re.compile(r"^[A-Z_]+\]?$|…|\.\.\.|^<")  # `--run R`, `--split …`, `<dir>`, `[OPTIONS]`
+
+
+def dxr_usage_error(args: list[str]) -> str | None:
+    """Why `dxr ARGS` names a command, an option or a value that the CLI lacks; None when all exist."""
+    import click
+
+    from dxr.cli import main
+
+    command, path, args = main, ["dxr"], list(args)
+    while args:
+        token = args.pop(0).lstrip("[").rstrip("]")
+        if not token.startswith("-"):
+            if not isinstance(command, click.Group):
+                continue  # a positional argument
+            if PLACEHOLDER.search(token):
+                return None  # a usage line (`dxr cohort [OPTIONS] COMMAND`)
+            if token not in command.commands:
+                return f"{' '.join(path)} has no command {token!r}"
+            command = command.commands[token]
+            path.append(token)
+            continue
+        option = next((p for p in command.params if isinstance(p, click.Option)
+                       and token.split("=")[0] in p.opts + p.secondary_opts), None)
+        if option is None:
+            return f"{' '.join(path)} has no option {token!r}"
+        if option.is_flag or option.count or not args or args[0].startswith("-"):
+            continue  # a flag, or an option named in prose without its value (`--fusion --dense-share`)
+        value = args.pop(0).rstrip("]")
+        if PLACEHOLDER.search(value) or isinstance(option.type, click.Path):
+            continue  # a path shown need not exist here
+        for each in value.split("|"):  # `--mode hybrid|bm25|dense` shows the choices
+            try:
+                option.type.convert(each, option, None)
+            except click.BadParameter as error:
+                return f"{' '.join(path)} {token} {each!r}: {error.format_message()}"
+    return None
+
+
+@pytest.mark.parametrize("page, args", DXR_COMMANDS, ids=[f"{page}-{i}" for i, (page, _) in enumerate(DXR_COMMANDS)])
+def test_every_documented_dxr_command_exists_as_shown(page, args):
+    assert dxr_usage_error(args) is None, f"{page}: dxr {' '.join(args)}: {dxr_usage_error(args)}"
+
+
+def test_a_documented_dxr_command_with_a_wrong_option_or_value_is_caught():
+    assert dxr_usage_error(["forecast", "--cohort", "C", "--systems", "ehr_prior"]) == \
+        "dxr forecast has no option '--systems'"
+    assert dxr_usage_error(["cohort", "make", "--dataset", "D"]) == "dxr cohort has no command 'make'"
+    assert dxr_usage_error(["corpus", "search", "q", "--mode", "bm25|sparse"]) == (
+        "dxr corpus search --mode 'sparse': Invalid value for '--mode': "
+        "'sparse' is not one of 'hybrid', 'bm25', 'dense'.")
+    assert dxr_usage_error(["forecast", "--cohort", "C", "--limit", "ten"]) == \
+        "dxr forecast --limit 'ten': Invalid value for '--limit': 'ten' is not a valid integer range."
+    assert dxr_usage_error(["--data-dir", "D", "cohort", "build", "--dataset", "mimic4", "--name", "native"]) is None
