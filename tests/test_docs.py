@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,21 @@ def test_readme_links_resolve():
         assert (ROOT / target).exists(), f"README links to missing {target}"
 
 
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # a fence may be indented (a block inside a list item)
+
+
+def inline_code(text: str) -> list[str]:
+    """The inline code spans outside fenced blocks, a span that wraps a line joined into one."""
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", re.sub(FENCE, "", text, flags=re.S | re.M))]
+
+
+def code_lines(text: str) -> list[str]:
+    """Each line of a fenced block (`\\` continuations joined) and each inline code span."""
+    blocks = re.findall(FENCE, text, flags=re.S | re.M)
+    return [*(line for block in blocks for line in block.replace("\\\n", " ").splitlines()), *inline_code(text)]
+
+
 TOML_EXAMPLES = [(path.name, block) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
                  for block in re.findall(r"```toml\n(.*?)```", path.read_text(), flags=re.S)]
 
@@ -42,10 +58,12 @@ def test_every_documented_settings_file_is_valid(page, example, tmp_path, monkey
     load_settings()  # raises ConfigError naming the bad key or syntax
 
 
-# `dxr sql [--run R] "QUERY"` anywhere in the README and docs (a query may span lines), and ```sql blocks.
-SQL_EXAMPLES = [(path.name, query) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# `dxr sql [--run R] "QUERY"` anywhere in the README and docs (a query may span lines), ```sql blocks, and a query
+# shown as inline code on its own (`SELECT … FROM runs WHERE …`).
+SQL_EXAMPLES = [(path.name, query) for path in DOC_PAGES
                 for query in [*re.findall(r'dxr sql (?:--run \S+ )?"([^"]+)"', path.read_text()),
-                              *re.findall(r"```sql\n(.*?)```", path.read_text(), flags=re.S)]
+                              *re.findall(r"```sql\n(.*?)```", path.read_text(), flags=re.S),
+                              *(span for span in inline_code(path.read_text()) if re.match(r"(SELECT|WITH) ", span))]
                 if query != "QUERY"]  # the CLI table's placeholder
 
 
@@ -122,18 +140,6 @@ def test_the_readme_demo_realism_table_is_as_dxr_demo_prints_it():
         rows.append((band, float(value), float(low), float(high), float(low) <= float(value) <= float(high)))
     assert len(rows) == 7
     assert block == format_table(["band", "value", "low", "high", "within_band"], rows)
-
-
-DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def code_lines(text: str) -> list[str]:
-    """Each line of a fenced block (`\\` continuations joined) and each inline code span (a span may wrap a line)."""
-    fence = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # a fence may be indented (a block inside a list item)
-    blocks = re.findall(fence, text, flags=re.S | re.M)
-    inline = re.findall(r"`([^`]+)`", re.sub(fence, "", text, flags=re.S | re.M))
-    return [*(line for block in blocks for line in block.replace("\\\n", " ").splitlines()),
-            *(" ".join(span.split()) for span in inline)]
 
 
 def script_options(script: Path) -> tuple[set[str], set[str]]:
