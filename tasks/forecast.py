@@ -103,7 +103,7 @@ def llm_run_config(system: str, data_dir) -> dict:
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     """Refuse a run id that holds forecasts of another cohort, this system's forecast under other
-    options, or a mean over repeated runs.
+    options (unless it failed or was killed), or a mean over repeated runs.
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
@@ -127,7 +127,9 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
                          f"this one is of cohort {config['cohort']} (was the cohort rebuilt with other options?): "
                          "one run compares systems on one cohort; pass a new --run-id")
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
-    if own.is_empty():
+    # A forecast that failed or was killed holds no configuration worth keeping: whatever of it was written is
+    # cleared before the redo (`clear_outputs`), so it may be redone with corrected options (a missing --limit).
+    if own.is_empty() or own["status"][0] in ("failed", "killed"):
         return
     def options(config: dict) -> dict:
         # The model version is what the alias resolved to, not an option: a rerun uses the current one.

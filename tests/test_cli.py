@@ -299,6 +299,36 @@ def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(t
                                                                                        (2, 202, "train")]
 
 
+def test_a_failed_forecast_can_be_redone_with_other_options(tiny_meds, wh_vocab, monkeypatch):
+    # Its options were recorded all the same, and a rerun with the corrected ones was refused as "other options",
+    # leaving only a new --run-id.
+    import flows.forecast
+
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    forecast = ("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r1")
+    run_shards = flows.forecast.run_shards
+
+    def killed_after_the_first_shard(task, shards, workers, limit):
+        run_shards(task, shards[:1], workers, limit)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(flows.forecast, "run_shards", killed_after_the_first_shard)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(*forecast, "--limit", "1", data_dir=data_dir)
+    monkeypatch.undo()
+    registry = "SELECT status, json_extract(config_json, '$.limit') FROM runs WHERE run_id = 'r1'"
+    assert run("sql", registry, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["failed,1"]
+    assert run(*forecast, data_dir=data_dir).exit_code == 0
+    assert run("sql", registry, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["finished,null"]
+    status = "SELECT count(*), count(DISTINCT trajectory_id) FROM ranking_status WHERE run_id = 'r1'"
+    assert run("sql", status, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["3,3"]
+    # A finished forecast keeps its options: redone with others, the run would mix two configurations.
+    line = one_line_error(run(*forecast, "--limit", "1", data_dir=data_dir))
+    assert "run r1 already holds a repeat_history forecast with other options (limit None -> 1)" in line
+
+
 def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tiny_meds, wh_vocab, monkeypatch):
     data_dir = wh_vocab.root
     status_rows = "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM ranking_status WHERE run_id = 'r1'"
