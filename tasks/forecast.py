@@ -103,7 +103,7 @@ def llm_run_config(system: str, data_dir) -> dict:
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     """Refuse a run id that holds forecasts of another cohort, this system's forecast under other
-    options (unless it failed or was killed), or a mean over repeated runs.
+    options (unless it failed, was killed or is still recorded `running`), or a mean over repeated runs.
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
@@ -129,7 +129,9 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
     # A forecast that failed or was killed holds no configuration worth keeping: whatever of it was written is
     # cleared before the redo (`clear_outputs`), so it may be redone with corrected options (a missing --limit).
-    if own.is_empty() or own["status"][0] in ("failed", "killed"):
+    # `running` is one killed by SIGKILL that no run has marked `killed` yet; one still alive holds the run-system
+    # lock, under which the flow checks again, and is refused there as being forecast.
+    if own.is_empty() or own["status"][0] in ("failed", "killed", "running"):
         return
     def options(config: dict) -> dict:
         # The model version is what the alias resolved to, not an option: a rerun uses the current one.

@@ -329,6 +329,41 @@ def test_a_failed_forecast_can_be_redone_with_other_options(tiny_meds, wh_vocab,
     assert "run r1 already holds a repeat_history forecast with other options (limit None -> 1)" in line
 
 
+def test_a_forecast_killed_before_any_run_marked_it_can_be_redone_with_other_options(tiny_meds, wh_vocab,
+                                                                                       monkeypatch):
+    # A SIGKILL leaves the row `running` with its marker until the next registered run marks it `killed`; the
+    # redo was refused as "other options" meanwhile, though the same command after any other run was accepted.
+    # (A cohort named by its name looks for builds in progress, which marks killed runs first; by its id not.)
+    import flows.forecast
+    from warehouse.runs import _write_marker
+
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    cohort_id = Warehouse(data_dir).read("cohorts")["cohort_id"][0]
+    forecast = ("forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all", "--run-id", "r1")
+    run_shards = flows.forecast.run_shards
+
+    def stopped_after_the_first_shard(task, shards, workers, limit):
+        run_shards(task, shards[:1], workers, limit)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(flows.forecast, "run_shards", stopped_after_the_first_shard)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(*forecast, "--limit", "1", data_dir=data_dir)
+    monkeypatch.undo()
+    wh = Warehouse(data_dir)  # what SIGKILL leaves instead of `failed`: the row `running`, its marker, no lock
+    row = wh.read("runs", run_id="r1", kind="forecast:repeat_history")
+    wh.write("runs", row.with_columns(status=pl.lit("running")), run_id="r1", kind="forecast:repeat_history")
+    _write_marker(wh, "r1", "forecast:repeat_history")
+    result = run(*forecast, data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    registry = "SELECT status, json_extract(config_json, '$.limit') FROM runs WHERE run_id = 'r1'"
+    assert run("sql", registry, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["finished,null"]
+    status = "SELECT count(*), count(DISTINCT trajectory_id) FROM ranking_status WHERE run_id = 'r1'"
+    assert run("sql", status, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["3,3"]
+
+
 def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tiny_meds, wh_vocab, monkeypatch):
     data_dir = wh_vocab.root
     status_rows = "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM ranking_status WHERE run_id = 'r1'"
