@@ -103,7 +103,8 @@ def llm_run_config(system: str, data_dir) -> dict:
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     """Refuse a run id that holds forecasts of another cohort, this system's forecast under other
-    options (unless it failed, was killed or is still recorded `running`), or a mean over repeated runs.
+    options (unless it failed, was killed, is still recorded `running` or made no list), or a mean over
+    repeated runs.
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
@@ -132,6 +133,11 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     # `running` is one killed by SIGKILL that no run has marked `killed` yet; one still alive holds the run-system
     # lock, under which the flow checks again, and is refused there as being forecast.
     if own.is_empty() or own["status"][0] in ("failed", "killed", "running"):
+        return
+    # Nor does one that finished without a single list (every trajectory `failed`, say an LLM whose replies all
+    # broke the contract): `dxr forecast` tells the user to fix the cause and rerun, which may mean other settings.
+    lists = wh.read("ranking_status", run_id=run_id, system=config["system"])
+    if lists.height and (lists["status"] == "failed").all():
         return
     def options(config: dict) -> dict:
         # The model version is what the alias resolved to, not an option: a rerun uses the current one.

@@ -323,6 +323,19 @@ def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, 
     assert len(lines) == 1 and lines[0].startswith(
         "Error: run bad: every direct forecast failed (2 of 2 trajectories), e.g. direct reply for "), result.output
     assert lines[0].endswith(": fix the cause, then rerun with --run-id bad (details in ranking_status and llm_calls)")
+    # The cause fixed by another setting (here: a model whose replies keep the contract, as another replay file):
+    # the run made no list, so the rerun is not refused for having other options.
+    fixed = LLMConfig(backend="replay", replay_file=tmp_path / "fixed.jsonl", validation_retries=0)
+    record_replies(fixed, wh, cohort_id, trajectories, pretarget, [predictions(VALID)] * trajectories.height)
+    monkeypatch.setenv("DXR_LLM__REPLAY_FILE", str(fixed.replay_file))
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "direct", "--split", "held_out", "--run-id", "bad"])
+    assert result.exit_code == 0, result.output
+    assert wh.read("ranking_status", run_id="bad", system="direct")["status"].to_list() == ["ok", "ok"]
 
 
 def failed_cli_forecast(wh, run_id: str):
