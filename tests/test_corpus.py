@@ -206,6 +206,29 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
     assert ingest(wh, "jsonl", source, "tiny").documents == 4  # the kernel dropped the lock with its holder
 
 
+def test_documents_of_named_corpora_are_read_without_the_other_corpora(tmp_path, wh, monkeypatch):
+    # Listing the stored corpora and loading one read the whole `documents` table, every corpus's text included.
+    from tools.corpus import stored_corpora
+    from warehouse.store import Warehouse
+
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    ingest(wh, "jsonl", tmp_path / "tiny.jsonl", corpus="small")
+    ingest(wh, "jsonl", tmp_path / "tiny.jsonl", corpus="other")
+    read, reads = Warehouse.read, []
+
+    def recorded(self, table, **keys):
+        reads.append((table, keys))
+        return read(self, table, **keys)
+
+    monkeypatch.setattr(Warehouse, "read", recorded)
+    assert stored_corpora(wh) == ["other", "small"]
+    documents = load_documents(wh, ["small"])
+    assert {d.corpus for d in documents} == {"small"} and len(documents) == len(TINY)
+    assert reads == [("documents", {"corpus": "small"})]
+    with pytest.raises(InputError, match="^corpus gone not ingested; ingested corpora: other, small$"):
+        load_documents(wh, ["gone", "small"])
+
+
 def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_with_other_builds(tmp_path, wh):
     """A build reading `documents` before an ingest's commit and `chunks` after it would index neither state."""
     from dxr.cli import main

@@ -140,7 +140,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import WEB_CORPUS, reading_corpora
+    from tools.corpus import WEB_CORPUS, reading_corpora, stored_corpora
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
     from tools.index import build_index
@@ -150,7 +150,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
         checked_index_name(name)
     config = settings(ctx)
     wh = warehouse(ctx)
-    ingested = sorted(set(wh.read("documents")["corpus"].unique().to_list()) - {WEB_CORPUS})
+    ingested = [corpus for corpus in stored_corpora(wh) if corpus != WEB_CORPUS]
     if not ingested and not corpora:  # named corpora (`web` too) are checked as they are read
         raise InputError("no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first")
     plans = []

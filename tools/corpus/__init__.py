@@ -201,15 +201,32 @@ def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars
                                withdrawn)
 
 
+def stored_corpora(warehouse) -> list[str]:
+    """The names of the corpora in `documents` (the web channel's pages, `web`, included), sorted.
+
+    Read from the partition key alone: the documents' text (gigabytes for a full-text corpus) is not loaded.
+    """
+    if not warehouse.has_rows("documents"):
+        return []
+    con = warehouse.connect(tables=["documents"])
+    try:
+        return [name for (name,) in con.execute("SELECT DISTINCT corpus FROM documents ORDER BY 1").fetchall()]
+    finally:
+        con.close()
+
+
 def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document]:
-    """Documents of the named corpora (all when None) back from the warehouse, in stable order."""
-    frame = warehouse.read("documents")
+    """Documents of the named corpora (all when None) back from the warehouse, in stable order; only the named
+    corpora's partitions are read."""
     if corpora:
-        unknown = sorted(set(corpora) - set(frame["corpus"].unique().to_list()))
+        stored = stored_corpora(warehouse)
+        unknown = sorted(set(corpora) - set(stored))
         if unknown:
-            known = ", ".join(sorted(frame["corpus"].unique().to_list())) or "(none)"
-            raise InputError(f"corpus {', '.join(unknown)} not ingested; ingested corpora: {known}")
-        frame = frame.filter(pl.col("corpus").is_in(corpora))
+            raise InputError(f"corpus {', '.join(unknown)} not ingested; ingested corpora: "
+                             f"{', '.join(stored) or '(none)'}")
+        frame = pl.concat([warehouse.read("documents", corpus=corpus) for corpus in sorted(set(corpora))])
+    else:
+        frame = warehouse.read("documents")
     frame = frame.sort(["corpus", "source", "doc_id"])
     return [Document(doc_id=r["doc_id"], corpus=r["corpus"], source_format=r["source_format"], title=r["title"],
                      sections=[tuple(s) for s in json.loads(r["sections_json"])], url=r["url"], doi=r["doi"],
