@@ -86,12 +86,13 @@ def test_an_evaluation_is_recorded_finished_while_it_still_holds_the_run(tiny_co
         with pytest.raises(InputError, match="a forecast is refused"):
             with held(wh, "run:r1", shared=True, busy="a forecast is refused"):
                 pass
-        recorded.append(args[3])
+        recorded.append((args[3], args[5]))
         return real_record(*args, **kwargs)
 
     monkeypatch.setattr(tasks.evaluate, "record_run", record_while_held)
     evaluate_run(wh, "r1", ks=(20,), n_boot=0)
-    assert recorded == ["evaluate"]
+    # `stale` before its tables are written, `finished` after: both while the run is held.
+    assert recorded == [("evaluate", "stale"), ("evaluate", "finished")]
 
 
 def test_a_rerun_killed_while_clearing_leaves_the_evaluation_stale_not_finished(tiny_cohort, prefect_harness,
