@@ -299,25 +299,30 @@ def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(t
                                                                                        (2, 202, "train")]
 
 
+def forecast_stopped_after_the_first_shard(monkeypatch, forecast: tuple, *options: str, data_dir) -> None:
+    """Run `dxr <forecast> <options>` so that it fails after writing its first shard, as a stopped forecast does."""
+    import flows.forecast
+
+    run_shards = flows.forecast.run_shards
+
+    def stopped_after_the_first_shard(task, shards, workers, limit):
+        run_shards(task, shards[:1], workers, limit)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(flows.forecast, "run_shards", stopped_after_the_first_shard)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(*forecast, *options, data_dir=data_dir)
+    monkeypatch.undo()
+
+
 def test_a_failed_forecast_can_be_redone_with_other_options(tiny_meds, wh_vocab, monkeypatch):
     # Its options were recorded all the same, and a rerun with the corrected ones was refused as "other options",
     # leaving only a new --run-id.
-    import flows.forecast
-
     data_dir = wh_vocab.root
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
     assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
     forecast = ("forecast", "--cohort", "default", "--system", "repeat_history", "--split", "all", "--run-id", "r1")
-    run_shards = flows.forecast.run_shards
-
-    def killed_after_the_first_shard(task, shards, workers, limit):
-        run_shards(task, shards[:1], workers, limit)
-        raise RuntimeError("killed")
-
-    monkeypatch.setattr(flows.forecast, "run_shards", killed_after_the_first_shard)
-    with pytest.raises(RuntimeError, match="killed"):
-        run(*forecast, "--limit", "1", data_dir=data_dir)
-    monkeypatch.undo()
+    forecast_stopped_after_the_first_shard(monkeypatch, forecast, "--limit", "1", data_dir=data_dir)
     registry = "SELECT status, json_extract(config_json, '$.limit') FROM runs WHERE run_id = 'r1'"
     assert run("sql", registry, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["failed,1"]
     assert run(*forecast, data_dir=data_dir).exit_code == 0
@@ -334,7 +339,6 @@ def test_a_forecast_killed_before_any_run_marked_it_can_be_redone_with_other_opt
     # A SIGKILL leaves the row `running` with its marker until the next registered run marks it `killed`; the
     # redo was refused as "other options" meanwhile, though the same command after any other run was accepted.
     # (A cohort named by its name looks for builds in progress, which marks killed runs first; by its id not.)
-    import flows.forecast
     from warehouse.runs import _write_marker
 
     data_dir = wh_vocab.root
@@ -342,16 +346,7 @@ def test_a_forecast_killed_before_any_run_marked_it_can_be_redone_with_other_opt
     assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
     cohort_id = Warehouse(data_dir).read("cohorts")["cohort_id"][0]
     forecast = ("forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all", "--run-id", "r1")
-    run_shards = flows.forecast.run_shards
-
-    def stopped_after_the_first_shard(task, shards, workers, limit):
-        run_shards(task, shards[:1], workers, limit)
-        raise RuntimeError("stopped")
-
-    monkeypatch.setattr(flows.forecast, "run_shards", stopped_after_the_first_shard)
-    with pytest.raises(RuntimeError, match="stopped"):
-        run(*forecast, "--limit", "1", data_dir=data_dir)
-    monkeypatch.undo()
+    forecast_stopped_after_the_first_shard(monkeypatch, forecast, "--limit", "1", data_dir=data_dir)
     wh = Warehouse(data_dir)  # what SIGKILL leaves instead of `failed`: the row `running`, its marker, no lock
     row = wh.read("runs", run_id="r1", kind="forecast:repeat_history")
     wh.write("runs", row.with_columns(status=pl.lit("running")), run_id="r1", kind="forecast:repeat_history")

@@ -515,16 +515,7 @@ def test_a_first_mean_under_its_run_id_cut_short_among_its_writes_is_refused_by_
         for system in ("s1", "s2"):
             record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2}, "finished", datetime(2026, 1, 1),
                        datetime(2026, 1, 1))
-    write, systems_written = Warehouse.write, []
-
-    def full_disk_at_the_second_system(self, table, frame, **keys):
-        if table == "metrics" and keys.get("run_id") == "seeds":
-            if systems_written:
-                raise OSError(28, "No space left on device")
-            systems_written.append(keys["system"])
-        return write(self, table, frame, **keys)
-
-    monkeypatch.setattr(Warehouse, "write", full_disk_at_the_second_system)
+    systems_written = metrics_fill_the_disk_at_the_second_system(monkeypatch, "seeds")
     with pytest.raises(OSError):
         evaluate_repeated(wh, ["r1", "r9"], systems=["s1", "s2"], ks=(2,), n_boot=0, run_id="seeds")
     monkeypatch.undo()
@@ -540,16 +531,7 @@ def test_a_first_mean_under_its_run_id_cut_short_among_its_writes_is_refused_by_
 def test_a_first_evaluation_cut_short_among_its_writes_is_refused_by_the_report(wh, tmp_path, monkeypatch):
     # A run's first evaluation had no `runs` row for its writes to mark stale: cut short after one system's
     # metrics, it left them unregistered, and the report showed that system alone as the run's evaluation.
-    write, systems_written = Warehouse.write, []
-
-    def full_disk_at_the_second_system(self, table, frame, **keys):
-        if table == "metrics" and keys.get("run_id") == "r1":
-            if systems_written:
-                raise OSError(28, "No space left on device")
-            systems_written.append(keys["system"])
-        return write(self, table, frame, **keys)
-
-    monkeypatch.setattr(Warehouse, "write", full_disk_at_the_second_system)
+    systems_written = metrics_fill_the_disk_at_the_second_system(monkeypatch, "r1")
     with pytest.raises(OSError):
         evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     monkeypatch.undo()
@@ -562,3 +544,18 @@ def test_a_first_evaluation_cut_short_among_its_writes_is_refused_by_the_report(
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     assert wh.read("runs", run_id="r1", kind="evaluate")["status"].to_list() == ["finished"]
     assert render_report(wh, "r1", tmp_path / "whole").is_file()
+
+
+def metrics_fill_the_disk_at_the_second_system(monkeypatch, run_id: str) -> list[str]:
+    """Make the second system's `metrics` write of `run_id` fail as a full disk does; returns the systems written."""
+    write, systems_written = Warehouse.write, []
+
+    def full_disk_at_the_second_system(self, table, frame, **keys):
+        if table == "metrics" and keys.get("run_id") == run_id:
+            if systems_written:
+                raise OSError(28, "No space left on device")
+            systems_written.append(keys["system"])
+        return write(self, table, frame, **keys)
+
+    monkeypatch.setattr(Warehouse, "write", full_disk_at_the_second_system)
+    return systems_written
