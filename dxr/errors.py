@@ -25,10 +25,6 @@ class NotFoundError(DxrError):
     """A named dataset, cohort, run or table does not exist in the warehouse."""
 
 
-class BoundaryError(DxrError):
-    """An operation would let target-encounter information reach a forecasting step."""
-
-
 class UserErrorTraceback(logging.Filter):
     """Drop the traceback Prefect logs with a failed flow or task run when the error is the user's
     to fix: its one-line message is the report, and the traceback only buries it."""

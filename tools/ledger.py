@@ -25,7 +25,6 @@ PURPOSES = ("validation", "discovery", "force_carry")
 TEMPORAL_CLASSES = ("persistent_status", "chronic_active", "recurrent_condition", "planned_followup",
                     "treatment_consequence", "acute_or_lab")
 CHANNELS = ("definition", "relation", "discovery")
-STATES = ("readable_supported", "readable_unsupported", "unreadable", "no_result")
 READABLE = "readable"  # what a channel passes when it has text; the ledger decides supported or not
 
 _INJECTION = re.compile(

@@ -39,7 +39,6 @@ EXTRA_COLUMNS = {"encounter_id": pa.int64()}
 # Other names a MEDS export gives the encounter column: MEDS-Extract's MIMIC-IV ETL, whose codes this platform
 # follows, keeps the admission id as `hadm_id`. Ingest copies it into `encounter_id`.
 ENCOUNTER_ALIASES = ("hadm_id",)
-DIAGNOSIS_PREFIX = "DIAGNOSIS//ICD//"
 # Codes whose system the platform knows; anything under DIAGNOSIS// must be ICD-9 or ICD-10.
 _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
 # A diagnosis dictionary (codes.parquet) may also list chapters and blocks by their range, e.g. C00-C96.

@@ -37,7 +37,6 @@ DIAGNOSIS = "DIAGNOSIS"
 PROCEDURE = "PROCEDURE"
 VERSIONS = (9, 10)
 HARMONIZATIONS = ("native", "icd10", "category")
-GEM_DIRECTIONS = ("9to10", "10to9")
 # Kinds of `icd_notes` rows, in the order they are listed for one code.
 NOTE_KINDS = ("inclusion_term", "includes", "excludes1", "excludes2", "code_first", "use_additional",
               "code_also", "notes")

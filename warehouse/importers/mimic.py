@@ -397,10 +397,6 @@ class ImportSummary:
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def n_rows_read(self) -> int:
-        return sum(self.rows_read.values())
-
     def table(self) -> str:
         """A short two-column summary for the terminal."""
         rows = [("subjects", self.n_subjects), ("admissions", self.n_admissions),

@@ -531,8 +531,6 @@ CANCER_NAMES = tuple(c.name for c, _ in _CANCERS)
 # ---------------------------------------------------------------------------------------------
 # Encounter reasons: they compete (reason k has probability λ_k / Σλ at an encounter)
 # ---------------------------------------------------------------------------------------------
-_INFECTION_MEDS = ("ceftriaxone",)
-
 REASONS: tuple[Reason, ...] = (
     Reason(
         "pneumonia", "Pneumonia",
@@ -1084,7 +1082,6 @@ FACTS = {
 
 CHRONIC_BY_NAME = {c.name: c for c in CHRONIC}
 REASON_BY_NAME = {r.name: r for r in REASONS}
-COMPLICATION_BY_NAME = {c.name: c for c in COMPLICATIONS}
 WEEK_CODES = tuple(f"Z3A.{w:02d}" for w in range(8, 43))
 
 

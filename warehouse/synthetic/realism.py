@@ -112,18 +112,6 @@ def realism_report(meds_dir: Path, seed: int = 7, draws: int = 200) -> dict[str,
     }
 
 
-def condition_shares(meds_dir: Path, seed: int = 7) -> pl.DataFrame:
-    """Share of held_out final-encounter target codes supplied by each condition (for tuning)."""
-    dx = diagnosis_encounters(meds_dir)
-    cohort = final_encounter_cohort(dx, seed)
-    rows = dx.join(cohort.select("subject_id", pl.col("target_encounter_id").alias("encounter_id")),
-                   on=["subject_id", "encounter_id"])
-    owners = rows.with_columns(pl.col("code").str.strip_prefix(DIAGNOSIS).replace_strict(
-        {k.replace(".", ""): v for k, v in CODE_OWNER.items()}, default="(other)").alias("owner"))
-    return owners.group_by("owner").len().with_columns((pl.col("len") / owners.height).alias("share")) \
-        .sort("share", descending=True)
-
-
 def violations(report: dict[str, float]) -> list[str]:
     """Human-readable list of the bands a report misses (empty when all hold)."""
     return [f"{k}={report[k]:.3f} outside [{lo}, {hi}]" for k, (lo, hi) in REALISM_BANDS.items()
