@@ -280,6 +280,10 @@ def test_the_same_cohort_built_under_another_name_is_renamed_and_says_so(tiny_me
         f"note: these options of dataset tiny were cohort native, which is now named mine: a cohort's id is its "
         f"dataset, options and seed, so --cohort native no longer finds it (use the id or the new name)")
     assert Warehouse(data_dir).read("cohorts").select("cohort_id", "name").rows() == [(cohort_id, "mine")]
+    listed = run("cohort", "list", data_dir=data_dir)
+    assert listed.exit_code == 0 and listed.output.splitlines()[2].split() == [
+        cohort_id, "mine", "tiny", "final", "native", "1", "3", str(Warehouse(data_dir).read("cohorts")
+                                                                     ["vocabulary_size"].item())], listed.output
 
 
 def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(tmp_path, tiny_meds, wh_vocab):

@@ -1081,6 +1081,17 @@ def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_pa
                                   "--fulltext-dir", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output
 
+def test_ingest_reads_arxiv_full_texts_from_a_directory_and_refuses_one_for_another_format(tmp_path, wh):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "2101.00001v2", "title": "T", "abstract": "Heart."}) + "\n")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "2101.00001.txt").write_text("Full text about readmission.")
+    summary = ingest(wh, "arxiv", tmp_path / "a.jsonl", fulltext_dir=tmp_path / "texts")
+    assert (summary.corpus, summary.documents, summary.chunks) == ("arxiv", 1, 2)
+    [document] = load_documents(wh, ["arxiv"])
+    assert document.sections == [("Abstract", "Heart."), ("Full text", "Full text about readmission.")]
+    with pytest.raises(InputError, match="^full texts from a directory apply to format arxiv only, not jsonl$"):
+        ingest(wh, "jsonl", tmp_path / "a.jsonl", fulltext_dir=tmp_path / "texts")
+
 @pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
                                     "tools.sanitize", "tools.ledger", "tools.web.channel"])
 def test_doctests(module):

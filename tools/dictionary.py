@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from dxr.errors import InputError
-from tools.corpus.documents import Document
+from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document
 
 CORPUS = "icd"
 NOTE_HEADINGS = {
@@ -33,6 +33,16 @@ def load_vocabulary(warehouse=None) -> tuple[pl.DataFrame, pl.DataFrame]:
                          "load the vocabularies first") from None
     codes = pl.concat([vocab.icd10_codes(), vocab.icd9_codes()], how="vertical_relaxed")
     return codes, vocab.icd10_notes()
+
+
+def ingest_dictionary(warehouse, corpus: str = CORPUS, max_chars: int = DEFAULT_CHUNK_CHARS):
+    """Store the ICD dictionary (one document per code) as the `(corpus, "vocabulary")` partition of `documents` and
+    `chunks`; returns its IngestSummary."""
+    from tools.corpus import store_documents, writing_corpus
+
+    with writing_corpus(warehouse, corpus):
+        documents = icd_documents(*load_vocabulary(warehouse), corpus=corpus)
+        return store_documents(warehouse, documents, corpus, "vocabulary", max_chars)
 
 
 def icd_documents(codes: pl.DataFrame, notes: pl.DataFrame, corpus: str = CORPUS) -> list[Document]:

@@ -48,7 +48,6 @@ from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
 TARGET_RULES = ("final", "every")
-HARMONIZATIONS = ("native", "icd10", "category")
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 
 
@@ -61,8 +60,9 @@ class CohortOptions:
     def __post_init__(self):
         if self.target not in TARGET_RULES:
             raise InputError(f"unknown target rule {self.target!r}: use one of {', '.join(TARGET_RULES)}")
-        if self.harmonize not in HARMONIZATIONS:
-            raise InputError(f"unknown harmonization {self.harmonize!r}: use one of {', '.join(HARMONIZATIONS)}")
+        if self.harmonize not in vocab.HARMONIZATIONS:
+            raise InputError(f"unknown harmonization {self.harmonize!r}: use one of "
+                             f"{', '.join(vocab.HARMONIZATIONS)}")
         if self.min_history < 0:
             raise InputError(f"--min-history must be >= 0, got {self.min_history}")
 
@@ -451,6 +451,14 @@ def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
             raise NotFoundError(f"cohort {name_or_id} ({cohort_id}) was unregistered by a build that did not "
                                 "finish: rebuild it with `dxr cohort build`")
         yield row.row(0, named=True)
+
+
+def cohort_list(wh: Warehouse) -> str:
+    """The built cohorts, oldest first, as the aligned table `dxr cohort list` prints."""
+    from warehouse.sql import run_query
+
+    return run_query(wh, "SELECT cohort_id, name, dataset_id, target_rule, harmonization, min_history, "
+                         "n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at")
 
 
 def get_cohort(wh: Warehouse, name_or_id: str) -> dict:

@@ -100,26 +100,16 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
 
 
 def _ingest(wh, fmt: str, path: Path | None, corpus_name: str | None, fulltext_dir: Path | None, chunk_chars: int):
-    """Store the documents and chunks of `dxr corpus ingest`; returns its IngestSummary."""
-    from tools.corpus import FORMATS, ingest, input_files, source_key, store_documents, writing_corpus
-
+    """Store the documents and chunks of `dxr corpus ingest`; returns its IngestSummary. Both ingests hold the
+    corpus's lock themselves."""
     if fmt == "icd":
-        from tools.dictionary import CORPUS, icd_documents, load_vocabulary
+        from tools.dictionary import CORPUS, ingest_dictionary
 
-        name = corpus_name or CORPUS
-        with writing_corpus(wh, name):
-            documents = icd_documents(*load_vocabulary(wh), corpus=name)
-            return store_documents(wh, documents, name, "vocabulary", chunk_chars)
-    if fmt == "arxiv" and fulltext_dir is not None:
-        from tools.corpus.json_sources import read_arxiv
+        return ingest_dictionary(wh, corpus_name or CORPUS, chunk_chars)
+    from tools.corpus import ingest
 
-        name = corpus_name or FORMATS["arxiv"].default_corpus
-        files = input_files(fmt, path)
-        with writing_corpus(wh, name):
-            documents = [d for file in files for d in read_arxiv(file, name, fulltext_dir)]
-            return store_documents(wh, documents, name, source_key(path), chunk_chars, len(files))
-    # `ingest` holds the corpus's lock itself
-    return ingest(wh, fmt, path, corpus_name, chunk_chars, progress=lambda f: click.echo(f"  read {f}", err=True))
+    return ingest(wh, fmt, path, corpus_name, chunk_chars, progress=lambda f: click.echo(f"  read {f}", err=True),
+                  fulltext_dir=fulltext_dir)
 
 
 @corpus.command("build")

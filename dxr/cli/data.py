@@ -206,8 +206,6 @@ def cohort_list(ctx: click.Context) -> None:
     Example:
       dxr cohort list
     """
-    from warehouse.sql import run_query
+    from warehouse.cohorts import cohort_list
 
-    click.echo(run_query(warehouse(ctx, existing=True),
-                         "SELECT cohort_id, name, dataset_id, target_rule, harmonization, min_history, n_trajectories, "
-                         "vocabulary_size FROM cohorts ORDER BY created_at"), nl=False)
+    click.echo(cohort_list(warehouse(ctx, existing=True)), nl=False)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import polars as pl
@@ -93,13 +94,17 @@ def input_files(fmt: str, path: Path) -> list[Path]:
     return files
 
 
-def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None) -> tuple[list[Document], int]:
-    """The documents of the files at `path` and the number of withdrawal records among them."""
+def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None,
+                   fulltext_dir: Path | None = None) -> tuple[list[Document], int]:
+    """The documents of the files at `path` and the number of withdrawal records among them.
+
+    `fulltext_dir` (format arxiv only) holds `<id>.txt` full texts for records without a `full_text` field."""
     files = input_files(fmt, path)
     corpus = corpus or FORMATS[fmt].default_corpus
+    reader = FORMATS[fmt].reader if fulltext_dir is None else partial(read_arxiv, fulltext_dir=fulltext_dir)
     documents: list[Document] = []
     for file in files:
-        documents.extend(FORMATS[fmt].reader(file, corpus))
+        documents.extend(reader(file, corpus))
         if progress:
             progress(file)
     return revise(documents) if FORMATS[fmt].revised else (documents, 0)
@@ -192,11 +197,13 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
 
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
-           progress=None) -> IngestSummary:
+           progress=None, fulltext_dir: Path | None = None) -> IngestSummary:
+    if fulltext_dir is not None and fmt != "arxiv":
+        raise InputError(f"full texts from a directory apply to format arxiv only, not {fmt}")
     files = input_files(fmt, Path(path))
     corpus = corpus or FORMATS[fmt].default_corpus
     with writing_corpus(warehouse, corpus):
-        documents, withdrawn = read_documents(fmt, Path(path), corpus, progress)
+        documents, withdrawn = read_documents(fmt, Path(path), corpus, progress, fulltext_dir)
         return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files),
                                withdrawn)
 
