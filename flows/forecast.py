@@ -9,8 +9,8 @@ from prefect import flow
 from dxr.config import load_settings
 from dxr.errors import InputError
 from flows import flow_run_id
-from tasks import stage_logger
 from models.registry import FORECASTERS
+from tasks import stage_logger
 from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, fitted_forecaster,
                             forecast_config, forecast_shard_task, forecast_shards, llm_run_config, pinned_model,
                             run_shards, shard_workers)

@@ -68,3 +68,22 @@ def test_a_violated_band_is_named_with_its_value_range_and_fix():
     assert band_violation(realism, 5000) == (
         "realism band violated: oracle_r20 0.532 outside [0.55, 0.85]; the generator no longer produces the "
         "cohort its bands describe: see docs/synthetic.md#realism-bands")
+
+
+def test_the_headline_table_shows_each_metric_with_its_interval_and_leaves_a_missing_one_blank():
+    from dxr.cli.demo import headline_table
+
+    rows = [("oracle", "precision_at_k", 10, 0.41234, 0.4, 0.425), ("oracle", "recall_at_k", 10, 0.5, None, None),
+            ("oracle", "precision_at_k", 20, 0.3, 0.25, 0.35), ("oracle", "recall_at_k", 20, 0.6, 0.55, 0.65),
+            ("oracle", "recall_at_k", 20, 0.9, 0.8, 1.0)]  # the last one is the `new` subset's
+    metrics = pl.DataFrame([(s, "new" if i == 4 else "all", m, k, v, lo, hi, 332) for i, (s, m, k, v, lo, hi)
+                            in enumerate(rows)],
+                           schema=["system", "subset", "metric", "k", "value", "ci_low", "ci_high", "n"], orient="row")
+    metrics = pl.concat([metrics, metrics.filter(pl.col("metric") == "recall_at_k", pl.col("k") == 10)
+                        .with_columns(system=pl.lit("global_frequency"), value=pl.lit(0.172))])
+    assert headline_table(metrics).splitlines() == [
+        "system            P@10                  R@10   P@20                  R@20                  n",
+        "----------------  --------------------  -----  --------------------  --------------------  ---",
+        "global_frequency                        0.172                                              332",
+        "oracle            0.412 [0.400, 0.425]  0.500  0.300 [0.250, 0.350]  0.600 [0.550, 0.650]  332",
+        "(2 rows)"]

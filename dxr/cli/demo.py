@@ -78,6 +78,7 @@ def headline_table(metrics) -> str:
     """System x {P@10, R@10, P@20, R@20} on all codes, each with its 95% bootstrap interval."""
     import polars as pl
 
+    from tasks.report import with_interval
     from warehouse.sql import format_table
 
     wanted = [("precision_at_k", 10, "P@10"), ("recall_at_k", 10, "R@10"),
@@ -92,8 +93,7 @@ def headline_table(metrics) -> str:
                 cells.append("")
                 continue
             r = hit.row(0, named=True)
-            interval = f" [{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if r["ci_low"] is not None else ""
-            cells.append(f"{r['value']:.3f}{interval}")
+            cells.append(with_interval(r["value"], r["ci_low"], r["ci_high"]))
         cells.append(str(subset.filter(pl.col("system") == system)["n"].max()))
         rows.append(tuple(cells))
     return format_table(["system"] + [label for *_, label in wanted] + ["n"], rows)

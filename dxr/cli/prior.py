@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from dxr.cli import main, settings
+from models.prior.config import ARCHS
 
-PRIOR_SYSTEMS = ("ehr_prior", "dense_prior", "gru")
+PRIOR_SYSTEMS = tuple(ARCHS)
 
 
 @main.group()

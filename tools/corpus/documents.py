@@ -42,7 +42,7 @@ class Document:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A retrievable span; `parent_id` is its document, `ordinal` its position inside it."""
+    """A retrievable span; `doc_id` is its document (its parent), `ordinal` its position inside it."""
 
     chunk_id: str
     doc_id: str
