@@ -689,6 +689,10 @@ def test_rows_that_cannot_become_events_are_dropped_and_counted_by_reason(tmp_pa
                   "dropped (rows without a start time or admission)", "dropped (rows without an NDC or drug name)"):
         counts = [line.split()[-1] for line in table.splitlines() if label in line]
         assert counts and set(counts) == {"1"}, (label, table)
+    # The emptied code is not among the rows counted above it: "diagnosis rows read 12" beside "dropped (rows
+    # without a code) 1" read as 12 rows read, 11 of them kept.
+    [line] = [line for line in table.splitlines() if line.startswith("diagnosis rows")]
+    assert line.split() == ["diagnosis", "rows", "with", "a", "code", "12"], table
     events = read_meds(tmp_path / "meds")
     assert 29999999 not in events["encounter_id"].to_list()
 

@@ -402,7 +402,7 @@ class ImportSummary:
         rows = [("subjects", self.n_subjects), ("admissions", self.n_admissions),
                 ("  dischtime before admittime (kept as recorded)", self.n_admissions_discharged_before_admitted),
                 ("encounters (admissions with ≥ 1 diagnosis)", self.n_encounters),
-                ("diagnosis rows read", self.n_diagnosis_rows),
+                ("diagnosis rows with a code", self.n_diagnosis_rows),
                 ("diagnoses written (duplicates collapsed)", self.n_diagnoses),
                 ("  at admittime (no dischtime; time_imputed)", self.n_diagnoses_time_imputed),
                 ("  dropped (admission not in admissions)", self.n_diagnoses_without_admission),
