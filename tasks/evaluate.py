@@ -61,6 +61,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
 from warehouse.store import Warehouse, check_run_id, conform
@@ -755,6 +756,28 @@ def evaluate_run_task(data_dir: str, run_id: str, systems: list[str] | None = No
                       n_boot: int = 1000, seed: int = 0) -> int:
     """Prefect wrapper: evaluate one run into the warehouse; returns the number of metric rows."""
     return evaluate_run(Warehouse(data_dir), run_id, systems, ks, n_boot, seed).height
+
+
+def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
+    """Why a run's scores overstate unseen patients, when some of its trajectories are of train-split patients.
+
+    `--split all` (a small dataset may have no held_out trajectory at all) scores the patients whose full records
+    the learned systems and the frequency padding were fit on, targets included. None when no trajectory is of a
+    train patient, or the run is a mean over other runs (no trajectories of its own).
+    """
+    con = wh.connect(run_id=run_id, tables=("ranking_status", "trajectories"))
+    try:
+        found = dict(con.execute("SELECT t.split, count(*) FROM (SELECT DISTINCT trajectory_id FROM ranking_status) r "
+                                 "JOIN trajectories t USING (trajectory_id) GROUP BY t.split").fetchall())
+    finally:
+        con.close()
+    if not found.get(SPLITS[0]):
+        return None
+    counts = ", ".join(f"{split} {found[split]:,}" for split in SPLITS if split in found)
+    return (f"{found[SPLITS[0]]:,} of the {sum(found.values()):,} trajectories are of train-split patients ({counts}): "
+            "the learned systems, and the train-split frequency list that pads other lists, were fit on their "
+            "records, targets included, so scores on them are in-sample; forecast --split held_out to score "
+            "patients no system learned from")
 
 
 # ---- repeated runs ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
-                            estimate, load_run, metric_rows, system_counts)
+                            estimate, in_sample_note, load_run, metric_rows, system_counts)
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
@@ -345,6 +345,9 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
+    in_sample = in_sample_note(wh, run_id)
+    if in_sample:
+        blocks.append(Paragraph(f"In-sample: {in_sample}."))
     runs = wh.read("runs", run_id=run_id).sort("kind")
     if not runs.is_empty():
         blocks += [Heading("Run registry"), Table(
@@ -356,7 +359,9 @@ def build_report(wh: Warehouse, run_id: str) -> list:
         blocks += [Heading(f"Systems at K = {k_label(kk)}")]
         if i == 0:
             blocks.append(Paragraph("short = trajectories whose list has fewer than K codes (failed ones included), "
-                                    "scored with the hits they have; failed = trajectories whose forecast failed."))
+                                    "scored with the hits they have; failed = trajectories whose forecast failed. "
+                                    "native share = the share of the top-K codes that the system ranked itself; the "
+                                    "rest pad its list from the train-split frequency list."))
         blocks.append(system_table(metrics, coverage, kk))
     blocks += [Heading("System comparison"),
                Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",

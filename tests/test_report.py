@@ -319,6 +319,37 @@ def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
 
 
+def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_report(wh):
+    # The MIMIC-III demo has no held_out trajectory, so its documented run is `--split all`: 12 of its 14
+    # trajectories are train patients', whose targets the learned systems trained on. Neither the printed table
+    # nor the report said so, and its transition model's R@20 of 0.843 read as a result.
+    runner = CliRunner()
+    evaluate = ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2", "--bootstrap", "0"]
+    result = runner.invoke(main, evaluate)
+    assert result.exit_code == 0, result.output
+    assert "in-sample" not in result.output and "In-sample" not in to_markdown(build_report(wh, "r1"))
+
+    trajectories = wh.read("trajectories", cohort_id=COHORT)
+    wh.write("trajectories", trajectories.with_columns(
+        split=pl.when(pl.col("trajectory_id") == T3).then(pl.lit("held_out")).otherwise(pl.lit("train"))),
+        cohort_id=COHORT)
+    note = ("2 of the 3 trajectories are of train-split patients (train 2, held_out 1): the learned systems, and the "
+            "train-split frequency list that pads other lists, were fit on their records, targets included, so "
+            "scores on them are in-sample; forecast --split held_out to score patients no system learned from")
+    result = runner.invoke(main, evaluate)
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[-1] == f"note: run r1: {note}"
+    assert "note" not in result.stdout
+    markdown = to_markdown(build_report(wh, "r1"))
+    assert f"\n\nIn-sample: {note}.\n\n## Run registry" in markdown
+
+
+def test_the_report_says_what_native_share_counts(wh):
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    assert ("native share = the share of the top-K codes that the system ranked itself; the rest pad its list from "
+            "the train-split frequency list.") in to_markdown(build_report(wh, "r1"))
+
+
 def test_cli_rejects_bad_k_and_silent_short(wh):
     runner = CliRunner()
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "two"])
