@@ -30,10 +30,24 @@ select.select([handle], [], [])  # readable once the target has ended on its own
 def die_with_parent() -> None:
     """Child-side hook (`preexec_fn`): ask Linux to send SIGTERM to this process when the thread
     that started it ends, which for dxr's main thread is when the dxr process ends."""
+    _set_parent_death_signal(signal.SIGTERM)
+
+
+def killed_with_parent() -> None:
+    """`die_with_parent` for a child with nothing to flush: SIGKILL, which it cannot put off.
+
+    The embedded llama.cpp server answers SIGTERM with uvicorn's graceful shutdown, which first finishes the
+    generation in progress: with its client dead, that kept the model in memory and a core busy for minutes,
+    beside the retry that had started its own server.
+    """
+    _set_parent_death_signal(signal.SIGKILL)
+
+
+def _set_parent_death_signal(signum: int) -> None:
     import ctypes
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
 
 
 def guard_process(target_pid: int, parent_pid: int) -> subprocess.Popen | None:

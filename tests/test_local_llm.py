@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -165,6 +170,50 @@ def test_the_client_stops_the_server_it_started(tmp_path):
     assert set(reply) == {"answer"} and client.calls[0]["tokens_in"] > 0
     assert process.poll() is not None and client.backend.server.process is None  # stopped and reaped by close()
     assert packaged_model_path(tmp_path / "models").stat().st_size > 200 * 2**20  # assembled once, then reused
+
+
+# A process that starts the embedded server, has it generate, and then waits: SIGKILLed by the test as a flow run's
+# process is (the OOM killer, a scheduler's hard timeout, `kill -9` from the operator).
+GENERATING_CLIENT = """
+import json, sys, threading, time, urllib.request
+from pathlib import Path
+from models.llm.local_server import LocalServer, packaged_model_path
+models = Path(sys.argv[1])
+server = LocalServer(packaged_model_path(models), 4096, 1, models / "server.log")
+url = server.start()
+# The grammar of the schema cannot end before a thousand numbers: the reply runs to max_tokens, minutes on one thread.
+schema = {"type": "object", "required": ["n"],
+          "properties": {"n": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}}}
+body = json.dumps({"messages": [{"role": "user", "content": "Numbers in JSON."}], "max_tokens": 3000,
+                   "temperature": 0, "response_format": {"type": "json_object", "schema": schema}}).encode()
+request = urllib.request.Request(f"{url}/chat/completions", body, {"Content-Type": "application/json"})
+threading.Thread(target=urllib.request.urlopen, args=(request,), kwargs={"timeout": 900}, daemon=True).start()
+time.sleep(3)
+print(server.process.pid, flush=True)
+time.sleep(900)
+"""
+
+
+def test_the_server_ends_with_a_sigkilled_client_in_the_middle_of_a_generation(tmp_path):
+    # Asked to stop with SIGTERM, the server first finished the generation its dead client would never read: the
+    # retry of the killed flow run then started a second server beside it, each with the model in memory.
+    client = subprocess.Popen([sys.executable, "-c", GENERATING_CLIENT, str(tmp_path / "models")],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    server = None
+    try:
+        server = int(client.stdout.readline())
+        os.kill(server, 0)  # up, and generating
+        client.kill()
+        client.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and Path(f"/proc/{server}").exists():
+            time.sleep(0.2)
+        log = (tmp_path / "models" / "server.log").read_text()
+        assert not Path(f"/proc/{server}").exists(), f"the server outlived its SIGKILLed client:\n{log[-600:]}"
+    finally:
+        client.kill()
+        if server is not None and Path(f"/proc/{server}").exists():
+            os.kill(server, signal.SIGKILL)
 
 
 def test_a_dense_record_rendered_at_the_default_budget_fits_the_window_by_the_model_s_own_count(tmp_path):

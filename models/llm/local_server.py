@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from dxr.errors import ConfigError
-from dxr.processes import die_with_parent
+from dxr.processes import killed_with_parent
 from models.llm.backends import Completion, OpenAIBackend, UnreachableError
 
 PACKAGED_MODEL = "gemma3-270m-q4-k-m"
@@ -144,7 +144,7 @@ class LocalServer:
         self._log_start = log.tell()
         self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL,
-                                        preexec_fn=die_with_parent if sys.platform == "linux" else None)
+                                        preexec_fn=killed_with_parent if sys.platform == "linux" else None)
         log.close()
         atexit.register(self.stop)
         self.base_url = f"http://127.0.0.1:{port}/v1"
