@@ -55,7 +55,12 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             identity = training_identity(run.run_id, config)
             tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)
             # Only a given run id can have had an earlier attempt.
-            result = registered_training(system, cohort_id, cfg, identity) if run_id is not None else None
+            result = None
+            if run_id is not None:
+                for killed in tracking.end_killed_attempts(identity):
+                    stage_logger(__name__).info("%s: MLflow run %s of a killed attempt of run %s ended as KILLED",
+                                                system, killed, run.run_id)
+                result = registered_training(system, cohort_id, cfg, identity)
             if result is not None:
                 stage_logger(__name__).info("%s: an earlier attempt of run %s registered %s v%s, not trained again",
                                             system, run.run_id, result.registered_model, result.version)

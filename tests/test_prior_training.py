@@ -24,7 +24,7 @@ from models.prior.lit import PriorDataModule
 from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
-from tasks.prior import ensure_prior, train_prior
+from tasks.prior import ensure_prior, train_prior, training_identity
 from tests.sentinel import forecast_store_texts
 from warehouse.runs import record_run
 from warehouse.store import Warehouse
@@ -307,6 +307,24 @@ def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained
                         run_id="train-test-1")
     assert other.mlflow_run_id != first.mlflow_run_id
     assert len(tracking.registered_versions("ehr_prior", cohort)) == len(versions) + 1
+
+
+def test_a_retry_ends_the_mlflow_run_a_killed_attempt_left_running(tmp_path):
+    # A training killed by SIGKILL (a served flow run, the OOM killer) never ends its MLflow run, which the MLflow UI
+    # then showed RUNNING for good beside the retry's; the warehouse's `running` row of it becomes `killed`.
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1)
+    identity = training_identity("train-killed", {"system": "gru", "cohort": cohort, "prior": cfg.model_dump()})
+    tracking.use_tracking(tmp_path, None, cfg.experiment)
+    client = tracking.MlflowClient()
+    experiment = client.get_experiment_by_name(cfg.experiment).experiment_id
+    killed = client.create_run(experiment, tags=identity).info.run_id  # what the killed attempt left: RUNNING
+    other = client.create_run(experiment, tags={**identity, "dxr.run_id": "train-alive"}).info.run_id
+
+    result = train_prior(str(tmp_path), cohort, "gru", cfg, run_id="train-killed")
+
+    assert [client.get_run(r).info.status for r in (killed, result.mlflow_run_id, other)] == [
+        "KILLED", "FINISHED", "RUNNING"]  # another run's training is not this retry's to end
 
 
 def test_a_retried_train_prior_flow_run_does_not_train_the_finished_systems_again(prefect_harness, tmp_path,

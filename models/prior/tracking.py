@@ -205,6 +205,22 @@ def version_tagged(system: str, cohort_id: str, tags: dict[str, str]) -> tuple[s
     return None
 
 
+def end_killed_attempts(tags: dict[str, str]) -> list[str]:
+    """End as KILLED the runs of the current experiment that carry every tag of `tags` and are still RUNNING;
+    returns their ids.
+
+    A training's MLflow run ends with its `with` block, FAILED on an exception: one whose process was killed
+    (SIGKILL, the OOM killer) stays RUNNING in the MLflow UI for good. The caller holds the lock of that
+    training (`warehouse.runs.registered_run`), so no live process owns such a run.
+    """
+    matches = " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
+    with store_errors("looking for killed attempts of a training"):
+        runs = mlflow.search_runs(filter_string=f"{matches} and attributes.status = 'RUNNING'", output_format="list")
+        for run in runs:
+            MlflowClient().set_terminated(run.info.run_id, status="KILLED")
+    return [run.info.run_id for run in runs]
+
+
 def registered_versions(system: str, cohort_id: str) -> list[dict]:
     """Every registered version of a system's model for a cohort, newest first, with its aliases and the
     tuning metrics of the epoch whose weights it holds."""
