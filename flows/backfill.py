@@ -52,7 +52,18 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
                          split: str = "held_out", k: int = 20, limit: int | None = None,
                          run_id: str | None = None, name: str | None = None) -> str:
     """Forecast `split` of `cohort` with each system into one run, write its metrics and report; returns
-    the run id. `name` is the backfill's (`[[backfills]]`), whose artifact key the headline table goes to."""
+    the run id.
+
+    Args:
+        data_dir: the warehouse's data directory (set by `dxr serve`).
+        cohort: the cohort's name or id (`dxr cohort list`).
+        systems: the systems to run, in order; a fused system (`rrf_prior_direct`) after the systems it fuses.
+        split: the trajectories to forecast: train, tuning, held_out or all.
+        k: codes per list; the run is evaluated at the default budgets below k and at k.
+        limit: at most this many trajectories per system; empty for the whole split.
+        run_id: redo this run (its earlier lists are replaced); empty for a new run `backfill-…`.
+        name: the backfill's name in `[[backfills]]`; its headline table is the artifact `backfill-<name>`.
+    """
     systems = tuple(systems)
     check_system_order(systems)
     run_id = run_id or flow_run_id("backfill")

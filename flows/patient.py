@@ -25,7 +25,16 @@ PATIENT_SYSTEMS = ("ehr_prior", "direct", "rrf_prior_direct")
 @flow(name="forecast-patient", flow_run_name="patient-{subject_id}")
 def forecast_patient_flow(data_dir: str, cohort: str, subject_id: int, systems: tuple[str, ...] = PATIENT_SYSTEMS,
                           k: int = 20, run_id: str | None = None) -> str:
-    """Forecast one patient's trajectories (any split) with each system into one run; returns the run id."""
+    """Forecast one patient's trajectories (any split) with each system into one run; returns the run id.
+
+    Args:
+        data_dir: the warehouse's data directory (set by `dxr serve`).
+        cohort: the cohort's name or id (`dxr cohort list`).
+        subject_id: the patient's MEDS `subject_id`; each of the patient's trajectories in the cohort is forecast.
+        systems: the systems to run, in order; a fused system (`rrf_prior_direct`) after the systems it fuses.
+        k: codes per list.
+        run_id: redo this run (its earlier lists are replaced); empty for a new run `patient-…`.
+    """
     systems = tuple(systems)
     check_system_order(systems)
     run_id = run_id or flow_run_id("patient")

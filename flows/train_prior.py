@@ -20,6 +20,14 @@ def train_prior_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = ("eh
     A retry of the flow run keeps its run id (`flow_run_id`), so the systems that finished before the
     failure are not trained again (`tasks.prior.finished_training`), nor is one whose version was registered
     before the failure (`models.prior.train.registered_training`).
+
+    Args:
+        data_dir: the warehouse's data directory (set by `dxr serve`).
+        cohort: the cohort's name or id (`dxr cohort list`); training reads its train patients only.
+        systems: the learned systems to train, in order: ehr_prior, dense_prior, gru.
+        cfg: prior settings for this run (the configured ones by default); promote false registers a
+            challenger without moving the alias.
+        run_id: resume this training run; empty for a new run.
     """
     systems = tuple(systems)
     check_prior_systems(systems)  # a typo in the last system must not wait for the trainings before it

@@ -286,6 +286,22 @@ def test_deployments_are_the_patient_rerun_prior_training_and_one_per_backfill(t
                                   "name": "nightly"}
 
 
+def test_every_parameter_of_a_deployed_flow_is_described_in_the_run_form():
+    """The UI's run form shows each parameter's description, which Prefect reads from the flow's Args section."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.backfill import cohort_backfill_flow
+    from flows.patient import forecast_patient_flow
+    from flows.train_prior import train_prior_flow
+
+    for deployed in (forecast_patient_flow, cohort_backfill_flow, train_prior_flow):
+        form = parameter_schema(deployed)
+        undescribed = [name for name, field in form.properties.items() if not field.get("description")]
+        assert undescribed == [], (deployed.name, undescribed)
+    form = parameter_schema(forecast_patient_flow)
+    assert form.properties["subject_id"]["description"].startswith("the patient's MEDS `subject_id`")
+
+
 def test_serve_needs_a_prefect_server(tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
