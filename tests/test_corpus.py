@@ -65,14 +65,17 @@ def test_real_jats_samples():
 
 
 def test_real_medline_sample():
-    records = list(read_medline(shared_data("corpora", "samples", "medline16n0902.xml.gz"), "medline"))
+    path = shared_data("corpora", "samples", "medline16n0902.xml.gz")
+    records = list(read_medline(path, "medline"))
     assert [(d.doc_id, d.meta) for d in records if "withdrawn" in d.meta] == [
         ("pmid:26432306", {"withdrawn": "deleted"})]
     documents = [d for d in records if "withdrawn" not in d.meta]
-    assert len(documents) == 604
+    # Counted in the XML itself: one <MedlineCitation> per document, one <Abstract> per citation that has one.
+    xml = gzip.open(path, "rt").read()
+    assert len(documents) == xml.count("<MedlineCitation ") == 604
     assert documents[0].doc_id == "pmid:17942999"
     assert documents[0].sections[0][1].startswith("PURPOSE: An auditory electrophysiological study")
-    assert sum(1 for d in documents if d.sections) == 526  # citations with an abstract
+    assert sum(1 for d in documents if d.sections) == xml.count("<Abstract>") == 526  # citations with an abstract
 
 
 def test_ingest_counts_documents_without_text(wh):
@@ -259,16 +262,19 @@ def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_wit
 
 
 def test_real_medquad_and_pubmedqa():
-    medquad = list(read_medquad(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "medquad"))
-    assert len(medquad) == 5486 and len({d.doc_id for d in medquad}) == 5486
+    medquad_path = shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz")
+    medquad = list(read_medquad(medquad_path, "medquad"))
+    raw = json.load(gzip.open(medquad_path, "rt"))
+    assert len(medquad) == len({d.doc_id for d in medquad}) == len(raw) == 5486  # one document per raw entry
     assert medquad[0].doc_id == "medquad:CancerGov/0000001_1"
     assert medquad[0].title == "Adult Acute Lymphoblastic Leukemia"
     # Question strings never enter a document: only answers, headed by the question type.
-    raw = json.load(gzip.open(shared_data("corpora", "medquad", "medquad_docs_with_answers.json.gz"), "rt"))
     assert raw[0]["qa"][0]["question"] not in medquad[0].text
     assert medquad[0].sections[0][0] == "information"
-    pubmedqa = list(read_pubmedqa(shared_data("corpora", "pubmedqa", "ori_pqal.json"), "pubmedqa"))
-    assert len(pubmedqa) == 1000 and pubmedqa[0].doc_id == "pmid:21645374"
+    pubmedqa_path = shared_data("corpora", "pubmedqa", "ori_pqal.json")
+    pubmedqa = list(read_pubmedqa(pubmedqa_path, "pubmedqa"))
+    assert len(pubmedqa) == len(json.loads(pubmedqa_path.read_text())) == 1000
+    assert pubmedqa[0].doc_id == "pmid:21645374"
     assert [h for h, _ in pubmedqa[0].sections] == ["Background", "Results", "Conclusions"]
     assert "Do mitochondria play a role" not in pubmedqa[0].text
 

@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 import polars as pl
 import pytest
 
+from dxr.errors import NotFoundError
 from models.llm.backends import Completion, append_recording
 from models.llm.client import FEEDBACK_RESERVE_CHARS, LLMClient
 from models.llm.config import LLMConfig
@@ -216,7 +217,7 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
                              "status": ["short" if t == first else "failed" for t in trajectory_ids],
                              "detail": None}, schema_overrides={"detail": pl.String})
 
-    with pytest.raises(Exception, match="run 'run-r' has no ehr_prior rankings; Union"):
+    with pytest.raises(NotFoundError, match="run 'run-r' has no ehr_prior rankings; Union"):
         rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
     # Written to another shard number, as after a rebuild of the cohort with another shard size.
     wh.write("rankings", ranking("ehr_prior", ["I10", "E119", "N179"]), run_id="run-r", system="ehr_prior", shard=7)
@@ -227,7 +228,7 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     # even when a stale partition repeats the status of one it did reach.
     wh.write("ranking_status", statuses("ehr_prior", [first]), run_id="run-r", system="ehr_prior", shard=7)
     wh.write("ranking_status", statuses("ehr_prior", [first, first]), run_id="run-r", system="ehr_prior", shard=8)
-    with pytest.raises(Exception, match=f"run 'run-r' has no ehr_prior rankings for 2 of the 3 trajectories to "
+    with pytest.raises(NotFoundError, match=f"run 'run-r' has no ehr_prior rankings for 2 of the 3 trajectories to "
                                         f"fuse \\(e.g. {trajectories['trajectory_id'][1]}\\)"):
         rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
     wh.delete("ranking_status", run_id="run-r", system="ehr_prior", shard=8)

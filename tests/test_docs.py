@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,26 @@ def test_every_documented_settings_file_is_valid(page, example, tmp_path, monkey
     config = tmp_path / "dxr.toml"
     config.write_text(example)
     monkeypatch.setenv("DXR_CONFIG", str(config))
-    load_settings()  # raises ConfigError naming the bad key or syntax
+    settings = load_settings()  # raises ConfigError naming the bad key or syntax
+    # Valid, and read as written: every value the example sets is the setting's value (a key dropped or
+    # coerced into another value would load without an error).
+    assert_sets(tomllib.loads(example), settings.model_dump(mode="json"), page)
+
+
+def assert_sets(written, loaded, where: str) -> None:
+    """Each value in `written` (a parsed TOML example) is in `loaded` (the settings as JSON) at the same place;
+    settings the example leaves out are not compared."""
+    if isinstance(written, dict):
+        for key, value in written.items():
+            assert isinstance(loaded, dict) and key in loaded, f"{where}: {key} is no setting"
+            assert_sets(value, loaded[key], f"{where}: {key}")
+    elif isinstance(written, list):
+        assert isinstance(loaded, list) and len(loaded) == len(written), \
+            f"{where}: the example lists {len(written)}, the settings hold {loaded!r}"
+        for i, (value, setting) in enumerate(zip(written, loaded)):
+            assert_sets(value, setting, f"{where}[{i}]")
+    else:
+        assert loaded == written, f"{where}: the example sets {written!r}, the settings hold {loaded!r}"
 
 
 # `dxr sql [--run R] "QUERY"` anywhere in the README and docs (a query may span lines), ```sql blocks, and a query

@@ -242,12 +242,14 @@ def test_truncation_marker_counts_what_went():
                     "encounter, 1 diagnosis, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "
                     "2020-01-05\n  Diagnoses: I50.22 Chronic systolic heart failure; N17.9 Acute kidney failure, "
                     "unspecified")
-    assert dropped == 926
+    assert dropped == 926 == 1083 - (len(text) - len(text.split("\n\n")[1]) - 2)
     # Below the newest encounter's own diagnoses, its newest whole ones are kept, then its title alone.
     text, dropped = fit_history(history, 280)
     assert text == ("Demographics: not recorded\n\n[history shortened to fit: 965 characters omitted (1 earlier "
                     "encounter, 2 diagnoses, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "
                     "2020-01-05\n  Diagnoses: [1 earlier omitted] N17.9 Acute kidney failure, unspecified")
+    # The "[1 earlier omitted]" note stands in for cut characters but is not among them.
+    assert dropped == 965 == 1083 - (len(text) - len(text.split("\n\n")[1]) - 2 - len("[1 earlier omitted] "))
     text, dropped = fit_history(history, 200)
     assert text == ("Demographics: not recorded\n\n[history shortened to fit: 1018 characters omitted (1 earlier "
                     "encounter, 3 diagnoses, 2 medications, 2 lab results, 2 notes)]\n\nEncounter 2: 2020-01-04 to "

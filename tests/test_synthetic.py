@@ -188,6 +188,7 @@ def test_oracle_in_worker_processes_equals_the_oracle_in_one(dataset, cohort, mo
     sample = cohort.head(40)
     serial = oracle(dataset, sample, harmonize=None, draws=20)
     monkeypatch.setattr(oracle_module, "PARALLEL_FROM", 1)  # large cohorts are split across two processes
+    monkeypatch.setattr(oracle_module.os, "cpu_count", lambda: 2)  # which a one-core machine would not start
     assert_frame_equal(oracle(dataset, sample, harmonize=None, draws=20), serial)
 
 

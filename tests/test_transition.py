@@ -65,6 +65,7 @@ def test_transition_recovers_planted_successors(tmp_path):
                     .filter(pl.col("visit") == pl.col("visit").max().over("trajectory_id"))
                     .filter(pl.col("code").str.contains("//T")))
     expected = last_trigger.select("trajectory_id", pl.col("code").str.replace("//T", "//S"))
+    assert expected["trajectory_id"].n_unique() == trajectories.height  # every visit has a trigger: none goes unchecked
     top = ranked.filter(pl.col("rank") <= 3).select("trajectory_id", "code")
     assert expected.join(top, on=["trajectory_id", "code"], how="anti").is_empty()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import doctest
 from collections import Counter
 from datetime import datetime
-from pathlib import Path
 
 import polars as pl
 import pytest
@@ -13,13 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dxr.errors import InputError, NotFoundError
+from tests.conftest import shared_data
 from warehouse import vocab
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, conform
 from warehouse.vocab import (Vocabulary, dotted, gem_table, harmonize_codes, harmonized_vocabulary, icd9_codes,
                              icd10_codes, icd10_notes, load_vocabularies, meds_code, parse_meds_code)
-
-MIMIC_DEMO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mimic-iii-demo"
 
 
 def dx(version: int, raw: str) -> str:
@@ -399,10 +397,7 @@ def test_vocabulary_from_warehouse(tmp_path):
 
 
 def test_mimic_iii_dictionary_as_omega():
-    path = MIMIC_DEMO / "D_ICD_DIAGNOSES.csv"
-    if not path.exists():
-        pytest.skip(f"MIMIC-III demo not found at {path} (shared real data for tests)")
-    d = pl.read_csv(path, schema_overrides={"icd9_code": pl.String})
+    d = pl.read_csv(shared_data("mimic-iii-demo", "D_ICD_DIAGNOSES.csv"), schema_overrides={"icd9_code": pl.String})
     voc = Vocabulary({meds_code(9, c): t for c, t in d.select("icd9_code", "long_title").iter_rows()})
     assert (len(voc), voc.versions) == (14_567, frozenset({9}))
     result = voc.validate(["428.0", "V45.81 aortocoronary bypass status", "E849.7", "4280", "I50.22", "36.15",
