@@ -47,7 +47,7 @@ def backfill_artifact_key(name: str | None, cohort: str) -> str:
     return artifact_key("backfill", name or cohort)
 
 
-@flow(name="cohort-backfill")
+@flow(name="cohort-backfill", flow_run_name="backfill-{cohort}")
 def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = BACKFILL_SYSTEMS,
                          split: str = "held_out", k: int = 20, limit: int | None = None,
                          run_id: str | None = None, name: str | None = None) -> str:

@@ -9,7 +9,7 @@ from models.prior.config import PriorConfig, check_prior_systems
 from tasks.prior import run_prior_config, train_prior_task
 
 
-@flow(name="train_prior", log_prints=False)
+@flow(name="train_prior", flow_run_name="train-{cohort}", log_prints=False)
 def train_prior_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = ("ehr_prior",),
                      cfg: PriorConfig | None = None, run_id: str | None = None) -> list[dict]:
     """One training task per system, in order, all under one run (kind `train:<system>`); returns each

@@ -291,6 +291,17 @@ def wh_vocab(wh, vocab_cache):
     return wh
 
 
+def flow_run_names(flow_name: str, run_ids: tuple[str, ...]) -> list[str]:
+    """The names of the flow runs of `flow_name` whose ids end as the dxr `run_ids` do (`flows.flow_run_id`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
+    names = {str(run.id)[-6:]: run.name for run in runs}
+    return [names[run_id[-6:]] for run_id in run_ids]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prefect_harness():
     """One ephemeral Prefect API for the whole session (each start costs seconds).

@@ -25,6 +25,7 @@ from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import ensure_prior, train_prior, training_identity
+from tests.conftest import flow_run_names
 from tests.sentinel import forecast_store_texts
 from warehouse.runs import record_run
 from warehouse.store import Warehouse
@@ -405,6 +406,8 @@ def test_a_train_prior_run_given_part_of_cfg_keeps_the_configured_prior_settings
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
     run_form = {key: value for key, value in TINY.items() if key != "n_heads"} | {"epochs": 1, "promote": False}
     [result] = train_prior_flow(str(tmp_path), cohort, ("gru",), PriorConfig.model_validate(run_form))
+    [run_id] = Warehouse(tmp_path).read("runs")["run_id"]
+    assert flow_run_names("train_prior", (run_id,)) == [f"train-{cohort}"]  # the UI's list names the cohort
 
     recorded = json.loads(Warehouse(tmp_path).read("runs")["config_json"][0])["prior"]
     assert (recorded["experiment"], recorded["alias"], recorded["n_heads"]) == ("nightly-priors", "production", 2)

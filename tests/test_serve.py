@@ -23,6 +23,7 @@ from flows.forecast import forecast_flow
 from flows.patient import forecast_patient_flow
 from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
 from tasks.report import incomplete_lists, labelled_rankings, ranking_lines, report_path
+from tests.conftest import flow_run_names
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -158,6 +159,9 @@ def test_backfill_flow_forecasts_every_system_into_one_new_run_and_evaluates_it(
     assert f"Run `{first}`" in nightly.data and "| global_frequency |" in nightly.data
     assert f"Run `{second}`" in history.data and "| global_frequency |" not in history.data
     assert not any(first in a.data or second in a.data for a in artifacts("backfill-default"))
+    # The UI lists the firings by flow run name: the cohort's, not a random one (the run id ends with the
+    # flow run id's last six characters).
+    assert flow_run_names("cohort-backfill", (first, second)) == ["backfill-default", "backfill-default"]
 
 
 def test_a_backfill_artifact_key_is_its_name_in_prefect_key_characters():
