@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -251,7 +252,11 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     assert run("ingest", "meds", tiny_meds, "--name", "tiny", "--run-id", "ing-1", data_dir=data_dir).exit_code == 0
     result = run("cohort", "build", "--dataset", "tiny", "--name", "default", "--run-id", "coh-1", data_dir=data_dir)
     assert result.exit_code == 0, result.output
-    assert "cohort default (c" in result.output and "3 trajectories" in result.output
+    splits = Counter(wh_vocab.read("trajectories")["split"])
+    assert "cohort default (c" in result.output and (
+        f"3 trajectories (train {splits['train']}, tuning {splits['tuning']}, held_out {splits['held_out']})"
+        in result.output)
+    assert "note: no trajectory is in held_out" not in result.output
     one_line_error(run("cohort", "build", "--dataset", "tiny", "--name", "x", "--min-history", "5",
                        "--run-id", "coh-2", data_dir=data_dir))
     runs = run("sql", "SELECT run_id, kind, status, cohort_id IS NOT NULL AS has_cohort FROM runs ORDER BY run_id",

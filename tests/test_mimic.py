@@ -193,6 +193,10 @@ def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo
     register_dataset(wh_vocab, "mimic3demo", source="mimic3")
     native = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "native")
     assert native.exit_code == 0, native.output
+    # The demo's 14 trajectories are of train and tuning patients: said at the build, not first by `dxr forecast`.
+    assert "14 trajectories (train 12, tuning 2, held_out 0)" in native.output
+    assert "note: no trajectory is in held_out, the split dxr forecast takes by default: forecast --split all" \
+        in native.output
     assert native.output.splitlines()[-1] == (
         "note: 20 diagnosis codes of the data are not in Ω (dataset_dictionary): no forecast can name them, so "
         "where they are targets every system misses them")

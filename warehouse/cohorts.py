@@ -42,7 +42,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.locks import held
-from warehouse.meds import read_splits, validate_meds_dir
+from warehouse.meds import SPLITS, read_splits, validate_meds_dir
 from warehouse.runs import registered_run, runs_in_progress
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
@@ -459,6 +459,12 @@ def cohort_list(wh: Warehouse) -> str:
 
     return run_query(wh, "SELECT cohort_id, name, dataset_id, target_rule, harmonization, min_history, "
                          "n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at")
+
+
+def split_counts(wh: Warehouse, cohort_id: str) -> dict[str, int]:
+    """The number of the cohort's trajectories in each split, in split order, empty splits included."""
+    counts = dict(wh.read("trajectories", cohort_id=cohort_id).group_by("split").len().rows())
+    return {split: counts.get(split, 0) for split in SPLITS}
 
 
 def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
