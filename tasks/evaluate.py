@@ -763,7 +763,8 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
 
     `--split all` (a small dataset may have no held_out trajectory at all) scores the patients whose full records
     the learned systems and the frequency padding were fit on, targets included. None when no trajectory is of a
-    train patient, or the run is a mean over other runs (no trajectories of its own).
+    train patient, and for a mean over repeated runs, which has no trajectories of its own: ask about one of the
+    runs it averages.
     """
     con = wh.connect(run_id=run_id, tables=("ranking_status", "trajectories"))
     try:

@@ -345,7 +345,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
-    in_sample = in_sample_note(wh, run_id)
+    # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
+    in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:
         blocks.append(Paragraph(f"In-sample: {in_sample}."))
     runs = wh.read("runs", run_id=run_id).sort("kind")

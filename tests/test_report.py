@@ -344,6 +344,24 @@ def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_repor
     assert f"\n\nIn-sample: {note}.\n\n## Run registry" in markdown
 
 
+def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
+    # A mean over repeated runs has no trajectories of its own: its report said nothing of the train patients
+    # whose targets the runs it averages were scored on.
+    from datetime import datetime
+
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    wh.write("trajectories", wh.read("trajectories", cohort_id=COHORT).with_columns(split=pl.lit("train")),
+             cohort_id=COHORT)
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
+    assert "\n\nIn-sample: 3 of the 3 trajectories are of train-split patients (train 3): " in to_markdown(
+        build_report(wh, config_id))
+
+
 def test_the_report_says_what_native_share_counts(wh):
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     assert ("native share = the share of the top-K codes that the system ranked itself; the rest pad its list from "
