@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from itertools import combinations
 
+import meds
 import numpy as np
 import polars as pl
 from prefect import task
@@ -772,10 +773,11 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
                                  "JOIN trajectories t USING (trajectory_id) GROUP BY t.split").fetchall())
     finally:
         con.close()
-    if not found.get(SPLITS[0]):
+    in_train = found.get(meds.train_split, 0)
+    if not in_train:
         return None
     counts = ", ".join(f"{split} {found[split]:,}" for split in SPLITS if split in found)
-    return (f"{found[SPLITS[0]]:,} of the {sum(found.values()):,} trajectories are of train-split patients ({counts}): "
+    return (f"{in_train:,} of the {sum(found.values()):,} trajectories are of train-split patients ({counts}): "
             "the learned systems, and the train-split frequency list that pads other lists, were fit on their "
             "records, targets included, so scores on them are in-sample; forecast --split held_out to score "
             "patients no system learned from")

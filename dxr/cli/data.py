@@ -169,8 +169,9 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     Example:
       dxr cohort build --dataset synthetic --name default --target final --harmonize native --min-history 1
     """
+    import meds
+
     from warehouse.cohorts import CohortOptions, build_cohort, split_counts
-    from warehouse.meds import SPLITS
 
     cfg, wh = settings(ctx), warehouse(ctx, existing=True)  # its dataset lives in a warehouse made by synth or ingest
     options = CohortOptions(target=target or cfg.cohort.target, harmonize=harmonize or cfg.cohort.harmonize,
@@ -182,10 +183,10 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories "
                f"({', '.join(f'{split} {n:,}' for split, n in splits.items())}), "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
-    if row["n_trajectories"] and not splits[SPLITS[-1]]:
+    if row["n_trajectories"] and not splits[meds.held_out_split]:
         # Said here, not first by a refused `dxr forecast`: a small dataset (the MIMIC-III demo) has no such patient.
-        click.echo(f"note: no trajectory is in {SPLITS[-1]}, the split dxr forecast takes by default: forecast "
-                   "--split all (or another split) and read the scores of train patients as in-sample")
+        click.echo(f"note: no trajectory is in {meds.held_out_split}, the split dxr forecast takes by default: "
+                   "forecast --split all (or another split) and read the scores of train patients as in-sample")
     if row["previous_name"]:
         click.echo(f"note: these options of dataset {dataset} were cohort {row['previous_name']}, which is now named "
                    f"{row['name']}: a cohort's id is its dataset, options and seed, so --cohort "
