@@ -57,7 +57,9 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             # Only a given run id can have had an earlier attempt.
             result = None
             if run_id is not None:
-                for killed in tracking.end_killed_attempts(identity):
+                # Whatever its settings: an attempt killed before the retry changed them is as dead, and the lock
+                # of this run's training of `system` is held.
+                for killed in tracking.end_killed_attempts({"dxr.run_id": run.run_id, "system": system}):
                     stage_logger(__name__).info("%s: MLflow run %s of a killed attempt of run %s ended as KILLED",
                                                 system, killed, run.run_id)
                 result = registered_training(system, cohort_id, cfg, identity)

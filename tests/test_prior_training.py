@@ -319,13 +319,19 @@ def test_a_retry_ends_the_mlflow_run_a_killed_attempt_left_running(tmp_path):
     tracking.use_tracking(tmp_path, None, cfg.experiment)
     client = tracking.MlflowClient()
     experiment = client.get_experiment_by_name(cfg.experiment).experiment_id
-    killed = client.create_run(experiment, tags=identity).info.run_id  # what the killed attempt left: RUNNING
-    other = client.create_run(experiment, tags={**identity, "dxr.run_id": "train-alive"}).info.run_id
+    tags = {**identity, "system": "gru"}  # as train_prior_model tags its MLflow run
+    killed = client.create_run(experiment, tags=tags).info.run_id  # what the killed attempt left: RUNNING
+    # An attempt killed under other settings (the retry changed --epochs, say) is as dead.
+    killed_other_cfg = client.create_run(experiment, tags={**tags, "dxr.training": "0123456789abcdef"}).info.run_id
+    # Another run's training, and another system's training in this run (its own lock), may be alive.
+    other_run = client.create_run(experiment, tags={**tags, "dxr.run_id": "train-alive"}).info.run_id
+    other_system = client.create_run(experiment, tags={**tags, "system": "dense_prior"}).info.run_id
 
     result = train_prior(str(tmp_path), cohort, "gru", cfg, run_id="train-killed")
 
-    assert [client.get_run(r).info.status for r in (killed, result.mlflow_run_id, other)] == [
-        "KILLED", "FINISHED", "RUNNING"]  # another run's training is not this retry's to end
+    assert [client.get_run(r).info.status for r in (killed, killed_other_cfg, result.mlflow_run_id, other_run,
+                                                     other_system)] == [
+        "KILLED", "KILLED", "FINISHED", "RUNNING", "RUNNING"]
 
 
 def test_a_retried_train_prior_flow_run_does_not_train_the_finished_systems_again(prefect_harness, tmp_path,
