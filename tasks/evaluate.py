@@ -779,8 +779,8 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
     counts = ", ".join(f"{split} {found[split]:,}" for split in SPLITS if split in found)
     return (f"{in_train:,} of the {sum(found.values()):,} trajectories are of train-split patients ({counts}): "
             "the learned systems, and the train-split frequency list that pads other lists, were fit on their "
-            "records, targets included, so scores on them are in-sample; forecast --split held_out to score "
-            "patients no system learned from")
+            f"records, targets included, so scores on them are in-sample; only {meds.held_out_split} trajectories "
+            "(forecast --split held_out) score patients no system learned from")
 
 
 # ---- repeated runs ----------------------------------------------------------------------------

@@ -335,7 +335,8 @@ def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_repor
         cohort_id=COHORT)
     note = ("2 of the 3 trajectories are of train-split patients (train 2, held_out 1): the learned systems, and the "
             "train-split frequency list that pads other lists, were fit on their records, targets included, so "
-            "scores on them are in-sample; forecast --split held_out to score patients no system learned from")
+            "scores on them are in-sample; only held_out trajectories (forecast --split held_out) score patients no "
+            "system learned from")
     result = runner.invoke(main, evaluate)
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines()[-1] == f"note: run r1: {note}"
@@ -360,6 +361,12 @@ def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
     config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
     assert "\n\nIn-sample: 3 of the 3 trajectories are of train-split patients (train 3): " in to_markdown(
         build_report(wh, config_id))
+    # `dxr evaluate` over both runs says it once, naming both, not once per run.
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9",
+                                       "--k", "2", "--bootstrap", "0", "--systems", "s1"])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: runs r1, r9: 3 of the 3 trajectories are of train-split")
 
 
 def test_the_report_says_what_native_share_counts(wh):

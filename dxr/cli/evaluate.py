@@ -120,10 +120,12 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
         frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural,
                                         run_id=mean_id))
     click.echo(metrics_table(pl.concat(frames)))
+    notes: dict[str, list[str]] = {}  # repeated runs of one configuration usually share one note
     for run_id in dict.fromkeys(run_ids):
-        note = in_sample_note(wh, run_id)
-        if note:
-            click.echo(f"note: run {run_id}: {note}", err=True)  # stdout stays the table alone
+        if note := in_sample_note(wh, run_id):
+            notes.setdefault(note, []).append(run_id)
+    for note, noted in notes.items():
+        click.echo(f"note: run{'s' * (len(noted) > 1)} {', '.join(noted)}: {note}", err=True)  # stdout: the table
 
 
 @main.command("report")
