@@ -62,7 +62,8 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
         k: codes per list; the run is evaluated at the default budgets below k and at k.
         limit: at most this many trajectories per system; empty for the whole split.
         run_id: redo this run (its earlier lists are replaced); empty for a new run `backfill-…`.
-        name: the backfill's name in `[[backfills]]`; its headline table is the artifact `backfill-<name>`.
+        name: the backfill's name in `[[backfills]]`; its headline table is the artifact `backfill-<name>`
+            (`backfill-<cohort>` without one).
     """
     systems = tuple(systems)
     check_system_order(systems)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from conftest import parquet_writes_failing_from, shared_data
 from dxr.errors import InputError
-from tools.corpus import ingest, load_documents
+from tools.corpus import ingest, load_documents, read_documents
 from tools.corpus.documents import Document, chunk_document, dedupe, normalize_url, stable_doc_id
 from tools.corpus.json_sources import read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
@@ -1087,6 +1087,7 @@ def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_pa
                                   "--fulltext-dir", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output
 
+
 def test_ingest_reads_arxiv_full_texts_from_a_directory_and_refuses_one_for_another_format(tmp_path, wh):
     (tmp_path / "a.jsonl").write_text(json.dumps({"id": "2101.00001v2", "title": "T", "abstract": "Heart."}) + "\n")
     (tmp_path / "texts").mkdir()
@@ -1097,6 +1098,8 @@ def test_ingest_reads_arxiv_full_texts_from_a_directory_and_refuses_one_for_anot
     assert document.sections == [("Abstract", "Heart."), ("Full text", "Full text about readmission.")]
     with pytest.raises(InputError, match="^full texts from a directory apply to format arxiv only, not jsonl$"):
         ingest(wh, "jsonl", tmp_path / "a.jsonl", fulltext_dir=tmp_path / "texts")
+    with pytest.raises(InputError, match="^full texts from a directory apply to format arxiv only, not jsonl$"):
+        read_documents("jsonl", tmp_path / "a.jsonl", fulltext_dir=tmp_path / "texts")  # read arXiv's way before
 
 @pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
                                     "tools.sanitize", "tools.ledger", "tools.web.channel"])

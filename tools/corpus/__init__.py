@@ -99,6 +99,8 @@ def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=Non
     """The documents of the files at `path` and the number of withdrawal records among them.
 
     `fulltext_dir` (format arxiv only) holds `<id>.txt` full texts for records without a `full_text` field."""
+    if fulltext_dir is not None and fmt != "arxiv":
+        raise InputError(f"full texts from a directory apply to format arxiv only, not {fmt}")
     files = input_files(fmt, path)
     corpus = corpus or FORMATS[fmt].default_corpus
     reader = FORMATS[fmt].reader if fulltext_dir is None else partial(read_arxiv, fulltext_dir=fulltext_dir)
@@ -198,8 +200,6 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
            progress=None, fulltext_dir: Path | None = None) -> IngestSummary:
-    if fulltext_dir is not None and fmt != "arxiv":
-        raise InputError(f"full texts from a directory apply to format arxiv only, not {fmt}")
     files = input_files(fmt, Path(path))
     corpus = corpus or FORMATS[fmt].default_corpus
     with writing_corpus(warehouse, corpus):
