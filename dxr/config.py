@@ -18,6 +18,7 @@ from dxr.errors import ConfigError
 from models.llm.config import LLMConfig
 from models.prior.config import PriorConfig
 from tools.config import ToolsConfig
+from warehouse.choices import FORECAST_SPLITS, HARMONIZATIONS, TARGET_RULES, pattern
 
 # A DuckDB memory limit, e.g. 2GB or 512MiB.
 MEMORY_LIMIT_PATTERN = r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
@@ -37,8 +38,8 @@ class CohortConfig(BaseModel):
     """Defaults for `dxr cohort build`."""
 
     model_config = ConfigDict(extra="forbid")
-    target: str = Field("final", pattern="^(final|every)$")
-    harmonize: str = Field("native", pattern="^(native|icd10|category)$")
+    target: str = Field("final", pattern=pattern(TARGET_RULES))
+    harmonize: str = Field("native", pattern=pattern(HARMONIZATIONS))
     # A trajectory needs at least this many encounters before its target.
     min_history: int = Field(1, ge=0)
     # Trajectories per pre-target shard; later stages run one Prefect task per shard.
@@ -65,7 +66,7 @@ class BackfillConfig(BaseModel):
     cohort: str = Field(..., description="cohort name or id")
     systems: list[str] = Field(["global_frequency", "repeat_history", "ehr_prior"], min_length=1,
                                description="forecast in this order into one run, then evaluated")
-    split: str = Field("held_out", pattern="^(train|tuning|held_out|all)$")
+    split: str = Field("held_out", pattern=pattern(FORECAST_SPLITS))
     k: int = Field(20, ge=1)
     limit: int | None = Field(None, ge=1)
     cron: str = Field(..., description="five-field cron expression, e.g. '0 2 * * *'")

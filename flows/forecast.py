@@ -11,9 +11,10 @@ from dxr.errors import InputError
 from flows import flow_run_id
 from models.registry import FORECASTERS
 from tasks import stage_logger
-from tasks.forecast import (FUSED_INPUTS, SPLITS, check_rerun, check_system, clear_outputs, fitted_forecaster,
-                            forecast_config, forecast_shard_task, forecast_shards, llm_run_config, pinned_model,
-                            run_shards, shard_workers)
+from tasks.forecast import (FUSED_INPUTS, check_rerun, check_system, clear_outputs, fitted_forecaster, forecast_config,
+                            forecast_shard_task, forecast_shards, llm_run_config, pinned_model, run_shards,
+                            shard_workers)
+from warehouse.choices import FORECAST_SPLITS
 from warehouse.cohorts import reading_cohort
 from warehouse.locks import held
 from warehouse.runs import check_run_id, registered_run
@@ -27,8 +28,8 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
 
     `subject_id` restricts the run to one patient's trajectories (an ad-hoc rerun of one patient).
     """
-    if split not in SPLITS:
-        raise InputError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    if split not in FORECAST_SPLITS:
+        raise InputError(f"unknown split {split!r}: use one of {', '.join(FORECAST_SPLITS)}")
     check_system(system)  # fail fast on an unknown system, before registering a run
     # Checked here too, not only by the CLI: deployments take their parameters from the Prefect UI.
     if k < 1:

@@ -31,7 +31,6 @@ from warehouse.runs import EVALUATE_KIND, check_run_id, code_version, mark_stale
 from warehouse.schemas import NON_RUN_TABLES, SYSTEMS
 from warehouse.store import Warehouse
 
-SPLITS = ("train", "tuning", "held_out", "all")
 # LLM stages write their own telemetry and read other systems' lists of the run, so they are stage
 # functions (tasks/direct.py) rather than fit/predict Forecasters.
 LLM_SYSTEMS = ("direct", "rrf_prior_direct")

@@ -189,6 +189,27 @@ def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     assert "invalid setting 'unknown_key'" in line
 
 
+def test_settings_and_options_take_the_choices_the_stages_accept(tmp_path, monkeypatch):
+    # One list per choice (warehouse.choices) serves the settings' patterns, the CLI's options and the stages.
+    from warehouse.choices import FORECAST_SPLITS, HARMONIZATIONS, TARGET_RULES
+    from warehouse.meds import SPLITS
+
+    assert FORECAST_SPLITS == (*SPLITS, "all")  # the MEDS package's split names
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    for key, choices in (("cohort]\ntarget", TARGET_RULES), ("cohort]\nharmonize", HARMONIZATIONS)):
+        for value in choices:
+            config.write_text(f'[{key} = "{value}"\n')
+            assert run("config", "show").exit_code == 0, value
+        config.write_text(f'[{key} = "{choices[0]}x"\n')
+        assert "invalid setting" in one_line_error(run("config", "show"))
+    for split in FORECAST_SPLITS:
+        config.write_text(f'[[backfills]]\nname = "n"\ncohort = "c"\ncron = "0 2 * * *"\nsplit = "{split}"\n')
+        assert run("config", "show").exit_code == 0, split
+    refused = run("forecast", "--cohort", "c", "--system", "s", "--split", "tuning_")
+    assert refused.exit_code == 2 and "'tuning_' is not one of 'train', 'tuning', 'held_out', 'all'" in refused.output
+
+
 def test_config_file_not_in_utf8_is_one_line_naming_it(tmp_path, monkeypatch):
     config = tmp_path / "dxr.toml"
     config.write_bytes(b"seed = 11 # \xff\n")  # saved in Latin-1, not UTF-8

@@ -41,13 +41,13 @@ from tqdm import tqdm
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
+from warehouse.choices import HARMONIZATIONS, TARGET_RULES
 from warehouse.locks import held
 from warehouse.meds import SPLITS, read_splits, validate_meds_dir
 from warehouse.runs import registered_run, runs_in_progress
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
-TARGET_RULES = ("final", "every")
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 
 
@@ -60,9 +60,8 @@ class CohortOptions:
     def __post_init__(self):
         if self.target not in TARGET_RULES:
             raise InputError(f"unknown target rule {self.target!r}: use one of {', '.join(TARGET_RULES)}")
-        if self.harmonize not in vocab.HARMONIZATIONS:
-            raise InputError(f"unknown harmonization {self.harmonize!r}: use one of "
-                             f"{', '.join(vocab.HARMONIZATIONS)}")
+        if self.harmonize not in HARMONIZATIONS:
+            raise InputError(f"unknown harmonization {self.harmonize!r}: use one of {', '.join(HARMONIZATIONS)}")
         if self.min_history < 0:
             raise InputError(f"--min-history must be >= 0, got {self.min_history}")
 

@@ -30,13 +30,13 @@ from pathlib import Path
 import polars as pl
 
 from dxr.errors import ConfigError, InputError, NotFoundError
+from warehouse.choices import HARMONIZATIONS
 
 log = logging.getLogger(__name__)
 
 DIAGNOSIS = "DIAGNOSIS"
 PROCEDURE = "PROCEDURE"
 VERSIONS = (9, 10)
-HARMONIZATIONS = ("native", "icd10", "category")
 # Kinds of `icd_notes` rows, in the order they are listed for one code.
 NOTE_KINDS = ("inclusion_term", "includes", "excludes1", "excludes2", "code_first", "use_additional",
               "code_also", "notes")

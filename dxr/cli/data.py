@@ -10,6 +10,7 @@ import click
 
 from dxr.cli import main, settings, warehouse
 from dxr.config import MEMORY_LIMIT_PATTERN
+from warehouse.choices import HARMONIZATIONS, TARGET_RULES
 
 
 def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -149,9 +150,9 @@ def cohort() -> None:
 @cohort.command("build")
 @click.option("--dataset", required=True, help="Registered dataset name.")
 @click.option("--name", required=True, help="Cohort name.")
-@click.option("--target", type=click.Choice(["final", "every"]), default=None,
+@click.option("--target", type=click.Choice(TARGET_RULES), default=None,
               help="Target encounter: each patient's final one, or every encounter with enough history.")
-@click.option("--harmonize", type=click.Choice(["native", "icd10", "category"]), default=None,
+@click.option("--harmonize", type=click.Choice(HARMONIZATIONS), default=None,
               help="ICD harmonization of codes and vocabulary.")
 @click.option("--min-history", type=click.IntRange(min=0), default=None,
               help="Earlier encounters whose diagnoses are in a trajectory's record (begun and coded "

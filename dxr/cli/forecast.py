@@ -8,12 +8,13 @@ import click
 
 from dxr.cli import main, settings
 from dxr.errors import DxrError
+from warehouse.choices import FORECAST_SPLITS
 
 
 @main.command()
 @click.option("--cohort", required=True, help="Cohort name or id.")
 @click.option("--system", required=True, help="Forecasting system id, e.g. repeat_history, ehr_prior, direct.")
-@click.option("--split", type=click.Choice(["train", "tuning", "held_out", "all"]), default="held_out",
+@click.option("--split", type=click.Choice(FORECAST_SPLITS), default="held_out",
               show_default=True, help="Which trajectories to forecast.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Forecast at most N trajectories.")
 @click.option("--k", type=click.IntRange(min=1), default=20, show_default=True, help="Codes per trajectory.")
