@@ -987,12 +987,20 @@ def test_a_redirected_robots_txt_is_followed():
 
 
 class SlowRedirectSite(LoopbackSite):
-    """`/hop/N` answers after 0.3 s with a redirect to `/hop/N+1`, up to `/hop/4`, which serves a page."""
+    """`/hop/N` answers after `hop_seconds` with a redirect to `/hop/N+1`, up to `/hop/4`, which serves a page;
+    `/slow` serves a page after 0.9 s."""
+
+    def __init__(self, hop_seconds: float = 0.3):
+        super().__init__()
+        self.hop_seconds = hop_seconds
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/robots.txt":
             return web.Response(status=404)
-        await asyncio.sleep(0.3)
+        if request.path == "/slow":
+            await asyncio.sleep(0.9)
+            return web.Response(text=page("Heart failure", "Slow but within the timeout."), content_type="text/html")
+        await asyncio.sleep(self.hop_seconds)
         hop = int(request.path.removeprefix("/hop/"))
         if hop < 4:
             raise web.HTTPFound(f"/hop/{hop + 1}")
@@ -1012,6 +1020,22 @@ def test_timeout_seconds_bounds_a_whole_redirect_chain():
     assert (read.error, read.text) == ("timeout after 0.5 s", None)
     assert site.requests == ["/robots.txt", "/hop/0", "/hop/1"]
     assert seconds < 0.9, seconds
+
+
+def test_a_redirect_hop_waiting_behind_a_slow_page_of_its_host_is_not_timed_out():
+    async def scenario():
+        async with (SlowRedirectSite(hop_seconds=0.1) as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(timeout_seconds=1.0)) as reader):
+            chain = asyncio.create_task(reader.read(f"{site.base}/hop/0"))
+            await asyncio.sleep(0.15)  # the chain has its host's turn; the slow page queues behind its hop
+            slow = await reader.read(f"{site.base}/slow")
+            return site, await chain, slow
+
+    site, chain, slow = asyncio.run(scenario())
+    # The slow page held the host for 0.9 s between two hops of the chain, whose own requests took 0.5 s in all:
+    # only those count against the 1 s, so the chain is read, not reported as a timeout of a prompt server.
+    assert (chain.error, chain.final_url, slow.error) == (None, f"{site.base}/hop/4", None)
+    assert site.requests.index("/slow") < site.requests.index("/hop/4"), site.requests  # it did queue between hops
 
 
 class RebindingLoop(asyncio.SelectorEventLoop):

@@ -331,20 +331,21 @@ class PageReader:
         """The response to GET `url` after at most MAX_REDIRECTS redirects, each hop checked (`_refusal`) and
         spaced (`_polite`) like the first; raises Refused for a hop it will not request.
 
-        `timeout_seconds` is the deadline of the whole chain, from the first request to the last byte: six hops
-        each just under it would otherwise hold a read slot six times as long."""
-        hop, deadline = url, None
+        `timeout_seconds` bounds the whole chain's requests, from the first request to the last byte: six hops
+        each just under it would otherwise hold a read slot six times as long. Only the time a hop holds its host's
+        turn counts: a hop waiting behind another page of the same host (a slow one, say) has sent nothing yet, and
+        that wait is bounded by the other page's own timeout."""
+        hop, budget = url, self.config.timeout_seconds
         for redirects in range(MAX_REDIRECTS + 1):
             if refused := await self._refusal(hop, robots):
                 raise refused if redirects == 0 else Refused(f"redirect to {hop}: {refused.detail}", refused.cacheable,
                                                              redirected=True)
             async with self._polite(hop):
-                now = time.monotonic()
-                deadline = deadline or now + self.config.timeout_seconds
-                if now >= deadline:
+                if budget <= 0:
                     raise asyncio.TimeoutError
                 self.requests += 1
-                timeout = aiohttp.ClientTimeout(total=deadline - now)
+                requested = time.monotonic()
+                timeout = aiohttp.ClientTimeout(total=budget)
                 try:
                     async with self._pages_session().get(hop, timeout=timeout, allow_redirects=False,
                                                          headers={"User-Agent": self.config.user_agent}) as response:
@@ -359,6 +360,7 @@ class PageReader:
                     detail = str(exc.os_error)
                     raise Refused(detail if redirects == 0 else f"redirect to {hop}: {detail}", cacheable=False,
                                   redirected=redirects > 0) from None
+                budget -= time.monotonic() - requested
             try:
                 hop = urljoin(hop, location)
             except ValueError:  # e.g. 'http://[bad'
