@@ -81,7 +81,9 @@ def test_real_medline_sample():
 def test_ingest_counts_documents_without_text(wh):
     summary = ingest(wh, "medline", shared_data("corpora", "samples", "medline16n0902.xml.gz"))
     assert (summary.documents, summary.without_text) == (604, 604 - 526)  # titles only: kept, not searchable
-    assert summary.withdrawn == 1  # the update file's <DeleteCitation> of PMID 26432306
+    # The update file's <DeleteCitation> names PMID 26432306, a citation of its baseline that the file does not
+    # hold: nothing of the 604 was left out, and the summary says so instead of counting it as withdrawn.
+    assert (summary.withdrawn, summary.unmatched_deletions) == (0, 1)
 
 
 def citation(pmid: str, title: str, abstract: str = "", extra: str = "") -> str:
@@ -101,9 +103,11 @@ def test_medline_update_files_revise_delete_and_retract_citations(tmp_path, wh):
         "<MedlineCitationSet>" + citation("1", "Aspirin and stroke.", "Revised abstract.")
         + citation("3", "Vitamin D.", "Falls fell.", "<PublicationTypeList><PublicationType>Retracted Publication"
                    "</PublicationType></PublicationTypeList>")
-        + "<DeleteCitation><PMID Version=\"1\">2</PMID></DeleteCitation></MedlineCitationSet>")
+        + "<DeleteCitation><PMID Version=\"1\">2</PMID><PMID Version=\"1\">9</PMID></DeleteCitation>"
+        + "</MedlineCitationSet>")
     summary = ingest(wh, "medline", tmp_path)
-    assert (summary.documents, summary.withdrawn, summary.duplicates) == (2, 2, 0)
+    # PMID 9 is in neither file: its deletion removed nothing and is counted apart.
+    assert (summary.documents, summary.withdrawn, summary.unmatched_deletions, summary.duplicates) == (2, 2, 1, 0)
     stored = wh.read("documents").sort("doc_id")
     assert stored.select("doc_id", "title", "sections_json").rows() == [
         ("pmid:1", "Aspirin and stroke.", '[["Abstract", "Revised abstract."]]'),
@@ -114,7 +118,9 @@ def test_medline_update_files_revise_delete_and_retract_citations(tmp_path, wh):
     data = ["--data-dir", str(tmp_path / "wh")]
     result = CliRunner().invoke(main, [*data, "corpus", "ingest", "medline", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.endswith(": 2 documents (0 duplicates dropped, 2 deleted or retracted: left out), 2 chunks\n")
+    assert result.stdout.endswith(": 2 documents (0 duplicates dropped, 2 deleted or retracted: left out, 1 deleted "
+                                  "PMID(s) not in these files: nothing removed (ingest an update in one directory "
+                                  "with its baseline)), 2 chunks\n")
 
 
 def jsonl_corpus(path, documents: list[Document]) -> None:

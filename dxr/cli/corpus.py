@@ -95,6 +95,9 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
         summary = _ingest(wh, fmt, path, corpus_name, fulltext_dir, chunk_chars)
     unsearchable = f", {summary.without_text} without text: not searchable" if summary.without_text else ""
     withdrawn = f", {summary.withdrawn} deleted or retracted: left out" if summary.withdrawn else ""
+    if summary.unmatched_deletions:
+        withdrawn += (f", {summary.unmatched_deletions} deleted PMID(s) not in these files: nothing removed "
+                      "(ingest an update in one directory with its baseline)")
     click.echo(f"corpus {summary.corpus} source {summary.source}: {summary.documents} documents "
                f"({summary.duplicates} duplicates dropped{unsearchable}{withdrawn}), {summary.chunks} chunks")
 

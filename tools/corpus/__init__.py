@@ -63,8 +63,11 @@ class IngestSummary:
     chunks: int
     # Kept (they carry identifiers and titles) but not searchable: e.g. MEDLINE citations without abstract.
     without_text: int = 0
-    # Withdrawal records read (MEDLINE deleted or retracted citations); their documents are not stored.
+    # Citations left out as withdrawn (MEDLINE: deleted, or revised into a retraction).
     withdrawn: int = 0
+    # MEDLINE <DeleteCitation>s naming a PMID that no earlier record of the files holds: nothing was removed (the
+    # deleted citation is in another ingested path, a baseline ingested apart from this update, or nowhere here).
+    unmatched_deletions: int = 0
 
 
 def source_key(path: Path) -> str:
@@ -95,8 +98,9 @@ def input_files(fmt: str, path: Path) -> list[Path]:
 
 
 def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=None,
-                   fulltext_dir: Path | None = None) -> tuple[list[Document], int]:
-    """The documents of the files at `path` and the number of withdrawal records among them.
+                   fulltext_dir: Path | None = None) -> tuple[list[Document], int, int]:
+    """The documents of the files at `path`, the number left out as withdrawn and the number of deletions that
+    named no citation read before them (see `revise`).
 
     `fulltext_dir` (format arxiv only) holds `<id>.txt` full texts for records without a `full_text` field."""
     if fulltext_dir is not None and fmt != "arxiv":
@@ -109,23 +113,27 @@ def read_documents(fmt: str, path: Path, corpus: str | None = None, progress=Non
         documents.extend(reader(file, corpus))
         if progress:
             progress(file)
-    return revise(documents) if FORMATS[fmt].revised else (documents, 0)
+    return revise(documents) if FORMATS[fmt].revised else (documents, 0, 0)
 
 
-def revise(records: list[Document]) -> tuple[list[Document], int]:
+def revise(records: list[Document]) -> tuple[list[Document], int, int]:
     """Apply records in order: each replaces the earlier document of its id, a withdrawn one removes it.
 
-    Returns the documents left (in order of their latest record) and the number of withdrawal records.
+    Returns the documents left (in order of their latest record), the number of citations left out as withdrawn (a
+    deletion that removed a document, a retraction, itself a citation) and the number of deletions that removed
+    nothing: counted as withdrawn, those would claim that citations of the files were left out.
     """
     latest: dict[str, Document] = {}
-    withdrawn = 0
+    withdrawn = unmatched_deletions = 0
     for record in records:
-        latest.pop(record.doc_id, None)
-        if "withdrawn" in record.meta:
+        removed = latest.pop(record.doc_id, None)
+        if record.meta.get("withdrawn") == "deleted" and removed is None:
+            unmatched_deletions += 1
+        elif "withdrawn" in record.meta:
             withdrawn += 1
         else:
             latest[record.doc_id] = record
-    return list(latest.values()), withdrawn
+    return list(latest.values()), withdrawn, unmatched_deletions
 
 
 def documents_frame(documents: list[Document], corpus: str, source: str) -> pl.DataFrame:
@@ -184,7 +192,8 @@ def reading_corpora(warehouse, corpora: Iterable[str]) -> Iterator[None]:
 
 
 def store_documents(warehouse, documents: list[Document], corpus: str, source: str,
-                    max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1, withdrawn: int = 0) -> IngestSummary:
+                    max_chars: int = DEFAULT_CHUNK_CHARS, files: int = 1, withdrawn: int = 0,
+                    unmatched_deletions: int = 0) -> IngestSummary:
     """Dedupe and write one (corpus, source) partition of `documents` and `chunks`; the caller holds
     `writing_corpus`."""
     kept, dropped = dedupe(documents)
@@ -195,7 +204,8 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
     keys = {"corpus": corpus, "source": source}
     warehouse.write_together([("documents", documents_frame(kept, corpus, source), keys), ("chunks", chunks, keys)])
     without_text = sum(1 for d in kept if not d.text)
-    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text, withdrawn)
+    return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text, withdrawn,
+                         unmatched_deletions)
 
 
 def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars: int = DEFAULT_CHUNK_CHARS,
@@ -203,9 +213,9 @@ def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars
     files = input_files(fmt, Path(path))
     corpus = corpus or FORMATS[fmt].default_corpus
     with writing_corpus(warehouse, corpus):
-        documents, withdrawn = read_documents(fmt, Path(path), corpus, progress, fulltext_dir)
+        documents, withdrawn, unmatched_deletions = read_documents(fmt, Path(path), corpus, progress, fulltext_dir)
         return store_documents(warehouse, documents, corpus, source_key(Path(path)), max_chars, len(files),
-                               withdrawn)
+                               withdrawn, unmatched_deletions)
 
 
 def stored_corpora(warehouse) -> list[str]:
