@@ -1036,7 +1036,9 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
     assert not (tmp_path / "wh" / "forecast" / "escaped").exists()
     assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
     assert "query '  ' has no words to search for" in error("search", "  ")
-    assert "no corpus index named 'other' (built: literature)" in error("search", "heart", "--name", "other")
+    assert error("search", "heart", "--name", "other") == (
+        "Error: no corpus index named 'other' (built: literature): build it with "
+        "`dxr corpus build --name other --corpus CORPUS`\n")  # a plain build never makes it
     assert "has no dense vectors (built lexical-only): use mode bm25" in error("search", "heart", "--mode", "dense")
 
 

@@ -216,14 +216,17 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     Example:
       dxr corpus search "recurrence of atrial fibrillation after ablation" -k 3
     """
+    from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
     from tools.index import CorpusIndex
 
     directory = index_root(ctx) / checked_index_name(name)
     if not (directory / "manifest.json").exists():
         built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
+        # A plain build makes only the default indexes; any other index is named, with its corpora, when built.
+        how = "dxr corpus build" if name in (LITERATURE, ICD) else f"dxr corpus build --name {name} --corpus CORPUS"
         raise NotFoundError(f"no corpus index named {name!r} (built: {', '.join(built) or 'none'}): "
-                            "build it with `dxr corpus build`")
+                            f"build it with `{how}`")
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
     embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
     index = CorpusIndex(directory, embedder)
