@@ -726,7 +726,8 @@ def test_dense_search_with_another_embedder_than_the_index_was_built_with_is_ref
     index = CorpusIndex(tmp_path / "idx", OtherModel())
     for mode in ("dense", "hybrid"):
         with pytest.raises(InputError, match=r"built with embedder counting, not other-model \(tools.embedding\): "
-                                             r"rebuild it with `dxr corpus build`"):
+                                             r"rebuild it with `dxr corpus build --name idx --corpus tiny`, or set "
+                                             r"tools.embedding back$"):
             index.search("dialysis in kidney failure", mode=mode)
     assert index.search("dialysis in kidney failure", k=1, mode="bm25")[0].doc_id == "tiny:ckd"
     assert CorpusIndex(tmp_path / "idx", CountingEmbedder()).search("dialysis", k=1, mode="dense")
@@ -782,10 +783,16 @@ def test_an_index_whose_parts_disagree_asks_for_a_rebuild(tmp_path):
     build_index(chunk_frame(TINY), tmp_path / "idx", None)
     chunks = pl.read_parquet(tmp_path / "idx" / "chunks.parquet")
     chunks.head(2).write_parquet(tmp_path / "idx" / "chunks.parquet")
-    with pytest.raises(InputError, match=r"inconsistent \(chunks\.parquet 2, tantivy 4 rows\): rebuild it with"):
+    # The command that makes this index again: a plain `dxr corpus build` makes only the default indexes.
+    rebuild = "rebuild it with `dxr corpus build --name idx --corpus tiny --lexical-only`$"
+    with pytest.raises(InputError, match=r"inconsistent \(chunks\.parquet 2, tantivy 4 rows\): " + rebuild):
         CorpusIndex(tmp_path / "idx")
     (tmp_path / "idx" / "chunks.parquet").unlink()
-    with pytest.raises(InputError, match=r"idx is unreadable \(.*\): rebuild it with `dxr corpus build`"):
+    with pytest.raises(InputError, match=r"idx is unreadable \(.*\): " + rebuild):
+        CorpusIndex(tmp_path / "idx")
+    (tmp_path / "idx" / "manifest.json").write_text("{")
+    with pytest.raises(InputError, match=r"idx is unreadable \(.*\): rebuild it with "
+                                         r"`dxr corpus build --name idx --corpus CORPUS`$"):
         CorpusIndex(tmp_path / "idx")
 
 # ---- ICD dictionary -------------------------------------------------------------------------------

@@ -316,6 +316,15 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
     return manifest
 
 
+def build_command(directory: Path, manifest: dict | None) -> str:
+    """The `dxr corpus build` that makes the index at `directory` again: its name, and its corpora and kind from its
+    manifest (a plain build makes only the default indexes, and a named one takes its corpora)."""
+    if manifest is None:  # unreadable
+        return f"dxr corpus build --name {directory.name} --corpus CORPUS"
+    corpora = "".join(f" --corpus {corpus}" for corpus in manifest["corpora"])
+    return f"dxr corpus build --name {directory.name}{corpora}" + (" --lexical-only" * (manifest["embedder"] is None))
+
+
 @contextlib.contextmanager
 def _build_lock(out_dir: Path):
     """An exclusive lock per index directory, released by the kernel even when the process is killed."""
@@ -420,7 +429,7 @@ class CorpusIndex:
         if len(set(counts.values())) > 1:
             found = ", ".join(f"{part} {count}" for part, count in counts.items())
             raise InputError(f"corpus index at {self.directory} is inconsistent ({found} rows): "
-                             "rebuild it with `dxr corpus build`")
+                             f"rebuild it with `{build_command(self.directory, self.manifest)}`")
         self.embedder = embedder
         # Columns as Python lists: per-hit access stays O(1) without frame indexing overhead.
         self._col = {name: self.chunks[name].to_list() for name in self.chunks.columns}
@@ -442,6 +451,7 @@ class CorpusIndex:
 
     def _read_parts(self, tantivy) -> tuple:
         """(manifest, chunks, tantivy index, faiss index or None) as they are in the directory now."""
+        manifest = None
         try:
             manifest = json.loads((self.directory / "manifest.json").read_text())
             chunks = pl.read_parquet(self.directory / "chunks.parquet")
@@ -453,7 +463,7 @@ class CorpusIndex:
                 dense = faiss.read_index(str(self.directory / "dense.faiss"))
         except (OSError, ValueError, RuntimeError) as exc:
             raise InputError(f"corpus index at {self.directory} is unreadable ({str(exc).splitlines()[0]}): "
-                             "rebuild it with `dxr corpus build`") from None
+                             f"rebuild it with `{build_command(self.directory, manifest)}`") from None
         return manifest, chunks, lexical, dense
 
     @property
@@ -486,7 +496,8 @@ class CorpusIndex:
             # Another model's query vectors still search (often in the same dimension), but against vectors
             # they are not comparable with: the ranking would be silently meaningless.
             raise InputError(f"index {self.directory} was built with embedder {built_with}, not {self.embedder.name} "
-                             "(tools.embedding): rebuild it with `dxr corpus build`, or set tools.embedding back")
+                             f"(tools.embedding): rebuild it with `{build_command(self.directory, self.manifest)}`, "
+                             "or set tools.embedding back")
         import faiss
 
         vector = self.embedder.encode([query])
