@@ -626,3 +626,47 @@ def test_a_prompt_too_long_for_the_context_is_shortened_and_asked_again(server):
     assert calls.select("trajectory_id", "status").rows() == [("t-long", first), ("t-long", "ok"), ("t-short", "ok")]
     assert calls["truncated_chars"].to_list()[:2] == [0, int(detail.rsplit("truncated by ", 1)[1].split()[0])]
     assert ranked["trajectory_id"].unique().sort().to_list() == ["t-long", "t-short"]
+
+
+@pytest.mark.parametrize("server_window", [4096, 900])
+def test_a_server_window_smaller_than_configured_is_told_from_the_output_limit(server_window):
+    from aiohttp import web
+
+    # A llama.cpp server started with a smaller --n_ctx than llm.context_window (8,192), counting 2 characters
+    # per token: it refuses a prompt that fills its window, and cuts off the reply of one that leaves less than
+    # max_tokens, after fewer tokens than max_output_tokens. That cut was reported as the output limit and
+    # re-asked until the trajectory failed, naming llm.max_output_tokens instead of the window.
+    async def handler(request):
+        body = await request.json()
+        prompt_tokens = sum(len(m["content"]) for m in body["messages"]) // 2
+        if prompt_tokens >= server_window:
+            return web.json_response({"error": {"message": (
+                f"This model's maximum context length is {server_window} tokens. However, you requested "
+                f"{prompt_tokens + body['max_tokens']} tokens ({prompt_tokens} in the messages, {body['max_tokens']} "
+                "in the completion). Please reduce the length of the messages or completion."),
+                "code": "context_length_exceeded"}}, status=400)
+        if prompt_tokens + body["max_tokens"] <= server_window:
+            return completion(predictions(VALID))
+        return web.json_response({"choices": [{"message": {"content": '{"predictions": [{"code": "I50'},
+                                               "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": prompt_tokens,
+                                            "completion_tokens": server_window - prompt_tokens}})
+
+    ranked, status, calls = direct_over_http(handler, {"t-long": 30, "t-short": 1}, context_window=8192,
+                                             max_output_tokens=1000, chars_per_token=3.0)
+    if server_window > 1000:  # room for a prompt besides the reply: asked once more, shorter, and answered
+        assert status.select("trajectory_id", "status").rows() == [("t-long", "ok"), ("t-short", "ok")]
+        assert status["detail"][0].startswith("prompt shortened: the endpoint found it too long for the context (")
+        assert calls.select("trajectory_id", "status").rows() == [("t-long", "invalid"), ("t-long", "ok"),
+                                                                  ("t-short", "ok")]
+        assert ranked["trajectory_id"].unique().sort().to_list() == ["t-long", "t-short"]
+    else:  # the reply alone would fill the window: failed at once, naming the window and the setting to fix
+        assert status.select("trajectory_id", "status").rows() == [("t-long", "failed"), ("t-short", "failed")]
+        prompt_tokens, output_tokens = calls.filter(pl.col("trajectory_id") == "t-short").select(
+            "tokens_in", "tokens_out").row(0)
+        assert status["detail"][1] == (
+            "direct reply for t-short was cut off by the context window: the endpoint stopped it after "
+            f"{output_tokens} output tokens, before llm.max_output_tokens = 1000, with {prompt_tokens} prompt tokens, "
+            "so its window looks like 900 tokens, smaller than llm.context_window = 8192: set llm.context_window to "
+            "the endpoint's (a llama.cpp server's --n_ctx)")
+        assert calls["trajectory_id"].to_list() == ["t-long", "t-short"]  # no re-ask of a cut reply

@@ -244,20 +244,27 @@ class LLMClient:
                 errors = [f"the reply is not JSON ({exc.msg.removesuffix(' at')} at character {exc.pos})"]
             if not errors:
                 return value
-            if completion.finish_reason == "length" and not self.cut_by_context(completion):
+            window = self.cutting_window(completion)
+            if completion.finish_reason == "length" and window is None:
                 # Stopped at the output limit (or, for a reasoning model, its reasoning used it up): the errors of
                 # what was left (an unterminated string, no JSON at all) do not say why, to the model or the user.
                 errors.insert(0, f"the reply was cut off at the limit of {self.config.max_output_tokens} output "
                                  "tokens (llm.max_output_tokens) before it was complete")
             row["status"], row["error"] = "invalid", "; ".join(errors)[:1000]
-            if self.cut_by_context(completion):
+            if window is not None:
                 # A server with a full window stops the reply (llama.cpp's shortens max_tokens to what is left
                 # rather than refuse): a re-ask, longer still, cannot do better; a shorter prompt can.
-                raise ContextLengthError(
-                    f"{context.stage} reply for {context.trajectory_id or 'the request'} was cut off by the context "
-                    f"window: its prompt took {completion.tokens_in} of the {self.config.context_window} tokens, "
-                    f"less than llm.max_output_tokens = {self.config.max_output_tokens} left for the reply",
-                    prompt_tokens=completion.tokens_in, context_window=self.config.context_window)
+                where = f"{context.stage} reply for {context.trajectory_id or 'the request'} was cut off by the context"
+                if window == self.config.context_window:
+                    message = (f"{where} window: its prompt took {completion.tokens_in} of the {window} tokens, less "
+                               f"than llm.max_output_tokens = {self.config.max_output_tokens} left for the reply")
+                else:
+                    message = (f"{where} window: the endpoint stopped it after {completion.tokens_out} output tokens, "
+                               f"before llm.max_output_tokens = {self.config.max_output_tokens}, with "
+                               f"{completion.tokens_in} prompt tokens, so its window looks like {window} tokens, "
+                               f"smaller than llm.context_window = {self.config.context_window}: set "
+                               "llm.context_window to the endpoint's (a llama.cpp server's --n_ctx)")
+                raise ContextLengthError(message, prompt_tokens=completion.tokens_in, context_window=window)
             retry = self.retry_conversation(messages, completion.text, errors, budget_chars)
             repeats, asked = (repeats + 1 if retry == asked else 0), retry
             conversation = (self.retry_conversation(messages, completion.text, errors, budget_chars, repeats)
@@ -265,10 +272,21 @@ class LLMClient:
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
                              f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
 
-    def cut_by_context(self, completion: Completion) -> bool:
-        """Whether generation stopped at the length limit because the prompt left less than max_output_tokens."""
-        return (completion.finish_reason == "length"
-                and completion.tokens_in + self.config.max_output_tokens > self.config.context_window)
+    def cutting_window(self, completion: Completion) -> int | None:
+        """The context window that cut a reply off at the length limit; None when it was not cut, or was cut at
+        max_output_tokens.
+
+        The configured window when the prompt left less than max_output_tokens of it. A reply stopped before
+        max_output_tokens was cut by a smaller window than the configured one, full at its prompt and reply: a
+        llama.cpp server started with a smaller `--n_ctx` than llm.context_window answers so, never refusing.
+        """
+        if completion.finish_reason != "length":
+            return None
+        if completion.tokens_in + self.config.max_output_tokens > self.config.context_window:
+            return self.config.context_window
+        if completion.tokens_in > 0 and 0 < completion.tokens_out < self.config.max_output_tokens:
+            return completion.tokens_in + completion.tokens_out
+        return None
 
     def retry_conversation(self, messages: list[dict], reply: str, errors: list[str],
                            budget_chars: int | None = None, repeats: int = 0) -> list[dict]:
