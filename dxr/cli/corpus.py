@@ -218,13 +218,13 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     """
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
-    from tools.index import CorpusIndex
+    from tools.index import CorpusIndex, build_command
 
     directory = index_root(ctx) / checked_index_name(name)
     if not (directory / "manifest.json").exists():
         built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
         # A plain build makes only the default indexes; any other index is named, with its corpora, when built.
-        how = "dxr corpus build" if name in (LITERATURE, ICD) else f"dxr corpus build --name {name} --corpus CORPUS"
+        how = "dxr corpus build" if name in (LITERATURE, ICD) else build_command(directory, manifest=None)
         raise NotFoundError(f"no corpus index named {name!r} (built: {', '.join(built) or 'none'}): "
                             f"build it with `{how}`")
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
