@@ -40,6 +40,12 @@ def test_every_command_has_help_with_an_example(path, command):
     assert "Example:" in result.output and f"dxr {' '.join(path)}" in result.output
 
 
+def test_python_dash_m_dxr_runs_the_same_command_line():
+    result = subprocess.run([sys.executable, "-m", "dxr", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Usage: dxr ") and "Example:" in result.stdout
+
+
 def one_line_error(result) -> str:
     assert result.exit_code == 1, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
