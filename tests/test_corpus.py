@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -744,6 +745,33 @@ def test_build_is_refused_while_another_build_holds_the_index(tmp_path):
     assert not (tmp_path / "idx").exists()
 
 
+def test_a_dense_build_reports_its_progress_at_most_every_few_seconds(tmp_path, monkeypatch):
+    """A dense build embeds for minutes: without progress lines a user cannot tell it from a hang; with one line per
+    checkpoint (about a second each) it floods the terminal."""
+    import tools.index
+
+    monkeypatch.setattr(tools.index, "CHECKPOINT_ROWS", 2)
+    grown = chunk_frame(TINY + [doc(f"extra{i}", f"Extra {i}", f"Extra text number {i}.") for i in range(4)])
+    lines = []
+    monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 0.0)  # a line after each checkpoint
+    build_index(grown.head(6), tmp_path / "idx", CountingEmbedder(), progress=lines.append)
+    assert lines[0] == "idx: embedding 6 of 6 chunks"
+    assert [line.split(" chunks (")[0] for line in lines[1:]] == [
+        "idx: embedded 2/6", "idx: embedded 4/6", "idx: embedded 6/6"]
+    assert re.fullmatch(r"idx: embedded 2/6 chunks \(33%\) in \d+ s, [\d,]+ chunks/s, about \d+ s left", lines[1])
+    assert re.fullmatch(r"idx: embedded 6/6 chunks \(100%\) in \d+ s, [\d,]+ chunks/s", lines[-1])
+    lines.clear()
+    monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 3600.0)  # the four checkpoints of the rest take less
+    grown = chunk_frame(TINY + [doc(f"extra{i}", f"Extra {i}", f"Extra text number {i}, again.") for i in range(4)])
+    build_index(grown, tmp_path / "idx", CountingEmbedder(), progress=lines.append)
+    assert lines[0] == "idx: embedding 4 of 8 chunks (4 reused)" and len(lines) == 2
+    assert lines[1].startswith("idx: embedded 4/4 chunks (100%) in ")
+    lines.clear()
+    build_index(grown, tmp_path / "idx", CountingEmbedder(), progress=lines.append)  # every embedding cached
+    build_index(grown, tmp_path / "lexical", None, progress=lines.append)
+    assert lines == []
+
+
 def test_an_index_opened_while_a_build_swaps_it_is_read_from_one_build(tmp_path, monkeypatch):
     """A search process opens the index while `dxr corpus build` swaps in a rebuild with as many chunks:
     the parts read must come from one build, never chunks of the old one addressed by the new BM25 rows."""
@@ -934,6 +962,59 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     result = runner.invoke(main, [*data, "corpus", "ingest", "medline"])
     assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
 
+
+
+def test_cli_a_build_of_an_index_another_build_holds_is_refused_before_reading_corpora_or_loading_a_model(
+        tmp_path, monkeypatch):
+    import fcntl
+
+    import dxr.cli.corpus
+    import tools.embeddings
+    from dxr.cli import main
+    from warehouse.store import Warehouse
+
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    wh = Warehouse(tmp_path / "wh")
+    ingest(wh, "jsonl", tmp_path / "tiny.jsonl", "tiny")
+    read_chunks, calls = dxr.cli.corpus.read_chunks, []
+    monkeypatch.setattr(dxr.cli.corpus, "read_chunks", lambda *a: calls.append("read corpora") or read_chunks(*a))
+    monkeypatch.setattr(tools.embeddings, "make_embedder",
+                        lambda config: calls.append("load model") or CountingEmbedder())
+    lock = wh.forecast_dir / "corpus" / ".literature.lock"
+    lock.parent.mkdir(parents=True)
+    build = ["--data-dir", str(wh.root), "corpus", "build", "--run-id", "build-1"]
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another build of the index (flock: per open file, so also in one process)
+        result = CliRunner().invoke(main, build)
+    assert (result.exit_code, result.output) == (
+        1, f"Error: index {lock.parent / 'literature'} is being built by another process: wait for it to finish, "
+           "then rerun\n")
+    assert calls == [] and not wh.has_rows("runs", run_id="build-1")
+    result = CliRunner().invoke(main, build)
+    assert result.exit_code == 0 and calls == ["read corpora", "load model"], result.output
+    assert result.stdout.startswith("literature: 4 documents, 4 chunks, 4 embedded, 0 reused")
+    read, started, finished = result.stderr.splitlines()
+    assert (read, started) == ("literature: 4 documents from tiny (0 cross-corpus duplicates dropped)",
+                               "literature: embedding 4 of 4 chunks")
+    assert finished.startswith("literature: embedded 4/4 chunks (100%) in "), finished
+
+
+def test_cli_dense_build_and_search_print_no_library_progress_bar(tmp_path, monkeypatch):
+    """transformers draws a 'Loading weights' bar each time the embedding model loads: every dense search."""
+    from dxr.cli import main
+
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING__KIND", "package")
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl"),
+                                  "--corpus", "tiny"]).exit_code == 0
+    result = runner.invoke(main, [*data, "corpus", "build"])
+    assert result.exit_code == 0 and "literature: embedding 4 of 4 chunks\n" in result.stderr, result.output
+    assert "Loading weights" not in result.stderr
+    result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics congestion", "-k", "1", "--mode", "dense"])
+    assert result.exit_code == 0 and result.stdout.split()[2] == "tiny:hf", result.output
+    assert result.stderr == ""
 
 
 def test_cli_ingest_and_build_register_their_runs(tmp_path):

@@ -48,7 +48,11 @@ class SentenceTransformerEmbedder:
         if not os.path.isdir(path):
             raise ConfigError(f"embedding model directory {path} does not exist: set tools.embedding.path")
         from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as transformers_logging
 
+        # transformers draws a "Loading weights" bar on every model load, i.e. on every dense `dxr corpus search`;
+        # a build reports its own progress (tools.index.embedding_progress).
+        transformers_logging.disable_progress_bar()
         self.batch_size = batch_size
         self._model = SentenceTransformer(path, device="cpu")
         self._model.max_seq_length = max_seq_length

@@ -20,12 +20,14 @@ passage from its best chunk and that chunk's neighbours in the same section (par
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import time
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,53 +212,76 @@ def bm25_query_text(query: str) -> str:
     return " ".join(re.findall(r"[^\W_]+", query.lower()))
 
 
-def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, *, index_titles: bool = True,
-                name: str | None = None, corpora: list[str] | None = None,
-                share_embeddings_with: list[Path] = ()) -> dict:
-    """Write an index directory for `chunks`; `embedder=None` builds a lexical-only index.
+def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, **options) -> dict:
+    """Write an index directory for `chunks` under its build lock (`building_index`); `embedder=None` builds a
+    lexical-only index. `options` are those of the build `building_index` yields."""
+    with building_index(out_dir) as build:
+        return build(chunks, embedder, **options)
+
+
+@contextlib.contextmanager
+def building_index(out_dir: Path):
+    """Hold the build lock of the index at `out_dir` and yield the function that builds it there,
+    `build(chunks, embedder=None, *, index_titles, name, corpora, share_embeddings_with, progress) -> manifest`.
+
+    A second build of one directory is refused here, at once: a caller takes the lock before the slow part of its
+    preparation (reading corpora, loading an embedding model), so a refused build does none of it.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out_dir):
+        yield functools.partial(_build_locked, out_dir)
+
+
+def _build_locked(out_dir: Path, chunks: pl.DataFrame, embedder=None, *, index_titles: bool = True,
+                  name: str | None = None, corpora: list[str] | None = None, share_embeddings_with: list[Path] = (),
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """The build `building_index` yields; the caller holds the directory's build lock.
 
     The index is written to a staging directory beside `out_dir` and swapped in by rename, so a
     build killed at any point leaves the previous index intact (where the system can, the two trade places in one
     step, `warehouse.scratch.exchange`, so a search never finds no index there); embeddings are checkpointed in
     batches there, so the next build resumes instead of re-embedding. Embeddings of chunk texts
     already present in a previous build of this directory (or of the index directories in
-    `share_embeddings_with`) are reused. Two builds of one directory at once are refused.
+    `share_embeddings_with`) are reused. `progress`, when given, receives a line when embedding starts, then at
+    most one every PROGRESS_SECONDS and one when it ends (chunks embedded of those to embed, rate, time left).
     """
     if chunks.is_empty():
         raise InputError(f"no chunks to index for {out_dir}: ingest a corpus first (dxr corpus ingest FORMAT PATH)")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.with_name(f".{out_dir.name}.building")
     retired = out_dir.with_name(f".{out_dir.name}.retired")
-    with _build_lock(out_dir):
-        if retired.exists() and not out_dir.exists():
-            os.replace(retired, out_dir)  # killed between the two renames of a swap: the old index is whole
-        shutil.rmtree(retired, ignore_errors=True)
-        cached: dict[str, np.ndarray] = {}
-        if embedder is not None:
-            for directory in [*share_embeddings_with, out_dir]:
-                cached.update(_load_cached_vectors(Path(directory)))
-            cached.update(_load_checkpoints(staging / CHECKPOINT_DIR))
-        _clear_staging(staging)
-        manifest = _write_index(chunks, staging, embedder, cached, index_titles=index_titles,
-                                name=name or out_dir.name, corpora=corpora)
-        if out_dir.is_dir() and exchange(staging, out_dir):
-            shutil.rmtree(staging, ignore_errors=True)  # the old index now; a kill here leaves it to be cleared
-            return manifest
-        if out_dir.exists():
-            os.replace(out_dir, retired)
-        os.replace(staging, out_dir)
-        shutil.rmtree(retired, ignore_errors=True)
+    if retired.exists() and not out_dir.exists():
+        os.replace(retired, out_dir)  # killed between the two renames of a swap: the old index is whole
+    shutil.rmtree(retired, ignore_errors=True)
+    cached: dict[str, np.ndarray] = {}
+    if embedder is not None:
+        for directory in [*share_embeddings_with, out_dir]:
+            cached.update(_load_cached_vectors(Path(directory)))
+        cached.update(_load_checkpoints(staging / CHECKPOINT_DIR))
+    _clear_staging(staging)
+    manifest = _write_index(chunks, staging, embedder, cached, index_titles=index_titles,
+                            name=name or out_dir.name, corpora=corpora, progress=progress)
+    if out_dir.is_dir() and exchange(staging, out_dir):
+        shutil.rmtree(staging, ignore_errors=True)  # the old index now; a kill here leaves it to be cleared
+        return manifest
+    if out_dir.exists():
+        os.replace(out_dir, retired)
+    os.replace(staging, out_dir)
+    shutil.rmtree(retired, ignore_errors=True)
     return manifest
 
 
 # Embeddings are saved every this many chunks during a build: a killed build loses at most one batch.
 CHECKPOINT_ROWS = 512
 CHECKPOINT_DIR = "checkpoints"
+# A build reports its embedding progress at most this often: a checkpoint takes about a second at full speed,
+# so a line per checkpoint would flood the terminal, yet a build can embed for half an hour.
+PROGRESS_SECONDS = 30.0
 
 
 def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str, np.ndarray], *,
-                 index_titles: bool, name: str, corpora: list[str] | None) -> dict:
+                 index_titles: bool, name: str, corpora: list[str] | None,
+                 progress: Callable[[str], None] | None) -> dict:
     import tantivy
 
     started = time.perf_counter()
@@ -288,11 +313,19 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
         keys = [text_hash(f"{embedder.name}\n{x}") for x in inputs]
         missing = list(dict.fromkeys(k for k in keys if k not in cached))
         input_of = dict(zip(keys, inputs))
+        if progress and missing:
+            reused_note = f" ({len(keys) - len(missing):,} reused)" if len(keys) > len(missing) else ""
+            progress(f"{name}: embedding {len(missing):,} of {len(keys):,} chunks{reused_note}")
+        embedding_started = reported = time.perf_counter()
         for start in range(0, len(missing), CHECKPOINT_ROWS):
             batch = missing[start:start + CHECKPOINT_ROWS]
             vectors = embedder.encode([input_of[k] for k in batch])
             _save_checkpoint(out_dir / CHECKPOINT_DIR / f"{text_hash(''.join(batch))}.npz", batch, vectors)
             cached.update(zip(batch, vectors))
+            done, now = start + len(batch), time.perf_counter()
+            if progress and (done == len(missing) or now - reported >= PROGRESS_SECONDS):
+                progress(embedding_progress(name, done, len(missing), now - embedding_started))
+                reported = now
         vectors = np.stack([cached[k] for k in keys]).astype("float32")
         embedded, reused = len(missing), len(keys) - len(missing)
         dense = faiss.IndexFlatIP(vectors.shape[1])
@@ -314,6 +347,31 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
     manifest["bytes"] = directory_bytes(out_dir)
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def embedding_progress(name: str, done: int, total: int, seconds: float) -> str:
+    """One progress line of a build embedding `total` chunks, `done` of them in `seconds`.
+
+    >>> embedding_progress("literature", 5120, 30387, 125.0)
+    'literature: embedded 5,120/30,387 chunks (17%) in 2.1 min, 41 chunks/s, about 10 min left'
+    >>> embedding_progress("literature", 30387, 30387, 741.0)
+    'literature: embedded 30,387/30,387 chunks (100%) in 12 min, 41 chunks/s'
+    """
+    rate = done / max(seconds, 1e-9)
+    left = f", about {_duration((total - done) / rate)} left" if done < total else ""
+    return (f"{name}: embedded {done:,}/{total:,} chunks ({done / total:.0%}) in {_duration(seconds)}, "
+            f"{rate:,.0f} chunks/s{left}")
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as people read a wait: '45 s', '2.1 min', '12 min', '1.5 h'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def build_command(directory: Path, manifest: dict | None) -> str:

@@ -136,7 +136,7 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     from tools.corpus import WEB_CORPUS, reading_corpora, stored_corpora
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
-    from tools.index import build_index
+    from tools.index import building_index
     from warehouse.runs import registered_run
 
     if name is not None:
@@ -164,18 +164,21 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
                   "index_root": str(root), "chunk_chars": config.tools.chunk_chars,
                   "embedding": config.tools.embedding.model_dump(mode="json")}
     embedder = None
-    # Every planned corpus is locked before the run is registered: one being ingested refuses the build without
-    # recording a failed run that never started. The indexes are then built from what was read: ingests may go on.
-    with ExitStack() as reading:
+    # Each index's build lock, then every planned corpus, is taken before the run is registered: another build of
+    # the index, or an ingest of a corpus, refuses the build at once, before it reads a corpus or loads a model, and
+    # without recording a failed run that never started. The indexes are then built from what was read: ingests may
+    # go on.
+    with ExitStack() as building, ExitStack() as reading:
+        builds = [building.enter_context(building_index(root / index_name)) for index_name, _, _ in plans]
         reading.enter_context(reading_corpora(wh, [corpus for _, chosen, _ in plans for corpus in chosen]))
         with registered_run(wh, "corpus:build", run_config, run_id):
             read = [(*plan, read_chunks(wh, *plan[:2], config.tools.chunk_chars)) for plan in plans]
             reading.close()
-            for index_name, chosen, lexical, chunks in read:
+            for (index_name, chosen, lexical, chunks), build in zip(read, builds):
                 if not lexical and embedder is None:
                     embedder = make_embedder(config.tools.embedding)
-                manifest = build_index(chunks, root / index_name, None if lexical else embedder, name=index_name,
-                                       corpora=chosen)
+                manifest = build(chunks, None if lexical else embedder, name=index_name, corpora=chosen,
+                                 progress=lambda line: click.echo(line, err=True))
                 click.echo(f"{index_name}: {manifest['n_documents']} documents, {manifest['n_chunks']} chunks, "
                            f"{manifest['embedded']} embedded, {manifest['embeddings_reused']} reused, "
                            f"{manifest['build_seconds']:.1f} s, {manifest['bytes'] / 1e6:.1f} MB -> "
