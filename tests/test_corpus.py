@@ -1017,6 +1017,32 @@ def test_cli_dense_build_and_search_print_no_library_progress_bar(tmp_path, monk
     assert result.stderr == ""
 
 
+def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeypatch):
+    from dxr.cli import main
+
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING__KIND", "package")
+    source = tmp_path / "tiny.jsonl"
+    source.write_text("\n".join(json.dumps({"id": d.doc_id.split(":")[1], "title": d.title, "text": d.text})
+                                for d in TINY) + "\n")
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"]).exit_code == 0
+    assert runner.invoke(main, [*data, "corpus", "build"]).exit_code == 0
+    search = [*data, "corpus", "search", "loop diuretics congestion", "-k", "1"]
+    for mode, fusion_options in (("bm25", ["--fusion", "rrf"]), ("dense", ["--dense-share", "0.5"]),
+                                 ("bm25", ["--fusion", "zscore"])):  # the default value, given explicitly
+        result = runner.invoke(main, [*search, "--mode", mode, *fusion_options], prog_name="dxr")
+        assert (result.exit_code, result.output) == (
+            2, f"Error: {fusion_options[0]} applies to --mode hybrid only, not --mode {mode}: drop it "
+               "(usage: dxr corpus search -h)\n")
+    # Without them every mode searches, and hybrid takes them.
+    for options in (["--mode", "bm25"], ["--mode", "dense"], ["--mode", "hybrid", "--fusion", "rrf", "--dense-share",
+                                                              "0.5"]):
+        result = runner.invoke(main, [*search, *options])
+        assert result.exit_code == 0, result.output
+        assert result.stdout.splitlines()[0].split()[2:] == ["tiny:hf", "Heart", "failure"], options
+
+
 def test_cli_ingest_and_build_register_their_runs(tmp_path):
     # Every producing command takes --run-id and registers its run (foundation contract), corpus commands too.
     from dxr.cli import main

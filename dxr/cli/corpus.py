@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dxr.cli import main, settings, warehouse
 from dxr.errors import InputError, NotFoundError
@@ -223,6 +224,12 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     from tools.embeddings import make_embedder
     from tools.index import CorpusIndex, build_command
 
+    if mode != "hybrid":
+        # The fusion options weigh the two retrievers against each other: with one retriever they would change
+        # nothing, and a user who asked for them would not learn that.
+        for option, parameter in (("--fusion", "fusion"), ("--dense-share", "dense_share")):
+            if ctx.get_parameter_source(parameter) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
+                raise click.UsageError(f"{option} applies to --mode hybrid only, not --mode {mode}: drop it", ctx)
     directory = index_root(ctx) / checked_index_name(name)
     if not (directory / "manifest.json").exists():
         built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
