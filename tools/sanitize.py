@@ -3,8 +3,9 @@
 It removes identifiers (MRN / subject / encounter / account / case numbers, with or without an
 alphabetic prefix, long digit runs, phone and SSN shapes, e-mail addresses, URLs), dates (numeric
 with or without a year, month names with a day or a year in any order, times) and cuts any run of
-more than `max_verbatim_words` consecutive words copied from the patient's record. Clinical
-numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
+more than `max_verbatim_words` consecutive words copied from the patient's record. A time word
+right before a removed date goes with it ("seen on 3/14" -> "seen"), so no preposition dangles.
+Clinical numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _MONTH = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|jun(?:e)?|ju
 # Without a year a month name needs more care: the lower-case 'may' is the verb ("stage 3 may progress").
 _MONTH_NO_YEAR = _MONTH.replace("|may|", "|(?-i:May|MAY)|")
 _DAY = r"(?:0?[1-9]|[12]\d|3[01])(?:st|nd|rd|th)?\b"
+# A day before its month may carry its article ("the 14th of March"): the article goes with the date.
+_THE_DAY = rf"(?:the\s+)?{_DAY}"
 # A number followed by a unit or a count noun is a dose or a size, not a year ("metformin 2000 mg").
 _NOT_A_QUANTITY = r"(?!\s*(?:%|(?:mg|mcg|[µu]g|ng|g|kg|ml|dl|l|cc|iu|u|units?|mmol|meq|kcal|patients|cells)\b))"
 # Years 1800-2299: besides real dates, MIMIC shifts every date into 2100-2200 (and the birth years of the
@@ -54,10 +57,10 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     # Month names: with a year in every order, then day and month alone.
     ("date", re.compile(rf"\b{_CENTURY}\d{{2}}{_SEP}+{_MONTH}\.?{_SEP}+{_DAY}", re.I)),
     ("date", re.compile(rf"\b{_MONTH}\.?{_SEP}*{_DAY},?{_SEP}+\d{{2,4}}\b", re.I)),
-    ("date", re.compile(rf"\b{_DAY}(?:\s+of)?{_SEP}*{_MONTH}\.?,?{_SEP}+\d{{2,4}}\b", re.I)),
+    ("date", re.compile(rf"\b{_THE_DAY}(?:\s+of)?{_SEP}*{_MONTH}\.?,?{_SEP}+\d{{2,4}}\b", re.I)),
     ("date", re.compile(rf"\b{_MONTH}\.?,?{_SEP}+{_YEAR}", re.I)),
     ("date", re.compile(rf"\b{_MONTH_NO_YEAR}\.?{_SEP}*{_DAY}", re.I)),
-    ("date", re.compile(rf"\b{_DAY}(?:\s+of)?{_SEP}*{_MONTH_NO_YEAR}\.?", re.I)),
+    ("date", re.compile(rf"\b{_THE_DAY}(?:\s+of)?{_SEP}*{_MONTH_NO_YEAR}\.?", re.I)),
     ("date", re.compile(rf"\b{_YEAR}")),
     # Times, also glued to a preceding 'T' as in ISO timestamps ("T20:15"); "1:1000" is a dilution.
     ("date", re.compile(r"(?:\bT|(?<![\w:.]))\d{1,2}:\d{2}(?::\d{2})?(?![\d:])(?:\s*[ap]\.?m\b\.?)?", re.I)),
@@ -67,6 +70,16 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
 ]
 # What a removal can leave behind between words: a lone colon, slash or hyphen.
 _LEFTOVER = re.compile(r"[-/.,;:#=]+")
+# Stands in for a removed date until the words that served only to introduce it are gone too (a private-use
+# character: no query means it).
+_DATE_GAP = "\ue000"
+# One removed date, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019").
+_GAP = rf"{_DATE_GAP}(?:\s*(?:,|and|or|to|until|till|through|-)?\s*{_DATE_GAP})*"
+# A preposition right before a removed date was there for the date ("seen on 3/14", "since May 2019", "at 8:30pm",
+# "between 2018 and 2019"): left alone it would dangle ("seen on"). Only these time words, and only right before
+# the date, so "on warfarin since 2019" keeps its "on".
+_TIME_PREPOSITION = r"as\s+of|on|at|in|since|from|between|until|till|through|by|before|after|during|around|circa"
+_DATE_PREPOSITION = re.compile(rf"(?:\b(?:{_TIME_PREPOSITION})\s+)?{_GAP}", re.I)
 
 
 @dataclass
@@ -93,9 +106,18 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
         if literal and literal.lower() in text.lower():
             removed.append(("identifier", literal))
             text = re.sub(re.escape(literal), " ", text, flags=re.I)
-    for kind, pattern in _PATTERNS:
-        removed.extend((kind, match.group(0).strip()) for match in pattern.finditer(text))
-        text = pattern.sub(" ", text)
+    # Again until nothing matches: a removal brings together what stood on either side of it, and that may be a
+    # date ("Mar 12345 14" is "Mar 14" once the identifier is gone).
+    found = True
+    while found:
+        found = False
+        for kind, pattern in _PATTERNS:
+            matches = [" ".join(match.group(0).split()) for match in pattern.finditer(text)]
+            if matches:
+                found = True
+                removed.extend((kind, match) for match in matches)
+                text = pattern.sub(f" {_DATE_GAP} " if kind == "date" else " ", text)
+        text = _DATE_PREPOSITION.sub(" ", text)
     tokens = [token for token in text.split() if not _LEFTOVER.fullmatch(token)]
     if patient_text:
         tokens, spans = _cut_verbatim(tokens, patient_text, max_verbatim_words)
