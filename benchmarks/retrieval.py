@@ -1,9 +1,9 @@
 """Retrieval benchmark: BM25 vs dense vs hybrid fusion on PubMedQA and MedQuAD, dev/test protocol.
 
-PubMedQA (`ori_pqal.json`): the 1,000 abstracts are indexed (questions are not); each question must
-retrieve its own abstract. MedQuAD: only the answers are indexed (never the question strings or the
-focus titles); each question must retrieve its own document. Metrics: R@1, R@5, R@10, MRR (over the
-top 100 documents).
+PubMedQA (`ori_pqal.json`): the 1,000 abstracts are indexed without their titles (a PubMedQA title is its
+question); each question must retrieve its own abstract. MedQuAD: only the answers are indexed (never the
+question strings or the focus titles); each question must retrieve its own document. Metrics: R@1, R@5,
+R@10, MRR (over the top 100 documents).
 
 Protocol: every question goes to the dev or the test half by a stable hash of its gold document id
 (all questions about one document land in the same half). The fusion (family and dense share) is

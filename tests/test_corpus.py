@@ -283,7 +283,11 @@ def test_real_medquad_and_pubmedqa():
     assert len(pubmedqa) == len(json.loads(pubmedqa_path.read_text())) == 1000
     assert pubmedqa[0].doc_id == "pmid:21645374"
     assert [h for h, _ in pubmedqa[0].sections] == ["Background", "Results", "Conclusions"]
+    # The question is the article's title (PQA-L takes articles titled by a question): the title, not the text.
+    assert pubmedqa[0].title == ("Do mitochondria play a role in remodelling lace plant leaves during programmed "
+                                 "cell death?")
     assert "Do mitochondria play a role" not in pubmedqa[0].text
+    assert all(d.title.endswith("?") for d in pubmedqa)
 
 
 def test_real_ingest_into_the_warehouse_embeds_a_handful(wh, tmp_path, embedder):
@@ -416,6 +420,8 @@ def test_dedupe_keeps_the_document_with_the_most_text(tmp_path, wh):
     (read_pubmedqa, '{"7": {"CONTEXTS": "one string"}}',
      r"x: PMID 7: field 'CONTEXTS' must be a non-empty list of strings, got a string"),
     (read_pubmedqa, '{"7": {"CONTEXTS": ["a"], "LONG_ANSWER": 1}}', r"field 'LONG_ANSWER' must be a string"),
+    (read_pubmedqa, '{"7": {"CONTEXTS": ["a"], "QUESTION": ["q"]}}',
+     r"x: PMID 7: field 'QUESTION' must be a string, got a list"),
     (read_medquad, '[{"doc_id": "1", "qa": [1]}]', r"x: document #0 \(unknown/1\): field 'qa' must be a list of"),
     (read_medquad, '[{"doc_id": "1", "qa": [{"answer": 5}]}]',
      r"x: document #0 qa #0: field 'answer' must be a string, got a number"),
@@ -1041,6 +1047,37 @@ def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeyp
         result = runner.invoke(main, [*search, *options])
         assert result.exit_code == 0, result.output
         assert result.stdout.splitlines()[0].split()[2:] == ["tiny:hf", "Heart", "failure"], options
+
+
+def test_pubmedqa_hits_carry_the_question_as_title_and_a_build_names_documents_ingested_without(wh, tmp_path):
+    from dxr.cli import main
+    from tools.corpus import source_key, store_documents
+
+    source = tmp_path / "pqal.json"
+    source.write_text(json.dumps({"21645374": {
+        "QUESTION": "Do loop diuretics relieve congestion in heart failure?",
+        "CONTEXTS": ["Loop diuretics were given to 40 patients admitted with congestion."], "LABELS": ["RESULTS"],
+        "LONG_ANSWER": "Loop diuretics relieve congestion.", "YEAR": "2011"}}))
+    runner = CliRunner()
+    data = ["--data-dir", str(wh.root)]
+    search = [*data, "corpus", "search", "loop diuretics congestion", "--mode", "bm25", "-k", "1"]
+    # As an ingest before titles were read from QUESTION left it: the same document without a title.
+    [document] = read_pubmedqa(source, "pubmedqa")
+    document.title = ""
+    store_documents(wh, [document], "pubmedqa", source_key(source))
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only"])
+    assert result.exit_code == 0, result.output
+    assert ("literature: 1 PubMedQA documents of corpus pubmedqa without a title: if ingested before titles were read "
+            "from QUESTION, ingest the same file again (dxr corpus ingest pubmedqa PATH --corpus pubmedqa), then "
+            "build\n") in result.stderr
+    result = runner.invoke(main, search)  # an index built from them still searches, without a title
+    assert result.exit_code == 0 and result.stdout.splitlines()[0].split()[2:] == ["pmid:21645374"], result.output
+    assert runner.invoke(main, [*data, "corpus", "ingest", "pubmedqa", str(source)]).exit_code == 0
+    result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only"])
+    assert result.exit_code == 0 and "without a title" not in result.output, result.output
+    result = runner.invoke(main, search)
+    assert result.stdout.splitlines()[0].split()[2:] == [
+        "pmid:21645374", "Do", "loop", "diuretics", "relieve", "congestion", "in", "heart", "failure?"], result.output
 
 
 def test_cli_ingest_and_build_register_their_runs(tmp_path):

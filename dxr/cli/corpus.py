@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -197,6 +198,13 @@ def read_chunks(wh, index_name: str, chosen: list[str], chunk_chars: int):
     unsearchable = f", {without_text} without text: not indexed" if without_text else ""
     click.echo(f"{index_name}: {len(documents)} documents from {', '.join(chosen)} "
                f"({len(dropped)} cross-corpus duplicates dropped{unsearchable})", err=True)
+    # PubMedQA documents ingested before their QUESTION was read as the title have none, and a build alone cannot
+    # give them one: the index takes its titles from the documents table, which only a new ingest rewrites.
+    untitled = Counter(d.corpus for d in documents if d.source_format == "pubmedqa" and not d.title)
+    for corpus_name, count in sorted(untitled.items()):
+        click.echo(f"{index_name}: {count} PubMedQA documents of corpus {corpus_name} without a title: if ingested "
+                   "before titles were read from QUESTION, ingest the same file again (dxr corpus ingest pubmedqa "
+                   f"PATH --corpus {corpus_name}), then build", err=True)
     chunks = chunk_frame(documents, chunk_chars)
     check_stored_chunks(wh, chunks, chunk_chars)
     return chunks

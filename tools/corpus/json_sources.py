@@ -155,9 +155,10 @@ def _medquad_native_id(record: dict, where: str) -> str:
 
 
 def read_pubmedqa(path: Path, corpus: str) -> Iterator[Document]:
-    """PubMedQA (`ori_pqal.json`): one abstract per PMID (labelled contexts + the conclusion).
+    """PubMedQA (`ori_pqal.json`): one abstract per PMID (labelled contexts + the conclusion) titled by its QUESTION.
 
-    The question is not part of the document.
+    PubMedQA's questions are the articles' own titles (PQA-L and PQA-U take articles titled by a question; PQA-A
+    turns a statement title into one), so the question is the document's title; it is not part of its text.
     """
     data = _load_json(path)
     if not isinstance(data, dict):
@@ -174,7 +175,8 @@ def read_pubmedqa(path: Path, corpus: str) -> Iterator[Document]:
         if conclusion := _field(record, "LONG_ANSWER", where):
             sections.append(("Conclusions", clean_text(conclusion)))
         yield Document(doc_id=stable_doc_id(corpus, pmid=pmid), corpus=corpus, source_format="pubmedqa",
-                       title="", sections=sections, url=f"https://pubmed.ncbi.nlm.nih.gov/{pmid}/", pmid=str(pmid),
+                       title=clean_text(_field(record, "QUESTION", where)), sections=sections,
+                       url=f"https://pubmed.ncbi.nlm.nih.gov/{pmid}/", pmid=str(pmid),
                        meta={"year": record.get("YEAR")})
 
 
