@@ -13,7 +13,7 @@ trajectories it addressed divided by their number.
   `forecast:<system>` rows (summed over fused inputs; it includes fitting and writing); null, with
   the reason in `clock`, when a row is missing or every LLM call was a cache hit (a replay says
   nothing about throughput). `patients_per_hour_serial` assumes one backend call at a time.
-- Retrieval (`search_jobs` + `ledger`, `tools.ledger.retrieval_efficiency`): the ledger has no
+- Retrieval (`search_jobs` + `ledger`, `warehouse.evidence.retrieval_efficiency`): the ledger has no
   system column, so the run's retrieval is counted for every system in `RETRIEVAL_SYSTEMS` (or
   fusing one); `efficiency_notes` says when that is ambiguous or when nothing can claim it.
 """
@@ -24,7 +24,7 @@ import polars as pl
 
 from models.llm.config import ModelPrice
 from models.llm.telemetry import TOKEN_KINDS, backend_totals
-from tools.ledger import retrieval_efficiency
+from warehouse.evidence import retrieval_efficiency
 from warehouse.store import Warehouse, fetch_frame
 
 F1_K = 20

@@ -10,8 +10,9 @@ from test_corpus import TINY, tiny_vocabulary
 from tools.channels import DictionaryChannel, LocalChannel
 from tools.dictionary import Dictionary
 from tools.index import CorpusIndex, build_index, chunk_frame
-from tools.ledger import Ledger, job_id_for, retrieval_efficiency, support_cue
+from tools.ledger import Ledger, job_id_for, support_cue
 from tools.sanitize import sanitize_query
+from warehouse.evidence import retrieval_efficiency
 
 JOB = dict(code="DIAGNOSIS//ICD//10//N184", temporal_class="chronic_active", purpose="validation", iteration=1,
            hypothesis_id="H2", entity_terms=["chronic kidney disease"], endpoint_terms=["dialysis"])

@@ -20,10 +20,11 @@ from dxr.errors import ConfigError, InputError
 from tools.config import SerpMapping, WebConfig
 from tools.corpus.documents import Document
 from tools.index import CorpusIndex, build_index, chunk_frame
-from tools.ledger import Ledger, retrieval_efficiency
+from tools.ledger import Ledger
 from tools.web.channel import WebChannel, identifiers_in_url
 from tools.web.providers import BRAVE_MAPPING, SearchProvider, SerpHit, SerpJsonProvider, make_provider
 from tools.web.reader import Page, PageCache, PageReader, non_public
+from warehouse.evidence import retrieval_efficiency
 
 FILLER = ("Clinicians follow patients with chronic disease in hospital and outpatient care; treatment, diagnosis "
           "and symptoms are reviewed at every visit and the risk of complications is documented. ")
