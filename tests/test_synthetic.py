@@ -6,6 +6,7 @@ import importlib
 import json
 import shutil
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import polars as pl
@@ -27,7 +28,8 @@ from warehouse.synthetic.generate import code_dictionary, patient_frame
 from warehouse.synthetic.model import Rule
 from warehouse.synthetic.oracle import encounter_probabilities, record_state
 from warehouse.synthetic.realism import (
-    REALISM_BANDS, diagnosis_encounters, final_encounter_cohort, realism_report, violations,
+    REALISM_BANDS, band_statistics, diagnosis_encounters, final_encounter_cohort, realism_report, violations,
+    warehouse_realism,
 )
 from warehouse.synthetic.simulate import DIAGNOSIS, EncounterModel, draw_encounter, simulate_patient, stream
 
@@ -335,6 +337,52 @@ def test_realism_bands_on_the_default_dataset(tmp_path):
     report = realism_report(tmp_path, seed=7)
     assert not violations(report), report
     assert set(REALISM_BANDS) <= set(report)
+
+
+def test_band_statistics_count_distinct_target_codes_and_unowned_codes_as_one_condition():
+    # a: I10 repeats its history, R69 and R05.9 are new; b: R51.9 is new. No condition owns R69, R05.9 or R51.9.
+    targets = pl.DataFrame({"trajectory_id": ["a", "a", "a", "b"],
+                            "code": [f"{DIAGNOSIS}I10", f"{DIAGNOSIS}R69", f"{DIAGNOSIS}R059", f"{DIAGNOSIS}R519"]})
+    history = pl.DataFrame({"trajectory_id": ["a", "a", "b"],
+                            "code": [f"{DIAGNOSIS}I10", f"{DIAGNOSIS}I10", f"{DIAGNOSIS}I10"]})
+    stats = band_statistics(targets, history, 2.5, {"oracle": 0.8, "repeat_history": 0.6, "global_frequency": 0.2})
+    assert list(stats) == list(REALISM_BANDS)
+    assert stats == {"mean_target_size": 2.0, "mean_prior_encounters": 2.5, "new_onset_share": 0.75,
+                     "oracle_r20": 0.8, "repeat_history_to_oracle": 0.6 / 0.8, "global_frequency_to_oracle": 0.25,
+                     "max_condition_share": 0.75}
+
+
+def test_warehouse_realism_reads_one_split_of_the_cohort_and_the_runs_r20(wh):
+    """Held_out t1 and t2 count; train t3, other runs' metrics, other k and subsets, and non-diagnosis codes do not."""
+    cohort = "c1"
+    wh.write("trajectories", pl.DataFrame({
+        "cohort_id": cohort, "trajectory_id": ["t1", "t2", "t3"], "subject_id": [1, 2, 3],
+        "target_encounter_id": [11, 21, 31], "cutoff_time": [datetime(2020, 1, 1)] * 3,
+        "split": ["held_out", "held_out", "train"], "shard": [0, 0, 1], "n_prior_encounters": [2, 5, 9]}),
+        cohort_id=cohort)
+    # hypertension owns I10 and I13.0, hyperlipidemia E78.5; no condition owns R69.
+    wh.write("targets", pl.DataFrame({
+        "cohort_id": cohort, "trajectory_id": ["t1", "t1", "t1", "t2", "t2", "t3"],
+        "code": [f"{DIAGNOSIS}{c}" for c in ("I10", "E785", "R69", "I10", "I130", "E785")]}), cohort_id=cohort)
+    wh.write("pretarget_events", pl.DataFrame({
+        "cohort_id": cohort, "trajectory_id": ["t1", "t1", "t2", "t2", "t3"], "subject_id": [1, 1, 2, 2, 3],
+        "time": [datetime(2019, 1, 1)] * 5,
+        "code": [f"{DIAGNOSIS}I10", "LAB//E785//mg/dL", f"{DIAGNOSIS}I10", f"{DIAGNOSIS}I10", f"{DIAGNOSIS}E785"],
+        "numeric_value": None, "text_value": None, "encounter_id": [10, 10, 20, 19, 30]},
+        schema_overrides={"numeric_value": pl.Float32, "text_value": pl.String}), cohort_id=cohort, shard=0)
+    metrics = pl.DataFrame([("r1", "oracle", "all", 20, 0.8), ("r1", "repeat_history", "all", 20, 0.4),
+                            ("r1", "global_frequency", "all", 20, 0.2), ("r1", "oracle", "all", 10, 0.5),
+                            ("r1", "oracle", "new_onset", 20, 0.3), ("r2", "oracle", "all", 20, 0.1)],
+                           schema={"run_id": pl.String, "system": pl.String, "subset": pl.String, "k": pl.Int32,
+                                   "value": pl.Float64}, orient="row")
+    metrics = metrics.with_columns(cohort_id=pl.lit(cohort), metric=pl.lit("recall_at_k"),
+                                   ci_low=pl.lit(None, pl.Float64), ci_high=pl.lit(None, pl.Float64),
+                                   n=pl.lit(2, pl.Int64), n_runs=pl.lit(1, pl.Int32))
+    for (run_id, system), partition in metrics.partition_by("run_id", "system", as_dict=True).items():
+        wh.write("metrics", partition, run_id=run_id, system=system)
+    assert warehouse_realism(wh, cohort, "r1") == {
+        "mean_target_size": 2.5, "mean_prior_encounters": 3.5, "new_onset_share": 0.6, "oracle_r20": 0.8,
+        "repeat_history_to_oracle": 0.5, "global_frequency_to_oracle": 0.25, "max_condition_share": 0.6}
 
 
 def test_docs_page_matches_the_definitions():

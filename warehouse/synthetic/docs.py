@@ -89,8 +89,19 @@ factors, and the record oracle keeps the exact stage of the conditions it keeps.
 
 ## Realism bands
 
-Checked on the `held_out` cohort of the default 5,000-patient dataset, final-encounter targets,
-`warehouse.synthetic.realism.realism_report` (and by the demo from warehouse tables):
+Checked on the `held_out` cohort of the default 5,000-patient dataset, final-encounter targets.
+Both measurements below compute the statistics with one function (`band_statistics` in
+`warehouse/synthetic/realism.py`); they differ in where its inputs come from:
+
+* `realism_report(meds_dir)` tunes the generator. It reads the MEDS directory alone (no
+  warehouse, no cohort build, no run): it re-derives the cohort, draws the oracle and ranks its own
+  global frequency and repeat history. Its numbers are the measured table below.
+* `warehouse_realism(wh, cohort_id, run_id)` is what `dxr demo` prints and fails on. It reads
+  what the platform built: the cohort's `trajectories`, `targets` and `pretarget_events`, and the
+  R@20 that the run's `oracle`, `repeat_history` and `global_frequency` scored in `metrics`, so it
+  holds the platform itself to the bands. On the default dataset the two agree (the README's demo
+  table and the seed 7 column); they part where the platform's cohort rules, baselines or oracle draws
+  (`synth.oracle_draws`) differ from the re-derivation.
 
 | statistic | band |
 |---|---|
