@@ -696,3 +696,20 @@ def test_sql_doctests():
 
     result = doctest.testmod(warehouse.sql)
     assert result.failed == 0 and result.attempted == 4, result
+
+
+def test_sql_table_keeps_one_line_per_row_when_text_holds_line_breaks_or_tabs(wh):
+    from warehouse.sql import stream_query
+
+    # A ledger excerpt, a chunk or an LLM error holding a line break spilled over the next lines, out of its column.
+    query = ("SELECT * FROM (VALUES ('first' || chr(10) || 'second', 1), ('a' || chr(9) || 'b' || chr(13), 22)) "
+             "t(note, n)")
+    assert "".join(stream_query(wh, query)) == (
+        "note            n\n"
+        "-------------  --\n"
+        "first\\nsecond   1\n"
+        "a\\tb\\r         22\n"
+        "(2 rows)\n")
+    # A plan is the one value of many lines that is shown as it is, as DuckDB draws it.
+    plan = duckdb.sql("EXPLAIN SELECT 1 AS one").fetchall()[0][1]
+    assert "".join(stream_query(wh, "EXPLAIN SELECT 1 AS one")) == plan.rstrip() + "\n" and plan.count("\n") > 3

@@ -25,6 +25,9 @@ _READ_ONLY_PREFIXES = ("select", "with", "from", "describe", "show", "summarize"
                        "values", "table")
 
 
+# The columns of an EXPLAIN statement's result: a key (physical_plan) and the plan drawn as text.
+_EXPLAIN_COLUMNS = ["explain_key", "explain_value"]
+
 # Rows fetched from DuckDB at a time when CSV or JSON lines are streamed.
 STREAM_ROWS = 10_000
 
@@ -46,6 +49,10 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
     """
     cursor = _execute(wh, query, with_gold, run_id)
     columns = [d[0] for d in cursor.description]
+    if fmt == "table" and columns == _EXPLAIN_COLUMNS:
+        # A plan is a drawing of many lines: a table cell would escape its line breaks into one line.
+        yield "".join(f"{plan.rstrip()}\n" for _, plan in _fetch(cursor, None))
+        return
     if fmt == "table":
         # Nested values as their CSV cells: a MAP's spelling depends on its key type, which its Python value lacks.
         nested = [_csv_converter(d[1]) if d[1].id in _NESTED else None for d in cursor.description]
@@ -309,9 +316,14 @@ def named_tables(query: str) -> set[str] | None:
     return named or None
 
 
+# A line break or tab inside a text cell would break the table's rows and columns: DuckDB's own table escapes them.
+_CELL_ESCAPES = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
+
+
 def format_table(columns: list[str], rows: list[tuple]) -> str:
     """A plain aligned text table: numbers right-aligned, floats with 4 decimals, a DECIMAL with its exact digits in
-    fixed point, booleans as true / false, structs, lists and maps as JSON text (as CSV cells spell them)."""
+    fixed point, booleans as true / false, structs, lists and maps as JSON text (as CSV cells spell them), line
+    breaks and tabs in text as \\n, \\r and \\t, as DuckDB's table shows them (one line per row)."""
     def cell(v):
         if v is None:
             return ""
@@ -321,7 +333,7 @@ def format_table(columns: list[str], rows: list[tuple]) -> str:
             return _csv_scalar(v)
         if isinstance(v, (dict, list, tuple)):
             return _json_text(_json_plain(v))
-        return str(v)
+        return str(v).translate(_CELL_ESCAPES)
 
     def number(v) -> bool:
         return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
