@@ -713,3 +713,23 @@ def test_sql_table_keeps_one_line_per_row_when_text_holds_line_breaks_or_tabs(wh
     # A plan is the one value of many lines that is shown as it is, as DuckDB draws it.
     plan = duckdb.sql("EXPLAIN SELECT 1 AS one").fetchall()[0][1]
     assert "".join(stream_query(wh, "EXPLAIN SELECT 1 AS one")) == plan.rstrip() + "\n" and plan.count("\n") > 3
+
+
+def test_sql_table_spells_blobs_and_intervals_as_csv_and_json_lines_do_and_times_alike_in_every_format(wh):
+    from warehouse.sql import stream_query
+
+    query = ("SELECT 'ab'::BLOB AS b, TIMESTAMP '2026-12-05 09:25:19.5' - TIMESTAMP '2026-12-05 09:24:54' AS took, "
+             "TIMESTAMP '2026-12-05 09:25:19.5' AS t, DATE '2026-12-05' AS d")
+    # The table printed the blob as Python's b'ab' and the interval as Python's 0:00:25.500000.
+    assert "".join(stream_query(wh, query)) == (
+        "b        took  t                           d\n"
+        "----  -------  --------------------------  ----------\n"
+        "YWI=  25.5000  2026-12-05 09:25:19.500000  2026-12-05\n"
+        "(1 row)\n")
+    assert "".join(stream_query(wh, query, fmt="csv")) == (
+        "b,took,t,d\nYWI=,25.5,2026-12-05 09:25:19.500000,2026-12-05\n")
+    assert json.loads("".join(stream_query(wh, query, fmt="json"))) == {
+        "b": "YWI=", "took": 25.5, "t": "2026-12-05 09:25:19.500000", "d": "2026-12-05"}
+    # A time is spelled as SQL and DuckDB spell it (a space before the time), which a query takes back as a literal.
+    assert duckdb.sql("SELECT TIMESTAMP '2026-12-05 09:25:19.500000' = TIMESTAMP '2026-12-05T09:25:19.5'").fetchall() \
+        == [(True,)]

@@ -54,11 +54,13 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
         yield "".join(f"{plan.rstrip()}\n" for _, plan in _fetch(cursor, None))
         return
     if fmt == "table":
-        # Nested values as their CSV cells: a MAP's spelling depends on its key type, which its Python value lacks.
-        nested = [_csv_converter(d[1]) if d[1].id in _NESTED else None for d in cursor.description]
+        # Values as their CSV cells: nested ones (a MAP's spelling depends on its key type, which its Python value
+        # lacks), blobs and intervals; format_table spells booleans and decimals alike and aligns decimals as numbers.
+        converted = [_csv_converter(d[1]) if d[1].id in (*_NESTED, "union", "blob", "interval") else None
+                     for d in cursor.description]
         rows = _fetch(cursor, None)
-        if any(nested):
-            rows = [tuple(f(v) if f else v for f, v in zip(nested, r)) for r in rows]
+        if any(converted):
+            rows = [tuple(f(v) if f else v for f, v in zip(converted, r)) for r in rows]
         yield format_table(columns, rows)
         return
     if fmt == "json":
