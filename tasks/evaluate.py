@@ -52,7 +52,6 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import datetime
 from itertools import combinations
 
 import meds
@@ -64,7 +63,7 @@ from scipy.stats import binom
 from dxr.errors import InputError, NotFoundError
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, holding_run, record_run
-from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES
+from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES, utc_now
 from warehouse.store import Warehouse, check_run_id, conform
 
 ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
@@ -735,7 +734,7 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
 
     The evaluation registers itself in `runs` under the evaluated run id with kind `evaluate`.
     """
-    started = datetime.now()
+    started = utc_now()
     with holding_run(wh, run_id, exclusive=True):
         evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
         cohort_id = evaluation.metrics["cohort_id"][0]
@@ -748,7 +747,7 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
         write_evaluation(wh, evaluation)
         # Under the lock: a forecast rerun starting right after it marks this evaluation stale, and must not be
         # overwritten by a late `finished`.
-        record_run(wh, run_id, cohort_id, EVALUATE_KIND, config, "finished", started, datetime.now())
+        record_run(wh, run_id, cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
     return evaluation.metrics
 
 
@@ -866,7 +865,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     with ExitStack() as locks:
         for member in sorted(set(run_ids)):
             locks.enter_context(holding_run(wh, member, exclusive=True))
-        started = datetime.now()  # the lists are read from here on: a forecast finished later is not in the mean
+        started = utc_now()  # the lists are read from here on: a forecast finished later is not in the mean
         runs = [load_run(wh, r, systems, ks=[k for k in all_ks if k != NATURAL_K], include_oracle=False)
                 for r in run_ids]
     first = runs[0]
@@ -908,7 +907,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
                 wh.delete("metrics", run_id=mean_id)
                 for (system,), rows in part.group_by("system"):
                     wh.write("metrics", rows, run_id=mean_id, system=system)
-                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "finished", started, datetime.now())
+                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
     return metrics
 
 

@@ -352,7 +352,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     runs = wh.read("runs", run_id=run_id).sort("kind")
     if not runs.is_empty():
         blocks += [Heading("Run registry"), Table(
-            ["kind", "status", "code version", "started", "seconds", "config"],
+            ["kind", "status", "code version", "started (UTC)", "seconds", "config"],
             [[r["kind"], r["status"], r["code_version"], f"{r['started_at']:%Y-%m-%d %H:%M:%S}",
               f"{(r['finished_at'] - r['started_at']).total_seconds():.1f}" if r["finished_at"] else "",
               r["config_json"]] for r in runs.iter_rows(named=True)])]

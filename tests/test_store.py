@@ -698,6 +698,31 @@ def test_sql_doctests():
     assert result.failed == 0 and result.attempted == 4, result
 
 
+@pytest.fixture
+def host_in_kolkata(monkeypatch):
+    """The process's local zone is UTC+05:30 for the test (the zone a laptop or a hospital server may be in)."""
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_recorded_times_are_utc_whatever_the_hosts_zone(wh, host_in_kolkata):
+    from datetime import timezone
+
+    from warehouse.runs import registered_run
+
+    with registered_run(wh, "synth", {"name": "tiny"}) as run:
+        pass
+    row = wh.read("runs", run_id=run.run_id).row(0, named=True)
+    # started_at was the host's local time (5.5 h ahead here), while the run id and the ledger's times are UTC:
+    # a query comparing a run's times with its ledger's or with its id was off by the host's offset.
+    utc = datetime.now(timezone.utc).replace(tzinfo=None)
+    assert abs((utc - row["finished_at"]).total_seconds()) < 60
+    assert run.run_id.split("-")[1] == f"{row['started_at']:%Y%m%dT%H%M%S}"
+
+
 def test_sql_table_keeps_one_line_per_row_when_text_holds_line_breaks_or_tabs(wh):
     from warehouse.sql import stream_query
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime
 
 import polars as pl
 
 from dxr.errors import InputError
 from tools.sanitize import sanitize_query
 from tools.text import match_terms
+from warehouse.schemas import utc_now
 
 PURPOSES = ("validation", "discovery", "force_carry")
 # The proposal record's temporal classes (spec 4.1): a job and every ledger row it makes carry one of them.
@@ -184,7 +185,7 @@ class Ledger:
         job = SearchJob(job_id, self.run_id, trajectory_id, hypothesis_id, code, temporal_class, iteration, purpose,
                         clean, tuple(entity_terms), tuple(endpoint_terms), anchor)
         self.jobs[job_id] = job
-        self._job_created[job_id] = _now()
+        self._job_created[job_id] = utc_now()
         return job
 
     def record(self, job: SearchJob, *, engine: str, state: str, channel: str | None = None,
@@ -214,7 +215,7 @@ class Ledger:
         self._next_evidence[job.trajectory_id] = number + 1
         row = LedgerRow(f"E{number}", self.run_id, job.trajectory_id, job.job_id, job.hypothesis_id, job.code,
                         job.anchor, job.temporal_class, job.query, engine, doc_id, title, url, excerpt, cue, score,
-                        job.iteration, _now(), provenance, channel, state, detail,
+                        job.iteration, utc_now(), provenance, channel, state, detail,
                         looks_like_injection(source_text or excerpt or ""), chunk_id)
         self.rows.append(row)
         return row
@@ -277,7 +278,3 @@ def merge_evidence(rows: list[LedgerRow]) -> list[LedgerRow]:
         extra = row.provenance or f"{row.engine} {row.evidence_id}"
         first.provenance = f"{first.provenance}; {extra}" if first.provenance else extra
     return kept
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)

@@ -31,7 +31,6 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from functools import partial
 
 import duckdb
@@ -45,6 +44,7 @@ from warehouse.choices import HARMONIZATIONS, TARGET_RULES
 from warehouse.locks import held
 from warehouse.meds import SPLITS, read_splits, validate_meds_dir
 from warehouse.runs import registered_run, runs_in_progress
+from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
@@ -338,7 +338,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
 
     row = {
         "cohort_id": cohort_id, "dataset_id": dataset_id, "name": name, "target_rule": options.target,
-        "harmonization": options.harmonize, "min_history": options.min_history, "created_at": datetime.now(),
+        "harmonization": options.harmonize, "min_history": options.min_history, "created_at": utc_now(),
         "n_trajectories": trajectories.height, "vocabulary_size": omega.height, "vocabulary_source": omega_source,
         "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
                                     "unmapped_diagnosis_codes": unmapped, "subjects_without_split": unsplit,
@@ -485,7 +485,7 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
         older = (f"; {match.height} finished cohort(s) of the name remain, name one by its id to use it "
                  f"({', '.join(sorted(match['cohort_id'].to_list()))})" if match.height else "")
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
-                            f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S}): retry when it has finished{older}")
+                            f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
     if match.is_empty():
         known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
         raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +15,7 @@ from warehouse.importers.mimic import MIMIC3, MIMIC4, import_mimic_validated
 from warehouse.locks import held
 from warehouse.meds import MedsInfo, copy_meds_dir, offset_text, validate_meds_dir
 from warehouse.runs import registered_run
+from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse
 
@@ -47,7 +47,7 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
         "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
         "generator_version": generator_version,
         "n_subjects": info.n_subjects, "n_events": info.n_events,
-        "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": datetime.now(),
+        "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": utc_now(),
         "time_zone": time_zone, "utc_offset": utc_offset,
     }
     wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)

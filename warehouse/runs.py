@@ -22,7 +22,7 @@ from dxr import __version__
 from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError
 from warehouse.locks import held
-from warehouse.schemas import TABLES
+from warehouse.schemas import TABLES, utc_now
 from warehouse.scratch import naming, scratch
 from warehouse.store import Warehouse, check_run_id
 
@@ -33,7 +33,7 @@ EVALUATE_KIND = "evaluate"
 
 def new_run_id(kind: str) -> str:
     """A readable, unique run id: kind, UTC timestamp, random suffix."""
-    return f"{kind}-{datetime.utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+    return f"{kind}-{utc_now():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
 # The kinds of file the code is made of: Python modules and the TOML prompt files.
@@ -151,16 +151,16 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
     # `wait`: another process's `mark_killed` may hold the lock for a moment.
     with held(wh, _record_lock(run.run_id, kind), shared=False, wait=5.0,
               busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"):
-        started = datetime.now()
+        started = utc_now()
         marker = _write_marker(wh, run.run_id, kind)
         record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
         try:
             yield run
         except BaseException:
-            record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, datetime.now())
+            record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, utc_now())
             marker.unlink(missing_ok=True)
             raise
-        record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", started, datetime.now())
+        record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", started, utc_now())
         marker.unlink(missing_ok=True)
 
 

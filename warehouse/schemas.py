@@ -12,6 +12,7 @@ so a view never depends on path parsing; the path only addresses what a rerun re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import pyarrow as pa
 
@@ -19,6 +20,15 @@ FORECAST = "forecast"
 GOLD = "gold"
 
 TS = pa.timestamp("us")
+
+
+def utc_now() -> datetime:
+    """The time to store in a `TS` column: UTC, without a zone (Parquet and DuckDB keep it as written).
+
+    Every table's times are UTC, so a query can compare them across tables (a run's `started_at` with its
+    ledger's `retrieved_at`) and with the UTC time in a run id, on a host in any zone.
+    """
+    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from dxr.errors import InputError
 from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document, chunk_document, dedupe
 from tools.corpus.json_sources import read_arxiv, read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
+from warehouse.schemas import utc_now
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def revise(records: list[Document]) -> tuple[list[Document], int, int]:
 
 
 def documents_frame(documents: list[Document], corpus: str, source: str) -> pl.DataFrame:
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = utc_now()
     return pl.DataFrame([{
         "corpus": corpus, "source": source, "doc_id": d.doc_id, "source_format": d.source_format, "title": d.title,
         "url": d.url, "doi": d.doi, "pmcid": d.pmcid, "pmid": d.pmid, "arxiv_id": d.arxiv_id,

@@ -15,7 +15,6 @@ import asyncio
 import hashlib
 import json
 import re
-from datetime import datetime, timezone
 from urllib.parse import unquote
 
 import aiohttp
@@ -30,6 +29,7 @@ from tools.passages import focused_passage
 from tools.text import words
 from tools.web.providers import ProviderUnavailable, SearchProvider
 from tools.web.reader import PageReader, eligible_link, is_blocked
+from warehouse.schemas import utc_now
 
 _PMC = re.compile(r"/(?:pmc/)?articles/(PMC\d+)", re.I)
 # A query string or fragment ("?context=cs", "#S2") still names the paper.
@@ -164,7 +164,7 @@ class WebChannel:
 
     def documents_frame(self, source: str) -> pl.DataFrame:
         """Pages read in this channel as `documents` rows (corpus `web`)."""
-        now = datetime.now(timezone.utc).replace(tzinfo=None)
+        now = utc_now()
         rows = [{"corpus": WEB_CORPUS, "source": source, "doc_id": d["doc_id"], "source_format": "web",
                  "title": d["title"], "url": d["url"], "doi": None, "pmcid": None, "pmid": None, "arxiv_id": None,
                  "sections_json": json.dumps([["Page", d["text"]]], ensure_ascii=False), "n_chars": len(d["text"]),

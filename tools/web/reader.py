@@ -21,7 +21,6 @@ import socket
 import time
 import urllib.robotparser
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 import aiohttp
@@ -32,6 +31,7 @@ from aiohttp.resolver import ThreadedResolver
 from tools.config import WebConfig
 from tools.corpus.documents import clean_text
 from warehouse.locks import held
+from warehouse.schemas import utc_now
 
 # Page errors that a later run may not meet again: such pages are not cached.
 TRANSIENT_ERRORS = ("timeout", "connection")
@@ -212,7 +212,7 @@ class PageCache:
     def flush(self) -> None:
         if self.warehouse is None or not self._dirty:
             return
-        now = datetime.now(timezone.utc).replace(tzinfo=None)
+        now = utc_now()
         for bucket in sorted({self.bucket(u) for u in self._dirty}):
             # Other processes (parallel shards) may have written this bucket since this cache was loaded:
             # re-read it under its lock and add the pages read here, so that neither loses the other's.
