@@ -247,6 +247,16 @@ def test_pool_oracle_headroom(wh):
     assert row["mean_pool_size"] == pytest.approx(10 / 3)
 
 
+def test_pool_oracle_at_natural_list_sizes_scores_the_whole_pool(wh):
+    # At K = |C| the pool oracle's list is the whole pool (s1+s2): T1 {A,X,B,C} 3 of Y {A,B,C}; T2 {D,A,X} 2 of
+    # {A,D}; T3 {X,Y,E} 1 of {E}. Σ|C| = 10, Σh = 6, G = 6.
+    rows = evaluate(wh, "r1", ks=(2,), n_boot=0).headroom.filter(
+        (pl.col("pool") == "s1+s2") & (pl.col("k") == NATURAL_K) & (pl.col("subset") == "all"))
+    assert dict(rows.select("metric", "value").iter_rows()) == pytest.approx({
+        "precision_at_k": (3 / 4 + 2 / 3 + 1 / 3) / 3, "recall_at_k": 1.0, "micro_precision": 6 / 10,
+        "micro_recall": 1.0, "micro_f1": 2 * 6 / (10 + 6), "macro_f1": (6 / 7 + 4 / 5 + 2 / 4) / 3}, abs=1e-15)
+
+
 def test_paired_comparison_and_sign_test(wh):
     paired = evaluate(wh, "r1", ks=(2,), n_boot=200, seed=3).paired
     row = paired.filter((pl.col("system_a") == "s1") & (pl.col("system_b") == "s2") & (pl.col("subset") == "all")
@@ -272,6 +282,53 @@ def test_the_sign_test_counts_patients_not_trajectories(tmp_path):
     row = paired.filter((pl.col("subset") == "all") & (pl.col("metric") == "macro_f1")).row(0, named=True)
     assert (row["n"], row["n_improved"], row["n_worsened"], row["n_tied"]) == (8, 1, 0, 1)
     assert row["sign_test_p"] == 1.0
+
+
+def test_paired_intervals_resample_both_systems_together_and_the_sign_test_leaves_ties_out(tmp_path):
+    # Every trajectory (|Y| = 2, K = 2) has exactly one hit more under s1 than under s2, so every metric's
+    # difference is 1/2 for every patient: 1/2 in the point and in every paired resample (interval [0.5, 0.5]),
+    # although s1's own values vary between patients. Patient 1 has two trajectories (T1, T4).
+    wh = Warehouse(tmp_path / "wh")
+    t4 = f"{COHORT}:1:11"
+    write_cohort(wh, targets={T1: [A, B], t4: [A, B], T2: [D, E], T3: [C, B]}, pretarget={}, train_counts={A: 1})
+    s1 = {T1: [A, B], t4: [A, X], T2: [D, X], T3: [C, X]}
+    s2 = {T1: [A, X], t4: [X, Y], T2: [X, Y], T3: [X, Y]}
+    s3 = {**s2, T2: s1[T2]}  # patient 2 tied with s1
+    write_rankings(wh, "r1", rankings={"s1": s1, "s2": s2, "s3": s3}, status={})
+    result = evaluate(wh, "r1", ks=(2,), n_boot=200, seed=5, natural=False)
+    paired = result.paired.filter((pl.col("subset") == "all") & (pl.col("system_a") == "s1"))
+    versus_s2 = paired.filter(pl.col("system_b") == "s2")
+    assert versus_s2.height == len(METRICS)
+    for row in versus_s2.iter_rows(named=True):
+        assert (row["difference"], row["ci_low"], row["ci_high"]) == pytest.approx((0.5, 0.5, 0.5), abs=1e-12)
+        # Three patients improved, none worsened: 2 · 0.5^3.
+        assert (row["n_improved"], row["n_worsened"], row["n_tied"], row["sign_test_p"]) == (3, 0, 0, 0.25)
+    own = result.metrics.filter((pl.col("system") == "s1") & (pl.col("metric") == "recall_at_k")
+                                & (pl.col("subset") == "all")).row(0, named=True)
+    assert own["ci_low"] < own["ci_high"]  # the marginal varies: only pairing makes the difference's interval a point
+    # Against s3 patient 2 is tied and left out of the test: 2 improved of 2 gives 2 · 0.5^2 (with the tie in the
+    # trials, 2 of 3, p would be 1).
+    tied = paired.filter((pl.col("system_b") == "s3") & (pl.col("metric") == "micro_f1")).row(0, named=True)
+    assert (tied["n_improved"], tied["n_worsened"], tied["n_tied"], tied["sign_test_p"]) == (2, 0, 1, 0.5)
+
+
+def test_bootstrap_resamples_patients_with_all_their_trajectories(tmp_path):
+    # Patient 1's two trajectories are both hit, patient 2's one is missed (|Y| = 1, K = 1). A resample of two
+    # patients is (1, 1) → R@1 = 2/3, (2, 0) → 4/4 = 1 or (0, 2) → 0; resampling trajectories instead would
+    # also give 1/3. The 95% percentile interval over 400 resamples is [0, 1].
+    from tasks.evaluate import load_run, system_counts
+
+    wh = Warehouse(tmp_path / "wh")
+    first, second, other = f"{COHORT}:1:10", f"{COHORT}:1:11", f"{COHORT}:2:20"
+    write_cohort(wh, targets={first: [A], second: [B], other: [C]}, pretarget={}, train_counts={A: 1})
+    write_rankings(wh, "r1", rankings={"s1": {first: [A], second: [B], other: [D]}}, status={})
+    run = load_run(wh, "r1", ks=(1,))
+    est = estimate(system_counts(run, (1,)), bootstrap_weights(run.subject_index, 400, 0))
+    recall = est.boot[:, 0, SUBSETS.index("all"), 0, METRICS.index("recall_at_k")]
+    assert set(np.round(recall, 12)) == {0.0, round(2 / 3, 12), 1.0}
+    row = (evaluate(wh, "r1", ks=(1,), n_boot=400, seed=0, natural=False).metrics
+           .filter((pl.col("metric") == "recall_at_k") & (pl.col("subset") == "all")).row(0, named=True))
+    assert (row["value"], row["ci_low"], row["ci_high"]) == pytest.approx((2 / 3, 0.0, 1.0), abs=1e-12)
 
 
 def test_sign_test_matches_binomial_tail():
