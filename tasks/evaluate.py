@@ -782,6 +782,22 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
             "(forecast --split held_out) score patients no system learned from")
 
 
+
+def incomplete_note(wh: Warehouse, run_id: str) -> str | None:
+    """How many of a run's evaluated lists were explicitly short or failed, per system, or None when none was.
+
+    They are scored with the hits they have over unchanged denominators (K), so a summary that shows only the
+    metrics would hide why a system scores low; `evaluation_coverage` holds the counts.
+    """
+    coverage = wh.read("evaluation_coverage", run_id=run_id)
+    counts = coverage.group_by("system").agg(pl.col("n_short", "n_failed").max()).sort("system")
+    parts = [f"{system} " + ", ".join(f"{n} {status}" for status, n in (("short", short), ("failed", failed)) if n)
+             for system, short, failed in counts.iter_rows() if short or failed]
+    if not parts:
+        return None
+    return ("lists recorded short or failed (ranking_status) are scored with the hits they have over the same "
+            f"denominators (K): {'; '.join(parts)} (see evaluation_coverage)")
+
 # ---- repeated runs ----------------------------------------------------------------------------
 
 def producing_row(wh: Warehouse, run_id: str, system: str) -> dict:

@@ -319,6 +319,28 @@ def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
 
 
+def test_cli_evaluate_says_how_many_lists_were_short_or_failed(wh):
+    # spec/evaluation.md §1: an explicitly short or failed list is scored with the hits it has, "reporting how
+    # many". s2's T2 list is recorded short (one code at K = 2); the printed table alone showed only its lower
+    # scores. s1 and the oracle's lists are all complete and go unnamed.
+    write_rankings(wh, "r2", rankings={"s3": {T1: [A, B], T2: [], T3: [E]}},
+                   status={("s3", T2): "failed", ("s3", T3): "short"})
+    runner = CliRunner()
+    for run_id, counts in (("r1", "s2 1 short"), ("r2", "s3 1 short, 1 failed")):
+        result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", run_id, "--k", "2",
+                                      "--bootstrap", "0"])
+        assert result.exit_code == 0, result.output
+        assert result.stderr.splitlines()[-1] == (
+            f"note: run {run_id}: lists recorded short or failed (ranking_status) are scored with the hits they have "
+            f"over the same denominators (K): {counts} (see evaluation_coverage)")
+        assert "note" not in result.stdout
+    write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [A, D], T3: [E, X]}}, status={})
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2", "--bootstrap",
+                                  "0", "--systems", "s1"])
+    assert result.exit_code == 0, result.output
+    assert "note" not in result.output
+
+
 def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_report(wh):
     # The MIMIC-III demo has no held_out trajectory, so its documented run is `--split all`: 12 of its 14
     # trajectories are train patients', whose targets the learned systems trained on. Neither the printed table

@@ -96,7 +96,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     import polars as pl
 
     from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
-                                evaluate_run, in_sample_note, repeated_systems)
+                                evaluate_run, in_sample_note, incomplete_note,
+                                repeated_systems)
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
@@ -120,6 +121,9 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
         frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural,
                                         run_id=mean_id))
     click.echo(metrics_table(pl.concat(frames)))
+    for run_id in dict.fromkeys(run_ids):
+        if incomplete := incomplete_note(wh, run_id):
+            click.echo(f"note: run {run_id}: {incomplete}", err=True)
     notes: dict[str, list[str]] = {}  # repeated runs of one configuration usually share one note
     for run_id in dict.fromkeys(run_ids):
         if note := in_sample_note(wh, run_id):
