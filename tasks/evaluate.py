@@ -782,7 +782,6 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
             "(forecast --split held_out) score patients no system learned from")
 
 
-
 def incomplete_note(wh: Warehouse, run_id: str) -> str | None:
     """How many of a run's evaluated lists were explicitly short or failed, per system, or None when none was.
 
@@ -797,6 +796,7 @@ def incomplete_note(wh: Warehouse, run_id: str) -> str | None:
         return None
     return ("lists recorded short or failed (ranking_status) are scored with the hits they have over the same "
             f"denominators (K): {'; '.join(parts)} (see evaluation_coverage)")
+
 
 # ---- repeated runs ----------------------------------------------------------------------------
 

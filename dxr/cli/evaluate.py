@@ -96,8 +96,7 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     import polars as pl
 
     from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
-                                evaluate_run, in_sample_note, incomplete_note,
-                                repeated_systems)
+                                evaluate_run, in_sample_note, incomplete_note, repeated_systems)
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
