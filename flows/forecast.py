@@ -15,7 +15,7 @@ from tasks.forecast import (FUSED_INPUTS, check_rerun, check_system, clear_outpu
                             forecast_shard_task, forecast_shards, llm_run_config, pinned_model, run_shards,
                             shard_workers)
 from warehouse.choices import FORECAST_SPLITS
-from warehouse.cohorts import reading_cohort
+from warehouse.cohorts import reading_cohort, rebuild_command, superseded_note
 from warehouse.locks import held
 from warehouse.runs import check_run_id, registered_run
 from warehouse.store import Warehouse
@@ -51,6 +51,10 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
                                      busy=f"run {run_id!r} is being forecast by {source}, whose lists {system} "
                                           "fuses, in another dxr process"))
         cohort_id = cohort_row["cohort_id"]
+        if superseded := superseded_note(wh, cohort_row):
+            # A backfill that fires between a refresh's ingest and its cohort build forecasts yesterday's cohort.
+            stage_logger(__name__).warning("%s: this run forecasts that earlier version; `%s` builds the current files",
+                                           superseded, rebuild_command(cohort_row))
         config = forecast_config(cohort_id, system, split, k, limit, subject_id) | llm_run_config(system, data_dir)
         shards = forecast_shards(wh, cohort_id, split, subject_id)
         model = pinned_model(wh, cohort_id, system)

@@ -61,6 +61,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.cohorts import superseded_note
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES, utc_now
@@ -796,6 +797,15 @@ def incomplete_note(wh: Warehouse, run_id: str) -> str | None:
         return None
     return ("lists recorded short or failed (ranking_status) are scored with the hits they have over the same "
             f"denominators (K): {'; '.join(parts)} (see evaluation_coverage)")
+
+
+def run_superseded_note(wh: Warehouse, run_id: str) -> str | None:
+    """That a run's cohort was built from earlier files of its dataset than the ones registered now (a refreshed
+    extract), or None: its scores stand for that earlier version (`superseded_note`)."""
+    cohort_ids = wh.read("runs", run_id=run_id)["cohort_id"].drop_nulls().unique().to_list()
+    cohorts = wh.read("cohorts", cohort_id=cohort_ids[0]) if cohort_ids else None
+    note = superseded_note(wh, cohorts.row(0, named=True)) if cohorts is not None and cohorts.height else None
+    return f"{note}: these scores are of that earlier version" if note else None
 
 
 # ---- repeated runs ----------------------------------------------------------------------------

@@ -124,8 +124,9 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     if other_cohorts.height:
         first = other_cohorts.row(0, named=True)
         raise InputError(f"run {run_id} already holds forecasts of cohort {first['cohort_id']} ({first['kind']}), "
-                         f"this one is of cohort {config['cohort']} (was the cohort rebuilt with other options?): "
-                         "one run compares systems on one cohort; pass a new --run-id")
+                         f"this one is of cohort {config['cohort']}: one run compares systems on one cohort, and a "
+                         "cohort name follows its newest build (other options, or a dataset registered again); pass "
+                         f"--cohort {first['cohort_id']} to add to this run, or a new --run-id")
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
     # A forecast that failed or was killed holds no configuration worth keeping: whatever of it was written is
     # cleared before the redo (`clear_outputs`), so it may be redone with corrected options (a missing --limit).

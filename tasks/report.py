@@ -31,6 +31,7 @@ from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
                             estimate, in_sample_note, load_run, metric_rows, system_counts)
+from warehouse.cohorts import cohort_provenance, superseded_note  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
@@ -338,7 +339,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     n_runs = int(metrics["n_runs"].max())
     blocks: list = [
         Heading(f"Evaluation report — run {run_id}", 1),
-        Paragraph(f"Cohort {metrics['cohort_id'][0]}; {n} trajectories; {len(systems)} systems "
+        Paragraph(f"Cohort {cohort_provenance(wh, metrics['cohort_id'][0])}; {n} trajectories; "
+                  f"{len(systems)} systems "
                   f"({', '.join(systems)}). K values: {', '.join(k_label(x) for x in sorted(metrics['k'].unique()))} "
                   f"(|C| = each system's whole list). "
                   + ("Intervals are 95% patient-cluster bootstrap percentile intervals."
@@ -346,6 +348,10 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
     # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
+    cohorts = wh.read("cohorts", cohort_id=metrics["cohort_id"][0])
+    superseded = superseded_note(wh, cohorts.row(0, named=True)) if cohorts.height else None
+    if superseded:
+        blocks.append(Paragraph(f"Earlier data: {superseded}; this run scored the earlier version."))
     in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:
         blocks.append(Paragraph(f"In-sample: {in_sample}."))

@@ -201,7 +201,7 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
         # The files this warehouse holds, not `meds_dir`: that records where they were registered, which a
         # moved or restored warehouse no longer is (and a copy's would be another warehouse's files).
         info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit)
-        if info.fingerprint != dataset["fingerprint"]:
+        if not info.holds_registered(dataset["fingerprint"]):
             remake = "synth" if dataset["source"] == "synthetic" else f"ingest {dataset['source']}"
             raise InputError(f"dataset {dataset_id!r}: the files in {info.root} changed since they were registered "
                              f"(fingerprint {dataset['fingerprint']} -> {info.fingerprint}), e.g. by an interrupted "
@@ -343,6 +343,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
                                     "unmapped_diagnosis_codes": unmapped, "subjects_without_split": unsplit,
                                     "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
+        "dataset_fingerprint": dataset["fingerprint"],
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
     return {**row, "previous_name": next((n for n in previous if n != name), None)}
@@ -450,6 +451,51 @@ def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
             raise NotFoundError(f"cohort {name_or_id} ({cohort_id}) was unregistered by a build that did not "
                                 "finish: rebuild it with `dxr cohort build`")
         yield row.row(0, named=True)
+
+
+def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
+    """Why a cohort (its `cohorts` row) is no longer what a build of its options makes from its dataset, or None.
+
+    A dataset registered again with other files (a nightly extract's refresh) gives the same options another
+    cohort id; the earlier cohort keeps its tables, so the runs scored against it stay as they were, but it
+    holds the earlier files' patients and encounters.
+    """
+    seed = json.loads(cohort["options_json"]).get("seed")
+    if seed is None or not wh.has_rows("datasets", dataset_id=cohort["dataset_id"]):
+        return None  # a cohort made without a registered dataset (a test's planted one)
+    dataset = get_dataset(wh, cohort["dataset_id"])
+    options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
+    if cohort_id_for(dataset, options, seed) == cohort["cohort_id"]:
+        return None
+    return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
+            f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} with other files "
+            f"(fingerprint {dataset['fingerprint']})")
+
+
+def cohort_provenance(wh: Warehouse, cohort_id: str) -> str:
+    """A cohort as a report names it: name, id, when it was built from which dataset and which version of its files
+    (the id alone for a cohort no longer registered; no fingerprint for one built before it was recorded)."""
+    rows = wh.read("cohorts", cohort_id=cohort_id)
+    if rows.is_empty():
+        return cohort_id
+    cohort = rows.row(0, named=True)
+    files = f" (fingerprint {cohort['dataset_fingerprint']})" if cohort["dataset_fingerprint"] else ""
+    return (f"{cohort['name']} ({cohort_id}), built {cohort['created_at']:%Y-%m-%d %H:%M} from dataset "
+            f"{cohort['dataset_id']}{files}")
+
+
+def rebuild_command(cohort: dict) -> str:
+    """The `dxr cohort build` command that builds a cohort's options again from its dataset's current files."""
+    return (f"dxr cohort build --dataset {cohort['dataset_id']} --name {cohort['name']} --target "
+            f"{cohort['target_rule']} --harmonize {cohort['harmonization']} --min-history {cohort['min_history']}")
+
+
+def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:
+    """The cohorts of a dataset that are the newest of their name but were built from earlier files of it: the
+    ones a refresh of the dataset leaves to be built again."""
+    cohorts = wh.read("cohorts").filter(pl.col("dataset_id") == dataset_id)
+    newest = cohorts.sort("created_at", descending=True).unique("name", keep="first", maintain_order=True)
+    return [row for row in newest.iter_rows(named=True) if superseded_note(wh, row)]
 
 
 def cohort_list(wh: Warehouse) -> str:

@@ -148,5 +148,5 @@ def synthetic_is_current(wh: Warehouse, dataset_id: str, patients: int, seed: in
         info = validate_meds_dir(wh.meds_dir(dataset_id))  # where this warehouse holds it, as a cohort build reads
     except InputError:
         return False
-    return info.fingerprint == row["fingerprint"] and generation_parameters(info.root) == {
+    return info.holds_registered(row["fingerprint"]) and generation_parameters(info.root) == {
         "patients": patients, "seed": seed, "generator_version": GENERATOR_VERSION}

@@ -43,6 +43,8 @@ ENCOUNTER_ALIASES = ("hadm_id",)
 _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
 # A diagnosis dictionary (codes.parquet) may also list chapters and blocks by their range, e.g. C00-C96.
 _DICTIONARY_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+(-[A-Z0-9]+)?$")
+# Hex digits of a dataset's content fingerprint (`_fingerprint`); registrations from before it have 16.
+FINGERPRINT_LENGTH = 24
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
 _OFFSET = re.compile(r"([+-])(\d{2}):?(\d{2})?")
 # Every time of a dataset must be at one UTC offset, or none have one (see `utc_offset`).
@@ -213,6 +215,13 @@ class MedsInfo:
     utc_offset: timedelta | None = None
     # Every file under `root` as validation found it (`_file_stamps`): what lets a validation be handed on.
     stamps: tuple[tuple, ...] = ()
+
+    def holds_registered(self, fingerprint: str) -> bool:
+        """True when these are the files a dataset was registered with under `fingerprint` (a registration older
+        than content fingerprints has a shorter one, of sizes and row counts: `_size_fingerprint`)."""
+        if len(fingerprint) == FINGERPRINT_LENGTH:
+            return fingerprint == self.fingerprint
+        return fingerprint == _size_fingerprint(self.root, self.shards)
 
     def moved_to(self, root: Path) -> MedsInfo:
         """This validation of the directory after its move to `root`."""
@@ -564,19 +573,44 @@ def _stored_types(schema: pa.Schema) -> pa.Schema:
 
 
 def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
-    """A content fingerprint cheap enough for large datasets: metadata, splits, shard row counts and sizes."""
+    """The content fingerprint of a MEDS directory: its metadata, splits, code dictionary and every shard's bytes.
+
+    Every byte, not sizes and row counts: a nightly extract that corrects one code to another of the same length
+    often keeps each file's size, and under an unchanged fingerprint the next cohort build would rebuild the
+    earlier cohort in place, under the runs scored against it. SHA-256 reads about 1 GB/s, little next to
+    validation's own read of every event.
+    """
     h = hashlib.sha256()
-    metadata_path = root / meds.dataset_metadata_filepath
-    if metadata_path.is_file():
-        # The creation stamp changes on every regeneration of identical data: leave it out.
-        metadata = {k: v for k, v in json.loads(metadata_path.read_text()).items() if k != "created_at"}
-        h.update(json.dumps(metadata, sort_keys=True).encode())
+    h.update(_metadata_bytes(root))
+    for path in (root / meds.subject_splits_filepath, root / meds.code_metadata_filepath, *shards):
+        if path.is_file():
+            h.update(f"{path.relative_to(root)}\n".encode())
+            with path.open("rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()[:FINGERPRINT_LENGTH]
+
+
+def _size_fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
+    """The fingerprint datasets were registered under before `_fingerprint` read contents: metadata, splits, shard
+    row counts and sizes. Kept to recognize those registrations, whose cohort ids it is part of."""
+    h = hashlib.sha256()
+    h.update(_metadata_bytes(root))
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         h.update(splits_path.read_bytes())
     for shard in shards:
         h.update(f"{shard.relative_to(root)}:{shard.stat().st_size}:{pq.ParquetFile(shard).metadata.num_rows}".encode())
     return h.hexdigest()[:16]
+
+
+def _metadata_bytes(root: Path) -> bytes:
+    """metadata/dataset.json as fingerprinted: without its creation stamp, which changes on every regeneration of
+    identical data (empty when there is no such file)."""
+    metadata_path = root / meds.dataset_metadata_filepath
+    if not metadata_path.is_file():
+        return b""
+    metadata = {k: v for k, v in json.loads(metadata_path.read_text()).items() if k != "created_at"}
+    return json.dumps(metadata, sort_keys=True).encode()
 
 
 def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id",

@@ -20,6 +20,17 @@ def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | 
     return value
 
 
+def echo_refresh_note(wh, dataset_id: str) -> None:
+    """After a dataset is registered: name its cohorts that were built from earlier files of it (a refreshed
+    extract) and the command that builds each again from these files."""
+    from warehouse.cohorts import rebuild_command, superseded_cohorts
+
+    for cohort in superseded_cohorts(wh, dataset_id):
+        click.echo(f"note: cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
+                   f"{dataset_id}; it keeps them, and its runs their scores. To forecast these files, run "
+                   f"`{rebuild_command(cohort)}`: a new cohort id, which --cohort {cohort['name']} then names")
+
+
 @main.group()
 def config() -> None:
     """Show the configuration in force.
@@ -95,6 +106,7 @@ def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None,
                            cfg.synth.shard_size, progress=True, run_id=run_id)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
                f"({row['meds_dir']})")
+    echo_refresh_note(wh, name)
 
 
 @main.group()
@@ -127,7 +139,8 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     """
     from warehouse.datasets import ingest_meds
 
-    row = ingest_meds(warehouse(ctx), path, name, run_id=run_id, memory_limit=memory_limit)
+    wh = warehouse(ctx)
+    row = ingest_meds(wh, path, name, run_id=run_id, memory_limit=memory_limit)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
     if row["time_zone"]:
@@ -136,6 +149,7 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     if row["n_diagnoses_without_encounter"]:
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")
+    echo_refresh_note(wh, name)
 
 
 @main.group()
@@ -172,6 +186,7 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
       dxr cohort build --dataset synthetic --name default --target final --harmonize native --min-history 1
     """
     import meds
+    import polars as pl
 
     from warehouse.cohorts import CohortOptions, build_cohort, split_counts
 
@@ -182,6 +197,7 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                        oracle_draws=cfg.synth.oracle_draws, memory_limit=memory_limit or cfg.cohort.memory_limit,
                        progress=True, run_id=run_id)
     splits = split_counts(wh, row["cohort_id"])
+    earlier = wh.read("cohorts").filter((pl.col("name") == name) & (pl.col("cohort_id") != row["cohort_id"]))
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories "
                f"({', '.join(f'{split} {n:,}' for split, n in splits.items())}), "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
@@ -189,6 +205,10 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
         # Said here, not first by a refused `dxr forecast`: a small dataset (the MIMIC-III demo) has no such patient.
         click.echo(f"note: no trajectory is in {meds.held_out_split}, the split dxr forecast takes by default: "
                    "forecast --split all (or another split) and read the scores of train patients as in-sample")
+    if earlier.height:
+        click.echo(f"note: --cohort {name} now names this cohort; the {earlier.height:,} earlier one(s) of the name "
+                   f"({', '.join(sorted(earlier['cohort_id']))}: other options, or earlier files of a dataset) keep "
+                   "their tables and runs, by their ids")
     if row["previous_name"]:
         click.echo(f"note: these options of dataset {dataset} were cohort {row['previous_name']}, which is now named "
                    f"{row['name']}: a cohort's id is its dataset, options and seed, so --cohort "

@@ -96,7 +96,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     import polars as pl
 
     from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
-                                evaluate_run, in_sample_note, incomplete_note, repeated_systems)
+                                evaluate_run, in_sample_note, incomplete_note, repeated_systems,
+                                run_superseded_note)
 
     wh = warehouse(ctx, existing=True)
     system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
@@ -126,6 +127,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     notes: dict[str, list[str]] = {}  # repeated runs of one configuration usually share one note
     for run_id in dict.fromkeys(run_ids):
         if note := in_sample_note(wh, run_id):
+            notes.setdefault(note, []).append(run_id)
+        if note := run_superseded_note(wh, run_id):
             notes.setdefault(note, []).append(run_id)
     for note, noted in notes.items():
         click.echo(f"note: run{'s' * (len(noted) > 1)} {', '.join(noted)}: {note}", err=True)  # stdout: the table

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from dxr.cli import echo_err, settings, warehouse
-from dxr.cli.data import check_memory_limit, ingest
+from dxr.cli.data import check_memory_limit, echo_refresh_note, ingest
 
 
 def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
@@ -15,11 +15,13 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
     from warehouse.datasets import ingest_mimic
 
     seed = settings(ctx).seed if seed is None else seed
-    row, summary = ingest_mimic(warehouse(ctx), source, path, name, seed=seed, labs=labs,
+    wh = warehouse(ctx)
+    row, summary = ingest_mimic(wh, source, path, name, seed=seed, labs=labs,
                                 log=lambda message: echo_err(f"  {message}"), run_id=run_id, memory_limit=memory_limit)
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
+    echo_refresh_note(wh, name)
 
 
 memory_limit_option = click.option(

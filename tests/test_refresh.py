@@ -1,0 +1,116 @@
+"""A nightly refresh of a MEDS extract: registered again under its name, its cohort built again, the run scored.
+
+The earlier cohort must stay as its runs scored it, and every command must say which version of the data a
+cohort or a run holds.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from dxr.cli import main
+from tests.conftest import dx, tiny_events, write_tiny_meds
+from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
+from warehouse.datasets import get_dataset, ingest_meds
+from warehouse.meds import _size_fingerprint, validate_meds_dir
+
+
+def cli(data_dir: Path, *args) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), *map(str, args)], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def write_uncompressed(root: Path, events: pl.DataFrame) -> Path:
+    """The tiny dataset with its shard stored plain (no compression, no dictionary): a code corrected to another of
+    the same length then leaves the file's size and row count as they were."""
+    write_tiny_meds(root, events)
+    shard = root / "data" / "0.parquet"
+    pq.write_table(pq.read_table(shard), shard, compression="NONE", use_dictionary=False)
+    return shard
+
+
+def test_a_correction_that_keeps_every_file_size_is_a_new_cohort_and_leaves_the_scored_one_alone(wh_vocab, tmp_path):
+    # Subject 1 (held_out) is coded J18.9 at its target encounter 103; the refresh corrects it to J18.8.
+    first = write_uncompressed(tmp_path / "v1", tiny_events())
+    at_target = (pl.col("encounter_id") == 103) & (pl.col("code") == dx("J189"))
+    corrected = tiny_events().with_columns(code=pl.when(at_target).then(pl.lit(dx("J188"))).otherwise(pl.col("code")))
+    second = write_uncompressed(tmp_path / "v2", corrected)
+    assert first.stat().st_size == second.stat().st_size  # what sizes and row counts alone could not tell apart
+
+    ingest_meds(wh_vocab, tmp_path / "v1", "hosp")
+    before = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    scored = wh_vocab.read("targets", cohort_id=before)
+    ingest_meds(wh_vocab, tmp_path / "v2", "hosp")
+    after = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+
+    assert after != before
+    assert wh_vocab.read("targets", cohort_id=before).equals(scored)  # as the earlier runs scored it
+    target = wh_vocab.read("targets", cohort_id=after).filter(pl.col("trajectory_id") == f"{after}:1:103")
+    assert dx("J188") in target["code"].to_list() and dx("J189") not in target["code"].to_list()
+    assert wh_vocab.read("cohorts", cohort_id=before)["dataset_fingerprint"][0] != get_dataset(
+        wh_vocab, "hosp")["fingerprint"]
+
+
+def test_a_dataset_registered_before_content_fingerprints_still_builds_its_cohort_under_the_same_id(
+        wh_vocab, tmp_path):
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    info = validate_meds_dir(wh_vocab.meds_dir("hosp"))
+    legacy = get_dataset(wh_vocab, "hosp") | {"fingerprint": _size_fingerprint(info.root, info.shards)}
+    wh_vocab.write("datasets", pl.DataFrame([legacy]), dataset_id="hosp")
+    assert len(legacy["fingerprint"]) == 16 and info.holds_registered(legacy["fingerprint"])
+    row = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)
+    assert row["cohort_id"] == cohort_id_for(legacy, CohortOptions(), 7)
+
+
+def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_files(wh_vocab, tmp_path):
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    # The next night: a new patient (5, two encounters) and a new encounter of patient 2.
+    added = [(5, None, "GENDER//M", None, None, None), (5, datetime(1960, 1, 1), "MEDS_BIRTH", None, None, None),
+             (5, datetime(2020, 3, 1), dx("I10"), None, None, 501),
+             (5, datetime(2020, 6, 1), dx("E119"), None, None, 502),
+             (2, datetime(2021, 1, 1), dx("I10"), None, None, 203)]
+    grown = pl.concat([tiny_events(), pl.DataFrame(added, schema=tiny_events().schema, orient="row")])
+    write_tiny_meds(tmp_path / "v2", grown)
+    splits = pl.read_parquet(tmp_path / "v1" / "metadata" / "subject_splits.parquet")
+    pl.concat([splits, pl.DataFrame({"subject_id": [5], "split": ["held_out"]}, schema=splits.schema)]).write_parquet(
+        tmp_path / "v2" / "metadata" / "subject_splits.parquet")
+
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")[0] == 0
+    old = wh_vocab.read("cohorts")["cohort_id"][0]
+    assert cli(data_dir, "forecast", "--cohort", "nightly", "--system", "repeat_history", "--split", "all",
+               "--run-id", "night1")[0] == 0
+
+    code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v2", "--name", "hosp")
+    assert code == 0
+    assert (f"note: cohort nightly ({old}) was built from earlier files of dataset hosp; it keeps them, and its runs "
+            "their scores. To forecast these files, run `dxr cohort build --dataset hosp --name nightly --target final "
+            "--harmonize native --min-history 1`") in out
+    code, out, _ = cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")
+    new = wh_vocab.read("cohorts").filter(pl.col("cohort_id") != old)["cohort_id"][0]
+    assert code == 0 and f"note: --cohort nightly now names this cohort; the 1 earlier one(s) of the name ({old}" in out
+
+    # The same night again: the same files, the same cohort, nothing added.
+    code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v2", "--name", "hosp")
+    assert code == 0 and "note: cohort" not in out
+    assert cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")[0] == 0
+    assert sorted(wh_vocab.read("cohorts")["cohort_id"]) == sorted([old, new])
+
+    # The run of the earlier night says what it scored; a forecast into it by name finds the new cohort.
+    code, out, err = cli(data_dir, "evaluate", "--run", "night1", "--bootstrap", "0")
+    assert code == 0 and (f"note: run night1: cohort nightly ({old}) was built from earlier files of dataset hosp, "
+                          "registered again on") in err and "these scores are of that earlier version" in err
+    assert cli(data_dir, "report", "--run", "night1")[0] == 0
+    report = (data_dir / "reports" / "night1" / "report.md").read_text()
+    fingerprint = wh_vocab.read("cohorts", cohort_id=old)["dataset_fingerprint"][0]
+    assert f"Cohort nightly ({old}), built " in report and f"from dataset hosp (fingerprint {fingerprint})" in report
+    assert "Earlier data: " in report
+    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), "forecast", "--cohort", "nightly", "--system",
+                                       "global_frequency", "--split", "all", "--run-id", "night1"])
+    assert result.exit_code == 1 and f"pass --cohort {old} to add to this run, or a new --run-id" in result.output
