@@ -24,8 +24,10 @@ import polars as pl
 
 from models.llm.config import ModelPrice
 from models.llm.telemetry import TOKEN_KINDS, backend_totals
-from warehouse.evidence import retrieval_efficiency
-from warehouse.store import Warehouse, fetch_frame
+from warehouse.evidence import retrieval_efficiency, search_job_count
+from warehouse.run_outputs import matched_patients, run_llm_calls, run_metric
+from warehouse.runs import finished_wall_clocks
+from warehouse.store import Warehouse
 
 F1_K = 20
 # Systems whose ranking fuses other systems' lists of the same run (and so costs their work too).
@@ -57,25 +59,6 @@ def footprint(system: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def matched_patients(con, run_id: str) -> pl.DataFrame:
-    """(system, trajectory_id): every trajectory each system of the run ranked or gave a status."""
-    return fetch_frame(con, """
-        SELECT DISTINCT system, trajectory_id FROM (
-            SELECT system, trajectory_id FROM rankings WHERE run_id = $run
-            UNION ALL SELECT system, trajectory_id FROM ranking_status WHERE run_id = $run)
-        ORDER BY system, trajectory_id""", {"run": run_id})
-
-
-def matched_subjects(wh: Warehouse, run_id: str) -> int:
-    """Distinct patients of the run's matched trajectories: fewer than the trajectories in a cohort that
-    targets every encounter (`--target every`), where each trajectory counts as one patient above."""
-    return fetch_frame(wh.connect(run_id=run_id), """
-        SELECT count(DISTINCT t.subject_id) AS n FROM trajectories t JOIN (
-            SELECT trajectory_id FROM rankings WHERE run_id = $run
-            UNION SELECT trajectory_id FROM ranking_status WHERE run_id = $run) USING (trajectory_id)""",
-                       {"run": run_id})["n"].item()
-
-
 def _stage_map(systems: list[str]) -> pl.DataFrame:
     pairs = [(system, stage) for system in systems for stage in footprint(system)]
     return pl.DataFrame(pairs, schema={"system": pl.String, "stage": pl.String}, orient="row")
@@ -83,7 +66,7 @@ def _stage_map(systems: list[str]) -> pl.DataFrame:
 
 def llm_part(con, run_id: str, patients: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFrame:
     """Per system: `backend_totals` of its own and its fused inputs' calls on its matched patients."""
-    calls = fetch_frame(con, "SELECT * FROM llm_calls WHERE run_id = ?", [run_id])
+    calls = run_llm_calls(con, run_id)
     mine = _stage_map(patients["system"].unique().to_list()).join(calls, on="stage", how="inner")
     mine = pl.concat([mine.filter(pl.col("trajectory_id").is_null()),
                       mine.filter(pl.col("trajectory_id").is_not_null())
@@ -94,9 +77,7 @@ def llm_part(con, run_id: str, patients: pl.DataFrame, prices: dict[str, ModelPr
 
 def clock_part(con, run_id: str, counts: pl.DataFrame) -> pl.DataFrame:
     """Per system: wall-clock seconds of its registered forecast run(s), patients/hour and which clock that was."""
-    runs = fetch_frame(con, "SELECT kind, status, started_at, finished_at FROM runs WHERE run_id = ?", [run_id])
-    seconds = {r["kind"]: (r["finished_at"] - r["started_at"]).total_seconds()
-               for r in runs.iter_rows(named=True) if r["status"] == "finished" and r["finished_at"] is not None}
+    seconds = finished_wall_clocks(con, run_id)
     rows = []
     for system, patients in counts.iter_rows():
         kinds = [f"forecast:{s}" for s in footprint(system)]
@@ -148,8 +129,7 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
     if patients.is_empty():
         return pl.DataFrame(schema=SCHEMA)
     counts = patients.group_by("system").agg(pl.len().cast(pl.Int64).alias("patients")).sort("system")
-    f1 = fetch_frame(con, "SELECT system, value AS micro_f1_at_20 FROM metrics WHERE run_id = ? AND subset = 'all' "
-                          "AND metric = 'micro_f1' AND k = ?", [run_id, F1_K])
+    f1 = run_metric(con, run_id, "micro_f1", F1_K).rename({"value": "micro_f1_at_20"})
     frame = (counts.join(llm_part(con, run_id, patients, prices), on="system", how="left")
              .join(clock_part(con, run_id, counts), on="system", how="left")
              .join(retrieval_part(con, run_id, patients), on="system", how="left")
@@ -191,7 +171,7 @@ def efficiency_notes(wh: Warehouse, run_id: str, systems: list[str] | None = Non
     ranked = sorted(patients["system"].unique().to_list())
     systems = ranked if systems is None else [s for s in ranked if s in systems]
     notes = []
-    calls = fetch_frame(con, "SELECT stage, trajectory_id FROM llm_calls WHERE run_id = ?", [run_id])
+    calls = run_llm_calls(con, run_id)
     covered = {stage for system in systems for stage in footprint(system)}
     left_out = {stage for system in ranked for stage in footprint(system)} - covered
     for stray, whose in ((calls.filter(pl.col("stage").is_in(sorted(left_out))),
@@ -206,7 +186,7 @@ def efficiency_notes(wh: Warehouse, run_id: str, systems: list[str] | None = Non
     if outside.height:
         notes.append(f"{outside.height} LLM call(s) name trajectories outside the run's matched set and are not "
                      "counted.")
-    jobs = fetch_frame(con, "SELECT count(*) AS n FROM search_jobs WHERE run_id = ?", [run_id])["n"].item()
+    jobs = search_job_count(con, run_id)
     if jobs and not retrieval_claimers(systems):
         unevaluated = retrieval_claimers(ranked)
         whose = (f"are of systems left out of the evaluation ({', '.join(unevaluated)})" if unevaluated else

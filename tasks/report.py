@@ -28,12 +28,13 @@ from prefect import task  # noqa: E402
 from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
-from tasks.efficiency import efficiency_notes, matched_subjects, run_efficiency, run_systems  # noqa: E402
+from tasks.efficiency import efficiency_notes, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
                             estimate, in_sample_note, load_run, metric_rows, system_counts)
 from warehouse.cohorts import cohort_provenance, superseded_note  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
+from warehouse.run_outputs import matched_subjects  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402

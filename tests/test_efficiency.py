@@ -13,7 +13,9 @@ from tasks.evaluate import evaluate_run
 from tasks.report import build_report, render_report, to_markdown
 from test_metrics import A, B, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
 from tools.ledger import Ledger
-from warehouse.runs import record_run
+from warehouse.evidence import search_job_count
+from warehouse.run_outputs import matched_patients, matched_subjects, run_llm_calls, run_metric
+from warehouse.runs import finished_wall_clocks, record_run
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse
 
@@ -147,6 +149,42 @@ def test_missing_or_unfinished_run_record_gives_no_clock(run):
     assert rows["direct"]["patients_per_hour"] == pytest.approx(120.0)
 
 
+def test_matched_patients_and_subjects_are_what_the_run_ranked_or_gave_a_status(tmp_path):
+    wh = Warehouse(tmp_path / "wh")
+    # Patient 1 is forecast at two target encounters (`--target every`), patient 2 at one.
+    first, second, other = f"{COHORT}:1:10", f"{COHORT}:1:11", f"{COHORT}:2:20"
+    write_cohort(wh, targets={first: [A], second: [B], other: [D]}, pretarget={}, train_counts={A: 1})
+    write_rankings(wh, "m1", rankings={"direct": {first: [A]}, "ehr_prior": {first: [A], second: [B]}}, status={})
+    wh.write("ranking_status", pl.DataFrame({"run_id": "m1", "system": "direct", "trajectory_id": [other],
+                                             "status": "failed", "detail": "no valid reply"}),
+             run_id="m1", system="direct", shard=1)  # a failed trajectory: a status without a list
+    write_rankings(wh, "m2", rankings={"global_frequency": {other: [A]}}, status={})
+    assert matched_patients(wh.connect(), "m1").rows() == [("direct", first), ("direct", other), ("ehr_prior", first),
+                                                           ("ehr_prior", second)]
+    assert (matched_subjects(wh, "m1"), matched_subjects(wh, "m2")) == (2, 1)
+
+
+def test_the_run_queries_read_only_their_run(run):
+    write_run(run, "e2", DIRECT_CALLS[:1])
+    con = run.connect()  # every run's partitions: the queries' own filter keeps the other run out
+    calls = run_llm_calls(con, "e1")
+    expected = calls_frame("e1", DIRECT_CALLS)
+    assert calls.select(expected.columns).sort("call_id").rows() == expected.rows()
+    assert run_llm_calls(con, "e2")["call_id"].to_list() == ["c0"]
+    assert dict(run_metric(con, "e1", "micro_f1", 20).iter_rows()) == pytest.approx(
+        {"direct": 8 / 66, "ehr_prior": 2 / 66, "global_frequency": 2 / 66, "rrf_prior_direct": 8 / 66})
+    assert run_metric(con, "e1", "micro_f1", 5).is_empty() and run_metric(con, "e2", "micro_f1", 20).is_empty()
+    assert run_metric(con, "e1", "micro_f1", 20, subset="new_onset").height == len(SYSTEMS)
+
+
+def test_finished_wall_clocks_leave_out_what_did_not_finish(run):
+    write_run(run, "e2", [])
+    record_run(run, "e2", COHORT, "forecast:direct", {}, "running", START)
+    record_run(run, "e2", COHORT, "forecast:ehr_prior", {}, "failed", START, START + timedelta(seconds=5))
+    assert finished_wall_clocks(run.connect(), "e2") == {"forecast:global_frequency": 9.0,
+                                                         "forecast:rrf_prior_direct": 6.0}
+
+
 def write_retrieval(wh: Warehouse, run_id: str) -> None:
     """Real ledger writes: T1 two queries over three (job, engine) operations, T2 one, T3 none."""
     ledger = Ledger(run_id, 0, wh)
@@ -168,6 +206,7 @@ def test_retrieval_counts_from_ledger_writes(run):
                 "global_frequency": RANKINGS["global_frequency"]}
     write_rankings(run, "e3", rankings=research, status={(s, t): "short" for s in research for t in (T1, T2, T3)})
     write_retrieval(run, "e3")
+    assert (search_job_count(run.connect(), "e3"), search_job_count(run.connect(), "e1")) == (3, 0)
     rows = by_system(run_efficiency(run, "e3", PRICES))
     for system in ("research_path", "full"):
         r = rows[system]

@@ -21,3 +21,8 @@ def retrieval_efficiency(connection: duckdb.DuckDBPyConnection, run_id: str) -> 
         WHERE j.run_id = ?
         GROUP BY j.trajectory_id ORDER BY j.trajectory_id
     """, [run_id])
+
+
+def search_job_count(connection: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """The number of `search_jobs` rows the run wrote."""
+    return fetch_frame(connection, "SELECT count(*) AS n FROM search_jobs WHERE run_id = ?", [run_id])["n"].item()

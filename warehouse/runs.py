@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
+import duckdb
 import polars as pl
 
 from dxr import __version__
@@ -24,7 +25,7 @@ from dxr.errors import InputError
 from warehouse.locks import held
 from warehouse.schemas import TABLES, utc_now
 from warehouse.scratch import naming, scratch
-from warehouse.store import Warehouse, check_run_id
+from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 
 # The `runs` kind of an evaluation, recorded under the run id it evaluated.
@@ -207,6 +208,14 @@ def runs_in_progress(wh: Warehouse) -> pl.DataFrame:
     rows = [wh.read("runs", run_id=run_id, kind=kind) for _, run_id, kind in _markers(wh)]
     empty = pl.from_arrow(TABLES["runs"].schema.empty_table())  # typed, for when nothing is in progress
     return pl.concat([empty, *rows], how="diagonal_relaxed").filter(pl.col("status") == "running")
+
+
+def finished_wall_clocks(connection: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, float]:
+    """Seconds from start to finish of each kind the run registered that finished (not running, failed, killed or
+    stale), by kind."""
+    runs = fetch_frame(connection, "SELECT kind, status, started_at, finished_at FROM runs WHERE run_id = ?", [run_id])
+    return {r["kind"]: (r["finished_at"] - r["started_at"]).total_seconds()
+            for r in runs.iter_rows(named=True) if r["status"] == "finished" and r["finished_at"] is not None}
 
 
 def _markers(wh: Warehouse) -> list[tuple[Path, str, str]]:

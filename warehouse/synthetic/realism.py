@@ -24,6 +24,7 @@ import polars as pl
 
 from warehouse import duck
 from warehouse.meds import hash_split
+from warehouse.run_outputs import run_metric
 from warehouse.store import Warehouse, fetch_frame
 from warehouse.synthetic.conditions import CODE_OWNER
 from warehouse.synthetic.oracle import oracle
@@ -157,8 +158,7 @@ def warehouse_realism(wh: Warehouse, cohort_id: str, run_id: str,
         WHERE p.cohort_id = ? AND t.split = ? AND p.code LIKE 'DIAGNOSIS//%'""", params)
     [(mean_prior,)] = con.execute("SELECT avg(n_prior_encounters) FROM trajectories WHERE cohort_id = ? AND split = ?",
                                   params).fetchall()
-    recall = dict(con.execute("""SELECT system, value FROM metrics WHERE run_id = ? AND subset = 'all'
-                                 AND metric = 'recall_at_k' AND k = 20""", [run_id]).fetchall())
+    recall = dict(run_metric(con, run_id, "recall_at_k", K).iter_rows())
     return band_statistics(targets, history, mean_prior, recall)
 
 

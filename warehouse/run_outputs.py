@@ -1,0 +1,40 @@
+"""Queries over what a run's stages wrote (`rankings`, `ranking_status`, `llm_calls`, `metrics`), for the stages
+that read a run back: its efficiency (tasks.efficiency), its report and the demo's realism check."""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+
+from warehouse.store import Warehouse, fetch_frame
+
+
+def matched_patients(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
+    """(system, trajectory_id), sorted: every trajectory each system of the run ranked or gave a status."""
+    return fetch_frame(connection, """
+        SELECT DISTINCT system, trajectory_id FROM (
+            SELECT system, trajectory_id FROM rankings WHERE run_id = $run
+            UNION ALL SELECT system, trajectory_id FROM ranking_status WHERE run_id = $run)
+        ORDER BY system, trajectory_id""", {"run": run_id})
+
+
+def matched_subjects(wh: Warehouse, run_id: str) -> int:
+    """Distinct patients of the run's matched trajectories: fewer than the trajectories in a cohort that
+    targets every encounter (`--target every`), where each trajectory counts as one patient in `matched_patients`."""
+    return fetch_frame(wh.connect(run_id=run_id), """
+        SELECT count(DISTINCT t.subject_id) AS n FROM trajectories t JOIN (
+            SELECT trajectory_id FROM rankings WHERE run_id = $run
+            UNION SELECT trajectory_id FROM ranking_status WHERE run_id = $run) USING (trajectory_id)""",
+                       {"run": run_id})["n"].item()
+
+
+def run_llm_calls(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
+    """Every `llm_calls` row of the run, in every column."""
+    return fetch_frame(connection, "SELECT * FROM llm_calls WHERE run_id = ?", [run_id])
+
+
+def run_metric(connection: duckdb.DuckDBPyConnection, run_id: str, metric: str, k: int,
+               subset: str = "all") -> pl.DataFrame:
+    """(system, value): one `metrics` value per system of the run's evaluation, on the codes of `subset`."""
+    return fetch_frame(connection, "SELECT system, value FROM metrics WHERE run_id = ? AND subset = ? AND metric = ? "
+                                   "AND k = ?", [run_id, subset, metric, k])
