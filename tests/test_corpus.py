@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from conftest import parquet_writes_failing_from, shared_data
 from dxr.errors import InputError
-from tools.corpus import ingest, load_documents, read_documents
+from tools.corpus import ingest, load_documents, read_documents, source_key
 from tools.corpus.documents import Document, chunk_document, dedupe, normalize_url, stable_doc_id
 from tools.corpus.json_sources import read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
@@ -218,7 +218,7 @@ def test_an_ingest_of_a_corpus_another_process_is_ingesting_is_refused_with_one_
 
 def test_documents_of_named_corpora_are_read_without_the_other_corpora(tmp_path, wh, monkeypatch):
     # Listing the stored corpora and loading one read the whole `documents` table, every corpus's text included.
-    from tools.corpus import stored_corpora
+    from warehouse.corpora import stored_corpora
     from warehouse.store import Warehouse
 
     jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
@@ -237,6 +237,55 @@ def test_documents_of_named_corpora_are_read_without_the_other_corpora(tmp_path,
     assert reads == [("documents", {"corpus": "small"})]
     with pytest.raises(InputError, match="^corpus gone not ingested; ingested corpora: other, small$"):
         load_documents(wh, ["gone", "small"])
+
+
+def test_corpus_documents_are_sorted_and_read_by_corpus(tmp_path, wh):
+    from warehouse.corpora import corpus_documents
+
+    jsonl_corpus(tmp_path / "b.jsonl", TINY[:2])
+    jsonl_corpus(tmp_path / "a.jsonl", TINY[2:])
+    for path, corpus in ((tmp_path / "b.jsonl", "small"), (tmp_path / "a.jsonl", "small"),
+                         (tmp_path / "a.jsonl", "other")):
+        ingest(wh, "jsonl", path, corpus=corpus)
+    a, b = source_key(tmp_path / "a.jsonl"), source_key(tmp_path / "b.jsonl")
+    everything = corpus_documents(wh).select("corpus", "source", "doc_id").rows()
+    assert everything == sorted(everything) and len(everything) == len(TINY) + 2  # a.jsonl's two in both corpora
+    assert sorted({row[:2] for row in everything}) == [("other", a), ("small", a), ("small", b)]
+    assert corpus_documents(wh, ["small"]).select("corpus", "source", "doc_id").rows() == everything[2:]
+
+
+def test_a_corpus_source_is_replaced_whole_and_alone(tmp_path, wh):
+    from tools.corpus import chunks_frame, documents_frame
+    from warehouse.corpora import replace_corpus_source
+
+    def replace(source: str, documents: list[Document]) -> None:
+        replace_corpus_source(wh, "tiny", source, documents_frame(documents, "tiny", source),
+                              chunks_frame(documents, "tiny", source, 1000))
+
+    replace("one", TINY[:3])
+    replace("two", TINY[3:])
+    replace("one", TINY[:1])  # a smaller second version of source one
+    assert sorted(wh.read("documents").select("source", "doc_id").rows()) == sorted(
+        [("one", TINY[0].doc_id), ("two", TINY[3].doc_id)])
+    assert sorted(wh.read("chunks").select("source", "doc_id").rows()) == sorted(
+        [("one", TINY[0].doc_id), ("two", TINY[3].doc_id)])
+
+
+def test_chunks_unlike_the_stored_ones_are_counted_by_corpus(tmp_path, wh):
+    from tools.corpus import chunks_frame, documents_frame, store_documents
+    from warehouse.corpora import chunks_unlike_stored
+
+    store_documents(wh, TINY, "tiny", "tiny.jsonl")
+    stored = chunks_frame(TINY, "tiny", "tiny.jsonl", 1000)
+    page = Document("web:0123", "web", "web", "A page", [("Page", TINY[2].text)], url="https://example.org/hf")
+    wh.write("documents", documents_frame([page], "web", "run1-0"), corpus="web", source="run1-0")
+    built = pl.concat([
+        stored.with_columns(pl.when(pl.col("ordinal") == 0).then(pl.col("text") + " (rechunked)")
+                            .otherwise(pl.col("text")).alias("text")),
+        stored.head(1).with_columns(pl.lit("tiny:made-up#0").alias("chunk_id")),
+        chunks_frame([page], "web", "run1-0", 1000)])  # the web's pages have no chunks rows to differ from
+    assert chunks_unlike_stored(wh, stored) == []
+    assert chunks_unlike_stored(wh, built) == [("tiny", len(TINY) + 1)]
 
 
 def test_a_build_reads_no_corpus_an_ingest_is_writing_and_shares_its_corpora_with_other_builds(tmp_path, wh):

@@ -135,10 +135,11 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
       dxr corpus build
       dxr corpus build --name pmc-only --corpus pmc
     """
-    from tools.corpus import WEB_CORPUS, reading_corpora, stored_corpora
+    from tools.corpus import WEB_CORPUS, reading_corpora
     from tools.dictionary import CORPUS as ICD
     from tools.embeddings import make_embedder
     from tools.index import building_index
+    from warehouse.corpora import stored_corpora
     from warehouse.runs import registered_run
 
     if name is not None:

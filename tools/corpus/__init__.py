@@ -22,6 +22,7 @@ from dxr.errors import InputError
 from tools.corpus.documents import DEFAULT_CHUNK_CHARS, Document, chunk_document, dedupe
 from tools.corpus.json_sources import read_arxiv, read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
+from warehouse.corpora import chunks_unlike_stored, corpus_documents, replace_corpus_source
 from warehouse.schemas import utc_now
 
 
@@ -200,9 +201,7 @@ def store_documents(warehouse, documents: list[Document], corpus: str, source: s
     if not kept:
         raise InputError(f"corpus {corpus}: source {source} produced no documents; check the FORMAT and PATH")
     chunks = chunks_frame(kept, corpus, source, max_chars)
-    # One commit: chunks written apart from their documents could be left out of step with them by a kill.
-    keys = {"corpus": corpus, "source": source}
-    warehouse.write_together([("documents", documents_frame(kept, corpus, source), keys), ("chunks", chunks, keys)])
+    replace_corpus_source(warehouse, corpus, source, documents_frame(kept, corpus, source), chunks)
     without_text = sum(1 for d in kept if not d.text)
     return IngestSummary(corpus, source, files, len(kept), len(dropped), chunks.height, without_text, withdrawn,
                          unmatched_deletions)
@@ -218,51 +217,19 @@ def ingest(warehouse, fmt: str, path: Path, corpus: str | None = None, max_chars
                                withdrawn, unmatched_deletions)
 
 
-def stored_corpora(warehouse) -> list[str]:
-    """The names of the corpora in `documents` (the web channel's pages, `web`, included), sorted.
-
-    Read from the partition key alone: the documents' text (gigabytes for a full-text corpus) is not loaded.
-    """
-    if not warehouse.has_rows("documents"):
-        return []
-    con = warehouse.connect(tables=["documents"])
-    try:
-        return [name for (name,) in con.execute("SELECT DISTINCT corpus FROM documents ORDER BY 1").fetchall()]
-    finally:
-        con.close()
-
-
 def load_documents(warehouse, corpora: list[str] | None = None) -> list[Document]:
-    """Documents of the named corpora (all when None) back from the warehouse, in stable order; only the named
-    corpora's partitions are read."""
-    if corpora:
-        stored = stored_corpora(warehouse)
-        unknown = sorted(set(corpora) - set(stored))
-        if unknown:
-            raise InputError(f"corpus {', '.join(unknown)} not ingested; ingested corpora: "
-                             f"{', '.join(stored) or '(none)'}")
-        frame = pl.concat([warehouse.read("documents", corpus=corpus) for corpus in sorted(set(corpora))])
-    else:
-        frame = warehouse.read("documents")
-    frame = frame.sort(["corpus", "source", "doc_id"])
+    """Documents of the named corpora (all when None) back from the warehouse, in stable order (`corpus_documents`)."""
     return [Document(doc_id=r["doc_id"], corpus=r["corpus"], source_format=r["source_format"], title=r["title"],
                      sections=[tuple(s) for s in json.loads(r["sections_json"])], url=r["url"], doi=r["doi"],
                      pmcid=r["pmcid"], pmid=r["pmid"], arxiv_id=r["arxiv_id"])
-            for r in frame.iter_rows(named=True)]
+            for r in corpus_documents(warehouse, corpora).iter_rows(named=True)]
 
 
 def check_stored_chunks(warehouse, chunks: pl.DataFrame, max_chars: int) -> None:
     """Refuse to index chunks that are not the `chunks` rows of their corpus, id and text alike: ledger rows
     name the chunk of their evidence by id, to be found in that table. They differ when `max_chars`
     (tools.chunk_chars) is not the size the corpus was chunked with when it was ingested."""
-    con = warehouse.connect(tables=["chunks"])
-    con.register("built", chunks.select("corpus", "chunk_id", "text").to_arrow())
-    # Pages read by the web channel (corpus `web`) are stored whole, without chunks rows.
-    differing = con.execute("""
-        SELECT b.corpus, count(*) FROM built b
-        ANTI JOIN chunks c ON c.corpus = b.corpus AND c.chunk_id = b.chunk_id AND c.text = b.text
-        WHERE b.corpus IN (SELECT corpus FROM chunks)
-        GROUP BY b.corpus ORDER BY b.corpus""").fetchall()
+    differing = chunks_unlike_stored(warehouse, chunks)
     if differing:
         found = ", ".join(f"{corpus} ({count} chunk{'s' if count > 1 else ''})" for corpus, count in differing)
         raise InputError(f"corpus {found}: not the chunks ingested, which another tools.chunk_chars than {max_chars} "
