@@ -69,8 +69,10 @@ def final_encounter_cohort(dx: pl.DataFrame, seed: int, split: str = meds.held_o
         (pl.col("total") - 1).alias("n_prior_encounters"))
 
 
-def _recall(ranked: dict[str, list[str]], targets: dict[str, set[str]]) -> float:
-    return sum(len(set(ranked.get(t, [])[:K]) & y) / len(y) for t, y in targets.items()) / len(targets)
+def mean_recall(ranked: dict[str, list[str]], targets: dict[str, set[str]]) -> float:
+    """R@K averaged over the trajectories of `targets`, summed in trajectory order: a float sum's last bit depends
+    on its order, and the order of `targets` (from an unordered group_by) changes between runs."""
+    return sum(len(set(ranked.get(t, [])[:K]) & targets[t]) / len(targets[t]) for t in sorted(targets)) / len(targets)
 
 
 def band_statistics(targets: pl.DataFrame, history: pl.DataFrame, mean_prior_encounters: float,
@@ -125,8 +127,8 @@ def realism_report(meds_dir: Path, seed: int = 7, draws: int = 200) -> dict[str,
         codes.extend(c for c in global_rank[: K + len(codes)] if c not in seen)
     orc = oracle(meds_dir, cohort, harmonize=None, draws=draws, top=K)
     oracle_ranked = {t: list(c) for t, c in orc.group_by("trajectory_id", maintain_order=True).agg("code").iter_rows()}
-    recall = {"oracle": _recall(oracle_ranked, targets), "repeat_history": _recall(repeat, targets),
-              "global_frequency": _recall({t: global_rank for t in targets}, targets)}
+    recall = {"oracle": mean_recall(oracle_ranked, targets), "repeat_history": mean_recall(repeat, targets),
+              "global_frequency": mean_recall({t: global_rank for t in targets}, targets)}
     stats = band_statistics(target_rows, prior.select("trajectory_id", "code"),
                             float(cohort["n_prior_encounters"].mean()), recall)
     return {
