@@ -114,3 +114,22 @@ def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_file
     result = CliRunner().invoke(main, ["--data-dir", str(data_dir), "forecast", "--cohort", "nightly", "--system",
                                        "global_frequency", "--split", "all", "--run-id", "night1"])
     assert result.exit_code == 1 and f"pass --cohort {old} to add to this run, or a new --run-id" in result.output
+
+
+def test_a_refresh_names_no_cohort_whose_name_now_finds_another_datasets_cohort(wh_vocab, tmp_path):
+    # Once the name nightly is given to a cohort of clinic, --cohort nightly no longer finds hosp's: a refresh of
+    # hosp leaves no cohort of that name to build again, and building one would take the name back from clinic.
+    from warehouse.cohorts import superseded_cohorts
+
+    write_tiny_meds(tmp_path / "v1")
+    at_target = (pl.col("encounter_id") == 103) & (pl.col("code") == dx("J189"))
+    write_tiny_meds(tmp_path / "v2", tiny_events().with_columns(
+        code=pl.when(at_target).then(pl.lit(dx("J188"))).otherwise(pl.col("code"))))
+    ingest_meds(wh_vocab, tmp_path / "v1", "hosp")
+    hosp = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    ingest_meds(wh_vocab, tmp_path / "v2", "hosp")
+    assert [cohort["cohort_id"] for cohort in superseded_cohorts(wh_vocab, "hosp")] == [hosp]
+
+    ingest_meds(wh_vocab, tmp_path / "v1", "clinic")
+    build_cohort(wh_vocab, "clinic", "nightly", CohortOptions(), seed=7)
+    assert superseded_cohorts(wh_vocab, "hosp") == []

@@ -493,9 +493,10 @@ def rebuild_command(cohort: dict) -> str:
 def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:
     """The cohorts of a dataset that are the newest of their name but were built from earlier files of it: the
     ones a refresh of the dataset leaves to be built again."""
-    cohorts = wh.read("cohorts").filter(pl.col("dataset_id") == dataset_id)
-    newest = cohorts.sort("created_at", descending=True).unique("name", keep="first", maintain_order=True)
-    return [row for row in newest.iter_rows(named=True) if superseded_note(wh, row)]
+    # Newest among every dataset's cohorts: a name another dataset's cohort took since no longer finds this one.
+    newest = wh.read("cohorts").sort("created_at", descending=True).unique("name", keep="first", maintain_order=True)
+    return [row for row in newest.filter(pl.col("dataset_id") == dataset_id).iter_rows(named=True)
+            if superseded_note(wh, row)]
 
 
 def cohort_list(wh: Warehouse) -> str:
