@@ -44,7 +44,9 @@ def table_reference() -> str:
              "DuckDB session opened with `Warehouse.connect()` see it as a view. Gold tables need "
              "`dxr sql --with-gold`. The times dxr records (`started_at`, `created_at`, `registered_at`, "
              "`retrieved_at`, ...) are UTC without a zone, as in run ids; the times of patient events "
-             "(`time`, `cutoff_time`) are the dataset's own wall-clock times (`datasets.time_zone`).\n"]
+             "(`time`, `cutoff_time`) are the dataset's own wall-clock times (`datasets.time_zone`). Rows that "
+             "dxr wrote before 2026-12-05 on a host outside UTC hold that host's local time in `runs.started_at` / "
+             "`finished_at`, `datasets.registered_at` and `cohorts.created_at`.\n"]
     for store in ("forecast", "gold"):
         parts.append(f"## {store} store\n")
         for table in TABLES.values():
