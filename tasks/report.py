@@ -348,11 +348,11 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
-    # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     cohorts = wh.read("cohorts", cohort_id=metrics["cohort_id"][0])
     superseded = superseded_note(wh, cohorts.row(0, named=True)) if cohorts.height else None
     if superseded:
         blocks.append(Paragraph(f"Earlier data: {superseded}; this run scored the earlier version."))
+    # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:
         blocks.append(Paragraph(f"In-sample: {in_sample}."))
