@@ -1,4 +1,5 @@
 """`python -m dxr …` runs the same command line as the installed `dxr` script."""
 from dxr.cli import main
 
-main(prog_name="dxr")
+if __name__ == "__main__":
+    main(prog_name="dxr")
