@@ -30,8 +30,9 @@ from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
-                            estimate, in_sample_note, load_run, metric_rows, system_counts)
-from warehouse.cohorts import cohort_provenance, superseded_note  # noqa: E402
+                            estimate, in_sample_note, load_run, metric_rows, run_superseded_note,
+                            system_counts)
+from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.run_outputs import matched_subjects  # noqa: E402
@@ -348,10 +349,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
-    cohorts = wh.read("cohorts", cohort_id=metrics["cohort_id"][0])
-    superseded = superseded_note(wh, cohorts.row(0, named=True)) if cohorts.height else None
-    if superseded:
-        blocks.append(Paragraph(f"Earlier data: {superseded}; this run scored the earlier version."))
+    if superseded := run_superseded_note(wh, run_id):
+        blocks.append(Paragraph(f"Earlier data: {superseded}."))
     # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:

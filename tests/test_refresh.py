@@ -110,7 +110,7 @@ def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_file
     report = (data_dir / "reports" / "night1" / "report.md").read_text()
     fingerprint = wh_vocab.read("cohorts", cohort_id=old)["dataset_fingerprint"][0]
     assert f"Cohort nightly ({old}), built " in report and f"from dataset hosp (fingerprint {fingerprint})" in report
-    assert "Earlier data: " in report
+    assert "Earlier data: cohort nightly (" in report and "these scores are of that earlier version." in report
     result = CliRunner().invoke(main, ["--data-dir", str(data_dir), "forecast", "--cohort", "nightly", "--system",
                                        "global_frequency", "--split", "all", "--run-id", "night1"])
     assert result.exit_code == 1 and f"pass --cohort {old} to add to this run, or a new --run-id" in result.output
