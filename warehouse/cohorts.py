@@ -468,8 +468,8 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
     if cohort_id_for(dataset, options, seed) == cohort["cohort_id"]:
         return None
     return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
-            f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} with other files "
-            f"(fingerprint {dataset['fingerprint']})")
+            f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with "
+            f"other files (fingerprint {dataset['fingerprint']})")
 
 
 def cohort_provenance(wh: Warehouse, cohort_id: str) -> str:
@@ -480,7 +480,7 @@ def cohort_provenance(wh: Warehouse, cohort_id: str) -> str:
         return cohort_id
     cohort = rows.row(0, named=True)
     files = f" (fingerprint {cohort['dataset_fingerprint']})" if cohort["dataset_fingerprint"] else ""
-    return (f"{cohort['name']} ({cohort_id}), built {cohort['created_at']:%Y-%m-%d %H:%M} from dataset "
+    return (f"{cohort['name']} ({cohort_id}), built {cohort['created_at']:%Y-%m-%d %H:%M} UTC from dataset "
             f"{cohort['dataset_id']}{files}")
 
 
