@@ -71,6 +71,9 @@ class BackfillConfig(BaseModel):
     limit: int | None = Field(None, ge=1)
     cron: str = Field(..., description="five-field cron expression, e.g. '0 2 * * *'")
     timezone: str = Field("UTC", description="IANA time zone the cron expression is read in")
+    refresh: bool = Field(False, description="each firing first builds the cohort again if its dataset was "
+                                             "registered again since, and trains its learned systems that have no "
+                                             "model for the cohort")
 
     @field_validator("cron", "timezone")
     @classmethod

@@ -7,6 +7,12 @@ and can be compared with SQL; a retry of a firing (`flow_run_id`) finishes that 
 run in the order given, so a fused system finds its inputs. The headline table also goes to a Prefect
 artifact keyed by the backfill's name (`backfill_artifact_key`), so the Prefect UI shows how each firing
 did without opening the warehouse.
+
+With `refresh` a firing first brings the cohort up to date: when its dataset was registered again since the
+cohort was built (a nightly extract), the task `refresh-cohort` builds it again under its name and options, and
+a `train_prior` subflow trains each learned system that has no model in service for the cohort (promoted, so the
+forecast finds it under the configured alias). Both are recorded under the run id `<run id>-refresh`, so a
+retried firing resumes them rather than building or training twice.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ from prefect.artifacts import create_markdown_artifact
 from dxr.config import BackfillConfig
 from flows import flow_run_id
 from flows.forecast import forecast_flow
+from flows.train_prior import train_prior_flow
+from models.prior.config import PriorConfig
 from tasks.evaluate import DEFAULT_KS, evaluate_run_task
 from tasks.forecast import check_system_order
+from tasks.refresh import refresh_cohort_task, untrained_systems
 from tasks.report import ARTIFACT_K, artifact_key, headline_markdown, render_report_task
 from warehouse.store import Warehouse
 
@@ -50,7 +59,7 @@ def backfill_artifact_key(name: str | None, cohort: str) -> str:
 @flow(name="cohort-backfill", flow_run_name="backfill-{cohort}")
 def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = BACKFILL_SYSTEMS,
                          split: str = "held_out", k: int = 20, limit: int | None = None,
-                         run_id: str | None = None, name: str | None = None) -> str:
+                         run_id: str | None = None, name: str | None = None, refresh: bool = False) -> str:
     """Forecast `split` of `cohort` with each system into one run, write its metrics and report; returns
     the run id.
 
@@ -64,12 +73,21 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
         run_id: redo this run (its earlier lists are replaced); empty for a new run `backfill-…`.
         name: the backfill's name in `[[backfills]]`; its headline table is the artifact `backfill-<name>`
             (`backfill-<cohort>` without one).
+        refresh: first build the cohort again when its dataset was registered again since it was built, and
+            train each learned system that has no model for the cohort; the cohort must be named by its name.
     """
     systems = tuple(systems)
     check_system_order(systems)
     run_id = run_id or flow_run_id("backfill")
+    forecast_cohort = cohort
+    if refresh:
+        forecast_cohort = refresh_cohort_task(data_dir, cohort, f"{run_id}-refresh")
+        if untrained := untrained_systems(data_dir, forecast_cohort, systems):
+            # Promoted whatever prior.promote says, as ensure_prior does: no model of this cohort is in service to
+            # be kept from a challenger, and the forecast next resolves the alias.
+            train_prior_flow(data_dir, forecast_cohort, untrained, PriorConfig(promote=True), f"{run_id}-refresh")
     for system in systems:
-        forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id)
+        forecast_flow(data_dir, forecast_cohort, system, split=split, k=k, limit=limit, run_id=run_id)
     evaluate_run_task(data_dir, run_id, ks=backfill_budgets(k))
     report = render_report_task(data_dir, run_id)
     create_markdown_artifact(markdown=headline_markdown(Warehouse(data_dir), run_id, report, min(k, ARTIFACT_K)),

@@ -47,13 +47,18 @@ def build_deployments(settings: Settings) -> list[RunnerDeployment]:
             raise ConfigError(f"backfills {keys[key]!r} and {backfill.name!r} would publish under one Prefect "
                               f"artifact key {key!r} (underscores become dashes there): rename one")
         keys[key] = backfill.name
+        description = (f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
+                       "into a new run, evaluate it and render its report.")
+        if backfill.refresh:
+            description = ("First build the cohort again if its dataset was registered again since it was built, and "
+                           "train its learned systems that have no model for it. " + description)
         deployments.append(cohort_backfill_flow.to_deployment(
             name=backfill.name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
             parameters={"data_dir": data_dir, "cohort": backfill.cohort, "systems": backfill.systems,
-                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit, "name": backfill.name},
+                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit, "name": backfill.name,
+                        "refresh": backfill.refresh},
             tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH,
-            description=f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
-                        "into a new run, evaluate it and render its report."))
+            description=description))
     return deployments
 
 

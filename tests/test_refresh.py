@@ -6,14 +6,17 @@ cohort or a run holds.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from dxr.cli import main
+from dxr.errors import InputError
 from tests.conftest import dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
 from warehouse.datasets import get_dataset, ingest_meds
@@ -67,19 +70,25 @@ def test_a_dataset_registered_before_content_fingerprints_still_builds_its_cohor
     assert row["cohort_id"] == cohort_id_for(legacy, CohortOptions(), 7)
 
 
-def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_files(wh_vocab, tmp_path):
-    data_dir = wh_vocab.root
-    write_tiny_meds(tmp_path / "v1")
-    # The next night: a new patient (5, two encounters) and a new encounter of patient 2.
+def write_next_night(root: Path) -> Path:
+    """The tiny dataset as the next night exports it: a new held_out patient (5, two encounters) and a new
+    encounter of train patient 2."""
     added = [(5, None, "GENDER//M", None, None, None), (5, datetime(1960, 1, 1), "MEDS_BIRTH", None, None, None),
              (5, datetime(2020, 3, 1), dx("I10"), None, None, 501),
              (5, datetime(2020, 6, 1), dx("E119"), None, None, 502),
              (2, datetime(2021, 1, 1), dx("I10"), None, None, 203)]
-    grown = pl.concat([tiny_events(), pl.DataFrame(added, schema=tiny_events().schema, orient="row")])
-    write_tiny_meds(tmp_path / "v2", grown)
-    splits = pl.read_parquet(tmp_path / "v1" / "metadata" / "subject_splits.parquet")
-    pl.concat([splits, pl.DataFrame({"subject_id": [5], "split": ["held_out"]}, schema=splits.schema)]).write_parquet(
-        tmp_path / "v2" / "metadata" / "subject_splits.parquet")
+    write_tiny_meds(root, pl.concat([tiny_events(), pl.DataFrame(added, schema=tiny_events().schema, orient="row")]))
+    splits = root / "metadata" / "subject_splits.parquet"
+    earlier = pl.read_parquet(splits)
+    pl.concat([earlier, pl.DataFrame({"subject_id": [5], "split": ["held_out"]}, schema=earlier.schema)]).write_parquet(
+        splits)
+    return root
+
+
+def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_files(wh_vocab, tmp_path):
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    write_next_night(tmp_path / "v2")
 
     assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
     assert cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")[0] == 0
@@ -133,3 +142,102 @@ def test_a_refresh_names_no_cohort_whose_name_now_finds_another_datasets_cohort(
     ingest_meds(wh_vocab, tmp_path / "v1", "clinic")
     build_cohort(wh_vocab, "clinic", "nightly", CohortOptions(), seed=7)
     assert superseded_cohorts(wh_vocab, "hosp") == []
+
+
+# A prior that trains in seconds on the tiny dataset, set as an ETL host would configure it (the backfill trains with
+# the configured prior settings). promote = false: a backfill's first model of a cohort is put in service anyway.
+TINY_PRIOR = {"DXR_PRIOR__D_MODEL": "16", "DXR_PRIOR__N_LAYERS": "1", "DXR_PRIOR__N_HEADS": "2",
+              "DXR_PRIOR__N_EXPERTS": "4", "DXR_PRIOR__TOP_K": "2", "DXR_PRIOR__EXPERT_HIDDEN": "16",
+              "DXR_PRIOR__MIN_CODE_COUNT": "1", "DXR_PRIOR__EPOCHS": "1", "DXR_PRIOR__PROMOTE": "false"}
+
+
+def forecast_cohorts(wh, run_id: str) -> dict[str, str]:
+    """The cohort each system of a run forecast, by system."""
+    runs = wh.read("runs").filter((pl.col("run_id") == run_id) & pl.col("kind").str.starts_with("forecast:"))
+    return {kind.removeprefix("forecast:"): cohort for kind, cohort in runs.select("kind", "cohort_id").rows()}
+
+
+def test_a_refreshing_backfill_builds_the_refreshed_cohort_and_trains_its_prior_once_across_a_retry(
+        wh_vocab, tmp_path, monkeypatch):
+    import models.prior.train
+    import tasks.refresh
+    from flows.backfill import cohort_backfill_flow
+    from models.prior import tracking
+    from models.prior.config import PriorConfig
+
+    for variable, value in TINY_PRIOR.items():
+        monkeypatch.setenv(variable, value)
+    # Named apart from test_serve's backfills: the session's one Prefect API holds every test's artifacts.
+    data_dir, systems, name = str(wh_vocab.root), ("repeat_history", "ehr_prior"), "hosp-refreshed"
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    first_cohort = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+
+    # The first firing finds the cohort current and only trains the prior it lacks.
+    first = cohort_backfill_flow(data_dir, "nightly", systems, split="all", name=name, refresh=True)
+    assert forecast_cohorts(wh_vocab, first) == {"repeat_history": first_cohort, "ehr_prior": first_cohort}
+    refreshed = wh_vocab.read("runs").filter(pl.col("run_id") == f"{first}-refresh")
+    assert refreshed.select("kind", "status", "cohort_id").rows() == [("train:ehr_prior", "finished", first_cohort)]
+
+    # The ETL registers the next night's files; the next firing crashes while training and is retried.
+    ingest_meds(wh_vocab, write_next_night(tmp_path / "v2"), "hosp")
+    builds, trainings = [], []
+    real_build, real_train = tasks.refresh.build_cohort, models.prior.train.train_prior_model
+
+    def counted_build(*args, **kwargs):
+        builds.append(args[2])
+        return real_build(*args, **kwargs)
+
+    def train_fails_the_first_time(connection, cohort_id, system, *args, **kwargs):
+        trainings.append((cohort_id, system))
+        if len(trainings) == 1:
+            raise OSError("no space left on device")
+        return real_train(connection, cohort_id, system, *args, **kwargs)
+
+    monkeypatch.setattr(tasks.refresh, "build_cohort", counted_build)
+    monkeypatch.setattr(models.prior.train, "train_prior_model", train_fails_the_first_time)
+    flow = cohort_backfill_flow.with_options(retries=1, retry_delay_seconds=0)
+    second = flow(data_dir, "nightly", systems, split="all", name=name, refresh=True)
+
+    cohorts = wh_vocab.read("cohorts")
+    [second_cohort] = cohorts.filter(pl.col("cohort_id") != first_cohort)["cohort_id"]
+    assert cohorts.filter(pl.col("cohort_id") == second_cohort)["name"].to_list() == ["nightly"]
+    assert builds == ["nightly"]  # the retry found the cohort built, and did not build it again
+    assert trainings == [(second_cohort, "ehr_prior")] * 2  # the failed training and its retry
+    assert forecast_cohorts(wh_vocab, second) == {"repeat_history": second_cohort, "ehr_prior": second_cohort}
+    trajectories = wh_vocab.read("ranking_status", run_id=second)["trajectory_id"]
+    assert trajectories.str.starts_with(f"{second_cohort}:5:").any()  # the new patient is forecast
+    refreshed = wh_vocab.read("runs").filter(pl.col("run_id") == f"{second}-refresh").sort("kind")
+    assert refreshed.select("kind", "status", "cohort_id").rows() == [
+        ("cohort", "finished", second_cohort), ("train:ehr_prior", "finished", second_cohort)]
+    tracking.use_tracking(wh_vocab.root, None, PriorConfig().experiment)
+    [version] = tracking.registered_versions("ehr_prior", second_cohort)
+    assert version["aliases"] == ["champion"]
+    model = json.loads(wh_vocab.read("runs", run_id=second, kind="forecast:ehr_prior")["config_json"][0])["model"]
+    assert (model["registered_model"], model["version"]) == (f"ehr_prior-{second_cohort}", version["version"])
+    assert wh_vocab.read("metrics", run_id=second).height
+
+
+def test_a_backfill_without_refresh_forecasts_the_cohort_as_last_built(wh_vocab, tmp_path):
+    from flows.backfill import cohort_backfill_flow
+
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    first_cohort = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    ingest_meds(wh_vocab, write_next_night(tmp_path / "v2"), "hosp")
+
+    run_id = cohort_backfill_flow(str(wh_vocab.root), "nightly", ("repeat_history",), split="all",
+                                  name="hosp-as-built")
+    assert forecast_cohorts(wh_vocab, run_id) == {"repeat_history": first_cohort}
+    assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [first_cohort]
+    assert wh_vocab.read("runs").filter(pl.col("run_id") == f"{run_id}-refresh").is_empty()
+
+
+def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, tmp_path):
+    from flows.backfill import cohort_backfill_flow
+
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    cohort_id = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    with pytest.raises(InputError, match=f"^refresh: cohort {cohort_id} is named by its id, which stays on the files "
+                                         "it was built from: name the backfill's cohort by its name, 'nightly', or "
+                                         "set refresh = false$"):
+        cohort_backfill_flow(str(wh_vocab.root), cohort_id, ("repeat_history",), split="all", refresh=True)
+    assert wh_vocab.read("runs").filter(pl.col("kind").str.starts_with("forecast:")).is_empty()

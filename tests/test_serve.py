@@ -287,7 +287,20 @@ def test_deployments_are_the_patient_rerun_prior_training_and_one_per_backfill(t
     assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [("30 2 * * 1-5", "Europe/Berlin")]
     assert nightly.parameters == {"data_dir": str(tmp_path / "wh"), "cohort": "default", "split": "held_out", "k": 20,
                                   "systems": ["ehr_prior", "direct", "rrf_prior_direct"], "limit": 100,
-                                  "name": "nightly"}
+                                  "name": "nightly", "refresh": False}
+    assert nightly.description.startswith("Forecast held_out of cohort default with ehr_prior, direct, ")
+
+
+def test_a_refreshing_backfill_deployment_says_so_and_passes_refresh(tmp_path, monkeypatch):
+    from flows.deployments import build_deployments
+
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC") + "refresh = true\n")
+    nightly = build_deployments(load_settings(data_dir=tmp_path / "wh"))[-1]
+    assert nightly.parameters["refresh"] is True
+    assert nightly.description == (
+        "First build the cohort again if its dataset was registered again since it was built, and train its learned "
+        "systems that have no model for it. Forecast held_out of cohort default with global_frequency, repeat_history, "
+        "ehr_prior into a new run, evaluate it and render its report.")
 
 
 def test_every_parameter_of_a_deployed_flow_is_described_in_the_run_form():

@@ -1,0 +1,68 @@
+"""Refresh stage of a scheduled backfill (`[[backfills]]` with `refresh = true`): bring its cohort up to date
+with its dataset's files before the cohort is forecast.
+
+`refresh_cohort` builds a cohort again, under its name and with its options, when its dataset was registered
+again since it was built (a nightly extract ingested under the same name); `untrained_systems` are the learned
+systems whose configured alias resolves to no model for a cohort, which the backfill trains next. Both only look
+at what is registered, so a retried firing redoes nothing that finished: a finished build leaves the cohort
+current, and a finished training leaves its alias set.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefect import task
+
+from dxr.config import load_settings
+from dxr.errors import InputError, NotFoundError
+from tasks import stage_logger
+from tasks.forecast import pinned_model
+from warehouse.cohorts import CohortOptions, build_cohort, get_cohort, rebuild_command, superseded_note
+from warehouse.store import Warehouse
+
+
+def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str:
+    """The id of the cohort named `cohort` once it holds its dataset's current files; returns it unchanged when it
+    does, else builds it again first (registered in `runs` as kind `cohort` under `run_id`).
+
+    The build is `dxr cohort build`'s: the cohort's own target rule, harmonization, minimum history and seed, the
+    configured shard size, oracle draws and memory limit. A cohort named by its id is refused: an id stays on the
+    files it was built from, so a backfill of it would forecast the earlier files every night.
+    """
+    wh = Warehouse(data_dir)
+    row = get_cohort(wh, cohort)
+    if row["cohort_id"] == cohort:
+        raise InputError(f"refresh: cohort {cohort} is named by its id, which stays on the files it was built "
+                         f"from: name the backfill's cohort by its name, {row['name']!r}, or set refresh = false")
+    superseded = superseded_note(wh, row)
+    if superseded is None:
+        return row["cohort_id"]
+    stage_logger(__name__).info("%s: building it again from the current files, as `%s` does", superseded,
+                                rebuild_command(row))
+    settings = load_settings(data_dir=data_dir)
+    options = CohortOptions(target=row["target_rule"], harmonize=row["harmonization"], min_history=row["min_history"])
+    built = build_cohort(wh, row["dataset_id"], row["name"], options, seed=json.loads(row["options_json"])["seed"],
+                         shard_size=settings.cohort.shard_size, oracle_draws=settings.synth.oracle_draws,
+                         memory_limit=settings.cohort.memory_limit, run_id=run_id)
+    stage_logger(__name__).info("cohort %s is now %s: %d trajectories", built["name"], built["cohort_id"],
+                                built["n_trajectories"])
+    return built["cohort_id"]
+
+
+def untrained_systems(data_dir: str, cohort_id: str, systems: tuple[str, ...]) -> tuple[str, ...]:
+    """The learned systems among `systems` whose configured alias resolves to no registered model for the cohort:
+    the ones a forecast of it would refuse."""
+    wh = Warehouse(data_dir)
+    untrained = []
+    for system in systems:
+        try:
+            pinned_model(wh, cohort_id, system)
+        except NotFoundError:
+            untrained.append(system)
+    return tuple(untrained)
+
+
+@task(name="refresh-cohort")
+def refresh_cohort_task(data_dir: str, cohort: str, run_id: str | None = None) -> str:
+    return refresh_cohort(data_dir, cohort, run_id)
