@@ -7,6 +7,9 @@ import logging
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
+import mlflow
 from mlflow.exceptions import MlflowException
 
 from dxr.cli import main
@@ -565,6 +569,51 @@ def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
     assert str(raised.value) == (f"MLflow store {db} failed while checking where its artifacts are: file is not a "
                                  "database: it must be a readable and writable SQLite file (restore it from a backup "
                                  "if it is damaged)")
+
+
+# A child process that is SIGKILLed while MLflow creates a store, right before the fifth of its schema migrations is
+# stamped: MLflow commits each migration's tables apart from its stamp, so the file is left half made.
+KILLED_AMONG_MIGRATIONS = """
+import os, signal
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+stamps = 0
+
+@event.listens_for(Engine, "before_cursor_execute")
+def kill_before_the_fifth_stamp(conn, cursor, statement, parameters, context, executemany):
+    global stamps
+    if statement.lstrip().upper().startswith("UPDATE ALEMBIC_VERSION"):
+        stamps += 1
+        if stamps == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_among_migrations(create_store: str) -> None:
+    ended = subprocess.run([sys.executable, "-c", KILLED_AMONG_MIGRATIONS + create_store], capture_output=True,
+                           text=True)
+    assert ended.returncode == -signal.SIGKILL, ended.stderr[-2000:]
+
+
+def test_a_default_store_killed_while_it_is_created_is_absent_and_the_next_use_creates_it(tmp_path):
+    killed_among_migrations(f"from models.prior import tracking\ntracking.use_tracking({str(tmp_path)!r}, None, 'x')")
+    store = tmp_path / "mlflow"
+    assert not (store / "mlflow.db").exists()  # only the scratch of the creation, whose owner has ended
+    uri = tracking.use_tracking(tmp_path, None, "dxr-ehr-prior")
+    assert mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == tracking.artifact_root(uri)
+    assert sorted(path.name for path in store.iterdir()) == ["mlflow.db"]
+
+
+def test_a_default_store_half_made_by_a_killed_creation_is_made_again(tmp_path):
+    # What dxr left before creating the store under a scratch name: MLflow creating it in place, killed. Every later
+    # open failed with "table ... already exists", so no training or learned forecast could run there again.
+    db = tmp_path / "mlflow" / "mlflow.db"
+    db.parent.mkdir()
+    killed_among_migrations(f"import mlflow\nmlflow.MlflowClient(tracking_uri='sqlite:///{db}').search_experiments()")
+    assert db.is_file()
+    uri = tracking.use_tracking(tmp_path, None, "dxr-ehr-prior")
+    assert mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == tracking.artifact_root(uri)
 
 
 def test_a_configured_store_is_not_re_pointed_at_the_data_dir_that_uses_it(tmp_path):

@@ -18,6 +18,7 @@ Resources, and who holds them:
 - `corpus:<name>`: exclusive during an ingest of that corpus (`tools.corpus.writing_corpus`), and `corpus:web`
   while the web channel commits its pages (`WebChannel.flush`); shared while `dxr corpus build` reads its
   documents and chunks (`tools.corpus.reading_corpora`);
+- `mlflow-store`: exclusive while the data dir's own MLflow store is created (`models.prior.tracking`);
 - `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a run marked in progress
   (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`).
 

@@ -7,7 +7,7 @@ cohort, named `{system}-{cohort_id}`; inference resolves `models:/{name}@{alias}
 
 MLflow stores absolute artifact locations. The default store is the data dir's own, so it is re-pointed at
 the data dir it is opened in (`relocate_store`): a moved, copied or restored data dir reads and writes
-its own artifacts, never the original's.
+its own artifacts, never the original's. It is created whole or not at all (`create_default_store`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from pathlib import Path
 
 from dxr.errors import ConfigError, NotFoundError
 from warehouse.duck import out_of_disk
+from warehouse.locks import held
 from warehouse.scratch import remove_abandoned, scratch
+from warehouse.store import Warehouse
 
 # Offline hygiene: no telemetry from MLflow (set before mlflow is imported).
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -142,11 +144,53 @@ def moved_from(con: sqlite3.Connection, here: str) -> list[str]:
             if location != here and location.startswith("file://") and location.endswith("/mlflow/artifacts")]
 
 
+def create_default_store(data_dir: str | Path) -> None:
+    """Create the data dir's own sqlite store whole, unless it is there; replace one whose creation was killed.
+
+    MLflow creates a store by running its schema migrations on the file one after another, each committed apart, and
+    opening a store runs those it lacks. A process killed among them (SIGKILL, the OOM killer) left a store whose
+    next migration had partly run already, so every later open failed ("table ... already exists") and no
+    training or learned forecast could use the data dir again. The store is therefore made in a scratch directory
+    beside it and renamed into place once MLflow has finished it, adding its `Default` experiment last. A store
+    without any experiment is what such a killed creation left before: it holds nothing (dxr registers models only
+    from runs, which belong to experiments), so it is made again.
+    """
+    db = Path(tracking_uri(data_dir, None).removeprefix("sqlite:///"))
+    if store_made(db):
+        return
+    with held(Warehouse(data_dir), "mlflow-store", shared=False, wait=120.0,
+              busy=f"MLflow store {db} is being created by another dxr process"):
+        if store_made(db):  # by another process meanwhile
+            return
+        remove_abandoned(db)
+        with scratch(db, "staging") as staging:
+            staging.mkdir()
+            MlflowClient(tracking_uri=f"sqlite:///{staging / db.name}").search_experiments(max_results=1)
+            os.replace(staging / db.name, db)
+
+
+def store_made(db: Path) -> bool:
+    """Whether the sqlite store `db` exists with its experiments; a file SQLite cannot read counts as made, so that
+    `relocate_store` names it instead of it being replaced (it may be a damaged copy someone wants to restore)."""
+    if not db.is_file():
+        return False
+    try:
+        # Read-write: opening it rolls back a transaction a killed creation left in its journal, which must not
+        # outlive the file it belongs to (SQLite would play it back into the store renamed over it).
+        with closing(sqlite3.connect(db, timeout=60)) as con:
+            return bool(columns(con, "experiments")) and bool(
+                con.execute("SELECT 1 FROM experiments LIMIT 1").fetchall())
+    except sqlite3.Error:
+        return True
+
+
 def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
     """Point mlflow at the store and experiment (created with `artifact_root` when new); the default store is
-    first re-pointed at this data dir (`relocate_store`), a configured one is left as it is."""
+    first created whole if absent (`create_default_store`) and re-pointed at this data dir (`relocate_store`),
+    a configured one is left as it is."""
     uri = tracking_uri(data_dir, configured)
     if not configured:
+        create_default_store(data_dir)
         relocate_store(Path(uri.removeprefix("sqlite:///")))
     mlflow.set_tracking_uri(uri)
     with store_errors(f"opening experiment {experiment!r}"):
