@@ -325,6 +325,19 @@ def test_only_runs_in_progress_keep_a_marker_and_finding_killed_runs_does_not_re
     assert wh.read("runs", run_id="doomed-1")["status"].to_list() == ["killed"]
 
 
+def test_the_marker_scratch_a_killed_run_left_goes_when_the_run_is_redone(wh):
+    from tests.conftest import abandoned_scratch
+    from warehouse.runs import INDEXED_FLAG, RUNNING_DIR, _marker, registered_run
+
+    # A run killed between renaming its marker into place and removing the scratch's lock file (seen by killing
+    # `dxr prior train` there): nothing removed that file, so `.running` kept one per such kill for good.
+    killed = abandoned_scratch(_marker(wh, "again-1", "synth"))
+    assert sorted(path.name for path in (wh.root / RUNNING_DIR).iterdir()) == [killed.name[:-len("tmp")] + "lock"]
+    with registered_run(wh, "synth", {}, "again-1"):
+        pass
+    assert [path.name for path in (wh.root / RUNNING_DIR).iterdir()] == [INDEXED_FLAG]
+
+
 def test_a_run_id_that_cannot_be_a_partition_is_refused_before_its_marker_is_written(wh):
     from warehouse.runs import RUNNING_DIR, registered_run
 

@@ -24,7 +24,7 @@ from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError
 from warehouse.locks import held
 from warehouse.schemas import TABLES, utc_now
-from warehouse.scratch import naming, scratch
+from warehouse.scratch import naming, remove_abandoned, scratch
 from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 
@@ -130,6 +130,8 @@ def _marker(wh: Warehouse, run_id: str, kind: str) -> Path:
 
 def _write_marker(wh: Warehouse, run_id: str, kind: str) -> Path:
     marker = _marker(wh, run_id, kind)
+    # A run of this id and kind killed while it wrote its marker left the scratch's lock file (or the scratch too).
+    remove_abandoned(marker)
     # Named: Python's file write names no file, and on a full disk this is the first write of every command to fail.
     with scratch(marker, "tmp") as tmp, naming(marker):
         tmp.write_text(json.dumps({"run_id": run_id, "kind": kind}))
