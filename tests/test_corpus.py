@@ -1018,7 +1018,6 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
 
 
-
 def test_cli_a_build_of_an_index_another_build_holds_is_refused_before_reading_corpora_or_loading_a_model(
         tmp_path, monkeypatch):
     import fcntl
@@ -1077,8 +1076,7 @@ def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeyp
 
     monkeypatch.setenv("DXR_TOOLS__EMBEDDING__KIND", "package")
     source = tmp_path / "tiny.jsonl"
-    source.write_text("\n".join(json.dumps({"id": d.doc_id.split(":")[1], "title": d.title, "text": d.text})
-                                for d in TINY) + "\n")
+    jsonl_corpus(source, TINY)
     runner = CliRunner()
     data = ["--data-dir", str(tmp_path / "wh")]
     assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"]).exit_code == 0
