@@ -70,3 +70,15 @@ def unbuilt_backfill_cohorts(wh: Warehouse, backfills: list[BackfillConfig]) -> 
     return [f"warning: backfill {b.name!r}: cohort {b.cohort!r} is not in the warehouse at {wh.root} (yet), and every "
             f"firing fails until it is: build it with `dxr cohort build --dataset DATASET --name {b.cohort}`"
             for b in backfills if b.cohort not in known]
+
+
+def check_refreshing_backfills(wh: Warehouse, backfills: list[BackfillConfig]) -> None:
+    """Refuse a backfill with `refresh = true` whose cohort is given by its id: an id stays on the files it was built
+    from, so every firing would be refused (`tasks.refresh.refresh_cohort`); better said once, at start."""
+    cohorts = wh.read("cohorts")
+    names_by_id = dict(zip(cohorts["cohort_id"].to_list(), cohorts["name"].to_list()))
+    for backfill in backfills:
+        if backfill.refresh and backfill.cohort in names_by_id and backfill.cohort not in names_by_id.values():
+            raise ConfigError(f"backfills {backfill.name!r}: cohort {backfill.cohort} is named by its id, which stays "
+                              "on the files it was built from, so refresh = true could never refresh it: set cohort = "
+                              f"{names_by_id[backfill.cohort]!r} (its name) or refresh = false")

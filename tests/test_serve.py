@@ -366,6 +366,26 @@ def test_serve_warns_of_each_backfill_whose_cohort_is_not_built(wh_vocab, tiny_c
         for name, cohort in (("typo", "defualt"), ("later", "big"))]
 
 
+def test_serve_refuses_a_refreshing_backfill_of_a_cohort_given_by_id(wh_vocab, tiny_cohort_id, tmp_path, monkeypatch):
+    import prefect
+
+    # Served, it was refused at every firing (an id stays on the files it was built from); by name it is served.
+    served = []
+    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.extend(d.name for d in deployments))
+    backfill = '[[backfills]]\nname = "{}"\ncohort = "{}"\ncron = "0 2 * * *"\nrefresh = {}\n'
+    write_config(tmp_path, monkeypatch, backfill.format("by-name", "default", "true")
+                 + backfill.format("by-id", tiny_cohort_id, "false"))
+    assert CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "serve"]).exit_code == 0
+    assert served == ["adhoc", "adhoc", "by-name", "by-id"]
+    write_config(tmp_path, monkeypatch, backfill.format("by-id", tiny_cohort_id, "true"))
+    result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "serve"])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.splitlines() == [
+        f"Error: backfills 'by-id': cohort {tiny_cohort_id} is named by its id, which stays on the files it was built "
+        "from, so refresh = true could never refresh it: set cohort = 'default' (its name) or refresh = false"]
+    assert served == ["adhoc", "adhoc", "by-name", "by-id"]
+
+
 @pytest.mark.parametrize("command", [["serve"], ["forecast", "--cohort", "default", "--system", "repeat_history"]])
 def test_a_prefect_server_that_does_not_answer_is_one_line(wh_vocab, tiny_cohort_id, command):
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -33,7 +33,7 @@ def serve(ctx: click.Context, limit: int) -> None:
     from prefect.settings import PREFECT_API_URL
 
     from flows.api_server import check_configured_api
-    from flows.deployments import build_deployments, unbuilt_backfill_cohorts
+    from flows.deployments import build_deployments, check_refreshing_backfills, unbuilt_backfill_cohorts
 
     if not PREFECT_API_URL.value():
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
@@ -43,6 +43,7 @@ def serve(ctx: click.Context, limit: int) -> None:
     # server's deployments at a folder where each run fails.
     wh = warehouse(ctx, existing=True)
     deployments = build_deployments(settings(ctx))
+    check_refreshing_backfills(wh, settings(ctx).backfills)
     for deployment in deployments:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
         click.echo(f"deployment {deployment.flow_name}/{deployment.name}: {schedules or 'ad hoc'}")
