@@ -758,3 +758,23 @@ def test_sql_table_spells_blobs_and_intervals_as_csv_and_json_lines_do_and_times
     # A time is spelled as SQL and DuckDB spell it (a space before the time), which a query takes back as a literal.
     assert duckdb.sql("SELECT TIMESTAMP '2026-12-05 09:25:19.500000' = TIMESTAMP '2026-12-05T09:25:19.5'").fetchall() \
         == [(True,)]
+
+
+def test_delete_together_removes_a_partition_on_another_file_system_by_moving_it_aside(wh, monkeypatch):
+    # A gold store mounted apart from the forecasting store: its partition cannot be renamed into the removal's
+    # commit (EXDEV), so it is renamed beside itself, out of the view's pattern, and removed there.
+    wh.write("targets", targets("c1", 2), cohort_id="c1")
+    wh.write("targets", targets("c2", 2), cohort_id="c2")
+    real_replace = os.replace
+
+    def replace(source, target):
+        if store.REMOVED in Path(target).parts and "gold" in Path(source).parts:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(source), str(target))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    wh.delete_together([("targets", {"cohort_id": "c1"})])
+    monkeypatch.undo()
+    assert wh.read("targets")["cohort_id"].unique().to_list() == ["c2"]
+    assert sorted(p.name for p in wh.table_dir("targets").iterdir()) == ["cohort_id=c2"]
+    assert not any((wh.forecast_dir / store.COMMIT_DIR).iterdir())

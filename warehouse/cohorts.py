@@ -476,11 +476,13 @@ def cohort_provenance(wh: Warehouse, cohort_id: str) -> str:
     """A cohort as a report names it: name, id, when it was built from which dataset and which version of its files
     (the id alone for a cohort no longer registered; no fingerprint for one built before it was recorded)."""
     rows = wh.read("cohorts", cohort_id=cohort_id)
-    if rows.is_empty():
-        return cohort_id
-    cohort = rows.row(0, named=True)
+    return describe_cohort(rows.row(0, named=True)) if rows.height else cohort_id
+
+
+def describe_cohort(cohort: dict) -> str:
+    """`cohort_provenance` of a `cohorts` row."""
     files = f" (fingerprint {cohort['dataset_fingerprint']})" if cohort["dataset_fingerprint"] else ""
-    return (f"{cohort['name']} ({cohort_id}), built {cohort['created_at']:%Y-%m-%d %H:%M} UTC from dataset "
+    return (f"{cohort['name']} ({cohort['cohort_id']}), built {cohort['created_at']:%Y-%m-%d %H:%M} UTC from dataset "
             f"{cohort['dataset_id']}{files}")
 
 

@@ -2,7 +2,8 @@
 
 A write replaces exactly one partition file atomically (temporary file + rename), so a rerun
 replaces its own partition, a killed writer leaves either the old or the new file, and rows are
-never duplicated; `write_together` commits several partitions that must change together. Readers
+never duplicated; `write_together` commits several partitions that must change together, and
+`delete_together` removes several (a cohort with its runs) as one commit. Readers
 see complete files only: temporaries do not match the view globs, and a deleted partition is moved
 out of its table (into the store's `.trash`) before its files go. A read (`connect`, `read`,
 `has_rows`) first finishes the commits in its stores, so it sees all of a commit or none of it; a
@@ -12,6 +13,7 @@ renames a commit's files into place can see some of them new and the others old.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -40,7 +42,10 @@ COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whol
 # of earlier versions, whose commits are older than any of these.
 COMMIT_ID = "t{ns:020d}-{token}"
 COMMIT_TIME = re.compile(r"^t(\d{20})-")  # the time in a COMMIT_ID
-COMMIT_PLAN = "plan.json"  # in a commit: [{"file": staged file name, "target": partition path in the store}]
+# In a commit: [{"file": staged file name, "target": partition path in the store}] for a write, and
+# [{"remove": directory path under the warehouse root}] for a removal (`delete_together`).
+COMMIT_PLAN = "plan.json"
+REMOVED = "removed"  # in a removal's commit: the directories it removes, moved in to go with it
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
 
@@ -165,11 +170,7 @@ class Warehouse:
         """Remove every partition matching the given leading keys (e.g. one cohort's shards)."""
         spec = _spec(table)
         finish_commits(self.store_dir(spec.store) / COMMIT_DIR)  # or it could bring a deleted partition back
-        path = self.table_dir(table)
-        for key in spec.partition_by:
-            if key not in keys:
-                break
-            path = path / f"{key}={keys[key]}"
+        path = self.partitions_dir(table, **keys)
         trash = self.store_dir(spec.store) / TRASH_DIR
         if path.exists():
             # Move it out of the table first (one rename), so a kill during the removal never leaves
@@ -179,6 +180,40 @@ class Warehouse:
         # What is in the trash is already unreachable: remove it, including what a killed delete left.
         for doomed in trash.glob("*") if trash.is_dir() else ():
             shutil.rmtree(doomed, ignore_errors=True)
+
+    def partitions_dir(self, table: str, **keys) -> Path:
+        """The directory of every partition matching the given leading keys (the table's own without keys)."""
+        spec = _spec(table)
+        path = self.table_dir(table)
+        for key in spec.partition_by:
+            if key not in keys:
+                break
+            path = path / f"{key}={keys[key]}"
+        return path
+
+    def delete_together(self, partitions: list[tuple[str, dict]], directories: Iterable[Path] = ()) -> None:
+        """Remove the partitions given as (table, leading keys), of either store, and other `directories` under the
+        root (a run's report), as one commit of the forecasting store.
+
+        The commit lists what goes, and one rename makes it (the commit point); only then is each directory moved
+        into the commit, which is removed last. A process killed before that rename removed nothing; one killed
+        after it left a commit that the next read, write or delete in the forecasting store finishes first, so a
+        reader of that store sees all of the removal or none of it. Gold partitions go in the same step: remove
+        only those that a reader reaches through the forecasting store (a cohort's targets through its row).
+        """
+        paths = [self.partitions_dir(table, **keys) for table, keys in partitions] + [Path(d) for d in directories]
+        outside = [str(path) for path in paths if not path.resolve().is_relative_to(self.root)]
+        if outside:
+            raise ValueError(f"delete_together removes only what is under the warehouse root {self.root}: {outside}")
+        commits = self.forecast_dir / COMMIT_DIR
+        finish_commits(commits)
+        plan = [{"remove": str(path.resolve().relative_to(self.root))} for path in paths]
+        with scratch(commits / "batch", "staging") as staging:
+            staging.mkdir()
+            (staging / REMOVED).mkdir()
+            (staging / COMMIT_PLAN).write_text(json.dumps(plan))
+            os.replace(staging, commits / (new_commit_id(commits) + COMMITTED))  # the commit point
+        finish_commits(commits)
 
     # ---- reads ----------------------------------------------------------------------------
     def connect(self, gold: bool = False, run_id: str | None = None,
@@ -313,7 +348,10 @@ def apply_commit(committed: Path) -> None:
         shutil.rmtree(committed, ignore_errors=True)
         return
     store_dir = committed.parent.parent
-    for entry in plan:
+    for number, entry in enumerate(plan):
+        if "remove" in entry:
+            remove_into(committed, store_dir.parent / entry["remove"], number)
+            continue
         target = store_dir / entry["target"]
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -321,6 +359,25 @@ def apply_commit(committed: Path) -> None:
         except FileNotFoundError:  # renamed already
             pass
     shutil.rmtree(committed, ignore_errors=True)
+
+
+def remove_into(committed: Path, path: Path, number: int) -> None:
+    """Move the directory `path` into a removal's commit, to be removed with it.
+
+    Nothing when it is gone: removed already, or the commit finished meanwhile (its directory gone too, so a
+    partition written since cannot be moved into it). A directory on another file system than the forecasting
+    store (a gold store mounted apart) is moved aside instead, out of every view's pattern, and removed there.
+    """
+    aside = path.with_name(f".{path.name}.{committed.name}.{REMOVED}")
+    try:
+        os.replace(path, committed / REMOVED / str(number))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)  # also what a process killed during a removal aside left there
 
 
 def _checked(table: str, data: pl.DataFrame | pa.Table, keys: dict) -> pa.Table:

@@ -154,7 +154,7 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
 
 @main.group()
 def cohort() -> None:
-    """Build and list cohorts of trajectories (patient cut before a target encounter).
+    """Build, list and delete cohorts of trajectories (patient cut before a target encounter).
 
     \b
     Example:
@@ -239,3 +239,41 @@ def cohort_list(ctx: click.Context) -> None:
     from warehouse.cohorts import cohort_list
 
     click.echo(cohort_list(warehouse(ctx, existing=True)), nl=False)
+
+
+@cohort.command("delete")
+@click.argument("cohort_key", metavar="COHORT")
+@click.option("--with-runs", is_flag=True,
+              help="Also delete the runs recorded on the cohort (forecasts, evaluations) and all they wrote: rankings, "
+                   "statuses, candidates, metrics, LLM calls, the ledger, reports in the default place. Without it, a "
+                   "cohort with runs is refused.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what would be removed (rows by table, directories); change nothing.")
+@click.pass_context
+def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run: bool) -> None:
+    """Delete a cohort (by id, or by a name only it has): its tables in both stores and its prediction cache.
+
+    Registered MLflow models of its priors stay (their names are printed, with the command that removes
+    one); datasets and shared caches stay too. The removal is one commit: a delete killed midway leaves
+    the cohort whole or gone, and a rerun finishes it.
+
+    \b
+    Example:
+      dxr cohort delete c1a2b3c4d5e6 --with-runs --dry-run
+    """
+    from warehouse.cohort_deletion import RunsOnCohort, delete_cohort, deletion_summary
+
+    cfg, wh = settings(ctx), warehouse(ctx, existing=True)
+    try:
+        plan = delete_cohort(wh, cohort_key, with_runs=with_runs, dry_run=dry_run)
+    except RunsOnCohort as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(deletion_summary(wh, plan, dry_run), nl=False)
+    if plan.registered_models:
+        from models.prior.tracking import tracking_uri
+
+        uri = tracking_uri(wh.root, cfg.prior.tracking_uri)
+        for name in plan.registered_models:
+            click.echo(f"note: registered MLflow model {name} (if still registered) stays in {uri}; remove it with "
+                       f"`.venv/bin/python -c \"from mlflow import MlflowClient; MlflowClient('{uri}')"
+                       f".delete_registered_model('{name}')\"`")

@@ -1,0 +1,247 @@
+"""`dxr cohort delete`: a cohort goes with every row that is its own (and with --with-runs, its runs' rows), in one
+commit that a kill leaves whole or gone; another cohort of the same dataset and its runs stay as they were."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from dxr.errors import InputError, NotFoundError
+from flows.forecast import forecast_flow
+from tasks.evaluate import evaluate_run
+from tests.conftest import tiny_events, write_tiny_meds
+from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+from warehouse.locks import held
+from warehouse.runs import record_run
+from warehouse.schemas import RUN_TABLES, TABLES
+from warehouse.store import COMMIT_DIR, COMMITTED
+
+
+def cli(wh, *args) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), *map(str, args)], prog_name="dxr",
+                                catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def placeholder(kind: pa.DataType):
+    """A value of the column type, for a row planted in a table no command of the test writes."""
+    if pa.types.is_timestamp(kind):
+        return datetime(2026, 12, 5)
+    if pa.types.is_boolean(kind):
+        return False
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return 0
+    if pa.types.is_list(kind):
+        return []
+    return "x"
+
+
+def plant(wh, table: str, cohort_id: str, keys: dict) -> None:
+    """One row of the cohort in `table` under `keys` (its partition keys, columns or not)."""
+    spec = TABLES[table]
+    row = {name: keys.get(name, placeholder(kind)) for name, kind in spec.columns.items()}
+    if "cohort_id" in row:
+        row["cohort_id"] = cohort_id
+    wh.write(table, pa.Table.from_pylist([row], schema=spec.schema), **keys)
+
+
+def belongs(frame: pl.DataFrame, cohort_id: str, run_ids: list[str]) -> pl.Expr:
+    """The rows of a table that name the cohort or one of its runs, by whichever of the columns it has."""
+    named = pl.lit(False)
+    if "cohort_id" in frame.columns:
+        named |= pl.col("cohort_id") == cohort_id
+    if "run_id" in frame.columns:
+        named |= pl.col("run_id").is_in(run_ids)
+    if "trajectory_id" in frame.columns:
+        named |= pl.col("trajectory_id").fill_null("").str.starts_with(f"{cohort_id}:")
+    if "key_json" in frame.columns:
+        named |= pl.col("key_json").str.contains(cohort_id, literal=True)
+    return named.fill_null(False)
+
+
+def every_table(wh) -> dict[str, pl.DataFrame]:
+    return {table: wh.read(table) for table in sorted(TABLES)}
+
+
+def with_runs_and_results(wh, cohort_id: str, run_id: str) -> None:
+    """A forecast and its evaluation on the cohort, a training record, a report and a prior's copy in the model
+    cache, and a row in each run-keyed, cohort-keyed or cache table that the forecast leaves empty (an LLM
+    system's calls, the ledger, a synthetic dataset's oracles)."""
+    forecast_flow(str(wh.root), cohort_id, "repeat_history", split="all", run_id=run_id)
+    evaluate_run(wh, run_id, ks=(10,), n_boot=0, natural=False)
+    now = datetime(2026, 12, 5)
+    record_run(wh, f"{run_id}-train", cohort_id, "train:ehr_prior", {}, "finished", now, now)
+    for table in RUN_TABLES - {"runs"}:
+        if wh.read(table, run_id=run_id).is_empty():
+            plant(wh, table, cohort_id, {key: run_id if key == "run_id" else "0" if key == "shard" else "x"
+                                           for key in TABLES[table].partition_by})
+    for table in COHORT_TABLES:
+        if wh.read(table, cohort_id=cohort_id).is_empty():
+            plant(wh, table, cohort_id, {key: cohort_id if key == "cohort_id" else 0
+                                           for key in TABLES[table].partition_by})
+    wh.write("prediction_cache", pl.DataFrame({
+        "system": "ehr_prior", "cache_key": f"k{cohort_id}", "key_json": json.dumps({"cohort_id": cohort_id}),
+        "trajectory_id": f"{cohort_id}:1:103", "rank": 1, "code": "x", "score": 1.0, "native": True},
+        schema_overrides={"rank": pl.Int32}), system="ehr_prior", cache_key=f"k{cohort_id}")
+    (wh.root / "reports" / run_id).mkdir(parents=True)
+    (wh.root / "reports" / run_id / "report.html").write_text("report")
+    (wh.root / "mlflow" / "cache" / f"ehr_prior-{cohort_id}" / "v1-abc").mkdir(parents=True)
+
+
+@pytest.fixture
+def two_cohorts(wh_vocab, tiny_meds, prefect_harness):
+    """Two cohorts of one dataset (native codes and ICD categories), each with a run and everything above."""
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    old = build_cohort(wh_vocab, "tiny", "old", CohortOptions(), seed=7)["cohort_id"]
+    kept = build_cohort(wh_vocab, "tiny", "kept", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    with_runs_and_results(wh_vocab, old, "r-old")
+    with_runs_and_results(wh_vocab, kept, "r-kept")
+    return wh_vocab, old, kept
+
+
+def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_other_cohort(two_cohorts):
+    wh, old, kept = two_cohorts
+    before = every_table(wh)
+    deleted_runs = ["r-old"]
+    for table in sorted(RUN_TABLES | set(COHORT_TABLES) | {"prediction_cache"}):
+        # Every table that holds a cohort's or a run's rows has some of the deleted cohort's, and of the other.
+        assert before[table].filter(belongs(before[table], old, deleted_runs)).height, table
+        assert before[table].filter(belongs(before[table], kept, ["r-kept"])).height, table
+
+    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    assert code == 0, err
+    assert out.startswith(f"cohort old ({old}), built ")
+    assert ": removed 1 run(s) (r-old) and these rows:" in out.splitlines()[0]
+    assert "removed reports/r-old/" in out and f"removed mlflow/cache/ehr_prior-{old}/" in out
+    assert f"note: registered MLflow model ehr_prior-{old} (if still registered) stays in sqlite:///" in out
+    assert f".delete_registered_model('ehr_prior-{old}')" in out
+
+    after = every_table(wh)
+    for table, rows in before.items():
+        assert after[table].equals(rows.filter(~belongs(rows, old, deleted_runs))), table
+    assert not (wh.root / "reports" / "r-old").exists() and (wh.root / "reports" / "r-kept").is_dir()
+    assert not (wh.root / "mlflow" / "cache" / f"ehr_prior-{old}").exists()
+    assert (wh.root / "mlflow" / "cache" / f"ehr_prior-{kept}").is_dir()
+    assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
+    # The other cohort and its run work as before.
+    evaluate_run(wh, "r-kept", ks=(10,), n_boot=0, natural=False)
+
+
+def test_a_cohort_with_runs_is_refused_without_with_runs_and_the_dry_run_changes_nothing(two_cohorts):
+    wh, old, _ = two_cohorts
+    files = sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts)
+    before = every_table(wh)
+
+    code, out, err = cli(wh, "cohort", "delete", "old")
+    assert code == 2 and not out
+    assert err == (f"Error: cohort old ({old}) has 1 run(s) recorded on it (r-old): pass --with-runs to delete them, "
+                   "and everything they wrote, with it (usage: dxr cohort delete -h)\n")
+
+    code, out, err = cli(wh, "cohort", "delete", "old", "--with-runs", "--dry-run")
+    assert code == 0, err
+    assert ": would remove 1 run(s) (r-old) and these rows:" in out.splitlines()[0]
+    counted = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()[3:] if line.split()[-1].isdigit()}
+    assert counted == {table: rows.filter(belongs(rows, old, ["r-old"])).height
+                       for table, rows in before.items() if rows.filter(belongs(rows, old, ["r-old"])).height}
+    assert "would remove reports/r-old/" in out
+
+    assert sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts) == files
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+
+
+def test_a_cohort_without_runs_goes_with_its_own_rows_only(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-1")["cohort_id"]
+    vocabulary = wh_vocab.read("icd_codes")
+    code, out, err = cli(wh_vocab, "cohort", "delete", "default")
+    assert code == 0, err
+    assert ": removed no run and these rows:" in out.splitlines()[0]
+    assert "note:" not in out  # no prior was trained on it
+    for table in COHORT_TABLES:
+        assert wh_vocab.read(table).is_empty(), table
+    assert wh_vocab.read("runs")["kind"].to_list() == ["ingest:meds"]  # its build's record went with it
+    assert wh_vocab.read("datasets").height == 1 and wh_vocab.read("icd_codes").equals(vocabulary)
+    code, _, err = cli(wh_vocab, "cohort", "delete", cohort_id)
+    assert code == 1
+    assert err == (f"Error: cohort {cohort_id!r} not found in the warehouse at {wh_vocab.root}; built cohorts: none "
+                   "(build one with `dxr cohort build`, or check --data-dir)\n")
+
+
+def test_a_name_of_several_cohorts_is_refused_and_each_goes_by_its_id(wh_vocab, tmp_path):
+    # A nightly refresh: the dataset registered again with a new patient, the cohort built again under its name.
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    first = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v2", tiny_events().filter(pl.col("subject_id") != 4)), "hosp")
+    second = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    assert first != second
+
+    with pytest.raises(InputError, match=rf"^cohort name 'nightly' names 2 cohorts, oldest first: {first} \(built "
+                                         rf".*\), {second} \(built .*\); delete one by its id"):
+        delete_cohort(wh_vocab, "nightly", with_runs=False)
+    delete_cohort(wh_vocab, first, with_runs=False)
+    assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [second]
+    assert wh_vocab.read("trajectories")["cohort_id"].unique().to_list() == [second]
+
+
+def test_a_cohort_in_use_is_not_deleted(wh_vocab, tiny_meds):
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    with held(wh_vocab, f"cohort:{cohort_id}", shared=True, busy="a forecast"):  # as a forecast or training holds it
+        with pytest.raises(InputError, match=rf"^cohort default \({cohort_id}\) is in use by another dxr process"):
+            delete_cohort(wh_vocab, "default", with_runs=True)
+    assert wh_vocab.has_rows("trajectories", cohort_id=cohort_id)
+
+
+@pytest.mark.parametrize("stop_after", [0, 3])
+def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_finishes_it(two_cohorts, monkeypatch,
+                                                                                      stop_after):
+    # stop_after 0: killed before the commit point (as it renames the staged commit into place); 3: after it, with
+    # three of the removals done.
+    import warehouse.store as store
+
+    wh, old, kept = two_cohorts
+    before = every_table(wh)
+    real_replace, real_remove = store.os.replace, store.remove_into
+    removed = []
+
+    def replace(source, target):
+        if stop_after == 0 and str(target).endswith(COMMITTED):
+            raise KeyboardInterrupt("killed at the commit point")
+        return real_replace(source, target)
+
+    def remove_into(committed, path, number):
+        if len(removed) == stop_after:
+            raise KeyboardInterrupt("killed among the removals")
+        removed.append(path)
+        return real_remove(committed, path, number)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(store, "remove_into", remove_into)
+    with pytest.raises(KeyboardInterrupt):
+        delete_cohort(wh, old, with_runs=True)
+    monkeypatch.undo()
+
+    if stop_after == 0:  # whole: every row as it was, and the delete simply runs again
+        assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+        delete_cohort(wh, old, with_runs=True)
+    else:
+        # The cohort's row went first; a reader of the forecasting store finishes the commit before it reads.
+        assert not wh.partitions_dir("cohorts", cohort_id=old).exists()
+        assert wh.partitions_dir("trajectories", cohort_id=old).exists()  # on disk until then
+        with pytest.raises(NotFoundError, match=f"cohort '{old}' not found"):
+            delete_cohort(wh, old, with_runs=True)  # the rerun: what was left is finished first
+    after = every_table(wh)
+    for table, rows in before.items():
+        assert after[table].equals(rows.filter(~belongs(rows, old, ["r-old"]))), table
+    assert not (wh.root / "reports" / "r-old").exists()
+    assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
+    assert not [p for p in Path(wh.root).rglob(f"*{old}*") if ".locks" not in p.parts]

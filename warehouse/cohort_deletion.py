@@ -1,0 +1,155 @@
+"""Deleting a cohort (`dxr cohort delete`): its tables in both stores, and on request the runs recorded on it.
+
+What belongs to a cohort is read off the schemas, so a table added later is not forgotten: every table
+partitioned by `cohort_id` first (its row, Ω, trajectories, records, targets, oracles), its `prediction_cache`
+entries (keyed by a digest whose inputs name the cohort), the `runs` rows recorded on it, and the cohort's
+copies of its priors under `<data_dir>/mlflow/cache`. The runs whose results are on the cohort (forecasts and
+evaluations, means over repeated runs included) go only with `with_runs`, and then with every table partitioned
+by `run_id` first and their reports in the default place (`<data_dir>/reports/<run_id>`). The rows of its build,
+its priors' trainings and their promotions in `runs` are the cohort's own record and go with it.
+
+Shared data stays: datasets, vocabularies, corpora, the page cache and the LLM response cache (content-addressed,
+shared by every cohort). So do the registered MLflow models of the cohort's priors (`{system}-{cohort_id}`,
+`models.prior.tracking.registered_name`): a cohort id hashes the dataset's files, options and seed, not the
+warehouse, so a copied data dir with a configured (shared) tracking store holds models of the same names that
+its own cohort still uses. `registered_models` names them, for the user to remove.
+
+Everything goes in one removal commit of the forecasting store (`Warehouse.delete_together`), with the cohort's
+`cohorts` row first: a process killed before the commit point leaves the cohort whole, one killed after it
+leaves a commit that the next read of the warehouse (a rerun of the delete included) finishes.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from dxr.errors import InputError, NotFoundError
+from warehouse.cohorts import describe_cohort, get_cohort
+from warehouse.locks import held
+from warehouse.runs import EVALUATE_KIND
+from warehouse.schemas import RUN_TABLES, TABLES
+from warehouse.store import PART_FILE, Warehouse, fetch_frame
+
+# Every table whose partitions are one cohort's (first key `cohort_id`), its row first: it is what finds the cohort.
+COHORT_TABLES = ("cohorts", *sorted(name for name, spec in TABLES.items()
+                                    if spec.partition_by[0] == "cohort_id" and name != "cohorts"))
+# Kinds of the runs whose rows are results on a cohort; its other runs (its build, its priors' trainings and
+# promotions) are its own record.
+RESULT_KINDS = ("forecast:", EVALUATE_KIND)
+SHOWN_RUNS = 5  # run ids an error names before it says how many more
+
+
+class RunsOnCohort(InputError):
+    """A cohort with results recorded on it, deleted without `with_runs`."""
+
+
+@dataclass
+class CohortDeletion:
+    """What deleting a cohort removes (or removed): partitions by table, their rows, and directories."""
+
+    cohort: dict  # its `cohorts` row
+    runs: list[str]  # run ids with results on the cohort
+    partitions: list[tuple[str, dict]] = field(default_factory=list)  # (table, leading keys), the cohort's row first
+    rows: dict[str, int] = field(default_factory=dict)  # table -> rows of its partitions that go
+    directories: list[Path] = field(default_factory=list)  # reports and model copies
+    registered_models: list[str] = field(default_factory=list)  # MLflow models of its priors, which stay
+
+    def add(self, wh: Warehouse, table: str, **keys) -> None:
+        """One partition (or all under the given leading keys), when it holds files."""
+        files = list(wh.partitions_dir(table, **keys).rglob(PART_FILE))
+        if files:
+            self.partitions.append((table, keys))
+            self.rows[table] = self.rows.get(table, 0) + sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def resolve_cohort(wh: Warehouse, name_or_id: str) -> dict:
+    """The `cohorts` row an id or a name names; a name that several cohorts share is refused, since deleting the
+    newest of them (what a name means to other commands) would rarely be what was meant."""
+    cohorts = wh.read("cohorts")
+    if name_or_id not in cohorts["cohort_id"].to_list():
+        named = cohorts.filter(pl.col("name") == name_or_id).sort("created_at")
+        if named.height > 1:
+            listed = ", ".join(f"{row['cohort_id']} (built {row['created_at']:%Y-%m-%d %H:%M} UTC)"
+                               for row in named.iter_rows(named=True))
+            raise InputError(f"cohort name {name_or_id!r} names {named.height} cohorts, oldest first: {listed}; "
+                             "delete one by its id (`dxr cohort list` shows them)")
+    return get_cohort(wh, name_or_id)
+
+
+def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
+    """What deleting `cohort` (its `cohorts` row) with its runs removes."""
+    cohort_id = cohort["cohort_id"]
+    registry = wh.connect(tables=["runs", "prediction_cache"])
+    recorded = fetch_frame(registry, "SELECT DISTINCT run_id, kind FROM runs WHERE cohort_id = ? ORDER BY ALL",
+                           [cohort_id])
+    results = recorded.filter(pl.any_horizontal(pl.col("kind").str.starts_with(kind) for kind in RESULT_KINDS))
+    plan = CohortDeletion(cohort, sorted(set(results["run_id"])))
+    for table in COHORT_TABLES:
+        plan.add(wh, table, cohort_id=cohort_id)
+    # Of a run of another cohort that reused a run id (its build under the same --run-id), only the rows on this one.
+    for run_id, kind in recorded.iter_rows():
+        plan.add(wh, "runs", run_id=run_id, kind=kind)
+    for run_id in plan.runs:
+        for table in sorted(RUN_TABLES - {"runs"}):
+            plan.add(wh, table, run_id=run_id)
+        if (report := wh.root / "reports" / run_id).is_dir():
+            plan.directories.append(report)
+    cached = registry.execute("SELECT DISTINCT system, cache_key FROM prediction_cache "
+                              "WHERE json_extract_string(key_json, '$.cohort_id') = ? ORDER BY ALL",
+                              [cohort_id]).fetchall()
+    for system, cache_key in cached:
+        plan.add(wh, "prediction_cache", system=system, cache_key=cache_key)
+    # `{system}-{cohort_id}` (`models.prior.tracking.download_model`): the cohort's copies of its priors.
+    plan.directories += sorted(p for p in (wh.root / "mlflow" / "cache").glob(f"*-{cohort_id}") if p.is_dir())
+    trained = {kind.split(":", 1)[1] for kind in recorded["kind"] if kind.startswith(("train:", "promote:"))}
+    plan.registered_models = [f"{system}-{cohort_id}" for system in sorted(trained)]
+    return plan
+
+
+def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False) -> CohortDeletion:
+    """Delete a cohort (by id, or by a name no other cohort has), with its runs when `with_runs`; returns what went
+    (with `dry_run`, what would go: nothing changes).
+
+    The cohort is held as its build holds it and each of its runs as its evaluation does, so no forecast, training,
+    build, evaluation or report of them runs meanwhile; a delete refused for that is simply run again later.
+    """
+    cohort = resolve_cohort(wh, name_or_id)
+    cohort_id = cohort["cohort_id"]
+    label = f"{cohort['name']} ({cohort_id})"
+    with held(wh, f"cohort:{cohort_id}", shared=False,
+              busy=f"cohort {label} is in use by another dxr process (a forecast, a prior's training, an evaluation, "
+                   "a report or a build)"), ExitStack() as runs_held:
+        if wh.read("cohorts", cohort_id=cohort_id).is_empty():  # deleted, or a build unregistered it, meanwhile
+            raise NotFoundError(f"cohort {label} is no longer registered: `dxr cohort list` shows the cohorts")
+        plan = plan_deletion(wh, cohort)
+        if plan.runs and not with_runs:
+            shown = ", ".join(plan.runs[:SHOWN_RUNS]) + (f" and {len(plan.runs) - SHOWN_RUNS} more"
+                                                         if len(plan.runs) > SHOWN_RUNS else "")
+            raise RunsOnCohort(f"cohort {label} has {len(plan.runs)} run(s) recorded on it ({shown}): pass "
+                               "--with-runs to delete them, and everything they wrote, with it")
+        for run_id in plan.runs:
+            runs_held.enter_context(held(wh, f"run:{run_id}", shared=False,
+                                         busy=f"run {run_id!r} of cohort {label} is being forecast, evaluated or "
+                                              "reported by another dxr process"))
+        if not dry_run:
+            wh.delete_together(plan.partitions, plan.directories)
+    return plan
+
+
+def deletion_summary(wh: Warehouse, plan: CohortDeletion, dry_run: bool) -> str:
+    """What `dxr cohort delete` prints: the cohort, then rows by table and the directories removed."""
+    from warehouse.sql import format_table
+
+    done = "would remove" if dry_run else "removed"
+    runs = f"{len(plan.runs)} run(s) ({', '.join(plan.runs)})" if plan.runs else "no run"
+    lines = [f"cohort {describe_cohort(plan.cohort)}: {done} {runs} and these rows:",
+             format_table(["table", "store", "rows"],
+                          [(table, TABLES[table].store, n) for table, n in plan.rows.items()]).rstrip("\n")]
+    lines += [f"{done} {path.relative_to(wh.root)}/" for path in plan.directories]
+    return "\n".join(lines) + "\n"
+
