@@ -296,6 +296,36 @@ def test_times_at_one_utc_offset_keep_the_wall_clock_time_they_show_and_mixed_of
                                                                                              dataset_id="named")
 
 
+def test_a_shard_of_static_rows_only_takes_no_part_in_the_time_zone_check(wh_vocab, tmp_path):
+    # An export that writes its static rows (sex) to a shard of their own has no time there, so that shard's time
+    # type may lack the zone the event shards are in (polars or pandas write a column of missing times naive).
+    # Without a time it has no offset to disagree with: the dataset is taken as if the rows were in one shard.
+    source = write_tiny_meds(tmp_path / "static_apart")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    static = pc.is_null(events["time"])
+    timed = events.filter(pc.invert(static))
+    pq.write_table(timed.set_column(1, "time", timed["time"].cast(pa.timestamp("us", "UTC"))), shard)
+    pq.write_table(events.filter(static), source / "data" / "static.parquet")
+    row = ingest_meds(wh_vocab, source, "static_apart")
+    assert (row["n_events"], row["time_zone"], row["utc_offset"]) == (events.num_rows, "+00:00", "+00:00")
+    gold = pl.read_parquet(wh_vocab.meds_dir("static_apart") / "data" / "**" / "*.parquet")
+    key = ["subject_id", "time", "code", "encounter_id"]
+    assert gold.select(key).sort(key, nulls_last=False).equals(
+        pl.from_arrow(events).select(key).sort(key, nulls_last=False))
+    assert build_cohort(wh_vocab, "static_apart", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+    # The other way round: naive event times beside a static shard whose empty times carry a zone.
+    pq.write_table(events.filter(pc.invert(static)), shard)
+    static_rows = events.filter(static)
+    pq.write_table(static_rows.set_column(1, "time", static_rows["time"].cast(pa.timestamp("us", "UTC"))),
+                   source / "data" / "static.parquet")
+    row = ingest_meds(wh_vocab, source, "static_zoned")
+    assert (row["n_events"], row["time_zone"], row["utc_offset"]) == (events.num_rows, "", "")
+    gold = pl.read_parquet(wh_vocab.meds_dir("static_zoned") / "data" / "**" / "*.parquet")
+    assert gold.select(key).sort(key, nulls_last=False).equals(
+        pl.from_arrow(events).select(key).sort(key, nulls_last=False))
+
+
 def test_a_named_time_zone_at_one_utc_offset_over_the_data_keeps_its_wall_clock_times(wh_vocab, tmp_path):
     # Asia/Kolkata has been at +05:30 since 1945, before the data's first time (a 1950 birth): its times order the
     # events as a fixed offset's do. Arrow stores them as UTC instants, 05:30 earlier.

@@ -294,6 +294,10 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     [encounter] = encounter_columns
+    if len({time_type.tz for time_type in time_types.values()}) > 1:
+        # A shard of static rows only (an export writing sex apart) has no time, so no offset to agree on, whatever
+        # zone its empty column carries: polars and pandas write a column of missing times without one.
+        time_types = {shard: time_type for shard, time_type in time_types.items() if _holds_times(shard)}
     time_zone, offset = _time_zone(time_types)
     with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
         n_subjects, n_events, n_loose, versions = _check_events(con, data_dir, shards, encounter, float_encounters)
@@ -368,6 +372,12 @@ def _time_zone(time_types: dict[Path, pa.DataType]) -> tuple[str, timedelta | No
                              f"{first[2]}: times at mixed offsets can misorder events; {MIXED_OFFSETS_FIX}")
     written = (zone if utc_offset(zone) is None else utc_offset(zone) for zone in offsets)  # names, and offsets alike
     return ", ".join(dict.fromkeys(filter(None, written))), first[0] if first else None
+
+
+def _holds_times(shard: Path) -> bool:
+    """Whether any event of `shard` has a time."""
+    with pq.ParquetFile(shard) as source:
+        return any(batch.column(0).null_count < batch.num_rows for batch in source.iter_batches(columns=["time"]))
 
 
 def _offset_delta(offset: str) -> timedelta:
@@ -678,9 +688,11 @@ def _wall_clock(column: pa.Array, offset: timedelta | None) -> pa.Array:
     """
     if not (pa.types.is_timestamp(column.type) and column.type.tz):
         return column
-    if offset is None:
-        raise ValueError(f"times in time zone {column.type.tz} copied without the UTC offset validation found for them")
     unit = column.type.unit
+    if offset is None:
+        if column.null_count == len(column):  # a static shard's empty times, which validation leaves out
+            return column.cast(pa.timestamp(unit))
+        raise ValueError(f"times in time zone {column.type.tz} copied without the UTC offset validation found for them")
     return pc.add(column.cast(pa.timestamp(unit)), pa.scalar(offset, pa.duration(unit)))
 
 
