@@ -326,6 +326,27 @@ def test_a_shard_of_static_rows_only_takes_no_part_in_the_time_zone_check(wh_voc
         pl.from_arrow(events).select(key).sort(key, nulls_last=False))
 
 
+def test_a_static_shard_whose_time_column_is_all_missing_as_null_type_is_taken(wh_vocab, tmp_path):
+    # pandas (a column of None) and polars (pl.lit(None)) write a time column without any time as Arrow's null type,
+    # as they do an all-missing text_value: a shard of static rows written apart has such a column.
+    source = write_tiny_meds(tmp_path / "static_null_time")
+    shard = source / "data" / "0.parquet"
+    events = pq.read_table(shard)
+    static = pc.is_null(events["time"])
+    pq.write_table(events.filter(pc.invert(static)), shard)
+    static_rows = events.filter(static)
+    pq.write_table(static_rows.set_column(1, "time", pa.nulls(static_rows.num_rows)),
+                   source / "data" / "static.parquet")
+    row = ingest_meds(wh_vocab, source, "static_null_time")
+    assert row["n_events"] == events.num_rows
+    gold = wh_vocab.meds_dir("static_null_time") / "data"
+    assert str(pq.read_schema(gold / "static.parquet").field("time").type) == "timestamp[us]"
+    key = ["subject_id", "time", "code", "encounter_id"]
+    assert pl.read_parquet(gold / "**" / "*.parquet").select(key).sort(key, nulls_last=False).equals(
+        pl.from_arrow(events).select(key).sort(key, nulls_last=False))
+    assert build_cohort(wh_vocab, "static_null_time", "main", CohortOptions(), seed=0)["n_trajectories"] == 3
+
+
 def test_a_named_time_zone_at_one_utc_offset_over_the_data_keeps_its_wall_clock_times(wh_vocab, tmp_path):
     # Asia/Kolkata has been at +05:30 since 1945, before the data's first time (a 1950 birth): its times order the
     # events as a fixed offset's do. Arrow stores them as UTC instants, 05:30 earlier.

@@ -566,8 +566,8 @@ def _meds_types(schema: pa.Schema) -> pa.Schema:
         takes = {"numeric_value": pa.types.is_null(have) or pa.types.is_floating(have) or pa.types.is_integer(have),
                  "text_value": pa.types.is_null(have) or _holds_text(have),
                  "code": _holds_text(have),
-                 # at the wall-clock time of its one UTC offset (`_conform_shard`)
-                 "time": pa.types.is_timestamp(have),
+                 # at the wall-clock time of its one UTC offset (`_conform_shard`); null in a shard of static rows
+                 "time": pa.types.is_null(have) or pa.types.is_timestamp(have),
                  # uint64 ids may not fit int64
                  "subject_id": pa.types.is_signed_integer(have) or pa.types.is_unsigned_integer(have)
                  and have.bit_width < 64}
