@@ -1096,6 +1096,41 @@ def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeyp
         assert result.stdout.splitlines()[0].split()[2:] == ["tiny:hf", "Heart", "failure"], options
 
 
+def test_cli_hybrid_search_of_a_lexical_only_index_says_it_is_bm25_and_refuses_fusion_options(tmp_path):
+    from dxr.cli import main
+
+    source = tmp_path / "tiny.jsonl"
+    jsonl_corpus(source, TINY)
+    runner = CliRunner()
+    data = ["--data-dir", str(tmp_path / "wh")]
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source), "--corpus", "tiny"]).exit_code == 0
+    assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
+    search = [*data, "corpus", "search", "loop diuretics congestion", "-k", "1"]
+    bm25 = runner.invoke(main, [*search, "--mode", "bm25"])
+    assert bm25.exit_code == 0 and bm25.stderr == "", bm25.output
+    # Hybrid, asked for or by default, answers as BM25 does and says so once on stderr.
+    for options in ([], ["--mode", "hybrid"]):
+        result = runner.invoke(main, [*search, *options])
+        assert (result.exit_code, result.stdout) == (0, bm25.stdout), result.output
+        assert result.stderr == "index 'literature' has no dense vectors (built lexical-only): searched with BM25 " \
+                                "alone\n"
+    for fusion_options in (["--fusion", "rrf"], ["--dense-share", "0.5"], ["--mode", "hybrid", "--fusion", "zscore"]):
+        result = runner.invoke(main, [*search, *fusion_options], prog_name="dxr")
+        option = fusion_options[-2]
+        assert (result.exit_code, result.output) == (
+            2, f"Error: {option} weighs BM25 against dense vectors, but index 'literature' has none (built "
+               "lexical-only), so its search is BM25 alone: drop it, or rebuild it with a dense part (`dxr corpus "
+               "build --name literature --corpus tiny`) (usage: dxr corpus search -h)\n"), fusion_options
+    # The dictionary's index is lexical whatever its build options: dropping the option is the only fix.
+    build_index(chunk_frame(icd_documents(*tiny_vocabulary())), tmp_path / "wh" / "forecast" / "corpus" / "icd", None,
+                name="icd", corpora=["icd"])
+    result = runner.invoke(main, [*data, "corpus", "search", "diabetes", "--name", "icd", "--fusion", "rrf"],
+                           prog_name="dxr")
+    assert (result.exit_code, result.output) == (
+        2, "Error: --fusion weighs BM25 against dense vectors, but index 'icd' has none (built lexical-only), so "
+           "its search is BM25 alone: drop it (usage: dxr corpus search -h)\n")
+
+
 def test_pubmedqa_hits_carry_the_question_as_title_and_a_build_names_documents_ingested_without(wh, tmp_path):
     from dxr.cli import main
     from tools.corpus import source_key, store_documents

@@ -233,12 +233,13 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     from tools.embeddings import make_embedder
     from tools.index import CorpusIndex, build_command
 
-    if mode != "hybrid":
-        # The fusion options weigh the two retrievers against each other: with one retriever they would change
-        # nothing, and a user who asked for them would not learn that.
-        for option, parameter in (("--fusion", "fusion"), ("--dense-share", "dense_share")):
-            if ctx.get_parameter_source(parameter) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
-                raise click.UsageError(f"{option} applies to --mode hybrid only, not --mode {mode}: drop it", ctx)
+    # The fusion options weigh the two retrievers against each other: with one retriever they would change
+    # nothing, and a user who asked for them would not learn that.
+    fusion_options = [option for option, parameter in (("--fusion", "fusion"), ("--dense-share", "dense_share"))
+                      if ctx.get_parameter_source(parameter) not in (ParameterSource.DEFAULT,
+                                                                     ParameterSource.DEFAULT_MAP)]
+    if mode != "hybrid" and fusion_options:
+        raise click.UsageError(f"{fusion_options[0]} applies to --mode hybrid only, not --mode {mode}: drop it", ctx)
     directory = index_root(ctx) / checked_index_name(name)
     if not (directory / "manifest.json").exists():
         built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
@@ -249,7 +250,18 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
     needs_embedder = mode != "bm25" and (directory / "dense.faiss").exists()
     embedder = make_embedder(settings(ctx).tools.embedding) if needs_embedder else None
     index = CorpusIndex(directory, embedder)
+    # A lexical-only index (the icd index always is) answers a hybrid search with BM25 alone, as documented; the
+    # command says so, and refuses fusion options that would change nothing there.
+    lexical_fallback = mode == "hybrid" and not index.has_dense
+    if lexical_fallback and fusion_options:
+        # Only the dictionary's build is lexical whatever its options: for any other index a rebuild helps.
+        dense_build = build_command(directory, index.manifest).removesuffix(" --lexical-only")
+        rebuild = "" if index.manifest["corpora"] == [ICD] else f", or rebuild it with a dense part (`{dense_build}`)"
+        raise click.UsageError(f"{fusion_options[0]} weighs BM25 against dense vectors, but index {name!r} has "
+                               f"none (built lexical-only), so its search is BM25 alone: drop it{rebuild}", ctx)
     hits = index.search(query, k=k, mode=mode, fusion=fusion, dense_share=dense_share)
+    if lexical_fallback:  # said once the search stood, not before a refusal of the query
+        click.echo(f"index {name!r} has no dense vectors (built lexical-only): searched with BM25 alone", err=True)
     if not hits:
         click.echo("no result")
     for hit in hits:
