@@ -434,7 +434,7 @@ def test_sql_json_and_csv_spell_nested_blob_and_interval_values_as_json(wh):
     assert "".join(stream_query(wh, query, fmt="csv")).splitlines() == [
         "s,l,m,n,lk,b,i,f,a,t,v,z",
         '"{""a"": 1, ""d"": ""2020-01-02""}","[{""x"": ""p""}, {""x"": null}]","{""k"": 1.5}",'
-        '"[{""key"": 2, ""value"": ""two""}]","[{""key"": [1], ""value"": ""one""}]",YWIA,93600.0,[null],"[1, 2]",'
+        '"[{""key"": 2, ""value"": ""two""}]","[{""key"": [1], ""value"": ""one""}]",YWIA,93600,[null],"[1, 2]",'
         "2020-01-02 03:04:05,x,"]
 
 
@@ -470,7 +470,7 @@ def test_sql_table_spells_decimals_booleans_and_nested_values_as_csv_does_and_al
         "     d       tiny  b      s              v\n"
         "------  ---------  -----  -------------  --\n"
         " 1.250  0.0000001  true   {\"p\": [1, 2]}  a\n"
-        "12.500             false                 bb\n"
+        "12.500       NULL  false  NULL           bb\n"
         "(2 rows)\n")
 
 
@@ -695,7 +695,7 @@ def test_sql_doctests():
     import warehouse.sql
 
     result = doctest.testmod(warehouse.sql)
-    assert result.failed == 0 and result.attempted == 4, result
+    assert result.failed == 0 and result.attempted == 9, result
 
 
 @pytest.fixture
@@ -747,16 +747,16 @@ def test_sql_table_spells_blobs_and_intervals_as_csv_and_json_lines_do_and_times
              "TIMESTAMP '2026-12-05 09:25:19.5' AS t, DATE '2026-12-05' AS d")
     # The table printed the blob as Python's b'ab' and the interval as Python's 0:00:25.500000.
     assert "".join(stream_query(wh, query)) == (
-        "b        took  t                           d\n"
-        "----  -------  --------------------------  ----------\n"
-        "YWI=  25.5000  2026-12-05 09:25:19.500000  2026-12-05\n"
+        "b     took  t                      d\n"
+        "----  ----  ---------------------  ----------\n"
+        "YWI=  25.5  2026-12-05 09:25:19.5  2026-12-05\n"
         "(1 row)\n")
     assert "".join(stream_query(wh, query, fmt="csv")) == (
-        "b,took,t,d\nYWI=,25.5,2026-12-05 09:25:19.500000,2026-12-05\n")
+        "b,took,t,d\nYWI=,25.5,2026-12-05 09:25:19.5,2026-12-05\n")
     assert json.loads("".join(stream_query(wh, query, fmt="json"))) == {
-        "b": "YWI=", "took": 25.5, "t": "2026-12-05 09:25:19.500000", "d": "2026-12-05"}
+        "b": "YWI=", "took": 25.5, "t": "2026-12-05 09:25:19.5", "d": "2026-12-05"}
     # A time is spelled as SQL and DuckDB spell it (a space before the time), which a query takes back as a literal.
-    assert duckdb.sql("SELECT TIMESTAMP '2026-12-05 09:25:19.500000' = TIMESTAMP '2026-12-05T09:25:19.5'").fetchall() \
+    assert duckdb.sql("SELECT TIMESTAMP '2026-12-05 09:25:19.5' = TIMESTAMP '2026-12-05T09:25:19.500000'").fetchall() \
         == [(True,)]
 
 
@@ -778,3 +778,48 @@ def test_delete_together_removes_a_partition_on_another_file_system_by_moving_it
     assert wh.read("targets")["cohort_id"].unique().to_list() == ["c2"]
     assert sorted(p.name for p in wh.table_dir("targets").iterdir()) == ["cohort_id=c2"]
     assert not any((wh.forecast_dir / store.COMMIT_DIR).iterdir())
+
+
+def test_sql_tells_null_from_an_empty_string_and_spells_times_and_intervals_without_trailing_zeros(wh, tmp_path):
+    from warehouse.sql import stream_query
+
+    query = ("SELECT * FROM (VALUES ('', 1, TIMESTAMP '2026-12-05 09:25:19.5', "
+             "TIMESTAMPTZ '2026-12-05 09:25:19.25+00', TIME '09:25:19.125', INTERVAL '25.5 seconds', "
+             "{'t': TIMESTAMP '2026-12-05 09:25:19.5'}), "
+             "(NULL, NULL, NULL, NULL, NULL, NULL, NULL), "
+             "('x', 2, TIMESTAMP '2026-12-05 09:25:19', TIMESTAMPTZ '2026-12-05 09:25:19+00', TIME '09:25:19', "
+             "INTERVAL '1 day', {'t': TIMESTAMP '2026-12-05 09:25:19'})) v(s, n, t, tz, tm, i, nested)")
+    # The table showed NULL and '' both as an empty cell, fractional seconds as .500000 and the interval with four
+    # decimals (25.5000, 86400.0000); the CSV wrote NULL and '' both as an empty field, and 86400.0.
+    assert "".join(stream_query(wh, query)) == (
+        "s        n  t                      tz                            tm                i  nested\n"
+        "----  ----  ---------------------  ----------------------------  ------------  -----  "
+        "------------------------------\n"
+        "         1  2026-12-05 09:25:19.5  2026-12-05 09:25:19.25+00:00  09:25:19.125   25.5  "
+        "{\"t\": \"2026-12-05 09:25:19.5\"}\n"
+        "NULL  NULL  NULL                   NULL                          NULL           NULL  NULL\n"
+        "x        2  2026-12-05 09:25:19    2026-12-05 09:25:19+00:00     09:25:19      86400  "
+        "{\"t\": \"2026-12-05 09:25:19\"}\n"
+        "(3 rows)\n")
+    csv_text = "".join(stream_query(wh, query, fmt="csv"))
+    assert csv_text == (
+        "s,n,t,tz,tm,i,nested\n"
+        '"",1,2026-12-05 09:25:19.5,2026-12-05 09:25:19.25+00:00,09:25:19.125,25.5,'
+        '"{""t"": ""2026-12-05 09:25:19.5""}"\n'
+        ",,,,,,\n"
+        'x,2,2026-12-05 09:25:19,2026-12-05 09:25:19+00:00,09:25:19,86400,"{""t"": ""2026-12-05 09:25:19""}"\n')
+    # The CSV reads back as it was: NULL as NULL, '' as '' (a reader that tells a quoted empty field from an empty
+    # one, as DuckDB's does without allow_quoted_nulls), the times as the same instants.
+    (tmp_path / "out.csv").write_text(csv_text)
+    read_back = duckdb.sql(f"SELECT s, n, t, tz, tm FROM read_csv('{tmp_path / 'out.csv'}', header = true, "
+                           "allow_quoted_nulls = false, "
+                           "columns = {'s': 'VARCHAR', 'n': 'INTEGER', 't': 'TIMESTAMP', 'tz': 'TIMESTAMPTZ', "
+                           "'tm': 'TIME', 'i': 'DOUBLE', 'nested': 'VARCHAR'})").fetchall()
+    assert read_back == duckdb.sql(f"SELECT s, n, t, tz, tm FROM ({query})").fetchall()
+    # JSON already told them apart (null and ""); its times lose their trailing zeros too.
+    assert [json.loads(line) for line in "".join(stream_query(wh, query, fmt="json")).splitlines()] == [
+        {"s": "", "n": 1, "t": "2026-12-05 09:25:19.5", "tz": "2026-12-05 09:25:19.25+00:00", "tm": "09:25:19.125",
+         "i": 25.5, "nested": {"t": "2026-12-05 09:25:19.5"}},
+        {"s": None, "n": None, "t": None, "tz": None, "tm": None, "i": None, "nested": None},
+        {"s": "x", "n": 2, "t": "2026-12-05 09:25:19", "tz": "2026-12-05 09:25:19+00:00", "tm": "09:25:19",
+         "i": 86400.0, "nested": {"t": "2026-12-05 09:25:19"}}]

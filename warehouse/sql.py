@@ -55,8 +55,9 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
         return
     if fmt == "table":
         # Values as their CSV cells: nested ones (a MAP's spelling depends on its key type, which its Python value
-        # lacks), blobs and intervals; format_table spells booleans and decimals alike and aligns decimals as numbers.
-        converted = [_csv_converter(d[1]) if d[1].id in (*_NESTED, "union", "blob", "interval") else None
+        # lacks) and blobs; format_table spells booleans, decimals, intervals and times alike and aligns decimals and
+        # intervals as numbers.
+        converted = [_csv_converter(d[1]) if d[1].id in (*_NESTED, "union", "blob") else None
                      for d in cursor.description]
         rows = _fetch(cursor, None)
         if any(converted):
@@ -68,7 +69,7 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
         convert = [_json_converter(d[1]) for d in cursor.description]
         # json.dumps spells a Decimal as text: rows holding decimals are written by _json_text instead.
         dumps = _json_text if any(_holds_decimal(d[1]) for d in cursor.description) else (
-            lambda value: json.dumps(value, default=str))
+            lambda value: json.dumps(value, default=_json_default))
         header, text = "", lambda rows: "".join(
             dumps({k: f(v) for k, f, v in zip(keys, convert, r)}) + "\n" for r in rows)
     else:
@@ -84,9 +85,30 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
 
 
 def _csv_text(rows: list) -> str:
+    """Rows as CSV lines, NULL as an empty field and an empty string as `""`, as DuckDB's CSV writer spells them:
+    the csv module writes both as an empty field, so a row holding an empty string is written field by field.
+
+    >>> _csv_text([("", None, "a,b", 1), ("x", None, "y", 2)]).splitlines()
+    ['"",,"a,b",1', 'x,,y,2']
+    """
     out = io.StringIO()
-    csv.writer(out, lineterminator="\n").writerows(rows)
+    writer = csv.writer(out, lineterminator="\n")
+    for row in rows:
+        if "" in row:
+            out.write(",".join('""' if value == "" else _csv_field(value) for value in row) + "\n")
+        else:
+            writer.writerow(row)
     return out.getvalue()
+
+
+def _csv_field(value) -> str:
+    """One non-empty field as the csv module writes it in a row (quoted when it holds a comma, quote or line break);
+    None as an empty field."""
+    if value is None:
+        return ""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerow([value])
+    return out.getvalue()[:-1]
 
 
 def _fetch(cursor: duckdb.DuckDBPyConnection, n: int | None) -> list[tuple]:
@@ -240,6 +262,45 @@ def _same(value):
     return value
 
 
+def _time_text(value: datetime.datetime | datetime.time) -> str:
+    """A timestamp or a time as SQL and DuckDB spell it (a space before the time), in ISO-8601 form otherwise: the
+    fractional seconds without trailing zeros (none when whole), an offset as +HH:MM.
+
+    >>> _time_text(datetime.datetime(2026, 12, 5, 9, 25, 19, 500000))
+    '2026-12-05 09:25:19.5'
+    >>> _time_text(datetime.datetime(2026, 12, 5, 9, 25, 19, 120, tzinfo=datetime.timezone.utc))
+    '2026-12-05 09:25:19.00012+00:00'
+    >>> _time_text(datetime.time(9, 25))
+    '09:25:00'
+    """
+    if isinstance(value, datetime.datetime):
+        text, seconds_end = value.isoformat(sep=" ", timespec="seconds"), len("2026-12-05 09:25:19")
+    else:
+        text, seconds_end = value.isoformat(timespec="seconds"), len("09:25:19")
+    if not value.microsecond:
+        return text
+    return text[:seconds_end] + f".{value.microsecond:06d}".rstrip("0") + text[seconds_end:]
+
+
+def _interval_seconds(value: datetime.timedelta) -> decimal.Decimal:
+    """An interval's length in seconds, exact to the microsecond and without trailing zeros (spell it with
+    format(…, "f"): a whole number of tens is kept as an exponent).
+
+    >>> [format(_interval_seconds(datetime.timedelta(seconds=s)), "f") for s in (25.5, 86_400, -0.5, 0.000001)]
+    ['25.5', '86400', '-0.5', '0.000001']
+    """
+    whole = decimal.Decimal(value.days * 86_400 + value.seconds)
+    return (whole + decimal.Decimal(value.microseconds).scaleb(-6)).normalize()
+
+
+def _json_default(value) -> str:
+    """The text of a value JSON has no type for (json.dumps's `default`): times as `_time_text` spells them, UUIDs,
+    dates and the rest as str() does."""
+    if isinstance(value, (datetime.datetime, datetime.time)):
+        return _time_text(value)
+    return str(value)
+
+
 def _json_plain(value):
     """A value of a type unknown here as JSON data: a dict as an object (its keys as text), a tuple or list as an
     array, bytes, timedeltas and non-finite floats as `_json_converter` says."""
@@ -266,9 +327,9 @@ def _holds_decimal(kind: duckdb.DuckDBPyType) -> bool:
 
 
 def _json_text(value) -> str:
-    """`value` (as `_json_converter` makes it) as json.dumps(default=str) spells it, but a Decimal as a JSON number
-    with its exact digits (DECIMAL(18,3) 1.250 as 1.250, 1E-7 as 0.0000001, as DuckDB prints them), not as text
-    and not rounded through a float.
+    """`value` (as `_json_converter` makes it) as json.dumps(default=_json_default) spells it, but a Decimal as a
+    JSON number with its exact digits (DECIMAL(18,3) 1.250 as 1.250, 1E-7 as 0.0000001, as DuckDB prints them), not
+    as text and not rounded through a float.
 
     >>> _json_text({"a": decimal.Decimal("1.250"), "b": [decimal.Decimal("1E-7"), None], "c": "x"})
     '{"a": 1.250, "b": [0.0000001, null], "c": "x"}'
@@ -279,29 +340,34 @@ def _json_text(value) -> str:
         return "{" + ", ".join(f"{json.dumps(str(k))}: {_json_text(v)}" for k, v in value.items()) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_json_text(v) for v in value) + "]"
-    return json.dumps(value, default=str)
+    return json.dumps(value, default=_json_default)
 
 
 def _csv_scalar(value):
     """A cell as DuckDB's CSV writer spells it where Python's text differs: a boolean as true / false, a Decimal
-    in fixed-point digits (0.0000001, not 1E-7)."""
+    in fixed-point digits (0.0000001, not 1E-7), a time without trailing zeros (`_time_text`); an interval as its
+    seconds without trailing zeros (`_interval_seconds`: 25.5, 93600)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, decimal.Decimal):
         return format(value, "f")
+    if isinstance(value, datetime.timedelta):
+        return format(_interval_seconds(value), "f")
+    if isinstance(value, (datetime.datetime, datetime.time)):
+        return _time_text(value)
     return _json_plain(value)
 
 
 def _csv_converter(kind: duckdb.DuckDBPyType) -> Callable | None:
     """How a CSV cell spells a value of DuckDB type `kind`, or None for the csv module's own text (numbers,
-    strings, dates and timestamps as before): a nested value is its JSON text, a BLOB its base64, an
-    INTERVAL its seconds, as `_json_converter` says; a BOOLEAN and a DECIMAL as `_csv_scalar` says."""
+    strings and dates): a nested value is its JSON text, a BLOB its base64, as `_json_converter` says; a BOOLEAN,
+    a DECIMAL, an INTERVAL, a time and a timestamp as `_csv_scalar` says."""
     if kind.id in _NESTED:
         convert = _json_converter(kind)
         return lambda v: None if v is None else _json_text(convert(v))
     if kind.id == "union":  # the member's value: JSON text when it is nested, as it is otherwise
         return lambda v: _json_text(_json_plain(v)) if isinstance(v, (dict, list, tuple)) else _csv_scalar(v)
-    if kind.id in ("blob", "interval", "boolean", "decimal"):
+    if kind.id in ("blob", "interval", "boolean", "decimal") or kind.id.startswith(("timestamp", "time")):
         return _csv_scalar
     return None
 
@@ -324,21 +390,22 @@ _CELL_ESCAPES = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
 
 def format_table(columns: list[str], rows: list[tuple]) -> str:
     """A plain aligned text table: numbers right-aligned, floats with 4 decimals, a DECIMAL with its exact digits in
-    fixed point, booleans as true / false, structs, lists and maps as JSON text (as CSV cells spell them), line
-    breaks and tabs in text as \\n, \\r and \\t, as DuckDB's table shows them (one line per row)."""
+    fixed point, booleans as true / false, intervals as seconds and times as CSV cells spell them (`_csv_scalar`),
+    structs, lists and maps as JSON text, NULL as NULL (an empty string stays empty), line breaks and tabs in text
+    as \\n, \\r and \\t, as DuckDB's table shows them (one line per row)."""
     def cell(v):
         if v is None:
-            return ""
+            return "NULL"
         if isinstance(v, float):
             return f"{v:.4f}"
-        if isinstance(v, (bool, decimal.Decimal)):
+        if isinstance(v, (bool, decimal.Decimal, datetime.timedelta, datetime.datetime, datetime.time)):
             return _csv_scalar(v)
         if isinstance(v, (dict, list, tuple)):
             return _json_text(_json_plain(v))
         return str(v).translate(_CELL_ESCAPES)
 
     def number(v) -> bool:
-        return isinstance(v, (int, float, decimal.Decimal)) and not isinstance(v, bool)
+        return isinstance(v, (int, float, decimal.Decimal, datetime.timedelta)) and not isinstance(v, bool)
 
     cells = [[cell(v) for v in r] for r in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]

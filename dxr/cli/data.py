@@ -62,10 +62,11 @@ def config_show(ctx: click.Context) -> None:
 @click.argument("query")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="An aligned table, CSV, or JSON lines; csv and json write the rows as they come (large exports). "
-                   "Every format spells a value alike: times as SQL and DuckDB do (2026-12-05 09:25:19.500000, a "
-                   "space before the time), structs, lists and maps as JSON (in a table or CSV cell its text), blobs "
-                   "as base64, intervals as seconds, decimals with their exact digits (JSON numbers: DECIMAL(18,3) "
-                   "1.250 as 1.250), booleans as true/false, NULL as an empty cell (null in JSON).")
+                   "Every format spells a value alike: times as SQL and DuckDB do (2026-12-05 09:25:19.5, a space "
+                   "before the time, no trailing zeros), structs, lists and maps as JSON (in a table or CSV cell its "
+                   "text), blobs as base64, intervals as seconds (25.5), decimals with their exact digits (JSON "
+                   "numbers: DECIMAL(18,3) 1.250 as 1.250), booleans as true/false. NULL is NULL in a table, an empty "
+                   "field in CSV (an empty string is \"\" there, as DuckDB writes it) and null in JSON.")
 @click.option("--with-gold", is_flag=True, help="Also open the gold store (targets, raw MEDS, oracle).")
 @click.option("--run", "run_id", default=None, metavar="RUN_ID",
               help="Show only this run's rows of the tables partitioned by run (runs, rankings, metrics, ledger, "
