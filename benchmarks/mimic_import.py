@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
@@ -238,7 +239,7 @@ def main() -> None:
         "duckdb": duckdb.__version__, "admissions": summary["n_admissions"], "encounters": summary["n_encounters"],
         "diagnoses_written": summary["n_diagnoses"], "lab_results_written": summary["n_labs"],
         "subjects": summary["n_subjects"], "shards": summary["n_shards"],
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     table = [(f"input rows ({len(rows)} tables)", f"{rows_read:,}"), ("  admissions", f"{rows['admissions']:,}"),
              ("  diagnoses_icd", f"{rows['diagnoses_icd']:,}"), ("  prescriptions", f"{rows['prescriptions']:,}"),

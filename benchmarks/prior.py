@@ -31,7 +31,6 @@ import platform
 import resource
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +44,7 @@ import polars as pl  # noqa: E402
 
 from models.prior.config import PriorConfig  # noqa: E402
 from tasks.evaluate import ORACLES  # noqa: E402
+from warehouse.schemas import utc_now  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 LEARNED = ("gru", "dense_prior", "ehr_prior")
@@ -191,7 +191,7 @@ def main() -> None:
                   f"(epoch {int(t['metrics']['selected_epoch']) + 1}), peak {t['peak_rss_mb']:.0f} MB",
                   flush=True)
 
-    run_id = f"bench-prior-{datetime.now():%Y%m%dT%H%M%S}"
+    run_id = f"bench-prior-{utc_now():%Y%m%dT%H%M%S}"  # UTC, as every run id
     inference = {}
     for system in systems:
         held = in_child(forecast_one, str(wh.root), cohort_id, system, args.eval_split, run_id)

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +29,14 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
 from warehouse.runs import mark_killed, record_run, registered_run  # noqa: E402
-from warehouse.schemas import NON_RUN_TABLES  # noqa: E402
+from warehouse.schemas import NON_RUN_TABLES, utc_now  # noqa: E402
 from warehouse.sql import run_query  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
 
 def grow(wh: Warehouse, start: int, stop: int) -> None:
-    """Finished runs `r{start}`..`r{stop - 1}`, written as the registry writes them."""
-    now = datetime.now()
+    """Finished runs `r{start}`..`r{stop - 1}`, written as the registry writes them (times in UTC)."""
+    now = utc_now()
     for i in range(start, stop):
         record_run(wh, f"r{i}", "c1", "forecast:repeat_history", {"split": "held_out", "k": 20}, "finished", now, now)
 
@@ -105,9 +105,9 @@ def main() -> None:
         print("  ".join(str(row[h]).rjust(w) for h, w in zip(header, widths)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "registry.json"
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")  # ISO 8601 with +00:00, as dxr's times
     out.write_text(json.dumps({"rows": rows, "repeats": args.repeats, "machine": platform.machine(),
-                               "python": platform.python_version(), "measured_at": datetime.now().isoformat()},
-                              indent=2))
+                               "python": platform.python_version(), "measured_at": measured_at}, indent=2))
     print(f"wrote {out}")
 
 

@@ -11,6 +11,7 @@ import ast
 import importlib
 import importlib.util
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,46 @@ def load_benchmark(name: str):
     return module
 
 
+@pytest.fixture
+def zone_five_hours_behind_utc(monkeypatch):
+    """The process's local time zone set to UTC-5 (a POSIX zone: no zone database needed), restored afterwards."""
+    import time
+
+    monkeypatch.setenv("TZ", "XYZ+05")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_the_registry_benchmark_records_its_runs_and_its_measuring_time_in_utc(tmp_path, monkeypatch,
+                                                                                zone_five_hours_behind_utc):
+    """Its runs' started_at / finished_at and its JSON's measured_at were local times (five hours off here), while
+    every time dxr records is UTC (`warehouse.schemas.utc_now`)."""
+    from datetime import timezone
+
+    from warehouse.schemas import utc_now
+    from warehouse.store import Warehouse
+
+    registry = load_benchmark("registry")
+    assert datetime.now() - utc_now() < timedelta(hours=-4)  # the zone took effect
+    wh = Warehouse(tmp_path / "wh")
+    before = utc_now()
+    registry.grow(wh, 0, 2)
+    runs = wh.read("runs").sort("run_id")
+    assert runs["run_id"].to_list() == ["r0", "r1"]
+    for column in ("started_at", "finished_at"):
+        assert all(before <= t <= utc_now() for t in runs[column].to_list()), runs[column]
+    monkeypatch.setattr(registry, "REPO", tmp_path)
+    monkeypatch.setattr(registry, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["registry.py", "--sizes", "0", "--repeats", "1"])
+    registry.main()
+    record = json.loads((tmp_path / "results" / "registry.json").read_text())
+    measured_at = datetime.fromisoformat(record["measured_at"])
+    assert measured_at.utcoffset() == timedelta(0)
+    assert timedelta(0) <= datetime.now(timezone.utc) - measured_at < timedelta(minutes=5)
+
+
 def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
     """benchmarks/mimic_import.py --workdir D without --keep removes the files it generated there, not D."""
     mimic_import = load_benchmark("mimic_import")
@@ -71,6 +112,8 @@ def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
     assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
     record = json.loads((tmp_path / "results" / "mimic_import.json").read_text())
     assert (record["rows_per_table"]["patients"], record["rows_per_table"]["admissions"]) == (60, 86)
+    # When it ran, in UTC and saying so (it was local time without an offset).
+    assert datetime.fromisoformat(record["when"]).utcoffset() == timedelta(0)
 
 
 @pytest.mark.parametrize("theirs", ["mimic-iv/hosp/patients.csv.gz", "meds/data/0.parquet"])
