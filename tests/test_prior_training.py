@@ -616,6 +616,39 @@ def test_a_default_store_half_made_by_a_killed_creation_is_made_again(tmp_path):
     assert mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == tracking.artifact_root(uri)
 
 
+def test_a_configured_sqlite_store_killed_while_it_is_created_is_absent_and_the_next_use_creates_it(tmp_path):
+    # MLflow created a configured store in place: killed among its migrations, it left a file no later open could use.
+    db = tmp_path / "shared" / "store.db"
+    db.parent.mkdir()
+    uri = f"sqlite:///{db}"
+    killed_among_migrations(f"from models.prior import tracking\n"
+                            f"tracking.use_tracking({str(tmp_path / 'wh')!r}, {uri!r}, 'x')")
+    assert not db.exists()  # only the scratch of the creation, whose owner has ended
+    tracking.use_tracking(tmp_path / "wh", uri, "dxr-ehr-prior")
+    assert mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == tracking.artifact_root(uri)
+    assert sorted(path.name for path in db.parent.iterdir()) == ["store.db"]
+
+
+def test_a_configured_sqlite_store_half_made_in_place_is_one_line_naming_it_and_left_as_it_is(tmp_path):
+    # Half made by MLflow itself (or by dxr before configured stores were created whole): the file is the user's, so
+    # it is named with the fix rather than replaced. The open failed with SQLAlchemy's traceback.
+    db = tmp_path / "shared" / "store.db"
+    db.parent.mkdir()
+    killed_among_migrations(f"import mlflow\nmlflow.MlflowClient(tracking_uri='sqlite:///{db}').search_experiments()")
+    left = db.read_bytes()
+    with pytest.raises(ConfigError) as raised:
+        tracking.use_tracking(tmp_path / "wh", f"sqlite:///{db}", "dxr-ehr-prior")
+    assert str(raised.value) == (
+        f"MLflow store {db} (prior.tracking_uri) is half made: it has no experiment and MLflow cannot open it "
+        "((sqlite3.OperationalError) table latest_metrics already exists), as a creation cut short leaves it: remove "
+        "the file (it holds no run) and rerun to have it created whole, or restore it from a backup")
+    assert db.read_bytes() == left
+    assert sorted(path.name for path in db.parent.iterdir()) == ["store.db"]  # the checked copy is gone
+    db.unlink()  # the fix the error names
+    tracking.use_tracking(tmp_path / "wh", f"sqlite:///{db}", "dxr-ehr-prior")
+    assert mlflow.get_experiment_by_name("dxr-ehr-prior") is not None
+
+
 def test_a_configured_store_is_not_re_pointed_at_the_data_dir_that_uses_it(tmp_path):
     # Two data dirs sharing one configured store (here: the first one's own database): only the default store,
     # which belongs to its data dir, follows that data dir.

@@ -7,7 +7,8 @@ cohort, named `{system}-{cohort_id}`; inference resolves `models:/{name}@{alias}
 
 MLflow stores absolute artifact locations. The default store is the data dir's own, so it is re-pointed at
 the data dir it is opened in (`relocate_store`): a moved, copied or restored data dir reads and writes
-its own artifacts, never the original's. It is created whole or not at all (`create_default_store`).
+its own artifacts, never the original's. It is created whole or not at all (`create_default_store`), and so is a
+configured sqlite store (`create_configured_store`).
 """
 
 from __future__ import annotations
@@ -144,6 +145,18 @@ def moved_from(con: sqlite3.Connection, here: str) -> list[str]:
             if location != here and location.startswith("file://") and location.endswith("/mlflow/artifacts")]
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a local sqlite tracking URI; None for a server, an in-memory store or a URI with options.
+
+    >>> sqlite_file("sqlite:////srv/dxr/mlflow.db")
+    PosixPath('/srv/dxr/mlflow.db')
+    >>> sqlite_file("http://mlflow.internal:5000") is None
+    True
+    """
+    path = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else ""
+    return Path(path) if path and path != ":memory:" and "?" not in path else None
+
+
 def create_default_store(data_dir: str | Path) -> None:
     """Create the data dir's own sqlite store whole, unless it is there; replace one whose creation was killed.
 
@@ -155,18 +168,63 @@ def create_default_store(data_dir: str | Path) -> None:
     without any experiment is what such a killed creation left before: it holds nothing (dxr registers models only
     from runs, which belong to experiments), so it is made again.
     """
-    db = Path(tracking_uri(data_dir, None).removeprefix("sqlite:///"))
+    create_store(data_dir, Path(tracking_uri(data_dir, None).removeprefix("sqlite:///")), owned=True)
+
+
+def create_configured_store(data_dir: str | Path, db: Path) -> None:
+    """Create a configured sqlite store (`prior.tracking_uri`) whole, as `create_default_store` does, when its file
+    is absent and its directory exists (MLflow's own error names a missing directory).
+
+    The file is the user's and may be shared by several data dirs: it is put in place only where nothing is
+    (`os.link`), never over another file. A file there without an experiment, which MLflow cannot open, is a creation
+    cut short in place (by MLflow itself, or by dxr before this): one line names it and the fix, rather than dxr
+    replacing a file it does not own.
+    """
+    if db.parent.is_dir():
+        create_store(data_dir, db, owned=False)
+
+
+def create_store(data_dir: str | Path, db: Path, *, owned: bool) -> None:
+    """Create the sqlite store `db` whole unless it is there, under the data dir's `mlflow-store` lock; a half-made
+    one is replaced when the data dir `owned` it, and refused in one line otherwise."""
     if store_made(db):
         return
     with held(Warehouse(data_dir), "mlflow-store", shared=False, wait=120.0,
               busy=f"MLflow store {db} is being created by another dxr process"):
         if store_made(db):  # by another process meanwhile
             return
+        if db.exists() and not owned:
+            check_opens(db)  # MLflow then opens it as it is
+            return
         remove_abandoned(db)
         with scratch(db, "staging") as staging:
             staging.mkdir()
             MlflowClient(tracking_uri=f"sqlite:///{staging / db.name}").search_experiments(max_results=1)
-            os.replace(staging / db.name, db)
+            if owned:
+                os.replace(staging / db.name, db)
+                return
+            try:
+                os.link(staging / db.name, db)
+            except FileExistsError:  # made meanwhile by a process of another data dir, whole as this one
+                pass
+
+
+def check_opens(db: Path) -> None:
+    """Whether MLflow can open a configured sqlite store that has no experiment (it adds its `Default` one when it
+    can); one whose creation was cut short among MLflow's migrations fails on a table that already exists, and one
+    line says so. A copy is opened, not the store: MLflow would migrate the user's file further, and keep an engine
+    on it for the life of the process (the file a user removes and creates again would still be read through it)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    with scratch(db, "check") as copy:
+        shutil.copyfile(db, copy)
+        try:
+            MlflowClient(tracking_uri=f"sqlite:///{copy}").search_experiments(max_results=1)
+        except (SQLAlchemyError, MlflowException) as exc:
+            reason = str(exc).strip().splitlines()[0]
+            raise ConfigError(f"MLflow store {db} (prior.tracking_uri) is half made: it has no experiment and MLflow "
+                              f"cannot open it ({reason}), as a creation cut short leaves it: remove the file (it "
+                              "holds no run) and rerun to have it created whole, or restore it from a backup") from exc
 
 
 def store_made(db: Path) -> bool:
@@ -186,12 +244,14 @@ def store_made(db: Path) -> bool:
 
 def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) -> str:
     """Point mlflow at the store and experiment (created with `artifact_root` when new); the default store is
-    first created whole if absent (`create_default_store`) and re-pointed at this data dir (`relocate_store`),
-    a configured one is left as it is."""
+    first created whole if absent (`create_default_store`) and re-pointed at this data dir (`relocate_store`); a
+    configured sqlite store is created whole if absent (`create_configured_store`), and otherwise left as it is."""
     uri = tracking_uri(data_dir, configured)
     if not configured:
         create_default_store(data_dir)
         relocate_store(Path(uri.removeprefix("sqlite:///")))
+    elif (db := sqlite_file(configured)) is not None:
+        create_configured_store(data_dir, db)
     mlflow.set_tracking_uri(uri)
     with store_errors(f"opening experiment {experiment!r}"):
         if mlflow.get_experiment_by_name(experiment) is None:
