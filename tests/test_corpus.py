@@ -810,6 +810,7 @@ def test_a_dense_build_reports_its_progress_at_most_every_few_seconds(tmp_path, 
     lines = []
     monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 0.0)  # a line after each checkpoint
     build_index(grown.head(6), tmp_path / "idx", CountingEmbedder(), progress=lines.append)
+    lines = [line for line in lines if not line.startswith("idx: index")]  # BM25's own (its test is below)
     assert lines[0] == "idx: embedding 6 of 6 chunks"
     assert [line.split(" chunks (")[0] for line in lines[1:]] == [
         "idx: embedded 2/6", "idx: embedded 4/6", "idx: embedded 6/6"]
@@ -819,12 +820,29 @@ def test_a_dense_build_reports_its_progress_at_most_every_few_seconds(tmp_path, 
     monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 3600.0)  # the four checkpoints of the rest take less
     grown = chunk_frame(TINY + [doc(f"extra{i}", f"Extra {i}", f"Extra text number {i}, again.") for i in range(4)])
     build_index(grown, tmp_path / "idx", CountingEmbedder(), progress=lines.append)
-    assert lines[0] == "idx: embedding 4 of 8 chunks (4 reused)" and len(lines) == 2
-    assert lines[1].startswith("idx: embedded 4/4 chunks (100%) in ")
+    assert lines[2] == "idx: embedding 4 of 8 chunks (4 reused)" and len(lines) == 4
+    assert lines[3].startswith("idx: embedded 4/4 chunks (100%) in ")
     lines.clear()
     build_index(grown, tmp_path / "idx", CountingEmbedder(), progress=lines.append)  # every embedding cached
+    assert [line.split(" chunks")[0] for line in lines] == ["idx: indexing 8", "idx: indexed 8/8"]
+
+
+def test_a_bm25_build_reports_its_progress_at_most_every_few_seconds(tmp_path, monkeypatch):
+    """The ICD dictionary's BM25 index takes about 20 s and said nothing meanwhile; it reports as embedding does."""
+    import tools.index
+
+    grown = chunk_frame(TINY + [doc(f"extra{i}", f"Extra {i}", f"Extra text number {i}.") for i in range(2)])
+    lines = []
+    monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 0.0)  # a line after each chunk
     build_index(grown, tmp_path / "lexical", None, progress=lines.append)
-    assert lines == []
+    assert lines[0] == "lexical: indexing 6 chunks for BM25"
+    assert [line.split(" chunks (")[0] for line in lines[1:]] == [f"lexical: indexed {n}/6" for n in range(1, 7)]
+    assert re.fullmatch(r"lexical: indexed 1/6 chunks \(17%\) in \d+ s, [\d,]+ chunks/s, about \d+ s left", lines[1])
+    assert re.fullmatch(r"lexical: indexed 6/6 chunks \(100%\) in \d+ s, [\d,]+ chunks/s", lines[-1])
+    lines.clear()
+    monkeypatch.setattr(tools.index, "PROGRESS_SECONDS", 3600.0)  # the build takes less: its start and end only
+    build_index(grown, tmp_path / "lexical", None, progress=lines.append)
+    assert [line.split(" chunks")[0] for line in lines] == ["lexical: indexing 6", "lexical: indexed 6/6"]
 
 
 def test_an_index_opened_while_a_build_swaps_it_is_read_from_one_build(tmp_path, monkeypatch):
@@ -1047,9 +1065,11 @@ def test_cli_a_build_of_an_index_another_build_holds_is_refused_before_reading_c
     result = CliRunner().invoke(main, build)
     assert result.exit_code == 0 and calls == ["read corpora", "load model"], result.output
     assert result.stdout.startswith("literature: 4 documents, 4 chunks, 4 embedded, 0 reused")
-    read, started, finished = result.stderr.splitlines()
-    assert (read, started) == ("literature: 4 documents from tiny (0 cross-corpus duplicates dropped)",
-                               "literature: embedding 4 of 4 chunks")
+    read, indexing, indexed, started, finished = result.stderr.splitlines()
+    assert (read, indexing, started) == (
+        "literature: 4 documents from tiny (0 cross-corpus duplicates dropped)",
+        "literature: indexing 4 chunks for BM25", "literature: embedding 4 of 4 chunks")
+    assert indexed.startswith("literature: indexed 4/4 chunks (100%) in "), indexed
     assert finished.startswith("literature: embedded 4/4 chunks (100%) in "), finished
 
 

@@ -51,7 +51,7 @@ class SentenceTransformerEmbedder:
         from transformers.utils import logging as transformers_logging
 
         # transformers draws a "Loading weights" bar on every model load, i.e. on every dense `dxr corpus search`;
-        # a build reports its own progress (tools.index.embedding_progress).
+        # a build reports its own progress (tools.index.chunk_progress).
         transformers_logging.disable_progress_bar()
         self.batch_size = batch_size
         self._model = SentenceTransformer(path, device="cpu")

@@ -243,8 +243,9 @@ def _build_locked(out_dir: Path, chunks: pl.DataFrame, embedder=None, *, index_t
     step, `warehouse.scratch.exchange`, so a search never finds no index there); embeddings are checkpointed in
     batches there, so the next build resumes instead of re-embedding. Embeddings of chunk texts
     already present in a previous build of this directory (or of the index directories in
-    `share_embeddings_with`) are reused. `progress`, when given, receives a line when embedding starts, then at
-    most one every PROGRESS_SECONDS and one when it ends (chunks embedded of those to embed, rate, time left).
+    `share_embeddings_with`) are reused. `progress`, when given, receives a line when BM25 indexing starts, then at
+    most one every PROGRESS_SECONDS and one when it ends (chunks indexed, rate, time left), and the same for
+    embedding (chunks embedded of those to embed).
     """
     if chunks.is_empty():
         raise InputError(f"no chunks to index for {out_dir}: ingest a corpus first (dxr corpus ingest FORMAT PATH)")
@@ -274,8 +275,8 @@ def _build_locked(out_dir: Path, chunks: pl.DataFrame, embedder=None, *, index_t
 # Embeddings are saved every this many chunks during a build: a killed build loses at most one batch.
 CHECKPOINT_ROWS = 512
 CHECKPOINT_DIR = "checkpoints"
-# A build reports its embedding progress at most this often: a checkpoint takes about a second at full speed,
-# so a line per checkpoint would flood the terminal, yet a build can embed for half an hour.
+# A build reports its indexing and embedding progress at most this often: a checkpoint takes about a second at full
+# speed, so a line per checkpoint would flood the terminal, yet a build can embed for half an hour.
 PROGRESS_SECONDS = 30.0
 
 
@@ -297,11 +298,20 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
     builder.add_text_field("body", stored=False, tokenizer_name="en_stem")
     index = tantivy.Index(builder.build(), path=str(lexical_dir))
     writer = index.writer(heap_size=128_000_000, num_threads=1)
+    if progress:
+        progress(f"{name}: indexing {len(texts):,} chunks for BM25")
+    reported = time.perf_counter()
     for row, (title, text) in enumerate(zip(titles, texts)):
         writer.add_document(tantivy.Document(row=row, title=title if index_titles else "", body=text))
+        # A clock read per chunk costs well under 1% of adding it; the last line waits for the commit below.
+        if progress and row + 1 < len(texts) and (now := time.perf_counter()) - reported >= PROGRESS_SECONDS:
+            progress(chunk_progress(name, "indexed", row + 1, len(texts), now - started))
+            reported = now
     writer.commit()
     writer.wait_merging_threads()
     lexical_seconds = time.perf_counter() - started
+    if progress:
+        progress(chunk_progress(name, "indexed", len(texts), len(texts), lexical_seconds))
 
     embedded = reused = 0
     dense_seconds = 0.0
@@ -324,7 +334,7 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
             cached.update(zip(batch, vectors))
             done, now = start + len(batch), time.perf_counter()
             if progress and (done == len(missing) or now - reported >= PROGRESS_SECONDS):
-                progress(embedding_progress(name, done, len(missing), now - embedding_started))
+                progress(chunk_progress(name, "embedded", done, len(missing), now - embedding_started))
                 reported = now
         vectors = np.stack([cached[k] for k in keys]).astype("float32")
         embedded, reused = len(missing), len(keys) - len(missing)
@@ -349,17 +359,18 @@ def _write_index(chunks: pl.DataFrame, out_dir: Path, embedder, cached: dict[str
     return manifest
 
 
-def embedding_progress(name: str, done: int, total: int, seconds: float) -> str:
-    """One progress line of a build embedding `total` chunks, `done` of them in `seconds`.
+def chunk_progress(name: str, verb: str, done: int, total: int, seconds: float) -> str:
+    """One progress line of a build that has `verb` (indexed for BM25, embedded) `done` of `total` chunks in
+    `seconds`.
 
-    >>> embedding_progress("literature", 5120, 30387, 125.0)
+    >>> chunk_progress("literature", "embedded", 5120, 30387, 125.0)
     'literature: embedded 5,120/30,387 chunks (17%) in 2.1 min, 41 chunks/s, about 10 min left'
-    >>> embedding_progress("literature", 30387, 30387, 741.0)
-    'literature: embedded 30,387/30,387 chunks (100%) in 12 min, 41 chunks/s'
+    >>> chunk_progress("icd", "indexed", 447883, 447883, 21.0)
+    'icd: indexed 447,883/447,883 chunks (100%) in 21 s, 21,328 chunks/s'
     """
     rate = done / max(seconds, 1e-9)
     left = f", about {_duration((total - done) / rate)} left" if done < total else ""
-    return (f"{name}: embedded {done:,}/{total:,} chunks ({done / total:.0%}) in {_duration(seconds)}, "
+    return (f"{name}: {verb} {done:,}/{total:,} chunks ({done / total:.0%}) in {_duration(seconds)}, "
             f"{rate:,.0f} chunks/s{left}")
 
 
