@@ -24,8 +24,8 @@ import pytest
 import warehouse.meds as meds_module
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
-from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, file_size_limit,
-                            tiny_events, write_tiny_meds)
+from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, dx, file_size_limit,
+                            t, tiny_events, write_tiny_meds)
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
@@ -538,3 +538,151 @@ def test_codes_metadata_with_codes_that_are_not_text_is_refused_at_ingest(wh_voc
     with pytest.raises(InputError, match=r"codes\.parquet: column 'code' is int64, not text: MEDS code metadata holds "
                                          r"codes and descriptions as strings"):
         ingest_meds(wh_vocab, tiny_meds, "tiny")
+
+
+def respelled(code: str, prefix: str, dotted: bool = True) -> str:
+    """A platform diagnosis code (DIAGNOSIS//ICD//{9|10}//<code>) as another ETL spells it: `prefix` and the code,
+    with its dot when `dotted` (after the category: 4 characters for an ICD-9 E code, else 3)."""
+    *_, version, raw = code.split("//")
+    category = 4 if version == "9" and raw.startswith("E") else 3
+    return prefix.format(version=version) + (f"{raw[:category]}.{raw[category:]}" if dotted and raw[category:] else raw)
+
+
+# Procedures in the ICD systems' own spellings: never diagnoses, whatever the spelling of the diagnoses.
+ICD_PROCEDURES = pl.DataFrame([(1, t(21), "ICD10PCS/02HV33Z", None, None, 103),
+                               (2, t(1), "ICD9Proc/38.93", None, None, 201),
+                               (2, t(5), "ICD9PROC//3893", None, None, 202)], schema=tiny_events().schema, orient="row")
+# ICD-9-CM diagnoses (an E code among them) in subject 2's encounters, so that both versions are rewritten.
+ICD9_DIAGNOSES = pl.DataFrame([(2, t(3), "DIAGNOSIS//ICD//9//25000", None, None, 201),
+                               (2, t(6), "DIAGNOSIS//ICD//9//E8781", None, None, 202),
+                               (2, t(6), "DIAGNOSIS//ICD//9//V4581", None, None, 202)],
+                              schema=tiny_events().schema, orient="row")
+
+
+def cohort_outcome(wh, dataset: str) -> tuple[list, list]:
+    """A dataset's default cohort as comparable across datasets: its trajectories and target codes without the
+    cohort id."""
+    cohort_id = build_cohort(wh, dataset, "default", CohortOptions(), seed=0)["cohort_id"]
+    trajectories = wh.read("trajectories", cohort_id=cohort_id).select(
+        "subject_id", "target_encounter_id", "cutoff_time", "split", "n_prior_encounters").sort(pl.all()).rows()
+    targets = wh.read("targets", cohort_id=cohort_id).select(
+        pl.col("trajectory_id").str.replace(f"^{cohort_id}:", ""), "code").sort(pl.all()).rows()
+    return trajectories, targets
+
+
+@pytest.mark.parametrize("prefix, dotted", [("ICD{version}CM/", True), ("ICD{version}CM//", True),
+                                            ("ICD{version}CM//", False), ("ICD{version}//", False),
+                                            ("ICD{version}/", True), ("DIAGNOSIS//ICD//{version}//", True)])
+def test_ingest_rewrites_the_diagnosis_spellings_of_other_etls_to_the_platforms(wh_vocab, tmp_path, prefix, dotted):
+    # meds_etl writes OMOP's ICD10CM/E11.9 and ICD9CM/250.00, other ETLs ICD10CM//E11.9 or ICD9//4019: refused as
+    # "no diagnosis events" before. The copy holds them as the platform writes them, so the cohort is the one of the
+    # same data in the platform's spelling, and the procedures stay procedures.
+    canonical = pl.concat([tiny_events(), ICD9_DIAGNOSES, ICD_PROCEDURES]).sort("subject_id", "time", nulls_last=False)
+    is_diagnosis = pl.col("code").str.starts_with("DIAGNOSIS//")
+    other = canonical.with_columns(pl.when(is_diagnosis).then(pl.col("code").map_elements(
+        lambda code: respelled(code, prefix, dotted), return_dtype=pl.String)).otherwise(pl.col("code")))
+    # A dictionary in the same spelling, its descriptions kept, and its codes rewritten as the data's.
+    dictionary = pl.DataFrame({"code": ["DIAGNOSIS//ICD//10//A000", "DIAGNOSIS//ICD//9//25000", "GENDER//F"],
+                               "description": ["Cholera", "Diabetes", "female"]})
+    for name, events in (("canonical", canonical), ("other", other)):
+        root = write_tiny_meds(tmp_path / name, events)
+        dictionary.with_columns(pl.when(is_diagnosis).then(pl.col("code").map_elements(
+            lambda code: code if name == "canonical" else respelled(code, prefix, dotted), return_dtype=pl.String))
+            .otherwise(pl.col("code"))).write_parquet(root / "metadata" / "codes.parquet")
+        row = ingest_meds(wh_vocab, root, name)
+    assert row["icd_versions"] == "9,10"
+    assert {respelling.prefix for respelling in row["respelled"]} == {prefix.format(version=v) for v in (9, 10)}
+    # Those written as the platform writes them (I10 has no dot) are not counted.
+    assert sum(respelling.n_events for respelling in row["respelled"]) == (other["code"] != canonical["code"]).sum()
+    gold = {name: pl.read_parquet(wh_vocab.meds_dir(name) / "data" / "**" / "*.parquet").select(canonical.columns)
+            for name in ("canonical", "other")}
+    assert gold["other"].equals(gold["canonical"])
+    assert ICD_PROCEDURES["code"].is_in(gold["other"]["code"]).all()
+    assert (pl.read_parquet(wh_vocab.meds_dir("other") / "metadata" / "codes.parquet").rows()
+            == dictionary.rows())
+    assert cohort_outcome(wh_vocab, "other") == cohort_outcome(wh_vocab, "canonical")
+
+
+def test_a_dataset_mixing_the_platforms_spelling_with_another_gets_one_code_per_diagnosis(wh_vocab, tmp_path):
+    # Half of the subjects exported by one ETL, half by another, and one encounter coded in both spellings: every
+    # diagnosis becomes one code, so the targets are those of the data in one spelling.
+    events = tiny_events()
+    other_etl = pl.col("code").str.starts_with("DIAGNOSIS//") & pl.col("subject_id").is_in([1, 4])
+    mixed = events.with_columns(pl.when(other_etl).then(pl.col("code").map_elements(
+        lambda code: respelled(code, "ICD{version}CM/"), return_dtype=pl.String)).otherwise(pl.col("code")))
+    twice = events.filter((pl.col("encounter_id") == 103) & pl.col("code").str.starts_with("DIAGNOSIS//"))
+    write_tiny_meds(tmp_path / "one", events)
+    write_tiny_meds(tmp_path / "mixed", pl.concat([mixed, twice]).sort("subject_id", "time", nulls_last=False))
+    ingest_meds(wh_vocab, tmp_path / "one", "one")
+    row = ingest_meds(wh_vocab, tmp_path / "mixed", "mixed")
+    assert [(r.prefix, r.version) for r in row["respelled"]] == [("ICD10CM/", 10)]
+    trajectories, targets = cohort_outcome(wh_vocab, "mixed")
+    assert (trajectories, targets) == cohort_outcome(wh_vocab, "one")
+    assert ("1:103", "DIAGNOSIS//ICD//10//I5023") in targets and len(targets) == len(set(targets))
+
+
+@pytest.mark.parametrize("code, problem", [
+    ("icd10cm/j44.9", r"diagnosis code 'icd10cm/j44\.9' is not upper case: write it 'ICD10CM/J44\.9'"),
+    # An ICD-9 procedure (two digits before the dot) under a diagnosis prefix: not read as a diagnosis.
+    ("ICD9CM/38.93", r"diagnosis code 'ICD9CM/38\.93': no ICD-9 diagnosis code follows 'ICD9CM/' \(such as 250\.00, "
+                     r"V45\.81 or 25000\): write the code so, or as DIAGNOSIS//ICD//9//<code without dot>; give a "
+                     r"procedure its own prefix \(ICD9Proc/…\)"),
+    ("ICD10CM/J44.9.1", r"diagnosis code 'ICD10CM/J44\.9\.1': no ICD-10 diagnosis code follows 'ICD10CM/'")])
+def test_a_diagnosis_spelling_ingest_cannot_read_is_refused_naming_the_code(wh_vocab, tmp_path, code, problem):
+    events = tiny_events().with_columns(pl.col("code").replace(dx("J449"), code))
+    root = write_tiny_meds(tmp_path / "meds", events)
+    row = pl.read_parquet(root / "data" / "0.parquet")["code"].to_list().index(code) + 1
+    with pytest.raises(InputError, match=rf"0\.parquet, row {row}: {problem}.* \(2 events like it\)$"):
+        ingest_meds(wh_vocab, root, "meds")
+
+
+def test_data_without_diagnosis_codes_is_told_the_codes_it_has(wh_vocab, tmp_path):
+    # A SNOMED-coded export was refused with "no diagnosis events" and no hint of what the data held instead.
+    events = tiny_events().with_columns(pl.col("code").str.replace("^DIAGNOSIS//ICD//10//", "SNOMED/"))
+    root = write_tiny_meds(tmp_path / "snomed", events)
+    n_snomed, n_labs, n_admissions = (events.filter(pl.col("code").str.starts_with(prefix)).height
+                                      for prefix in ("SNOMED/", "LAB//", "HOSPITAL_ADMISSION//"))
+    with pytest.raises(InputError, match=rf"snomed: no diagnosis events \(codes DIAGNOSIS//ICD//9\|10//\.\.\., or "
+                                         rf"ICD10CM/… and the other spellings ingest takes\); codes seen: SNOMED/… "
+                                         rf"{n_snomed}, LAB//… {n_labs}, HOSPITAL_ADMISSION//… {n_admissions}, .*: "
+                                         r"next-encounter forecasting needs ICD-9-CM or ICD-10-CM diagnosis codes; "
+                                         r"write them as DIAGNOSIS//ICD//10//<code without dot>"):
+        ingest_meds(wh_vocab, root, "snomed")
+
+
+def test_the_cli_says_which_diagnosis_codes_it_rewrote(tmp_path):
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    events = tiny_events().with_columns(pl.col("code").str.replace("^DIAGNOSIS//ICD//10//", "ICD10CM//"))
+    root = write_tiny_meds(tmp_path / "meds", events)
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
+                                       "--name", "omop"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    n_diagnoses = events.filter(pl.col("code").str.starts_with("ICD10CM//")).height
+    assert (f"diagnosis codes: {n_diagnoses} rewritten from ICD10CM//… to DIAGNOSIS//ICD//10//… without the dot "
+            "(e.g. ICD10CM//E119)") in result.output
+
+
+def test_string_subject_ids_are_told_to_be_numbered(wh_vocab, tmp_path):
+    # "cast the columns to the MEDS types" cannot turn P0001 into a number.
+    events = tiny_events().with_columns(pl.format("P{}", pl.col("subject_id")).alias("subject_id"))
+    root = tmp_path / "strings"
+    write_tiny_meds(root)
+    pq.write_table(events.to_arrow(), root / "data" / "0.parquet")
+    with pytest.raises(InputError, match=r"0\.parquet: column 'subject_id' is large_string \(such as 'P1'\), not an "
+                                         r"integer: number the subjects \(map each id to an integer, keeping the map "
+                                         r"to look patients up\) and write those numbers as int64$"):
+        ingest_meds(wh_vocab, root, "strings")
+
+
+@pytest.mark.parametrize("column, fix", [
+    ("visit_id", "the shard has 'visit_id': when its ids are hospital encounters (admissions), rename it to "
+                 "encounter_id; when it counts outpatient visits too, write the admission id as encounter_id instead"),
+    ("HADM_ID", "rename column 'HADM_ID' to hadm_id (column names are case-sensitive)")])
+def test_an_encounter_column_under_another_name_is_named_as_the_one_to_rename(wh_vocab, tmp_path, column, fix):
+    # meds_etl writes the encounter as visit_id; MIMIC's CSVs name it HADM_ID.
+    root = write_tiny_meds(tmp_path / "meds", tiny_events().rename({"encounter_id": column}))
+    with pytest.raises(InputError, match=re.escape(f"0.parquet: missing column 'encounter_id' (int64): {fix}")):
+        ingest_meds(wh_vocab, root, "meds")

@@ -63,20 +63,25 @@ def writing_dataset(wh: Warehouse, dataset_id: str):
 def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | None = None,
                 memory_limit: str = "2GB") -> dict:
     """Copy an external MEDS dataset into the gold store and register it (and the run, kind
-    `ingest:meds`; `dxr ingest meds`). Its validation reads the events with DuckDB within `memory_limit`."""
+    `ingest:meds`; `dxr ingest meds`). Its validation reads the events with DuckDB within `memory_limit`.
+
+    Diagnosis codes in another ETL's spelling (`DIAGNOSIS_SPELLINGS`) are copied in the platform's; the returned
+    row's `respelled` says which (`MedsInfo.respelled`)."""
     config = {"path": str(source_dir), "dataset": dataset_id}
     with registered_run(wh, "ingest:meds", config, run_id):
         check_name("dataset", dataset_id)
         target = wh.meds_dir(dataset_id)
         # shutil.copytree's Error gathers each file's, without errno or file name: `out_of_disk` reads its text.
         with duck.resource_errors(f"MEDS ingest of {source_dir}", target.parent, memory_limit):
-            info = validate_meds_dir(source_dir, memory_limit)  # fail before copying anything
+            info = validate_meds_dir(source_dir, memory_limit, other_spellings=True)  # fail before copying anything
             with writing_dataset(wh, dataset_id):
-                copy_meds_dir(Path(source_dir), target, info.encounter_column, info.utc_offset)
+                copy_meds_dir(Path(source_dir), target, info.encounter_column, info.utc_offset,
+                              respell=bool(info.respelled))
                 # The copy keeps wall-clock times without their zone: the row records which zone that was.
-                return register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit,
-                                        time_zone=info.time_zone,
-                                        utc_offset="" if info.utc_offset is None else offset_text(info.utc_offset))
+                row = register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit,
+                                       time_zone=info.time_zone,
+                                       utc_offset="" if info.utc_offset is None else offset_text(info.utc_offset))
+                return {**row, "respelled": info.respelled}
 
 
 def ingest_mimic(wh: Warehouse, source: str, source_dir: Path, dataset_id: str, seed: int, labs: bool = False,

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import duckdb
@@ -39,10 +40,26 @@ EXTRA_COLUMNS = {"encounter_id": pa.int64()}
 # Other names a MEDS export gives the encounter column: MEDS-Extract's MIMIC-IV ETL, whose codes this platform
 # follows, keeps the admission id as `hadm_id`. Ingest copies it into `encounter_id`.
 ENCOUNTER_ALIASES = ("hadm_id",)
+# Columns that may hold the encounter under a name validation does not take, told as the one to rename: meds_etl
+# writes `visit_id` (OMOP's visit_occurrence_id, which counts outpatient visits too: only the user knows whether
+# its visits are hospital encounters), OMOP exports `visit_occurrence_id`, MIMIC's CSVs `HADM_ID`.
+_ENCOUNTER_LOOKALIKES = ("encounter_id", "hadm_id", "visit_id", "visit_occurrence_id")
 # Codes whose system the platform knows; anything under DIAGNOSIS// must be ICD-9 or ICD-10.
 _DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+$")
 # A diagnosis dictionary (codes.parquet) may also list chapters and blocks by their range, e.g. C00-C96.
 _DICTIONARY_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+(-[A-Z0-9]+)?$")
+# How other MEDS ETLs spell an ICD-10(-CM) or ICD-9-CM diagnosis, which `ingest meds` rewrites to the platform's
+# DIAGNOSIS//ICD//{9|10}//<code without dot> (`respelled_diagnosis_sql`), by ICD version: group 1 is the prefix,
+# group 3 the code, with or without its dot. meds_etl writes OMOP's vocabulary_id/concept_code (ICD10CM/E11.9,
+# ICD9CM/250.00), other ETLs a double slash (ICD10CM//E11.9, ICD9//4019), a hand-made export the platform's prefix
+# with the dot. The code must have the shape of a diagnosis of its version (ICD-9 procedures have two digits before
+# their dot), and the prefix names no procedure system: ICD10PCS/… and ICD9Proc/… stay procedures.
+DIAGNOSIS_SPELLINGS = {
+    10: r"^(ICD10(CM)?//?|DIAGNOSIS//ICD//10//)([A-Z][0-9][0-9A-Z](\.?[0-9A-Z]{1,4})?)$",
+    9: r"^(ICD9(CM)?//?|DIAGNOSIS//ICD//9//)(([0-9]{3}|V[0-9]{2})(\.?[0-9]{1,2})?|E[0-9]{3}(\.?[0-9])?)$",
+}
+# Codes that name an ICD diagnosis system in another spelling (any case): refused unless a spelling above matches.
+_OTHER_DIAGNOSIS_PREFIX = r"^ICD(9|10)(CM)?/"
 # Hex digits of a dataset's content fingerprint (`_fingerprint`); registrations from before it have 16.
 FINGERPRINT_LENGTH = 24
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
@@ -194,6 +211,15 @@ def _atomic_replace(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
+class Respelling(NamedTuple):
+    """The diagnosis events of one prefix of `DIAGNOSIS_SPELLINGS` that are not in the platform's spelling."""
+
+    prefix: str  # as written, e.g. ICD10CM/
+    version: int  # ICD version
+    n_events: int
+    example: str  # one of the codes as written
+
+
 @dataclass(frozen=True)
 class MedsInfo:
     """What validation learned about a MEDS directory."""
@@ -215,6 +241,9 @@ class MedsInfo:
     utc_offset: timedelta | None = None
     # Every file under `root` as validation found it (`_file_stamps`): what lets a validation be handed on.
     stamps: tuple[tuple, ...] = ()
+    # Diagnosis events in another spelling (`DIAGNOSIS_SPELLINGS`) that the copy rewrites; validated with
+    # `other_spellings` only.
+    respelled: tuple[Respelling, ...] = ()
 
     def holds_registered(self, fingerprint: str) -> bool:
         """True when these are the files a dataset was registered with under `fingerprint` (a registration older
@@ -228,9 +257,13 @@ class MedsInfo:
         return replace(self, root=root, shards=tuple(root / shard.relative_to(self.root) for shard in self.shards))
 
 
-def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", validated: MedsInfo | None = None
-                      ) -> MedsInfo:
+def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", validated: MedsInfo | None = None,
+                      other_spellings: bool = False) -> MedsInfo:
     """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix.
+
+    With `other_spellings` (what `ingest meds` reads before its copy rewrites them) diagnosis codes may also be
+    spelled as `DIAGNOSIS_SPELLINGS` lists, counted in `MedsInfo.respelled`; otherwise (the copy in the gold store,
+    which a cohort build reads) only the platform's spelling is a diagnosis.
 
     DuckDB reads the events within `memory_limit` (`_spilling_connection`). `validated` hands on an earlier
     validation of the same files, such as an importer's of its staging directory before moving it to `path`: it
@@ -244,7 +277,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         raise InputError(f"{root} is a file, not a MEDS directory: pass the folder that holds data/ and metadata/")
     # Taken before anything is read: a file changed while validation reads it fails the comparison later.
     stamps = _file_stamps(root)
-    if validated is not None and validated.stamps == stamps:
+    if validated is not None and validated.stamps == stamps and (other_spellings or not validated.respelled):
         return validated.moved_to(root)
     data_dir = root / meds.data_subdirectory
     shards = tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ()
@@ -268,8 +301,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             if field.name == "encounter_id" and encounter in shard_schema.names:
                 continue
             if field.name not in shard_schema.names:
-                fix = ("add the hospital encounter (admission) id to every event, as encounter_id or as hadm_id "
-                       "(MEDS-Extract's MIMIC-IV layout)" if field.name == "encounter_id"
+                fix = (_encounter_fix(shard_schema.names) if field.name == "encounter_id"
                        else "this is the MEDS layout before 0.3; rename patient_id to subject_id (and timestamp to "
                        "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
                        else "every MEDS shard needs it")
@@ -289,6 +321,12 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                              "encounters (e.g. map each visit id to an integer) and write them as int64")
         core = pq.read_table(shard, columns=[c for c in ("subject_id", "time", "code", "numeric_value", "text_value")
                                              if c in shard_schema.names]).slice(0, 0)
+        if _holds_text(core.schema.field("subject_id").type):
+            first = next((value for value in pq.read_table(shard, columns=["subject_id"])["subject_id"].to_pylist()
+                          if value is not None), None)
+            raise InputError(f"{shard}: column 'subject_id' is {core.schema.field('subject_id').type} (such as "
+                             f"{first!r}), not an integer: number the subjects (map each id to an integer, keeping "
+                             "the map to look patients up) and write those numbers as int64")
         try:
             meds.DataSchema.validate(core.cast(_meds_types(core.schema)))
         except SchemaValidationError as exc:
@@ -300,10 +338,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         time_types = {shard: time_type for shard, time_type in time_types.items() if _holds_times(shard)}
     time_zone, offset = _time_zone(time_types)
     with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
-        n_subjects, n_events, n_loose, versions = _check_events(con, data_dir, shards, encounter, float_encounters)
-    if not versions:
-        raise InputError(f"{root}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//...): "
-                         "next-encounter forecasting needs diagnosis codes")
+        n_subjects, n_events, n_loose, versions, respelled = _check_events(
+            con, data_dir, shards, encounter, float_encounters, other_spellings)
     metadata_path = root / meds.dataset_metadata_filepath
     try:
         metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
@@ -330,7 +366,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         if untyped is not None:
             raise InputError(f"{codes_path}: column '{untyped.name}' is {untyped.type}, not text: "
                              "MEDS code metadata holds codes and descriptions as strings")
-        _check_dictionary_codes(codes_path)
+        _check_dictionary_codes(codes_path, other_spellings)
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
@@ -346,7 +382,19 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps,
-                    time_zone=time_zone, utc_offset=offset)
+                    time_zone=time_zone, utc_offset=offset, respelled=respelled)
+
+
+def _encounter_fix(columns: list[str]) -> str:
+    """How to give a shard without an encounter column one, naming a column of `columns` that may hold it."""
+    lookalike = next((name for name in columns if name.lower() in _ENCOUNTER_LOOKALIKES), None)
+    if lookalike is None:
+        return ("add the hospital encounter (admission) id to every event, as encounter_id or as hadm_id "
+                "(MEDS-Extract's MIMIC-IV layout)")
+    if lookalike.lower() in ("encounter_id", "hadm_id"):
+        return f"rename column '{lookalike}' to {lookalike.lower()} (column names are case-sensitive)"
+    return (f"the shard has '{lookalike}': when its ids are hospital encounters (admissions), rename it to "
+            "encounter_id; when it counts outpatient visits too, write the admission id as encounter_id instead")
 
 
 def _time_zone(time_types: dict[Path, pa.DataType]) -> tuple[str, timedelta | None]:
@@ -433,19 +481,27 @@ def _spilling_connection(what: str, memory_limit: str) -> Iterator[duckdb.DuckDB
 
 
 def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[Path, ...], encounter: str,
-                  float_encounters: bool) -> tuple[int, int, int, tuple[int, ...]]:
+                  float_encounters: bool, other_spellings: bool
+                  ) -> tuple[int, int, int, tuple[int, ...], tuple[Respelling, ...]]:
     """The event checks of `validate_meds_dir`, in DuckDB; returns the subjects, events, diagnoses without an
-    encounter, and ICD versions of the data."""
+    encounter, ICD versions of the data, and its diagnoses in other spellings (with `other_spellings`)."""
     glob = str(data_dir / "**" / "*.parquet")
 
-    def scan(options: str = "") -> str:  # the shards, with the encounter column under its platform name
+    def scan(options: str = "", as_written: bool = False) -> str:
+        """The shards with the encounter column under its platform name and, unless `as_written`, each diagnosis
+        code in the platform's spelling."""
         relation = f"read_parquet({duck.literal(glob)}, union_by_name=true{options})"
-        return relation if encounter == "encounter_id" else f"(SELECT *, {encounter} AS encounter_id FROM {relation})"
+        columns = "*" if encounter == "encounter_id" else f"*, {encounter} AS encounter_id"
+        if other_spellings and not as_written:
+            columns = columns.replace("*", f"* REPLACE (coalesce({respelled_diagnosis_sql('code')}, code) AS code)", 1)
+        return relation if columns == "*" else f"(SELECT {columns} FROM {relation})"
 
     rel = scan()
     # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
     is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
+    if other_spellings:  # a code naming ICD in another spelling that none of DIAGNOSIS_SPELLINGS matches
+        is_diagnosis = f"({is_diagnosis} OR regexp_matches(code, {duck.literal(_OTHER_DIAGNOSIS_PREFIX)}, 'i'))"
     problems = {
         "subject_id IS NULL": "subject_id is empty: every MEDS event needs its subject",
         "code IS NULL": "code is empty: every MEDS event needs a code",
@@ -502,11 +558,37 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
                                  "the two; every event must be stored once")
     versions = tuple(sorted(int(v) for (v,) in con.execute(
         f"SELECT DISTINCT split_part(code, '//', 3) FROM {rel} WHERE code LIKE 'DIAGNOSIS//ICD//%'").fetchall()))
-    return n_subjects, n_events, n_loose, versions
+    if not versions:
+        # What the data codes instead, by prefix (up to its first slashes), so the user knows what to rewrite.
+        seen = con.execute(f"""SELECT regexp_extract(code, '^[^/]*/*') AS prefix, count(*) AS n FROM {rel}
+                               GROUP BY prefix ORDER BY n DESC, prefix LIMIT 5""").fetchall()
+        codes_seen = ", ".join(f"{prefix}{'…' if prefix.endswith('/') else ''} {n:,}" for prefix, n in seen)
+        raise InputError(f"{data_dir.parent}: no diagnosis events (codes DIAGNOSIS//ICD//9|10//..."
+                         f"{', or ICD10CM/… and the other spellings ingest takes' if other_spellings else ''}); "
+                         f"codes seen: {codes_seen}: next-encounter forecasting needs ICD-9-CM or ICD-10-CM "
+                         "diagnosis codes; write them as DIAGNOSIS//ICD//10//<code without dot> "
+                         "(docs/bring-your-own-data.md)")
+    respelled: tuple[Respelling, ...] = ()
+    if other_spellings:
+        written, platform = scan(as_written=True), respelled_diagnosis_sql("code")
+        respelled = tuple(Respelling(*row) for row in con.execute(f"""
+            SELECT regexp_extract(code, '^(.*/)'), CAST(split_part({platform}, '//', 3) AS INTEGER), count(*), min(code)
+            FROM {written} WHERE {platform} <> code GROUP BY ALL ORDER BY count(*) DESC, 1""").fetchall())
+    return n_subjects, n_events, n_loose, versions, respelled
 
 
 def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
-    """What is wrong with a code under DIAGNOSIS// that `valid` does not match, and the fix."""
+    """What is wrong with a code under DIAGNOSIS// that `valid` does not match, or one naming ICD in another
+    spelling that no pattern of `DIAGNOSIS_SPELLINGS` matches, and the fix."""
+    if not code.upper().startswith("DIAGNOSIS//"):
+        if any(re.match(pattern, code.upper()) for pattern in DIAGNOSIS_SPELLINGS.values()):
+            return f"diagnosis code {code!r} is not upper case: write it {code.upper()!r}"
+        prefix = re.match(_OTHER_DIAGNOSIS_PREFIX, code, re.IGNORECASE).group(0)
+        version, examples, procedures = (("10", "E11.9 or E119", "ICD10PCS/") if prefix.upper().startswith("ICD10")
+                                         else ("9", "250.00, V45.81 or 25000", "ICD9Proc/"))
+        return (f"diagnosis code {code!r}: no ICD-{version} diagnosis code follows {prefix!r} (such as {examples}): "
+                f"write the code so, or as DIAGNOSIS//ICD//{version}//<code without dot>; give a procedure its own "
+                f"prefix ({procedures}…)")
     if valid.match(code.upper()):
         prefix = code.upper().rsplit("//", 1)[0] + "//"
         return f"diagnosis code {code!r} is not upper case: write it {code.upper()!r} (prefix {prefix})"
@@ -516,19 +598,59 @@ def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
             "DIAGNOSIS//ICD//9//<code> or DIAGNOSIS//ICD//10//<code> without the dot")
 
 
-def _check_dictionary_codes(codes_path: Path) -> None:
-    """Refuse a diagnosis code in codes.parquet written other than the data's codes are (e.g. with its dot).
+def _check_dictionary_codes(codes_path: Path, other_spellings: bool) -> None:
+    """Refuse a diagnosis code in codes.parquet written other than the data's codes are (e.g. with its dot, unless
+    `other_spellings` has the copy rewrite it as the data's).
 
     A diagnosis dictionary there becomes the cohorts' vocabulary Ω: a code spelled `DIAGNOSIS//ICD//10//I50.22`
     would match no event and no model output, so every forecast would come out empty without an error.
     """
     codes = pl.read_parquet(codes_path, columns=["code"]).cast(pl.String).with_row_index("row", offset=1)
+    respelled = pl.any_horizontal([pl.col("code").str.contains(pattern) for pattern in DIAGNOSIS_SPELLINGS.values()])
     wrong = codes.filter(pl.col("code").str.to_uppercase().str.starts_with("DIAGNOSIS//")
-                         & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern))
+                         & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern)
+                         & ~(respelled & pl.lit(other_spellings)))
     if wrong.height:
         more = f" ({wrong.height:,} codes like it)" if wrong.height > 1 else ""
         raise InputError(f"{codes_path}, row {wrong['row'][0]:,}: "
                          f"{_diagnosis_code_problem(wrong['code'][0], _DICTIONARY_DIAGNOSIS_CODE)}{more}")
+
+
+def respelled_diagnosis_sql(code: str) -> str:
+    """SQL for the platform's spelling of the code in column `code` when it is a diagnosis spelled as
+    `DIAGNOSIS_SPELLINGS` lists (ICD10CM/E11.9 as DIAGNOSIS//ICD//10//E119), else NULL."""
+    return "CASE " + " ".join(
+        f"WHEN regexp_full_match({code}, {duck.literal(pattern)}) THEN 'DIAGNOSIS//ICD//{version}//' || "
+        f"replace(regexp_extract({code}, {duck.literal(pattern)}, 3), '.', '')"
+        for version, pattern in DIAGNOSIS_SPELLINGS.items()) + " END"
+
+
+def _respelled(codes: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """`codes` as text, each diagnosis in another spelling (`DIAGNOSIS_SPELLINGS`) in the platform's."""
+    con = duck.connect(":memory:")
+    try:
+        con.register("written", pa.table({"code": codes.cast(pa.large_string())}))
+        return con.sql(f"SELECT coalesce({respelled_diagnosis_sql('code')}, code) FROM written"
+                       ).to_arrow_table().column(0).combine_chunks()
+    finally:
+        con.close()
+
+
+def _respell_dictionary(codes_path: Path) -> None:
+    """Rewrite codes.parquet with its diagnoses in the platform's spelling, one row per code: a code listed in two
+    spellings keeps its first row with a description. A file without such codes is left as it is (the dataset's
+    fingerprint reads its bytes)."""
+    table = pq.read_table(codes_path)
+    codes = _respelled(table["code"])
+    if codes.equals(table["code"].cast(pa.large_string()).combine_chunks()):
+        return
+    described = (pc.is_valid(table["description"]) if "description" in table.column_names
+                 else pa.array([False] * table.num_rows))
+    rows = pl.DataFrame({"code": codes, "described": described}).with_row_index("row")
+    kept = rows.sort("described", descending=True, maintain_order=True).unique("code", keep="first").sort("row")
+    table = table.set_column(table.column_names.index("code"), pa.field("code", pa.string()),
+                             codes.cast(pa.string())).take(kept["row"].to_arrow())
+    _atomic_write(table, codes_path)
 
 
 def _unreadable_optional_file(path: Path, exc: Exception) -> InputError:
@@ -624,7 +746,7 @@ def _metadata_bytes(root: Path) -> bytes:
 
 
 def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id",
-                  offset: timedelta | None = None) -> None:
+                  offset: timedelta | None = None, respell: bool = False) -> None:
     """Copy a MEDS directory into the gold store, replacing any older copy.
 
     A real copy, not hard links: a source file later rewritten in place must not change the
@@ -633,23 +755,28 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     everything downstream reads; shards with columns of other writers' types (`_meds_types`) are
     rewritten with the MEDS types, and shards without the optional value columns gain them empty. Times in a
     time zone become the wall-clock times they show at `offset`, the one UTC offset validation found for them
-    (`MedsInfo.utc_offset`).
+    (`MedsInfo.utc_offset`). With `respell` (validation found diagnoses in other spellings: `MedsInfo.respelled`)
+    every diagnosis code of the shards is written in the platform's spelling; those of codes.parquet are whenever it
+    has such codes (a dictionary may spell its codes so although the data does not).
     """
     source, target = Path(source).resolve(), Path(target)
-    if source == target.resolve() and encounter_column == "encounter_id":
+    if source == target.resolve() and encounter_column == "encounter_id" and not respell:
         return
     remove_abandoned(target)
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
         for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
-            _conform_shard(shard, encounter_column, offset)
+            _conform_shard(shard, encounter_column, offset, respell)
+        if (staging / meds.code_metadata_filepath).is_file():
+            _respell_dictionary(staging / meds.code_metadata_filepath)
         replace_dir(staging, target)
 
 
-def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None) -> None:
+def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None, respell: bool = False) -> None:
     """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
     (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
-    floats (int64 too), or it lacks a value column.
+    floats (int64 too), it lacks a value column, or `respell` asks for its diagnosis codes in the platform's
+    spelling (`_respelled`).
 
     MEDS lets a shard leave out `numeric_value` and `text_value` (exports before MEDS 0.3.3 have no
     `text_value`); the copy gains them as empty columns, since every reader selects both."""
@@ -664,7 +791,9 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None)
             want = want.append(pa.field("encounter_id", pa.int64()))
         elif pa.types.is_floating(have.field("encounter_id").type):  # whole numbers (`validate_meds_dir`)
             want = want.set(want.get_field_index("encounter_id"), pa.field("encounter_id", pa.int64()))
-        if want.equals(have):
+        if respell:
+            want = want.set(want.get_field_index("code"), pa.field("code", pa.large_string()))
+        elif want.equals(have):
             return
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
         with pq.ParquetWriter(tmp, want, compression="zstd") as writer:
@@ -672,6 +801,8 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None)
                 columns = [*batch.columns, *(pa.nulls(batch.num_rows, declared.field(name).type) for name in absent)]
                 if encounter_column != "encounter_id":
                     columns = [*columns, batch.column(encounter_column)]
+                if respell:
+                    columns[want.get_field_index("code")] = _respelled(columns[want.get_field_index("code")])
                 # Times and values lose what MEDS does not keep (nanoseconds, float64 digits, a UTC offset: the
                 # times at one offset keep the wall-clock time they show); ids must fit.
                 writer.write_batch(pa.RecordBatch.from_arrays(

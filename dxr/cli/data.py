@@ -131,8 +131,9 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     """Validate a MEDS directory, copy it into the gold store and register it.
 
     The directory needs data/**/*.parquet with the MEDS columns plus `encounter_id` (or `hadm_id`, as
-    MEDS-Extract's MIMIC-IV ETL names it); diagnosis codes must be DIAGNOSIS//ICD//9//... or
-    DIAGNOSIS//ICD//10//... without dots.
+    MEDS-Extract's MIMIC-IV ETL names it); diagnosis codes are DIAGNOSIS//ICD//9//... or
+    DIAGNOSIS//ICD//10//... without dots, or ICD-9-CM/ICD-10-CM codes spelled as other ETLs write them
+    (ICD10CM/E11.9, ICD9CM//250.00, ICD10//E119, the platform's prefix with a dot), which the copy rewrites so.
 
     \b
     Example:
@@ -147,6 +148,9 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     if row["time_zone"]:
         click.echo(f"note: times are in {row['time_zone']} (UTC offset {row['utc_offset']} throughout the data): kept "
                    "as the wall-clock times they show there, without the zone")
+    for respelling in row["respelled"]:
+        click.echo(f"diagnosis codes: {respelling.n_events:,} rewritten from {respelling.prefix}… to "
+                   f"DIAGNOSIS//ICD//{respelling.version}//… without the dot (e.g. {respelling.example})")
     if row["n_diagnoses_without_encounter"]:
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")
