@@ -545,13 +545,20 @@ def respelled(code: str, prefix: str, dotted: bool = True) -> str:
     with its dot when `dotted` (after the category: 4 characters for an ICD-9 E code, else 3)."""
     *_, version, raw = code.split("//")
     category = 4 if version == "9" and raw.startswith("E") else 3
-    return prefix.format(version=version) + (f"{raw[:category]}.{raw[category:]}" if dotted and raw[category:] else raw)
+    return spelled(prefix, version) + (f"{raw[:category]}.{raw[category:]}" if dotted and raw[category:] else raw)
 
 
-# Procedures in the ICD systems' own spellings: never diagnoses, whatever the spelling of the diagnoses.
+def spelled(prefix: str, version: str | int) -> str:
+    """`prefix` for an ICD version; `{cm9}` is CM for ICD-9 only (a bare ICD9 prefix may hold procedures)."""
+    return prefix.format(version=version, cm9="CM" if str(version) == "9" else "")
+
+
+# Procedures in the ICD systems' own spellings, and one under a bare ICD9 prefix with a diagnosis's shape: never
+# diagnoses, whatever the spelling of the diagnoses.
 ICD_PROCEDURES = pl.DataFrame([(1, t(21), "ICD10PCS/02HV33Z", None, None, 103),
                                (2, t(1), "ICD9Proc/38.93", None, None, 201),
-                               (2, t(5), "ICD9PROC//3893", None, None, 202)], schema=tiny_events().schema, orient="row")
+                               (2, t(5), "ICD9PROC//3893", None, None, 202),
+                               (2, t(5), "ICD9//3893", None, None, 202)], schema=tiny_events().schema, orient="row")
 # ICD-9-CM diagnoses (an E code among them) in subject 2's encounters, so that both versions are rewritten.
 ICD9_DIAGNOSES = pl.DataFrame([(2, t(3), "DIAGNOSIS//ICD//9//25000", None, None, 201),
                                (2, t(6), "DIAGNOSIS//ICD//9//E8781", None, None, 202),
@@ -571,10 +578,10 @@ def cohort_outcome(wh, dataset: str) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("prefix, dotted", [("ICD{version}CM/", True), ("ICD{version}CM//", True),
-                                            ("ICD{version}CM//", False), ("ICD{version}//", False),
-                                            ("ICD{version}/", True), ("DIAGNOSIS//ICD//{version}//", True)])
+                                            ("ICD{version}CM//", False), ("ICD{version}{cm9}//", False),
+                                            ("ICD{version}{cm9}/", True), ("DIAGNOSIS//ICD//{version}//", True)])
 def test_ingest_rewrites_the_diagnosis_spellings_of_other_etls_to_the_platforms(wh_vocab, tmp_path, prefix, dotted):
-    # meds_etl writes OMOP's ICD10CM/E11.9 and ICD9CM/250.00, other ETLs ICD10CM//E11.9 or ICD9//4019: refused as
+    # meds_etl writes OMOP's ICD10CM/E11.9 and ICD9CM/250.00, other ETLs ICD10CM//E11.9 or ICD10//E119: refused as
     # "no diagnosis events" before. The copy holds them as the platform writes them, so the cohort is the one of the
     # same data in the platform's spelling, and the procedures stay procedures.
     canonical = pl.concat([tiny_events(), ICD9_DIAGNOSES, ICD_PROCEDURES]).sort("subject_id", "time", nulls_last=False)
@@ -591,7 +598,7 @@ def test_ingest_rewrites_the_diagnosis_spellings_of_other_etls_to_the_platforms(
             .otherwise(pl.col("code"))).write_parquet(root / "metadata" / "codes.parquet")
         row = ingest_meds(wh_vocab, root, name)
     assert row["icd_versions"] == "9,10"
-    assert {respelling.prefix for respelling in row["respelled"]} == {prefix.format(version=v) for v in (9, 10)}
+    assert {respelling.prefix for respelling in row["respelled"]} == {spelled(prefix, v) for v in (9, 10)}
     # Those written as the platform writes them (I10 has no dot) are not counted.
     assert sum(respelling.n_events for respelling in row["respelled"]) == (other["code"] != canonical["code"]).sum()
     gold = {name: pl.read_parquet(wh_vocab.meds_dir(name) / "data" / "**" / "*.parquet").select(canonical.columns)

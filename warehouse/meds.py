@@ -51,15 +51,17 @@ _DICTIONARY_DIAGNOSIS_CODE = re.compile(r"^DIAGNOSIS//ICD//(9|10)//[A-Z0-9]+(-[A
 # How other MEDS ETLs spell an ICD-10(-CM) or ICD-9-CM diagnosis, which `ingest meds` rewrites to the platform's
 # DIAGNOSIS//ICD//{9|10}//<code without dot> (`respelled_diagnosis_sql`), by ICD version: group 1 is the prefix,
 # group 3 the code, with or without its dot. meds_etl writes OMOP's vocabulary_id/concept_code (ICD10CM/E11.9,
-# ICD9CM/250.00), other ETLs a double slash (ICD10CM//E11.9, ICD9//4019), a hand-made export the platform's prefix
-# with the dot. The code must have the shape of a diagnosis of its version (ICD-9 procedures have two digits before
-# their dot), and the prefix names no procedure system: ICD10PCS/… and ICD9Proc/… stay procedures.
+# ICD9CM/250.00, WHO's ICD10/E11.9), other ETLs a double slash (ICD10CM//E11.9, ICD10//E119), a hand-made export
+# the platform's prefix with the dot. The code must have the shape of a diagnosis of its version (ICD-9 procedures
+# have two digits before their dot), and the prefix names no procedure system: ICD10PCS/… and ICD9Proc/… stay
+# procedures. A bare ICD9 prefix is not read as a diagnosis: ICD-9-CM holds procedures too (volume 3), and an
+# undotted procedure (3893) has a diagnosis's shape.
 DIAGNOSIS_SPELLINGS = {
     10: r"^(ICD10(CM)?//?|DIAGNOSIS//ICD//10//)([A-Z][0-9][0-9A-Z](\.?[0-9A-Z]{1,4})?)$",
-    9: r"^(ICD9(CM)?//?|DIAGNOSIS//ICD//9//)(([0-9]{3}|V[0-9]{2})(\.?[0-9]{1,2})?|E[0-9]{3}(\.?[0-9])?)$",
+    9: r"^(ICD9(CM)//?|DIAGNOSIS//ICD//9//)(([0-9]{3}|V[0-9]{2})(\.?[0-9]{1,2})?|E[0-9]{3}(\.?[0-9])?)$",
 }
 # Codes that name an ICD diagnosis system in another spelling (any case): refused unless a spelling above matches.
-_OTHER_DIAGNOSIS_PREFIX = r"^ICD(9|10)(CM)?/"
+_OTHER_DIAGNOSIS_PREFIX = r"^ICD(9CM|10(CM)?)/"
 # Hex digits of a dataset's content fingerprint (`_fingerprint`); registrations from before it have 16.
 FINGERPRINT_LENGTH = 24
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
