@@ -331,14 +331,14 @@ def test_serve_needs_a_prefect_server(tmp_path):
 
 
 def test_serve_refuses_a_data_dir_without_a_warehouse(tmp_path, monkeypatch):
-    import prefect
+    import flows.serving
 
     # Started in another directory (the default data dir `data` is relative), it re-pointed the deployments a
     # server already had at an empty folder, where every patient rerun and scheduled backfill then failed.
-    def serves(*deployments, **options):
+    def serves(deployments, limit):
         raise AssertionError(f"served {len(deployments)} deployments of a data dir without a warehouse")
 
-    monkeypatch.setattr(prefect, "serve", serves)
+    monkeypatch.setattr(flows.serving, "serve_until_stopped", serves)
     (tmp_path / "none.toml").write_text("")
     monkeypatch.setenv("DXR_CONFIG", str(tmp_path / "none.toml"))
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "elsewhere"), "serve"])
@@ -349,11 +349,12 @@ def test_serve_refuses_a_data_dir_without_a_warehouse(tmp_path, monkeypatch):
 
 
 def test_serve_warns_of_each_backfill_whose_cohort_is_not_built(wh_vocab, tiny_cohort_id, tmp_path, monkeypatch):
-    import prefect
+    import flows.serving
 
     # Served silently, such a backfill failed at every firing; the cohort may still be built later, so it is served.
     served = []
-    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.extend(d.name for d in deployments))
+    monkeypatch.setattr(flows.serving, "serve_until_stopped",
+                        lambda deployments, limit: served.extend(d.name for d in deployments))
     backfill = '[[backfills]]\nname = "{}"\ncohort = "{}"\ncron = "0 2 * * *"\n'
     write_config(tmp_path, monkeypatch, backfill.format("by-name", "default") + backfill.format("by-id", tiny_cohort_id)
                  + backfill.format("typo", "defualt") + backfill.format("later", "big"))
@@ -483,7 +484,23 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
     assert "Pausing all deployments" in output
 
 
-def test_ctrl_c_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vocab, tiny_cohort_id, tmp_path):
+def child_processes(pid: int) -> set[int]:
+    """The processes `pid` started and the processes they started, whatever process group or session they joined."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the command name, in parentheses, may hold spaces: the fields after it are split safely
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended while being read
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_ctrl_c_in_a_terminal_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vocab, tiny_cohort_id,
+                                                                                         tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.settings import PREFECT_API_URL
@@ -494,9 +511,9 @@ def test_ctrl_c_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vo
     (tmp_path / "none.toml").write_text("")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
     log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "dxr"), "--data-dir", str(wh_vocab.root), "serve"],
-                                  env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    with log.open("w") as out:  # a process group of its own, as a shell gives a command it starts in a terminal
+        server = subprocess.Popen([sys.executable, "-m", "dxr", "--data-dir", str(wh_vocab.root), "serve"],
+                                  env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         with get_client(sync_client=True) as client, \
                 held(wh_vocab, "run-register:patient-held", shared=False, busy="the test"):
@@ -513,7 +530,12 @@ def test_ctrl_c_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vo
                     parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))):
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-            server.send_signal(signal.SIGINT)
+            children = child_processes(server.pid)
+            assert children, log.read_text()
+            # Outside the terminal's foreground process group, which its Ctrl-C signals as a whole: only serve decides
+            # when a flow run ends.
+            assert all(os.getpgid(pid) != server.pid for pid in children), log.read_text()
+            os.killpg(server.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its whole foreground process group
             assert server.wait(timeout=60) == 130, log.read_text()
             state = client.read_flow_run(flow_run.id).state
     finally:
@@ -522,8 +544,55 @@ def test_ctrl_c_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vo
             server.wait()
     output = log.read_text()
     # Unwinding out of Prefect's event loop printed an asyncio traceback and killed the run's process outright: its
-    # flow run stayed Running in the UI for good, where it can be neither retried nor rerun. (The run's own process
-    # may still print one of Prefect's: its SIGTERM handler raising inside a weakref callback is ignored there.)
+    # flow run stayed Running in the UI for good, where it can be neither retried nor rerun. The terminal's SIGINT
+    # also reached the flow run's process itself, which crashed instead of being cancelled, or printed a
+    # KeyboardInterrupt traceback (raised while it was still starting, or inside a finalizer, where it is ignored).
+    # (The runner's SIGTERM can still land in a finalizer of that process: Prefect's handler raising there prints
+    # "Exception ignored in ... TerminationSignal", and the run goes on until it ends or Prefect kills it.)
     assert state.is_cancelled(), (state, output)
+    assert "KeyboardInterrupt" not in output and "interrupt signal" not in output, output
     assert "asyncio - Exception in callback" not in output and "SystemExit" not in output, output
+    assert "SIGINT received" in output and "All deployments have been paused!" in output, output
     assert output.rstrip().endswith("dxr: stopped by SIGINT"), output
+    deadline = time.monotonic() + 10
+    while survivors := [pid for pid in children if Path(f"/proc/{pid}").exists()]:
+        assert time.monotonic() < deadline, f"processes {survivors} of the flow run outlived serve"
+        time.sleep(0.2)
+
+
+# A stop signal while the runner registers the deployments and starts (Prefect's handler then called sys.exit(0) inside
+# its event loop), and again while it stops: delivered at exactly those moments by wrapping the runner's own steps.
+SIGNAL_WHILE_STARTING_AND_STOPPING = """
+import os, signal, sys
+from prefect.runner.runner import Runner
+start, stop = Runner.__aenter__, Runner.astop
+signum = signal.Signals[sys.argv[2]]
+
+async def interrupted_start(self):
+    os.kill(os.getpid(), signum)
+    return await start(self)
+
+async def interrupted_stop(self):
+    os.kill(os.getpid(), signum)
+    await stop(self)
+
+Runner.__aenter__, Runner.astop = interrupted_start, interrupted_stop
+from dxr.cli import main
+main(["--data-dir", sys.argv[1], "serve"])
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])  # Ctrl-C, a closed terminal
+def test_a_stop_signal_while_serve_starts_or_stops_still_stops_it_gracefully(wh_vocab, tiny_cohort_id, tmp_path,
+                                                                             signum):
+    from prefect.settings import PREFECT_API_URL
+
+    (tmp_path / "none.toml").write_text("")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
+    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_STARTING_AND_STOPPING, str(wh_vocab.root), signum.name],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    # It exited 0 at once, without pausing the schedules (or hung at interpreter exit); SIGHUP ended it outright.
+    assert result.returncode == 128 + signum, output
+    assert output.count(f"{signum.name} received") == 1 and "All deployments have been paused!" in output, output
+    assert "Traceback" not in output and output.rstrip().endswith(f"dxr: stopped by {signum.name}"), output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import threading
 
 import click
 
@@ -22,18 +21,19 @@ def serve(ctx: click.Context, limit: int) -> None:
     `train_prior/adhoc` (a cohort; the prior settings are editable per run) and one
     `cohort-backfill/<name>` per `[[backfills]]` table of the configuration, on its cron schedule;
     then executes their flow runs here. Needs a running Prefect server named by
-    PREFECT_API_URL. Stopping (Ctrl-C, SIGTERM) pauses the schedules.
+    PREFECT_API_URL. Stopping (Ctrl-C, SIGTERM, a closed terminal) cancels the flow runs in progress
+    and pauses the schedules.
 
     \b
     Example:
       export PREFECT_API_URL=http://127.0.0.1:4200/api
       dxr serve
     """
-    from prefect import serve as prefect_serve
     from prefect.settings import PREFECT_API_URL
 
     from flows.api_server import check_configured_api
     from flows.deployments import build_deployments, check_refreshing_backfills, unbuilt_backfill_cohorts
+    from flows.serving import serve_until_stopped
 
     if not PREFECT_API_URL.value():
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
@@ -50,17 +50,7 @@ def serve(ctx: click.Context, limit: int) -> None:
     for warning in unbuilt_backfill_cohorts(wh, settings(ctx).backfills):
         click.echo(warning, err=True)
     click.echo(f"serving to {PREFECT_API_URL.value()}; stop with Ctrl-C")
-    interrupted = []
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        def stop_as_sigterm(signum: int, frame) -> None:
-            # Prefect's runner stops gracefully on SIGTERM only: it cancels the flow runs in progress (each records
-            # its run `failed`) and pauses the schedules. Ctrl-C unwinding out of its event loop instead killed
-            # their processes outright, and their flow runs stayed Running in the UI for good.
-            interrupted.append(signum)
-            signal.getsignal(signal.SIGTERM)(signum, frame)
-
-        signal.signal(signal.SIGINT, stop_as_sigterm)
-    prefect_serve(*deployments, limit=limit, print_starting_message=False)
-    if interrupted:
-        click.echo("dxr: stopped by SIGINT", err=True)
-        raise SystemExit(128 + signal.SIGINT)
+    stop_signal = serve_until_stopped(deployments, limit)
+    if stop_signal in (signal.SIGINT, signal.SIGHUP):  # SIGTERM, a service manager's stop, is a clean exit
+        click.echo(f"dxr: stopped by {signal.Signals(stop_signal).name}", err=True)
+        raise SystemExit(128 + stop_signal)
