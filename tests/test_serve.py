@@ -499,6 +499,12 @@ def child_processes(pid: int) -> set[int]:
     return found
 
 
+# How a shell in a terminal starts a command: SIGINT and SIGHUP handled, not ignored. A test run may itself have been
+# started ignoring them (`nohup` ignores SIGHUP, a script's background job SIGINT), and so would serve: it rightly goes
+# on ignoring what it was started ignoring, and the test waited for a stop that never came.
+FROM_A_TERMINAL = ["env", "--default-signal=INT,HUP"]
+
+
 def test_ctrl_c_in_a_terminal_stops_serve_as_sigterm_does_cancelling_the_run_in_progress(wh_vocab, tiny_cohort_id,
                                                                                          tmp_path):
     from prefect.client.orchestration import get_client
@@ -512,8 +518,9 @@ def test_ctrl_c_in_a_terminal_stops_serve_as_sigterm_does_cancelling_the_run_in_
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
     log = tmp_path / "serve.log"
     with log.open("w") as out:  # a process group of its own, as a shell gives a command it starts in a terminal
-        server = subprocess.Popen([sys.executable, "-m", "dxr", "--data-dir", str(wh_vocab.root), "serve"],
-                                  env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen([*FROM_A_TERMINAL, sys.executable, "-m", "dxr", "--data-dir", str(wh_vocab.root),
+                                   "serve"], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     try:
         with get_client(sync_client=True) as client, \
                 held(wh_vocab, "run-register:patient-held", shared=False, busy="the test"):
@@ -563,8 +570,9 @@ def test_ctrl_c_in_a_terminal_stops_serve_as_sigterm_does_cancelling_the_run_in_
 # A stop signal while the runner registers the deployments and starts (Prefect's handler then called sys.exit(0) inside
 # its event loop), and again while it stops: delivered at exactly those moments by wrapping the runner's own steps.
 SIGNAL_WHILE_STARTING_AND_STOPPING = """
-import os, signal, sys
+import faulthandler, os, signal, sys
 from prefect.runner.runner import Runner
+faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test with every thread's stack
 start, stop = Runner.__aenter__, Runner.astop
 signum = signal.Signals[sys.argv[2]]
 
@@ -589,8 +597,9 @@ def test_a_stop_signal_while_serve_starts_or_stops_still_stops_it_gracefully(wh_
 
     (tmp_path / "none.toml").write_text("")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
-    result = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_STARTING_AND_STOPPING, str(wh_vocab.root), signum.name],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    result = subprocess.run([*FROM_A_TERMINAL, sys.executable, "-c", SIGNAL_WHILE_STARTING_AND_STOPPING,
+                             str(wh_vocab.root), signum.name], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=150)
     output = result.stdout + result.stderr
     # It exited 0 at once, without pausing the schedules (or hung at interpreter exit); SIGHUP ended it outright.
     assert result.returncode == 128 + signum, output
