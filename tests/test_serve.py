@@ -368,11 +368,12 @@ def test_serve_warns_of_each_backfill_whose_cohort_is_not_built(wh_vocab, tiny_c
 
 
 def test_serve_refuses_a_refreshing_backfill_of_a_cohort_given_by_id(wh_vocab, tiny_cohort_id, tmp_path, monkeypatch):
-    import prefect
+    import flows.serving
 
     # Served, it was refused at every firing (an id stays on the files it was built from); by name it is served.
     served = []
-    monkeypatch.setattr(prefect, "serve", lambda *deployments, **options: served.extend(d.name for d in deployments))
+    monkeypatch.setattr(flows.serving, "serve_until_stopped",
+                        lambda deployments, limit: served.extend(d.name for d in deployments))
     backfill = '[[backfills]]\nname = "{}"\ncohort = "{}"\ncron = "0 2 * * *"\nrefresh = {}\n'
     write_config(tmp_path, monkeypatch, backfill.format("by-name", "default", "true")
                  + backfill.format("by-id", tiny_cohort_id, "false"))
