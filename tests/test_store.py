@@ -823,3 +823,20 @@ def test_sql_tells_null_from_an_empty_string_and_spells_times_and_intervals_with
         {"s": None, "n": None, "t": None, "tz": None, "tm": None, "i": None, "nested": None},
         {"s": "x", "n": 2, "t": "2026-12-05 09:25:19", "tz": "2026-12-05 09:25:19+00:00", "tm": "09:25:19",
          "i": 86400.0, "nested": {"t": "2026-12-05 09:25:19"}}]
+
+
+def test_delete_together_removes_a_partition_of_a_store_linked_to_another_directory(tmp_path):
+    # A gold store kept elsewhere (another disk) and linked in as <root>/gold: its partitions are the root's.
+    elsewhere = tmp_path / "gold-disk"
+    elsewhere.mkdir()
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "gold").symlink_to(elsewhere)
+    wh = store.Warehouse(tmp_path / "root")
+    wh.write("targets", targets("c1", 2), cohort_id="c1")
+    wh.write("targets", targets("c2", 2), cohort_id="c2")
+    wh.delete_together([("targets", {"cohort_id": "c1"})])
+    assert wh.read("targets")["cohort_id"].unique().to_list() == ["c2"]
+    assert sorted(p.name for p in (elsewhere / "targets").iterdir()) == ["cohort_id=c2"]
+    assert not any((wh.forecast_dir / store.COMMIT_DIR).iterdir())
+    with pytest.raises(ValueError, match="removes only what is under the warehouse root"):
+        wh.delete_together([], [wh.root / "reports" / ".." / ".." / "elsewhere"])

@@ -201,13 +201,16 @@ class Warehouse:
         reader of that store sees all of the removal or none of it. Gold partitions go in the same step: remove
         only those that a reader reaches through the forecasting store (a cohort's targets through its row).
         """
-        paths = [self.partitions_dir(table, **keys) for table, keys in partitions] + [Path(d) for d in directories]
-        outside = [str(path) for path in paths if not path.resolve().is_relative_to(self.root)]
+        # Lexically under the root, not resolved: a store or `reports` may be a link to another disk, and what the
+        # link's path names is the root's (`remove_into` moves it aside there).
+        paths = [Path(os.path.abspath(path)) for path in
+                 [self.partitions_dir(table, **keys) for table, keys in partitions] + list(directories)]
+        outside = [str(path) for path in paths if not path.is_relative_to(self.root)]
         if outside:
             raise ValueError(f"delete_together removes only what is under the warehouse root {self.root}: {outside}")
         commits = self.forecast_dir / COMMIT_DIR
         finish_commits(commits)
-        plan = [{"remove": str(path.resolve().relative_to(self.root))} for path in paths]
+        plan = [{"remove": str(path.relative_to(self.root))} for path in paths]
         with scratch(commits / "batch", "staging") as staging:
             staging.mkdir()
             (staging / REMOVED).mkdir()
