@@ -62,6 +62,7 @@ from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import superseded_note
+from warehouse.locks import held
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES, utc_now
@@ -917,6 +918,26 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
                                                                   n_runs=pl.lit(len(runs))))
     if write:
+        write_mean(wh, metrics, run_ids, run_id, n_boot, seed, all_ks, started)
+    return metrics
+
+
+def write_mean(wh: Warehouse, metrics: pl.DataFrame, run_ids: list[str], run_id: str | None, n_boot: int, seed: int,
+               all_ks, started) -> None:
+    """Write and register the means over `run_ids` (`evaluate_repeated`), under the cohort of their runs.
+
+    The runs were read under their locks, released since: the cohort is held, as an evaluation holds its run's, and
+    the runs must still be registered, or a `dxr cohort delete --with-runs` that finished meanwhile would leave these
+    rows behind, on a cohort and runs no longer registered, for no later delete to find.
+    """
+    cohort_id = metrics["cohort_id"][0]
+    with held(wh, f"cohort:{cohort_id}", shared=True,
+              busy=f"cohort {cohort_id} of runs {', '.join(run_ids)} is being rebuilt or deleted by another dxr "
+                   "process"):
+        gone = [member for member in run_ids if not wh.has_rows("runs", run_id=member)]
+        if gone:
+            raise NotFoundError(f"run(s) {', '.join(gone)} of cohort {cohort_id} were deleted while the mean over "
+                                f"{', '.join(run_ids)} was taken: nothing was written")
         for (mean_id,), part in metrics.group_by("run_id"):
             # Held like a run being evaluated: no report reads the mean, and no second mean writes it, meanwhile.
             with holding_run(wh, mean_id, exclusive=True):
@@ -929,12 +950,11 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
                 # fewer systems leaves none of the earlier mean's rows beside its own.
                 config = {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
                           "n_boot": n_boot, "seed": seed}
-                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "stale", started)
+                record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "stale", started)
                 wh.delete("metrics", run_id=mean_id)
                 for (system,), rows in part.group_by("system"):
                     wh.write("metrics", rows, run_id=mean_id, system=system)
-                record_run(wh, mean_id, first.cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
-    return metrics
+                record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
 
 
 def changed_since_mean(wh: Warehouse, run_id: str) -> str | None:

@@ -245,3 +245,28 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
     assert not (wh.root / "reports" / "r-old").exists()
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
     assert not [p for p in Path(wh.root).rglob(f"*{old}*") if ".locks" not in p.parts]
+
+
+def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vocab, tiny_meds, prefect_harness,
+                                                                            monkeypatch):
+    # The mean reads its runs under their locks, then computes and writes with them released: a delete of the cohort
+    # with its runs that finishes meanwhile (here once the configurations were read, as the rows are put together)
+    # must not leave the mean behind, on a cohort no longer registered.
+    import tasks.evaluate
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    for run_id in ("r1", "r2"):
+        forecast_flow(str(wh_vocab.root), cohort_id, "repeat_history", split="all", run_id=run_id)
+    real_conform = tasks.evaluate._conform
+
+    def conform_after_the_delete(*args, **kwargs):
+        delete_cohort(wh_vocab, cohort_id, with_runs=True)
+        return real_conform(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.evaluate, "_conform", conform_after_the_delete)
+    with pytest.raises(NotFoundError, match=rf"^run\(s\) r1, r2 of cohort {cohort_id} were deleted while the mean "
+                                            "over r1, r2 was taken: nothing was written"):
+        tasks.evaluate.evaluate_repeated(wh_vocab, ["r1", "r2"], ks=(10,), n_boot=0, natural=False)
+    assert wh_vocab.read("metrics").is_empty()
+    assert wh_vocab.read("runs").filter(pl.col("cohort_id") == cohort_id).is_empty()
