@@ -142,6 +142,25 @@ def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_
     assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
 
 
+def test_a_gold_commit_left_by_a_killed_writer_cannot_bring_back_a_partition_removed_since(wh, monkeypatch):
+    # The removal commit lives in the forecasting store: a gold commit left pending was finished only by the next
+    # gold read, after the removal, and put the removed cohort's targets back.
+    real_replace = os.replace
+
+    def killed_before_the_renames(src, dst):
+        if Path(src).parent.name.endswith(store.COMMITTED):
+            raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
+        return real_replace(src, dst)
+
+    wh.write("targets", targets("c2", 1), cohort_id="c2")
+    monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+    with pytest.raises(KeyboardInterrupt):
+        wh.write_together([("targets", targets("c1", 2), {"cohort_id": "c1"})])
+    monkeypatch.undo()
+    wh.delete_together([("targets", {"cohort_id": "c1"})])
+    assert wh.read("targets")["cohort_id"].unique().to_list() == ["c2"]
+
+
 def test_a_read_after_a_commit_killed_between_its_renames_sees_the_whole_commit(wh, monkeypatch):
     """A read finishes the commit first: it saw the new partition beside the old one until the next write."""
     import os

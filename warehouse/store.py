@@ -208,6 +208,10 @@ class Warehouse:
         outside = [str(path) for path in paths if not path.is_relative_to(self.root)]
         if outside:
             raise ValueError(f"delete_together removes only what is under the warehouse root {self.root}: {outside}")
+        # A commit that a writer killed left in a store whose partitions go is finished first: finished later, by
+        # the next read of that store, it would bring a removed partition back.
+        for store in sorted({_spec(table).store for table, _ in partitions} - {FORECAST}):
+            finish_commits(self.store_dir(store) / COMMIT_DIR)
         commits = self.forecast_dir / COMMIT_DIR
         finish_commits(commits)
         plan = [{"remove": str(path.relative_to(self.root))} for path in paths]
