@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -254,6 +255,16 @@ def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:
                    codes=codes.filter(~pl.col("code").str.starts_with("DIAGNOSIS//")),
                    splits=pl.DataFrame({"subject_id": list(SPLITS), "split": list(SPLITS.values())}))
     return root
+
+
+@pytest.fixture
+def host_in_kolkata(monkeypatch):
+    """The process's local zone is UTC+05:30 for the test (the zone a laptop or a hospital server may be in)."""
+    monkeypatch.setenv("TZ", "Asia/Kolkata")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
 
 
 @pytest.fixture

@@ -114,10 +114,9 @@ def chunk_rows(text: str, source: str = "s") -> pl.DataFrame:
                          "ordinal": pl.Series([0], dtype=pl.Int32), "section": ["Text"], "text": [text]})
 
 
-def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_delete(wh, monkeypatch):
-    """Finished only by the next `write_together`, it would undo the writes and deletes made since."""
-    import os
-
+def kill_after_the_commit_point(monkeypatch) -> None:
+    """Make a commit's renames of its files into place raise, as a kill right after its commit point would;
+    `monkeypatch.undo()` ends it."""
     real_replace = os.replace
 
     def killed_before_the_renames(src, dst):
@@ -125,8 +124,13 @@ def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_
             raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
         return real_replace(src, dst)
 
+    monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+
+
+def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_delete(wh, monkeypatch):
+    """Finished only by the next `write_together`, it would undo the writes and deletes made since."""
     def killed_commit(text: str) -> None:
-        monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+        kill_after_the_commit_point(monkeypatch)
         with pytest.raises(KeyboardInterrupt):
             wh.write_together([("chunks", chunk_rows(text), {"corpus": "c", "source": "s"})])
         monkeypatch.undo()
@@ -145,15 +149,8 @@ def test_a_commit_left_by_a_killed_writer_is_finished_before_any_later_write_or_
 def test_a_gold_commit_left_by_a_killed_writer_cannot_bring_back_a_partition_removed_since(wh, monkeypatch):
     # The removal commit lives in the forecasting store: a gold commit left pending was finished only by the next
     # gold read, after the removal, and put the removed cohort's targets back.
-    real_replace = os.replace
-
-    def killed_before_the_renames(src, dst):
-        if Path(src).parent.name.endswith(store.COMMITTED):
-            raise KeyboardInterrupt("killed after the commit, before its files were renamed into place")
-        return real_replace(src, dst)
-
     wh.write("targets", targets("c2", 1), cohort_id="c2")
-    monkeypatch.setattr(store.os, "replace", killed_before_the_renames)
+    kill_after_the_commit_point(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         wh.write_together([("targets", targets("c1", 2), {"cohort_id": "c1"})])
     monkeypatch.undo()
@@ -715,16 +712,6 @@ def test_sql_doctests():
 
     result = doctest.testmod(warehouse.sql)
     assert result.failed == 0 and result.attempted == 9, result
-
-
-@pytest.fixture
-def host_in_kolkata(monkeypatch):
-    """The process's local zone is UTC+05:30 for the test (the zone a laptop or a hospital server may be in)."""
-    monkeypatch.setenv("TZ", "Asia/Kolkata")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def test_recorded_times_are_utc_whatever_the_hosts_zone(wh, host_in_kolkata):
