@@ -72,6 +72,21 @@ REMOVED = [
     ("chest pain on 3/14, 3/15 and 3/16 troponin", "chest pain troponin",
      [("date", "3/14"), ("date", "3/15"), ("date", "3/16")]),
     ("anemia as of July 2180 transfusion", "anemia transfusion", [("date", "July 2180")]),
+    ("heart failure admitted prior to 2019-03-04", "heart failure admitted", [("date", "2019-03-04")]),
+    ("CKD stable up to 2019", "CKD stable", [("date", "2019")]),
+    ("sepsis admitted on or after 3/14", "sepsis admitted", [("date", "3/14")]),
+    ("dialysis no later than March 2019", "dialysis", [("date", "March 2019")]),
+    ("heart failure onset in early 2019", "heart failure onset", [("date", "2019")]),
+    ("heart failure onset in mid-2019", "heart failure onset", [("date", "2019")]),
+    ("sepsis admitted on the 2019-03-04", "sepsis admitted", [("date", "2019-03-04")]),
+    ("relapse mid-2019 steroids", "relapse steroids", [("date", "2019")]),
+    # "for", "to" and "of" go only when the date ends the phrase: before a word they serve that word.
+    ("dialysis scheduled for 3/14", "dialysis scheduled", [("date", "3/14")]),
+    ("chemotherapy postponed to 3/14, neutropenia", "chemotherapy postponed neutropenia", [("date", "3/14")]),
+    ("heart failure admission of March 2019", "heart failure admission", [("date", "March 2019")]),
+    ("relapse within 30 days of 2019-03-04.", "relapse within 30 days", [("date", "2019-03-04")]),
+    ("history of 2019 stroke", "history of stroke", [("date", "2019")]),
+    ("dialysis scheduled for 3/14 follow-up", "dialysis scheduled for follow-up", [("date", "3/14")]),
     # A date whose parts a removal brings together is removed too.
     ("anemia Mar 12345 14 transfusion", "anemia transfusion", [("identifier", "12345"), ("date", "Mar 14")]),
     ("anemia Mar 2019-03-14 14 transfusion", "anemia transfusion", [("date", "2019-03-14"), ("date", "Mar 14")]),
@@ -97,6 +112,7 @@ KEPT = [
     "patient CKD 4 progression", "patient 500 mg metformin", "encounter 30-day readmission",
     "subjects 18 to 65 years", "Marfan syndrome aortic dissection",
     "bleeding on warfarin at home", "dialysis in the last 2 years", "relapse after the 3rd cycle",
+    "recovery later than expected", "prior to dialysis", "up to 2 weeks", "in early pregnancy",
 ]
 
 

@@ -76,10 +76,20 @@ _DATE_GAP = "\ue000"
 # One removed date, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019").
 _GAP = rf"{_DATE_GAP}(?:\s*(?:,|and|or|to|until|till|through|-)?\s*{_DATE_GAP})*"
 # A preposition right before a removed date was there for the date ("seen on 3/14", "since May 2019", "at 8:30pm",
-# "between 2018 and 2019"): left alone it would dangle ("seen on"). Only these time words, and only right before
-# the date, so "on warfarin since 2019" keeps its "on".
-_TIME_PREPOSITION = r"as\s+of|on|at|in|since|from|between|until|till|through|by|before|after|during|around|circa"
-_DATE_PREPOSITION = re.compile(rf"(?:\b(?:{_TIME_PREPOSITION})\s+)?{_GAP}", re.I)
+# "between 2018 and 2019", "prior to 2019", "on or after 3/14"): left alone it would dangle ("seen on"). Only these
+# time words, and only right before the date, so "on warfarin since 2019" keeps its "on". A word placing the time
+# within the date ("in early 2019", "on the 2019-03-14") goes with the preposition, and "mid-" with the date it is
+# joined to ("mid-2019").
+_TIME_PREPOSITION = (r"as\s+of|on|at|in|since|from|between|until|till|through|by|before|after|during|around|circa|"
+                     r"prior\s+to|up\s+to|(?:no\s+)?(?:later|earlier|sooner)\s+than")
+_TIME_PREPOSITIONS = rf"(?:{_TIME_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_TIME_PREPOSITION}))*"
+_WITHIN_THE_DATE = r"the|early|mid|late"
+# "for", "to" and "of" introduce a date only when the date ends the phrase ("scheduled for 3/14", "admission of
+# March 2019"); before another word the date is an adjective and the preposition serves that word ("history of
+# 2019 stroke" -> "history of stroke").
+_PHRASE_END_PREPOSITION = r"for|to|of"
+_DATE_PREPOSITION = re.compile(rf"(?:\b{_TIME_PREPOSITIONS}\s+(?:(?:{_WITHIN_THE_DATE})[\s-]+)?|\bmid-\s*)?{_GAP}"
+                               rf"|\b(?:{_PHRASE_END_PREPOSITION})\s+{_GAP}(?=\s*(?:[,;.:!?)]|$))", re.I)
 
 
 @dataclass
@@ -99,6 +109,8 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
 
     >>> sanitize_query("MRN 12345678 heart failure readmission 2019-03-04").text
     'heart failure readmission'
+    >>> sanitize_query("heart failure admitted on or after 2019-03-04, prior to dialysis").text
+    'heart failure admitted prior to dialysis'
     """
     removed: list[tuple[str, str]] = []
     text = query
