@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -1089,6 +1090,33 @@ def test_cli_dense_build_and_search_print_no_library_progress_bar(tmp_path, monk
     result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics congestion", "-k", "1", "--mode", "dense"])
     assert result.exit_code == 0 and result.stdout.split()[2] == "tiny:hf", result.output
     assert result.stderr == ""
+
+
+def test_loading_an_embedding_model_draws_no_bar_but_still_warns_of_weights_missing_from_it(tmp_path):
+    """Only the bar goes: a model directory whose checkpoint lacks a weight loads with that weight random, and
+    transformers' report of it must reach stderr. A fresh process, as a CLI command is: in this one transformers
+    may have been imported (its logging level fixed) and its bar switched off by an earlier test."""
+    from safetensors.torch import load_file, save_file
+
+    from tools.embeddings import default_model_path
+
+    shipped = Path(default_model_path())
+    broken = tmp_path / "minilm-without-word-embeddings"
+    broken.mkdir()
+    for part in shipped.iterdir():
+        if part.name != "model.safetensors":
+            (broken / part.name).symlink_to(part)
+    weights = load_file(shipped / "model.safetensors")
+    del weights["embeddings.word_embeddings.weight"]
+    save_file(weights, broken / "model.safetensors")
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("TRANSFORMERS_")}
+    for model, expected_warning in ((shipped, False), (broken, True)):
+        result = subprocess.run([sys.executable, "-c", "import sys; from tools.embeddings import "
+                                 "SentenceTransformerEmbedder; SentenceTransformerEmbedder(sys.argv[1])", str(model)],
+                                capture_output=True, text=True, env=environment, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert "Loading weights" not in result.stderr
+        assert ("embeddings.word_embeddings.weight | MISSING" in result.stderr) == expected_warning, result.stderr
 
 
 def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeypatch):

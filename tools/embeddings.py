@@ -44,14 +44,14 @@ class SentenceTransformerEmbedder:
 
     def __init__(self, path: str, batch_size: int = 64, max_seq_length: int = 128):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         if not os.path.isdir(path):
             raise ConfigError(f"embedding model directory {path} does not exist: set tools.embedding.path")
         from sentence_transformers import SentenceTransformer
         from transformers.utils import logging as transformers_logging
 
         # transformers draws a "Loading weights" bar on every model load, i.e. on every dense `dxr corpus search`;
-        # a build reports its own progress (tools.index.chunk_progress).
+        # a build reports its own progress (tools.index.chunk_progress). Only the bar goes: transformers' log level
+        # stays, so its report of weights a model directory lacks (loaded random) still reaches stderr.
         transformers_logging.disable_progress_bar()
         self.batch_size = batch_size
         self._model = SentenceTransformer(path, device="cpu")
