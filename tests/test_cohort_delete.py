@@ -18,7 +18,7 @@ from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
 from tests.conftest import tiny_events, write_tiny_meds
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
-from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held
 from warehouse.runs import record_run
@@ -201,20 +201,21 @@ def test_a_cohort_in_use_is_not_deleted(wh_vocab, tiny_meds):
     assert wh_vocab.has_rows("trajectories", cohort_id=cohort_id)
 
 
-@pytest.mark.parametrize("stop_after", [0, 3])
+@pytest.mark.parametrize("stop_after", [None, 0, 3])
 def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_finishes_it(two_cohorts, monkeypatch,
                                                                                       stop_after):
-    # stop_after 0: killed before the commit point (as it renames the staged commit into place); 3: after it, with
-    # three of the removals done.
+    # stop_after None: killed before the commit point (as it renames the staged commit into place); 0 and 3: after
+    # it, with none or three of the removals done (the cohort's row, first, still in its place or in the commit).
     import warehouse.store as store
 
     wh, old, kept = two_cohorts
     before = every_table(wh)
+    described = describe_cohort(wh.read("cohorts", cohort_id=old).row(0, named=True))
     real_replace, real_remove = store.os.replace, store.remove_into
     removed = []
 
     def replace(source, target):
-        if stop_after == 0 and str(target).endswith(COMMITTED):
+        if stop_after is None and str(target).endswith(COMMITTED):
             raise KeyboardInterrupt("killed at the commit point")
         return real_replace(source, target)
 
@@ -230,21 +231,29 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
         delete_cohort(wh, old, with_runs=True)
     monkeypatch.undo()
 
-    if stop_after == 0:  # whole: every row as it was, and the delete simply runs again
+    if stop_after is None:  # whole: every row as it was, and the delete simply runs again
         assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
-        delete_cohort(wh, old, with_runs=True)
+        code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+        assert (code, err) == (0, "")
+        assert out.startswith(f"cohort {described}: removed 1 run(s) (r-old) and these rows:\n")
     else:
-        # The cohort's row went first; a reader of the forecasting store finishes the commit before it reads.
-        assert not wh.partitions_dir("cohorts", cohort_id=old).exists()
-        assert wh.partitions_dir("trajectories", cohort_id=old).exists()  # on disk until then
-        with pytest.raises(NotFoundError, match=f"cohort '{old}' not found"):
-            delete_cohort(wh, old, with_runs=True)  # the rerun: what was left is finished first
+        assert wh.partitions_dir("cohorts", cohort_id=old).exists() == (stop_after == 0)
+        assert wh.partitions_dir("trajectories", cohort_id=old).exists()  # on disk until the commit is finished
+        # The rerun (by the name only this cohort had, or by its id) finishes what was left and succeeds, as the
+        # delete did; it names the model the killed delete could not print.
+        code, out, err = cli(wh, "cohort", "delete", "old" if stop_after == 0 else old, "--with-runs")
+        assert (code, err) == (0, "")
+        assert out.splitlines()[0] == f"cohort {described}: the earlier delete, interrupted, is now complete"
+        assert [line.split(" stays in ")[0] for line in out.splitlines()[1:]] == [
+            f"note: registered MLflow model ehr_prior-{old} (if still registered)"]
     after = every_table(wh)
     for table, rows in before.items():
         assert after[table].equals(rows.filter(~belongs(rows, old, ["r-old"]))), table
     assert not (wh.root / "reports" / "r-old").exists()
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
     assert not [p for p in Path(wh.root).rglob(f"*{old}*") if ".locks" not in p.parts]
+    code, _, err = cli(wh, "cohort", "delete", old, "--with-runs")  # the delete completed: nothing left to finish
+    assert code == 1 and err.startswith(f"Error: cohort {old!r} not found in the warehouse at {wh.root}; ")
 
 
 def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vocab, tiny_meds, prefect_harness,

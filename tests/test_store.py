@@ -786,6 +786,40 @@ def test_delete_together_removes_a_partition_on_another_file_system_by_moving_it
     assert not any((wh.forecast_dir / store.COMMIT_DIR).iterdir())
 
 
+def test_being_removed_reads_the_rows_a_killed_removal_left_pending_wherever_they_are_and_finishes_nothing(wh,
+                                                                                                         monkeypatch):
+    # What a rerun of `dxr cohort delete` reads to know the cohort whose removal it finishes: one partition moved
+    # into the commit, one moved aside (another file system) and killed before it went, one still in its place.
+    for cohort, n in (("c1", 1), ("c2", 2), ("c3", 3), ("kept", 4)):
+        wh.write("targets", targets(cohort, n), cohort_id=cohort)
+    real_replace, real_rmtree = os.replace, store.shutil.rmtree
+
+    def replace(source, target):
+        if store.REMOVED in Path(target).parts and Path(source).name == "cohort_id=c2":
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(source), str(target))
+        return real_replace(source, target)
+
+    def rmtree(path, **options):
+        if Path(path).name.startswith(".cohort_id=c2.") and Path(path).exists():
+            raise KeyboardInterrupt("killed while removing what it moved aside")
+        return real_rmtree(path, **options)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(store.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        wh.delete_together([("targets", {"cohort_id": cohort}) for cohort in ("c1", "c2", "c3")])
+    monkeypatch.undo()
+    assert sorted(p.name for p in wh.table_dir("targets").iterdir()) == [
+        ".cohort_id=c2." + next((wh.forecast_dir / store.COMMIT_DIR).iterdir()).name + ".removed", "cohort_id=c3",
+        "cohort_id=kept"]
+    assert wh.being_removed("targets").equals(pl.concat([targets("c1", 1), targets("c2", 2), targets("c3", 3)]))
+    assert wh.being_removed("chunks").is_empty() and wh.being_removed("chunks").columns == list(
+        store.TABLES["chunks"].columns)
+    wh.read("cohorts")  # a read of the forecasting store, where the removal's commit is, finishes it
+    assert wh.read("targets").equals(targets("kept", 4))
+    assert wh.being_removed("targets").is_empty()
+
+
 def test_sql_tells_null_from_an_empty_string_and_spells_times_and_intervals_without_trailing_zeros(wh, tmp_path):
     from warehouse.sql import stream_query
 

@@ -16,11 +16,15 @@ its own cohort still uses. `registered_models` names them, for the user to remov
 
 Everything goes in one removal commit of the forecasting store (`Warehouse.delete_together`), with the cohort's
 `cohorts` row first: a process killed before the commit point leaves the cohort whole, one killed after it
-leaves a commit that the next read of the warehouse (a rerun of the delete included) finishes.
+leaves a commit that the next read of the warehouse finishes. A rerun of the delete that finds that commit
+pending finishes it and succeeds, so a scheduler's retry of a delete that in fact went through is no failure; a
+cohort that no pending removal names is not found, gone or not, since nothing records a finished delete (its
+build's `runs` rows go with it) and a mistyped id must not pass for a deleted cohort.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +37,7 @@ from warehouse.cohorts import describe_cohort, get_cohort
 from warehouse.locks import held
 from warehouse.runs import EVALUATE_KIND
 from warehouse.schemas import RUN_TABLES, TABLES
-from warehouse.store import PART_FILE, Warehouse, fetch_frame
+from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, fetch_frame, finish_commits
 
 # Every table whose partitions are one cohort's (first key `cohort_id`), its row first: it is what finds the cohort.
 COHORT_TABLES = ("cohorts", *sorted(name for name, spec in TABLES.items()
@@ -58,6 +62,7 @@ class CohortDeletion:
     rows: dict[str, int] = field(default_factory=dict)  # table -> rows of its partitions that go
     directories: list[Path] = field(default_factory=list)  # reports and model copies
     registered_models: list[str] = field(default_factory=list)  # MLflow models of its priors, which stay
+    interrupted: bool = False  # an earlier delete, killed after its commit point, removed it: this one finished that
 
     def add(self, wh: Warehouse, table: str, **keys) -> None:
         """One partition (or all under the given leading keys), when it holds files."""
@@ -106,9 +111,30 @@ def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
         plan.add(wh, "prediction_cache", system=system, cache_key=cache_key)
     # `{system}-{cohort_id}` (`models.prior.tracking.download_model`): the cohort's copies of its priors.
     plan.directories += sorted(p for p in (wh.root / "mlflow" / "cache").glob(f"*-{cohort_id}") if p.is_dir())
-    trained = {kind.split(":", 1)[1] for kind in recorded["kind"] if kind.startswith(("train:", "promote:"))}
-    plan.registered_models = [f"{system}-{cohort_id}" for system in sorted(trained)]
+    plan.registered_models = registered_models(cohort_id, recorded["kind"])
     return plan
+
+
+def registered_models(cohort_id: str, kinds: Iterable[str]) -> list[str]:
+    """The MLflow models (`{system}-{cohort_id}`) of the priors trained or promoted on a cohort, by its runs' kinds."""
+    trained = {kind.split(":", 1)[1] for kind in kinds if kind.startswith(("train:", "promote:"))}
+    return [f"{system}-{cohort_id}" for system in sorted(trained)]
+
+
+def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletion | None:
+    """Finish the removal of the cohort `name_or_id` names that a delete killed after its commit point left pending,
+    and say what it was; None when no pending removal names it.
+
+    Looked for before any read, since the first read finishes every pending commit and the cohort is then gone.
+    """
+    removing = wh.being_removed("cohorts").filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
+    if removing.is_empty():
+        return None
+    cohort = removing.row(0, named=True)
+    its_runs = wh.being_removed("runs").filter(pl.col("cohort_id") == cohort["cohort_id"])
+    finish_commits(wh.forecast_dir / COMMIT_DIR)
+    return CohortDeletion(cohort, [], registered_models=registered_models(cohort["cohort_id"], its_runs["kind"]),
+                          interrupted=True)
 
 
 def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False) -> CohortDeletion:
@@ -118,6 +144,8 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
     The cohort is held as its build holds it and each of its runs as its evaluation does, so no forecast, training,
     build, evaluation or report of them runs meanwhile; a delete refused for that is simply run again later.
     """
+    if finished := finish_interrupted_deletion(wh, name_or_id):
+        return finished
     cohort = resolve_cohort(wh, name_or_id)
     cohort_id = cohort["cohort_id"]
     label = f"{cohort['name']} ({cohort_id})"
@@ -145,6 +173,8 @@ def deletion_summary(wh: Warehouse, plan: CohortDeletion, dry_run: bool) -> str:
     """What `dxr cohort delete` prints: the cohort, then rows by table and the directories removed."""
     from warehouse.sql import format_table
 
+    if plan.interrupted:
+        return f"cohort {describe_cohort(plan.cohort)}: the earlier delete, interrupted, is now complete\n"
     done = "would remove" if dry_run else "removed"
     runs = f"{len(plan.runs)} run(s) ({', '.join(plan.runs)})" if plan.runs else "no run"
     lines = [f"cohort {describe_cohort(plan.cohort)}: {done} {runs} and these rows:",

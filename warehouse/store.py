@@ -222,6 +222,35 @@ class Warehouse:
             os.replace(staging, commits / (new_commit_id(commits) + COMMITTED))  # the commit point
         finish_commits(commits)
 
+    def being_removed(self, table: str) -> pl.DataFrame:
+        """The rows of `table` that removal commits left pending in the forecasting store remove, without finishing
+        them: what a delete killed after its commit point was removing, gone at the next read.
+
+        Each partition is read where the commit has got to with it: in its place, moved into the commit, or
+        moved aside; one that the commit finished meanwhile is simply not among them.
+        """
+        spec = _spec(table)
+        commits = self.forecast_dir / COMMIT_DIR
+        frames = [pl.from_arrow(spec.schema.empty_table())]
+        for committed in sorted(commits.glob(f"*{COMMITTED}")) if commits.is_dir() else ():
+            try:
+                plan = json.loads((committed / COMMIT_PLAN).read_text())
+            except FileNotFoundError:  # finished meanwhile
+                continue
+            removed = [(number, self.root / entry["remove"]) for number, entry in enumerate(plan) if "remove" in entry]
+            for number, path in removed:
+                if not path.is_relative_to(self.table_dir(table)):
+                    continue
+                for place in (path, committed / REMOVED / str(number), aside(committed, path)):
+                    try:
+                        found = [_read_parquet(spec, file) for file in sorted(place.rglob(PART_FILE))]
+                    except FileNotFoundError:  # moved on meanwhile by a process finishing the commit
+                        continue
+                    if found:
+                        frames += found
+                        break
+        return pl.concat(frames, how="diagonal_relaxed")
+
     # ---- reads ----------------------------------------------------------------------------
     def connect(self, gold: bool = False, run_id: str | None = None,
                 tables: Iterable[str] | None = None) -> duckdb.DuckDBPyConnection:
@@ -375,7 +404,6 @@ def remove_into(committed: Path, path: Path, number: int) -> None:
     partition written since cannot be moved into it). A directory on another file system than the forecasting
     store (a gold store mounted apart) is moved aside instead, out of every view's pattern, and removed there.
     """
-    aside = path.with_name(f".{path.name}.{committed.name}.{REMOVED}")
     try:
         os.replace(path, committed / REMOVED / str(number))
     except FileNotFoundError:
@@ -383,8 +411,13 @@ def remove_into(committed: Path, path: Path, number: int) -> None:
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-        os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)  # also what a process killed during a removal aside left there
+        os.replace(path, aside(committed, path))
+    shutil.rmtree(aside(committed, path), ignore_errors=True)  # also what a process killed during a removal left there
+
+
+def aside(committed: Path, path: Path) -> Path:
+    """Where a removal's commit moves `path` when it is on another file system: beside it, hidden from the views."""
+    return path.with_name(f".{path.name}.{committed.name}.{REMOVED}")
 
 
 def _checked(table: str, data: pl.DataFrame | pa.Table, keys: dict) -> pa.Table:
