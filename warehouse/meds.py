@@ -641,7 +641,8 @@ def _respelled(codes: pa.Array | pa.ChunkedArray) -> pa.Array:
 def _respell_dictionary(codes_path: Path) -> None:
     """Rewrite codes.parquet with its diagnoses in the platform's spelling, one row per code: a code listed in two
     spellings keeps its first row with a description. A file without such codes is left as it is (the dataset's
-    fingerprint reads its bytes)."""
+    fingerprint reads its bytes). `parent_codes` stay as written: MEDS lets them name codes of other vocabularies
+    (OMOP's ICD10CM/E11 above all), and nothing here reads them."""
     table = pq.read_table(codes_path)
     codes = _respelled(table["code"])
     if codes.equals(table["code"].cast(pa.large_string()).combine_chunks()):
@@ -758,8 +759,9 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     rewritten with the MEDS types, and shards without the optional value columns gain them empty. Times in a
     time zone become the wall-clock times they show at `offset`, the one UTC offset validation found for them
     (`MedsInfo.utc_offset`). With `respell` (validation found diagnoses in other spellings: `MedsInfo.respelled`)
-    every diagnosis code of the shards is written in the platform's spelling; those of codes.parquet are whenever it
-    has such codes (a dictionary may spell its codes so although the data does not).
+    every diagnosis code of the shards is written in the platform's spelling (one written in several at one time and
+    encounter, once); those of codes.parquet are whenever it has such codes (a dictionary may spell its codes so
+    although the data does not).
     """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve() and encounter_column == "encounter_id" and not respell:
@@ -778,7 +780,8 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
     """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
     (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
     floats (int64 too), it lacks a value column, or `respell` asks for its diagnosis codes in the platform's
-    spelling (`_respelled`).
+    spelling (`_respelled`), a diagnosis written in several spellings at one time and encounter once
+    (`_respelled_repeats`).
 
     MEDS lets a shard leave out `numeric_value` and `text_value` (exports before MEDS 0.3.3 have no
     `text_value`); the copy gains them as empty columns, since every reader selects both."""
@@ -793,13 +796,21 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
             want = want.append(pa.field("encounter_id", pa.int64()))
         elif pa.types.is_floating(have.field("encounter_id").type):  # whole numbers (`validate_meds_dir`)
             want = want.set(want.get_field_index("encounter_id"), pa.field("encounter_id", pa.int64()))
+        repeats = pa.array([], pa.int64())
         if respell:
             want = want.set(want.get_field_index("code"), pa.field("code", pa.large_string()))
+            repeats = _respelled_repeats(shard, encounter_column, [name for name in ("numeric_value", "text_value")
+                                                                   if name in have.names])
         elif want.equals(have):
             return
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
+        first_row = 0  # of the batch, in the shard
         with pq.ParquetWriter(tmp, want, compression="zstd") as writer:
             for batch in source.iter_batches():
+                rows = range(first_row, first_row + batch.num_rows)
+                first_row += batch.num_rows
+                if len(repeats):
+                    batch = batch.filter(pc.invert(pc.is_in(pa.array(rows, pa.int64()), value_set=repeats)))
                 columns = [*batch.columns, *(pa.nulls(batch.num_rows, declared.field(name).type) for name in absent)]
                 if encounter_column != "encounter_id":
                     columns = [*columns, batch.column(encounter_column)]
@@ -811,6 +822,34 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
                     [_wall_clock(column, offset).cast(field.type, safe=field.name not in ("time", "numeric_value"))
                      for column, field in zip(columns, want)], schema=want))
     os.replace(tmp, shard)
+
+
+def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[str]) -> pa.Array:
+    """The rows of `shard` (numbers in file order) that the rewrite to the platform's spelling would make copies of
+    others: diagnoses of one subject, time and encounter, with the same values (`value_columns`, those the shard
+    has), written in several spellings of one code, such as ICD10CM/E11.9 beside DIAGNOSIS//ICD//10//E119.
+
+    One diagnosis coded twice by the source would count twice wherever rows are counted (the evaluation's frequency
+    buckets count a code's train events). Of such rows the spelling written most often (then first) stays: rows in
+    one spelling were equal before the rewrite too, repeated measurements MEDS allows, and are all kept.
+    """
+    platform = respelled_diagnosis_sql("code")
+    same = ", ".join(f'"{name}"' for name in ("subject_id", "time", encounter_column, "platform_code", *value_columns))
+    con = duck.connect(":memory:")
+    try:
+        return con.sql(f"""
+            WITH diagnoses AS (
+                SELECT *, {platform} AS platform_code
+                FROM read_parquet({duck.literal(shard)}, file_row_number = true) WHERE {platform} IS NOT NULL),
+            spellings AS (
+                SELECT file_row_number, code, {same}, count(*) OVER spelling AS n, min(file_row_number) OVER spelling
+                       AS first_row
+                FROM diagnoses WINDOW spelling AS (PARTITION BY {same}, code))
+            SELECT file_row_number FROM spellings
+            QUALIFY code <> first_value(code) OVER (PARTITION BY {same} ORDER BY n DESC, first_row)
+            ORDER BY file_row_number""").to_arrow_table().column(0).combine_chunks().cast(pa.int64())
+    finally:
+        con.close()
 
 
 def _wall_clock(column: pa.Array, offset: timedelta | None) -> pa.Array:
