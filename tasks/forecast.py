@@ -123,6 +123,16 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
         pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
     if other_cohorts.height:
         first = other_cohorts.row(0, named=True)
+        if other_cohorts["status"].is_in(("failed", "killed")).all():  # not one still `running`, which may be alive
+            # Still the other cohort's run: the shards a failed forecast wrote stay until it is redone (evaluation
+            # would find lists of two cohorts), and its `runs` rows name that cohort, by which `dxr cohort delete
+            # --with-runs` deletes the whole run, lists of this cohort included.
+            failed = ", ".join(f"{kind.removeprefix('forecast:')} {status}" for kind, status in
+                               other_cohorts.sort("kind").select("kind", "status").iter_rows())
+            raise InputError(f"run {run_id} holds no finished forecast, only ones of cohort {first['cohort_id']} "
+                             f"({failed}), and this one is of cohort {config['cohort']}: a run stays on the cohort "
+                             f"it was started on even when none of its forecasts finished; pass a new --run-id, or "
+                             f"redo them on their cohort with --cohort {first['cohort_id']} --run-id {run_id}")
         raise InputError(f"run {run_id} already holds forecasts of cohort {first['cohort_id']} ({first['kind']}), "
                          f"this one is of cohort {config['cohort']}: one run compares systems on one cohort, and a "
                          "cohort name follows its newest build (other options, or a dataset registered again); pass "

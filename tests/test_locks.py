@@ -122,6 +122,35 @@ def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):
         check_rerun(wh, "r1", forecast_config(other, "global_frequency", "all", 20, None))
 
 
+def test_a_run_whose_only_forecasts_failed_stays_on_their_cohort_and_the_refusal_names_both_fixes(
+        tiny_cohort, prefect_harness, monkeypatch):
+    import flows.forecast
+
+    wh, cohort_id = tiny_cohort
+    other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+
+    def broken_shard(*args, **kwargs):
+        raise RuntimeError("the shard broke")
+
+    monkeypatch.setattr(flows.forecast, "forecast_shard_task", broken_shard)
+    with pytest.raises(RuntimeError, match="the shard broke"):
+        forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    assert wh.read("runs", run_id="r1")["status"].to_list() == ["failed"]
+    monkeypatch.undo()
+    # The refusal said the run "already holds forecasts" and offered to add to it, though none had finished.
+    with pytest.raises(InputError, match=rf"run r1 holds no finished forecast, only ones of cohort {cohort_id} "
+                                         rf"\(repeat_history failed\), and this one is of cohort {other}: .*; pass a "
+                                         rf"new --run-id, or redo them on their cohort with --cohort {cohort_id} "
+                                         "--run-id r1$"):
+        forecast_flow(str(wh.root), "every", "global_frequency", split="all", run_id="r1")
+    assert set(wh.read("runs", run_id="r1")["cohort_id"]) == {cohort_id}
+    # Both fixes work: the failed forecast redone on its cohort, the other cohort under a new run id.
+    forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    forecast_flow(str(wh.root), "every", "global_frequency", split="all", run_id="r2")
+    assert wh.read("runs", run_id="r1")["status"].to_list() == ["finished"]
+    assert set(wh.read("rankings", run_id="r2")["cohort_id"]) == {other}
+
+
 def test_two_systems_started_together_into_a_new_run_on_two_cohorts_are_not_both_recorded(tiny_cohort, monkeypatch):
     import threading
 
