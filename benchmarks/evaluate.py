@@ -44,7 +44,8 @@ def build(wh: Warehouse, n: int, n_systems: int, k: int, seed: int) -> None:
     ids = [f"{COHORT}:{i}:{i}" for i in range(n)]
     wh.write("trajectories", pl.DataFrame({
         "cohort_id": COHORT, "trajectory_id": ids, "subject_id": np.arange(n) // 2, "target_encounter_id": np.arange(n),
-        "cutoff_time": datetime(2020, 1, 1), "split": "held_out", "shard": 0, "n_prior_encounters": 1}),
+        "cutoff_time": datetime(2020, 1, 1), "split": "held_out", "shard": 0, "n_prior_encounters": 1,
+        "birth_time_imputed": False}),
         cohort_id=COHORT)
     sizes = rng.integers(1, 9, size=n)
     target_codes = [rng.choice(len(vocab), size=s, replace=False, p=weights) for s in sizes]

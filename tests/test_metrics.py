@@ -47,7 +47,7 @@ def write_cohort(wh: Warehouse, targets=TARGETS, pretarget=PRETARGET, train_coun
     wh.write("trajectories", pl.DataFrame({
         "cohort_id": COHORT, "trajectory_id": ids, "subject_id": [int(t.split(":")[1]) for t in ids],
         "target_encounter_id": [int(t.split(":")[2]) for t in ids], "cutoff_time": datetime(2020, 1, 1),
-        "split": "held_out", "shard": 0, "n_prior_encounters": 1}), cohort_id=COHORT)
+        "split": "held_out", "shard": 0, "n_prior_encounters": 1, "birth_time_imputed": False}), cohort_id=COHORT)
     wh.write("targets", pl.DataFrame({"cohort_id": COHORT, "trajectory_id": [t for t in ids for _ in targets[t]],
                                       "code": [c for t in ids for c in targets[t]]}), cohort_id=COHORT)
     rows = [(t, c) for t in ids for c in pretarget.get(t, [])]

@@ -424,6 +424,27 @@ def test_fixture_runs_end_to_end_with_every_harmonization(mode, wh_vocab, prefec
     assert sorted(overall["system"]) == ["global_frequency", "repeat_history"] and set(overall["n"]) == {2}
 
 
+def test_a_cohort_flags_the_patients_whose_age_was_capped_and_an_older_cohort_reads_null(wh_vocab):
+    import pyarrow.parquet as pq
+
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import register_dataset
+    from warehouse.sql import run_query
+
+    import_mimic4(FIXTURE, wh_vocab.meds_dir("mimic4fix"), seed=SEED)
+    register_dataset(wh_vocab, "mimic4fix", source="mimic4")
+    cohort_id = build_cohort(wh_vocab, "mimic4fix", "native", CohortOptions(), seed=SEED)["cohort_id"]
+    # S2's anchor_age 91 was capped (its MEDS_BIRTH row time_imputed); S1's 42 was not. The forecasting store
+    # had no flag: only the gold MEDS files told a capped 90 from a real one.
+    query = "SELECT subject_id, birth_time_imputed FROM trajectories ORDER BY subject_id"
+    assert run_query(wh_vocab, query, fmt="csv").splitlines() == ["subject_id,birth_time_imputed",
+                                                                  f"{S1},false", f"{S2},true"]
+    written = wh_vocab.partition_path("trajectories", cohort_id=cohort_id)
+    pq.write_table(pq.read_table(written).drop_columns(["birth_time_imputed"]), written)  # as built before it
+    assert wh_vocab.read("trajectories")["birth_time_imputed"].to_list() == [None, None]
+    assert run_query(wh_vocab, query, fmt="csv").splitlines()[1:] == [f"{S1},", f"{S2},"]
+
+
 # ---- bad input: one line naming the file, row or column and the fix; nothing half-written -------
 
 def copy_fixture(tmp_path: Path) -> Path:

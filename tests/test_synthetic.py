@@ -368,7 +368,8 @@ def test_warehouse_realism_reads_one_split_of_the_cohort_and_the_runs_r20(wh):
     wh.write("trajectories", pl.DataFrame({
         "cohort_id": cohort, "trajectory_id": ["t1", "t2", "t3"], "subject_id": [1, 2, 3],
         "target_encounter_id": [11, 21, 31], "cutoff_time": [datetime(2020, 1, 1)] * 3,
-        "split": ["held_out", "held_out", "train"], "shard": [0, 0, 1], "n_prior_encounters": [2, 5, 9]}),
+        "split": ["held_out", "held_out", "train"], "shard": [0, 0, 1], "n_prior_encounters": [2, 5, 9],
+        "birth_time_imputed": False}),
         cohort_id=cohort)
     # hypertension owns I10 and I13.0, hyperlipidemia E78.5; no condition owns R69.
     wh.write("targets", pl.DataFrame({

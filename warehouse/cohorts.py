@@ -233,8 +233,15 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     with _spilling_connection(wh, cohort_id, memory_limit) as con:
         vocab.load_vocabularies(wh)
         gem, icd_codes = wh.read("gem_map"), wh.read("icd_codes")
+        shards = f"read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}, union_by_name=true)"
         con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
-                        FROM read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}, union_by_name=true)""")
+                        FROM {shards}""")
+        # The MIMIC importers flag the birth date they moved to cap an age above 89 (`time_imputed`, a MEDS
+        # extension column a dataset may lack): read apart from `raw`, whose other events it does not concern.
+        flagged = "time_imputed" in con.sql(f"SELECT * FROM {shards} LIMIT 0").columns
+        con.execute("CREATE TEMP TABLE imputed_births AS SELECT DISTINCT subject_id " + (
+            f"FROM {shards} WHERE code = 'MEDS_BIRTH' AND TRY_CAST(time_imputed AS BOOLEAN)" if flagged
+            else "FROM raw WHERE false"))
         steps.update()
 
         # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
@@ -283,7 +290,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         trajectories = fetch_frame(con, f"""
             SELECT '{cohort_id}' AS cohort_id, '{cohort_id}:' || subject_id || ':' || encounter_id AS trajectory_id,
                    subject_id, encounter_id AS target_encounter_id, start_time AS cutoff_time, split,
-                   CAST(n_prior AS INTEGER) AS n_prior_encounters
+                   CAST(n_prior AS INTEGER) AS n_prior_encounters,
+                   subject_id IN (SELECT subject_id FROM imputed_births) AS birth_time_imputed
             FROM candidate_targets
             WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
             ORDER BY subject_id, cutoff_time, target_encounter_id""")

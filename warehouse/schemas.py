@@ -106,11 +106,14 @@ TABLES: dict[str, Table] = {
         _t("trajectories", FORECAST, {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "target_encounter_id": pa.int64(), "cutoff_time": TS, "split": pa.string(), "shard": pa.int32(),
-            "n_prior_encounters": pa.int32(),
+            "n_prior_encounters": pa.int32(), "birth_time_imputed": pa.bool_(),
         }, ["cohort_id"], "One row per (patient, target encounter); `trajectory_id` = "
            "`{cohort_id}:{subject_id}:{target_encounter_id}`; a `shard` holds trajectories of one split; "
            "`n_prior_encounters` counts the earlier encounters whose diagnoses the pre-target record holds "
-           "(begun and coded before the cutoff)."),
+           "(begun and coded before the cutoff). `birth_time_imputed` is true when the patient's `MEDS_BIRTH` row "
+           "has `time_imputed` true in the dataset: the MIMIC importers' age above 89 capped at 90, its birth date "
+           "moved, so ages computed from it read 90 (false when the dataset has no `time_imputed` column; null for "
+           "cohorts built before it was recorded).", nullable=["birth_time_imputed"]),
         _t("pretarget_events", FORECAST, {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "time": TS, "code": pa.string(), "numeric_value": pa.float32(), "text_value": pa.large_string(),

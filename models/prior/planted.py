@@ -96,7 +96,8 @@ def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, co
                     .with_columns(pl.lit(cohort_id).alias("cohort_id"),
                                   pl.format("{}:{}:{}", pl.lit(cohort_id), "subject_id", "target_encounter_id")
                                   .alias("trajectory_id"),
-                                  (pl.col("target_encounter_id") % 100).cast(pl.Int32).alias("n_prior_encounters")))
+                                  (pl.col("target_encounter_id") % 100).cast(pl.Int32).alias("n_prior_encounters"),
+                                  pl.lit(False).alias("birth_time_imputed")))
     trajectories = assign_shards(trajectories, shard_size)
     joined = events.join(trajectories.select("subject_id", "trajectory_id", "target_encounter_id", "cutoff_time",
                                              "shard"), on="subject_id")
