@@ -36,7 +36,7 @@ from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.run_outputs import matched_subjects  # noqa: E402
-from warehouse.runs import EVALUATE_KIND, holding_run  # noqa: E402
+from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
 
@@ -313,6 +313,9 @@ def k_sweep(wh: Warehouse, run_id: str, systems: list[str], max_k: int) -> pl.Da
 def build_report(wh: Warehouse, run_id: str) -> list:
     metrics = wh.read("metrics", run_id=run_id)
     if metrics.is_empty():
+        # Evaluating first helps only a run that exists: a mistyped id (or another data dir) is named as such.
+        if not wh.has_rows("runs", run_id=run_id) and not wh.has_rows("rankings", run_id=run_id):
+            raise unknown_run(wh, run_id)
         raise NotFoundError(f"run {run_id!r} has no stored metrics: run `dxr evaluate --run {run_id}` first")
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.

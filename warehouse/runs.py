@@ -21,7 +21,7 @@ import polars as pl
 
 from dxr import __version__
 from dxr.config import DEFAULT_CONFIG_FILE
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 from warehouse.locks import held
 from warehouse.schemas import TABLES, utc_now
 from warehouse.scratch import naming, remove_abandoned, scratch
@@ -137,6 +137,12 @@ def _write_marker(wh: Warehouse, run_id: str, kind: str) -> Path:
         tmp.write_text(json.dumps({"run_id": run_id, "kind": kind}))
         os.replace(tmp, marker)
     return marker
+
+
+def unknown_run(wh: Warehouse, run_id: str) -> NotFoundError:
+    """The error for a run id that the registry does not hold (a typo, another data dir), with how to list the runs."""
+    return NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with "
+                         "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
 
 
 @contextmanager

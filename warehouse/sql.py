@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 
 import duckdb
 
-from dxr.errors import InputError, NotFoundError
+from dxr.errors import InputError
 from warehouse import duck
+from warehouse.runs import unknown_run
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, check_run_id
 
@@ -127,8 +128,7 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> 
         raise InputError(f"dxr sql runs read-only queries; {head or 'an empty query'!r} is not allowed: "
                          f"start with {', '.join(first)} or {last}")
     if run_id is not None and not wh.has_rows("runs", run_id=check_run_id(run_id)):
-        raise NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with "
-                            "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
+        raise unknown_run(wh, run_id)
     for attempt in (1, 2):
         con = wh.connect(gold=with_gold, run_id=run_id, tables=named_tables(query))
         if with_gold:  # the gold connection reads everything of the warehouse, and nothing outside it
