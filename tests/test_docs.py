@@ -78,17 +78,20 @@ def assert_sets(written, loaded, where: str) -> None:
         assert loaded == written, f"{where}: the example sets {written!r}, the settings hold {loaded!r}"
 
 
-# `dxr sql [--run R] "QUERY"` anywhere in the README and docs (a query may span lines), ```sql blocks, and a query
-# shown as inline code on its own (`SELECT … FROM runs WHERE …`).
-SQL_EXAMPLES = [(path.name, query) for path in DOC_PAGES
-                for query in [*re.findall(r'dxr sql (?:--run \S+ )?"([^"]+)"', path.read_text()),
-                              *re.findall(r"```sql\n(.*?)```", path.read_text(), flags=re.S),
-                              *(span for span in inline_code(path.read_text()) if re.match(r"(SELECT|WITH) ", span))]
+# `dxr sql [--run R] [--with-gold] "QUERY"` anywhere in the README and docs (a query may span lines), ```sql
+# blocks, and a query shown as inline code on its own (`SELECT … FROM runs WHERE …`); each with its --with-gold.
+SQL_EXAMPLES = [(path.name, query, gold == "--with-gold ") for path in DOC_PAGES
+                for gold, query in [*re.findall(r'dxr sql (?:--run \S+ )?(--with-gold )?"([^"]+)"', path.read_text()),
+                                    *(("", block) for block in re.findall(r"```sql\n(.*?)```", path.read_text(),
+                                                                          flags=re.S)),
+                                    *(("", span) for span in inline_code(path.read_text())
+                                      if re.match(r"(SELECT|WITH) ", span))]
                 if query != "QUERY"]  # the CLI table's placeholder
 
 
-@pytest.mark.parametrize("page, query", SQL_EXAMPLES, ids=[f"{page}-{i}" for i, (page, _) in enumerate(SQL_EXAMPLES)])
-def test_every_documented_sql_example_runs(page, query, tmp_path):
+@pytest.mark.parametrize("page, query, with_gold", SQL_EXAMPLES,
+                         ids=[f"{page}-{i}" for i, (page, *_) in enumerate(SQL_EXAMPLES)])
+def test_every_documented_sql_example_runs(page, query, with_gold, tmp_path):
     """Each example binds against the tables as `warehouse/schemas.py` defines them (an empty warehouse)."""
     from click.testing import CliRunner
 
@@ -96,7 +99,7 @@ def test_every_documented_sql_example_runs(page, query, tmp_path):
 
     (tmp_path / "forecast").mkdir()
     query = re.sub(r"\s*--[^\n]*\n", "\n", query).strip().rstrip(";")  # a SQL comment line of a ```sql block
-    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", query])
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "sql", *["--with-gold"] * with_gold, query])
     assert result.exit_code == 0, f"{page}: {query!r} fails: {result.output}"
 
 

@@ -136,7 +136,8 @@ TABLES: dict[str, Table] = {
            "run that starts), or stale (a finished fused forecast or evaluation whose outputs were removed because a "
            "forecast it read was run again into the run, or an evaluation until all its tables are written, so one "
            "cut short among its writes stays stale; run it again). `host` and `pid` are the recording "
-           "process (null in rows written before they were added). A mean over repeated runs (`dxr evaluate` "
+           "process (null in rows written before they were added); `finished_at` is null while a run is `running` and "
+           "once it is `killed`. A mean over repeated runs (`dxr evaluate` "
            "with several --run) is registered under its `config-…` run id (or its --run-id) with kind `evaluate` "
            "and the runs it averages under `runs` in `config_json`. "
            "A learned system's forecast records the registered model version it used under `model` in "
@@ -150,7 +151,12 @@ TABLES: dict[str, Table] = {
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
-        }, ["run_id", "system", "shard"], "Ordered code lists per trajectory; `native` is false for padding."),
+        }, ["run_id", "system", "shard"], "Ordered code lists per trajectory; `native` is false for padding. "
+           "`score` orders one list and is on its system's own scale, so compare ranks, not scores, across systems: "
+           "train-split encounter counts (`global_frequency`), the patient's encounters recording the code "
+           "(`repeat_history`, its padding below 1), a transition probability (`transition`, padding negative), "
+           "an unnormalized logit (the learned priors), the model's 0-100 confidence (`direct`) or the "
+           "reciprocal-rank sum (`rrf_prior_direct`)."),
         _t("candidates", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "stage": pa.string(), "system": pa.string(),
             "trajectory_id": pa.string(), "rank": pa.int32(), "code": pa.string(), "score": pa.float64(),
@@ -169,7 +175,10 @@ TABLES: dict[str, Table] = {
         _t("ranking_status", FORECAST, {
             "run_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(), "status": pa.string(),
             "detail": pa.string(),
-        }, ["run_id", "system", "shard"], "Per-trajectory outcome of a system: ok, short or failed.",
+        }, ["run_id", "system", "shard"], "Per-trajectory outcome of a system: ok, short or failed. `detail` says "
+           "why (how many of the K codes the list kept, what the validator dropped, history truncated to fit the "
+           "prompt, the error of a "
+           "`failed` list, a fused list's missing input); null when there is nothing to say.",
            nullable=["detail"]),
         _t("metrics", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "subset": pa.string(),
@@ -180,7 +189,8 @@ TABLES: dict[str, Table] = {
            "§1); `subset` in {all, icd9, icd10, new_onset, repeated, freq_0, freq_1_9, freq_10_99, freq_100plus} "
            "restricts the target codes "
            "(a subset no trajectory has a target code of has no rows); `k` = 0 is the variable-cardinality version "
-           "(K = the length of each trajectory's whole list); `n` counts the trajectories, `n_runs` the runs averaged.",
+           "(K = the length of each trajectory's whole list); `n` counts the trajectories, `n_runs` the runs averaged. "
+           "`ci_low` and `ci_high` are null when the evaluation ran without a bootstrap (`--bootstrap 0`).",
            nullable=["ci_low", "ci_high"]),
         # ---- gold -----------------------------------------------------------------------------
         _t("targets", GOLD, {
@@ -215,7 +225,8 @@ TABLES.update({
             "n_trajectories": pa.int64(), "n_short": pa.int64(), "n_failed": pa.int64(), "n_below_k": pa.int64(),
             "native_share": pa.float64(),
         }, ["run_id", "system"], "Per system and K: explicit short/failed trajectories, trajectories with fewer "
-           "than K codes, and the share of top-K rows that are native (not padding); k = 0 is the whole list.",
+           "than K codes, and the share of top-K rows that are native (not padding; null when no trajectory has a "
+           "code); k = 0 is the whole list.",
            nullable=["native_share"]),
         _t("paired_comparisons", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system_a": pa.string(), "system_b": pa.string(),
@@ -306,7 +317,10 @@ TABLES.update({
            "of the embedded backend's GGUF, the replay file; null in rows written before it was recorded); "
            "`truncated_chars` = history characters dropped to fit the context window; `latency_ms` = time in "
            "flight at the backend over every attempt (queueing and backoff excluded; the lookup time for a cache "
-           "hit). Cost is computed at report time from the `llm.prices` table, never stored.",
+           "hit). `tokens_cached_in` is part of `tokens_in` and `tokens_reasoning` part of `tokens_out`; a cache hit "
+           "sent no request, so its tokens are 0. `trajectory_id` is null for a request made for no one trajectory; "
+           "`error` is null when `ok` (for `invalid`, why the reply failed validation). "
+           "Cost is computed at report time from the `llm.prices` table, never stored.",
            nullable=["trajectory_id", "error", "model_identity"]),
     ]
 })
