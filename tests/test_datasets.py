@@ -628,7 +628,8 @@ def test_a_dataset_mixing_the_platforms_spelling_with_another_gets_one_code_per_
     assert ("1:103", "DIAGNOSIS//ICD//10//I5023") in targets and len(targets) == len(set(targets))
 
 
-def test_a_diagnosis_written_in_two_spellings_at_one_time_and_encounter_is_copied_once(wh_vocab, tmp_path):
+def test_a_diagnosis_written_in_two_spellings_at_one_time_and_encounter_is_copied_once(wh_vocab, tmp_path,
+                                                                                   monkeypatch):
     # The evaluation's frequency buckets count a code's train_events rows, which counted such a diagnosis twice.
     # Only rows that the rewrite makes equal collapse: a code written twice in one spelling (a repeated measurement
     # MEDS allows), at another time or with another value stays, and of two spellings the one written more often
@@ -651,9 +652,11 @@ def test_a_diagnosis_written_in_two_spellings_at_one_time_and_encounter_is_copie
             "subject_id", "time", nulls_last=False, maintain_order=True)
 
     two = write_tiny_meds(tmp_path / "two", with_rows(two_spellings))
-    # Row groups of a few rows: the copy rewrites a shard a batch at a time, and the rows go by their shard's number.
-    pq.write_table(with_rows(two_spellings).to_arrow(), two / "data" / "0.parquet", row_group_size=4)
+    # Batches of a few rows: the copy rewrites a shard a batch at a time, and the rows go by their number in the
+    # shard. (Small row groups would not do: a batch spans row groups, so this shard would be one.)
+    monkeypatch.setattr(meds_module, "_BATCH_ROWS", 4)
     ingest_meds(wh_vocab, two, "two")
+    monkeypatch.undo()
     ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "meant", with_rows(meant)), "meant")
     gold = pl.read_parquet(wh_vocab.meds_dir("two") / "data" / "**" / "*.parquet").select(base.columns)
     assert gold.sort(pl.all(), nulls_last=True).equals(with_rows(meant).sort(pl.all(), nulls_last=True))

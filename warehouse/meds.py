@@ -25,6 +25,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 import duckdb
 import meds
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -777,8 +778,13 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
         replace_dir(staging, target)
 
 
+# Rows a shard's rewrite holds at once (pyarrow's default): a batch may span row groups, so a shard of fewer rows is
+# one batch however it was written.
+_BATCH_ROWS = 65_536
+
+
 def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None, respell: bool = False) -> None:
-    """Rewrite a shard, a row group at a time (shards can be large), when its columns need the MEDS types
+    """Rewrite a shard, `_BATCH_ROWS` rows at a time (shards can be large), when its columns need the MEDS types
     (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
     floats (int64 too), it lacks a value column, or `respell` asks for its diagnosis codes in the platform's
     spelling (`_respelled`), a diagnosis written in several spellings at one time and encounter once
@@ -797,7 +803,7 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
             want = want.append(pa.field("encounter_id", pa.int64()))
         elif pa.types.is_floating(have.field("encounter_id").type):  # whole numbers (`validate_meds_dir`)
             want = want.set(want.get_field_index("encounter_id"), pa.field("encounter_id", pa.int64()))
-        repeats = pa.array([], pa.int64())
+        repeats = np.array([], np.int64)
         if respell:
             want = want.set(want.get_field_index("code"), pa.field("code", pa.large_string()))
             repeats = _respelled_repeats(shard, encounter_column, [name for name in ("numeric_value", "text_value")
@@ -807,11 +813,17 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
         first_row = 0  # of the batch, in the shard
         with pq.ParquetWriter(tmp, want, compression="zstd") as writer:
-            for batch in source.iter_batches():
-                rows = range(first_row, first_row + batch.num_rows)
-                first_row += batch.num_rows
-                if len(repeats):
-                    batch = batch.filter(pc.invert(pc.is_in(pa.array(rows, pa.int64()), value_set=repeats)))
+            for batch in source.iter_batches(batch_size=_BATCH_ROWS):
+                n_rows = batch.num_rows
+                # The batch's own repeats, a slice of the sorted row numbers: matching each batch against all of
+                # them cost batches x repeats, minutes for a shard of millions of rows that spells each diagnosis
+                # twice.
+                start, stop = np.searchsorted(repeats, [first_row, first_row + n_rows])
+                if stop > start:
+                    keep = np.ones(n_rows, dtype=bool)
+                    keep[repeats[start:stop] - first_row] = False
+                    batch = batch.filter(pa.array(keep))
+                first_row += n_rows
                 columns = [*batch.columns, *(pa.nulls(batch.num_rows, declared.field(name).type) for name in absent)]
                 if encounter_column != "encounter_id":
                     columns = [*columns, batch.column(encounter_column)]
@@ -825,10 +837,10 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
     os.replace(tmp, shard)
 
 
-def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[str]) -> pa.Array:
-    """The rows of `shard` (numbers in file order) that the rewrite to the platform's spelling would make copies of
-    others: diagnoses of one subject, time and encounter, with the same values (`value_columns`, those the shard
-    has), written in several spellings of one code, such as ICD10CM/E11.9 beside DIAGNOSIS//ICD//10//E119.
+def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[str]) -> np.ndarray:
+    """The rows of `shard` (numbers in file order, ascending) that the rewrite to the platform's spelling would make
+    copies of others: diagnoses of one subject, time and encounter, with the same values (`value_columns`, those the
+    shard has), written in several spellings of one code, such as ICD10CM/E11.9 beside DIAGNOSIS//ICD//10//E119.
 
     One diagnosis coded twice by the source would count twice wherever rows are counted (the evaluation's frequency
     buckets count a code's train events). Of such rows the spelling written most often (then first) stays: rows in
@@ -848,7 +860,7 @@ def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[s
                 FROM diagnoses WINDOW spelling AS (PARTITION BY {same}, code))
             SELECT file_row_number FROM spellings
             QUALIFY code <> first_value(code) OVER (PARTITION BY {same} ORDER BY n DESC, first_row)
-            ORDER BY file_row_number""").to_arrow_table().column(0).combine_chunks().cast(pa.int64())
+            ORDER BY file_row_number""").to_arrow_table().column(0).to_numpy().astype(np.int64)
     finally:
         con.close()
 
