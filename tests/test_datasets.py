@@ -667,6 +667,23 @@ def test_a_diagnosis_written_in_two_spellings_at_one_time_and_encounter_is_copie
     assert train_events["two"].equals(train_events["meant"])
 
 
+def test_the_copy_finds_respelled_repeats_within_the_ingests_memory_limit(wh_vocab, tmp_path, monkeypatch):
+    # Sorting a large shard's diagnoses without a limit lets DuckDB take 80% of the machine's memory.
+    limits = []
+    spilling = meds_module._spilling_connection
+
+    def recording(what: str, memory_limit: str):
+        limits.append((what.split(" of ")[0], memory_limit))
+        return spilling(what, memory_limit)
+
+    monkeypatch.setattr(meds_module, "_spilling_connection", recording)
+    rows = pl.DataFrame([(2, t(3), "ICD10CM/E11.9", None, None, 201)], schema=tiny_events().schema, orient="row")
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "other", pl.concat([tiny_events(), rows])), "other",
+                memory_limit="300MB")
+    assert ("finding the diagnoses", "300MB") in limits
+    assert {limit for _, limit in limits} == {"300MB"}
+
+
 @pytest.mark.parametrize("code, problem", [
     ("icd10cm/j44.9", r"diagnosis code 'icd10cm/j44\.9' is not upper case: write it 'ICD10CM/J44\.9'"),
     # An ICD-9 procedure (two digits before the dot) under a diagnosis prefix: not read as a diagnosis.

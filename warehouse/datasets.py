@@ -76,7 +76,7 @@ def ingest_meds(wh: Warehouse, source_dir: Path, dataset_id: str, run_id: str | 
             info = validate_meds_dir(source_dir, memory_limit, other_spellings=True)  # fail before copying anything
             with writing_dataset(wh, dataset_id):
                 copy_meds_dir(Path(source_dir), target, info.encounter_column, info.utc_offset,
-                              respell=bool(info.respelled))
+                              respell=bool(info.respelled), memory_limit=memory_limit)
                 # The copy keeps wall-clock times without their zone: the row records which zone that was.
                 row = register_dataset(wh, dataset_id, source="meds", memory_limit=memory_limit,
                                        time_zone=info.time_zone,

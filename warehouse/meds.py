@@ -751,7 +751,7 @@ def _metadata_bytes(root: Path) -> bytes:
 
 
 def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter_id",
-                  offset: timedelta | None = None, respell: bool = False) -> None:
+                  offset: timedelta | None = None, respell: bool = False, memory_limit: str = "2GB") -> None:
     """Copy a MEDS directory into the gold store, replacing any older copy.
 
     A real copy, not hard links: a source file later rewritten in place must not change the
@@ -762,8 +762,8 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     time zone become the wall-clock times they show at `offset`, the one UTC offset validation found for them
     (`MedsInfo.utc_offset`). With `respell` (validation found diagnoses in other spellings: `MedsInfo.respelled`)
     every diagnosis code of the shards is written in the platform's spelling (one written in several at one time and
-    encounter, once); those of codes.parquet are whenever it has such codes (a dictionary may spell its codes so
-    although the data does not).
+    encounter, once, found by DuckDB within `memory_limit`); those of codes.parquet are whenever it has such codes
+    (a dictionary may spell its codes so although the data does not).
     """
     source, target = Path(source).resolve(), Path(target)
     if source == target.resolve() and encounter_column == "encounter_id" and not respell:
@@ -772,7 +772,7 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
         for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
-            _conform_shard(shard, encounter_column, offset, respell)
+            _conform_shard(shard, encounter_column, offset, respell, memory_limit)
         if (staging / meds.code_metadata_filepath).is_file():
             _respell_dictionary(staging / meds.code_metadata_filepath)
         replace_dir(staging, target)
@@ -783,7 +783,8 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
 _BATCH_ROWS = 65_536
 
 
-def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None, respell: bool = False) -> None:
+def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None, respell: bool = False,
+                   memory_limit: str = "2GB") -> None:
     """Rewrite a shard, `_BATCH_ROWS` rows at a time (shards can be large), when its columns need the MEDS types
     (`_stored_types`), its encounter column needs the `encounter_id` copy (int64) or holds whole numbers as
     floats (int64 too), it lacks a value column, or `respell` asks for its diagnosis codes in the platform's
@@ -807,7 +808,7 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
         if respell:
             want = want.set(want.get_field_index("code"), pa.field("code", pa.large_string()))
             repeats = _respelled_repeats(shard, encounter_column, [name for name in ("numeric_value", "text_value")
-                                                                   if name in have.names])
+                                                                   if name in have.names], memory_limit)
         elif want.equals(have):
             return
         tmp = shard.with_name(f".{shard.name}.{uuid.uuid4().hex}.tmp")
@@ -837,7 +838,8 @@ def _conform_shard(shard: Path, encounter_column: str, offset: timedelta | None,
     os.replace(tmp, shard)
 
 
-def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[str]) -> np.ndarray:
+def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[str],
+                       memory_limit: str = "2GB") -> np.ndarray:
     """The rows of `shard` (numbers in file order, ascending) that the rewrite to the platform's spelling would make
     copies of others: diagnoses of one subject, time and encounter, with the same values (`value_columns`, those the
     shard has), written in several spellings of one code, such as ICD10CM/E11.9 beside DIAGNOSIS//ICD//10//E119.
@@ -848,8 +850,8 @@ def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[s
     """
     platform = respelled_diagnosis_sql("code")
     same = ", ".join(f'"{name}"' for name in ("subject_id", "time", encounter_column, "platform_code", *value_columns))
-    con = duck.connect(":memory:")
-    try:
+    with _spilling_connection(f"finding the diagnoses of MEDS shard {shard} written in several spellings",
+                              memory_limit) as con:
         return con.sql(f"""
             WITH diagnoses AS (
                 SELECT *, {platform} AS platform_code
@@ -861,8 +863,6 @@ def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[s
             SELECT file_row_number FROM spellings
             QUALIFY code <> first_value(code) OVER (PARTITION BY {same} ORDER BY n DESC, first_row)
             ORDER BY file_row_number""").to_arrow_table().column(0).to_numpy().astype(np.int64)
-    finally:
-        con.close()
 
 
 def _wall_clock(column: pa.Array, offset: timedelta | None) -> pa.Array:
