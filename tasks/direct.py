@@ -19,7 +19,8 @@ import polars as pl
 
 from dxr.errors import ConfigError, DxrError, InputError, NotFoundError
 from models.llm.backends import ContextLengthError, TransportError, make_backend
-from models.llm.client import FEEDBACK_RESERVE_CHARS, CallContext, LLMClient, prompt_budget, refit_chars_per_token
+from models.llm.client import (CONTEXT_REFUSED, FEEDBACK_RESERVE_CHARS, FIRST, CallContext, LLMClient, prompt_budget,
+                               refit_chars_per_token)
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
@@ -101,9 +102,9 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
     prompt = load_prompt(DIRECT_PROMPT)
     by_trajectory = pretarget.partition_by("trajectory_id", as_dict=True)
 
-    async def ask(trajectory_id: str, rendered: RenderedPrompt, chars_per_token: float):
-        """The reply to a trajectory's prompt, rendered at `chars_per_token`."""
-        context = CallContext(run_id, DIRECT, trajectory_id, rendered.truncated_chars)
+    async def ask(trajectory_id: str, rendered: RenderedPrompt, chars_per_token: float, reason: str):
+        """The reply to a trajectory's prompt, rendered at `chars_per_token`; `reason` says why it is asked."""
+        context = CallContext(run_id, DIRECT, trajectory_id, rendered.truncated_chars, reason)
         return await client.complete_json(rendered.messages, prompt.schema, prompt.version, context,
                                           check=check_confidence_order,
                                           budget_chars=prompt_budget(client.config, chars_per_token))
@@ -114,7 +115,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         Returns (reply, prompt, notes)."""
         rendered = direct_prompt(events, vocabulary, client.config, code_titles=code_titles)
         try:
-            return await ask(trajectory_id, rendered, client.config.chars_per_token), rendered, []
+            return await ask(trajectory_id, rendered, client.config.chars_per_token, FIRST), rendered, []
         except ContextLengthError as exc:
             chars_per_token = refit_chars_per_token(client.config, rendered.messages, exc,
                                                     client.config.chars_per_token)
@@ -126,7 +127,7 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         except ConfigError as exc:  # no room left for the history at the measured rate
             raise InputError(f"{refusal}; a prompt short enough leaves no room for the history ({exc})") from exc
         tokens = refusal.prompt_tokens or "unknown"
-        return await ask(trajectory_id, rendered, chars_per_token), rendered, [
+        return await ask(trajectory_id, rendered, chars_per_token, CONTEXT_REFUSED), rendered, [
             f"prompt shortened: the endpoint found it too long for the context ({tokens} prompt tokens)"]
 
     async def one(trajectory_id: str):

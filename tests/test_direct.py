@@ -486,6 +486,17 @@ def record_of(trajectory_id: str, encounters: int, codes=VALID[:8]) -> list[tupl
              None, None, e) for e in range(encounters) for c in codes]
 
 
+def records_of(records: dict[str, int]) -> pl.DataFrame:
+    """Pre-target rows of trajectories with `records[id]` encounters each."""
+    return pl.DataFrame([row for t, n in records.items() for row in record_of(t, n)], orient="row",
+                        schema={"trajectory_id": pl.String, "time": pl.Datetime("us"), "code": pl.String,
+                                "numeric_value": pl.Float32, "text_value": pl.String, "encounter_id": pl.Int64})
+
+
+# The vocabulary of the records above: the VALID codes.
+VALID_VOCABULARY = {"DIAGNOSIS//ICD//10//" + c.replace(".", ""): f"title of {c}" for c in VALID}
+
+
 def direct_over_http(handler, records: dict[str, int], **overrides):
     """forecast_direct of trajectories with `records[id]` encounters each, against `handler` as the endpoint:
     (rankings, status, llm_calls), or the exception it raised."""
@@ -495,10 +506,7 @@ def direct_over_http(handler, records: dict[str, int], **overrides):
     from tasks.direct import forecast_direct
     from tests.conftest import serving
 
-    vocabulary = Vocabulary({"DIAGNOSIS//ICD//10//" + c.replace(".", ""): f"title of {c}" for c in VALID})
-    pretarget = pl.DataFrame([row for t, n in records.items() for row in record_of(t, n)], orient="row",
-                             schema={"trajectory_id": pl.String, "time": pl.Datetime("us"), "code": pl.String,
-                                     "numeric_value": pl.Float32, "text_value": pl.String, "encounter_id": pl.Int64})
+    vocabulary, pretarget = Vocabulary(VALID_VOCABULARY), records_of(records)
 
     async def scenario():
         async with serving(handler) as url:
@@ -515,6 +523,95 @@ def direct_over_http(handler, records: dict[str, int], **overrides):
         return ranked, status.sort("trajectory_id"), client.telemetry().sort("trajectory_id")
 
     return asyncio.run(scenario())
+
+
+def test_llm_calls_order_a_trajectorys_attempts_and_say_why_each_was_made(wh, tmp_path, monkeypatch):
+    import asyncio
+    import time
+    from datetime import timezone
+
+    from models.llm.backends import ContextLengthError, ReplayBackend
+    from models.llm.cache import ResponseCache
+    from models.llm.client import prompt_budget, refit_chars_per_token
+    from tasks.direct import check_confidence_order, forecast_direct
+
+    vocabulary, pretarget = Vocabulary(VALID_VOCABULARY), records_of({"t-reasked": 1, "t-long": 30, "t-plain": 2})
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded", context_window=4096,
+                       max_output_tokens=1000, chars_per_token=3.0)
+    probe, schema = LLMClient(config, backend=None), load_prompt("direct_forecast").schema
+
+    def rendered(trajectory_id: str, chars_per_token: float | None = None):
+        events = pretarget.filter(pl.col("trajectory_id") == trajectory_id)
+        return direct_prompt(events, vocabulary, config, chars_per_token)
+
+    def record(messages: list[dict], reply: Completion) -> None:
+        append_recording(config.replay_file, probe.request(messages, schema), reply)
+
+    # t-reasked: two replies whose confidences rise (each re-asked with its errors), then a valid one.
+    first_prompt = rendered("t-reasked").messages
+    conversation = first_prompt
+    for rising_at in (5, 7, None):
+        reply = predictions(VALID)
+        if rising_at:
+            reply["predictions"][rising_at]["confidence"] = 99
+        record(conversation, Completion(json.dumps(reply), 800, 0, 300))
+        conversation = probe.retry_conversation(first_prompt, json.dumps(reply), check_confidence_order(reply),
+                                                prompt_budget(config))
+    # t-long: the server counts more prompt tokens than the window leaves (it cuts the reply off at the full
+    # window), so the record is rendered again, shorter, and answered.
+    long_prompt = rendered("t-long").messages
+    prompt_tokens = config.context_window - config.max_output_tokens + 1
+    record(long_prompt, Completion('{"predictions": [{"code": "I50', prompt_tokens, 0, 7, finish_reason="length"))
+    refusal = ContextLengthError("cut off", prompt_tokens=prompt_tokens, context_window=config.context_window)
+    shorter = rendered("t-long", refit_chars_per_token(config, long_prompt, refusal, config.chars_per_token))
+    assert shorter.truncated_chars > 0
+    record(shorter.messages, Completion(json.dumps(predictions(VALID)), 600, 0, 300))
+    record(rendered("t-plain").messages, Completion(json.dumps(predictions(VALID)), 100, 0, 300))
+
+    def utc() -> datetime:
+        return datetime.now(timezone.utc).replace(tzinfo=None)
+
+    def forecast() -> tuple[datetime, datetime]:
+        """Direct Forecast of the three, its calls written to run r; the UTC times around it."""
+        client = LLMClient(config, ReplayBackend(config.replay_file), ResponseCache(tmp_path / "cache"))
+        before = utc()
+        _, status = asyncio.run(forecast_direct(client, pl.DataFrame({"trajectory_id": ["t-reasked", "t-long",
+                                                                                      "t-plain"]}),
+                                                pretarget, vocabulary, "r", "c", 20))
+        assert status["status"].to_list() == ["ok", "ok", "ok"], status.rows()
+        wh.write("llm_calls", client.telemetry(), run_id="r", stage="direct", shard=0)
+        return before, utc()
+
+    # Each trajectory's attempts in order, as docs/llm.md queries one trajectory's.
+    def attempts() -> list[tuple]:
+        return wh.connect().execute(
+            "SELECT trajectory_id, attempt, attempt_reason, status, cache_hit, transport_retries, started_at "
+            "FROM llm_calls ORDER BY trajectory_id, attempt").fetchall()
+
+    expected = [("t-long", 1, "first", "invalid"), ("t-long", 2, "context_refused", "ok"),
+                ("t-plain", 1, "first", "ok"),
+                ("t-reasked", 1, "first", "invalid"), ("t-reasked", 2, "invalid_reply", "invalid"),
+                ("t-reasked", 3, "invalid_reply", "ok")]
+    monkeypatch.setenv("TZ", "Pacific/Auckland")  # a host far from UTC records UTC all the same
+    time.tzset()
+    try:
+        before, after = forecast()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    first = attempts()
+    assert [row[:4] for row in first] == expected
+    assert {row[4:6] for row in first} == {(False, 0)}
+    # Each row has its own start, and a trajectory's attempts started one after another.
+    assert all(before <= row[-1] <= after for row in first)
+    assert all(earlier[-1] <= later[-1] for earlier, later in zip(first, first[1:]) if earlier[0] == later[0])
+
+    # A cached rerun answers every request from the cache in the same order: the same attempts, new times.
+    (tmp_path / "replay.jsonl").write_text("")
+    before, _ = forecast()
+    again = attempts()
+    assert [row[:4] for row in again] == expected and {row[4:6] for row in again} == {(True, 0)}
+    assert all(row[-1] >= before for row in again)
 
 
 def completion(reply: dict):
@@ -537,7 +634,9 @@ def test_a_reply_that_cannot_be_read_fails_its_trajectory_only():
     assert status.select("trajectory_id", "status").rows() == [("t-bad", "failed"), ("t-good", "ok")]
     assert status["detail"][0].startswith("direct: gave up after 2 attempts: HTTP 200 from http://127.0.0.1:")
     assert ranked.filter(pl.col("trajectory_id") == "t-good").height == 21
-    assert calls.select("trajectory_id", "status").rows() == [("t-bad", "transport_error"), ("t-good", "ok")]
+    # The transport retry sent the same request again within its row: one attempt, sent twice.
+    assert calls.select("trajectory_id", "status", "attempt", "attempt_reason", "transport_retries").rows() == [
+        ("t-bad", "transport_error", 1, "first", 1), ("t-good", "ok", 1, "first", 0)]
 
 
 @pytest.mark.parametrize("endpoint", ["openai", "azure"])

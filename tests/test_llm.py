@@ -42,11 +42,12 @@ def replay_client(tmp_path, pairs, cache=False, **overrides) -> LLMClient:
 def test_valid_reply_is_parsed_and_recorded(tmp_path):
     client = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 40, 5)])
     assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
-    row = client.telemetry().drop("call_id", "latency_ms").to_dicts()
+    row = client.telemetry().drop("call_id", "latency_ms", "started_at").to_dicts()
     assert row == [{"run_id": "run-1", "stage": "unit", "trajectory_id": "c:1:10", "backend": "replay", "model": "m",
                     "prompt_version": "unit/1", "tokens_in": 40, "tokens_cached_in": 0, "tokens_out": 5,
                     "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0,
-                    "model_identity": str(tmp_path / "replay.jsonl")}]
+                    "model_identity": str(tmp_path / "replay.jsonl"), "attempt": 1, "attempt_reason": "first",
+                    "transport_retries": 0}]
 
 
 def re_ask(bad: str, *errors: str) -> list[dict]:
@@ -65,7 +66,8 @@ def test_invalid_reply_is_retried_with_its_structural_errors(tmp_path):
     client = replay_client(tmp_path, [(QUESTION, bad, 40, 9), (feedback, '{"answer": 3}', 90, 5)])
     assert asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)) == {"answer": 3}
     calls = client.telemetry()
-    assert calls["status"].to_list() == ["invalid", "ok"]
+    assert calls.select("attempt", "attempt_reason", "status").rows() == [(1, "first", "invalid"),
+                                                                          (2, "invalid_reply", "ok")]
     assert calls["tokens_in"].to_list() == [40, 90]
     assert calls["error"][0] == ("at (root): Additional properties are not allowed ('why' was unexpected); "
                                  "at answer: 'three' is not of type 'integer'")
@@ -309,7 +311,7 @@ def test_a_backend_that_times_out_is_retried_then_reported():
 
     state, calls = asyncio.run(scenario())
     assert len(state["requests"]) == 2  # first try plus one retry
-    assert calls["status"].to_list() == ["transport_error"]
+    assert calls.select("status", "attempt", "transport_retries").rows() == [("transport_error", 1, 1)]
     assert calls["latency_ms"][0] >= 400
 
 

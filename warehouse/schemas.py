@@ -308,7 +308,8 @@ TABLES.update({
             "backend": pa.string(), "model": pa.string(), "prompt_version": pa.string(), "tokens_in": pa.int64(),
             "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
             "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
-            "truncated_chars": pa.int64(), "model_identity": pa.string(),
+            "truncated_chars": pa.int64(), "model_identity": pa.string(), "started_at": TS, "attempt": pa.int32(),
+            "attempt_reason": pa.string(), "transport_retries": pa.int32(),
         }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
            "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx), cancelled (in flight when "
            "the run stopped on another request's error or an interrupt)}; a run that stops still writes the rows of "
@@ -320,8 +321,19 @@ TABLES.update({
            "hit). `tokens_cached_in` is part of `tokens_in` and `tokens_reasoning` part of `tokens_out`; a cache hit "
            "sent no request, so its tokens are 0. `trajectory_id` is null for a request made for no one trajectory; "
            "`error` is null when `ok` (for `invalid`, why the reply failed validation). "
+           "`started_at` is when the request was first sent (after its wait for a concurrency slot and the rate "
+           "limit) or the cache was read, UTC; `attempt` numbers the rows of one (run, stage, trajectory) from 1 in "
+           "the order they were made, a cache hit included, so `ORDER BY attempt` lists a trajectory's requests; "
+           "`attempt_reason` says why the row's request was made: `first` (the trajectory's first request), "
+           "`invalid_reply` (a re-ask after the previous reply failed validation, with its errors appended; at most "
+           "`llm.validation_retries` in a row) or `context_refused` (the prompt rendered again shorter after the "
+           "endpoint refused it as too long for its context or cut the reply off at a full window). A transport "
+           "retry sends the same request again within its row: `transport_retries` counts them (0 when the first "
+           "send answered, and for a cache hit), and `latency_ms` sums every send. These four are null in rows "
+           "written before they were recorded. "
            "Cost is computed at report time from the `llm.prices` table, never stored.",
-           nullable=["trajectory_id", "error", "model_identity"]),
+           nullable=["trajectory_id", "error", "model_identity", "started_at", "attempt", "attempt_reason",
+                     "transport_retries"]),
     ]
 })
 

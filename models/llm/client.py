@@ -25,6 +25,7 @@ from models.llm.backends import (Backend, Completion, ContextLengthError, Transp
                                  canonical_json, make_backend)
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
+from warehouse.schemas import utc_now
 
 
 class LLMOutputError(DxrError):
@@ -60,18 +61,24 @@ CALL_COLUMNS = {
     "backend": pl.String, "model": pl.String, "prompt_version": pl.String, "tokens_in": pl.Int64,
     "tokens_cached_in": pl.Int64, "tokens_out": pl.Int64, "tokens_reasoning": pl.Int64, "latency_ms": pl.Float64,
     "cache_hit": pl.Boolean, "status": pl.String, "error": pl.String, "truncated_chars": pl.Int64,
-    "model_identity": pl.String,
+    "model_identity": pl.String, "started_at": pl.Datetime("us"), "attempt": pl.Int32, "attempt_reason": pl.String,
+    "transport_retries": pl.Int32,
 }
+# Why a request of a (trajectory, stage) was made (`llm_calls.attempt_reason`): its first, a re-ask after a reply that
+# failed validation, or a prompt rendered again shorter after the endpoint found it too long for its context.
+FIRST, INVALID_REPLY, CONTEXT_REFUSED = "first", "invalid_reply", "context_refused"
 
 
 @dataclass
 class CallContext:
-    """Who is calling: recorded on every telemetry row of the call."""
+    """Who is calling, and why (`attempt_reason`, of the call's first request; its re-asks are `invalid_reply`):
+    recorded on every telemetry row of the call."""
 
     run_id: str
     stage: str
     trajectory_id: str | None = None
     truncated_chars: int = 0
+    attempt_reason: str = FIRST
 
 
 @lru_cache(maxsize=64)
@@ -177,6 +184,8 @@ class LLMClient:
         self._next_start = 0.0
         # The first error that stops the run: no request is sent after it.
         self._stopped_by: ConfigError | None = None
+        # Rows recorded so far per (run, stage, trajectory): the next row's `attempt` is one more.
+        self._attempts: dict[tuple[str, str, str | None], int] = {}
 
     async def _wait_for_rate_limit(self) -> None:
         """Space request starts by 60 / requests_per_minute seconds (no wait when uncapped)."""
@@ -232,8 +241,10 @@ class LLMClient:
         conversation = list(messages)
         errors: list[str] = []
         asked, repeats = None, 0  # the previous re-ask (without FEEDBACK_REPEATED); how many in a row were alike
-        for _ in range(self.config.validation_retries + 1):
-            completion, row = await self._complete(self.request(conversation, schema), prompt_version, context)
+        for request_number in range(self.config.validation_retries + 1):
+            reason = INVALID_REPLY if request_number else context.attempt_reason
+            completion, row = await self._complete(self.request(conversation, schema), prompt_version, context,
+                                                   reason)
             try:
                 value = parse_json_reply(completion.text)
                 errors = schema_errors(schema, value)
@@ -316,8 +327,10 @@ class LLMClient:
             shown -= 1
         return [*messages, feedback(shown)]
 
-    async def _complete(self, request: dict, prompt_version: str, context: CallContext) -> tuple[Completion, dict]:
-        """One response (from the cache or the backend, with transport retries) and its telemetry row."""
+    async def _complete(self, request: dict, prompt_version: str, context: CallContext,
+                        reason: str) -> tuple[Completion, dict]:
+        """One response (from the cache or the backend, with transport retries) and its telemetry row; `reason`
+        is why the request is made (`attempt_reason`)."""
         identity = getattr(self.backend, "identity", None)
         key_input = cache_key_input(self.backend.name, identity, prompt_version, request, self.serving)
         started = time.perf_counter()
@@ -325,11 +338,12 @@ class LLMClient:
                "trajectory_id": context.trajectory_id, "backend": self.backend.name, "model": self.config.model,
                "prompt_version": prompt_version, "tokens_in": 0, "tokens_cached_in": 0, "tokens_out": 0,
                "tokens_reasoning": 0, "latency_ms": 0.0, "cache_hit": False, "status": "ok", "error": None,
-               "truncated_chars": context.truncated_chars, "model_identity": identity}
+               "truncated_chars": context.truncated_chars, "model_identity": identity, "attempt_reason": reason,
+               "transport_retries": 0}
         cached = self.cache.get(key_input) if self.cache is not None else None
         if cached is not None:
             row.update(cache_hit=True, latency_ms=(time.perf_counter() - started) * 1000)
-            self.calls.append(row)
+            self._record(row)
             return cached, row
         # Latency is time in flight at the backend (every attempt), not time queued for a slot or backing off.
         in_flight = 0.0
@@ -343,8 +357,10 @@ class LLMClient:
                         # Recorded once sent: a request still waiting for a slot when the run stops is never made.
                         if self._stopped_by is not None:
                             raise RunStoppedError(f"{context.stage}: not sent, the run stopped on: {self._stopped_by}")
-                        if not attempt:
-                            self.calls.append(row)
+                        if attempt:
+                            row["transport_retries"] = attempt
+                        else:
+                            self._record(row)
                         sent = time.perf_counter()
                         try:
                             completion = await asyncio.wait_for(self.backend.complete(request), self._timeout_s)
@@ -386,6 +402,15 @@ class LLMClient:
         if self.cache is not None:
             self.cache.put(key_input, completion)
         return completion, row
+
+    def _record(self, row: dict) -> None:
+        """Add `row` to the telemetry, stamped with the time it is sent (or read from the cache) and its attempt
+        number among its trajectory's rows of the stage. A stage makes one trajectory's requests one after another
+        (Direct's do), so the numbers follow their order whatever other trajectories run meanwhile."""
+        key = (row["run_id"], row["stage"], row["trajectory_id"])
+        self._attempts[key] = self._attempts.get(key, 0) + 1
+        row.update(started_at=utc_now(), attempt=self._attempts[key])
+        self.calls.append(row)
 
     def telemetry(self) -> pl.DataFrame:
         """Every call so far as `llm_calls` rows."""
