@@ -62,13 +62,17 @@ TABLES: dict[str, Table] = {
         }, ["dataset_id"], "Registered MEDS datasets (the MEDS files themselves live in the gold store). "
            "`time_zone` and `utc_offset` name the zone(s) and the one UTC offset the source's times were written in, "
            "whose wall-clock times the dataset keeps ('' when they had none; null for datasets registered before "
-           "they were recorded).",
+           "they were recorded). `generator_version` is the version of the synthetic generator that made the files "
+           "(its `GENERATOR_VERSION`, such as `synthetic-1.2.0`) for `source` synthetic, by which the demo decides "
+           "whether to generate them again; null for every other source (`meds`, `mimic3`, `mimic4`).",
            nullable=["generator_version", "time_zone", "utc_offset"]),
         # ---- vocabularies ---------------------------------------------------------------------
         _t("icd_codes", FORECAST, {
             "code": pa.string(), "icd_version": pa.int8(), "raw_code": pa.string(), "dotted": pa.string(),
             "title": pa.string(), "parent": pa.string(), "chapter": pa.string(), "billable": pa.bool_(),
-        }, ["icd_version"], "ICD-10-CM and ICD-9-CM diagnosis codes; `code` is the MEDS code string.",
+        }, ["icd_version"], "ICD-10-CM and ICD-9-CM diagnosis codes; `code` is the MEDS code string. Chapters "
+           "are rows too, coded by their range (`DIAGNOSIS//ICD//10//I00-I99`, `DIAGNOSIS//ICD//9//390-459`); "
+           "`parent` is the code one level up and null only for a chapter, the top of the hierarchy.",
            nullable=["parent", "chapter"]),
         _t("icd_notes", FORECAST, {
             "code": pa.string(), "icd_version": pa.int8(), "kind": pa.string(), "text": pa.string(),
@@ -118,12 +122,24 @@ TABLES: dict[str, Table] = {
             "cohort_id": pa.string(), "trajectory_id": pa.string(), "subject_id": pa.int64(),
             "time": TS, "code": pa.string(), "numeric_value": pa.float32(), "text_value": pa.large_string(),
             "encounter_id": pa.int64(),
-        }, ["cohort_id", "shard"], "Materialized pre-target record H of every trajectory (made by one function).",
+        }, ["cohort_id", "shard"], "Materialized pre-target record H of every trajectory (made by one function). "
+           "`time` is null for an event the dataset records without a time: a static fact such as sex "
+           "(`GENDER//F`), race or language, in every record of the patient, or an undated event of an encounter "
+           "that began before the target (an undated diagnosis outside any encounter is left out: nothing places it "
+           "before the target). "
+           "`encounter_id` is null for an event the dataset records outside any encounter: static facts, the birth "
+           "(`MEDS_BIRTH`), outpatient labs, and what an export writes without its admission id (MEDS-Extract's "
+           "MIMIC-IV pharmacy orders, emergency-department registrations and draws); such a dated event is kept "
+           "only when it precedes the target encounter's own span (its first own event, or the untagged ED "
+           "registration that led into it). The column keeps the dataset's null even where the readable H places "
+           "the event within a stay.",
            nullable=["time", "numeric_value", "text_value", "encounter_id"]),
         _t("train_events", FORECAST, {
             "cohort_id": pa.string(), "subject_id": pa.int64(), "time": TS, "code": pa.string(),
             "numeric_value": pa.float32(), "text_value": pa.large_string(), "encounter_id": pa.int64(),
-        }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's).",
+        }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's). "
+           "`time` and `encounter_id` are null where the dataset's event has none, as in `pretarget_events`; with "
+           "no cutoff to apply, every such event is here, undated diagnoses outside any encounter included.",
            nullable=["time", "numeric_value", "text_value", "encounter_id"]),
         # ---- runs and forecasts ---------------------------------------------------------------
         _t("runs", FORECAST, {
