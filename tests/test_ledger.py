@@ -80,6 +80,9 @@ REMOVED = [
     ("heart failure onset in mid-2019", "heart failure onset", [("date", "2019")]),
     ("sepsis admitted on the 2019-03-04", "sepsis admitted", [("date", "2019-03-04")]),
     ("relapse mid-2019 steroids", "relapse steroids", [("date", "2019")]),
+    ("stroke in late 2019 and early 2020", "stroke", [("date", "2019"), ("date", "2020")]),
+    ("heart failure admission of the 2019-03-04", "heart failure admission", [("date", "2019-03-04")]),
+    ("chocolate 2019 migraine", "chocolate migraine", [("date", "2019")]),
     # "for", "to" and "of" go only when the date ends the phrase: before a word they serve that word.
     ("dialysis scheduled for 3/14", "dialysis scheduled", [("date", "3/14")]),
     ("chemotherapy postponed to 3/14, neutropenia", "chemotherapy postponed neutropenia", [("date", "3/14")]),

@@ -73,8 +73,6 @@ _LEFTOVER = re.compile(r"[-/.,;:#=]+")
 # Stands in for a removed date until the words that served only to introduce it are gone too (a private-use
 # character: no query means it).
 _DATE_GAP = "\ue000"
-# One removed date, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019").
-_GAP = rf"{_DATE_GAP}(?:\s*(?:,|and|or|to|until|till|through|-)?\s*{_DATE_GAP})*"
 # A preposition right before a removed date was there for the date ("seen on 3/14", "since May 2019", "at 8:30pm",
 # "between 2018 and 2019", "prior to 2019", "on or after 3/14"): left alone it would dangle ("seen on"). Only these
 # time words, and only right before the date, so "on warfarin since 2019" keeps its "on". A word placing the time
@@ -84,11 +82,15 @@ _TIME_PREPOSITION = (r"as\s+of|on|at|in|since|from|between|until|till|through|by
                      r"prior\s+to|up\s+to|(?:no\s+)?(?:later|earlier|sooner)\s+than")
 _TIME_PREPOSITIONS = rf"(?:{_TIME_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_TIME_PREPOSITION}))*"
 _WITHIN_THE_DATE = r"the|early|mid|late"
+# One removed date, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019"),
+# each with its word placing the time within it ("late 2019 and early 2020").
+_GAP = (rf"(?:\b(?:{_WITHIN_THE_DATE})[\s-]+)?{_DATE_GAP}"
+        rf"(?:\s*(?:,|and|or|to|until|till|through|-)?\s*(?:\b(?:{_WITHIN_THE_DATE})[\s-]+)?{_DATE_GAP})*")
 # "for", "to" and "of" introduce a date only when the date ends the phrase ("scheduled for 3/14", "admission of
 # March 2019"); before another word the date is an adjective and the preposition serves that word ("history of
 # 2019 stroke" -> "history of stroke").
 _PHRASE_END_PREPOSITION = r"for|to|of"
-_DATE_PREPOSITION = re.compile(rf"(?:\b{_TIME_PREPOSITIONS}\s+(?:(?:{_WITHIN_THE_DATE})[\s-]+)?|\bmid-\s*)?{_GAP}"
+_DATE_PREPOSITION = re.compile(rf"(?:\b{_TIME_PREPOSITIONS}\s+|\bmid-\s*)?{_GAP}"
                                rf"|\b(?:{_PHRASE_END_PREPOSITION})\s+{_GAP}(?=\s*(?:[,;.:!?)]|$))", re.I)
 
 
