@@ -1113,7 +1113,8 @@ def test_loading_an_embedding_model_draws_no_bar_but_still_warns_of_weights_miss
     for model, expected_warning in ((shipped, False), (broken, True)):
         result = subprocess.run([sys.executable, "-c", "import sys; from tools.embeddings import "
                                  "SentenceTransformerEmbedder; SentenceTransformerEmbedder(sys.argv[1])", str(model)],
-                                capture_output=True, text=True, env=environment, timeout=300)
+                                capture_output=True, text=True, env=environment, timeout=300,
+                                cwd=Path(__file__).resolve().parents[1])  # the repository's tools, wherever pytest runs
         assert result.returncode == 0, result.stderr
         assert "Loading weights" not in result.stderr
         assert ("embeddings.word_embeddings.weight | MISSING" in result.stderr) == expected_warning, result.stderr

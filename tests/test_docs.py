@@ -78,14 +78,16 @@ def assert_sets(written, loaded, where: str) -> None:
         assert loaded == written, f"{where}: the example sets {written!r}, the settings hold {loaded!r}"
 
 
-# `dxr sql [--run R] [--with-gold] "QUERY"` anywhere in the README and docs (a query may span lines), ```sql
-# blocks, and a query shown as inline code on its own (`SELECT … FROM runs WHERE …`); each with its --with-gold.
-SQL_EXAMPLES = [(path.name, query, gold == "--with-gold ") for path in DOC_PAGES
-                for gold, query in [*re.findall(r'dxr sql (?:--run \S+ )?(--with-gold )?"([^"]+)"', path.read_text()),
-                                    *(("", block) for block in re.findall(r"```sql\n(.*?)```", path.read_text(),
-                                                                          flags=re.S)),
-                                    *(("", span) for span in inline_code(path.read_text())
-                                      if re.match(r"(SELECT|WITH) ", span))]
+# `dxr sql [--run R] [--with-gold] "QUERY"` (options in either order) anywhere in the README and docs (a query may
+# span lines), ```sql blocks, and a query shown as inline code on its own (`SELECT … FROM runs WHERE …`); each with
+# its --with-gold.
+SQL_EXAMPLES = [(path.name, query, "--with-gold" in options) for path in DOC_PAGES
+                for options, query in [*re.findall(r'dxr sql ((?:--run \S+ |--with-gold )*)"([^"]+)"',
+                                                   path.read_text()),
+                                       *(("", block) for block in re.findall(r"```sql\n(.*?)```", path.read_text(),
+                                                                             flags=re.S)),
+                                       *(("", span) for span in inline_code(path.read_text())
+                                         if re.match(r"(SELECT|WITH) ", span))]
                 if query != "QUERY"]  # the CLI table's placeholder
 
 
