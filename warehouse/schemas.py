@@ -123,6 +123,8 @@ TABLES: dict[str, Table] = {
             "time": TS, "code": pa.string(), "numeric_value": pa.float32(), "text_value": pa.large_string(),
             "encounter_id": pa.int64(),
         }, ["cohort_id", "shard"], "Materialized pre-target record H of every trajectory (made by one function). "
+           "Event times, like `trajectories.cutoff_time`, are the dataset's wall-clock times (the zone its "
+           "`datasets` row names), not UTC as the warehouse's own stamps (`runs.started_at`, …). "
            "`time` is null for an event the dataset records without a time: a static fact such as sex "
            "(`GENDER//F`), race or language, in every record of the patient, or an undated event of an encounter "
            "that began before the target (an undated diagnosis outside any encounter is left out: nothing places it "
@@ -137,7 +139,8 @@ TABLES: dict[str, Table] = {
         _t("train_events", FORECAST, {
             "cohort_id": pa.string(), "subject_id": pa.int64(), "time": TS, "code": pa.string(),
             "numeric_value": pa.float32(), "text_value": pa.large_string(), "encounter_id": pa.int64(),
-        }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's). "
+        }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's), at "
+           "the dataset's wall-clock times as in `pretarget_events`. "
            "`time` and `encounter_id` are null where the dataset's event has none, as in `pretarget_events`; with "
            "no cutoff to apply, every such event is here, undated diagnoses outside any encounter included.",
            nullable=["time", "numeric_value", "text_value", "encounter_id"]),
