@@ -129,7 +129,7 @@ What shapes these numbers, and why the values are where they are:
 * *Prevalence* is kept clinically plausible (table below) — the bands are met by the coding
   process (omissions, siblings, acute content), not by an implausibly sick or healthy population.
 
-Latent prevalence at the first admission (5,000 patients, seed 7; share of patients in each age
+Latent prevalence at the first admission (4,000 patients, seed 7; share of patients in each age
 band at entry):
 
 | state | 18–44 | 45–64 | 65–79 | 80+ |
