@@ -25,14 +25,37 @@ def test_readme_shows_the_commands_ci_runs():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_links_resolve():
-    readme = (ROOT / "README.md").read_text()
-    for target in re.findall(r"\]\(((?!https?:)[^)#]+)", readme):
-        assert (ROOT / target).exists(), f"README links to missing {target}"
-
-
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```"  # a fence may be indented (a block inside a list item)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to dashes, a repeated
+    heading numbered (`-1`, `-2`)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", re.sub(FENCE, "", text, flags=re.S | re.M), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_heading_anchors_are_spelled_as_github_spells_them():
+    text = "# A\n## Where the oracle's lead lies (2026-12-04, evening)\n#### `ckd` — Chronic kidney disease\n## A\n"
+    assert heading_anchors(text) == {"a", "where-the-oracles-lead-lies-2026-12-04-evening",
+                                     "ckd--chronic-kidney-disease", "a-1"}
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=[page.name for page in DOC_PAGES])
+def test_every_relative_link_and_anchor_resolves(page):
+    # Links in the prose only: a fenced block is code, not a link.
+    for target in re.findall(r"\]\(((?!https?:)[^)\s]+)\)", re.sub(FENCE, "", page.read_text(), flags=re.S | re.M)):
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name} links to missing {target}"
+        if anchor and linked.suffix == ".md":
+            assert anchor in heading_anchors(linked.read_text()), f"{page.name} links to {target}: no such heading"
 
 
 def inline_code(text: str) -> list[str]:
