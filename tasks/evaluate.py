@@ -927,13 +927,17 @@ def write_mean(wh: Warehouse, metrics: pl.DataFrame, run_ids: list[str], run_id:
     """Write and register the means over `run_ids` (`evaluate_repeated`), under the cohort of their runs.
 
     The runs were read under their locks, released since: the cohort is held, as an evaluation holds its run's, and
-    the runs must still be registered, or a `dxr cohort delete --with-runs` that finished meanwhile would leave these
-    rows behind, on a cohort and runs no longer registered, for no later delete to find.
+    each run as a report holds it, and the runs must still be registered, or a `dxr cohort delete --with-runs` or a
+    `dxr run delete` that finished meanwhile would leave these rows behind, averaging runs no longer registered,
+    for no later delete to find.
     """
     cohort_id = metrics["cohort_id"][0]
     with held(wh, f"cohort:{cohort_id}", shared=True,
               busy=f"cohort {cohort_id} of runs {', '.join(run_ids)} is being rebuilt or deleted by another dxr "
-                   "process"):
+                   "process"), ExitStack() as members:
+        for member in sorted(set(run_ids)):
+            members.enter_context(held(wh, f"run:{member}", shared=True,
+                                       busy=f"run {member!r} is being deleted or evaluated by another dxr process"))
         gone = [member for member in run_ids if not wh.has_rows("runs", run_id=member)]
         if gone:
             raise NotFoundError(f"run(s) {', '.join(gone)} of cohort {cohort_id} were deleted while the mean over "

@@ -118,7 +118,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     averaged = json.loads(evaluation[0]).get("runs") if evaluation else None
     if averaged:
         raise InputError(f"run {run_id} holds the mean over repeated runs {', '.join(averaged)} (dxr evaluate): "
-                         "pass a new --run-id for the forecast")
+                         f"pass a new --run-id for the forecast, or delete the mean first (`dxr run delete {run_id}`)")
     other_cohorts = registered.filter(
         pl.col("kind").str.starts_with("forecast:") & (pl.col("cohort_id") != config["cohort"]))
     if other_cohorts.height:
@@ -131,12 +131,14 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
                                other_cohorts.sort("kind").select("kind", "status").iter_rows())
             raise InputError(f"run {run_id} holds no finished forecast, only ones of cohort {first['cohort_id']} "
                              f"({failed}), and this one is of cohort {config['cohort']}: a run stays on the cohort "
-                             f"it was started on even when none of its forecasts finished; pass a new --run-id, or "
-                             f"redo them on their cohort with --cohort {first['cohort_id']} --run-id {run_id}")
+                             f"it was started on even when none of its forecasts finished; pass a new --run-id, "
+                             f"redo them on their cohort with --cohort {first['cohort_id']} --run-id {run_id}, or "
+                             f"delete the run first (`dxr run delete {run_id}`)")
         raise InputError(f"run {run_id} already holds forecasts of cohort {first['cohort_id']} ({first['kind']}), "
                          f"this one is of cohort {config['cohort']}: one run compares systems on one cohort, and a "
                          "cohort name follows its newest build (other options, or a dataset registered again); pass "
-                         f"--cohort {first['cohort_id']} to add to this run, or a new --run-id")
+                         f"--cohort {first['cohort_id']} to add to this run, a new --run-id, or, to discard that run, "
+                         f"delete it first (`dxr run delete {run_id}`)")
     own = registered.filter(pl.col("kind") == f"forecast:{config['system']}")
     # A forecast that failed or was killed holds no configuration worth keeping: whatever of it was written is
     # cleared before the redo (`clear_outputs`), so it may be redone with corrected options (a missing --limit).
@@ -161,7 +163,8 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
                for key in sorted(current.keys() | recorded.keys()) if recorded.get(key) != current.get(key)]
     if changed:
         raise InputError(f"run {run_id} already holds a {config['system']} forecast with other options "
-                         f"({', '.join(changed)}): rerun with the recorded options or pass a new --run-id")
+                         f"({', '.join(changed)}): rerun with the recorded options, pass a new --run-id, or delete "
+                         f"the run first (`dxr run delete {run_id}`: every system's lists and its evaluation go)")
 
 
 def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:

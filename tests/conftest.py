@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -242,6 +243,37 @@ async def serving(handler):
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         await runner.cleanup()
+
+
+def placeholder(kind: pa.DataType):
+    """A value of the column type, for a row planted in a table no command of the test writes."""
+    if pa.types.is_timestamp(kind):
+        return datetime(2026, 12, 5)
+    if pa.types.is_boolean(kind):
+        return False
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return 0
+    if pa.types.is_list(kind):
+        return []
+    return "x"
+
+
+def plant(wh, table: str, cohort_id: str, keys: dict) -> None:
+    """One row of the cohort in `table` under `keys` (its partition keys, columns or not)."""
+    from warehouse.schemas import TABLES
+
+    spec = TABLES[table]
+    row = {name: keys.get(name, placeholder(kind)) for name, kind in spec.columns.items()}
+    if "cohort_id" in row:
+        row["cohort_id"] = cohort_id
+    wh.write(table, pa.Table.from_pylist([row], schema=spec.schema), **keys)
+
+
+def every_table(wh) -> dict[str, pl.DataFrame]:
+    """Every warehouse table's rows, by table name."""
+    from warehouse.schemas import TABLES
+
+    return {table: wh.read(table) for table in sorted(TABLES)}
 
 
 def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:

@@ -8,7 +8,6 @@ from datetime import datetime
 from pathlib import Path
 
 import polars as pl
-import pyarrow as pa
 import pytest
 from click.testing import CliRunner
 
@@ -16,7 +15,7 @@ from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
-from tests.conftest import tiny_events, write_tiny_meds
+from tests.conftest import every_table, plant, tiny_events, write_tiny_meds
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
@@ -32,28 +31,6 @@ def cli(wh, *args) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def placeholder(kind: pa.DataType):
-    """A value of the column type, for a row planted in a table no command of the test writes."""
-    if pa.types.is_timestamp(kind):
-        return datetime(2026, 12, 5)
-    if pa.types.is_boolean(kind):
-        return False
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
-        return 0
-    if pa.types.is_list(kind):
-        return []
-    return "x"
-
-
-def plant(wh, table: str, cohort_id: str, keys: dict) -> None:
-    """One row of the cohort in `table` under `keys` (its partition keys, columns or not)."""
-    spec = TABLES[table]
-    row = {name: keys.get(name, placeholder(kind)) for name, kind in spec.columns.items()}
-    if "cohort_id" in row:
-        row["cohort_id"] = cohort_id
-    wh.write(table, pa.Table.from_pylist([row], schema=spec.schema), **keys)
-
-
 def belongs(frame: pl.DataFrame, cohort_id: str, run_ids: list[str]) -> pl.Expr:
     """The rows of a table that name the cohort or one of its runs, by whichever of the columns it has."""
     named = pl.lit(False)
@@ -66,10 +43,6 @@ def belongs(frame: pl.DataFrame, cohort_id: str, run_ids: list[str]) -> pl.Expr:
     if "key_json" in frame.columns:
         named |= pl.col("key_json").str.contains(cohort_id, literal=True)
     return named.fill_null(False)
-
-
-def every_table(wh) -> dict[str, pl.DataFrame]:
-    return {table: wh.read(table) for table in sorted(TABLES)}
 
 
 def with_runs_and_results(wh, cohort_id: str, run_id: str) -> None:

@@ -293,7 +293,8 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     result = forecast("direct")
     assert result.exit_code == 1
     assert ("Error: run cli-d already holds a direct forecast with other options (llm_model 'recorded' -> "
-            "'another'): rerun with the recorded options or pass a new --run-id") in result.output
+            "'another'): rerun with the recorded options, pass a new --run-id, or delete the run first "
+            "(`dxr run delete cli-d`: every system's lists and its evaluation go)") in result.output
     monkeypatch.setenv("DXR_LLM__MODEL", "recorded")
     # ...nor another sampling or history window: the run's lists were made under the recorded ones.
     monkeypatch.setenv("DXR_LLM__TEMPERATURE", "0.7")

@@ -140,8 +140,8 @@ def test_a_run_whose_only_forecasts_failed_stays_on_their_cohort_and_the_refusal
     # The refusal said the run "already holds forecasts" and offered to add to it, though none had finished.
     with pytest.raises(InputError, match=rf"run r1 holds no finished forecast, only ones of cohort {cohort_id} "
                                          rf"\(repeat_history failed\), and this one is of cohort {other}: .*; pass a "
-                                         rf"new --run-id, or redo them on their cohort with --cohort {cohort_id} "
-                                         "--run-id r1$"):
+                                         rf"new --run-id, redo them on their cohort with --cohort {cohort_id} "
+                                         r"--run-id r1, or delete the run first \(`dxr run delete r1`\)$"):
         forecast_flow(str(wh.root), "every", "global_frequency", split="all", run_id="r1")
     assert set(wh.read("runs", run_id="r1")["cohort_id"]) == {cohort_id}
     # Both fixes work: the failed forecast redone on its cohort, the other cohort under a new run id.

@@ -447,7 +447,8 @@ def test_a_named_mean_over_repeated_runs_is_replaced_whole_by_a_rerun_and_takes_
     assert wh.read("metrics", run_id="r6")["n_runs"].unique().to_list() == [1]
     # Nor does a forecast go into the mean's id, where it would be evaluated over the mean.
     with pytest.raises(InputError, match="^run mean-a holds the mean over repeated runs r1, r6 \\(dxr evaluate\\): "
-                                         "pass a new --run-id for the forecast$"):
+                                         "pass a new --run-id for the forecast, or delete the mean first "
+                                         r"\(`dxr run delete mean-a`\)$"):
         check_rerun(wh, "mean-a", forecast_config(COHORT, "s1", "all", 2, None))
 
 

@@ -122,7 +122,8 @@ def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_file
     assert "Earlier data: cohort nightly (" in report and "these scores are of that earlier version." in report
     result = CliRunner().invoke(main, ["--data-dir", str(data_dir), "forecast", "--cohort", "nightly", "--system",
                                        "global_frequency", "--split", "all", "--run-id", "night1"])
-    assert result.exit_code == 1 and f"pass --cohort {old} to add to this run, or a new --run-id" in result.output
+    assert result.exit_code == 1 and (f"pass --cohort {old} to add to this run, a new --run-id, or, to discard that "
+                                       "run, delete it first (`dxr run delete night1`)") in result.output
 
 
 def test_a_refresh_names_no_cohort_whose_name_now_finds_another_datasets_cohort(wh_vocab, tmp_path):

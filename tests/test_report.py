@@ -111,7 +111,7 @@ def test_report_names_a_run_id_the_warehouse_does_not_hold(wh):
     # A typo must not send the user to `dxr evaluate`, which would then refuse the run for having no rankings.
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r2"])
     assert result.exit_code == 1
-    assert f"no run 'r2' in the warehouse at {wh.root}: list the runs with dxr sql" in result.output
+    assert f"no run 'r2' in the warehouse at {wh.root}: list the runs with dxr run list\n" in result.output
     assert "dxr evaluate" not in result.output
 
 

@@ -14,12 +14,9 @@ shared by every cohort). So do the registered MLflow models of the cohort's prio
 warehouse, so a copied data dir with a configured (shared) tracking store holds models of the same names that
 its own cohort still uses. `registered_models` names them, for the user to remove.
 
-Everything goes in one removal commit of the forecasting store (`Warehouse.delete_together`), with the cohort's
-`cohorts` row first: a process killed before the commit point leaves the cohort whole, one killed after it
-leaves a commit that the next read of the warehouse finishes. A rerun of the delete that finds that commit
-pending finishes it and succeeds, so a scheduler's retry of a delete that in fact went through is no failure; a
-cohort that no pending removal names is not found, gone or not, since nothing records a finished delete (its
-build's `runs` rows go with it) and a mistyped id must not pass for a deleted cohort.
+Everything goes in one removal commit of the forecasting store, with the cohort's `cohorts` row first, and a rerun
+after a kill past its commit point finishes it, as every delete does (`warehouse.deletion`); its build's `runs` rows go
+with it, so nothing else records that the cohort was there.
 """
 
 from __future__ import annotations
@@ -27,17 +24,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import polars as pl
-import pyarrow.parquet as pq
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import describe_cohort, get_cohort
+from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted
 from warehouse.locks import held
 from warehouse.runs import EVALUATE_KIND
-from warehouse.schemas import RUN_TABLES, TABLES
-from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, fetch_frame, finish_commits
+from warehouse.schemas import TABLES
+from warehouse.store import Warehouse, fetch_frame
 
 # Every table whose partitions are one cohort's (first key `cohort_id`), its row first: it is what finds the cohort.
 COHORT_TABLES = ("cohorts", *sorted(name for name, spec in TABLES.items()
@@ -53,23 +49,12 @@ class RunsOnCohort(InputError):
 
 
 @dataclass
-class CohortDeletion:
-    """What deleting a cohort removes (or removed): partitions by table, their rows, and directories."""
+class CohortDeletion(Removal):
+    """What deleting a cohort removes (or removed), its row first, and the registered models that stay."""
 
     cohort: dict  # its `cohorts` row
     runs: list[str]  # run ids with results on the cohort
-    partitions: list[tuple[str, dict]] = field(default_factory=list)  # (table, leading keys), the cohort's row first
-    rows: dict[str, int] = field(default_factory=dict)  # table -> rows of its partitions that go
-    directories: list[Path] = field(default_factory=list)  # reports and model copies
     registered_models: list[str] = field(default_factory=list)  # MLflow models of its priors, which stay
-    interrupted: bool = False  # an earlier delete, killed after its commit point, removed it: this one finished that
-
-    def add(self, wh: Warehouse, table: str, **keys) -> None:
-        """One partition (or all under the given leading keys), when it holds files."""
-        files = list(wh.partitions_dir(table, **keys).rglob(PART_FILE))
-        if files:
-            self.partitions.append((table, keys))
-            self.rows[table] = self.rows.get(table, 0) + sum(pq.read_metadata(f).num_rows for f in files)
 
 
 def resolve_cohort(wh: Warehouse, name_or_id: str) -> dict:
@@ -100,10 +85,7 @@ def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
     for run_id, kind in recorded.iter_rows():
         plan.add(wh, "runs", run_id=run_id, kind=kind)
     for run_id in plan.runs:
-        for table in sorted(RUN_TABLES - {"runs"}):
-            plan.add(wh, table, run_id=run_id)
-        if (report := wh.root / "reports" / run_id).is_dir():
-            plan.directories.append(report)
+        plan.add_run_outputs(wh, run_id)
     cached = registry.execute("SELECT DISTINCT system, cache_key FROM prediction_cache "
                               "WHERE json_extract_string(key_json, '$.cohort_id') = ? ORDER BY ALL",
                               [cohort_id]).fetchall()
@@ -127,12 +109,12 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
 
     Looked for before any read, since the first read finishes every pending commit and the cohort is then gone.
     """
-    removing = wh.being_removed("cohorts").filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
-    if removing.is_empty():
+    pending = finish_interrupted(wh, "cohorts", (pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
+    if pending is None:
         return None
-    cohort = removing.row(0, named=True)
-    its_runs = wh.being_removed("runs").filter(pl.col("cohort_id") == cohort["cohort_id"])
-    finish_commits(wh.forecast_dir / COMMIT_DIR)
+    removed, runs = pending
+    cohort = removed.row(0, named=True)
+    its_runs = runs.filter(pl.col("cohort_id") == cohort["cohort_id"])
     return CohortDeletion(cohort, [], registered_models=registered_models(cohort["cohort_id"], its_runs["kind"]),
                           interrupted=True)
 
@@ -171,15 +153,10 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
 
 def deletion_summary(wh: Warehouse, plan: CohortDeletion, dry_run: bool) -> str:
     """What `dxr cohort delete` prints: the cohort, then rows by table and the directories removed."""
-    from warehouse.sql import format_table
-
     if plan.interrupted:
-        return f"cohort {describe_cohort(plan.cohort)}: the earlier delete, interrupted, is now complete\n"
+        return f"cohort {describe_cohort(plan.cohort)}: {INTERRUPTED_DONE}\n"
     done = "would remove" if dry_run else "removed"
     runs = f"{len(plan.runs)} run(s) ({', '.join(plan.runs)})" if plan.runs else "no run"
-    lines = [f"cohort {describe_cohort(plan.cohort)}: {done} {runs} and these rows:",
-             format_table(["table", "store", "rows"],
-                          [(table, TABLES[table].store, n) for table, n in plan.rows.items()]).rstrip("\n")]
-    lines += [f"{done} {path.relative_to(wh.root)}/" for path in plan.directories]
+    lines = [f"cohort {describe_cohort(plan.cohort)}: {done} {runs} and these rows:", *plan.listing(wh, done)]
     return "\n".join(lines) + "\n"
 

@@ -544,7 +544,12 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
                             f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
     if match.is_empty():
-        known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
-        raise NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
-                            f"{known} (build one with `dxr cohort build`, or check --data-dir)")
+        raise unknown_cohort(wh, name_or_id, cohorts)
     return match.sort("created_at", descending=True).row(0, named=True)
+
+
+def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame) -> NotFoundError:
+    """The error for a cohort id or name that none of the built `cohorts` has, naming those there are."""
+    known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
+    return NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
+                         f"{known} (build one with `dxr cohort build`, or check --data-dir)")

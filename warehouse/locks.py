@@ -11,8 +11,10 @@ Resources, and who holds them:
 - `dataset:<id>`: exclusive while `synth` or an ingest writes it; shared during a cohort build;
 - `cohort:<id>`: exclusive during its build and its deletion; shared during a forecast or a prior's training;
 - `cohort:<id>` is also held shared by an evaluation of a run of that cohort;
-- `run:<id>`: shared during each forecast into it; exclusive during its evaluation and its cohort's deletion;
-- `run:<id>` is also held shared while a report or the realism table reads the run's evaluation;
+- `run:<id>`: shared during each forecast into it; exclusive during its evaluation, its deletion and its cohort's
+  deletion;
+- `run:<id>` is also held shared while a report or the realism table reads the run's evaluation, and while a mean
+  over repeated runs that averages the run is written;
 - `run-system:<id>|<system>` (`|` cannot occur in a run id): exclusive during that system's forecast
   into the run; shared while a fused system (`rrf_prior_direct`) reads that system's lists of the run;
 - `corpus:<name>`: exclusive during an ingest of that corpus (`tools.corpus.writing_corpus`), and `corpus:web`

@@ -139,10 +139,33 @@ def _write_marker(wh: Warehouse, run_id: str, kind: str) -> Path:
     return marker
 
 
+# What `dxr run list` shows of each run, newest first; `$kind` takes the kind or, given as `forecast`, every
+# `forecast:<system>`, and `$cohort` the runs of every cohort of that id or name.
+RUN_LIST_QUERY = """SELECT r.run_id, r.kind, r.status, c.name AS cohort, r.cohort_id, r.started_at, r.finished_at
+FROM runs r LEFT JOIN cohorts c ON c.cohort_id = r.cohort_id
+WHERE ($cohort IS NULL OR r.cohort_id = $cohort OR c.name = $cohort)
+  AND ($kind IS NULL OR r.kind = $kind OR starts_with(r.kind, $kind || ':'))
+ORDER BY r.started_at DESC, r.run_id, r.kind
+LIMIT $limit"""
+
+
+def run_list(wh: Warehouse, cohort: str | None = None, kind: str | None = None, limit: int | None = None,
+             fmt: str = "table") -> Iterator[str]:
+    """The registered runs, newest first, as `dxr run list` prints them (`dxr sql`'s formats), each kind of a run
+    id a row of its own: only those on a cohort (its id or name) or of a kind when asked, the first `limit`."""
+    from warehouse.cohorts import unknown_cohort
+    from warehouse.sql import stream_query
+
+    if cohort is not None:
+        cohorts = wh.read("cohorts")
+        if cohort not in cohorts["cohort_id"] and cohort not in cohorts["name"]:
+            raise unknown_cohort(wh, cohort, cohorts)
+    return stream_query(wh, RUN_LIST_QUERY, fmt=fmt, params={"cohort": cohort, "kind": kind, "limit": limit})
+
+
 def unknown_run(wh: Warehouse, run_id: str) -> NotFoundError:
     """The error for a run id that the registry does not hold (a typo, another data dir), with how to list the runs."""
-    return NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with "
-                         "dxr sql \"SELECT run_id, kind, status, started_at FROM runs ORDER BY started_at\"")
+    return NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with dxr run list")
 
 
 @contextmanager

@@ -40,15 +40,16 @@ def run_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = F
 
 
 def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool = False,
-                 run_id: str | None = None) -> Iterator[str]:
+                 run_id: str | None = None, params: list | dict | None = None) -> Iterator[str]:
     """Run one read-only statement and yield its result as text: an aligned table, CSV or JSON lines.
 
     A refused query, or an error in its first `STREAM_ROWS` rows, is raised before the first piece.
     CSV and JSON lines come `STREAM_ROWS` rows at a time, so exporting a table of millions of rows
     holds one batch in memory, not the result; the aligned table needs every row for its widths.
-    With `run_id`, the tables partitioned by run show only that run's rows (`Warehouse.connect`).
+    With `run_id`, the tables partitioned by run show only that run's rows (`Warehouse.connect`). `params` are the
+    values of the query's `?` or `$name` placeholders (a command's options, never spliced into its text).
     """
-    cursor = _execute(wh, query, with_gold, run_id)
+    cursor = _execute(wh, query, with_gold, run_id, params)
     columns = [d[0] for d in cursor.description]
     if fmt == "table" and columns == _EXPLAIN_COLUMNS:
         # A plan is a drawing of many lines: a table cell would escape its line breaks into one line.
@@ -120,7 +121,8 @@ def _fetch(cursor: duckdb.DuckDBPyConnection, n: int | None) -> list[tuple]:
         raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
 
 
-def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> duckdb.DuckDBPyConnection:
+def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None,
+             params: list | dict | None) -> duckdb.DuckDBPyConnection:
     """Check that `query` is one read-only statement over the warehouse and start it."""
     head = query.lstrip().split(None, 1)[0].lower() if query.strip() else ""
     if head not in _READ_ONLY_PREFIXES:
@@ -148,7 +150,7 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None) -> 
             if kinds == [duckdb.StatementType.EXPLAIN] and _analyzes(query):
                 raise InputError("dxr sql does not run EXPLAIN ANALYZE: it executes the statement it explains "
                                  "(which may write files); use EXPLAIN alone")
-            return con.execute(query)
+            return con.execute(query, params)
         except duckdb.PermissionException as exc:
             if with_gold:
                 raise InputError(f"query reads outside the warehouse at {wh.root} "

@@ -3,7 +3,7 @@
 A write replaces exactly one partition file atomically (temporary file + rename), so a rerun
 replaces its own partition, a killed writer leaves either the old or the new file, and rows are
 never duplicated; `write_together` commits several partitions that must change together, and
-`delete_together` removes several (a cohort with its runs) as one commit. Readers
+`delete_together` removes several (a cohort with its runs, or one run) as one commit. Readers
 see complete files only: temporaries do not match the view globs, and a deleted partition is moved
 out of its table (into the store's `.trash`) before its files go. A read (`connect`, `read`,
 `has_rows`) first finishes the commits in its stores, so it sees all of a commit or none of it; a

@@ -139,6 +139,7 @@ from dxr.cli import ingest_mimic  # noqa: E402,F401
 from dxr.cli import corpus  # noqa: E402,F401
 from dxr.cli import evaluate  # noqa: E402,F401
 from dxr.cli import prior  # noqa: E402,F401
+from dxr.cli import runs  # noqa: E402,F401
 from dxr.cli import serve  # noqa: E402,F401
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,7 +10,7 @@ import click
 
 from dxr.cli import main, settings, warehouse
 from dxr.config import MEMORY_LIMIT_PATTERN
-from warehouse.choices import HARMONIZATIONS, TARGET_RULES
+from warehouse.choices import HARMONIZATIONS, OUTPUT_FORMATS, TARGET_RULES
 
 
 def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -60,7 +60,7 @@ def config_show(ctx: click.Context) -> None:
 
 @main.command()
 @click.argument("query")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(OUTPUT_FORMATS), default="table", show_default=True,
               help="An aligned table, CSV, or JSON lines; csv and json write the rows as they come (large exports). "
                    "Every format spells a value alike: times as SQL and DuckDB do (2026-12-05 09:25:19.5, a space "
                    "before the time, no trailing zeros), structs, lists and maps as JSON (in a table or CSV cell its "

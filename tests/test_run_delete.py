@@ -1,0 +1,290 @@
+"""`dxr run delete` and `dxr run list`: a run goes with every row its id partitions and its report, in one commit that
+a kill leaves whole or gone; its cohort, the cohort's other runs and the shared caches stay as they were."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from dxr.cli import main
+from dxr.errors import InputError
+from flows.forecast import forecast_flow
+from tasks.evaluate import evaluate_repeated, evaluate_run
+from tests.conftest import every_table, plant
+from warehouse.cohorts import CohortOptions, build_cohort
+from warehouse.datasets import ingest_meds
+from warehouse.locks import held
+from warehouse.run_deletion import delete_run
+from warehouse.runs import registered_run
+from warehouse.schemas import RUN_TABLES, TABLES
+from warehouse.store import COMMIT_DIR, COMMITTED
+
+SYSTEMS = ("global_frequency", "repeat_history")
+
+
+def cli(wh, *args) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), *map(str, args)], prog_name="dxr",
+                                catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def without_run(tables: dict[str, pl.DataFrame], run_id: str) -> dict[str, pl.DataFrame]:
+    """Every table as it is once `run_id` is deleted: the tables partitioned by run lose its rows, the others none."""
+    return {table: rows.filter(pl.col("run_id") != run_id) if table in RUN_TABLES else rows
+            for table, rows in tables.items()}
+
+
+def files(wh) -> list[str]:
+    return sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts)
+
+
+@pytest.fixture
+def two_runs(wh_vocab, tiny_meds, prefect_harness):
+    """One cohort and two runs of it, each with two systems' forecasts, an evaluation, a report and a row in every
+    table partitioned by run (an LLM system's calls, the ledger, ...); a prediction-cache entry of the cohort and an
+    LLM response-cache file, which belong to no run."""
+    wh = wh_vocab
+    ingest_meds(wh, tiny_meds, "tiny")
+    cohort_id = build_cohort(wh, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    for run_id in ("r1", "r2"):
+        for system in SYSTEMS:
+            forecast_flow(str(wh.root), cohort_id, system, split="all", run_id=run_id)
+        evaluate_run(wh, run_id, ks=(10,), n_boot=0, natural=False)
+        for table in RUN_TABLES - {"runs"}:
+            if wh.read(table, run_id=run_id).is_empty():
+                plant(wh, table, cohort_id, {key: run_id if key == "run_id" else "0" if key == "shard" else "x"
+                                             for key in TABLES[table].partition_by})
+        (wh.root / "reports" / run_id).mkdir(parents=True)
+        (wh.root / "reports" / run_id / "report.html").write_text("report")
+    plant(wh, "prediction_cache", cohort_id, {"system": "ehr_prior", "cache_key": "k1"})
+    (wh.forecast_dir / "llm_cache").mkdir()
+    (wh.forecast_dir / "llm_cache" / "ab12.json").write_text("{}")
+    return wh, cohort_id
+
+
+def test_a_run_goes_with_its_evaluation_and_report_and_leaves_its_cohort_and_the_other_run(two_runs):
+    wh, cohort_id = two_runs
+    before = every_table(wh)
+    for table in RUN_TABLES:  # every table partitioned by run holds rows of both runs
+        assert {"r1", "r2"} <= set(before[table]["run_id"]), table
+
+    code, out, err = cli(wh, "run", "delete", "r1")
+    assert (code, err) == (0, "")
+    removed = {table: rows.filter(pl.col("run_id") == "r1").height for table, rows in before.items()
+               if table in RUN_TABLES}
+    assert out == "\n".join([
+        "run r1 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort default "
+        f"({cohort_id}): removed these rows:",
+        "table                store     rows",
+        "-------------------  --------  ----",
+        *(f"{table:<19}  forecast  {removed[table]:>4}" for table in
+          ["runs", *sorted(RUN_TABLES - {"runs"})]),
+        f"({len(RUN_TABLES)} rows)",
+        "removed reports/r1/", ""])
+
+    after = every_table(wh)
+    expected = without_run(before, "r1")
+    for table in TABLES:
+        assert after[table].equals(expected[table]), table
+    assert not (wh.root / "reports" / "r1").exists() and (wh.root / "reports" / "r2" / "report.html").is_file()
+    assert (wh.forecast_dir / "llm_cache" / "ab12.json").is_file()
+    assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
+    # The other run works as before, and the deleted id is free for a new forecast.
+    evaluate_run(wh, "r2", ks=(10,), n_boot=0, natural=False)
+    forecast_flow(str(wh.root), cohort_id, "repeat_history", split="all", run_id="r1")
+    assert wh.read("runs", run_id="r1")["kind"].to_list() == ["forecast:repeat_history"]
+
+
+def test_the_dry_run_changes_nothing(two_runs):
+    wh, cohort_id = two_runs
+    before, on_disk = every_table(wh), files(wh)
+    code, out, err = cli(wh, "run", "delete", "r2", "--dry-run")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == ("run r2 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort "
+                                   f"default ({cohort_id}): would remove these rows:")
+    counted = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()[3:] if line.split()[-1].isdigit()}
+    assert counted == {table: before[table].filter(pl.col("run_id") == "r2").height for table in RUN_TABLES}
+    assert out.endswith("would remove reports/r2/\n")
+    assert files(wh) == on_disk
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+
+
+def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_runs):
+    wh, _ = two_runs
+    evaluate_repeated(wh, ["r1", "r2"], ks=(10,), n_boot=0, natural=False, run_id="mean-12")
+    before = every_table(wh)
+
+    code, out, err = cli(wh, "run", "delete", "r1")
+    assert (code, out) == (2, "")
+    assert err == ("Error: run 'r1' is averaged by the mean(s) over repeated runs mean-12: delete each of them first "
+                   "(`dxr run delete MEAN_ID`, which removes the mean's own rows only), then the run "
+                   "(usage: dxr run delete -h)\n")
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+
+    code, out, err = cli(wh, "run", "delete", "mean-12")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0].startswith("run mean-12 (evaluate) of cohort default (")
+    after = every_table(wh)
+    for table, rows in without_run(before, "mean-12").items():
+        assert after[table].equals(rows), table
+    assert after["metrics"].filter(pl.col("run_id") == "r1").height  # the averaged runs keep their own evaluations
+
+    code, _, err = cli(wh, "run", "delete", "r1")
+    assert (code, err) == (0, "")
+    assert set(wh.read("runs")["run_id"]) >= {"r2"} and not wh.has_rows("runs", run_id="r1")
+
+
+def test_an_unknown_run_is_not_found(two_runs):
+    wh, _ = two_runs
+    before = every_table(wh)
+    code, out, err = cli(wh, "run", "delete", "r3")
+    assert (code, out) == (1, "")
+    assert err == f"Error: no run 'r3' in the warehouse at {wh.root}: list the runs with dxr run list\n"
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+
+
+@pytest.mark.parametrize("stop_after", [None, 0, 1])
+def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishes_it(two_runs, monkeypatch,
+                                                                                   stop_after):
+    # stop_after None: killed before the commit point (as it renames the staged commit into place); 0 and 1: after
+    # it, with nothing removed, or the run's `runs` rows (first) and none of the rest.
+    import warehouse.store as store
+
+    wh, _ = two_runs
+    before = every_table(wh)
+    real_replace, real_remove = store.os.replace, store.remove_into
+    removed = []
+
+    def replace(source, target):
+        if stop_after is None and str(target).endswith(COMMITTED):
+            raise KeyboardInterrupt("killed at the commit point")
+        return real_replace(source, target)
+
+    def remove_into(committed, path, number):
+        if len(removed) == stop_after:
+            raise KeyboardInterrupt("killed among the removals")
+        removed.append(path)
+        return real_remove(committed, path, number)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(store, "remove_into", remove_into)
+    with pytest.raises(KeyboardInterrupt):
+        delete_run(wh, "r1")
+    monkeypatch.undo()
+
+    if stop_after is None:  # whole: every row as it was, and the delete simply runs again
+        assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+        code, out, err = cli(wh, "run", "delete", "r1")
+        assert (code, err) == (0, "")
+        assert out.startswith("run r1 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort ")
+    else:
+        assert wh.partitions_dir("runs", run_id="r1").exists() == (stop_after == 0)
+        assert wh.partitions_dir("rankings", run_id="r1").exists()  # on disk until the commit is finished
+        # The rerun finishes what was left and succeeds, as the delete did.
+        code, out, err = cli(wh, "run", "delete", "r1")
+        assert (code, err) == (0, "")
+        assert out == ("run r1 (evaluate, forecast:global_frequency, forecast:repeat_history): the earlier delete, "
+                       "interrupted, is now complete\n")
+    after = every_table(wh)
+    for table, rows in without_run(before, "r1").items():
+        assert after[table].equals(rows), table
+    assert not (wh.root / "reports" / "r1").exists() and (wh.root / "reports" / "r2").is_dir()
+    assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
+    assert not [p for p in Path(wh.root).rglob("*r1*") if ".locks" not in p.parts]
+    code, _, err = cli(wh, "run", "delete", "r1")  # the delete completed: nothing left to finish
+    assert code == 1 and err.startswith("Error: no run 'r1' in the warehouse at ")
+
+
+def test_a_run_in_use_is_not_deleted(two_runs):
+    wh, cohort_id = two_runs
+    before = every_table(wh)
+    with held(wh, "run:r1", shared=True, busy="a forecast"):  # as a forecast into it holds it
+        with pytest.raises(InputError, match="^run 'r1' is being forecast or evaluated by another dxr process"):
+            delete_run(wh, "r1")
+    # A command of another kind recorded under the id (a training given --run-id r1) holds no lock of the run, and
+    # would write its last `runs` row after the delete.
+    with registered_run(wh, "train:ehr_prior", {}, run_id="r1", cohort_id=cohort_id):
+        with pytest.raises(InputError, match=r"^run 'r1' is still running its train:ehr_prior \(process \d+ on "):
+            delete_run(wh, "r1", dry_run=True)
+    assert every_table(wh)["rankings"].equals(before["rankings"])
+
+
+def test_a_mean_is_not_written_while_one_of_its_runs_is_being_deleted(two_runs, monkeypatch):
+    # The mean reads its runs under their locks, then computes and writes with them released: a run delete that
+    # holds one of them meanwhile (here from when the rows are put together) must not find no mean, delete the run,
+    # and leave the mean averaging a run that is gone.
+    import tasks.evaluate
+
+    wh, _ = two_runs
+    real_conform = tasks.evaluate._conform
+    deleting = ExitStack()
+
+    def conform_while_deleting(*args, **kwargs):
+        deleting.enter_context(held(wh, "run:r2", shared=False, busy="a delete"))
+        return real_conform(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.evaluate, "_conform", conform_while_deleting)
+    with deleting, pytest.raises(InputError, match="^run 'r2' is being deleted or evaluated by another dxr process: "
+                                                   "retry when it has finished$"):
+        evaluate_repeated(wh, ["r1", "r2"], ks=(10,), n_boot=0, natural=False, run_id="mean-12")
+    assert not wh.has_rows("runs", run_id="mean-12") and not wh.has_rows("metrics", run_id="mean-12")
+
+
+def test_a_failed_run_of_another_cohort_deleted_frees_its_id(two_runs, monkeypatch):
+    # `dxr forecast` refuses a run id whose only forecasts, of another cohort, failed; deleting that run is one fix.
+    import flows.forecast
+
+    wh, cohort_id = two_runs
+    other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+
+    def broken_shard(*args, **kwargs):
+        raise RuntimeError("the shard broke")
+
+    monkeypatch.setattr(flows.forecast, "forecast_shard_task", broken_shard)
+    with pytest.raises(RuntimeError, match="the shard broke"):
+        forecast_flow(str(wh.root), cohort_id, "repeat_history", split="all", run_id="r9")
+    monkeypatch.undo()
+    with pytest.raises(InputError, match=r"or delete the run first \(`dxr run delete r9`\)$"):
+        forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
+    assert cli(wh, "run", "delete", "r9")[0] == 0
+    forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
+    assert wh.read("runs", run_id="r9").select("kind", "cohort_id", "status").rows() == [
+        ("forecast:repeat_history", other, "finished")]
+
+
+def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs):
+    wh, cohort_id = two_runs
+    registry = wh.read("runs").sort(["started_at", "run_id", "kind"], descending=[True, False, False])
+
+    code, out, err = cli(wh, "run", "list", "--format", "json")
+    assert (code, err) == (0, "")
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert [(r["run_id"], r["kind"], r["status"]) for r in listed] == registry.select("run_id", "kind", "status").rows()
+    assert list(listed[0]) == ["run_id", "kind", "status", "cohort", "cohort_id", "started_at", "finished_at"]
+    # The ingest belongs to no cohort; the build and the runs to the cohort, by name and id.
+    assert {(r["kind"], r["cohort"], r["cohort_id"]) for r in listed if not r["kind"].startswith(("forecast", "ev"))} \
+        == {("ingest:meds", None, None), ("cohort", "default", cohort_id)}
+
+    code, out, err = cli(wh, "run", "list", "--cohort", "default", "--kind", "forecast", "--limit", "3",
+                         "--format", "csv")
+    assert (code, err) == (0, "")
+    forecasts = registry.filter(pl.col("kind").str.starts_with("forecast:")).head(3)
+    assert out.splitlines()[0] == "run_id,kind,status,cohort,cohort_id,started_at,finished_at"
+    assert [line.split(",")[:5] for line in out.splitlines()[1:]] == [
+        [run_id, kind, "finished", "default", cohort_id] for run_id, kind in forecasts.select("run_id", "kind").rows()]
+
+    code, out, err = cli(wh, "run", "list", "--kind", "evaluate", "--cohort", cohort_id)
+    assert (code, err) == (0, "")
+    assert [line.split()[:5] for line in out.splitlines()[2:-1]] == [
+        ["r2", "evaluate", "finished", "default", cohort_id], ["r1", "evaluate", "finished", "default", cohort_id]]
+    assert out.splitlines()[-1] == "(2 rows)"
+
+    code, out, err = cli(wh, "run", "list", "--cohort", "nightly")
+    assert (code, out) == (1, "")
+    assert err == (f"Error: cohort 'nightly' not found in the warehouse at {wh.root}; built cohorts: default (build "
+                   "one with `dxr cohort build`, or check --data-dir)\n")

@@ -1,0 +1,108 @@
+"""Deleting one run (`dxr run delete`): its `runs` rows of every kind recorded under its id, every row a table
+partitioned by `run_id` holds under it, and its report in the default place (`<data_dir>/reports/<run_id>`).
+
+What belongs to a run is read off the schemas (`RUN_TABLES`, as a cohort's delete reads them), so a table added later
+is not forgotten: its forecasts' rankings, statuses and stage candidates, its evaluation's metrics, coverage, paired
+comparisons and headroom, its LLM calls, search jobs and ledger. Its `runs` rows go first: they are what finds it.
+
+What is not the run's own stays: its cohort and the cohort's other runs; the `prediction_cache` (keyed by model
+version, cohort, shard, K and code version, not by run: a later forecast of the cohort reuses those lists), the LLM
+response cache and the page cache (content-addressed, shared by every run); and MLflow, whose runs and registered
+models a training or a promotion recorded under the id keep.
+
+A run that a mean over repeated runs averages (`dxr evaluate --run A --run B`) is refused, naming the means: they
+would stand for runs that are gone. A mean is a run id of its own, whose delete removes only the mean's rows; its
+runs can go after it.
+
+Everything goes in one removal commit, and a rerun after a kill past its commit point finishes it, as every delete
+does (`warehouse.deletion`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import polars as pl
+
+from dxr.errors import InputError
+from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted
+from warehouse.runs import EVALUATE_KIND, holding_run, runs_in_progress, unknown_run
+from warehouse.store import Warehouse, check_run_id, fetch_frame
+
+
+class RunInMeans(InputError):
+    """A run that means over repeated runs average, deleted before those means."""
+
+
+@dataclass
+class RunDeletion(Removal):
+    """What deleting a run removes (or removed), its `runs` rows first."""
+
+    run_id: str
+    registered: pl.DataFrame  # its `runs` rows: the kinds recorded under the id, and their cohorts
+    cohorts: list[str]  # the cohorts its rows name, as `name (id)`
+
+
+def means_over(wh: Warehouse, run_id: str) -> list[str]:
+    """The run ids of the means over repeated runs that average `run_id` (their `evaluate` row lists it)."""
+    registry = wh.connect(tables=["runs"])
+    means = fetch_frame(registry, "SELECT DISTINCT run_id FROM runs WHERE kind = ? AND run_id <> ? AND "
+                                  "list_contains(json_extract_string(config_json, '$.runs[*]'), ?) ORDER BY run_id",
+                        [EVALUATE_KIND, run_id, run_id])
+    return means["run_id"].to_list()
+
+
+def plan_run_deletion(wh: Warehouse, run_id: str, registered: pl.DataFrame) -> RunDeletion:
+    """What deleting the run whose `runs` rows are `registered` removes."""
+    names = dict(wh.read("cohorts").select("cohort_id", "name").rows())
+    cohorts = [f"{names[cohort_id]} ({cohort_id})" if cohort_id in names else cohort_id
+               for cohort_id in registered["cohort_id"].drop_nulls().unique().sort()]
+    plan = RunDeletion(run_id=run_id, registered=registered, cohorts=cohorts)
+    plan.add(wh, "runs", run_id=run_id)  # every kind, and the run's directory with them
+    plan.add_run_outputs(wh, run_id)
+    return plan
+
+
+def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDeletion:
+    """Delete a run and everything it wrote; returns what went (with `dry_run`, what would go: nothing changes).
+
+    The run is held as its evaluation holds it, so no forecast, evaluation or report of it runs meanwhile, nor a
+    rebuild or delete of its cohort; a delete refused for that is simply run again later.
+    """
+    check_run_id(run_id)
+    if pending := finish_interrupted(wh, "runs", pl.col("run_id") == run_id):
+        removed, _ = pending
+        return RunDeletion(run_id=run_id, registered=removed, cohorts=[], interrupted=True)
+    if not wh.has_rows("runs", run_id=run_id):
+        raise unknown_run(wh, run_id)
+    with holding_run(wh, run_id, exclusive=True):
+        registered = wh.read("runs", run_id=run_id)
+        if registered.is_empty():  # deleted meanwhile
+            raise unknown_run(wh, run_id)
+        # Another kind recorded under the id (a build or a training given --run-id) does not hold the run's lock,
+        # and its last `runs` row, written as it ends, would outlive the delete.
+        running = runs_in_progress(wh).filter(pl.col("run_id") == run_id)
+        if not running.is_empty():
+            busy = running.row(0, named=True)
+            raise InputError(f"run {run_id!r} is still running its {busy['kind']} (process {busy['pid']} on "
+                             f"{busy['host']}): retry when it has finished")
+        if means := means_over(wh, run_id):
+            raise RunInMeans(f"run {run_id!r} is averaged by the mean(s) over repeated runs {', '.join(means)}: "
+                             "delete each of them first (`dxr run delete MEAN_ID`, which removes the mean's own rows "
+                             "only), then the run")
+        plan = plan_run_deletion(wh, run_id, registered)
+        if not dry_run:
+            wh.delete_together(plan.partitions, plan.directories)
+    return plan
+
+
+def run_deletion_summary(wh: Warehouse, plan: RunDeletion, dry_run: bool) -> str:
+    """What `dxr run delete` prints: the run with its kinds and cohorts, then rows by table and the directories."""
+    kinds = ", ".join(sorted(plan.registered["kind"].unique()))
+    if plan.interrupted:
+        return f"run {plan.run_id} ({kinds}): {INTERRUPTED_DONE}\n"
+    cohorts = ", ".join(plan.cohorts)
+    done = "would remove" if dry_run else "removed"
+    lines = [f"run {plan.run_id} ({kinds}){f' of cohort {cohorts}' if cohorts else ''}: {done} these rows:",
+             *plan.listing(wh, done)]
+    return "\n".join(lines) + "\n"
