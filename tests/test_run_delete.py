@@ -19,7 +19,7 @@ from tests.conftest import every_table, plant
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held
-from warehouse.run_deletion import delete_run
+from warehouse.run_deletion import NotAResult, delete_run
 from warehouse.runs import registered_run
 from warehouse.schemas import RUN_TABLES, TABLES
 from warehouse.store import COMMIT_DIR, COMMITTED
@@ -139,6 +139,19 @@ def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_run
     assert set(wh.read("runs")["run_id"]) >= {"r2"} and not wh.has_rows("runs", run_id="r1")
 
 
+def test_a_cohorts_build_and_a_datasets_ingest_are_not_deleted_as_runs(two_runs):
+    # They are the record of what they made: a cohort without its build row could no longer say how it was built.
+    wh, _ = two_runs
+    before = every_table(wh)
+    records = wh.read("runs").filter(~pl.col("kind").str.starts_with("forecast:") & (pl.col("kind") != "evaluate"))
+    assert sorted(records["kind"]) == ["cohort", "ingest:meds"]
+    for run_id, kind in records.select("run_id", "kind").iter_rows():
+        code, out, err = cli(wh, "run", "delete", run_id)
+        assert (code, out) == (2, ""), err
+        assert err.startswith(f"Error: run {run_id!r} is a {kind} run, not a forecast or an evaluation")
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+
+
 def test_an_unknown_run_is_not_found(two_runs):
     wh, _ = two_runs
     before = every_table(wh)
@@ -207,9 +220,9 @@ def test_a_run_in_use_is_not_deleted(two_runs):
         with pytest.raises(InputError, match="^run 'r1' is being forecast or evaluated by another dxr process"):
             delete_run(wh, "r1")
     # A command of another kind recorded under the id (a training given --run-id r1) holds no lock of the run, and
-    # would write its last `runs` row after the delete.
+    # would write its last `runs` row after the delete: such a run id is no result, and refused.
     with registered_run(wh, "train:ehr_prior", {}, run_id="r1", cohort_id=cohort_id):
-        with pytest.raises(InputError, match=r"^run 'r1' is still running its train:ehr_prior \(process \d+ on "):
+        with pytest.raises(NotAResult, match=r"^run 'r1' is a train:ehr_prior run, not a forecast or an evaluation"):
             delete_run(wh, "r1", dry_run=True)
     assert every_table(wh)["rankings"].equals(before["rankings"])
 

@@ -29,18 +29,14 @@ import polars as pl
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import describe_cohort, get_cohort
-from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted
+from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted
 from warehouse.locks import held
-from warehouse.runs import EVALUATE_KIND
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, fetch_frame
 
 # Every table whose partitions are one cohort's (first key `cohort_id`), its row first: it is what finds the cohort.
 COHORT_TABLES = ("cohorts", *sorted(name for name, spec in TABLES.items()
                                     if spec.partition_by[0] == "cohort_id" and name != "cohorts"))
-# Kinds of the runs whose rows are results on a cohort; its other runs (its build, its priors' trainings and
-# promotions) are its own record.
-RESULT_KINDS = ("forecast:", EVALUATE_KIND)
 SHOWN_RUNS = 5  # run ids an error names before it says how many more
 
 

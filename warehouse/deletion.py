@@ -17,9 +17,13 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
+from warehouse.runs import EVALUATE_KIND
 from warehouse.schemas import RUN_TABLES, TABLES
 from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, finish_commits
 
+# Kinds of the runs whose rows are results on a cohort; its other runs (its build, its priors' trainings and
+# promotions) are its own record, as a dataset's ingest is the dataset's.
+RESULT_KINDS = ("forecast:", EVALUATE_KIND)
 # The default place of a run's report (`dxr report` without --out): `<data_dir>/reports/<run_id>`.
 REPORTS_DIR = "reports"
 # What a rerun that finished a delete's pending removal says after naming what it removed.

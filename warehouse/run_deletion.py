@@ -1,5 +1,7 @@
-"""Deleting one run (`dxr run delete`): its `runs` rows of every kind recorded under its id, every row a table
-partitioned by `run_id` holds under it, and its report in the default place (`<data_dir>/reports/<run_id>`).
+"""Deleting one run (`dxr run delete`): its `runs` rows, every row a table partitioned by `run_id` holds under it,
+and its report in the default place (`<data_dir>/reports/<run_id>`). Only results go so: forecasts and evaluations
+(`RESULT_KINDS`); a dataset's ingest, a cohort's build and its priors' trainings are the record of what they made
+and go with it.
 
 What belongs to a run is read off the schemas (`RUN_TABLES`, as a cohort's delete reads them), so a table added later
 is not forgotten: its forecasts' rankings, statuses and stage candidates, its evaluation's metrics, coverage, paired
@@ -25,13 +27,17 @@ from dataclasses import dataclass
 import polars as pl
 
 from dxr.errors import InputError
-from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted
-from warehouse.runs import EVALUATE_KIND, holding_run, runs_in_progress, unknown_run
+from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted
+from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run
 from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 
 class RunInMeans(InputError):
     """A run that means over repeated runs average, deleted before those means."""
+
+
+class NotAResult(InputError):
+    """A run id that records what made data (an ingest, a cohort's build, a training), not a result."""
 
 
 @dataclass
@@ -58,7 +64,7 @@ def plan_run_deletion(wh: Warehouse, run_id: str, registered: pl.DataFrame) -> R
     cohorts = [f"{names[cohort_id]} ({cohort_id})" if cohort_id in names else cohort_id
                for cohort_id in registered["cohort_id"].drop_nulls().unique().sort()]
     plan = RunDeletion(run_id=run_id, registered=registered, cohorts=cohorts)
-    plan.add(wh, "runs", run_id=run_id)  # every kind, and the run's directory with them
+    plan.add(wh, "runs", run_id=run_id)  # every kind recorded, and the run's directory with them
     plan.add_run_outputs(wh, run_id)
     return plan
 
@@ -79,13 +85,12 @@ def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDelet
         registered = wh.read("runs", run_id=run_id)
         if registered.is_empty():  # deleted meanwhile
             raise unknown_run(wh, run_id)
-        # Another kind recorded under the id (a build or a training given --run-id) does not hold the run's lock,
-        # and its last `runs` row, written as it ends, would outlive the delete.
-        running = runs_in_progress(wh).filter(pl.col("run_id") == run_id)
-        if not running.is_empty():
-            busy = running.row(0, named=True)
-            raise InputError(f"run {run_id!r} is still running its {busy['kind']} (process {busy['pid']} on "
-                             f"{busy['host']}): retry when it has finished")
+        # Forecasts and evaluations hold the run's lock; another kind recorded under the id (a build or a training
+        # given --run-id) does not, so refusing it also keeps a delete from racing one still running.
+        if records := sorted({kind for kind in registered["kind"] if not kind.startswith(RESULT_KINDS)}):
+            raise NotAResult(f"run {run_id!r} is a {', '.join(records)} run, not a forecast or an evaluation: a "
+                             "dataset's ingest, a cohort's build and its priors' trainings and promotions record what "
+                             "they made and go with it (`dxr cohort delete`)")
         if means := means_over(wh, run_id):
             raise RunInMeans(f"run {run_id!r} is averaged by the mean(s) over repeated runs {', '.join(means)}: "
                              "delete each of them first (`dxr run delete MEAN_ID`, which removes the mean's own rows "

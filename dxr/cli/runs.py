@@ -52,22 +52,23 @@ def run_list(ctx: click.Context, cohort: str | None, kind: str | None, limit: in
 def run_delete(ctx: click.Context, run_id: str, dry_run: bool) -> None:
     """Delete a run with everything it wrote.
 
-    That is its `runs` rows of every kind and what every table partitioned by run holds under its id
-    (rankings, statuses, candidates, metrics, LLM calls, the ledger, ...), in both stores, and its
-    report in the default place (<data_dir>/reports/RUN_ID). Its cohort, the prediction cache, the
-    LLM response cache and MLflow stay. A run that a mean over repeated runs averages is refused
-    (exit code 2) until those means are deleted; deleting a mean removes only the mean's rows. The
+    That is its `runs` rows and what every table partitioned by run holds under its id (rankings,
+    statuses, candidates, metrics, LLM calls, the ledger, ...), in both stores, and its report in the
+    default place (<data_dir>/reports/RUN_ID). Its cohort, the prediction cache, the LLM response
+    cache and MLflow stay. Only forecast and evaluation runs go so: an ingest, a cohort's build or a
+    training is refused (exit code 2), as is a run that a mean over repeated runs averages, until
+    those means are deleted; deleting a mean removes only the mean's rows. The
     removal is one commit: a delete killed midway leaves the run whole or gone, and a rerun finishes it.
 
     \b
     Example:
       dxr run delete r1 --dry-run
     """
-    from warehouse.run_deletion import RunInMeans, delete_run, run_deletion_summary
+    from warehouse.run_deletion import NotAResult, RunInMeans, delete_run, run_deletion_summary
 
     wh = warehouse(ctx, existing=True)
     try:
         plan = delete_run(wh, run_id, dry_run=dry_run)
-    except RunInMeans as exc:
+    except (RunInMeans, NotAResult) as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(run_deletion_summary(wh, plan, dry_run), nl=False)
