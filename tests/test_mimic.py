@@ -783,6 +783,31 @@ def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):
     assert Warehouse(tmp_path / "wh").read("runs").select("run_id", "status").rows() == [("ing-5", "failed")]
 
 
+def test_one_release_imported_from_two_paths_into_two_warehouses_gets_one_fingerprint_and_cohort_id(
+        tmp_path, wh_vocab):
+    # Two teams with the same release and options: one imports it where it was unpacked, the other a copy elsewhere,
+    # each into a warehouse of its own. dataset.json records both paths; the fingerprint, and so the cohort id that
+    # hashes it, must not depend on them.
+    from warehouse.store import Warehouse
+
+    other = Warehouse(tmp_path / "other")
+    for table in ("icd_codes", "icd_notes", "gem_map"):
+        if wh_vocab.table_dir(table).exists():
+            shutil.copytree(wh_vocab.table_dir(table), other.table_dir(table))
+    copy = shutil.copytree(FIXTURE, tmp_path / "elsewhere" / "mimic-iv")
+    fingerprints, cohort_ids, paths = [], [], []
+    for wh, release in ((wh_vocab, FIXTURE), (other, copy)):
+        assert run("--data-dir", wh.root, "ingest", "mimic4", release, "--name", "mimic4").exit_code == 0
+        assert run("--data-dir", wh.root, "cohort", "build", "--dataset", "mimic4", "--name", "m4").exit_code == 0
+        fingerprints.append(wh.read("datasets")["fingerprint"].to_list())
+        cohort_ids.append(wh.read("cohorts")["cohort_id"].to_list())
+        metadata = json.loads((wh.meds_dir("mimic4") / "metadata" / "dataset.json").read_text())
+        paths.append((metadata["source_dir"], metadata["import_summary"]["out_dir"]))
+    assert paths[0][0] != paths[1][0] and paths[0][1] != paths[1][1]  # recorded, as provenance
+    assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 1
+    assert cohort_ids[0] == cohort_ids[1] and len(cohort_ids[0]) == 1
+
+
 def test_rerun_removes_the_scratch_of_a_killed_import(tmp_path, previous_import):
     out, before = previous_import
     for kind in ("staging", "work"):  # what SIGKILL (e.g. the OOM killer) mid-import leaves behind

@@ -6,6 +6,7 @@ cohort or a run holds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -19,8 +20,10 @@ from dxr.cli import main
 from dxr.errors import InputError
 from tests.conftest import dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
-from warehouse.datasets import get_dataset, ingest_meds
+from warehouse.datasets import get_dataset, ingest_meds, ingest_mimic
 from warehouse.meds import _size_fingerprint, validate_meds_dir
+
+MIMIC4 = Path(__file__).resolve().parent / "fixtures" / "mimic4"
 
 
 def cli(data_dir: Path, *args) -> tuple[int, str, str]:
@@ -68,6 +71,35 @@ def test_a_dataset_registered_before_content_fingerprints_still_builds_its_cohor
     assert len(legacy["fingerprint"]) == 16 and info.holds_registered(legacy["fingerprint"])
     row = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)
     assert row["cohort_id"] == cohort_id_for(legacy, CohortOptions(), 7)
+
+
+def fingerprint_with_paths(root: Path) -> str:
+    """A MEDS directory's fingerprint as datasets were registered before it left out dataset.json's paths: the
+    metadata but its created_at, then the splits, the codes and each shard by name and SHA-256."""
+    metadata = json.loads((root / "metadata" / "dataset.json").read_text())
+    del metadata["created_at"]
+    h = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+    for path in (root / "metadata" / "subject_splits.parquet", root / "metadata" / "codes.parquet",
+                 *sorted((root / "data").rglob("*.parquet"))):
+        h.update(f"{path.relative_to(root)}\n".encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:24]
+
+
+def test_a_mimic_import_registered_while_the_fingerprint_hashed_paths_keeps_its_cohort_ids(wh_vocab):
+    ingest_mimic(wh_vocab, "mimic4", MIMIC4, "mimic4", seed=7)
+    legacy = get_dataset(wh_vocab, "mimic4") | {"fingerprint": fingerprint_with_paths(wh_vocab.meds_dir("mimic4"))}
+    assert legacy["fingerprint"] != get_dataset(wh_vocab, "mimic4")["fingerprint"]  # the paths made it another
+    wh_vocab.write("datasets", pl.DataFrame([legacy]), dataset_id="mimic4")
+    cohort_id = build_cohort(wh_vocab, "mimic4", "m4", CohortOptions(), seed=7)["cohort_id"]
+    assert cohort_id == cohort_id_for(legacy, CohortOptions(), 7)
+
+    # The same release ingested again from the same place is recognised: nothing to build again, same id.
+    code, out, _ = cli(wh_vocab.root, "ingest", "mimic4", MIMIC4, "--name", "mimic4")
+    assert code == 0 and "built from earlier files" not in out
+    assert get_dataset(wh_vocab, "mimic4")["fingerprint"] == legacy["fingerprint"]
+    assert build_cohort(wh_vocab, "mimic4", "m4", CohortOptions(), seed=7)["cohort_id"] == cohort_id
+    assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [cohort_id]
 
 
 def write_next_night(root: Path) -> Path:

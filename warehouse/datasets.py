@@ -43,8 +43,10 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
     """
     check_name("dataset", dataset_id)
     info = validate_meds_dir(wh.meds_dir(dataset_id), memory_limit, validated)
+    registered = get_dataset(wh, dataset_id)["fingerprint"] if wh.has_rows("datasets", dataset_id=dataset_id) else None
     row = {
-        "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root), "fingerprint": info.fingerprint,
+        "dataset_id": dataset_id, "source": source, "meds_dir": str(info.root),
+        "fingerprint": info.fingerprint_replacing(registered),
         "generator_version": generator_version,
         "n_subjects": info.n_subjects, "n_events": info.n_events,
         "icd_versions": ",".join(map(str, info.icd_versions)), "registered_at": utc_now(),

@@ -63,7 +63,7 @@ DIAGNOSIS_SPELLINGS = {
 }
 # Codes that name an ICD diagnosis system in another spelling (any case): refused unless a spelling above matches.
 _OTHER_DIAGNOSIS_PREFIX = r"^ICD(9CM|10(CM)?)/"
-# Hex digits of a dataset's content fingerprint (`_fingerprint`); registrations from before it have 16.
+# Hex digits of a dataset's content fingerprint (`_fingerprints`); registrations from before it have 16.
 FINGERPRINT_LENGTH = 24
 SPLITS = (meds.train_split, meds.tuning_split, meds.held_out_split)
 _OFFSET = re.compile(r"([+-])(\d{2}):?(\d{2})?")
@@ -248,13 +248,23 @@ class MedsInfo:
     # Diagnosis events in another spelling (`DIAGNOSIS_SPELLINGS`) that the copy rewrites; validated with
     # `other_spellings` only.
     respelled: tuple[Respelling, ...] = ()
+    # The content fingerprint with dataset.json's paths hashed too (`_metadata_bytes`), as datasets were registered
+    # before it left them out (`fingerprint` itself for metadata without them).
+    fingerprint_with_paths: str = ""
 
     def holds_registered(self, fingerprint: str) -> bool:
         """True when these are the files a dataset was registered with under `fingerprint` (a registration older
-        than content fingerprints has a shorter one, of sizes and row counts: `_size_fingerprint`)."""
+        than content fingerprints has a shorter one, of sizes and row counts: `_size_fingerprint`; one older than
+        the fingerprint's leaving paths out has `fingerprint_with_paths`)."""
         if len(fingerprint) == FINGERPRINT_LENGTH:
-            return fingerprint == self.fingerprint
+            return fingerprint in (self.fingerprint, self.fingerprint_with_paths)
         return fingerprint == _size_fingerprint(self.root, self.shards)
+
+    def fingerprint_replacing(self, registered: str | None) -> str:
+        """The fingerprint to register these files under in place of the dataset's `registered` one (None when it
+        has none): a registration of these very files from before the fingerprint left paths out keeps its own, so
+        the cohorts built from it keep their ids and are not named as built from earlier files."""
+        return registered if registered == self.fingerprint_with_paths else self.fingerprint
 
     def moved_to(self, root: Path) -> MedsInfo:
         """This validation of the directory after its move to `root`."""
@@ -383,10 +393,12 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
                              f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
         check_splits(splits, splits_path)
+    fingerprint, fingerprint_with_paths = _fingerprints(root, shards)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
-                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=_fingerprint(root, shards),
+                    icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=fingerprint,
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps,
-                    time_zone=time_zone, utc_offset=offset, respelled=respelled)
+                    time_zone=time_zone, utc_offset=offset, respelled=respelled,
+                    fingerprint_with_paths=fingerprint_with_paths)
 
 
 def _encounter_fix(columns: list[str]) -> str:
@@ -709,29 +721,33 @@ def _stored_types(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f if _is_text(f.type) else conformed for f, conformed in zip(schema, _meds_types(schema))])
 
 
-def _fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
-    """The content fingerprint of a MEDS directory: its metadata, splits, code dictionary and every shard's bytes.
+def _fingerprints(root: Path, shards: tuple[Path, ...]) -> tuple[str, str]:
+    """The content fingerprint of a MEDS directory, of its metadata but its paths (`_metadata_bytes`), splits, code
+    dictionary and every shard's bytes; and the same with those paths (`MedsInfo.fingerprint_with_paths`).
 
     Every byte, not sizes and row counts: a nightly extract that corrects one code to another of the same length
     often keeps each file's size, and under an unchanged fingerprint the next cohort build would rebuild the
     earlier cohort in place, under the runs scored against it. SHA-256 reads about 1 GB/s, little next to
-    validation's own read of every event.
+    validation's own read of every event; the files are read once for both.
     """
-    h = hashlib.sha256()
-    h.update(_metadata_bytes(root))
+    files = bytearray()  # each file's name and digest, hashed after the metadata
     for path in (root / meds.subject_splits_filepath, root / meds.code_metadata_filepath, *shards):
         if path.is_file():
-            h.update(f"{path.relative_to(root)}\n".encode())
+            files += f"{path.relative_to(root)}\n".encode()
             with path.open("rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()[:FINGERPRINT_LENGTH]
+                files += hashlib.file_digest(f, "sha256").digest()
+
+    def fingerprint(with_paths: bool) -> str:
+        return hashlib.sha256(_metadata_bytes(root, with_paths) + files).hexdigest()[:FINGERPRINT_LENGTH]
+
+    return fingerprint(with_paths=False), fingerprint(with_paths=True)
 
 
 def _size_fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
-    """The fingerprint datasets were registered under before `_fingerprint` read contents: metadata, splits, shard
-    row counts and sizes. Kept to recognize those registrations, whose cohort ids it is part of."""
+    """The fingerprint datasets were registered under before `_fingerprints` read contents: metadata (paths and
+    all), splits, shard row counts and sizes. Kept to recognize those registrations, whose cohort ids it is part of."""
     h = hashlib.sha256()
-    h.update(_metadata_bytes(root))
+    h.update(_metadata_bytes(root, with_paths=True))
     splits_path = root / meds.subject_splits_filepath
     if splits_path.is_file():
         h.update(splits_path.read_bytes())
@@ -740,13 +756,20 @@ def _size_fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def _metadata_bytes(root: Path) -> bytes:
-    """metadata/dataset.json as fingerprinted: without its creation stamp, which changes on every regeneration of
-    identical data (empty when there is no such file)."""
+def _metadata_bytes(root: Path, with_paths: bool) -> bytes:
+    """metadata/dataset.json as fingerprinted (empty when there is no such file): without its creation stamp, which
+    changes on every regeneration of identical data, and unless `with_paths` without the two keys that say where
+    files were, not what they hold: the MIMIC importer's `source_dir` (the release it read) and
+    `import_summary.out_dir` (the gold-store directory it wrote). So the same release imported from any path into any
+    warehouse gets one fingerprint, and its cohorts one id each."""
     metadata_path = root / meds.dataset_metadata_filepath
     if not metadata_path.is_file():
         return b""
     metadata = {k: v for k, v in json.loads(metadata_path.read_text()).items() if k != "created_at"}
+    if not with_paths:
+        metadata.pop("source_dir", None)
+        if isinstance(metadata.get("import_summary"), dict):
+            metadata["import_summary"] = {k: v for k, v in metadata["import_summary"].items() if k != "out_dir"}
     return json.dumps(metadata, sort_keys=True).encode()
 
 
