@@ -245,6 +245,43 @@ async def serving(handler):
         await runner.cleanup()
 
 
+def kill_a_delete(monkeypatch, stop_after: int | None) -> None:
+    """Make the next removal commit (`Warehouse.delete_together`) die as a kill would: at its commit point (as it
+    renames the staged commit into place) when `stop_after` is None, else after `stop_after` of its removals."""
+    import warehouse.store as store
+
+    real_replace, real_remove = store.os.replace, store.remove_into
+    removed = []
+
+    def replace(source, target):
+        if stop_after is None and str(target).endswith(store.COMMITTED):
+            raise KeyboardInterrupt("killed at the commit point")
+        return real_replace(source, target)
+
+    def remove_into(committed, path, number):
+        if len(removed) == stop_after:
+            raise KeyboardInterrupt("killed among the removals")
+        removed.append(path)
+        return real_remove(committed, path, number)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(store, "remove_into", remove_into)
+
+
+def fail_a_forecast(monkeypatch, wh, cohort: str, system: str, run_id: str) -> None:
+    """Run a forecast whose shards all break, leaving it `failed` in the run."""
+    import flows.forecast
+    from flows.forecast import forecast_flow
+
+    def broken_shard(*args, **kwargs):
+        raise RuntimeError("the shard broke")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(flows.forecast, "forecast_shard_task", broken_shard)
+        with pytest.raises(RuntimeError, match="the shard broke"):
+            forecast_flow(str(wh.root), cohort, system, split="all", run_id=run_id)
+
+
 def placeholder(kind: pa.DataType):
     """A value of the column type, for a row planted in a table no command of the test writes."""
     if pa.types.is_timestamp(kind):

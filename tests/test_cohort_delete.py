@@ -15,7 +15,7 @@ from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
-from tests.conftest import every_table, plant, tiny_events, write_tiny_meds
+from tests.conftest import every_table, kill_a_delete, plant, tiny_events, write_tiny_meds
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
@@ -179,27 +179,10 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
                                                                                       stop_after):
     # stop_after None: killed before the commit point (as it renames the staged commit into place); 0 and 3: after
     # it, with none or three of the removals done (the cohort's row, first, still in its place or in the commit).
-    import warehouse.store as store
-
     wh, old, kept = two_cohorts
     before = every_table(wh)
     described = describe_cohort(wh.read("cohorts", cohort_id=old).row(0, named=True))
-    real_replace, real_remove = store.os.replace, store.remove_into
-    removed = []
-
-    def replace(source, target):
-        if stop_after is None and str(target).endswith(COMMITTED):
-            raise KeyboardInterrupt("killed at the commit point")
-        return real_replace(source, target)
-
-    def remove_into(committed, path, number):
-        if len(removed) == stop_after:
-            raise KeyboardInterrupt("killed among the removals")
-        removed.append(path)
-        return real_remove(committed, path, number)
-
-    monkeypatch.setattr(store.os, "replace", replace)
-    monkeypatch.setattr(store, "remove_into", remove_into)
+    kill_a_delete(monkeypatch, stop_after)
     with pytest.raises(KeyboardInterrupt):
         delete_cohort(wh, old, with_runs=True)
     monkeypatch.undo()

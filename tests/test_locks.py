@@ -17,6 +17,7 @@ from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
 from tasks.forecast import check_rerun, forecast_config
+from tests.conftest import fail_a_forecast
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds, writing_dataset
 from warehouse.locks import LOCK_DIR, held
@@ -124,19 +125,10 @@ def test_a_run_holds_one_cohort(tiny_cohort, prefect_harness):
 
 def test_a_run_whose_only_forecasts_failed_stays_on_their_cohort_and_the_refusal_names_both_fixes(
         tiny_cohort, prefect_harness, monkeypatch):
-    import flows.forecast
-
     wh, cohort_id = tiny_cohort
     other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
-
-    def broken_shard(*args, **kwargs):
-        raise RuntimeError("the shard broke")
-
-    monkeypatch.setattr(flows.forecast, "forecast_shard_task", broken_shard)
-    with pytest.raises(RuntimeError, match="the shard broke"):
-        forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="r1")
+    fail_a_forecast(monkeypatch, wh, "default", "repeat_history", "r1")
     assert wh.read("runs", run_id="r1")["status"].to_list() == ["failed"]
-    monkeypatch.undo()
     # The refusal said the run "already holds forecasts" and offered to add to it, though none had finished.
     with pytest.raises(InputError, match=rf"run r1 holds no finished forecast, only ones of cohort {cohort_id} "
                                          rf"\(repeat_history failed\), and this one is of cohort {other}: .*; pass a "

@@ -15,7 +15,7 @@ from dxr.cli import main
 from dxr.errors import InputError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
-from tests.conftest import every_table, plant
+from tests.conftest import every_table, fail_a_forecast, kill_a_delete, plant
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held
@@ -166,26 +166,9 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
                                                                                    stop_after):
     # stop_after None: killed before the commit point (as it renames the staged commit into place); 0 and 1: after
     # it, with nothing removed, or the run's `runs` rows (first) and none of the rest.
-    import warehouse.store as store
-
     wh, _ = two_runs
     before = every_table(wh)
-    real_replace, real_remove = store.os.replace, store.remove_into
-    removed = []
-
-    def replace(source, target):
-        if stop_after is None and str(target).endswith(COMMITTED):
-            raise KeyboardInterrupt("killed at the commit point")
-        return real_replace(source, target)
-
-    def remove_into(committed, path, number):
-        if len(removed) == stop_after:
-            raise KeyboardInterrupt("killed among the removals")
-        removed.append(path)
-        return real_remove(committed, path, number)
-
-    monkeypatch.setattr(store.os, "replace", replace)
-    monkeypatch.setattr(store, "remove_into", remove_into)
+    kill_a_delete(monkeypatch, stop_after)
     with pytest.raises(KeyboardInterrupt):
         delete_run(wh, "r1")
     monkeypatch.undo()
@@ -250,18 +233,9 @@ def test_a_mean_is_not_written_while_one_of_its_runs_is_being_deleted(two_runs, 
 
 def test_a_failed_run_of_another_cohort_deleted_frees_its_id(two_runs, monkeypatch):
     # `dxr forecast` refuses a run id whose only forecasts, of another cohort, failed; deleting that run is one fix.
-    import flows.forecast
-
     wh, cohort_id = two_runs
     other = build_cohort(wh, "tiny", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
-
-    def broken_shard(*args, **kwargs):
-        raise RuntimeError("the shard broke")
-
-    monkeypatch.setattr(flows.forecast, "forecast_shard_task", broken_shard)
-    with pytest.raises(RuntimeError, match="the shard broke"):
-        forecast_flow(str(wh.root), cohort_id, "repeat_history", split="all", run_id="r9")
-    monkeypatch.undo()
+    fail_a_forecast(monkeypatch, wh, cohort_id, "repeat_history", "r9")
     with pytest.raises(InputError, match=r"or delete the run first \(`dxr run delete r9`\)$"):
         forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
     assert cli(wh, "run", "delete", "r9")[0] == 0
