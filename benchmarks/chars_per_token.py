@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 
+from benchmarks.provenance import write_result  # noqa: E402
 from models.llm.config import LLMConfig  # noqa: E402
 from models.llm.local_server import fold_system_messages, packaged_model_path  # noqa: E402
 from tasks.direct import direct_prompt  # noqa: E402
@@ -86,11 +87,9 @@ def main() -> None:
                      "longest_prompt_tokens": max(counts), "min_chars_per_token": ratios[0],
                      "p1_chars_per_token": ratios[len(ratios) // 100], "median_chars_per_token":
                      statistics.median(ratios), "densest_truncated": min(cut) if cut else None})
-    RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"cohort_id": cohort_id, "trajectories": len(records), "titles": not args.no_titles,
               "model": str(model), "rows": rows}
-    (RESULTS / "chars_per_token.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS / 'chars_per_token.json'}")
+    write_result(RESULTS / "chars_per_token.json", result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 from tasks.evaluate import (ORACLES, bootstrap_weights, coverage_rows, estimate, load_run,  # noqa: E402
                             metric_rows, paired_rows, pool_oracle_counts, system_counts)
 from warehouse.store import Warehouse  # noqa: E402
@@ -120,9 +121,8 @@ def main() -> None:
               "ks": list(ks), "metric_rows": rows.height, "steps": steps, "evaluation_seconds": round(total, 3),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
               "python": platform.python_version(), "machine": platform.machine()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "evaluate.json").write_text(json.dumps(result, indent=2))
-    print(f"peak RSS {result['peak_rss_mb']} MB; wrote {RESULTS / 'evaluate.json'}")
+    print(f"peak RSS {result['peak_rss_mb']} MB")
+    write_result(RESULTS / "evaluate.json", result)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, append_recording,  # noqa: E402
                                  make_backend)
 from models.llm.cache import ResponseCache  # noqa: E402
@@ -189,9 +190,7 @@ def main() -> None:
         print("\nembedded backend (llama.cpp server, packaged Gemma 3 270M GGUF)")
         for key, value in embedded.items():
             print(f"  {key:32} {value}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "llm.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS / 'llm.json'}")
+    write_result(RESULTS / "llm.json", result)
 
 
 if __name__ == "__main__":

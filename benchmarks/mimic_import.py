@@ -32,7 +32,10 @@ from pathlib import Path
 import duckdb
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
+
+from benchmarks.provenance import write_result  # noqa: E402
 
 # Full-scale sizes, close to MIMIC-IV v2.2 hosp (prescriptions there: 15.4M; pass --prescriptions).
 FULL = {"patients": 300_000, "subjects_admitted": 180_000, "admissions": 431_000, "diagnoses_per_admission": 11,
@@ -166,7 +169,6 @@ def generate(folder: Path, scale: float, prescriptions: int, labevents: int) -> 
 
 def run_import(src: Path, out: Path, memory_limit: str, labs: bool) -> dict:
     """Run the importer in this process (called in a child so peak memory is the import's alone)."""
-    sys.path.insert(0, str(REPO))
     from warehouse.importers import import_mimic4
 
     summary = import_mimic4(src, out, seed=7, labs=labs, memory_limit=memory_limit)
@@ -254,10 +256,7 @@ def main() -> None:
              ("load average before / after", f"{record['load_avg_1m_before']} / {record['load_avg_1m_after']}")]
     width = max(len(k) for k, _ in table)
     print("\n".join(f"{k:<{width}}  {v:>14}" for k, v in table))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "mimic_import.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path}")
+    write_result(RESULTS / "mimic_import.json", record)
     shutil.rmtree(out, ignore_errors=True)
     if args.keep:
         return

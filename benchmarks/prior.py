@@ -40,6 +40,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+from benchmarks.provenance import write_result  # noqa: E402
 import polars as pl  # noqa: E402
 
 from models.prior.config import PriorConfig  # noqa: E402
@@ -259,17 +260,14 @@ def main() -> None:
     for name, ratio in ratios.items():
         print(f"ehr_prior R@20 / {name} R@20 = {ratio:.3f}" + (" (target >= 0.90)" if name == "oracle" else ""))
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"prior{'-' + args.name if args.name else ''}.json"
-    out.write_text(json.dumps({
+    write_result(RESULTS / f"prior{'-' + args.name if args.name else ''}.json", {
         "cohort_id": cohort_id, "trajectories": counts, "patients": args.planted or args.patients,
         "seed": args.seed, "eval_split": args.eval_split, "prior_config": cfg.model_dump(),
         "planted_smoke": bool(args.planted),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "timings": timings,
         "training": training, "inference": inference, "table": table, "oracle_ratio_r20": ratios.get("oracle"),
         "record_oracle_ratio_r20": ratios.get("record_oracle"),
-        "paired": diffs.to_dicts(), "run_id": run_id}, indent=1, default=str))
-    print(f"wrote {out}")
+        "paired": diffs.to_dicts(), "run_id": run_id}, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 import polars as pl  # noqa: E402
 
 from tasks.evaluate import load_run  # noqa: E402
@@ -173,10 +174,7 @@ def main() -> None:
     for row in gap["categories"]:
         print(" | ".join(str(v) for v in row.values()))
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"prior-gap{'-' + args.name if args.name else ''}.json"
-    out.write_text(json.dumps(gap, indent=1))
-    print(f"wrote {out}")
+    write_result(RESULTS / f"prior-gap{'-' + args.name if args.name else ''}.json", gap, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 from warehouse.runs import mark_killed, record_run, registered_run  # noqa: E402
 from warehouse.schemas import NON_RUN_TABLES, utc_now  # noqa: E402
 from warehouse.sql import run_query  # noqa: E402
@@ -103,12 +104,9 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in rows:
         print("  ".join(str(row[h]).rjust(w) for h, w in zip(header, widths)))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "registry.json"
     measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")  # ISO 8601 with +00:00, as dxr's times
-    out.write_text(json.dumps({"rows": rows, "repeats": args.repeats, "machine": platform.machine(),
-                               "python": platform.python_version(), "measured_at": measured_at}, indent=2))
-    print(f"wrote {out}")
+    write_result(RESULTS / "registry.json", {"rows": rows, "repeats": args.repeats, "machine": platform.machine(),
+                                             "python": platform.python_version(), "measured_at": measured_at})
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import write_result  # noqa: E402
 from tools.corpus.documents import dedupe  # noqa: E402
 from tools.corpus.json_sources import read_medquad, read_pubmedqa  # noqa: E402
 from tools.dictionary import icd_documents, load_vocabulary  # noqa: E402
@@ -226,10 +227,9 @@ def main() -> None:
         mode: latency(combined, sample, mode, extra=lambda q: icd.search(q, k=5, mode="bm25"))
         for mode in ("bm25", "dense", "hybrid")}
     results["load_average"]["end"] = os.getloadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
     print_tables(results)
-    print(f"\nwrote {args.out}")
+    print()
+    write_result(args.out, results)
 
 
 def print_tables(results: dict) -> None:

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 from warehouse.synthetic import GENERATOR_VERSION, generate, oracle  # noqa: E402
 from warehouse.synthetic.realism import (  # noqa: E402
     REALISM_BANDS, diagnosis_encounters, final_encounter_cohort, realism_report,
@@ -86,10 +87,7 @@ def main() -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     result.update(python=platform.python_version(), machine=platform.machine())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "synth.json" if not args.realism else f"synth_realism_seed{args.seed}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS / name}")
+    write_result(RESULTS / ("synth.json" if not args.realism else f"synth_realism_seed{args.seed}.json"), result)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
+from benchmarks.provenance import write_result  # noqa: E402
 # LLM-style items: canonical, sloppy, titled, wrong-version, procedure, blank and free text.
 ITEMS = ["I50.22", "i5022", "ICD10:I50.22", "E11.9 - Type 2 diabetes mellitus without complications", "I50.2",
          "428.0", "02703ZZ", "", "heart failure", "N18.6", "Z99.2", "J18.9 (Pneumonia)", "DIAGNOSIS//ICD//10//I10",
@@ -70,12 +71,9 @@ def main() -> None:
     print(f"{'validate(): microseconds per item':<45} {per_item_us:>8.2f}")
     print(f"{'icd_notes partition on disk (MB)':<45} {notes_bytes / 2**20:>8.1f}")
     print(f"{'peak resident memory (MB)':<45} {peak_mb:>8.0f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "vocab.json"
-    out.write_text(json.dumps({"steps": rows, "validate_us_per_item": round(per_item_us, 3),
-                               "icd_notes_mb": round(notes_bytes / 2**20, 2), "peak_rss_mb": round(peak_mb),
-                               "python": platform.python_version(), "machine": platform.machine()}, indent=2))
-    print(f"wrote {out}")
+    write_result(RESULTS / "vocab.json", {"steps": rows, "validate_us_per_item": round(per_item_us, 3),
+                                          "icd_notes_mb": round(notes_bytes / 2**20, 2), "peak_rss_mb": round(peak_mb),
+                                          "python": platform.python_version(), "machine": platform.machine()})
 
 
 if __name__ == "__main__":

@@ -122,3 +122,29 @@ def test_mimic_import_refuses_a_workdir_holding_files_of_the_names_it_writes(tmp
         "and then remove them; pass a new or empty directory, or remove them if a killed run of this script left them")
     assert (workdir / theirs).read_text() == "the caller's"
     assert not (tmp_path / "results").exists()
+
+
+def test_every_result_records_the_commit_and_machine_it_was_measured_on(tmp_path):
+    """A number quoted in the docs must be traceable to the code that produced it: every benchmark writes its JSON
+    through `write_result`, which adds the commit, whether tracked files differed from it, and when and where."""
+    import subprocess
+    from datetime import timezone
+
+    provenance = load_benchmark("provenance")
+    head = subprocess.run(["git", "-C", str(provenance.REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout: the commit is recorded as null there")
+    provenance.write_result(tmp_path / "out" / "bench.json", {"rows": [1, 2]})
+    record = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert record["rows"] == [1, 2]
+    assert record["provenance"]["commit"] == head.stdout.strip()
+    assert isinstance(record["provenance"]["uncommitted_changes"], bool)
+    measured_at = datetime.fromisoformat(record["provenance"]["measured_at"])
+    assert timedelta(0) <= datetime.now(timezone.utc) - measured_at < timedelta(minutes=5)
+    assert len(record["provenance"]["load_average"]) == 3 and record["provenance"]["cpus"] >= 1
+
+
+@pytest.mark.parametrize("path", [p for p in BENCHMARKS if p.name != "provenance.py"], ids=lambda p: p.name)
+def test_every_benchmark_writes_its_results_through_write_result(path):
+    assert "write_result(" in path.read_text(), (
+        f"{path.name} writes its JSON without its provenance: use benchmarks.provenance.write_result")
