@@ -24,7 +24,7 @@ def test_sanitizer_removes_identifiers_dates_and_long_verbatim_spans():
         "subject 10023 anemia on 03/14/2019": "anemia",
         "hadm_id=29079034 sepsis recurrence Jan 5, 2020": "sepsis recurrence",
         "stage 3 CKD type 2 diabetes 2021": "stage 3 CKD type 2 diabetes",
-        "call 555-123-4567 or bob@example.org about copd": "call or about copd",
+        "call 555-123-4567 or bob@example.org about copd": "call about copd",
     }
     for query, expected in cases.items():
         assert sanitize_query(query).text == expected, query
@@ -35,6 +35,12 @@ def test_sanitizer_removes_identifiers_dates_and_long_verbatim_spans():
     assert clean.removed == [("verbatim", "severe aortic stenosis status post valve replacement")]
     assert sanitize_query("aortic stenosis endocarditis", patient_text=record, max_verbatim_words=4).removed == []
     assert sanitize_query("warfarin bleeding 7731", forbidden=("7731",)).text == "warfarin bleeding"
+    # A forbidden literal leaves its record word and preposition no more than a matched identifier does.
+    assert sanitize_query("warfarin bleeding in subject 7731", forbidden=("7731",)).text == "warfarin bleeding"
+    # The words a verbatim cut keeps do not end on a preposition that served the words cut.
+    record = "Pt stable on warfarin for atrial fibrillation since years."
+    assert sanitize_query("stable on warfarin for atrial fibrillation bleeding risk", patient_text=record,
+                          max_verbatim_words=4).text == "stable on warfarin bleeding risk"
     with pytest.raises(InputError, match="nothing left after removing"):
         sanitize_query("MRN 12345678 2020-01-01")
 
@@ -90,6 +96,10 @@ REMOVED = [
     ("relapse within 30 days of 2019-03-04.", "relapse within 30 days", [("date", "2019-03-04")]),
     ("history of 2019 stroke", "history of stroke", [("date", "2019")]),
     ("dialysis scheduled for 3/14 follow-up", "dialysis scheduled for follow-up", [("date", "3/14")]),
+    # "to present" is the verb before "with" unless a word opened a range ("from 2019 to present with cough").
+    ("sepsis 3/14 to present with fever", "sepsis to present with fever", [("date", "3/14")]),
+    # "fall" goes with a date only as "the fall of": a fall is also an injury.
+    ("hip fracture after fall 2019", "hip fracture after fall", [("date", "2019")]),
     # A date whose parts a removal brings together is removed too.
     ("anemia Mar 12345 14 transfusion", "anemia transfusion", [("identifier", "12345"), ("date", "Mar 14")]),
     ("anemia Mar 2019-03-14 14 transfusion", "anemia transfusion", [("date", "2019-03-14"), ("date", "Mar 14")]),
@@ -100,6 +110,57 @@ REMOVED = [
     ("patient 12 heart failure", "heart failure", [("identifier", "patient 12")]),
     ("heart failure case 1234: pneumonia", "heart failure pneumonia", [("identifier", "case 1234")]),
     ("sepsis 20190314 culture", "sepsis culture", [("identifier", "20190314")]),
+]
+
+# Words that served only what was removed go with it, whatever was removed: no preposition, label, range end,
+# conjunction or bracket is left without its object.
+DANGLING = [
+    # A preposition before an identifier: the identifier is its object.
+    ("admitted on MRN 12345 with chest pain", "admitted with chest pain", [("identifier", "MRN 12345")]),
+    ("sepsis for patient 12345 culture", "sepsis culture", [("identifier", "patient 12345")]),
+    ("anemia as of MRN 12345", "anemia", [("identifier", "MRN 12345")]),
+    ("heart failure between MRN 12345 and MRN 67890 readmission", "heart failure readmission",
+     [("identifier", "MRN 12345"), ("identifier", "MRN 67890")]),
+    ("contact at bob@example.org about copd", "contact about copd", [("email", "bob@example.org")]),
+    ("copd follow-up per https://example.org/x", "copd follow-up", [("url", "https://example.org/x")]),
+    ("MRN is 12345 sepsis", "sepsis", [("identifier", "12345")]),
+    # The open end of a range from a removed date.
+    ("smoker from 2019 to present", "smoker", [("date", "2019")]),
+    ("smoker since 2019 until now", "smoker", [("date", "2019")]),
+    ("smoking from 2019 through today", "smoking", [("date", "2019")]),
+    ("smoker 2019 to date cessation", "smoker cessation", [("date", "2019")]),
+    ("smoking 2019-present copd", "smoking copd", [("date", "2019")]),
+    ("heart failure between 2018 and now", "heart failure", [("date", "2018")]),
+    ("relapse 2019 onwards steroids", "relapse steroids", [("date", "2019")]),
+    ("sepsis in 2019 or later", "sepsis", [("date", "2019")]),
+    ("dialysis from 2019 to present with cough", "dialysis with cough", [("date", "2019")]),
+    # A label or participle that only introduced the date; "date of" keeps the event it dates.
+    ("note dated 3/14 chest pain", "note chest pain", [("date", "3/14")]),
+    ("DOB: 3/14/1950 dementia", "dementia", [("date", "3/14/1950")]),
+    ("date of birth 3/14/1950 dementia", "dementia", [("date", "3/14/1950")]),
+    ("admission date: 3/14/2019 sepsis", "admission sepsis", [("date", "3/14/2019")]),
+    ("date of admission: 3/14/2019 sepsis", "admission sepsis", [("date", "3/14/2019")]),
+    ("insulin starting on 3/14 hypoglycemia", "insulin hypoglycemia", [("date", "3/14")]),
+    ("copd as at 2019 exacerbation", "copd exacerbation", [("date", "2019")]),
+    # Words placing the time within the date: weekday, season, part of a period.
+    ("seen on Monday, March 14, 2019 chest pain", "seen chest pain", [("date", "March 14, 2019")]),
+    ("sepsis in the spring of 2019 culture", "sepsis culture", [("date", "2019")]),
+    ("CKD by the end of 2019 dialysis", "CKD dialysis", [("date", "2019")]),
+    ("in the year 2019 sepsis", "sepsis", [("date", "2019")]),
+    # A day of the month by its ordinal alone, with its preposition.
+    ("admitted on the 3rd with chest pain", "admitted with chest pain", [("date", "the 3rd")]),
+    ("chest pain seen on the 3rd and the 4th", "chest pain seen", [("date", "the 3rd and the 4th")]),
+    # "for", "to" and "of" before a date ending its phrase, also where a new phrase starts.
+    ("admission of March 2019 for sepsis", "admission for sepsis", [("date", "March 2019")]),
+    # A conjunction that lost one of its sides.
+    ("heart failure and MRN 12345 with fever", "heart failure with fever", [("identifier", "MRN 12345")]),
+    ("CKD progression and 2019", "CKD progression", [("date", "2019")]),
+    ("MRN 12345 and sepsis", "sepsis", [("identifier", "MRN 12345")]),
+    ("sepsis, 2019 and CKD", "sepsis, CKD", [("date", "2019")]),
+    # Brackets and symbols that held only what was removed.
+    ("copd (MRN 12345) heart failure", "copd heart failure", [("identifier", "MRN 12345")]),
+    ("copd [2019] heart failure", "copd heart failure", [("date", "2019")]),
+    ("sepsis on 3/14 @ 8:30 culture", "sepsis culture", [("date", "3/14"), ("date", "8:30")]),
 ]
 
 # Clinical text that looks like a date or a number after an identifier word, and must pass untouched.
@@ -116,11 +177,24 @@ KEPT = [
     "subjects 18 to 65 years", "Marfan syndrome aortic dissection",
     "bleeding on warfarin at home", "dialysis in the last 2 years", "relapse after the 3rd cycle",
     "recovery later than expected", "prior to dialysis", "up to 2 weeks", "in early pregnancy",
+    # The words that go with a removal stay where nothing is removed.
+    "on admission from home to present with fever", "patients who present with fever",
+    "symptoms from onset to present", "sepsis treatment to date", "up to date sepsis guidelines",
+    "dementia onset in the spring of life", "a fall of 2 meters", "5-year survival in CKD",
+    "relapse on the 2nd line of therapy", "chest pain on the 3rd troponin", "date of diagnosis and outcome",
+    "DOB unknown dementia", "Monday morning admissions", "at the end of life care",
+    "mid-life hypertension", "sepsis (culture negative)", "heart failure and CKD with fever",
 ]
 
 
 @pytest.mark.parametrize(("query", "left", "removed"), REMOVED, ids=[q for q, _, _ in REMOVED])
 def test_sanitizer_removes_every_date_and_identifier_form(query, left, removed):
+    clean = sanitize_query(query)
+    assert (clean.text, clean.removed) == (left, removed)
+
+
+@pytest.mark.parametrize(("query", "left", "removed"), DANGLING, ids=[q for q, _, _ in DANGLING])
+def test_sanitizer_leaves_no_word_that_served_only_what_it_removed(query, left, removed):
     clean = sanitize_query(query)
     assert (clean.text, clean.removed) == (left, removed)
 

@@ -3,8 +3,11 @@
 It removes identifiers (MRN / subject / encounter / account / case numbers, with or without an
 alphabetic prefix, long digit runs, phone and SSN shapes, e-mail addresses, URLs), dates (numeric
 with or without a year, month names with a day or a year in any order, times) and cuts any run of
-more than `max_verbatim_words` consecutive words copied from the patient's record. A time word
-right before a removed date goes with it ("seen on 3/14" -> "seen"), so no preposition dangles.
+more than `max_verbatim_words` consecutive words copied from the patient's record. The words that
+served only what was removed go with it, so none dangles: a time word or label before a date ("seen
+on 3/14" -> "seen", "DOB: 3/14/1950"), any preposition before an identifier ("admitted on MRN 12345
+with chest pain" -> "admitted with chest pain"), the open end of a range ("smoker from 2019 to
+present" -> "smoker"), brackets left empty, and a preposition ending the words a verbatim cut keeps.
 Clinical numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
 """
 
@@ -39,6 +42,22 @@ _ID_NOUNS = r"patient|encounter|account|record|case|id"
 _ID_LABEL = r"\s*(?:#|no\.?|number|id)?\s*[:=#]?\s*"
 # An identifier may carry an alphabetic prefix: "AB1234", "AB-1234", or upper case and a space, "AB 1234".
 _ID_PREFIX = r"(?:[A-Za-z]+-?|(?-i:[A-Z]{1,4})\s)?"
+# Prepositions that take a noun: the words an identifier can be the object of ("admitted on MRN 12345").
+_PREPOSITIONS = ("about", "after", "against", "among", "around", "as", "at", "before", "between", "by", "concerning",
+                 "during", "for", "from", "in", "into", "of", "on", "onto", "over", "per", "regarding", "since",
+                 "through", "till", "to", "toward", "towards", "under", "until", "via", "with", "within", "without")
+# Words that start a new phrase: a date followed by one of them (or by punctuation, or the end) ends its phrase.
+_PHRASE_STARTS = _PREPOSITIONS + ("and", "or", "but", "nor", "than", "vs", "versus", "when", "while", "because",
+                                  "who", "which", "that", "whose", "where")
+_PHRASE_END = rf"(?=\s*(?:[,;.:!?)\]]|$)|\s+(?:{'|'.join(_PHRASE_STARTS)})\b)"
+# Words that cannot end what the verbatim cut keeps: they served the words after them.
+_DANGLING_AT_A_CUT = frozenset(_PHRASE_STARTS + ("a", "an", "the"))
+# An ordinal alone is a day of the month only in the idioms "on the 3rd", "by the 3rd", "since the 3rd" ending their
+# phrase (with the days joined to it: "on the 3rd and the 4th"); before a noun it counts ("relapse after the 3rd
+# cycle", "on the 3rd troponin").
+_ORDINAL = r"(?:0?[1-9]|[12]\d|3[01])(?:st|nd|rd|th)\b"
+_ORDINAL_DAY = (r"(?:(?<=\bon\s)|(?<=\bby\s)|(?<=\bsince\s)|(?<=\buntil\s)|(?<=\btill\s))the\s+"
+                rf"{_ORDINAL}(?:\s*(?:,|and|or|to|-)\s*(?:the\s+)?{_ORDINAL})*(?:\s+of\s+the\s+month\b)?{_PHRASE_END}")
 _PATTERNS: list[tuple[str, re.Pattern]] = [
     ("url", re.compile(r"https?://\S+|www\.\S+", re.I)),
     ("email", re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")),
@@ -61,6 +80,7 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     ("date", re.compile(rf"\b{_MONTH}\.?,?{_SEP}+{_YEAR}", re.I)),
     ("date", re.compile(rf"\b{_MONTH_NO_YEAR}\.?{_SEP}*{_DAY}", re.I)),
     ("date", re.compile(rf"\b{_THE_DAY}(?:\s+of)?{_SEP}*{_MONTH_NO_YEAR}\.?", re.I)),
+    ("date", re.compile(_ORDINAL_DAY, re.I)),
     ("date", re.compile(rf"\b{_YEAR}")),
     # Times, also glued to a preceding 'T' as in ISO timestamps ("T20:15"); "1:1000" is a dilution.
     ("date", re.compile(r"(?:\bT|(?<![\w:.]))\d{1,2}:\d{2}(?::\d{2})?(?![\d:])(?:\s*[ap]\.?m\b\.?)?", re.I)),
@@ -68,30 +88,73 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     # Five or more digits in a row are never clinical vocabulary: record, account or lab ids.
     ("identifier", re.compile(r"\b[A-Za-z]*\d{5,}[\w-]*\b")),
 ]
-# What a removal can leave behind between words: a lone colon, slash or hyphen.
-_LEFTOVER = re.compile(r"[-/.,;:#=]+")
-# Stands in for a removed date until the words that served only to introduce it are gone too (a private-use
-# character: no query means it).
+# What a removal can leave behind between words: a lone colon, slash, hyphen or dash, "at" sign or ampersand.
+_LEFTOVER = re.compile(r"[-/.,;:#=@&–—]+")
+# Brackets that held only what was removed ("copd (MRN 12345) heart failure" would keep "( )").
+_EMPTY_BRACKETS = re.compile(r"[(\[][-\s/.,;:#=@&–—]*[)\]]")
+# Stand in for a removed date or identifier until the words that served only to introduce it are gone too
+# (private-use characters, as is the mark of where a removal was: no query means them).
 _DATE_GAP = "\ue000"
+_IDENTIFIER_GAP = "\ue001"
 # A preposition right before a removed date was there for the date ("seen on 3/14", "since May 2019", "at 8:30pm",
 # "between 2018 and 2019", "prior to 2019", "on or after 3/14"): left alone it would dangle ("seen on"). Only these
-# time words, and only right before the date, so "on warfarin since 2019" keeps its "on". A word placing the time
-# within the date ("in early 2019", "on the 2019-03-14") goes with the preposition, and "mid-" with the date it is
-# joined to ("mid-2019").
-_TIME_PREPOSITION = (r"as\s+of|on|at|in|since|from|between|until|till|through|by|before|after|during|around|circa|"
-                     r"prior\s+to|up\s+to|(?:no\s+)?(?:later|earlier|sooner)\s+than")
+# time words, and only right before the date, so "on warfarin since 2019" keeps its "on". A participle that only
+# introduces the date goes too ("starting on 3/14"), and so does a label that names it ("DOB: 3/14/1950",
+# "note dated 3/14", "admission date: 3/14" -> "admission").
+_TIME_PREPOSITION = (r"as\s+of|as\s+at|as\s+from|on|at|in|since|from|between|until|till|through|by|before|after|"
+                     r"during|around|circa|prior\s+to|up\s+to|(?:no\s+)?(?:later|earlier|sooner)\s+than")
 _TIME_PREPOSITIONS = rf"(?:{_TIME_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_TIME_PREPOSITION}))*"
-_WITHIN_THE_DATE = r"the|early|mid|late"
-# One removed date, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019"),
-# each with its word placing the time within it ("late 2019 and early 2020").
-_GAP = (rf"(?:\b(?:{_WITHIN_THE_DATE})[\s-]+)?{_DATE_GAP}"
-        rf"(?:\s*(?:,|and|or|to|until|till|through|-)?\s*(?:\b(?:{_WITHIN_THE_DATE})[\s-]+)?{_DATE_GAP})*")
+_TIME_PARTICIPLE = r"effective|starting|beginning|commencing|ending"
+_DATE_LABEL = r"dob|d\.o\.b\.?|date\s+of\s+birth|birth\s*date|dated|date"
+# "date of admission: 3/14" keeps the event it dates: "admission".
+_DATE_OF_EVENT = re.compile(rf"\bdate\s+of\s+(?!birth\b)([^\W\d_]+)\s*[:=]?\s*(?={_DATE_GAP})", re.I)
+# A word placing the time within the date goes with it: "in early 2019", "on the 2019-03-14", "mid-2019", "in the
+# year 2019", "by the end of 2019", "in the spring of 2019", "on Monday, 3/14". The guard keeps "5-year 2019".
+_WEEKDAY = r"(?:mon|tues|wednes|thurs|fri|satur|sun)day|(?-i:Mon|Tue|Tues|Wed|Thu|Thur|Thurs|Fri|Sat|Sun)\.?"
+_PART_OF_A_PERIOD = (r"start|beginning|middle|end|first\s+half|second\s+half|spring|summer|autumn|fall|winter|"
+                     r"year|month")
+_WITHIN_THE_DATE = (r"(?<![\w-])(?:the\s+(?:year\s+)?)?"
+                    rf"(?:(?:(?:early|mid|late)[\s-]+)?(?:{_PART_OF_A_PERIOD})\s+of\s+(?:the\s+)?)?"
+                    rf"(?:(?:early|mid|late|spring|summer|autumn|winter)[\s-]+)?(?:(?:{_WEEKDAY}),?\s+)?")
+# One removal, or several joined by commas, "and", "or", "to" or a dash ("3/14, 3/15 and 3/16", "2018-2019",
+# "555-123-4567 or bob@example.org").
+_ONE_GAP = rf"(?:{_WITHIN_THE_DATE}{_DATE_GAP}|{_IDENTIFIER_GAP})"
+_GAP = rf"{_ONE_GAP}(?:\s*(?:,|&|and|or|to|until|till|through|[-–—])?\s*{_ONE_GAP})*"
+# A range from a removed date to now loses its open end too: "from 2019 to present", "since 2019 until now",
+# "2019-present", "2019 onwards", "2019 or later", "between 2018 and today". After a word that opens the range
+# "to present" is its end whatever follows; otherwise "seen 3/14 to present with fever" means the verb.
+_OPEN_END = r"(?:the\s+)?(?:present(?:\s+(?:day|time))?|now|today|date|current)\b"
+_TO_OPEN_END = rf"\s*(?:(?:to|until|till|through|thru|up\s+to)\s+|[-–—]\s*){_OPEN_END}"
+_AFTER_THE_DATE = r"\s+(?:onwards?|forwards?|(?:and|or)\s+(?:after|later|beyond)|or\s+(?:before|earlier|sooner))\b"
+_RANGE_OPENER = rf"(?:(?:{_TIME_PARTICIPLE})\s+)?(?:from|since|between)|starting|beginning|commencing|effective"
+_RANGE_END = rf"(?:{_TO_OPEN_END}|\s+and\s+{_OPEN_END}|{_AFTER_THE_DATE})?"
+_GUARDED_RANGE_END = rf"(?:{_TO_OPEN_END}(?!\s+(?:with|as)\b)|{_AFTER_THE_DATE})?"
 # "for", "to" and "of" introduce a date only when the date ends the phrase ("scheduled for 3/14", "admission of
-# March 2019"); before another word the date is an adjective and the preposition serves that word ("history of
-# 2019 stroke" -> "history of stroke").
+# March 2019 for sepsis"); before another word the date is an adjective and the preposition serves that word
+# ("history of 2019 stroke" -> "history of stroke").
 _PHRASE_END_PREPOSITION = r"for|to|of"
-_DATE_PREPOSITION = re.compile(rf"(?:\b{_TIME_PREPOSITIONS}\s+|\bmid-\s*)?{_GAP}"
-                               rf"|\b(?:{_PHRASE_END_PREPOSITION})\s+{_GAP}(?=\s*(?:[,;.:!?)]|$))", re.I)
+# An identifier is never an adjective: any preposition right before it was there for it ("admitted on MRN 12345
+# with chest pain", "sepsis for patient 12345", "contact at bob@example.org"), and so was a record word linked to
+# it ("MRN is 12345").
+_IDENTIFIER_PREPOSITION = rf"{_TIME_PREPOSITION}|{'|'.join(_PREPOSITIONS)}"
+_IDENTIFIER_PREPOSITIONS = rf"(?:{_IDENTIFIER_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_IDENTIFIER_PREPOSITION}))*"
+# Each removal with its words, tried in this order at each place: a range opened before a date (its open end goes
+# whatever follows), an identifier with any preposition or record word before it, "for"/"to"/"of" before a date
+# ending its phrase, a date with its participle and time words, a date with its label.
+_REMOVAL_WITH_ITS_WORDS = re.compile(
+    rf"\b(?:{_RANGE_OPENER})\s+{_GAP}{_RANGE_END}"
+    rf"|(?:\b{_IDENTIFIER_PREPOSITIONS}\s+)?(?:\b(?:{_ID_WORDS})\s*(?:(?:is|was|of)\s+|[:=#]\s*)?)?"
+    rf"(?={_IDENTIFIER_GAP}){_GAP}{_GUARDED_RANGE_END}"
+    rf"|\b(?:{_PHRASE_END_PREPOSITION})\s+{_GAP}{_GUARDED_RANGE_END}{_PHRASE_END}"
+    rf"|(?:\b(?:{_TIME_PARTICIPLE})\s+)?(?:\b{_TIME_PREPOSITIONS}\s+)?{_GAP}{_GUARDED_RANGE_END}"
+    rf"|\b(?:{_DATE_LABEL})\s*[:=]?\s*{_GAP}{_GUARDED_RANGE_END}", re.I)
+# Where a removal with its words was, until a conjunction it leaves without one of its sides is gone too:
+# "heart failure and MRN 12345 with fever", "CKD and 2019", "MRN 12345 and sepsis", "sepsis, 2019 and CKD".
+_REMOVED = "\ue002"
+_CONJUNCTION = r"and|or|but|nor"
+_DANGLING_CONJUNCTION = re.compile(
+    rf"\b(?:{_CONJUNCTION})\s+{_REMOVED}(?:\s*{_REMOVED})*{_PHRASE_END}"
+    rf"|(?:^|(?<=[,;:(\[]))\s*{_REMOVED}(?:\s*{_REMOVED})*\s+(?:{_CONJUNCTION})\b", re.I)
 
 
 @dataclass
@@ -113,25 +176,32 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
     'heart failure readmission'
     >>> sanitize_query("heart failure admitted on or after 2019-03-04, prior to dialysis").text
     'heart failure admitted prior to dialysis'
+    >>> sanitize_query("admitted on MRN 12345 with chest pain, smoker from 2019 to present").text
+    'admitted with chest pain, smoker'
     """
     removed: list[tuple[str, str]] = []
     text = query
     for literal in forbidden:
         if literal and literal.lower() in text.lower():
             removed.append(("identifier", literal))
-            text = re.sub(re.escape(literal), " ", text, flags=re.I)
+            text = re.sub(re.escape(literal), f" {_IDENTIFIER_GAP} ", text, flags=re.I)
     # Again until nothing matches: a removal brings together what stood on either side of it, and that may be a
     # date ("Mar 12345 14" is "Mar 14" once the identifier is gone).
     found = True
     while found:
         found = False
+        # One space between words, as the fixed-width look-behinds of the ordinal day expect ("on the 3rd").
+        text = " ".join(text.split())
         for kind, pattern in _PATTERNS:
             matches = [" ".join(match.group(0).split()) for match in pattern.finditer(text)]
             if matches:
                 found = True
                 removed.extend((kind, match) for match in matches)
-                text = pattern.sub(f" {_DATE_GAP} " if kind == "date" else " ", text)
-        text = _DATE_PREPOSITION.sub(" ", text)
+                text = pattern.sub(f" {_DATE_GAP if kind == 'date' else _IDENTIFIER_GAP} ", text)
+        text = _DATE_OF_EVENT.sub(r"\1 ", text)
+        text = _REMOVAL_WITH_ITS_WORDS.sub(f" {_REMOVED} ", text)
+        text = _DANGLING_CONJUNCTION.sub(" ", text).replace(_REMOVED, " ")
+    text = _EMPTY_BRACKETS.sub(" ", text)
     tokens = [token for token in text.split() if not _LEFTOVER.fullmatch(token)]
     if patient_text:
         tokens, spans = _cut_verbatim(tokens, patient_text, max_verbatim_words)
@@ -158,7 +228,11 @@ def _cut_verbatim(tokens: list[str], patient_text: str, limit: int) -> tuple[lis
             end = i + limit + 1
             while end < len(flat) and tuple(w for w, _ in flat[end - limit:end + 1]) in grams:
                 end += 1
-            cut = {token for _, token in flat[i + limit:end]}
+            # What is kept must not end on a word that served the words cut ("stable on" of "stable on warfarin").
+            kept_end = i + limit
+            while kept_end > i and flat[kept_end - 1][0] in _DANGLING_AT_A_CUT:
+                kept_end -= 1
+            cut = {token for _, token in flat[kept_end:end]}
             spans.append(" ".join(w for w, _ in flat[i:end]))
             for token in cut:
                 keep[token] = False
