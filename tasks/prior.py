@@ -29,6 +29,8 @@ from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 
 if TYPE_CHECKING:
+    from mlflow.entities import Run as MlflowRun
+
     from models.prior.train import EpochReport, TrainResult
 
 
@@ -54,14 +56,11 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
         with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
             identity = training_identity(run.run_id, config)
             tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)
+            for killed in tracking.end_killed_attempts(lambda attempt: killed_attempt(wh, attempt, run.run_id, system)):
+                stage_logger(__name__).info("%s: MLflow run %s of a killed training ended as KILLED", system, killed)
             # Only a given run id can have had an earlier attempt.
             result = None
             if run_id is not None:
-                # Whatever its settings: an attempt killed before the retry changed them is as dead, and the lock
-                # of this run's training of `system` is held.
-                for killed in tracking.end_killed_attempts({"dxr.run_id": run.run_id, "system": system}):
-                    stage_logger(__name__).info("%s: MLflow run %s of a killed attempt of run %s ended as KILLED",
-                                                system, killed, run.run_id)
                 result = registered_training(system, cohort_id, cfg, identity)
             if result is not None:
                 stage_logger(__name__).info("%s: an earlier attempt of run %s registered %s v%s, not trained again",
@@ -72,6 +71,21 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
                                            identity=identity)
             run.config = {**config, "result": asdict(result)}
     return result
+
+
+def killed_attempt(wh: Warehouse, attempt: MlflowRun, run_id: str, system: str) -> bool:
+    """Whether an MLflow run still RUNNING belongs to a training whose process was killed: an earlier attempt of
+    this one (run `run_id`'s training of `system`, whose record lock the caller holds; whatever its settings, since
+    one killed before the retry changed them is as dead), or a training that the registry records as killed
+    (`warehouse.runs.mark_killed`, which `registered_run` has just run). Another training still running, and a run
+    the registry does not hold (another data dir's, in a shared tracking store), are left as they are."""
+    attempt_run, attempt_system = attempt.data.tags.get("dxr.run_id"), attempt.data.tags.get("system")
+    if attempt_run is None or attempt_system is None:
+        return False
+    if (attempt_run, attempt_system) == (run_id, system):
+        return True
+    recorded = wh.read("runs", run_id=attempt_run, kind=f"train:{attempt_system}")
+    return recorded["status"].to_list() == ["killed"]
 
 
 def run_prior_config(data_dir: str, cfg: PriorConfig | None) -> PriorConfig:

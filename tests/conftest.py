@@ -245,11 +245,34 @@ async def serving(handler):
         await runner.cleanup()
 
 
+def keep_lock_files(monkeypatch) -> None:
+    """Make the locks released from now on leave their files behind, as holders killed while they held them do: the
+    kernel drops the lock with the process, and nothing unlinks the file (`warehouse.locks.release` never runs)."""
+    import warehouse.locks as locks
+
+    monkeypatch.setattr(locks, "release", lambda path, handle: handle.close())
+
+
+def lock_files(wh) -> list[str]:
+    """The names of the lock files in the data dir."""
+    from warehouse.locks import LOCK_DIR
+
+    return sorted(path.name for path in (wh.root / LOCK_DIR).glob("*"))
+
+
+def empty_partition_dirs(wh) -> list[Path]:
+    """The partition directories (`key=value`) of either store that hold nothing."""
+    return sorted(path for store in (wh.forecast_dir, wh.gold_dir) for path in store.rglob("*=*")
+                  if path.is_dir() and not any(path.iterdir()))
+
+
 def kill_a_delete(monkeypatch, stop_after: int | None) -> None:
     """Make the next removal commit (`Warehouse.delete_together`) die as a kill would: at its commit point (as it
-    renames the staged commit into place) when `stop_after` is None, else after `stop_after` of its removals."""
+    renames the staged commit into place) when `stop_after` is None, else after `stop_after` of its removals; the
+    delete's lock files stay, as a kill leaves them."""
     import warehouse.store as store
 
+    keep_lock_files(monkeypatch)
     real_replace, real_remove = store.os.replace, store.remove_into
     removed = []
 

@@ -15,7 +15,8 @@ from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
-from tests.conftest import every_table, kill_a_delete, plant, tiny_events, write_tiny_meds
+from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
+                            lock_files, plant, tiny_events, write_tiny_meds)
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
@@ -105,6 +106,7 @@ def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_o
     assert not (wh.root / "mlflow" / "cache" / f"ehr_prior-{old}").exists()
     assert (wh.root / "mlflow" / "cache" / f"ehr_prior-{kept}").is_dir()
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
+    assert empty_partition_dirs(wh) == []  # runs/run_id=r-old/ went with the last of its kinds
     # The other cohort and its run work as before.
     evaluate_run(wh, "r-kept", ks=(10,), n_boot=0, natural=False)
 
@@ -208,8 +210,22 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
     assert not (wh.root / "reports" / "r-old").exists()
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
     assert not [p for p in Path(wh.root).rglob(f"*{old}*") if ".locks" not in p.parts]
+    assert lock_files(wh) == [] and empty_partition_dirs(wh) == []  # the killed delete's lock files went too
     code, _, err = cli(wh, "cohort", "delete", old, "--with-runs")  # the delete completed: nothing left to finish
     assert code == 1 and err.startswith(f"Error: cohort {old!r} not found in the warehouse at {wh.root}; ")
+
+
+def test_a_deleted_cohort_leaves_no_lock_file_that_a_killed_forecast_of_it_left(two_cohorts, monkeypatch):
+    # Nothing takes the locks of a deleted cohort and its runs again, so the files killed holders left would stay.
+    wh, old, _ = two_cohorts
+    keep_lock_files(monkeypatch)  # as a forecast killed in the middle leaves them
+    fail_a_forecast(monkeypatch, wh, old, "repeat_history", "r-killed")
+    monkeypatch.undo()
+    assert len(lock_files(wh)) == 5  # the cohort's, the run's, its registration's, the system's and the record's
+
+    code, _, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    assert (code, err) == (0, "")
+    assert lock_files(wh) == [] and empty_partition_dirs(wh) == []
 
 
 def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vocab, tiny_meds, prefect_harness,

@@ -17,10 +17,10 @@ from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
 from tasks.forecast import check_rerun, forecast_config
-from tests.conftest import fail_a_forecast
+from tests.conftest import fail_a_forecast, keep_lock_files, lock_files
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds, writing_dataset
-from warehouse.locks import LOCK_DIR, held
+from warehouse.locks import LOCK_DIR, held, lock_file, remove_unheld
 
 
 @pytest.fixture
@@ -235,6 +235,21 @@ def test_a_lock_file_lives_only_while_the_lock_is_held(wh):
             pass
     other.__exit__(None, None, None)  # … which unlinks it when it releases
     assert list(locks.iterdir()) == []
+
+
+def test_removing_unheld_lock_files_removes_those_killed_holders_left_and_keeps_a_held_one(wh, monkeypatch):
+    keep_lock_files(monkeypatch)
+    for resource in ("run:r1", "run:r2"):
+        with held(wh, resource, shared=False, busy="x"):  # its holder killed: the file stays
+            pass
+    monkeypatch.undo()
+    with held(wh, "run:r2", shared=True, busy="x"):
+        remove_unheld(wh, ["run:r1", "run:r2", "run:r3"])
+        assert lock_files(wh) == [lock_file(wh, "run:r2").name]
+        with pytest.raises(InputError, match="still held"):  # and still the lock the holder holds
+            with held(wh, "run:r2", shared=False, busy="still held"):
+                pass
+    assert lock_files(wh) == []  # its holder unlinked it
 
 
 def test_a_lock_taken_on_a_file_that_was_unlinked_meanwhile_is_taken_again_on_the_new_file(wh, monkeypatch):

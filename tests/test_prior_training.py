@@ -31,7 +31,7 @@ from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_
 from tasks.prior import ensure_prior, train_prior, training_identity
 from tests.conftest import flow_run_names
 from tests.sentinel import forecast_store_texts
-from warehouse.runs import record_run
+from warehouse.runs import record_run, registered_run
 from warehouse.store import Warehouse
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -336,6 +336,31 @@ def test_a_retry_ends_the_mlflow_run_a_killed_attempt_left_running(tmp_path):
     assert [client.get_run(r).info.status for r in (killed, killed_other_cfg, result.mlflow_run_id, other_run,
                                                      other_system)] == [
         "KILLED", "KILLED", "FINISHED", "RUNNING", "RUNNING"]
+
+
+def test_a_training_ends_the_mlflow_run_of_a_training_killed_under_another_run_id(tmp_path):
+    # Without --run-id each training gets a run id of its own, so no retry looked for the MLflow run of one that was
+    # killed: it stayed RUNNING for good. The registry records that training as killed (`mark_killed`).
+    wh = Warehouse(tmp_path)
+    cohort = write_planted_cohort(wh, n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1)
+    tracking.use_tracking(tmp_path, None, cfg.experiment)
+    client = tracking.MlflowClient()
+    experiment = client.get_experiment_by_name(cfg.experiment).experiment_id
+    record_run(wh, "train-killed", cohort, "train:gru", {}, "killed", datetime(2026, 12, 5))
+    # Killed; still training (its record lock held); and a run that another data dir sharing the store recorded.
+    attempts = {run_id: client.create_run(experiment, tags={"dxr.run_id": run_id, "system": "gru"}).info.run_id
+                for run_id in ("train-killed", "train-alive", "train-elsewhere")}
+    client.log_text(attempts["train-killed"], "{}", "prior_config.json")  # what it logged before it was killed
+
+    with registered_run(wh, "train:gru", {}, run_id="train-alive", cohort_id=cohort):
+        result = train_prior(str(tmp_path), cohort, "gru", cfg)
+
+    assert {run_id: client.get_run(mlflow_run).info.status for run_id, mlflow_run in attempts.items()} == {
+        "train-killed": "KILLED", "train-alive": "RUNNING", "train-elsewhere": "RUNNING"}
+    assert client.get_run(result.mlflow_run_id).info.status == "FINISHED"
+    # Its artifacts stay, as a failed run's do, until the user deletes the run and runs `mlflow gc`.
+    assert [f.path for f in client.list_artifacts(attempts["train-killed"])] == ["prior_config.json"]
 
 
 def test_a_retried_train_prior_flow_run_does_not_train_the_finished_systems_again(prefect_harness, tmp_path,

@@ -15,10 +15,11 @@ from dxr.cli import main
 from dxr.errors import InputError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
-from tests.conftest import every_table, fail_a_forecast, kill_a_delete, plant
+from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
+                            lock_files, plant)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
-from warehouse.locks import held
+from warehouse.locks import held, lock_file
 from warehouse.run_deletion import NotAResult, delete_run
 from warehouse.runs import registered_run
 from warehouse.schemas import RUN_TABLES, TABLES
@@ -166,7 +167,7 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
                                                                                    stop_after):
     # stop_after None: killed before the commit point (as it renames the staged commit into place); 0 and 1: after
     # it, with nothing removed, or the run's `runs` rows (first) and none of the rest.
-    wh, _ = two_runs
+    wh, cohort_id = two_runs
     before = every_table(wh)
     kill_a_delete(monkeypatch, stop_after)
     with pytest.raises(KeyboardInterrupt):
@@ -192,6 +193,12 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
     assert not (wh.root / "reports" / "r1").exists() and (wh.root / "reports" / "r2").is_dir()
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
     assert not [p for p in Path(wh.root).rglob("*r1*") if ".locks" not in p.parts]
+    assert empty_partition_dirs(wh) == []
+    # The killed delete's lock files went, but for its cohort's (held shared), which is still there: the cohort's
+    # next holder removes that one.
+    assert set(lock_files(wh)) <= {lock_file(wh, f"cohort:{cohort_id}").name}
+    evaluate_run(wh, "r2", ks=(10,), n_boot=0, natural=False)
+    assert lock_files(wh) == []
     code, _, err = cli(wh, "run", "delete", "r1")  # the delete completed: nothing left to finish
     assert code == 1 and err.startswith("Error: no run 'r1' in the warehouse at ")
 
@@ -242,6 +249,21 @@ def test_a_failed_run_of_another_cohort_deleted_frees_its_id(two_runs, monkeypat
     forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
     assert wh.read("runs", run_id="r9").select("kind", "cohort_id", "status").rows() == [
         ("forecast:repeat_history", other, "finished")]
+
+
+def test_a_deleted_run_leaves_no_lock_file_that_its_killed_forecast_left(two_runs, monkeypatch):
+    # Nothing takes a deleted run's locks again, so the files its killed holders left would stay for good.
+    wh, cohort_id = two_runs
+    keep_lock_files(monkeypatch)  # as a forecast killed in the middle leaves them
+    fail_a_forecast(monkeypatch, wh, cohort_id, "repeat_history", "r9")
+    monkeypatch.undo()
+    assert lock_files(wh) == sorted(lock_file(wh, resource).name for resource in (
+        f"cohort:{cohort_id}", "run:r9", "run-register:r9", "run-system:r9|repeat_history",
+        "record:r9|forecast:repeat_history"))
+
+    code, _, err = cli(wh, "run", "delete", "r9")
+    assert (code, err) == (0, "")
+    assert lock_files(wh) == [] and empty_partition_dirs(wh) == []
 
 
 def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs):

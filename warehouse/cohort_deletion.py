@@ -29,8 +29,8 @@ import polars as pl
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import describe_cohort, get_cohort
-from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted
-from warehouse.locks import held
+from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted, run_locks
+from warehouse.locks import held, remove_unheld
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, fetch_frame
 
@@ -74,7 +74,7 @@ def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
     recorded = fetch_frame(registry, "SELECT DISTINCT run_id, kind FROM runs WHERE cohort_id = ? ORDER BY ALL",
                            [cohort_id])
     results = recorded.filter(pl.any_horizontal(pl.col("kind").str.starts_with(kind) for kind in RESULT_KINDS))
-    plan = CohortDeletion(cohort, sorted(set(results["run_id"])))
+    plan = CohortDeletion(cohort, sorted(set(results["run_id"])), locks=[f"cohort:{cohort_id}", *run_locks(recorded)])
     for table in COHORT_TABLES:
         plan.add(wh, table, cohort_id=cohort_id)
     # Of a run of another cohort that reused a run id (its build under the same --run-id), only the rows on this one.
@@ -111,6 +111,7 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
     removed, runs = pending
     cohort = removed.row(0, named=True)
     its_runs = runs.filter(pl.col("cohort_id") == cohort["cohort_id"])
+    remove_unheld(wh, [f"cohort:{cohort['cohort_id']}", *run_locks(its_runs)])  # those the killed delete held too
     return CohortDeletion(cohort, [], registered_models=registered_models(cohort["cohort_id"], its_runs["kind"]),
                           interrupted=True)
 
@@ -143,7 +144,7 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
                                          busy=f"run {run_id!r} of cohort {label} is being forecast, evaluated or "
                                               "reported by another dxr process"))
         if not dry_run:
-            wh.delete_together(plan.partitions, plan.directories)
+            plan.remove(wh)  # the lock files of the cohort and its runs, held here, go as they are released
     return plan
 
 

@@ -7,6 +7,10 @@ the commit point leaves everything whole, one killed after it leaves a commit th
 finishes. A rerun of the delete that finds that commit pending finishes it and succeeds (`finish_interrupted`), so
 a scheduler's retry of a delete that in fact went through is no failure; what no pending removal names is not found,
 gone or not, since nothing records a finished delete and a mistyped id must not pass for a deleted one.
+
+Once the removal is done, the delete (or the rerun that finished it) removes the lock files of what went that no
+process holds: those that holders killed while they held them left (`warehouse.locks.remove_unheld`). No later
+holder would remove them, since nothing takes the lock of a cohort or a run that is gone.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from pathlib import Path
 import polars as pl
 import pyarrow.parquet as pq
 
-from warehouse.runs import EVALUATE_KIND
-from warehouse.schemas import RUN_TABLES, TABLES
+from warehouse.locks import remove_unheld
+from warehouse.runs import EVALUATE_KIND, record_lock
+from warehouse.schemas import RUN_TABLES, SYSTEMS, TABLES
 from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, finish_commits
 
 # Kinds of the runs whose rows are results on a cohort; its other runs (its build, its priors' trainings and
@@ -37,6 +42,7 @@ class Removal:
     partitions: list[tuple[str, dict]] = field(default_factory=list)  # (table, leading keys), in removal order
     rows: dict[str, int] = field(default_factory=dict)  # table -> rows of its partitions that go
     directories: list[Path] = field(default_factory=list)  # reports and model copies
+    locks: list[str] = field(default_factory=list)  # resources whose lock files go with it (`run_locks`, a cohort's)
     interrupted: bool = False  # an earlier delete, killed after its commit point, removed it: this one finished that
 
     def add(self, wh: Warehouse, table: str, **keys) -> None:
@@ -54,6 +60,11 @@ class Removal:
         if (report := wh.root / REPORTS_DIR / run_id).is_dir():
             self.directories.append(report)
 
+    def remove(self, wh: Warehouse) -> None:
+        """Remove it all in one removal commit, then the lock files of what went that no process holds."""
+        wh.delete_together(self.partitions, self.directories)
+        remove_unheld(wh, self.locks)
+
     def listing(self, wh: Warehouse, done: str) -> list[str]:
         """The lines a delete prints under its first: rows by table and store, then each directory."""
         from warehouse.sql import format_table
@@ -61,6 +72,18 @@ class Removal:
         by_table = [(name, TABLES[name].store, n) for name, n in self.rows.items()]
         return ([format_table(["table", "store", "rows"], by_table).rstrip("\n")]
                 + [f"{done} {path.relative_to(wh.root)}/" for path in self.directories])
+
+
+def run_locks(runs: pl.DataFrame) -> list[str]:
+    """The locks taken under the ids of the `runs` rows (run_id, kind) that a delete removes: each row's record lock
+    (`warehouse.runs.registered_run`), and for a result run also those its forecasts and evaluation take (`run:`,
+    `run-register:` and `run-system:` in `flows.forecast` and `warehouse.runs.holding_run`), the last for every
+    system, since a fused forecast takes those of the systems it reads too."""
+    rows = sorted(set(runs.select("run_id", "kind").rows()))
+    locks = [record_lock(run_id, kind) for run_id, kind in rows]
+    for run_id in sorted({run_id for run_id, kind in rows if kind.startswith(RESULT_KINDS)}):
+        locks += [f"run:{run_id}", f"run-register:{run_id}", *(f"run-system:{run_id}|{system}" for system in SYSTEMS)]
+    return locks
 
 
 def finish_interrupted(wh: Warehouse, table: str, which: pl.Expr) -> tuple[pl.DataFrame, pl.DataFrame] | None:

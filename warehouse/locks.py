@@ -30,6 +30,16 @@ ever made. Unlinking while another process has the file open but not yet locked 
 lock counts only on the file the path names: after `flock` succeeds, the holder checks that the
 path still names the inode it locked, and otherwise starts over on the new file.
 
+A holder that is killed (SIGKILL, the OOM killer) never releases, so its lock file stays; the next holder of the
+resource reuses the file and unlinks it. A resource that a delete removes (`dxr cohort delete`, `dxr run delete`)
+has no next holder, so the delete removes its lock files once the removal is done (`remove_unheld`), by the same
+exclusive try as a release: a file that a process holds stays, for that holder to unlink. The delete holds the
+cohort and its runs exclusively meanwhile, and every other lock of a run (`run-system:`, `run-register:`, `record:`)
+is taken under the run's lock or with a wait, so no process is about to take them. The rerun that finishes a killed
+delete holds none: its exclusive try could at worst refuse, for that instant, a command taking one of those locks
+without waiting, on a cohort or run that is gone. A lock file of a resource that still exists is left to its next
+holder rather than swept, since such a refusal would then hit a command with work to do.
+
 One host, on a local file system or one whose `flock` works across its clients; `fcntl` is POSIX.
 """
 
@@ -40,8 +50,9 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from dxr.errors import InputError
 from warehouse.store import Warehouse
@@ -55,11 +66,8 @@ def held(wh: Warehouse, resource: str, *, shared: bool, busy: str, wait: float =
 
     `wait` retries for that many seconds first, for locks that others hold only for a moment.
     """
-    directory = wh.root / LOCK_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    # Run ids and names are user input: keep the file name tame, and the hash keeps it unique.
-    tame = re.sub(r"[^A-Za-z0-9_-]", "_", resource)[:80]
-    path = directory / f"{tame}-{hashlib.sha256(resource.encode()).hexdigest()[:8]}.lock"
+    path = lock_file(wh, resource)
+    path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait
     while True:
         handle = open(path, "a")
@@ -77,6 +85,29 @@ def held(wh: Warehouse, resource: str, *, shared: bool, busy: str, wait: float =
     try:
         yield
     finally:
+        release(path, handle)
+
+
+def lock_file(wh: Warehouse, resource: str) -> Path:
+    """The file whose `flock` is the lock of `resource`."""
+    # Run ids and names are user input: keep the file name tame, and the hash keeps it unique.
+    tame = re.sub(r"[^A-Za-z0-9_-]", "_", resource)[:80]
+    return wh.root / LOCK_DIR / f"{tame}-{hashlib.sha256(resource.encode()).hexdigest()[:8]}.lock"
+
+
+def remove_unheld(wh: Warehouse, resources: Iterable[str]) -> None:
+    """Remove the lock files of `resources` that no process holds: those their killed holders left.
+
+    For the resources a delete removed only (see the module's docstring): the file is opened, not created, and
+    released as its last holder would release it, so a held one stays, and a process that opened it and has not
+    locked it yet takes the lock again on the file the path names once it has.
+    """
+    for resource in resources:
+        path = lock_file(wh, resource)
+        try:
+            handle = open(path)
+        except FileNotFoundError:
+            continue
         release(path, handle)
 
 

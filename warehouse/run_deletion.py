@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import polars as pl
 
 from dxr.errors import InputError
-from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted
+from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted, run_locks
+from warehouse.locks import remove_unheld
 from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run
 from warehouse.store import Warehouse, check_run_id, fetch_frame
 
@@ -63,7 +64,7 @@ def plan_run_deletion(wh: Warehouse, run_id: str, registered: pl.DataFrame) -> R
     names = dict(wh.read("cohorts").select("cohort_id", "name").rows())
     cohorts = [f"{names[cohort_id]} ({cohort_id})" if cohort_id in names else cohort_id
                for cohort_id in registered["cohort_id"].drop_nulls().unique().sort()]
-    plan = RunDeletion(run_id=run_id, registered=registered, cohorts=cohorts)
+    plan = RunDeletion(run_id=run_id, registered=registered, cohorts=cohorts, locks=run_locks(registered))
     plan.add(wh, "runs", run_id=run_id)  # every kind recorded, and the run's directory with them
     plan.add_run_outputs(wh, run_id)
     return plan
@@ -78,6 +79,7 @@ def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDelet
     check_run_id(run_id)
     if pending := finish_interrupted(wh, "runs", pl.col("run_id") == run_id):
         removed, _ = pending
+        remove_unheld(wh, run_locks(removed))  # those the killed delete held are among them
         return RunDeletion(run_id=run_id, registered=removed, cohorts=[], interrupted=True)
     if not wh.has_rows("runs", run_id=run_id):
         raise unknown_run(wh, run_id)
@@ -97,7 +99,7 @@ def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDelet
                              "only), then the run")
         plan = plan_run_deletion(wh, run_id, registered)
         if not dry_run:
-            wh.delete_together(plan.partitions, plan.directories)
+            plan.remove(wh)  # the run's own lock file, held here, goes as it is released
     return plan
 
 

@@ -111,7 +111,8 @@ class Run:
     cohort_id: str | None = None
 
 
-def _record_lock(run_id: str, kind: str) -> str:
+def record_lock(run_id: str, kind: str) -> str:
+    """The lock a registered run of this id and kind holds for its life (`registered_run`)."""
     return f"record:{run_id}|{kind}"
 
 
@@ -181,7 +182,7 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
     run = Run(check_run_id(run_id) if run_id else new_run_id(kind.split(":")[0]), kind, config, cohort_id)
     mark_killed(wh)
     # `wait`: another process's `mark_killed` may hold the lock for a moment.
-    with held(wh, _record_lock(run.run_id, kind), shared=False, wait=5.0,
+    with held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
               busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"):
         started = utc_now()
         marker = _write_marker(wh, run.run_id, kind)
@@ -209,7 +210,7 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     killed = []
     for marker, run_id, kind in _markers(wh):
         try:
-            with held(wh, _record_lock(run_id, kind), shared=False, busy="alive"):
+            with held(wh, record_lock(run_id, kind), shared=False, busy="alive"):
                 # Read under the lock: the run may have ended normally since the marker was listed.
                 current = wh.read("runs", run_id=run_id, kind=kind)
                 if not current.is_empty() and current["status"][0] == "running":

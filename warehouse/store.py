@@ -387,6 +387,7 @@ def apply_commit(committed: Path) -> None:
     for number, entry in enumerate(plan):
         if "remove" in entry:
             remove_into(committed, store_dir.parent / entry["remove"], number)
+            remove_emptied(store_dir.parent / entry["remove"])
             continue
         target = store_dir / entry["target"]
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -413,6 +414,24 @@ def remove_into(committed: Path, path: Path, number: int) -> None:
             raise
         os.replace(path, aside(committed, path))
     shutil.rmtree(aside(committed, path), ignore_errors=True)  # also what a process killed during a removal left there
+
+
+def remove_emptied(removed: Path) -> None:
+    """Remove the partition directories (`key=value`) above a removed one that it left empty, nearest first: a
+    cohort's delete removes a run's `runs` partitions one kind at a time, which left `runs/run_id=<id>/` behind.
+
+    `rmdir` removes a directory only while it is empty, so one a writer has put a partition in since stays. A writer
+    that finds one gone makes it again (`mkdir(parents=True)`), and only the process whose `rmdir` succeeded goes on
+    up (a second finishing the same commit stops where the first got), so none removes a directory that a writer has
+    just made for its partition. The table's own directory, with no `=` in its name, stays.
+    """
+    for directory in removed.parents:
+        if "=" not in directory.name:
+            return
+        try:
+            directory.rmdir()
+        except OSError:  # not empty, or removed by another process finishing the commit
+            return
 
 
 def aside(committed: Path, path: Path) -> Path:

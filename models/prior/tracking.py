@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -309,17 +309,19 @@ def version_tagged(system: str, cohort_id: str, tags: dict[str, str]) -> tuple[s
     return None
 
 
-def end_killed_attempts(tags: dict[str, str]) -> list[str]:
-    """End as KILLED the runs of the current experiment that carry every tag of `tags` and are still RUNNING;
+def end_killed_attempts(killed: Callable[[Run], bool]) -> list[str]:
+    """End as KILLED the runs of the current experiment still RUNNING that `killed` says no live process owns;
     returns their ids.
 
     A training's MLflow run ends with its `with` block, FAILED on an exception: one whose process was killed
-    (SIGKILL, the OOM killer) stays RUNNING in the MLflow UI for good. The caller holds the lock of that
-    training (`warehouse.runs.registered_run`), so no live process owns such a run.
+    (SIGKILL, the OOM killer) would show RUNNING in the MLflow UI for good. Its artifacts stay, as a failed run's do
+    (the model files of one killed after logging its model and before registering it): MLflow's own way to remove
+    them is to delete the run and its logged model and then run `mlflow gc` (docs/ehr-prior.md), which a user
+    decides; nothing here deletes a run.
     """
-    matches = " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
-    with store_errors("looking for killed attempts of a training"):
-        runs = mlflow.search_runs(filter_string=f"{matches} and attributes.status = 'RUNNING'", output_format="list")
+    with store_errors("looking for killed attempts of trainings"):
+        runs = [run for run in mlflow.search_runs(filter_string="attributes.status = 'RUNNING'", output_format="list")
+                if killed(run)]
         for run in runs:
             MlflowClient().set_terminated(run.info.run_id, status="KILLED")
     return [run.info.run_id for run in runs]
