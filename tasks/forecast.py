@@ -27,7 +27,7 @@ from models.prior.config import ARCHS
 from models.registry import FORECASTERS, forecaster_class
 from tasks import stage_logger
 from tasks.evaluate import ORACLES
-from warehouse.runs import EVALUATE_KIND, check_run_id, code_version, mark_stale
+from warehouse.runs import EVALUATE_KIND, check_run_id, check_run_kind, code_version, mark_stale
 from warehouse.schemas import NON_RUN_TABLES, SYSTEMS
 from warehouse.store import Warehouse
 
@@ -102,8 +102,8 @@ def llm_run_config(system: str, data_dir) -> dict:
 
 def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     """Refuse a run id that holds forecasts of another cohort, this system's forecast under other
-    options (unless it failed, was killed, is still recorded `running` or made no list), or a mean over
-    repeated runs.
+    options (unless it failed, was killed, is still recorded `running` or made no list), a mean over
+    repeated runs, or the record of a build, an ingest or a training (`check_run_kind`).
 
     Rerunning with the same options redoes the forecast; with other options the run's rankings,
     status and metrics would mix two configurations.
@@ -111,6 +111,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     if run_id is None:
         return
     check_run_id(run_id)  # before it is used in a file pattern or a lock name
+    check_run_kind(wh, run_id, f"forecast:{config['system']}")  # as the flow's registered run would, but at once
     registered = wh.read("runs", run_id=run_id)
     # A mean over repeated runs is stored under an id of its own (`dxr evaluate --run-id`): lists forecast into it
     # would be evaluated over its metrics, and its `evaluate` row would describe neither.

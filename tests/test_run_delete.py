@@ -21,8 +21,8 @@ from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held, lock_file
 from warehouse.run_deletion import NotAResult, delete_run
-from warehouse.runs import registered_run
-from warehouse.schemas import RUN_TABLES, TABLES
+from warehouse.runs import record_run, registered_run
+from warehouse.schemas import RUN_TABLES, TABLES, utc_now
 from warehouse.store import COMMIT_DIR, COMMITTED
 
 SYSTEMS = ("global_frequency", "repeat_history")
@@ -209,12 +209,39 @@ def test_a_run_in_use_is_not_deleted(two_runs):
     with held(wh, "run:r1", shared=True, busy="a forecast"):  # as a forecast into it holds it
         with pytest.raises(InputError, match="^run 'r1' is being forecast or evaluated by another dxr process"):
             delete_run(wh, "r1")
-    # A command of another kind recorded under the id (a training given --run-id r1) holds no lock of the run, and
-    # would write its last `runs` row after the delete: such a run id is no result, and refused.
-    with registered_run(wh, "train:ehr_prior", {}, run_id="r1", cohort_id=cohort_id):
-        with pytest.raises(NotAResult, match=r"^run 'r1' is a train:ehr_prior run, not a forecast or an evaluation"):
-            delete_run(wh, "r1", dry_run=True)
+    # A command of another kind recorded under the id (a training given --run-id r1 before dxr refused that, still
+    # running) holds no lock of the run, and would write its last `runs` row after the delete: refused.
+    record_run(wh, "r1", cohort_id, "train:ehr_prior", {}, "running", utc_now())
+    with pytest.raises(NotAResult, match=r"^run 'r1' is a train:ehr_prior run, not a forecast or an evaluation"):
+        delete_run(wh, "r1", dry_run=True)
     assert every_table(wh)["rankings"].equals(before["rankings"])
+
+
+def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(two_runs):
+    # `dxr run delete` deletes results only: a build or a training recorded under a forecast's run id would keep that
+    # forecast from being deleted without its cohort, so neither may join the other's run id.
+    wh, cohort_id = two_runs
+    build = wh.read("runs").filter(pl.col("kind") == "cohort")["run_id"][0]
+    before = every_table(wh)
+    code, out, err = cli(wh, "cohort", "build", "--dataset", "tiny", "--name", "default", "--run-id", "r1")
+    assert (code, out) == (1, "")
+    assert err == ("Error: run id 'r1' already holds results (evaluate, forecast:global_frequency, "
+                   "forecast:repeat_history), and a cohort run is a record: give it a run id of its own (or none, to "
+                   "have one generated); `dxr run delete` deletes results only, so it could not delete a run id that "
+                   "holds both\n")
+    code, out, err = cli(wh, "prior", "train", "--cohort", cohort_id, "--run-id", "r1")
+    assert (code, out) == (1, "") and err.startswith("Error: run id 'r1' already holds results ("), err
+    code, out, err = cli(wh, "forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all",
+                         "--run-id", build)
+    assert (code, out) == (1, "")
+    assert err.startswith(f"Error: run id '{build}' already holds a record of what a command made (cohort), and a "
+                          "forecast:repeat_history run is a result: give it a run id of its own"), err
+    with pytest.raises(InputError, match="^run id 'r2' already holds results"):  # what the flows' runs go through
+        with registered_run(wh, "train:ehr_prior", {}, run_id="r2", cohort_id=cohort_id):
+            pass
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    code, _, err = cli(wh, "run", "delete", "r1")
+    assert code == 0, err
 
 
 def test_a_mean_is_not_written_while_one_of_its_runs_is_being_deleted(two_runs, monkeypatch):

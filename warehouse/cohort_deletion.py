@@ -29,8 +29,9 @@ import polars as pl
 
 from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import describe_cohort, get_cohort
-from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted, run_locks
+from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted, run_locks
 from warehouse.locks import held, remove_unheld
+from warehouse.runs import RESULT_KINDS
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, fetch_frame
 

@@ -22,13 +22,10 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from warehouse.locks import remove_unheld
-from warehouse.runs import EVALUATE_KIND, record_lock
+from warehouse.runs import RESULT_KINDS, record_lock
 from warehouse.schemas import RUN_TABLES, SYSTEMS, TABLES
 from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, finish_commits
 
-# Kinds of the runs whose rows are results on a cohort; its other runs (its build, its priors' trainings and
-# promotions) are its own record, as a dataset's ingest is the dataset's.
-RESULT_KINDS = ("forecast:", EVALUATE_KIND)
 # The default place of a run's report (`dxr report` without --out): `<data_dir>/reports/<run_id>`.
 REPORTS_DIR = "reports"
 # What a rerun that finished a delete's pending removal says after naming what it removed.

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import polars as pl
 
 from dxr.errors import InputError
-from warehouse.deletion import INTERRUPTED_DONE, RESULT_KINDS, Removal, finish_interrupted, run_locks
+from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted, run_locks
 from warehouse.locks import remove_unheld
-from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run
+from warehouse.runs import EVALUATE_KIND, RESULT_KINDS, holding_run, unknown_run
 from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 

@@ -30,6 +30,9 @@ from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 # The `runs` kind of an evaluation, recorded under the run id it evaluated.
 EVALUATE_KIND = "evaluate"
+# Kinds of the runs whose rows are results on a cohort; the other runs (a dataset's ingest, a cohort's build, its
+# priors' trainings and promotions, a corpus's ingest or build) are the record of what they made.
+RESULT_KINDS = ("forecast:", EVALUATE_KIND)
 
 
 def new_run_id(kind: str) -> str:
@@ -169,6 +172,19 @@ def unknown_run(wh: Warehouse, run_id: str) -> NotFoundError:
     return NotFoundError(f"no run {run_id!r} in the warehouse at {wh.root}: list the runs with dxr run list")
 
 
+def check_run_kind(wh: Warehouse, run_id: str, kind: str) -> None:
+    """Refuse to record a result (a forecast) under a run id that records what a command made (a build, an ingest, a
+    training, ...), or such a record under a run id that holds results: `dxr run delete` deletes results only and
+    refuses a run id holding a record, so a run id holding both could not be deleted without its cohort."""
+    recorded = wh.read("runs", run_id=run_id)["kind"].to_list()
+    result = kind.startswith(RESULT_KINDS)
+    if others := sorted({other for other in recorded if other.startswith(RESULT_KINDS) != result}):
+        held, adding = ("a record of what a command made", "a result") if result else ("results", "a record")
+        raise InputError(f"run id {run_id!r} already holds {held} ({', '.join(others)}), and a {kind} run is "
+                         f"{adding}: give it a run id of its own (or none, to have one generated); `dxr run delete` "
+                         "deletes results only, so it could not delete a run id that holds both")
+
+
 @contextmanager
 def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = None,
                    cohort_id: str | None = None) -> Iterator[Run]:
@@ -179,7 +195,9 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
     (`mark_killed`).
     """
     # Checked before the marker: the registry write refusing it would leave the marker behind for good.
-    run = Run(check_run_id(run_id) if run_id else new_run_id(kind.split(":")[0]), kind, config, cohort_id)
+    if run_id:
+        check_run_kind(wh, check_run_id(run_id), kind)
+    run = Run(run_id or new_run_id(kind.split(":")[0]), kind, config, cohort_id)
     mark_killed(wh)
     # `wait`: another process's `mark_killed` may hold the lock for a moment.
     with held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
