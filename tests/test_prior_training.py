@@ -257,11 +257,20 @@ def test_no_held_out_or_tuning_target_reaches_training(trained):
     assert not forbidden & (set(logged["input_codes"]) | set(logged["output_codes"]))
 
 
-def test_cli_help_and_unknown_cohort(prefect_harness):
+def test_cli_help_and_an_unknown_cohort_in_one_line_before_a_prefect_server_starts(prefect_harness, tmp_path,
+                                                                                     monkeypatch):
     runner = CliRunner()
     assert "dxr prior train --cohort default" in runner.invoke(main, ["prior", "train", "--help"]).output
-    result = runner.invoke(main, ["--data-dir", "/nonexistent-dxr-test", "prior", "train", "--cohort", "nope"])
-    assert result.exit_code != 0
+    # A typo must not cost a temporary server's start (seconds) and print the error again in the failed flow's log.
+    started = []
+    monkeypatch.setattr("flows.api_server.start_temporary_api", lambda: started.append("server"))
+    wh = Warehouse(tmp_path)
+    write_planted_cohort(wh, n_patients=3, seed=4)
+    result = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", "nope"])
+    assert (result.exit_code, result.stdout, started) == (1, "", [])
+    assert result.stderr == (f"Error: cohort 'nope' not found in the warehouse at {tmp_path}; built cohorts: "
+                             f"{wh.read('cohorts')['name'][0]} (build one with `dxr cohort build`, or check "
+                             "--data-dir)\n")
 
 
 def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_path):

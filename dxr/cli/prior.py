@@ -44,6 +44,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     """
     from flows.api_server import start_temporary_api
     from flows.train_prior import train_prior_flow
+    from warehouse.cohorts import get_cohort
     from warehouse.runs import check_run_kind
     from warehouse.store import Warehouse, check_run_id
 
@@ -51,8 +52,11 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed,
                                    "promote": promote}.items() if v is not None}
     cfg = s.prior.model_copy(update=overrides)
-    if run_id:  # as the training's registered run would, but before a server's start and a failed flow's log
-        check_run_kind(Warehouse(s.data_dir), check_run_id(run_id), f"train:{systems[0]}")
+    # Check the inputs here, so a typo is one line and not a failed flow run with its log, after a server's start.
+    wh = Warehouse(s.data_dir)
+    get_cohort(wh, cohort)
+    if run_id:
+        check_run_kind(wh, check_run_id(run_id), f"train:{systems[0]}")
     start_temporary_api()
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
         epoch = int(result['metrics']['selected_epoch']) + 1
