@@ -145,8 +145,8 @@ def check_forecasts_finished(con, run_id: str, systems: list[str]) -> None:
 
 def _no_rankings(wh: Warehouse, run_id: str) -> NotFoundError:
     return NotFoundError(f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first "
-                         "(dxr forecast …), check --data-dir, or list runs with "
-                         "`dxr sql \"SELECT DISTINCT run_id, system FROM rankings\"`")
+                         "(dxr forecast …), check --data-dir, or list the forecast runs with "
+                         "`dxr run list --kind forecast`")
 
 
 def check_has_rankings(wh: Warehouse, run_id: str) -> None:
