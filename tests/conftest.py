@@ -85,6 +85,19 @@ class FailsAt:
         return getattr(self.con, name)
 
 
+# What Lightning, torch and MLflow printed around a training and a forecast, none of it for a dxr user to act on.
+THIRD_PARTY_NOISE = {
+    "Lightning's hardware lines": r"(GPU|TPU) available: ",
+    "Lightning's litlogger advert": r"litlogger",
+    "Lightning's end of fit": r"`Trainer\.fit` stopped",
+    "Lightning's progress bar": r"Epoch \d+/\d+ |it/s\b",
+    "torch's pytree deprecation inside Lightning": r"LeafSpec",
+    "MLflow's pickle warning": r"Pickle or CloudPickle",
+    "MLflow's artifact progress bar": r"Downloading artifacts|Uploading artifacts",
+    "MLflow's schema creation": r"MLflow database tables|Updating database tables",
+}
+
+
 def dx(code: str) -> str:
     return f"DIAGNOSIS//ICD//10//{code}"
 

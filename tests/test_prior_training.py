@@ -29,7 +29,7 @@ from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import ensure_prior, train_prior, training_identity
-from tests.conftest import flow_run_names
+from tests.conftest import THIRD_PARTY_NOISE, flow_run_names
 from tests.sentinel import forecast_store_texts
 from warehouse.runs import record_run, registered_run
 from warehouse.store import Warehouse
@@ -303,11 +303,44 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", cohort,
                                        "--system", "gru", "--epochs", "2", "--run-id", "no-tuning-2"])
     assert result.exit_code == 0, result.output
-    line = re.search(r"gru: registered .*", result.output).group(0)  # MLflow's progress bar may precede it
+    line = re.search(r"gru: registered .*", result.output).group(0)  # MLflow's "Created version" line precedes it
     assert re.sub(r"in \d+ s \(mlflow run \w+\)$", "in S s", line) == (
         f"gru: registered gru-{cohort} v2 @champion; no tuning pair to validate on (kept the last epoch, 2), "
         "3 train patients in S s")
 
+
+def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(prefect_harness, tmp_path):
+    """Each command in a process of its own with piped output, as `make demo > log` runs: what a user sees."""
+    from prefect.settings import PREFECT_API_URL
+
+    cohort = write_planted_cohort(Warehouse(tmp_path / "data"), n_patients=60, seed=4)
+    config = tmp_path / "dxr.toml"
+    config.write_text("[prior]\n" + "".join(f"{key} = {value!r}\n" for key, value in {**TINY, "epochs": 2}.items()))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(config)}
+    # The demo's training (its task, which asks for progress, in a flow), the CLI's training and a forecast.
+    demo_training = (f"from dxr.config import load_settings\nfrom flows.demo import ensure_prior_task\n"
+                     f"from prefect import flow\nfrom warehouse.store import Warehouse\n"
+                     f"data_dir = {str(tmp_path / 'data')!r}\n"
+                     f"flow(name='demo')(lambda: ensure_prior_task(Warehouse(data_dir), {cohort!r}, "
+                     f"load_settings(data_dir=data_dir)))()")
+    dxr = [sys.executable, "-m", "dxr", "--data-dir", str(tmp_path / "data")]
+    outputs = {}
+    for name, command in (("demo training", [sys.executable, "-c", demo_training]),
+                          ("dxr prior train", [*dxr, "prior", "train", "--cohort", cohort]),
+                          ("dxr forecast", [*dxr, "forecast", "--cohort", cohort, "--system", "ehr_prior"])):
+        ended = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1],
+                               timeout=600)
+        assert ended.returncode == 0, (name, ended.stdout, ended.stderr)
+        outputs[name] = ended.stdout + ended.stderr
+    for name, output in outputs.items():
+        for noise, pattern in THIRD_PARTY_NOISE.items():
+            assert not re.search(pattern, output), f"{noise} in the output of {name}:\n{output}"
+    for name in ("demo training", "dxr prior train"):
+        epochs = re.findall(r"ehr_prior epoch (\d)/2: train loss \d+\.\d{4}, tuning R@20 \d\.\d{4}$",
+                            outputs[name], re.MULTILINE)
+        assert epochs == ["1", "2"], f"dxr's epoch lines missing from the output of {name}:\n{outputs[name]}"
+    assert re.search(f"^ehr_prior: registered ehr_prior-{cohort} v2 @champion; val R@20 ", outputs["dxr prior train"],
+                     re.MULTILINE), outputs["dxr prior train"]
 
 def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained):
     wh, cohort, first, _ = trained

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from flows.forecast import forecast_flow
 from flows.patient import forecast_patient_flow
 from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
 from tasks.report import incomplete_lists, labelled_rankings, ranking_lines, report_path
-from tests.conftest import flow_run_names
+from tests.conftest import THIRD_PARTY_NOISE, flow_run_names
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -483,6 +484,10 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
     output = log.read_text()
     assert output.startswith("deployment forecast-patient/adhoc: ad hoc\n")
     assert "Pausing all deployments" in output
+    # The served training logs dxr's epoch line, and none of what Lightning, torch and MLflow print around it.
+    assert re.search(r"gru epoch 1/1: train loss \d+\.\d{4}", output), output
+    for noise, pattern in THIRD_PARTY_NOISE.items():
+        assert not re.search(pattern, output), f"{noise} in the output of dxr serve:\n{output}"
 
 
 def child_processes(pid: int) -> set[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -102,8 +103,11 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     init_weights(net)
     init_output_bias(net, data.train_set.t.dx, data.train_set.t.lengths)
     best = KeepBestEpoch() if cfg.keep_best_epoch else None
+    # Lightning's bar is drawn on stdout, and drawn whole even into a file or a pipe (a log, `dxr demo | tee`), where
+    # it repeats the epoch lines dxr logs itself: shown only on a terminal, as dxr's own bars (tqdm, disable=None).
+    show_bar = progress and sys.stdout.isatty()
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
+                        enable_checkpointing=False, enable_progress_bar=show_bar, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True,
                         callbacks=[*callbacks, *([best] if best else [])])
     trainer.fit(PriorModule(net, cfg), datamodule=data)

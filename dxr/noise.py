@@ -1,0 +1,65 @@
+"""Third-party output that a dxr user can do nothing about, silenced by name in every process that imports dxr.
+
+The CLI, the flows (also when `dxr serve`'s runner imports a served flow) and the benchmarks import `dxr`
+before Lightning or MLflow log anything, and `dxr/__init__` calls `silence_third_party_noise` once. Each
+entry names one logger's messages, one warning's text or a library's documented switch, and says why it is
+safe; everything else those libraries log or warn, and every error, still reaches the user. Nothing is imported
+here: a command that never trains pays nothing. Lightning's progress bar is a Trainer option, set where every
+training builds its Trainer (`models.prior.train.fit_network`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# Lightning's INFO lines about the hardware and its own products, on each fit: dxr trains on the CPU by choice
+# (Trainer(accelerator="cpu"); a GPU left unused is still a warning of Lightning's), logs one line per epoch
+# itself (`tasks.prior.epoch_reporter`), so "stopped: max_epochs reached" repeats its last epoch line; a fit
+# stopped for another reason still says so. `rank_zero_info` logs through one of these two loggers.
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_epochs=")
+
+# MLflow warns at every `log_model` that a pickled model runs code when loaded. dxr pickles on purpose
+# (`models.prior.train`), and 'pt2' is no drop-in: the forecaster calls the network with `last_only=True` and
+# calls its head's `unseen_code_scores`, which an export of the forward pass traced at an example's shapes does
+# not keep; loads and the check that a cached copy is whole read `data/model.pth` (`tracking.WEIGHTS`), which
+# 'pt2' does not write; every version registered so far is a pickle. The pickle loaded is one dxr registered in
+# the configured store (`models.prior.forecaster.load_network`), not a file from elsewhere.
+MLFLOW_MESSAGES = {
+    "mlflow.pytorch": ("Saving pytorch model by Pickle or CloudPickle format requires exercising caution",),
+    # The tracking store's tables are created, or migrated to the installed MLflow, on first use with nothing
+    # for the user to do; a failure still raises and is reported in one line (`models.prior.tracking`).
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+}
+
+
+class DropMessages(logging.Filter):
+    """Drop the records whose message starts with one of `prefixes`; let every other record through."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def silence_third_party_noise() -> None:
+    """Install the filters and defaults above, once however often it is called (a user's own
+    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR wins)."""
+    # A logger's filter sees the records logged through it, whichever handlers (Lightning's own, Prefect's
+    # console) then print them, so each line goes at its source.
+    dropped = {**{name: LIGHTNING_INFO for name in LIGHTNING_LOGGERS}, **MLFLOW_MESSAGES}
+    for name, prefixes in dropped.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(prefixes))
+    # MLflow draws a bar for each artifact download or upload, even into a log file: a model's few small files
+    # take milliseconds, and a load that fails still raises (its documented switch).
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # Lightning 2.6 still builds torch's LeafSpec, which torch 2.13 deprecates: Lightning's code to change, not
+    # dxr's nor the user's. (A filter already there is moved, not repeated.)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
