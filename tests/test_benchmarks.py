@@ -148,3 +148,42 @@ def test_every_result_records_the_commit_and_machine_it_was_measured_on(tmp_path
 def test_every_benchmark_writes_its_results_through_write_result(path):
     assert "write_result(" in path.read_text(), (
         f"{path.name} writes its JSON without its provenance: use benchmarks.provenance.write_result")
+
+
+REFERENCE = Path(__file__).parents[1] / "benchmarks" / "reference"
+README = Path(__file__).parents[1] / "README.md"
+# The README's column names and system labels for the results' keys.
+README_COLUMNS = {"R@20 new-onset": "R@20 new", "R@20 repeated": "R@20 rep"}
+README_SYSTEMS = {"ehr_prior (MoE)": "ehr_prior"}
+
+
+def readme_table_after(heading: str) -> dict[str, dict[str, str]]:
+    """The first Markdown table after the paragraph starting with `heading`: {system: {column: cell}}."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("| "))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    return {README_SYSTEMS.get(row[0], row[0]): {README_COLUMNS.get(h, h): cell for h, cell in zip(header[1:], row[1:])}
+            for row in body}
+
+
+@pytest.mark.parametrize("heading, reference", [
+    ("**Next-encounter forecasting on the default synthetic cohort**", "prior-synthetic5k.json"),
+    ("**The same on a 50,000-patient synthetic cohort**", "prior-synthetic50k.json"),
+])
+def test_the_readme_prior_tables_are_the_kept_results(heading, reference):
+    """The README's prior tables quote the results files kept in benchmarks/reference/, to the digit: a table edited
+    by hand, or left behind by a rerun that changed the numbers, fails here."""
+    result = json.loads((REFERENCE / reference).read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["uncommitted_changes"] is False
+    measured = {row["system"]: row for row in result["table"]}
+    table = readme_table_after(heading)
+    assert set(table) == set(measured)
+    for system, cells in table.items():
+        for column, cell in cells.items():
+            assert cell == f"{measured[system][column][0]:.3f}", (system, column, cell)
