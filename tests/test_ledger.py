@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from conftest import parquet_writes_failing_from
@@ -197,6 +199,24 @@ def test_sanitizer_removes_every_date_and_identifier_form(query, left, removed):
 def test_sanitizer_leaves_no_word_that_served_only_what_it_removed(query, left, removed):
     clean = sanitize_query(query)
     assert (clean.text, clean.removed) == (left, removed)
+
+
+def test_sanitizer_answers_at_once_for_a_chain_of_prepositions_before_no_identifier():
+    # Prepositions both lists held ("on", "at", "in") were each matched two ways, so the regex retried 2^n ways:
+    # 40 words took minutes. The alarm turns a hang into a failure (the regex engine checks signals as it runs).
+    query = "on or at or in or " * 10 + "copd"
+
+    def too_slow(signum, frame):
+        raise TimeoutError(f"sanitize_query took over 5 s on {query!r}")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(5)
+    try:
+        clean = sanitize_query(query)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (clean.text, clean.removed) == (" ".join(query.split()), [])
 
 
 @pytest.mark.parametrize("query", KEPT)

@@ -136,7 +136,10 @@ _PHRASE_END_PREPOSITION = r"for|to|of"
 # An identifier is never an adjective: any preposition right before it was there for it ("admitted on MRN 12345
 # with chest pain", "sepsis for patient 12345", "contact at bob@example.org"), and so was a record word linked to
 # it ("MRN is 12345").
-_IDENTIFIER_PREPOSITION = rf"{_TIME_PREPOSITION}|{'|'.join(_PREPOSITIONS)}"
+# Each word once: one matched by two alternatives doubles, at every word of a chain ("on or at or in or ..."), the ways
+# the regex retries when no identifier follows, which took minutes on a query of 30 words.
+_IDENTIFIER_PREPOSITION = (rf"{_TIME_PREPOSITION}|"
+                           rf"{'|'.join(word for word in _PREPOSITIONS if not re.fullmatch(_TIME_PREPOSITION, word))}")
 _IDENTIFIER_PREPOSITIONS = rf"(?:{_IDENTIFIER_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_IDENTIFIER_PREPOSITION}))*"
 # Each removal with its words, tried in this order at each place: a range opened before a date (its open end goes
 # whatever follows), an identifier with any preposition or record word before it, "for"/"to"/"of" before a date
