@@ -880,3 +880,39 @@ def test_delete_together_removes_a_partition_of_a_store_linked_to_another_direct
     assert not any((wh.forecast_dir / store.COMMIT_DIR).iterdir())
     with pytest.raises(ValueError, match="removes only what is under the warehouse root"):
         wh.delete_together([], [wh.root / "reports" / ".." / ".." / "elsewhere"])
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["write", "write_together"])
+def test_a_partition_written_while_a_removal_empties_its_parent_is_written(wh, monkeypatch, together):
+    # A cohort's delete removes run r1's `runs` partitions kind by kind and then `runs/run_id=r1/`, left empty. A
+    # writer of another kind of r1 makes that directory anew, and a second process finishing the same removal
+    # commit can `rmdir` it again before the writer's `kind=` directory is in it: the write must still land.
+    from tests.conftest import placeholder
+    from warehouse.schemas import TABLES
+
+    def row(kind: str) -> pa.Table:
+        spec = TABLES["runs"]
+        values = {name: placeholder(column) for name, column in spec.columns.items()} | {"run_id": "r1", "kind": kind}
+        return pa.Table.from_pylist([values], schema=spec.schema)
+
+    wh.write("runs", row("forecast"), run_id="r1", kind="forecast")
+    wh.delete_together([("runs", {"run_id": "r1", "kind": "forecast"})])
+    run_dir = wh.table_dir("runs") / "run_id=r1"
+    assert not run_dir.exists()  # the removal took the directory it left empty
+    real_mkdir, raced = os.mkdir, []
+
+    def mkdir_then_emptied_again(path, mode=0o777):
+        real_mkdir(path, mode)
+        if Path(path) == run_dir and not raced:
+            raced.append(path)
+            store.remove_emptied(run_dir / "kind=forecast")  # the second process finishing the removal
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_emptied_again)
+    if together:
+        wh.write_together([("runs", row("cohort_build"), {"run_id": "r1", "kind": "cohort_build"})])
+    else:
+        wh.write("runs", row("cohort_build"), run_id="r1", kind="cohort_build")
+    monkeypatch.undo()
+    assert raced
+    assert wh.read("runs", run_id="r1")["kind"].to_list() == ["cohort_build"]
+    assert not any((wh.forecast_dir / store.COMMIT_DIR).glob(f"*{store.COMMITTED}"))

@@ -31,6 +31,7 @@ _AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: renameat2 swaps the two paths
 # renameat2's answers for a kernel or file system that cannot swap (Linux before 3.15, NFS, ...).
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+_MAKE_DIRS_ATTEMPTS = 10
 
 
 @contextmanager
@@ -40,7 +41,7 @@ def scratch(target: Path, kind: str) -> Iterator[Path]:
 
     The body creates the file or directory itself (or renames it into place).
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     owner = f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     lock_path = target.with_name(f".{target.name}.{owner}.{LOCK_KIND}")
     path = target.with_name(f".{target.name}.{owner}.{kind}")
@@ -51,6 +52,23 @@ def scratch(target: Path, kind: str) -> Iterator[Path]:
         finally:
             _remove(path)
             lock_path.unlink(missing_ok=True)
+
+
+def make_dirs(directory: Path) -> None:
+    """`directory.mkdir(parents=True, exist_ok=True)`, made again when a parent it made is removed before its child.
+
+    A removal commit removes the partition directories it left empty (`warehouse.store.remove_emptied`), and a second
+    process finishing the same commit may `rmdir` one again just after a writer has made it anew for its partition;
+    `Path.mkdir` then fails making the child, with nothing wrong to report. A directory that holds a child is never
+    removed, so each retry is owed to one such `rmdir` and a few suffice.
+    """
+    for attempt in range(_MAKE_DIRS_ATTEMPTS):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == _MAKE_DIRS_ATTEMPTS - 1:
+                raise
 
 
 @contextmanager

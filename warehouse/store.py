@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck
 from warehouse.schemas import FORECAST, GOLD, RUN_TABLES, TABLES, Table
-from warehouse.scratch import naming, remove_abandoned, scratch
+from warehouse.scratch import make_dirs, naming, remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
@@ -390,7 +390,7 @@ def apply_commit(committed: Path) -> None:
             remove_emptied(store_dir.parent / entry["remove"])
             continue
         target = store_dir / entry["target"]
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(target.parent)
         try:
             os.replace(committed / entry["file"], target)
         except FileNotFoundError:  # renamed already
@@ -421,9 +421,9 @@ def remove_emptied(removed: Path) -> None:
     cohort's delete removes a run's `runs` partitions one kind at a time, which left `runs/run_id=<id>/` behind.
 
     `rmdir` removes a directory only while it is empty, so one a writer has put a partition in since stays. A writer
-    that finds one gone makes it again (`mkdir(parents=True)`), and only the process whose `rmdir` succeeded goes on
-    up (a second finishing the same commit stops where the first got), so none removes a directory that a writer has
-    just made for its partition. The table's own directory, with no `=` in its name, stays.
+    that finds one gone makes it again; a second process finishing the same commit may then `rmdir` it again in the
+    instant before the writer's partition directory is in it, and the writer makes both again (`make_dirs`). The
+    table's own directory, with no `=` in its name, stays.
     """
     for directory in removed.parents:
         if "=" not in directory.name:
