@@ -29,8 +29,10 @@ LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.
 # the configured store (`models.prior.forecaster.load_network`), not a file from elsewhere.
 MLFLOW_MESSAGES = {
     "mlflow.pytorch": ("Saving pytorch model by Pickle or CloudPickle format requires exercising caution",),
-    # The tracking store's tables are created, or migrated to the installed MLflow, on first use with nothing
-    # for the user to do; a failure still raises and is reported in one line (`models.prior.tracking`).
+    # Both are logged only when MLflow creates a new, empty store's tables (made, then brought to the installed
+    # schema), with nothing for the user to do; a store with an older schema is not migrated but refused with
+    # MLflow's error naming `mlflow db upgrade`, and that and any failure still raise and are reported in one line
+    # (`models.prior.tracking`).
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 
