@@ -22,6 +22,8 @@ from warehouse.choices import FORECAST_SPLITS, HARMONIZATIONS, TARGET_RULES, pat
 
 # A DuckDB memory limit, e.g. 2GB or 512MiB.
 MEMORY_LIMIT_PATTERN = r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
+# A backfill's name and a serve's (`dxr serve --name`) make Prefect deployment names and artifact keys.
+DEPLOYMENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 
 
 class SynthConfig(BaseModel):
@@ -62,7 +64,7 @@ class BackfillConfig(BaseModel):
     """One scheduled cohort backfill served by `dxr serve` (a `[[backfills]]` table in the TOML file)."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9_-]*$", description="deployment name, e.g. nightly")
+    name: str = Field(..., pattern=DEPLOYMENT_NAME_PATTERN, description="deployment name, e.g. nightly")
     cohort: str = Field(..., description="cohort name or id")
     systems: list[str] = Field(["global_frequency", "repeat_history", "ehr_prior"], min_length=1,
                                description="forecast in this order into one run, then evaluated")

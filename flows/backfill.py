@@ -48,7 +48,7 @@ def backfill_budgets(k: int) -> tuple[int, ...]:
 def backfill_artifact_key(name: str | None, cohort: str) -> str:
     """The Prefect artifact key of a backfill's firings, one version per firing: `backfill-<name>`.
 
-    Keyed by the backfill (`[[backfills]]` name, its deployment's), not its cohort: two backfills of one
+    Keyed by the backfill (its deployment's name), not its cohort: two backfills of one
     cohort (other systems or splits) would otherwise take turns as its latest version. A flow run without
     a name (called directly, not by a deployment) goes under its cohort's name. Underscores become dashes,
     as Prefect keys take lower-case letters, digits and dashes only.
@@ -71,8 +71,9 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
         k: codes per list; the run is evaluated at the default budgets below k and at k.
         limit: at most this many trajectories per system; empty for the whole split.
         run_id: redo this run (its earlier lists are replaced); empty for a new run `backfill-…`.
-        name: the backfill's name in `[[backfills]]`; its headline table is the artifact `backfill-<name>`
-            (`backfill-<cohort>` without one).
+        name: the backfill's deployment name: its name in `[[backfills]]`, followed by `-NAME` when served by
+            `dxr serve --name NAME`; its headline table is the artifact `backfill-<name>` (`backfill-<cohort>`
+            without one).
         refresh: first build the cohort again when its dataset was registered again since it was built, and
             train each learned system that has no model for the cohort; the cohort must be named by its name.
     """

@@ -5,6 +5,9 @@ scheduled backfills.
 run`) with a cohort and a subject id. `train_prior/adhoc` retrains learned priors of a cohort, with
 the configured `prior` settings as its editable defaults. Each `[[backfills]]` entry of the configuration becomes
 `cohort-backfill/<name>` on its cron schedule, its firings' tables the versions of artifact `backfill-<name>`.
+A serve given a name of its own (`dxr serve --name NAME`, one per data dir served to one Prefect server) appends
+`-NAME` to each deployment's name, and so to each artifact key: deployments are the Prefect server's, one per
+flow and name, so two serves of one name would share them.
 Entry points are module paths, so a served flow run imports the installed packages wherever `dxr serve` was started.
 """
 
@@ -26,23 +29,31 @@ TRAIN_DEPLOYMENT = "adhoc"
 TAGS = ["dxr"]
 
 
-def build_deployments(settings: Settings) -> list[RunnerDeployment]:
-    """The patient-rerun and training deployments plus one scheduled deployment per configured backfill."""
+def deployment_name(name: str, serve_name: str | None) -> str:
+    """The name of deployment `name` served under `serve_name` (`dxr serve --name`); unchanged without one."""
+    return f"{name}-{serve_name}" if serve_name else name
+
+
+def build_deployments(settings: Settings, serve_name: str | None = None) -> list[RunnerDeployment]:
+    """The patient-rerun and training deployments plus one scheduled deployment per configured backfill, each
+    named for `serve_name` when given."""
     data_dir = str(settings.data_dir.resolve())  # served runs must not depend on the server's working directory
     deployments = [forecast_patient_flow.to_deployment(
-        name=PATIENT_DEPLOYMENT, parameters={"data_dir": data_dir}, tags=TAGS,
+        name=deployment_name(PATIENT_DEPLOYMENT, serve_name), parameters={"data_dir": data_dir}, tags=TAGS,
         entrypoint_type=EntrypointType.MODULE_PATH,
         description="Forecast one patient of a cohort with each system into a new run; the ranked codes are "
                     "in the flow run's log."),
         train_prior_flow.to_deployment(
-            name=TRAIN_DEPLOYMENT, parameters={"data_dir": data_dir, "cfg": settings.prior.model_dump()}, tags=TAGS,
+            name=deployment_name(TRAIN_DEPLOYMENT, serve_name),
+            parameters={"data_dir": data_dir, "cfg": settings.prior.model_dump()}, tags=TAGS,
             entrypoint_type=EntrypointType.MODULE_PATH,
             description="Train learned priors of a cohort on its train patients and register them in MLflow; "
                         "set cfg.promote to false to register a challenger without moving the alias.")]
     keys: dict[str, str] = {}
     for backfill in settings.backfills:
         check_system_order(tuple(backfill.systems))
-        key = backfill_artifact_key(backfill.name, backfill.cohort)
+        name = deployment_name(backfill.name, serve_name)
+        key = backfill_artifact_key(name, backfill.cohort)
         if key in keys:  # unique names can still share a key: `a_b` and `a-b`
             raise ConfigError(f"backfills {keys[key]!r} and {backfill.name!r} would publish under one Prefect "
                               f"artifact key {key!r} (underscores become dashes there): rename one")
@@ -53,9 +64,9 @@ def build_deployments(settings: Settings) -> list[RunnerDeployment]:
             description = ("First build the cohort again if its dataset was registered again since it was built, and "
                            "train its learned systems that have no model for it. " + description)
         deployments.append(cohort_backfill_flow.to_deployment(
-            name=backfill.name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
+            name=name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
             parameters={"data_dir": data_dir, "cohort": backfill.cohort, "systems": backfill.systems,
-                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit, "name": backfill.name,
+                        "split": backfill.split, "k": backfill.k, "limit": backfill.limit, "name": name,
                         "refresh": backfill.refresh},
             tags=TAGS, entrypoint_type=EntrypointType.MODULE_PATH,
             description=description))

@@ -10,6 +10,11 @@ embedded LLM server that process starts) directly: a flow run interrupted by it 
 still starting, instead of being cancelled. Each flow run therefore runs in a session of its own (Prefect's
 `isolate_process_group`, which also makes a cancellation stop the processes the flow run started), and only the
 runner decides when it ends.
+
+A deployment is the Prefect server's, one per flow and name, not a serve's: a second serve of the same names would
+take the first one's over (its own data dir in their parameters, so the first serve's runs would go to the second
+warehouse), both runners would execute their runs, and stopping either would pause the schedules the other still
+serves. `check_not_served_elsewhere` therefore refuses names that another serve is serving now.
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
+from collections.abc import Callable
 
 from prefect.deployments.runner import RunnerDeployment
 from prefect.runner import runner as prefect_runner
 from prefect.runner._starter_engine import EngineCommandStarter
+
+from dxr.errors import ConfigError
+
+# A runner polls its deployments every PREFECT_RUNNER_POLL_FREQUENCY seconds, and the server records each poll a
+# moment later (a background task): a serve that is alive has polled again after this much more.
+POLL_RECORD_DELAY_SECONDS = 5
 
 # SIGHUP: a closed terminal; the flow runs, in sessions of their own, would not receive it and outlive dxr serve.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -88,3 +101,53 @@ def serve_until_stopped(deployments: list[RunnerDeployment], limit: int) -> int 
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     return runner.stop_signal
+
+
+def check_not_served_elsewhere(deployments: list[RunnerDeployment], data_dir: str,
+                               say: Callable[[str], None]) -> list[str]:
+    """Refuse `deployments` when a runner elsewhere (another `dxr serve`) is serving any of them now; returns a note
+    per deployment this serve takes over from a stopped serve of another data dir. `say` tells why it waits.
+
+    A runner records itself only by polling its deployments. One that was stopped paused them after its last poll;
+    one that was killed outright stops polling, which the server notes after 60 s (status Not Ready). Within those
+    60 s, and for a deployment polled after it was paused, the only sign of a live runner is its next poll.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import DeploymentStatus
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import get_current_settings
+
+    def registered(client) -> dict:
+        found = {}
+        for deployment in deployments:
+            name = f"{deployment.flow_name}/{deployment.name}"
+            try:
+                found[name] = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+        return found
+
+    with get_client(sync_client=True) as client:
+        before = registered(client)
+        maybe_served = [name for name, d in before.items() if d.status == DeploymentStatus.READY
+                        and d.last_polled is not None and not (d.paused and d.last_polled <= d.updated)]
+        if maybe_served:
+            wait = get_current_settings().runner.poll_frequency + POLL_RECORD_DELAY_SECONDS
+            say(f"waiting {wait} s to see whether another dxr serve still polls {maybe_served[0]} (polled lately and "
+                "not paused since)")
+            time.sleep(wait)
+            after = registered(client)
+            for name in maybe_served:
+                now = after.get(name)
+                if now is not None and now.last_polled is not None and now.last_polled > before[name].last_polled:
+                    raise ConfigError(
+                        f"{name} is being served by another dxr serve, of data dir {now.parameters.get('data_dir')}: "
+                        "stop that one first, or give this one deployment names of its own with "
+                        "`dxr serve --name NAME`")
+    taken_over: dict[str, list[str]] = {}
+    for name, deployment in before.items():
+        if deployment.parameters.get("data_dir") not in (None, data_dir):
+            taken_over.setdefault(deployment.parameters["data_dir"], []).append(name)
+    return [f"note: {', '.join(names)} served data dir {earlier} until now, and {data_dir} from now on (serve each "
+            "data dir under a name of its own, `dxr serve --name NAME`, to keep both)"
+            for earlier, names in taken_over.items()]

@@ -611,3 +611,103 @@ def test_a_stop_signal_while_serve_starts_or_stops_still_stops_it_gracefully(wh_
     assert result.returncode == 128 + signum, output
     assert output.count(f"{signum.name} received") == 1 and "All deployments have been paused!" in output, output
     assert "Traceback" not in output and output.rstrip().endswith(f"dxr: stopped by {signum.name}"), output
+
+
+def test_deployments_served_under_a_name_end_in_it_as_do_their_artifact_keys(tmp_path, monkeypatch):
+    from flows.backfill import backfill_artifact_key
+    from flows.deployments import build_deployments
+
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC"))
+    settings = load_settings(data_dir=tmp_path / "wh")
+    assert [f"{d.flow_name}/{d.name}" for d in build_deployments(settings)] == [
+        "forecast-patient/adhoc", "train_prior/adhoc", "cohort-backfill/nightly"]
+    patient, training, nightly = build_deployments(settings, "hosp_2")
+    assert [f"{d.flow_name}/{d.name}" for d in (patient, training, nightly)] == [
+        "forecast-patient/adhoc-hosp_2", "train_prior/adhoc-hosp_2", "cohort-backfill/nightly-hosp_2"]
+    # Another data dir's backfill of the same name publishes under a key of its own.
+    assert nightly.parameters["name"] == "nightly-hosp_2"
+    assert backfill_artifact_key(nightly.parameters["name"], "default") == "backfill-nightly-hosp-2"
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "serve", "--name", "Hosp 2"])
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--name': 'Hosp 2' is no name of lower-case letters, digits, '-' and '_' that starts "
+        "with a letter or digit, such as hosp2 (usage: main serve -h)")
+
+
+def served_deployment(client, name: str, data_dir: Path, log: Path, timeout: float = 180):
+    """Deployment `name` once the serve of `data_dir` has registered it and polled it."""
+    from prefect.client.schemas.objects import DeploymentStatus
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            deployment = client.read_deployment_by_name(name)
+            if deployment.parameters.get("data_dir") == str(data_dir) and deployment.status == DeploymentStatus.READY:
+                return deployment
+        except ObjectNotFound:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+
+
+def test_a_second_serve_leaves_the_deployments_of_a_first_one_alone(wh_vocab, tiny_cohort_id, tmp_path, monkeypatch):
+    import shutil
+
+    import flows.serving
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    # Two serves of one Prefect server (one per data dir, or one started twice) shared the deployment names: the
+    # second re-pointed the first one's deployments at its own data dir, both executed their runs, and stopping the
+    # second paused the schedules the first was still serving.
+    other = tmp_path / "other"
+    shutil.copytree(wh_vocab.root, other)
+    config = write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC"))
+    # Polled every 2 s, a live serve shows itself to the second one within 7 s.
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(config),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    dxr = [sys.executable, "-m", "dxr", "--data-dir"]
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    with first_log.open("w") as out:
+        first = subprocess.Popen([*dxr, str(wh_vocab.root), "serve"], env=env, cwd=tmp_path, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    second = None
+    try:
+        with get_client(sync_client=True) as client:
+            served_deployment(client, "cohort-backfill/nightly", wh_vocab.root, first_log)
+            for data_dir in (wh_vocab.root, other):  # the same data dir started twice, or another one
+                refused = subprocess.run([*dxr, str(data_dir), "serve"], env=env, cwd=tmp_path, capture_output=True,
+                                         text=True, timeout=120)
+                assert refused.returncode == 1, refused.stdout + refused.stderr
+                assert refused.stderr.splitlines()[-1] == (
+                    f"Error: forecast-patient/adhoc is being served by another dxr serve, of data dir {wh_vocab.root}: "
+                    "stop that one first, or give this one deployment names of its own with `dxr serve --name NAME`")
+            with second_log.open("w") as out:
+                second = subprocess.Popen([*dxr, str(other), "serve", "--name", "other"], env=env, cwd=tmp_path,
+                                          stdout=out, stderr=subprocess.STDOUT)
+            served_deployment(client, "cohort-backfill/nightly-other", other, second_log)
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=60) == 0, second_log.read_text()
+            assert "All deployments have been paused!" in second_log.read_text()
+            assert client.read_deployment_by_name("cohort-backfill/nightly-other").paused
+            # Paused, the first one's backfill would have lost its scheduled firings.
+            for name in ("forecast-patient/adhoc", "train_prior/adhoc", "cohort-backfill/nightly"):
+                deployment = client.read_deployment_by_name(name)
+                assert (deployment.paused, deployment.parameters["data_dir"]) == (False, str(wh_vocab.root)), name
+    finally:
+        for serve in (first, second):
+            if serve is not None and serve.poll() is None:
+                serve.send_signal(signal.SIGTERM)
+                serve.wait(timeout=60)
+    # Once the first has stopped, another data dir may take its names over, and is told it does.
+    served = []
+    monkeypatch.setattr(flows.serving, "serve_until_stopped",
+                        lambda deployments, limit: served.extend(d.name for d in deployments))
+    result = CliRunner().invoke(main, ["--data-dir", str(other), "serve"])
+    assert result.exit_code == 0, result.output
+    assert served == ["adhoc", "adhoc", "nightly"]
+    assert result.stderr.splitlines() == [
+        f"note: forecast-patient/adhoc, train_prior/adhoc, cohort-backfill/nightly served data dir {wh_vocab.root} "
+        f"until now, and {other} from now on (serve each data dir under a name of its own, `dxr serve --name NAME`, "
+        "to keep both)"]
