@@ -60,6 +60,19 @@ def one_line_error(result) -> str:
                                    "(usage: dxr forecast -h)"),
     (["cohort", "build", "--dataset", "x"], "Error: Missing option '--name'. (usage: dxr cohort build -h)"),
     (["--bogus"], "Error: No such option '--bogus'. (usage: dxr -h)"),
+    # An unknown system id is a value outside the option's choices in every command that takes one.
+    (["forecast", "--cohort", "c", "--system", "ehr_prio"],
+     "Error: Invalid value for '--system': unknown system 'ehr_prio'; available: dense_prior, direct, ehr_prior, "
+     "global_frequency, gru, repeat_history, rrf_prior_direct, transition (usage: dxr forecast -h)"),
+    (["prior", "train", "--cohort", "c", "--system", "ehr_prio"],
+     "Error: Invalid value for '--system': 'ehr_prio' is not one of 'ehr_prior', 'dense_prior', 'gru'. "
+     "(usage: dxr prior train -h)"),
+    (["prior", "models", "--cohort", "c", "--system", "ehr_prio"],
+     "Error: Invalid value for '--system': 'ehr_prio' is not one of 'ehr_prior', 'dense_prior', 'gru'. "
+     "(usage: dxr prior models -h)"),
+    (["prior", "promote", "--cohort", "c", "--system", "ehr_prio", "--version", "1"],
+     "Error: Invalid value for '--system': 'ehr_prio' is not one of 'ehr_prior', 'dense_prior', 'gru'. "
+     "(usage: dxr prior promote -h)"),
     (["nosuch"], "Error: No such command 'nosuch'. (usage: dxr -h)"),
 ])
 def test_usage_errors_are_one_line_with_exit_code_2(args, line):
@@ -212,7 +225,7 @@ def test_settings_and_options_take_the_choices_the_stages_accept(tmp_path, monke
     for split in FORECAST_SPLITS:
         config.write_text(f'[[backfills]]\nname = "n"\ncohort = "c"\ncron = "0 2 * * *"\nsplit = "{split}"\n')
         assert run("config", "show").exit_code == 0, split
-    refused = run("forecast", "--cohort", "c", "--system", "s", "--split", "tuning_")
+    refused = run("forecast", "--cohort", "c", "--system", "repeat_history", "--split", "tuning_")
     assert refused.exit_code == 2 and "'tuning_' is not one of 'train', 'tuning', 'held_out', 'all'" in refused.output
 
 

@@ -7,13 +7,26 @@ import json
 import click
 
 from dxr.cli import main, settings
-from dxr.errors import DxrError
+from dxr.errors import DxrError, InputError
 from warehouse.choices import FORECAST_SPLITS
+
+
+def forecastable_system(ctx: click.Context, param: click.Parameter, system: str) -> str:
+    """A system id outside those dxr forecast runs is a value outside the option's choices: a usage error (exit
+    code 2), as `dxr prior train --system` gives, with check_system's message naming the ids that are."""
+    from tasks.forecast import check_system
+
+    try:
+        check_system(system)
+    except InputError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+    return system
 
 
 @main.command()
 @click.option("--cohort", required=True, help="Cohort name or id.")
-@click.option("--system", required=True, help="Forecasting system id, e.g. repeat_history, ehr_prior, direct.")
+@click.option("--system", required=True, callback=forecastable_system,
+              help="Forecasting system id, e.g. repeat_history, ehr_prior, direct.")
 @click.option("--split", type=click.Choice(FORECAST_SPLITS), default="held_out",
               show_default=True, help="Which trajectories to forecast.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Forecast at most N trajectories.")
@@ -35,14 +48,12 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
 
     from flows.api_server import start_temporary_api
     from flows.forecast import forecast_flow
-    from tasks.forecast import (check_rerun, check_system, forecast_config, forecast_shards, llm_run_config,
-                                pinned_model)
+    from tasks.forecast import check_rerun, forecast_config, forecast_shards, llm_run_config, pinned_model
     from warehouse.cohorts import get_cohort
     from warehouse.store import Warehouse
 
     data_dir = str(settings(ctx).data_dir)
     # Check the inputs here, so a typo is one line and not a failed flow run with a traceback.
-    check_system(system)
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id)
