@@ -31,7 +31,7 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     files it was built from, so a backfill of it would forecast the earlier files every night.
     """
     wh = Warehouse(data_dir)
-    row = get_cohort(wh, cohort)
+    row = get_cohort(wh, cohort, suggest_build=True)
     if row["cohort_id"] == cohort:
         raise InputError(f"refresh: cohort {cohort} is named by its id, which stays on the files it was built "
                          f"from: name the backfill's cohort by its name, {row['name']!r}, or set refresh = false")

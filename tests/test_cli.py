@@ -119,7 +119,24 @@ def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
     line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history",
                               data_dir=tmp_path / "wh"))
     assert line == (f"Error: cohort 'missing' not found in the warehouse at {tmp_path / 'wh'}; built cohorts: none "
-                    "(build one with `dxr cohort build`, or check --data-dir)")
+                    "(list them with `dxr cohort list`, build one with `dxr cohort build`, or check --data-dir)")
+
+
+@pytest.mark.parametrize("args, advice", [
+    (["forecast", "--cohort", "mimic3dmo", "--system", "repeat_history"], ", build one with `dxr cohort build`"),
+    (["prior", "train", "--cohort", "mimic3dmo"], ", build one with `dxr cohort build`"),
+    # A new cohort has no registered model to list or promote, nor is it the one to delete or whose runs to list.
+    (["prior", "models", "--cohort", "mimic3dmo"], ""),
+    (["prior", "promote", "--cohort", "mimic3dmo", "--version", "1"], ""),
+    (["cohort", "delete", "mimic3dmo"], ""),
+    (["cohort", "delete", "mimic3dmo", "--dry-run"], ""),
+    (["run", "list", "--cohort", "mimic3dmo"], ""),
+], ids=lambda v: " ".join(v[:2]) if isinstance(v, list) else "")
+def test_an_unknown_cohort_is_pointed_to_cohort_list_and_to_a_build_only_where_one_would_help(tmp_path, args, advice):
+    (tmp_path / "forecast").mkdir()  # an empty warehouse
+    assert one_line_error(run(*args, data_dir=tmp_path)) == (
+        f"Error: cohort 'mimic3dmo' not found in the warehouse at {tmp_path}; built cohorts: none (list them with "
+        f"`dxr cohort list`{advice}, or check --data-dir)")
 
 
 def test_file_system_errors_and_a_missing_warehouse_are_one_line_naming_the_path(tmp_path, tiny_meds, monkeypatch):

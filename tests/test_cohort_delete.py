@@ -148,7 +148,7 @@ def test_a_cohort_without_runs_goes_with_its_own_rows_only(wh_vocab, tiny_meds):
     code, _, err = cli(wh_vocab, "cohort", "delete", cohort_id)
     assert code == 1
     assert err == (f"Error: cohort {cohort_id!r} not found in the warehouse at {wh_vocab.root}; built cohorts: none "
-                   "(build one with `dxr cohort build`, or check --data-dir)\n")
+                   "(list them with `dxr cohort list`, or check --data-dir)\n")
 
 
 def test_a_name_of_several_cohorts_is_refused_and_each_goes_by_its_id(wh_vocab, tmp_path):

@@ -269,8 +269,8 @@ def test_cli_help_and_an_unknown_cohort_in_one_line_before_a_prefect_server_star
     result = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", "nope"])
     assert (result.exit_code, result.stdout, started) == (1, "", [])
     assert result.stderr == (f"Error: cohort 'nope' not found in the warehouse at {tmp_path}; built cohorts: "
-                             f"{wh.read('cohorts')['name'][0]} (build one with `dxr cohort build`, or check "
-                             "--data-dir)\n")
+                             f"{wh.read('cohorts')['name'][0]} (list them with `dxr cohort list`, build one with "
+                             "`dxr cohort build`, or check --data-dir)\n")
 
 
 def test_cli_trains_every_system_under_the_given_run_id(prefect_harness, tmp_path):

@@ -322,5 +322,5 @@ def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs)
 
     code, out, err = cli(wh, "run", "list", "--cohort", "nightly")
     assert (code, out) == (1, "")
-    assert err == (f"Error: cohort 'nightly' not found in the warehouse at {wh.root}; built cohorts: default (build "
-                   "one with `dxr cohort build`, or check --data-dir)\n")
+    assert err == (f"Error: cohort 'nightly' not found in the warehouse at {wh.root}; built cohorts: default (list "
+                   "them with `dxr cohort list`, or check --data-dir)\n")

@@ -451,7 +451,8 @@ def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
     The row is looked up again under the lock: a build that failed or was killed between the first
     lookup and the lock has unregistered the cohort, and its tables may be partial.
     """
-    cohort_id = get_cohort(wh, name_or_id)["cohort_id"]
+    # Its holders, a forecast and a training, make something from the cohort: building one is a way out for them.
+    cohort_id = get_cohort(wh, name_or_id, suggest_build=True)["cohort_id"]
     with held(wh, f"cohort:{cohort_id}", shared=True,
               busy=f"cohort {name_or_id} ({cohort_id}) is being rebuilt by another dxr process"):
         row = wh.read("cohorts", cohort_id=cohort_id)
@@ -523,12 +524,12 @@ def split_counts(wh: Warehouse, cohort_id: str) -> dict[str, int]:
     return {split: counts.get(split, 0) for split in SPLITS}
 
 
-def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
+def get_cohort(wh: Warehouse, name_or_id: str, suggest_build: bool = False) -> dict:
     """Look a cohort up by id or by name (the most recently built cohort of that name).
 
     A name is refused while a cohort of that name is being built: the build unregisters its cohort until
     it is complete and then is the newest of the name, so an older cohort of the name (other options)
-    answering meanwhile would be the wrong one.
+    answering meanwhile would be the wrong one. `suggest_build`: see `unknown_cohort`.
     """
     cohorts = wh.read("cohorts")
     by_id = cohorts.filter(pl.col("cohort_id") == name_or_id)
@@ -544,12 +545,18 @@ def get_cohort(wh: Warehouse, name_or_id: str) -> dict:
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
                             f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
     if match.is_empty():
-        raise unknown_cohort(wh, name_or_id, cohorts)
+        raise unknown_cohort(wh, name_or_id, cohorts, suggest_build)
     return match.sort("created_at", descending=True).row(0, named=True)
 
 
-def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame) -> NotFoundError:
-    """The error for a cohort id or name that none of the built `cohorts` has, naming those there are."""
+def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame, suggest_build: bool = False) -> NotFoundError:
+    """The error for a cohort id or name that none of the built `cohorts` has, naming those there are.
+
+    Building a cohort is advice only to a command that makes something from one (a forecast, a training); to one
+    that reads or removes what a cohort already has (its models, its runs, the cohort itself) a new cohort is no
+    way out, so `suggest_build` is left False there.
+    """
     known = ", ".join(sorted(set(cohorts["name"].to_list()))) or "none"
+    build = ", build one with `dxr cohort build`" if suggest_build else ""
     return NotFoundError(f"cohort {name_or_id!r} not found in the warehouse at {wh.root}; built cohorts: "
-                         f"{known} (build one with `dxr cohort build`, or check --data-dir)")
+                         f"{known} (list them with `dxr cohort list`{build}, or check --data-dir)")

@@ -55,7 +55,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     data_dir = str(settings(ctx).data_dir)
     # Check the inputs here, so a typo is one line and not a failed flow run with a traceback.
     wh = Warehouse(data_dir)
-    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    cohort_id = get_cohort(wh, cohort, suggest_build=True)["cohort_id"]
     check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id)
                 | llm_run_config(system, data_dir))
     forecast_shards(wh, cohort_id, split, subject_id)  # an empty split or a patient outside it

@@ -54,7 +54,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     cfg = s.prior.model_copy(update=overrides)
     # Check the inputs here, so a typo is one line and not a failed flow run with its log, after a server's start.
     wh = Warehouse(s.data_dir)
-    get_cohort(wh, cohort)
+    get_cohort(wh, cohort, suggest_build=True)
     if run_id:
         check_run_kind(wh, check_run_id(run_id), f"train:{systems[0]}")
     start_temporary_api()
