@@ -62,7 +62,11 @@ def two_runs(wh_vocab, tiny_meds, prefect_harness):
                                              for key in TABLES[table].partition_by})
         (wh.root / "reports" / run_id).mkdir(parents=True)
         (wh.root / "reports" / run_id / "report.html").write_text("report")
-    plant(wh, "prediction_cache", cohort_id, {"system": "ehr_prior", "cache_key": "k1"})
+    cache_entry = {"system": "ehr_prior", "cache_key": "k1"}
+    plant(wh, "prediction_cache", cohort_id, cache_entry)
+    # Its key names the cohort, as a forecast's does: `dxr cohort delete` finds the cohort's entries by it.
+    wh.write("prediction_cache", wh.read("prediction_cache", **cache_entry).with_columns(
+        key_json=pl.lit(json.dumps({"cohort_id": cohort_id}))), **cache_entry)
     (wh.forecast_dir / "llm_cache").mkdir()
     (wh.forecast_dir / "llm_cache" / "ab12.json").write_text("{}")
     return wh, cohort_id
@@ -153,6 +157,25 @@ def test_a_cohorts_build_and_a_datasets_ingest_are_not_deleted_as_runs(two_runs)
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
 
 
+def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_cohorts_delete(two_runs):
+    # A cohort's build given a forecast's run id, as a warehouse written before check_run_kind refused that holds it
+    # (m3-all on the MIMIC-III demo): the refusal called the run "a cohort run, not a forecast".
+    wh, cohort_id = two_runs
+    record_run(wh, "r1", cohort_id, "cohort", {}, "finished", utc_now())
+    before = every_table(wh)
+    code, out, err = cli(wh, "run", "delete", "r1")
+    assert (code, out) == (2, "")
+    assert err == ("Error: run 'r1' holds both results (evaluate, forecast:global_frequency, forecast:repeat_history) "
+                   "and the record of what a command made (cohort), as a run id could before dxr refused that: "
+                   "`dxr run delete` deletes results only, and a record goes with what it made, so this run goes only "
+                   f"with its cohort default, every run on it included: `dxr cohort delete {cohort_id} --with-runs` "
+                   "(--dry-run first shows what goes) (usage: dxr run delete -h)\n")
+    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    code, out, err = cli(wh, "cohort", "delete", cohort_id, "--with-runs")  # the way out it names
+    assert (code, err) == (0, ""), err
+    assert not wh.has_rows("runs", run_id="r1") and not wh.has_rows("rankings", run_id="r1")
+
+
 def test_an_unknown_run_is_not_found(two_runs):
     wh, _ = two_runs
     before = every_table(wh)
@@ -212,7 +235,9 @@ def test_a_run_in_use_is_not_deleted(two_runs):
     # A command of another kind recorded under the id (a training given --run-id r1 before dxr refused that, still
     # running) holds no lock of the run, and would write its last `runs` row after the delete: refused.
     record_run(wh, "r1", cohort_id, "train:ehr_prior", {}, "running", utc_now())
-    with pytest.raises(NotAResult, match=r"^run 'r1' is a train:ehr_prior run, not a forecast or an evaluation"):
+    with pytest.raises(NotAResult, match=r"^run 'r1' holds both results \(evaluate, forecast:global_frequency, "
+                                         r"forecast:repeat_history\) and the record of what a command made "
+                                         r"\(train:ehr_prior\)"):
         delete_run(wh, "r1", dry_run=True)
     assert every_table(wh)["rankings"].equals(before["rankings"])
 

@@ -1,7 +1,8 @@
 """Deleting one run (`dxr run delete`): its `runs` rows, every row a table partitioned by `run_id` holds under it,
 and its report in the default place (`<data_dir>/reports/<run_id>`). Only results go so: forecasts and evaluations
 (`RESULT_KINDS`); a dataset's ingest, a cohort's build and its priors' trainings are the record of what they made
-and go with it.
+and go with it. A run id holding both (as one could before `check_run_kind`) goes with its cohort, which the refusal
+names.
 
 What belongs to a run is read off the schemas (`RUN_TABLES`, as a cohort's delete reads them), so a table added later
 is not forgotten: its forecasts' rankings, statuses and stage candidates, its evaluation's metrics, coverage, paired
@@ -70,6 +71,20 @@ def plan_run_deletion(wh: Warehouse, run_id: str, registered: pl.DataFrame) -> R
     return plan
 
 
+def mixed_run_refusal(wh: Warehouse, run_id: str, registered: pl.DataFrame, records: list[str]) -> str:
+    """Why a run id holding both results and records (`check_run_kind` refuses that since 2026-12-05, but a warehouse
+    written before may hold one) is not deleted as a run, and the delete that removes it: its results' cohort's."""
+    results = registered.filter(~pl.col("kind").is_in(records))
+    cohort_ids = results["cohort_id"].drop_nulls().unique().sort().to_list()
+    names = dict(wh.read("cohorts").select("cohort_id", "name").rows())
+    deletes = " and ".join(f"`dxr cohort delete {cohort_id} --with-runs`" for cohort_id in cohort_ids)
+    return (f"run {run_id!r} holds both results ({', '.join(sorted(results['kind'].unique()))}) and the record of "
+            f"what a command made ({', '.join(records)}), as a run id could before dxr refused that: `dxr run "
+            f"delete` deletes results only, and a record goes with what it made, so this run goes only with its "
+            f"cohort{'s' * (len(cohort_ids) > 1)} {', '.join(names.get(c, c) for c in cohort_ids)}, every run on it "
+            f"included: {deletes} (--dry-run first shows what goes)")
+
+
 def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDeletion:
     """Delete a run and everything it wrote; returns what went (with `dry_run`, what would go: nothing changes).
 
@@ -90,6 +105,8 @@ def delete_run(wh: Warehouse, run_id: str, *, dry_run: bool = False) -> RunDelet
         # Forecasts and evaluations hold the run's lock; another kind recorded under the id (a build or a training
         # given --run-id) does not, so refusing it also keeps a delete from racing one still running.
         if records := sorted({kind for kind in registered["kind"] if not kind.startswith(RESULT_KINDS)}):
+            if len(records) < registered["kind"].n_unique():
+                raise NotAResult(mixed_run_refusal(wh, run_id, registered, records))
             raise NotAResult(f"run {run_id!r} is a {', '.join(records)} run, not a forecast or an evaluation: a "
                              "dataset's ingest, a cohort's build and its priors' trainings and promotions record what "
                              "they made and go with it (`dxr cohort delete`)")
