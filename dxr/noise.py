@@ -1,11 +1,12 @@
 """Third-party output that a dxr user can do nothing about, silenced by name in every process that imports dxr.
 
 The CLI, the flows (also when `dxr serve`'s runner imports a served flow) and the benchmarks import `dxr`
-before Lightning or MLflow log anything, and `dxr/__init__` calls `silence_third_party_noise` once. Each
-entry names one logger's messages, one warning's text or a library's documented switch, and says why it is
-safe; everything else those libraries log or warn, and every error, still reaches the user. Nothing is imported
-here: a command that never trains pays nothing. Lightning's progress bar is a Trainer option, set where every
-training builds its Trainer (`models.prior.train.fit_network`).
+before Lightning, MLflow, readability or huggingface_hub log anything or read their settings, and `dxr/__init__`
+calls `silence_third_party_noise` once. Each entry names one logger's messages, one warning's text or a library's
+documented switch, and says why it is safe; everything else those libraries log or warn, and every error that
+dxr does not handle itself, still reaches the user. Nothing is imported here: a command that never trains, reads
+a page or embeds pays nothing. Lightning's progress bar is a Trainer option, set where every training builds its
+Trainer (`models.prior.train.fit_network`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ MLFLOW_MESSAGES = {
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
 }
 
+# readability logs a whole traceback for markup it cannot parse, then raises `Unparseable`, which the web reader
+# catches to keep trafilatura's text (`tools.web.reader.extract`): the page is still read, nothing is wrong.
+READABILITY_MESSAGES = {"readability.readability": ("error getting summary",)}
+
 
 class DropMessages(logging.Filter):
     """Drop the records whose message starts with one of `prefixes`; let every other record through."""
@@ -50,10 +55,10 @@ class DropMessages(logging.Filter):
 
 def silence_third_party_noise() -> None:
     """Install the filters and defaults above, once however often it is called (a user's own
-    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR wins)."""
+    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR or HF_HUB_DISABLE_PROGRESS_BARS wins)."""
     # A logger's filter sees the records logged through it, whichever handlers (Lightning's own, Prefect's
     # console) then print them, so each line goes at its source.
-    dropped = {**{name: LIGHTNING_INFO for name in LIGHTNING_LOGGERS}, **MLFLOW_MESSAGES}
+    dropped = {**{name: LIGHTNING_INFO for name in LIGHTNING_LOGGERS}, **MLFLOW_MESSAGES, **READABILITY_MESSAGES}
     for name, prefixes in dropped.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
@@ -61,6 +66,12 @@ def silence_third_party_noise() -> None:
     # MLflow draws a bar for each artifact download or upload, even into a log file: a model's few small files
     # take milliseconds, and a load that fails still raises (its documented switch).
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # transformers draws a "Loading weights" bar on every model load, i.e. on every dense `dxr corpus search`
+    # (`tools.embeddings`); a corpus build reports its own progress (`tools.index.chunk_progress`). huggingface_hub's
+    # switch, read when it is imported, turns off its bars and transformers' (which follows it) alike; dxr downloads
+    # nothing from the hub (HF_HUB_OFFLINE). Only the bars go: transformers' log level stays, so its report of weights
+    # a model directory lacks (loaded random) still reaches stderr.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # Lightning 2.6 still builds torch's LeafSpec, which torch 2.13 deprecates: Lightning's code to change, not
     # dxr's nor the user's. (A filter already there is moved, not repeated.)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",

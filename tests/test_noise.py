@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 from dxr import noise  # importing dxr installs the filters, as in every dxr process
 
@@ -55,6 +59,31 @@ def test_only_mlflows_pickle_and_schema_notices_are_dropped():
         "Database migration failed: check the store"]) == ["Database migration failed: check the store"]
 
 
+def test_only_readabilitys_traceback_for_markup_it_cannot_parse_is_dropped():
+    assert printed("readability.readability", logging.ERROR, [
+        "error getting summary: ", "ruthless removal did not work. "]) == ["ruthless removal did not work. "]
+
+
+def in_a_fresh_process(code: str, **environment: str) -> subprocess.CompletedProcess:
+    """`code` run as a dxr command runs: a process of its own, in which nothing was imported or switched before."""
+    inherited = {name: value for name, value in os.environ.items() if name != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=inherited | environment, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_a_page_readability_cannot_parse_is_read_without_its_traceback():
+    # The empty page: trafilatura finds no text, and readability's fallback logs a traceback as it raises.
+    result = in_a_fresh_process("from tools.web.reader import extract; print(extract('', 'https://example.org/'))")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "('', '', [])\n", "")
+
+
+def test_transformers_progress_bars_are_off_unless_the_user_turns_them_on():
+    # The switch is read when huggingface_hub is imported, so only a process that imports dxr first shows it.
+    enabled = "import dxr; from transformers.utils import logging; print(logging.is_progress_bar_enabled())"
+    assert in_a_fresh_process(enabled).stdout == "False\n"
+    assert in_a_fresh_process(enabled, HF_HUB_DISABLE_PROGRESS_BARS="0").stdout == "True\n"
+
+
 def test_only_torchs_leafspec_deprecation_is_ignored():
     with warnings.catch_warnings(record=True) as caught:
         noise.silence_third_party_noise()  # pytest restores the warning filters of before the tests' imports
@@ -68,7 +97,8 @@ def test_only_torchs_leafspec_deprecation_is_ignored():
 
 
 def test_silencing_again_adds_nothing():
-    filters = {name: list(logging.getLogger(name).filters) for name in ("mlflow.pytorch", *noise.LIGHTNING_LOGGERS)}
+    names = ("mlflow.pytorch", "readability.readability", *noise.LIGHTNING_LOGGERS)
+    filters = {name: list(logging.getLogger(name).filters) for name in names}
     noise.silence_third_party_noise()
     assert {name: list(logging.getLogger(name).filters) for name in filters} == filters
     assert all(len(kept) == 1 for kept in filters.values())

@@ -47,12 +47,7 @@ class SentenceTransformerEmbedder:
         if not os.path.isdir(path):
             raise ConfigError(f"embedding model directory {path} does not exist: set tools.embedding.path")
         from sentence_transformers import SentenceTransformer
-        from transformers.utils import logging as transformers_logging
 
-        # transformers draws a "Loading weights" bar on every model load, i.e. on every dense `dxr corpus search`;
-        # a build reports its own progress (tools.index.chunk_progress). Only the bar goes: transformers' log level
-        # stays, so its report of weights a model directory lacks (loaded random) still reaches stderr.
-        transformers_logging.disable_progress_bar()
         self.batch_size = batch_size
         self._model = SentenceTransformer(path, device="cpu")
         self._model.max_seq_length = max_seq_length

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import ipaddress
 import json
-import logging
 import socket
 import time
 import urllib.robotparser
@@ -41,8 +40,6 @@ TRANSIENT_STATUSES = frozenset({408, 425, 429, *range(500, 600)})
 # The reader follows redirects itself, so that every hop passes the checks the first URL passes.
 MAX_REDIRECTS = 5
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-# readability logs a whole traceback for markup it cannot parse, then raises; extract() handles the failure.
-logging.getLogger("readability.readability").setLevel(logging.CRITICAL)
 _SKIP_SUFFIXES = (".pdf", ".jpg", ".jpeg", ".png", ".gif", ".svg", ".zip", ".gz", ".mp4", ".mp3", ".css", ".js")
 
 
