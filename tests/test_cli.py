@@ -502,7 +502,8 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     # A mistyped second run is reported before the first is evaluated, not after minutes of bootstrap.
     line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", data_dir=data_dir))
     assert line == (f"Error: run 'r2' has no rankings in the warehouse at {data_dir}: run a forecast first "
-                    "(dxr forecast …), check --data-dir, or list the forecast runs with `dxr run list --kind forecast`")
+                    "(dxr forecast …), check --data-dir, or list the forecast runs with "
+                    "`dxr run list --kind forecast`")
     assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
     # So is a pair or pool naming a system one of the runs lacks, before the bootstrap of any run.
     assert run("forecast", "--cohort", "default", "--system", "global_frequency", "--split", "all", "--run-id", "r2",
