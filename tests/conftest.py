@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -96,6 +97,17 @@ THIRD_PARTY_NOISE = {
     "MLflow's artifact progress bar": r"Downloading artifacts|Uploading artifacts",
     "MLflow's schema creation": r"MLflow database tables|Updating database tables",
 }
+
+
+class LoggedMessages(logging.Handler):
+    """The messages of `level` and above that a logger hands to its handlers (those its filters let through)."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def dx(code: str) -> str:

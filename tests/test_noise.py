@@ -10,22 +10,12 @@ import warnings
 from pathlib import Path
 
 from dxr import noise  # importing dxr installs the filters, as in every dxr process
-
-
-class Lines(logging.Handler):
-    """The messages a logger hands to its handlers, i.e. those its filters let through."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from tests.conftest import LoggedMessages
 
 
 def printed(logger_name: str, level: int, messages: list[str]) -> list[str]:
     logger = logging.getLogger(logger_name)
-    lines, level_before = Lines(), logger.level
+    lines, level_before = LoggedMessages(logging.DEBUG), logger.level
     logger.addHandler(lines)
     logger.setLevel(logging.DEBUG)
     try:

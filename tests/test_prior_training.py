@@ -29,7 +29,7 @@ from models.prior.forecaster import RegisteredPrior
 from models.prior.planted import SPLIT_CYCLE, write_planted_cohort
 from tasks.forecast import cached_forecast_shard, clear_outputs, forecast_shard_task, shard_inputs
 from tasks.prior import ensure_prior, train_prior, training_identity
-from tests.conftest import THIRD_PARTY_NOISE, flow_run_names
+from tests.conftest import THIRD_PARTY_NOISE, LoggedMessages, flow_run_names
 from tests.sentinel import forecast_store_texts
 from warehouse.runs import record_run, registered_run
 from warehouse.store import Warehouse
@@ -50,7 +50,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("prior_wh")
     wh = Warehouse(root)
     cohort = write_planted_cohort(wh, n_patients=N_PATIENTS, seed=2, extra_target_codes=SENTINELS)
-    progress = EpochLines()
+    progress = LoggedMessages(logging.INFO)
     logger = logging.getLogger("tasks.prior")  # outside a flow, the epoch lines go to the module logger
     logger.addHandler(progress)
     logger.setLevel(logging.INFO)
@@ -60,15 +60,6 @@ def trained(tmp_path_factory):
         logger.removeHandler(progress)
         logger.setLevel(logging.NOTSET)
     return wh, cohort, result, progress.lines
-
-
-class EpochLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
@@ -289,7 +280,7 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     # Three planted patients are all train (SPLIT_CYCLE), as the MIMIC-III demo's two tuning patients have one
     # visit each before their target: nothing to validate on, so the last epoch's weights are registered.
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=3, seed=4)
-    progress = EpochLines()
+    progress = LoggedMessages(logging.INFO)
     logger = logging.getLogger("tasks.prior")
     logger.addHandler(progress)
     logger.setLevel(logging.INFO)
