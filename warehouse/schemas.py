@@ -207,8 +207,13 @@ TABLES: dict[str, Table] = {
            "{precision_at_k, recall_at_k, micro_precision, micro_recall, micro_f1, macro_f1} (spec/evaluation.md "
            "§1); `subset` in {all, icd9, icd10, new_onset, repeated, freq_0, freq_1_9, freq_10_99, freq_100plus} "
            "restricts the target codes "
-           "(a subset no trajectory has a target code of has no rows); `k` = 0 is the variable-cardinality version "
-           "(K = the length of each trajectory's whole list); `n` counts the trajectories, `n_runs` the runs averaged. "
+           "(a subset no trajectory has a target code of has no rows; `repeated`: the code is among the trajectory's "
+           "pre-target diagnoses; `freq_*`: the code's number of diagnosis rows in `train_events`, so a code recorded "
+           "twice in one stay, or two source codes harmonized to one, counts twice); `k` = 0 is the "
+           "variable-cardinality version (K = the length of each trajectory's whole list); `n` counts the "
+           "trajectories, and the per-trajectory metrics (precision_at_k, recall_at_k, macro_f1) are their means, so "
+           "with `--target every` a patient counts once per trajectory (the bootstrap resamples patients); `n_runs` "
+           "counts the runs averaged. "
            "`ci_low` and `ci_high` are null when the evaluation ran without a bootstrap (`--bootstrap 0`).",
            nullable=["ci_low", "ci_high"]),
         # ---- gold -----------------------------------------------------------------------------
