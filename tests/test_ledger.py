@@ -69,7 +69,7 @@ REMOVED = [
     ("heart failure admitted July 2180", "heart failure admitted", [("date", "July 2180")]),
     ("CHF readmission 2180 Jul 23 diuretic", "CHF readmission diuretic", [("date", "2180 Jul 23")]),
     ("sepsis since 2153 dialysis", "sepsis dialysis", [("date", "2153")]),
-    ("dementia born 1882", "dementia born", [("date", "1882")]),
+    ("dementia born 1882", "dementia", [("date", "1882")]),
     ("heart failure since 03/2180 diuretic", "heart failure diuretic", [("date", "03/2180")]),
     ("heart failure since 2019-03 diuretic", "heart failure diuretic", [("date", "2019-03")]),
     # A time word right before a date goes with it, as do the words joining dates; other words stay.
@@ -141,6 +141,12 @@ DANGLING = [
     ("DOB: 3/14/1950 dementia", "dementia", [("date", "3/14/1950")]),
     ("date of birth 3/14/1950 dementia", "dementia", [("date", "3/14/1950")]),
     ("admission date: 3/14/2019 sepsis", "admission sepsis", [("date", "3/14/2019")]),
+    ("dementia born in March 1882 falls", "dementia falls", [("date", "March 1882")]),
+    ("dementia, born on 3/14/1950, falls", "dementia, falls", [("date", "3/14/1950")]),
+    ("year of birth 1950 dementia", "dementia", [("date", "1950")]),
+    ("dementia birth year: 1950", "dementia", [("date", "1950")]),
+    ("dementia dob: 1950", "dementia", [("date", "1950")]),
+    ("first-born 2019 cohort", "first-born cohort", [("date", "2019")]),
     ("date of admission: 3/14/2019 sepsis", "admission sepsis", [("date", "3/14/2019")]),
     ("insulin starting on 3/14 hypoglycemia", "insulin hypoglycemia", [("date", "3/14")]),
     ("copd as at 2019 exacerbation", "copd exacerbation", [("date", "2019")]),
@@ -159,6 +165,13 @@ DANGLING = [
     ("CKD progression and 2019", "CKD progression", [("date", "2019")]),
     ("MRN 12345 and sepsis", "sepsis", [("identifier", "MRN 12345")]),
     ("sepsis, 2019 and CKD", "sepsis, CKD", [("date", "2019")]),
+    # A comma between a conjunction and a removal goes with the conjunction; set off by commas, the removal was an
+    # aside, and the conjunction keeps both its sides.
+    ("sepsis, MRN 12345, and culture", "sepsis, culture", [("identifier", "MRN 12345")]),
+    ("MRN 12345, and sepsis", "sepsis", [("identifier", "MRN 12345")]),
+    ("sepsis and, MRN 12345.", "sepsis", [("identifier", "MRN 12345")]),
+    ("sepsis and, MRN 12345, culture", "sepsis and culture", [("identifier", "MRN 12345")]),
+    ("sepsis or, 2019 culture", "sepsis or culture", [("date", "2019")]),
     # Brackets and symbols that held only what was removed.
     ("copd (MRN 12345) heart failure", "copd heart failure", [("identifier", "MRN 12345")]),
     ("copd [2019] heart failure", "copd heart failure", [("date", "2019")]),
@@ -186,6 +199,7 @@ KEPT = [
     "relapse on the 2nd line of therapy", "chest pain on the 3rd troponin", "date of diagnosis and outcome",
     "DOB unknown dementia", "Monday morning admissions", "at the end of life care",
     "mid-life hypertension", "sepsis (culture negative)", "heart failure and CKD with fever",
+    "born prematurely at 32 weeks", "sepsis and, culture",
 ]
 
 
@@ -201,22 +215,46 @@ def test_sanitizer_leaves_no_word_that_served_only_what_it_removed(query, left, 
     assert (clean.text, clean.removed) == (left, removed)
 
 
-def test_sanitizer_answers_at_once_for_a_chain_of_prepositions_before_no_identifier():
-    # Prepositions both lists held ("on", "at", "in") were each matched two ways, so the regex retried 2^n ways:
-    # 40 words took minutes. The alarm turns a hang into a failure (the regex engine checks signals as it runs).
-    query = "on or at or in or " * 10 + "copd"
+# Queries built to make the sanitizer slow, each with what is left. 100,000 characters take about a second; the code
+# before linear matching took minutes on each but the first, which took minutes at 40 words before 92c6857.
+ADVERSARIAL = [
+    # Prepositions joined by "or" that no removal follows: read again from each of them, the chain was quadratic.
+    ("on or at or in or " * 10 + "copd", " ".join(("on or at or in or " * 10 + "copd").split()), []),
+    ("on or at or in or " * 5555 + "copd", " ".join(("on or at or in or " * 5555 + "copd").split()), []),
+    # The same chain before a date: only its last word is a time word.
+    ("with or " * 12500 + "on 2019 copd", "with or " * 12500 + "copd", [("date", "2019")]),
+    # A run of name characters with no '@': read to its end from every word boundary in it.
+    ("1-" * 49999 + "1", "1-" * 49999 + "1", []),
+]
 
+
+@pytest.mark.parametrize(("query", "left", "removed"), ADVERSARIAL, ids=[q[:40] for q, _, _ in ADVERSARIAL])
+def test_sanitizer_takes_time_linear_in_the_query(query, left, removed):
+    clean = _within_seconds(10, sanitize_query, query)
+    assert (clean.text, clean.removed) == (left, removed)
+
+
+def test_sanitizer_refuses_dates_nested_deeper_than_its_passes_at_once():
+    # Each pass joins the day and month around the last removal into a new date: one pass per level, each reading
+    # the whole query, took minutes for 20,000 characters. Three levels still pass.
+    assert sanitize_query("anemia " + "14 " * 3 + "12345 " + "Mar " * 3 + "transfusion").text == "anemia transfusion"
+    query = "anemia " + "14 " * 3000 + "12345 " + "Mar " * 3000 + "transfusion"
+    with pytest.raises(InputError, match=r"\(21,024 characters\) still shows a new date or identifier after 5 passes"):
+        _within_seconds(10, sanitize_query, query)
+
+
+def _within_seconds(seconds, function, *args):
+    """The call's result, or TimeoutError after `seconds` (the regex engine checks signals as it runs)."""
     def too_slow(signum, frame):
-        raise TimeoutError(f"sanitize_query took over 5 s on {query!r}")
+        raise TimeoutError(f"{function.__name__} took over {seconds} s on {args[0][:60]!r}...")
 
     previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.alarm(5)
+    signal.alarm(seconds)
     try:
-        clean = sanitize_query(query)
+        return function(*args)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    assert (clean.text, clean.removed) == (" ".join(query.split()), [])
 
 
 @pytest.mark.parametrize("query", KEPT)

@@ -5,15 +5,17 @@ alphabetic prefix, long digit runs, phone and SSN shapes, e-mail addresses, URLs
 with or without a year, month names with a day or a year in any order, times) and cuts any run of
 more than `max_verbatim_words` consecutive words copied from the patient's record. The words that
 served only what was removed go with it, so none dangles: a time word or label before a date ("seen
-on 3/14" -> "seen", "DOB: 3/14/1950"), any preposition before an identifier ("admitted on MRN 12345
-with chest pain" -> "admitted with chest pain"), the open end of a range ("smoker from 2019 to
-present" -> "smoker"), brackets left empty, and a preposition ending the words a verbatim cut keeps.
+on 3/14" -> "seen", "DOB: 3/14/1950", "born in 1882"), any preposition before an identifier
+("admitted on MRN 12345 with chest pain" -> "admitted with chest pain"), the open end of a range
+("smoker from 2019 to present" -> "smoker"), a conjunction left with one side, brackets left empty,
+and a preposition ending the words a verbatim cut keeps.
 Clinical numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
 """
 
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass, field
 
 from dxr.errors import InputError
@@ -60,7 +62,9 @@ _ORDINAL_DAY = (r"(?:(?<=\bon\s)|(?<=\bby\s)|(?<=\bsince\s)|(?<=\buntil\s)|(?<=\
                 rf"{_ORDINAL}(?:\s*(?:,|and|or|to|-)\s*(?:the\s+)?{_ORDINAL})*(?:\s+of\s+the\s+month\b)?{_PHRASE_END}")
 _PATTERNS: list[tuple[str, re.Pattern]] = [
     ("url", re.compile(r"https?://\S+|www\.\S+", re.I)),
-    ("email", re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.-]+\b")),
+    # From the start of its run of name characters only: tried at each word boundary inside a long run with no '@'
+    # ("1-1-1-..."), the name would be read to its end from every one of them.
+    ("email", re.compile(r"(?<![\w.+-])(?=[.+-]*\w)[\w.+-]+@[\w-]+\.[\w.-]+\b")),
     ("identifier", re.compile(rf"\b(?:{_ID_WORDS}){_ID_LABEL}{_ID_PREFIX}\d[\w-]*", re.I)),
     ("identifier", re.compile(rf"\b(?:{_ID_NOUNS}){_ID_LABEL}(?:\d+(?![\w-]|\.\d)|{_ID_PREFIX}\d{{3,}}[\w-]*\b)"
                               rf"{_NOT_A_QUANTITY}", re.I)),
@@ -101,11 +105,34 @@ _IDENTIFIER_GAP = "\ue001"
 # time words, and only right before the date, so "on warfarin since 2019" keeps its "on". A participle that only
 # introduces the date goes too ("starting on 3/14"), and so does a label that names it ("DOB: 3/14/1950",
 # "note dated 3/14", "admission date: 3/14" -> "admission").
-_TIME_PREPOSITION = (r"as\s+of|as\s+at|as\s+from|on|at|in|since|from|between|until|till|through|by|before|after|"
-                     r"during|around|circa|prior\s+to|up\s+to|(?:no\s+)?(?:later|earlier|sooner)\s+than")
-_TIME_PREPOSITIONS = rf"(?:{_TIME_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_TIME_PREPOSITION}))*"
+_TIME_PREPOSITION_PHRASES = ("as of", "as at", "as from", "on", "at", "in", "since", "from", "between", "until", "till",
+                             "through", "by", "before", "after", "during", "around", "circa", "prior to", "up to",
+                             "no later than", "no earlier than", "no sooner than", "later than", "earlier than",
+                             "sooner than")
+
+
+def _chain(phrases: tuple[str, ...]) -> str:
+    """Prepositions joined by 'or'/'and' ("on or after"), matched only from the first one of a chain.
+
+    Started at each word of a long chain that no removal follows ("on or at or in or ..."), the regex would read the
+    rest of the chain from every one of them: quadratic. A later word adds nothing, since the chain from the first
+    word ends at the same places, so a word after a preposition and 'or'/'and' does not start one. Look-behinds have a
+    fixed width, so there is one per width; they read single spaces, which the text has when this runs.
+    """
+    by_width: dict[int, list[str]] = {}
+    for phrase in phrases:
+        for conjunction in ("or", "and"):
+            before = f"{phrase} {conjunction} "
+            by_width.setdefault(len(before), []).append(re.escape(before))
+    not_inside = "".join(rf"(?<!\b(?:{'|'.join(befores)}))" for befores in by_width.values())
+    element = "|".join(re.escape(phrase).replace(r"\ ", r"\s+") for phrase in phrases)
+    return rf"\b{not_inside}(?:{element})(?:\s+(?:or|and)\s+(?:{element}))*"
+
+
+_TIME_PREPOSITIONS = _chain(_TIME_PREPOSITION_PHRASES)
 _TIME_PARTICIPLE = r"effective|starting|beginning|commencing|ending"
-_DATE_LABEL = r"dob|d\.o\.b\.?|date\s+of\s+birth|birth\s*date|dated|date"
+# "born" is a label too ("born in 1882"), but not the end of a word such as "first-born".
+_DATE_LABEL = r"dob|d\.o\.b\.?|date\s+of\s+birth|birth\s*date|year\s+of\s+birth|birth\s*year|(?<!-)born|dated|date"
 # "date of admission: 3/14" keeps the event it dates: "admission".
 _DATE_OF_EVENT = re.compile(rf"\bdate\s+of\s+(?!birth\b)([^\W\d_]+)\s*[:=]?\s*(?={_DATE_GAP})", re.I)
 # A word placing the time within the date goes with it: "in early 2019", "on the 2019-03-14", "mid-2019", "in the
@@ -138,26 +165,37 @@ _PHRASE_END_PREPOSITION = r"for|to|of"
 # it ("MRN is 12345").
 # Each word once: one matched by two alternatives doubles, at every word of a chain ("on or at or in or ..."), the ways
 # the regex retries when no identifier follows, which took minutes on a query of 30 words.
-_IDENTIFIER_PREPOSITION = (rf"{_TIME_PREPOSITION}|"
-                           rf"{'|'.join(word for word in _PREPOSITIONS if not re.fullmatch(_TIME_PREPOSITION, word))}")
-_IDENTIFIER_PREPOSITIONS = rf"(?:{_IDENTIFIER_PREPOSITION})(?:\s+(?:or|and)\s+(?:{_IDENTIFIER_PREPOSITION}))*"
+_IDENTIFIER_PREPOSITIONS = _chain(_TIME_PREPOSITION_PHRASES
+                                  + tuple(word for word in _PREPOSITIONS if word not in _TIME_PREPOSITION_PHRASES))
 # Each removal with its words, tried in this order at each place: a range opened before a date (its open end goes
 # whatever follows), an identifier with any preposition or record word before it, "for"/"to"/"of" before a date
-# ending its phrase, a date with its participle and time words, a date with its label.
+# ending its phrase, a date with its participle and time words, a date with its label and time words ("born in").
 _REMOVAL_WITH_ITS_WORDS = re.compile(
     rf"\b(?:{_RANGE_OPENER})\s+{_GAP}{_RANGE_END}"
-    rf"|(?:\b{_IDENTIFIER_PREPOSITIONS}\s+)?(?:\b(?:{_ID_WORDS})\s*(?:(?:is|was|of)\s+|[:=#]\s*)?)?"
+    rf"|(?:{_IDENTIFIER_PREPOSITIONS}\s+)?(?:\b(?:{_ID_WORDS})\s*(?:(?:is|was|of)\s+|[:=#]\s*)?)?"
     rf"(?={_IDENTIFIER_GAP}){_GAP}{_GUARDED_RANGE_END}"
     rf"|\b(?:{_PHRASE_END_PREPOSITION})\s+{_GAP}{_GUARDED_RANGE_END}{_PHRASE_END}"
-    rf"|(?:\b(?:{_TIME_PARTICIPLE})\s+)?(?:\b{_TIME_PREPOSITIONS}\s+)?{_GAP}{_GUARDED_RANGE_END}"
-    rf"|\b(?:{_DATE_LABEL})\s*[:=]?\s*{_GAP}{_GUARDED_RANGE_END}", re.I)
+    rf"|(?:\b(?:{_TIME_PARTICIPLE})\s+)?(?:{_TIME_PREPOSITIONS}\s+)?{_GAP}{_GUARDED_RANGE_END}"
+    rf"|\b(?:{_DATE_LABEL})\s*[:=]?\s*(?:{_TIME_PREPOSITIONS}\s+)?{_GAP}{_GUARDED_RANGE_END}", re.I)
 # Where a removal with its words was, until a conjunction it leaves without one of its sides is gone too:
-# "heart failure and MRN 12345 with fever", "CKD and 2019", "MRN 12345 and sepsis", "sepsis, 2019 and CKD".
+# "heart failure and MRN 12345 with fever", "CKD and 2019", "MRN 12345 and sepsis", "sepsis, 2019 and CKD". A comma
+# between the two goes with the conjunction: "sepsis, MRN 12345, and culture" -> "sepsis, culture".
 _REMOVED = "\ue002"
 _CONJUNCTION = r"and|or|but|nor"
 _DANGLING_CONJUNCTION = re.compile(
-    rf"\b(?:{_CONJUNCTION})\s+{_REMOVED}(?:\s*{_REMOVED})*{_PHRASE_END}"
-    rf"|(?:^|(?<=[,;:(\[]))\s*{_REMOVED}(?:\s*{_REMOVED})*\s+(?:{_CONJUNCTION})\b", re.I)
+    rf"\b(?:{_CONJUNCTION})\s*,?\s+{_REMOVED}(?:\s*{_REMOVED})*{_PHRASE_END}"
+    rf"|(?:^|(?<=[,;:(\[]))\s*{_REMOVED}(?:\s*{_REMOVED})*\s*,?\s+(?:{_CONJUNCTION})\b", re.I)
+# A removal set off by commas after a conjunction was an aside, and its commas go with it, while the conjunction keeps
+# its sides: "sepsis and, MRN 12345, culture" -> "sepsis and culture". Where the phrase ends after it, the conjunction
+# lost a side and goes too ("sepsis and, MRN 12345." -> "sepsis").
+_ASIDE_AFTER_A_CONJUNCTION = re.compile(
+    rf"\b({_CONJUNCTION})\s*,\s*{_REMOVED}(?:\s*{_REMOVED})*(?:\s*,)?(?!{_PHRASE_END})", re.I)
+
+# Each pass takes what the one before brought together, and the last finds nothing: a query needs at most three ("Mar
+# 12345 14"), unless it nests dates in dates ("14 14 12345 Mar Mar" needs four), one more pass for each level. Each
+# pass reads the whole query, so nesting a level every few words would take time quadratic in its length: such a query
+# is refused instead.
+_MOST_PASSES = 5
 
 
 @dataclass
@@ -190,20 +228,14 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
             text = re.sub(re.escape(literal), f" {_IDENTIFIER_GAP} ", text, flags=re.I)
     # Again until nothing matches: a removal brings together what stood on either side of it, and that may be a
     # date ("Mar 12345 14" is "Mar 14" once the identifier is gone).
-    found = True
-    while found:
-        found = False
-        # One space between words, as the fixed-width look-behinds of the ordinal day expect ("on the 3rd").
-        text = " ".join(text.split())
-        for kind, pattern in _PATTERNS:
-            matches = [" ".join(match.group(0).split()) for match in pattern.finditer(text)]
-            if matches:
-                found = True
-                removed.extend((kind, match) for match in matches)
-                text = pattern.sub(f" {_DATE_GAP if kind == 'date' else _IDENTIFIER_GAP} ", text)
-        text = _DATE_OF_EVENT.sub(r"\1 ", text)
-        text = _REMOVAL_WITH_ITS_WORDS.sub(f" {_REMOVED} ", text)
-        text = _DANGLING_CONJUNCTION.sub(" ", text).replace(_REMOVED, " ")
+    for _ in range(_MOST_PASSES):
+        text, found = _remove_once(text, removed)
+        if not found:
+            break
+    else:
+        raise InputError(f"query {reprlib.repr(query)} ({len(query):,} characters) still shows a new date or "
+                         f"identifier after {_MOST_PASSES} passes, each joining the words around what the one before "
+                         "removed: phrase it with clinical terms only")
     text = _EMPTY_BRACKETS.sub(" ", text)
     tokens = [token for token in text.split() if not _LEFTOVER.fullmatch(token)]
     if patient_text:
@@ -214,6 +246,23 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
         raise InputError(f"query {query!r} has nothing left after removing identifiers, dates and verbatim "
                          "record spans: phrase it with clinical terms only")
     return SanitizedQuery(cleaned, removed)
+
+
+def _remove_once(text: str, removed: list[tuple[str, str]]) -> tuple[str, bool]:
+    """One pass of every pattern, then the words that served what they removed; says whether a pattern matched."""
+    found = False
+    # One space between words, as the fixed-width look-behinds of the ordinal day expect ("on the 3rd").
+    text = " ".join(text.split())
+    for kind, pattern in _PATTERNS:
+        matches = [" ".join(match.group(0).split()) for match in pattern.finditer(text)]
+        if matches:
+            found = True
+            removed.extend((kind, match) for match in matches)
+            text = pattern.sub(f" {_DATE_GAP if kind == 'date' else _IDENTIFIER_GAP} ", text)
+    # Single spaces again, as the look-behinds of a preposition chain expect.
+    text = " ".join(_DATE_OF_EVENT.sub(r"\1 ", text).split())
+    text = _ASIDE_AFTER_A_CONJUNCTION.sub(r"\1 ", _REMOVAL_WITH_ITS_WORDS.sub(f" {_REMOVED} ", text))
+    return _DANGLING_CONJUNCTION.sub(" ", text).replace(_REMOVED, " "), found
 
 
 def _cut_verbatim(tokens: list[str], patient_text: str, limit: int) -> tuple[list[str], list[str]]:
