@@ -238,6 +238,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
                         FROM {shards}""")
         # The MIMIC importers flag the birth date they moved to cap an age above 89 (`time_imputed`, a MEDS
         # extension column a dataset may lack): read apart from `raw`, whose other events it does not concern.
+        # This second pass reads three columns: on the generated MIMIC-IV set (9.9M events) it cost 0.4 s of CPU
+        # against 38-40 s for the whole build (2026-12-05), so folding it into `raw` would save about 1%.
         flagged = "time_imputed" in con.sql(f"SELECT * FROM {shards} LIMIT 0").columns
         con.execute("CREATE TEMP TABLE imputed_births AS SELECT DISTINCT subject_id " + (
             f"FROM {shards} WHERE code = 'MEDS_BIRTH' AND TRY_CAST(time_imputed AS BOOLEAN)" if flagged
