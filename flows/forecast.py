@@ -60,12 +60,10 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         model = pinned_model(wh, cohort_id, system)
         if model is not None:
             config["model"] = model
-        # The check and the `running` row under one lock: two systems started together into one new run on
-        # different cohorts would otherwise both pass the check before either is recorded.
-        with held(wh, f"run-register:{run_id}", shared=False, wait=10.0,
-                  busy=f"run {run_id!r} is being registered by another dxr process"):
-            check_rerun(wh, run_id, config)
-            run = stack.enter_context(registered_run(wh, f"forecast:{system}", config, run_id, cohort_id))
+        # Checked with the `running` row under the run's registration lock: two systems started together into one
+        # new run on different cohorts would otherwise both pass the check before either is recorded.
+        run = stack.enter_context(registered_run(wh, f"forecast:{system}", config, run_id, cohort_id,
+                                                 check=lambda: check_rerun(wh, run_id, config)))
         for fused in clear_outputs(wh, run.run_id, system):
             stage_logger(__name__).warning(
                 "removed %s's lists of run %s: they fused the %s lists this run replaces; forecast %s "

@@ -386,6 +386,31 @@ def test_a_run_id_that_cannot_be_a_partition_is_refused_before_its_marker_is_wri
     assert not (wh.root / "forecast" / "runs").exists()
 
 
+def test_a_run_id_is_checked_and_its_first_row_written_under_its_registration_lock(wh):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from warehouse.runs import record_run, registered_run, registration_lock
+    from warehouse.schemas import utc_now
+
+    # A forecast and a build started at the same instant on one new run id both passed `check_run_kind`, neither
+    # having written its `runs` row yet, and left a run id holding results and a record, which `dxr run delete`
+    # refuses. Here the forecast holds the lock (as it does from its check to its `running` row); the build waits.
+    def build() -> None:
+        with registered_run(wh, "cohort", {}, "r1"):
+            raise AssertionError("the build ran under a run id that a forecast registered")
+
+    with ThreadPoolExecutor(1) as pool:
+        with held(wh, registration_lock("r1"), shared=False, busy="a forecast registering r1"):
+            building = pool.submit(build)
+            time.sleep(0.5)
+            assert not building.done() and wh.read("runs").is_empty()
+            record_run(wh, "r1", "c1", "forecast:repeat_history", {}, "running", utc_now())
+        with pytest.raises(InputError, match=r"^run id 'r1' already holds results \(forecast:repeat_history\), and a "
+                                             r"cohort run is a record"):
+            building.result(timeout=30)
+    assert wh.read("runs").select("run_id", "kind").rows() == [("r1", "forecast:repeat_history")]
+
+
 def test_running_rows_written_before_the_markers_are_still_found_once(wh):
     from datetime import datetime
 

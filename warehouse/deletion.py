@@ -22,7 +22,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from warehouse.locks import remove_unheld
-from warehouse.runs import RESULT_KINDS, record_lock
+from warehouse.runs import RESULT_KINDS, record_lock, registration_lock
 from warehouse.schemas import RUN_TABLES, SYSTEMS, TABLES
 from warehouse.store import COMMIT_DIR, PART_FILE, Warehouse, finish_commits
 
@@ -73,13 +73,14 @@ class Removal:
 
 def run_locks(runs: pl.DataFrame) -> list[str]:
     """The locks taken under the ids of the `runs` rows (run_id, kind) that a delete removes: each row's record lock
-    (`warehouse.runs.registered_run`), and for a result run also those its forecasts and evaluation take (`run:`,
-    `run-register:` and `run-system:` in `flows.forecast` and `warehouse.runs.holding_run`), the last for every
-    system, since a fused forecast takes those of the systems it reads too."""
+    and each id's registration lock (`warehouse.runs.registered_run`), and for a result run also those its forecasts
+    and evaluation take (`run:` and `run-system:` in `flows.forecast` and `warehouse.runs.holding_run`), the last for
+    every system, since a fused forecast takes those of the systems it reads too."""
     rows = sorted(set(runs.select("run_id", "kind").rows()))
     locks = [record_lock(run_id, kind) for run_id, kind in rows]
+    locks += [registration_lock(run_id) for run_id in sorted({run_id for run_id, _ in rows})]
     for run_id in sorted({run_id for run_id, kind in rows if kind.startswith(RESULT_KINDS)}):
-        locks += [f"run:{run_id}", f"run-register:{run_id}", *(f"run-system:{run_id}|{system}" for system in SYSTEMS)]
+        locks += [f"run:{run_id}", *(f"run-system:{run_id}|{system}" for system in SYSTEMS)]
     return locks
 
 

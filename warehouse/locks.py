@@ -22,7 +22,9 @@ Resources, and who holds them:
   documents and chunks (`tools.corpus.reading_corpora`);
 - `mlflow-store`: exclusive while the data dir's own MLflow store is created (`models.prior.tracking`);
 - `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a run marked in progress
-  (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`).
+  (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`);
+- `run-register:<id>`: exclusive (waited for) while a registered run given that id checks the kinds it holds and
+  writes its `running` row (`warehouse.runs.registered_run`), so kinds that exclude each other never both start on it.
 
 A lock file lives only while the lock is held: the last holder to release it (the one that can
 take it exclusively) unlinks it, so `.locks` holds the locks in use rather than one file per run

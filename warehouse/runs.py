@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import duckdb
 import polars as pl
@@ -185,26 +185,41 @@ def check_run_kind(wh: Warehouse, run_id: str, kind: str) -> None:
                          "deletes results only, so it could not delete a run id that holds both")
 
 
+def registration_lock(run_id: str) -> str:
+    """The lock under which a run id's recorded kinds are checked and a new kind's first `runs` row is written."""
+    return f"run-register:{run_id}"
+
+
 @contextmanager
 def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = None,
-                   cohort_id: str | None = None) -> Iterator[Run]:
+                   cohort_id: str | None = None, check: Callable[[], None] | None = None) -> Iterator[Run]:
     """Record a run as `running`, then `finished` or `failed` (re-raising) when the body ends.
 
+    A given run id is checked (`check_run_kind`, then the caller's own `check`, such as a forecast's refusal of
+    other options) and its `running` row written under its registration lock, so that two processes starting
+    kinds that exclude each other on one new run id at the same instant cannot both pass: the second waits for
+    the first's row and is refused. A generated run id is new, so nothing can race it there.
     The run's record lock is held from before its marker and `running` row until after the last
     row and the marker's removal, so a marker whose lock is free was left by a killed process
     (`mark_killed`).
     """
     # Checked before the marker: the registry write refusing it would leave the marker behind for good.
-    if run_id:
-        check_run_kind(wh, check_run_id(run_id), kind)
-    run = Run(run_id or new_run_id(kind.split(":")[0]), kind, config, cohort_id)
+    run = Run(check_run_id(run_id) if run_id else new_run_id(kind.split(":")[0]), kind, config, cohort_id)
     mark_killed(wh)
-    # `wait`: another process's `mark_killed` may hold the lock for a moment.
-    with held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
-              busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"):
-        started = utc_now()
-        marker = _write_marker(wh, run.run_id, kind)
-        record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
+    with ExitStack() as recording:
+        with ExitStack() as registering:
+            if run_id:
+                registering.enter_context(held(wh, registration_lock(run_id), shared=False, wait=10.0,
+                                               busy=f"run {run_id!r} is being registered by another dxr process"))
+                check_run_kind(wh, run_id, kind)
+                if check is not None:
+                    check()
+            # `wait`: another process's `mark_killed` may hold the lock for a moment.
+            recording.enter_context(held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
+                                         busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"))
+            started = utc_now()
+            marker = _write_marker(wh, run.run_id, kind)
+            record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
         try:
             yield run
         except BaseException:
