@@ -88,6 +88,27 @@ def killed_attempt(wh: Warehouse, attempt: MlflowRun, run_id: str, system: str) 
     return recorded["status"].to_list() == ["killed"]
 
 
+def end_killed_trainings(data_dir: str, configured: PriorConfig, trainings: list[dict]) -> list[str]:
+    """End as KILLED the MLflow runs still RUNNING of killed trainings, given as their `runs` rows (run_id, kind,
+    config_json), each in the tracking store and experiment it recorded (else the configured ones); returns their
+    MLflow run ids.
+
+    For `dxr cohort delete`, which removes those rows: without them no later training can tell that the MLflow runs
+    belong to killed trainings (`killed_attempt`), and they would show RUNNING for good.
+    """
+    by_experiment: dict[tuple[str | None, str], set[tuple[str, str]]] = {}
+    for row in trainings:
+        prior = json.loads(row["config_json"]).get("prior", {})
+        where = (prior.get("tracking_uri", configured.tracking_uri), prior.get("experiment", configured.experiment))
+        by_experiment.setdefault(where, set()).add((row["run_id"], row["kind"].removeprefix("train:")))
+    ended = []
+    for (uri, experiment), killed in sorted(by_experiment.items(), key=str):
+        tracking.use_tracking(data_dir, uri, experiment)
+        ended += tracking.end_killed_attempts(
+            lambda attempt: (attempt.data.tags.get("dxr.run_id"), attempt.data.tags.get("system")) in killed)
+    return ended
+
+
 def run_prior_config(data_dir: str, cfg: PriorConfig | None) -> PriorConfig:
     """The configured prior settings with the fields `cfg` sets (`model_fields_set`) over them.
 

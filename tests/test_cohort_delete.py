@@ -228,6 +228,40 @@ def test_a_deleted_cohort_leaves_no_lock_file_that_a_killed_forecast_of_it_left(
     assert lock_files(wh) == [] and empty_partition_dirs(wh) == []
 
 
+def test_the_mlflow_runs_that_killed_trainings_of_the_cohort_left_running_end_as_killed(two_cohorts):
+    from models.prior import tracking
+    from warehouse.runs import _write_marker
+
+    # A killed training leaves its MLflow run RUNNING, which the next training ends as KILLED only while the registry
+    # records that training as killed (`tasks.prior.killed_attempt`): the delete removed that record, so the run
+    # stayed RUNNING for good.
+    wh, old, kept = two_cohorts
+    prior = {"prior": {"tracking_uri": None, "experiment": "dxr-ehr-prior"}}  # what a training records of its store
+    record_run(wh, "t-killed", old, "train:gru", prior, "killed", datetime(2026, 12, 5))
+    # Killed too, though no run has started since to record it: `running`, its marker left, its record lock free.
+    record_run(wh, "t-dead", old, "train:dense_prior", prior, "running", datetime(2026, 12, 5))
+    _write_marker(wh, "t-dead", "train:dense_prior")
+    record_run(wh, "t-other", kept, "train:gru", prior, "killed", datetime(2026, 12, 5))  # another cohort's
+    tracking.use_tracking(wh.root, None, "dxr-ehr-prior")
+    client = tracking.MlflowClient()
+    experiment = client.get_experiment_by_name("dxr-ehr-prior").experiment_id
+    mlflow_runs = {run_id: client.create_run(experiment, tags={"dxr.run_id": run_id, "system": system}).info.run_id
+                   for run_id, system in (("t-killed", "gru"), ("t-dead", "dense_prior"), ("t-other", "gru"),
+                                          ("r-old-train", "ehr_prior"))}  # the last: a training recorded finished
+
+    assert cli(wh, "cohort", "delete", old, "--with-runs", "--dry-run")[0] == 0
+    assert {client.get_run(run).info.status for run in mlflow_runs.values()} == {"RUNNING"}
+    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+
+    assert code == 0, err
+    ended = sorted(mlflow_runs[run_id] for run_id in ("t-killed", "t-dead"))
+    assert out.splitlines()[-1] == (f"note: MLflow run(s) {', '.join(ended)} of the cohort's killed trainings, left "
+                                    "RUNNING, ended as KILLED (the runs and their artifacts stay)")
+    assert {run_id: client.get_run(run).info.status for run_id, run in mlflow_runs.items()} == {
+        "t-killed": "KILLED", "t-dead": "KILLED", "t-other": "RUNNING", "r-old-train": "RUNNING"}
+    assert wh.read("runs", run_id="t-killed").is_empty() and wh.read("runs", run_id="t-dead").is_empty()
+
+
 def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vocab, tiny_meds, prefect_harness,
                                                                             monkeypatch):
     # The mean reads its runs under their locks, then computes and writes with them released: a delete of the cohort

@@ -8,6 +8,11 @@ evaluations, means over repeated runs included) go only with `with_runs`, and th
 by `run_id` first and their reports in the default place (`<data_dir>/reports/<run_id>`). The rows of its build,
 its priors' trainings and their promotions in `runs` are the cohort's own record and go with it.
 
+A prior's training that was killed (SIGKILL, the OOM killer) left its MLflow run RUNNING; a later training ends it
+as KILLED because the registry records that training as killed (`tasks.prior.killed_attempt`). Once the delete has
+removed that record nothing could, so the delete has them ended first (`end_killed_trainings`, the CLI's
+`tasks.prior.end_killed_trainings`): as KILLED, never deleted, like the models.
+
 Shared data stays: datasets, vocabularies, corpora, the page cache and the LLM response cache (content-addressed,
 shared by every cohort). So do the registered MLflow models of the cohort's priors (`{system}-{cohort_id}`,
 `models.prior.tracking.registered_name`): a cohort id hashes the dataset's files, options and seed, not the
@@ -21,7 +26,7 @@ with it, so nothing else records that the cohort was there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -31,7 +36,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import describe_cohort, get_cohort
 from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted, run_locks
 from warehouse.locks import held, remove_unheld
-from warehouse.runs import RESULT_KINDS
+from warehouse.runs import RESULT_KINDS, mark_killed
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse, fetch_frame
 
@@ -52,6 +57,7 @@ class CohortDeletion(Removal):
     cohort: dict  # its `cohorts` row
     runs: list[str]  # run ids with results on the cohort
     registered_models: list[str] = field(default_factory=list)  # MLflow models of its priors, which stay
+    killed_trainings: list[dict] = field(default_factory=list)  # `runs` rows (run_id, kind, config_json) of them
 
 
 def resolve_cohort(wh: Warehouse, name_or_id: str) -> dict:
@@ -91,6 +97,9 @@ def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
     # `{system}-{cohort_id}` (`models.prior.tracking.download_model`): the cohort's copies of its priors.
     plan.directories += sorted(p for p in (wh.root / "mlflow" / "cache").glob(f"*-{cohort_id}") if p.is_dir())
     plan.registered_models = registered_models(cohort_id, recorded["kind"])
+    plan.killed_trainings = fetch_frame(
+        registry, "SELECT run_id, kind, config_json FROM runs WHERE cohort_id = ? AND starts_with(kind, 'train:') "
+                  "AND status = 'killed' ORDER BY run_id, kind", [cohort_id]).to_dicts()
     return plan
 
 
@@ -117,12 +126,16 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
                           interrupted=True)
 
 
-def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False) -> CohortDeletion:
+def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False,
+                  end_killed_trainings: Callable[[list[dict]], object] | None = None) -> CohortDeletion:
     """Delete a cohort (by id, or by a name no other cohort has), with its runs when `with_runs`; returns what went
     (with `dry_run`, what would go: nothing changes).
 
     The cohort is held as its build holds it and each of its runs as its evaluation does, so no forecast, training,
     build, evaluation or report of them runs meanwhile; a delete refused for that is simply run again later.
+    `end_killed_trainings` is given the `runs` rows of the cohort's killed trainings before they go (see the module's
+    docstring); a delete killed after it has ended their MLflow runs and before its commit point leaves them ended and
+    the trainings recorded as killed, which is true either way.
     """
     if finished := finish_interrupted_deletion(wh, name_or_id):
         return finished
@@ -134,6 +147,7 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
                    "a report or a build)"), ExitStack() as runs_held:
         if wh.read("cohorts", cohort_id=cohort_id).is_empty():  # deleted, or a build unregistered it, meanwhile
             raise NotFoundError(f"cohort {label} is no longer registered: `dxr cohort list` shows the cohorts")
+        mark_killed(wh)  # a training killed since the last run started is still `running` in the registry
         plan = plan_deletion(wh, cohort)
         if plan.runs and not with_runs:
             shown = ", ".join(plan.runs[:SHOWN_RUNS]) + (f" and {len(plan.runs) - SHOWN_RUNS} more"
@@ -145,6 +159,8 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
                                          busy=f"run {run_id!r} of cohort {label} is being forecast, evaluated or "
                                               "reported by another dxr process"))
         if not dry_run:
+            if plan.killed_trainings and end_killed_trainings is not None:
+                end_killed_trainings(plan.killed_trainings)
             plan.remove(wh)  # the lock files of the cohort and its runs, held here, go as they are released
     return plan
 

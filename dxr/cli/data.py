@@ -259,7 +259,8 @@ def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run:
     """Delete a cohort (by id, or by a name only it has): its tables in both stores and its prediction cache.
 
     Registered MLflow models of its priors stay (their names are printed, with the command that removes
-    one); datasets and shared caches stay too. The removal is one commit: a delete killed midway leaves
+    one), and so do their MLflow runs: those that killed trainings left RUNNING are ended as KILLED;
+    datasets and shared caches stay too. The removal is one commit: a delete killed midway leaves
     the cohort whole or gone, and a rerun finishes it.
 
     \b
@@ -269,8 +270,15 @@ def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run:
     from warehouse.cohort_deletion import RunsOnCohort, delete_cohort, deletion_summary
 
     cfg, wh = settings(ctx), warehouse(ctx, existing=True)
+    ended: list[str] = []
+
+    def end_killed(trainings: list[dict]) -> None:
+        from tasks.prior import end_killed_trainings  # MLflow is slow to import: only for a cohort with killed ones
+
+        ended.extend(end_killed_trainings(str(wh.root), cfg.prior, trainings))
+
     try:
-        plan = delete_cohort(wh, cohort_key, with_runs=with_runs, dry_run=dry_run)
+        plan = delete_cohort(wh, cohort_key, with_runs=with_runs, dry_run=dry_run, end_killed_trainings=end_killed)
     except RunsOnCohort as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(deletion_summary(wh, plan, dry_run), nl=False)
@@ -282,3 +290,6 @@ def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run:
             click.echo(f"note: registered MLflow model {name} (if still registered) stays in {uri}; remove it with "
                        f"`.venv/bin/python -c \"from mlflow import MlflowClient; MlflowClient('{uri}')"
                        f".delete_registered_model('{name}')\"`")
+    if ended:
+        click.echo(f"note: MLflow run(s) {', '.join(sorted(ended))} of the cohort's killed trainings, left RUNNING, "
+                   "ended as KILLED (the runs and their artifacts stay)")
