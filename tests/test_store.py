@@ -109,6 +109,27 @@ def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_clean
     assert not any((wh.gold_dir / store.TRASH_DIR).iterdir())
 
 
+def test_a_delete_removes_the_partition_directories_it_leaves_empty(wh):
+    from tasks.forecast import clear_outputs
+    from tests.conftest import empty_partition_dirs
+
+    # A forecast rerun clears its system's evaluation of the run by run and system (`clear_outputs`): when that
+    # system was the run's only one evaluated, `metrics/run_id=r1/` stayed behind, empty, for good.
+    for run_id, system in (("r1", "repeat_history"), ("r2", "repeat_history"), ("r2", "global_frequency")):
+        wh.write("metrics", pl.DataFrame({
+            "run_id": run_id, "cohort_id": "c1", "system": system, "subset": "all", "k": 10, "metric": "recall_at_k",
+            "value": 0.5, "ci_low": None, "ci_high": None, "n": 3, "n_runs": 1}), run_id=run_id, system=system)
+    clear_outputs(wh, "r1", "repeat_history")
+    clear_outputs(wh, "r2", "repeat_history")
+    assert empty_partition_dirs(wh) == []
+    assert [p.relative_to(wh.forecast_dir) for p in wh.forecast_dir.rglob(store.PART_FILE)] == [
+        Path("metrics/run_id=r2/system=global_frequency/data.parquet")]
+    # One that a delete killed after moving the partition out left goes with the next delete of those keys.
+    (wh.table_dir("metrics") / "run_id=r3").mkdir()
+    wh.delete("metrics", run_id="r3", system="repeat_history")
+    assert empty_partition_dirs(wh) == [] and wh.table_dir("metrics").is_dir()
+
+
 def chunk_rows(text: str, source: str = "s") -> pl.DataFrame:
     return pl.DataFrame({"corpus": ["c"], "source": [source], "chunk_id": ["c:1#0"], "doc_id": ["c:1"],
                          "ordinal": pl.Series([0], dtype=pl.Int32), "section": ["Text"], "text": [text]})

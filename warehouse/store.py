@@ -177,6 +177,8 @@ class Warehouse:
             # part of a partition where a view or read could see it.
             trash.mkdir(exist_ok=True)
             os.replace(path, trash / uuid.uuid4().hex)
+        # Also when nothing was there: a delete killed between that rename and this left them.
+        remove_emptied(path)
         # What is in the trash is already unreachable: remove it, including what a killed delete left.
         for doomed in trash.glob("*") if trash.is_dir() else ():
             shutil.rmtree(doomed, ignore_errors=True)
@@ -418,12 +420,14 @@ def remove_into(committed: Path, path: Path, number: int) -> None:
 
 def remove_emptied(removed: Path) -> None:
     """Remove the partition directories (`key=value`) above a removed one that it left empty, nearest first: a
-    cohort's delete removes a run's `runs` partitions one kind at a time, which left `runs/run_id=<id>/` behind.
+    cohort's delete removes a run's `runs` partitions one kind at a time, which left `runs/run_id=<id>/` behind, and a
+    forecast rerun clears one system's metrics of a run (`Warehouse.delete`), which left `metrics/run_id=<id>/`.
 
     `rmdir` removes a directory only while it is empty, so one a writer has put a partition in since stays. A writer
     that finds one gone makes it again; a second process finishing the same commit may then `rmdir` it again in the
-    instant before the writer's partition directory is in it, and the writer makes both again (`make_dirs`). The
-    table's own directory, with no `=` in its name, stays.
+    instant before the writer's partition directory is in it, and the writer makes both again (`make_dirs`); so may
+    a `Warehouse.delete` of a sibling partition (another system's forecast into the same run). The table's own
+    directory, with no `=` in its name, stays.
     """
     for directory in removed.parents:
         if "=" not in directory.name:
