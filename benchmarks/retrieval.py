@@ -18,6 +18,9 @@ Latency (the target): p50/p95 of `CorpusIndex.search` end to end (query embeddin
 fusion, focused passages for the top 10) on one index over MedQuAD + PubMedQA chunks, plus a BM25
 lookup in the lexical ICD index per query. Embeddings are computed once and cached with the indexes.
 
+A run holds the build locks of all its indexes from its start, so a second run on the same `--index-dir` is
+refused at once.
+
     python benchmarks/retrieval.py [--max-queries N] [--out benchmarks/results/retrieval.json]
 """
 
@@ -30,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,11 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.provenance import write_result  # noqa: E402
+from dxr.errors import InputError  # noqa: E402
 from tools.corpus.documents import dedupe  # noqa: E402
 from tools.corpus.json_sources import read_medquad, read_pubmedqa  # noqa: E402
 from tools.dictionary import icd_documents, load_vocabulary  # noqa: E402
 from tools.embeddings import make_embedder  # noqa: E402
-from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build_index, chunk_frame,  # noqa: E402
+from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, building_index, chunk_frame,  # noqa: E402
                          rank_documents)
 
 DATA = ROOT.parent / "shared" / "data" / "corpora"
@@ -52,6 +57,7 @@ DEPTH = 100
 SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 GRID = [(fusion, share) for fusion in ("zscore", "minmax", "rrf") for share in SHARES]
 CROSS_CHECKED = 50
+INDEXES = ("pubmedqa", "medquad", "combined", "icd")  # the indexes it builds under --index-dir
 
 
 def split_of(gold_doc_id: str) -> str:
@@ -177,6 +183,18 @@ def main() -> None:
     args = parser.parse_args()
     if not PUBMEDQA.exists() or not MEDQUAD.exists():
         sys.exit(f"benchmark data not found under {DATA}")
+    # Every index's build lock first, as `building_index` asks: a second run on the same --index-dir is refused at
+    # once, before it reads the benchmarks or loads the embedding model, not minutes later at one of its builds.
+    with ExitStack() as locks:
+        try:
+            builds = {name: locks.enter_context(building_index(args.index_dir / name)) for name in INDEXES}
+        except InputError as exc:
+            sys.exit(str(exc))
+        measure(args, builds)
+
+
+def measure(args: argparse.Namespace, builds: dict) -> None:
+    """The benchmark proper, its indexes' build locks held (`builds`: index name -> its build)."""
     embedder = make_embedder()
     default = {"fusion": DEFAULT_FUSION, "dense_share": DEFAULT_DENSE_SHARE}
     results = {"embedder": embedder.name, "product_default": default, "benchmarks": {}, "indexes": {},
@@ -186,8 +204,7 @@ def main() -> None:
     for name, (documents, queries) in tasks.items():
         directory = args.index_dir / name
         print(f"[{name}] {len(documents)} documents, {len(queries)} questions; building index ...", flush=True)
-        results["indexes"][name] = build_index(chunk_frame(documents), directory, embedder, index_titles=False,
-                                               name=name)
+        results["indexes"][name] = builds[name](chunk_frame(documents), embedder, index_titles=False, name=name)
         chosen = queries[: args.max_queries] if args.max_queries else queries
         retrieved[name] = retrieve_all(CorpusIndex(directory, embedder), chosen, name)
         if {split_of(gold) for _, gold in chosen} != {"dev", "test"}:
@@ -215,11 +232,11 @@ def main() -> None:
     print("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...", flush=True)
     combined_docs = tasks["medquad"][0] + tasks["pubmedqa"][0]
     combined_dir = args.index_dir / "combined"
-    results["indexes"]["combined"] = build_index(
-        chunk_frame(combined_docs), combined_dir, embedder, index_titles=False, name="combined",
+    results["indexes"]["combined"] = builds["combined"](
+        chunk_frame(combined_docs), embedder, index_titles=False, name="combined",
         share_embeddings_with=[args.index_dir / "medquad", args.index_dir / "pubmedqa"])
     icd_dir = args.index_dir / "icd"
-    results["indexes"]["icd"] = build_index(chunk_frame(icd_documents(*load_vocabulary())), icd_dir, None, name="icd")
+    results["indexes"]["icd"] = builds["icd"](chunk_frame(icd_documents(*load_vocabulary())), None, name="icd")
     combined, icd = CorpusIndex(combined_dir, embedder), CorpusIndex(icd_dir)
     sample = [q for name in tasks for q in tasks[name][1][:500]]
     results["load_average"]["before_latency"] = os.getloadavg()

@@ -86,6 +86,28 @@ def test_the_registry_benchmark_records_its_runs_and_its_measuring_time_in_utc(t
     assert timedelta(0) <= datetime.now(timezone.utc) - measured_at < timedelta(minutes=5)
 
 
+def test_a_second_retrieval_benchmark_on_one_index_dir_is_refused_before_it_loads_the_model(tmp_path, monkeypatch):
+    from tools.index import building_index
+
+    # It loaded the embedding model and read both benchmarks before its first build refused it, and a run that got
+    # past that (another run building only its combined index) was refused minutes later, at that build.
+    retrieval = load_benchmark("retrieval")
+
+    def too_early(*args, **kwargs):
+        raise AssertionError("read the benchmarks or loaded the model before taking the index locks")
+
+    for slow in ("make_embedder", "pubmedqa_task", "medquad_task"):
+        monkeypatch.setattr(retrieval, slow, too_early)
+    for data in ("PUBMEDQA", "MEDQUAD"):
+        (tmp_path / data).touch()
+        monkeypatch.setattr(retrieval, data, tmp_path / data)
+    monkeypatch.setattr("sys.argv", ["retrieval.py", "--index-dir", str(tmp_path / "indexes")])
+    with building_index(tmp_path / "indexes" / "combined"), pytest.raises(SystemExit) as exited:
+        retrieval.main()
+    assert exited.value.code == (f"index {tmp_path / 'indexes' / 'combined'} is being built by another process: wait "
+                                 "for it to finish, then rerun")
+
+
 def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
     """benchmarks/mimic_import.py --workdir D without --keep removes the files it generated there, not D."""
     mimic_import = load_benchmark("mimic_import")
