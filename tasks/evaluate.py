@@ -22,9 +22,11 @@ predictions (K, nK) are unchanged:
 - `icd9` / `icd10`: codes `DIAGNOSIS//ICD//9//…` / `DIAGNOSIS//ICD//10//…`;
 - `repeated`: the code occurs among the trajectory's pre-target diagnosis events
   (`pretarget_events` rows whose code starts with `DIAGNOSIS//`); `new_onset`: it does not;
-- frequency buckets by the number of the cohort's `train_events` rows carrying the code
-  (diagnosis rows; train-split patients only): `freq_0` (never seen), `freq_1_9`, `freq_10_99`,
-  `freq_100plus`.
+- frequency buckets by the number of distinct train-split encounters whose (harmonized) diagnoses
+  in the cohort's `train_events` include the code, the count `global_frequency` ranks by: a code
+  recorded twice in one stay, or two source codes harmonized to one, counts the stay once, and a
+  diagnosis row without an encounter adds nothing, as `global_frequency` counts distinct encounter
+  ids and a null is none: `freq_0` (in no train encounter), `freq_1_9`, `freq_10_99`, `freq_100plus`.
 
 Uncertainty: the bootstrap resamples patients (subject ids of the evaluated trajectories, every
 trajectory of a sampled patient kept) with a seeded generator, applies the same resample to every
@@ -71,7 +73,7 @@ from warehouse.store import Warehouse, check_run_id, conform
 ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
 NATURAL_K = 0
 DEFAULT_KS = (10, 20)
-# (name, lowest count, highest count or None) of train-split occurrences of a target code.
+# (name, lowest count, highest count or None) of the train-split encounters coding a target code.
 FREQUENCY_BUCKETS = (("freq_0", 0, 0), ("freq_1_9", 1, 9), ("freq_10_99", 10, 99), ("freq_100plus", 100, None))
 SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b in FREQUENCY_BUCKETS)
 # Keys that differ between repeats of one configuration without changing what it is.
@@ -88,7 +90,8 @@ AVERAGED = ("precision", "recall", "f1")
 def label_targets(targets: pl.DataFrame) -> pl.DataFrame:
     """Long table (trajectory_id, code, subset): each target code once per subset it belongs to.
 
-    `targets` has columns trajectory_id, code, repeated (bool) and train_count (int).
+    `targets` has columns trajectory_id, code, repeated (bool) and train_count (int: the train-split
+    encounters coding the code).
 
     >>> t = pl.DataFrame({"trajectory_id": ["a"], "code": ["DIAGNOSIS//ICD//10//E119"],
     ...                   "repeated": [True], "train_count": [12]})
@@ -213,7 +216,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
                     WHERE cohort_id = $cohort),
         prior AS (SELECT DISTINCT p.trajectory_id, p.code FROM pretarget_events p JOIN tg USING (trajectory_id, code)
                   WHERE p.cohort_id = $cohort AND p.code LIKE 'DIAGNOSIS//%'),
-        freq AS (SELECT code, count(*) AS n FROM train_events
+        freq AS (SELECT code, count(DISTINCT encounter_id) AS n FROM train_events
                  WHERE cohort_id = $cohort AND code LIKE 'DIAGNOSIS//%' GROUP BY code)
         SELECT tg.trajectory_id, tg.code, prior.code IS NOT NULL AS repeated, coalesce(freq.n, 0) AS train_count
         FROM tg LEFT JOIN prior USING (trajectory_id, code) LEFT JOIN freq USING (code)""",

@@ -383,8 +383,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                              sweep_figure(k_sweep(wh, run_id, systems, max_sweep))))
     buckets = [b[0] for b in FREQUENCY_BUCKETS]
     blocks += [Heading("Recall by code frequency in the train split"),
-               Paragraph("A target code's bucket is its number of train-split diagnosis rows; each subset keeps "
-                         "the trajectories with at least one target code in it."),
+               Paragraph("A target code's bucket is the number of train-split encounters coding it; each subset "
+                         "keeps the trajectories with at least one target code in it."),
                subset_table(metrics, k, "recall_at_k", buckets),
                Figure("frequency", f"R@K at K={k_label(k)} by code-frequency bucket.",
                       grouped_figure(metrics, k, buckets)),

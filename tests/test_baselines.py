@@ -7,8 +7,9 @@ import datetime as dt
 import polars as pl
 
 from models.baselines import GlobalFrequency, RepeatHistory
-from tasks.forecast import forecast_shard, shard_inputs
-from tests.conftest import dx
+from tasks.evaluate import load_run
+from tasks.forecast import forecast_shard, shard_inputs, write_shard_outputs
+from tests.conftest import dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -97,3 +98,34 @@ def test_stage_candidates_keep_native_codes_and_count_history_encounters():
     assert candidates.select("trajectory_id", "rank", "code", "history_count").rows() == [
         ("t1", 1, dx("I5022"), 2), ("t1", 2, dx("N179"), 1), ("t2", 1, dx("I5022"), 0)]
     assert candidates["stage"].unique().to_list() == ["candidate_generation"]
+
+
+def test_global_frequency_and_the_evaluations_frequency_buckets_count_a_category_cohorts_stays_alike(wh_vocab,
+                                                                                                  tmp_path):
+    # Train patient 2 gets five more stays, each coding E11.9 and E11.65: harmonized to category E11 they are two
+    # rows of one stay, so E11 has 11 train_events rows in 6 stays (201 codes E11.9 alone). The evaluation's
+    # frequency buckets counted the rows and put E11 in freq_10_99 while global_frequency ranks it by its 6 stays.
+    stays = []
+    for n, stay in enumerate(range(211, 216)):
+        admit, discharge = dt.datetime(2020, 2, 1 + 3 * n), dt.datetime(2020, 2, 2 + 3 * n)
+        stays += [(2, admit, "HOSPITAL_ADMISSION//EMERGENCY", None, None, stay),
+                  *[(2, discharge, dx(code), None, None, stay) for code in ("E119", "E1165")],
+                  (2, discharge, "HOSPITAL_DISCHARGE//HOME", None, None, stay)]
+    base = tiny_events()
+    events = pl.concat([base, pl.DataFrame(stays, schema=base.schema, orient="row")])
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "meds", events), "tiny")
+    cid = build_cohort(wh_vocab, "tiny", "category", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    e11 = dx("E11")
+    train = wh_vocab.read("train_events", cohort_id=cid).filter(pl.col("code") == e11)
+    assert (train.height, train["encounter_id"].n_unique()) == (11, 6)
+    model = GlobalFrequency()
+    model.fit(wh_vocab.connect(), cid)
+    assert dict(model.frequency.rows())[e11] == 6.0
+    trajectories, pretarget = shard_inputs(wh_vocab, cid, 0, "held_out")
+    ranked, status = forecast_shard(model, trajectories, pretarget, 3, "r1", cid)
+    write_shard_outputs(wh_vocab, model.system, 0, "r1", ranked, status, pretarget)
+    labelled = load_run(wh_vocab, "r1", ks=(3,)).labelled
+    # Stay 103's targets: I50 (no train stay), E11 (6) and J18 (J18.9 in stay 202).
+    assert labelled.filter((pl.col("trajectory_id") == f"{cid}:1:103") & pl.col("subset").str.starts_with("freq_")
+                           ).select("code", "subset").sort("code").rows() == [
+        (e11, "freq_1_9"), (dx("I50"), "freq_0"), (dx("J18"), "freq_1_9")]

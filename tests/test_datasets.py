@@ -630,7 +630,8 @@ def test_a_dataset_mixing_the_platforms_spelling_with_another_gets_one_code_per_
 
 def test_a_diagnosis_written_in_two_spellings_at_one_time_and_encounter_is_copied_once(wh_vocab, tmp_path,
                                                                                    monkeypatch):
-    # The evaluation's frequency buckets count a code's train_events rows, which counted such a diagnosis twice.
+    # A diagnosis in two spellings is one event: copied twice, it would be two rows of the cohort's event tables
+    # to whatever counts their rows.
     # Only rows that the rewrite makes equal collapse: a code written twice in one spelling (a repeated measurement
     # MEDS allows), at another time or with another value stays, and of two spellings the one written more often
     # stays whole.

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from dxr.errors import InputError, NotFoundError
 from tasks.evaluate import (NATURAL_K, SUBSETS, Counts, bootstrap_weights, estimate, evaluate, evaluate_repeated,
-                            evaluate_run, label_targets, sign_test)
+                            evaluate_run, label_targets, load_run, sign_test)
 from tasks.forecast import check_rerun, forecast_config
 from warehouse.runs import record_run
 from warehouse.schemas import METRICS
@@ -34,7 +34,7 @@ T1, T2, T3 = f"{COHORT}:1:10", f"{COHORT}:2:20", f"{COHORT}:3:30"
 TARGETS = {T1: [A, B, C], T2: [A, D], T3: [E]}
 # A is in T1's pre-target record, so A is `repeated` for T1 and `new_onset` for T2.
 PRETARGET = {T1: [A, "LAB//glucose//mg/dL"], T2: [dx("Z00")], T3: []}
-TRAIN_COUNTS = {A: 12, B: 3, D: 150}          # C and E never occur in train_events
+TRAIN_COUNTS = {A: 12, B: 3, D: 150}          # train encounters coding each; C and E never occur in train_events
 RANKINGS = {
     "s1": {T1: [A, X, B], T2: [D, A], T3: [X, Y]},
     "s2": {T1: [B, C], T2: [X], T3: [E, X]},     # T2 is short and says so below
@@ -58,11 +58,18 @@ def write_cohort(wh: Warehouse, targets=TARGETS, pretarget=PRETARGET, train_coun
         "encounter_id": 1}, schema_overrides={"numeric_value": pl.Float32, "text_value": pl.String,
                                               "time": pl.Datetime("us"), "code": pl.String, "trajectory_id": pl.String,
                                               "subject_id": pl.Int64}), cohort_id=COHORT, shard=0)
-    train = [c for c, n in train_counts.items() for _ in range(n)] + ["LAB//glucose//mg/dL"] * 200
+    # A code counted n is coded once in each of encounters 0 .. n-1.
+    write_train_events(wh, [(code, encounter) for code, n in train_counts.items() for encounter in range(n)])
+
+
+def write_train_events(wh: Warehouse, diagnoses: list[tuple[str, int | None]]) -> None:
+    """The cohort's train_events: one row per (code, encounter_id) of `diagnoses`, beside 200 lab rows."""
+    rows = diagnoses + [("LAB//glucose//mg/dL", 0)] * 200
     wh.write("train_events", pl.DataFrame({
-        "cohort_id": COHORT, "subject_id": 100, "time": datetime(2018, 1, 1), "code": train, "numeric_value": None,
-        "text_value": None, "encounter_id": 7}, schema_overrides={"numeric_value": pl.Float32,
-                                                                  "text_value": pl.String}), cohort_id=COHORT)
+        "cohort_id": COHORT, "subject_id": 100, "time": datetime(2018, 1, 1), "code": [r[0] for r in rows],
+        "numeric_value": None, "text_value": None, "encounter_id": [r[1] for r in rows]},
+        schema_overrides={"numeric_value": pl.Float32, "text_value": pl.String, "encounter_id": pl.Int64}),
+        cohort_id=COHORT)
 
 
 def write_rankings(wh: Warehouse, run_id: str, rankings=RANKINGS, status=STATUS, padding=()) -> None:
@@ -141,6 +148,18 @@ def test_subsets_restrict_targets_and_hits(wh):
     # new_onset targets: T1 {B, C}, T2 {A, D}, T3 {E}; s1 hits T2 {D, A} only: 2·2/(3·2 + 5).
     assert value(metrics, "s1", "micro_f1", 2, "new_onset") == pytest.approx(4 / 11, abs=1e-15)
     assert value(metrics, "s2", "recall_at_k", 2, "freq_0") == 1.0              # C in T1, E in T3
+
+
+def test_frequency_buckets_count_train_encounters_not_diagnosis_rows(wh):
+    # A is coded twice in each of 5 train stays (a repeat, or two source codes harmonized to one): 10 rows, 5 stays;
+    # B twice in each of 50 stays. C is in 9 stays and in 3 rows without an encounter, D only in 2 such rows: those
+    # add nothing, as in global_frequency. Counting rows put A and C in freq_10_99, B in freq_100plus, D in freq_1_9.
+    coded_twice = [(code, stay) for code, stays in ((A, 5), (B, 50)) for stay in range(stays) for _ in range(2)]
+    write_train_events(wh, coded_twice + [(C, stay) for stay in range(9)] + [(C, None)] * 3 + [(D, None)] * 2)
+    labelled = load_run(wh, "r1", ks=(2,)).labelled.filter(pl.col("subset").str.starts_with("freq_"))
+    assert labelled.height == 6  # A is a target of T1 and T2
+    assert dict(labelled.select("code", "subset").unique().iter_rows()) == {
+        A: "freq_1_9", B: "freq_10_99", C: "freq_1_9", D: "freq_0", E: "freq_0"}
 
 
 def test_label_targets_rule():
@@ -357,7 +376,7 @@ def test_independent_sql_reproduces_stored_precision_and_recall(wh):
                    CASE WHEN EXISTS (SELECT 1 FROM pretarget_events p WHERE p.trajectory_id = t.trajectory_id
                                      AND p.code = t.code AND p.code LIKE 'DIAGNOSIS//%')
                         THEN 'repeated' ELSE 'new_onset' END AS onset,
-                   (SELECT count(*) FROM train_events e WHERE e.code = t.code) AS freq
+                   (SELECT count(DISTINCT e.encounter_id) FROM train_events e WHERE e.code = t.code) AS freq
             FROM targets t),
         labelled AS (
             SELECT trajectory_id, code, 'all' AS subset FROM tg
