@@ -44,7 +44,10 @@ Repeated runs of one configuration: a configuration is the cohort, the run kind 
 metrics (with the same patient resample in every run), written under the run id
 `config-<hash>` (or every system's under one run id the caller names) with `n_runs` = the number
 of runs, and registered there (kind `evaluate`, the averaged runs under `runs` in its config) so
-that a report refuses the mean once a forecast of one of those runs is run again.
+that a report refuses the mean once a forecast of one of those runs is run again. Two systems'
+means under one run id are compared as a single run's systems are (`paired_means`): the difference
+of the means, its interval from the one patient resample shared by every run and both systems, and
+the sign test over patients of the F1 summand summed over their trajectories and the runs.
 """
 
 from __future__ import annotations
@@ -876,14 +879,15 @@ def repeated_systems(systems: list[str] | None) -> list[str] | None:
 
 def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | None = None, ks=DEFAULT_KS,
                       n_boot: int = 1000, seed: int = 0, natural: bool = True, write: bool = True,
-                      run_id: str | None = None) -> pl.DataFrame:
-    """Mean of run-level metrics over repeats of one configuration per system, with `n_runs`.
+                      run_id: str | None = None, pairs: list[tuple[str, str]] | None = None) -> pl.DataFrame:
+    """Mean of run-level metrics over repeats of one configuration per system, with `n_runs`; returns its rows.
 
     Every run must cover the same frozen trajectories; the bootstrap applies one patient resample
     to every run, and the interval is that of the mean over runs. Oracles named in `systems` are left
     out: they are read from the gold store, the same in every run, and no forecast configures them.
     The mean of each system goes under its configuration's `config-…` id, or under `run_id` when
-    given; either id's earlier mean is replaced whole.
+    given; either id's earlier mean is replaced whole. The pairs of means under one id
+    (`paired_means`) are compared into `paired_comparisons` under it.
     """
     run_ids = list(dict.fromkeys(run_ids))  # a run named twice is still one run of the mean
     if len(run_ids) < 2:
@@ -906,28 +910,70 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     shared = [s for s in first.systems if all(s in r.systems for r in runs)]
     if not shared:
         raise NotFoundError(f"no system is ranked in every run of {run_ids}")
+    check_comparisons(", ".join(run_ids), shared, without_oracles(pairs or []), [])
     weights = bootstrap_weights(first.subject_index, n_boot, seed) if n_boot else None
-    estimates = [estimate(system_counts(_only(r, shared), all_ks), weights) for r in runs]
+    mean = mean_estimate([estimate(system_counts(_only(r, shared), all_ks), weights) for r in runs])
     frames = []
     for m, system in enumerate(shared):
         keys = {configuration_key(wh, r.run_id, system) for r in runs}
         if len(keys) > 1:
             raise InputError(f"system {system!r} ran with different configurations in {run_ids}: "
                              + " vs ".join(sorted(keys)))
-        point = np.mean([e.point[m:m + 1] for e in estimates], axis=0)
-        boot = None if weights is None else np.mean([e.boot[:, m:m + 1] for e in estimates], axis=0)
-        frames.append(metric_frame([system], all_ks, point, boot, estimates[0].n)
+        boot = None if mean.boot is None else mean.boot[:, m:m + 1]
+        frames.append(metric_frame([system], all_ks, mean.point[m:m + 1], boot, mean.n)
                       .with_columns(run_id=pl.lit(run_id or configuration_id(keys.pop()))))
-    metrics = _conform("metrics", pl.concat(frames).with_columns(cohort_id=pl.lit(first.cohort_id),
-                                                                  n_runs=pl.lit(len(runs))))
+    extra = dict(cohort_id=pl.lit(first.cohort_id))
+    metrics = _conform("metrics", pl.concat(frames).with_columns(**extra, n_runs=pl.lit(len(runs))))
+    mean_ids = dict(metrics.select("system", "run_id").unique().iter_rows())
+    compared, _ = paired_means(metrics, pairs)
+    paired = _conform("paired_comparisons", paired_rows(mean, compared, first.subject_index).with_columns(
+        **extra, run_id=pl.col("system_a").replace_strict(mean_ids, return_dtype=pl.String)))
     if write:
-        write_mean(wh, metrics, run_ids, run_id, n_boot, seed, all_ks, started)
+        write_mean(wh, metrics, paired, run_ids, run_id, n_boot, seed, all_ks, started)
     return metrics
 
 
-def write_mean(wh: Warehouse, metrics: pl.DataFrame, run_ids: list[str], run_id: str | None, n_boot: int, seed: int,
-               all_ks, started) -> None:
-    """Write and register the means over `run_ids` (`evaluate_repeated`), under the cohort of their runs.
+def mean_estimate(estimates: list[Estimates]) -> Estimates:
+    """The mean over repeated runs of the runs' `Estimates`, all drawn with the same bootstrap weights: point values
+    and replicates averaged over the runs, so each replicate is the mean under one patient resample shared by every
+    run (and system), and the F1 summands summed over the runs, so that a patient's change in `paired_rows` counts
+    every run of each of its trajectories."""
+    first = estimates[0]
+    return Estimates(first.counts, np.mean([e.point for e in estimates], axis=0),
+                     None if first.boot is None else np.mean([e.boot for e in estimates], axis=0),
+                     first.n, sum(e.f1 for e in estimates))
+
+
+def without_oracles(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The pairs naming no gold-side oracle, which a mean over repeated runs leaves out."""
+    return [(a, b) for a, b in pairs if a not in ORACLES and b not in ORACLES]
+
+
+def paired_means(metrics: pl.DataFrame,
+                 pairs: list[tuple[str, str]] | None) -> tuple[list[tuple[str, str]], str | None]:
+    """The pairs of means in `metrics` (`evaluate_repeated`) that are compared, and why the others asked for are not.
+
+    The pairs asked for are a single run's (`pairs`, by default every pair of the averaged systems). A pair is
+    compared only when both means are under one run id (always so under the id a caller names): its rows are that
+    id's, replaced and deleted with its means, whereas a system's `config-…` mean is taken again on its own (over
+    other runs, say), which would leave rows under another id comparing a mean that is no longer stored. A pair
+    naming an oracle is left to each run's own evaluation: the oracles are the same in every run and have no mean.
+    """
+    mean_ids = dict(metrics.select("system", "run_id").unique(maintain_order=True).iter_rows())
+    asked = list(combinations(mean_ids, 2)) if pairs is None else without_oracles(list(dict.fromkeys(pairs)))
+    compared = [(a, b) for a, b in asked if mean_ids[a] == mean_ids[b]]
+    apart = [f"{a},{b}" for a, b in asked if mean_ids[a] != mean_ids[b]]
+    if not apart:
+        return compared, None
+    return compared, (f"no paired comparison of the means of {'; '.join(apart)}: each system's mean is stored under "
+                      "its own configuration's config-… id, and only means under one id are compared; pass --run-id "
+                      "to store them under one id with their paired comparisons")
+
+
+def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, run_ids: list[str], run_id: str | None,
+               n_boot: int, seed: int, all_ks, started) -> None:
+    """Write and register the means over `run_ids` (`evaluate_repeated`) and their paired comparisons, under the
+    cohort of their runs.
 
     The runs were read under their locks, released since: the cohort is held, as an evaluation holds its run's, and
     each run as a report holds it, and the runs must still be registered, or a `dxr cohort delete --with-runs` or a
@@ -954,13 +1000,19 @@ def write_mean(wh: Warehouse, metrics: pl.DataFrame, run_ids: list[str], run_id:
                 # of their forecasts was run again since (`changed_since_mean`). `stale` until its rows are all
                 # written, the first mean under the id too (no earlier row to mark): one cut short among its writes
                 # is refused by a report, which names the command to take it again. Replaced whole, so a rerun with
-                # fewer systems leaves none of the earlier mean's rows beside its own.
+                # fewer systems or pairs leaves none of the earlier mean's rows beside its own.
+                compared = paired.filter(pl.col("run_id") == mean_id)
                 config = {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
-                          "n_boot": n_boot, "seed": seed}
+                          "n_boot": n_boot, "seed": seed,
+                          "pairs": [list(pair) for pair in compared.select("system_a", "system_b").unique().sort(
+                              "system_a", "system_b").rows()]}
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "stale", started)
-                wh.delete("metrics", run_id=mean_id)
+                for table in ("metrics", "paired_comparisons"):
+                    wh.delete(table, run_id=mean_id)
                 for (system,), rows in part.group_by("system"):
                     wh.write("metrics", rows, run_id=mean_id, system=system)
+                if compared.height:
+                    wh.write("paired_comparisons", compared, run_id=mean_id)
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
 
 

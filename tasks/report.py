@@ -393,10 +393,15 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                Figure("onset", f"R@K at K={k_label(k)}: new-onset vs repeated codes.",
                       grouped_figure(metrics, k, ["new_onset", "repeated"]))]
     if not paired.is_empty():
+        explained = ("Difference a − b with a paired bootstrap interval; the sign test counts patients whose F1 "
+                     "summand improved or worsened (ties excluded).")
+        if n_runs > 1:
+            explained = (f"Difference of the means over the {n_runs} runs, a − b, with a paired bootstrap interval "
+                         "(one patient resample for every run and both systems); the sign test counts patients whose "
+                         "F1 summand, summed over their trajectories and the runs, improved or worsened (ties "
+                         "excluded).")
         blocks += [Heading(f"Paired comparisons (micro-F1 at K = {k_label(k)}, same patients)"),
-                   Paragraph("Difference a − b with a paired bootstrap interval; the sign test counts patients "
-                             "whose F1 summand improved or worsened (ties excluded)."),
-                   paired_table(paired, k)]
+                   Paragraph(explained), paired_table(paired, k)]
     if not headroom.is_empty():
         blocks += [Heading(f"Headroom: target-conditioned pool oracle at K = {k_label(k)}"),
                    Paragraph("Best achievable top-K within each pool (union of full lists): min(K, |pool ∩ Y|) "

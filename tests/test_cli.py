@@ -551,6 +551,33 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     assert json.loads(registered["config_json"][0])["runs"] == ["r1", "r3"]
 
 
+def test_evaluate_compares_the_means_of_repeated_runs_only_under_one_run_id(tiny_meds, wh_vocab):
+    data_dir = wh_vocab.root
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=data_dir).exit_code == 0
+    assert run("cohort", "build", "--dataset", "tiny", "--name", "default", data_dir=data_dir).exit_code == 0
+    for run_id in ("r1", "r2"):
+        for system in ("global_frequency", "repeat_history"):
+            assert run("forecast", "--cohort", "default", "--system", system, "--split", "all", "--run-id", run_id,
+                       data_dir=data_dir).exit_code == 0
+    evaluate = ("evaluate", "--run", "r1", "--run", "r2", "--k", "2", "--no-natural", "--bootstrap", "20")
+    paired = "SELECT DISTINCT run_id, system_a, system_b FROM paired_comparisons ORDER BY ALL"
+    # Each system's mean goes under its own config-… id, so the pair of means is not compared, and a note says so.
+    result = run(*evaluate, data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert ("note: no paired comparison of the means of global_frequency,repeat_history: each system's mean is "
+            "stored under its own configuration's config-… id, and only means under one id are compared; pass "
+            "--run-id to store them under one id with their paired comparisons") in result.stderr.splitlines()
+    assert run("sql", paired, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == [
+        "r1,global_frequency,repeat_history", "r2,global_frequency,repeat_history"]
+    # Under one --run-id they are compared there, and no note is printed.
+    result = run(*evaluate, "--run-id", "mean", data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    assert "paired comparison" not in result.stderr
+    assert run("sql", paired, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == [
+        "mean,global_frequency,repeat_history", "r1,global_frequency,repeat_history",
+        "r2,global_frequency,repeat_history"]
+
+
 def test_terminated_command_records_its_run_failed_and_leaves_no_staging(tmp_path):
     data_dir = tmp_path / "wh"
     dxr = Path(sys.executable).parent / "dxr"

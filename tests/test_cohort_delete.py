@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
-from tasks.evaluate import evaluate_run
+from tasks.evaluate import evaluate_repeated, evaluate_run
 from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
                             lock_files, plant, tiny_events, write_tiny_meds)
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
@@ -109,6 +109,24 @@ def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_o
     assert empty_partition_dirs(wh) == []  # runs/run_id=r-old/ went with the last of its kinds
     # The other cohort and its run work as before.
     evaluate_run(wh, "r-kept", ks=(10,), n_boot=0, natural=False)
+
+
+def test_with_runs_removes_a_mean_over_its_runs_with_the_means_paired_comparisons(two_cohorts):
+    wh, old, _ = two_cohorts
+    forecast_flow(str(wh.root), old, "global_frequency", split="all", run_id="r-old")
+    for system in ("repeat_history", "global_frequency"):
+        forecast_flow(str(wh.root), old, system, split="all", run_id="r-old2")
+    evaluate_repeated(wh, ["r-old", "r-old2"], ks=(10,), n_boot=0, natural=False, run_id="mean-old")
+    before = every_table(wh)
+    for table in ("metrics", "paired_comparisons"):
+        assert before[table].filter(pl.col("run_id") == "mean-old").height, table
+
+    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    assert code == 0, err
+    assert ": removed 3 run(s) (mean-old, r-old, r-old2) and these rows:" in out.splitlines()[0]
+    after = every_table(wh)
+    for table, rows in before.items():
+        assert after[table].equals(rows.filter(~belongs(rows, old, ["mean-old", "r-old", "r-old2"]))), table
 
 
 def test_a_cohort_with_runs_is_refused_without_with_runs_and_the_dry_run_changes_nothing(two_cohorts):
@@ -265,8 +283,8 @@ def test_the_mlflow_runs_that_killed_trainings_of_the_cohort_left_running_end_as
 def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vocab, tiny_meds, prefect_harness,
                                                                             monkeypatch):
     # The mean reads its runs under their locks, then computes and writes with them released: a delete of the cohort
-    # with its runs that finishes meanwhile (here once the configurations were read, as the rows are put together)
-    # must not leave the mean behind, on a cohort no longer registered.
+    # with its runs that finishes meanwhile (here once the configurations were read, as the metrics rows are put
+    # together) must not leave the mean behind, on a cohort no longer registered.
     import tasks.evaluate
 
     ingest_meds(wh_vocab, tiny_meds, "tiny")
@@ -275,9 +293,10 @@ def test_a_mean_over_runs_taken_while_its_cohort_is_deleted_is_not_written(wh_vo
         forecast_flow(str(wh_vocab.root), cohort_id, "repeat_history", split="all", run_id=run_id)
     real_conform = tasks.evaluate._conform
 
-    def conform_after_the_delete(*args, **kwargs):
-        delete_cohort(wh_vocab, cohort_id, with_runs=True)
-        return real_conform(*args, **kwargs)
+    def conform_after_the_delete(table, *args, **kwargs):
+        if table == "metrics":
+            delete_cohort(wh_vocab, cohort_id, with_runs=True)
+        return real_conform(table, *args, **kwargs)
 
     monkeypatch.setattr(tasks.evaluate, "_conform", conform_after_the_delete)
     with pytest.raises(NotFoundError, match=rf"^run\(s\) r1, r2 of cohort {cohort_id} were deleted while the mean "

@@ -471,6 +471,124 @@ def test_a_named_mean_over_repeated_runs_is_replaced_whole_by_a_rerun_and_takes_
         check_rerun(wh, "mean-a", forecast_config(COHORT, "s1", "all", 2, None))
 
 
+# Paired comparisons of means: three patients (patient 1 has T1 and T4), K = 2, two runs of s1, s2 and s3.
+T4 = f"{COHORT}:1:11"
+MEAN_TARGETS = {T1: [A, B], T4: [A, B, C], T2: [D, E], T3: [C, B, E]}
+MEAN_ORDER = [T1, T4, T2, T3]  # the evaluated (sorted) trajectories
+# Hits of each run's system on MEAN_ORDER. s1 − s2 is one hit on alternate runs, half a hit per trajectory on
+# average, so the precision difference of the means is 1/4 in every resample that both runs share. s1 − s3, summed
+# over the runs, is worse for patient 1 (better in r1 alone), tied for patient 2 and better for patient 3.
+MEAN_HITS = {("r1", "s1"): [2, 1, 1, 1], ("r1", "s2"): [1, 1, 0, 1], ("r1", "s3"): [1, 1, 0, 0],
+             ("r2", "s1"): [1, 1, 1, 1], ("r2", "s2"): [1, 0, 1, 0], ("r2", "s3"): [2, 2, 2, 1]}
+
+
+@pytest.fixture
+def two_runs_of_three_systems(tmp_path) -> Warehouse:
+    """MEAN_HITS as rankings: each list is the trajectory's first h target codes, padded with codes of no target."""
+    wh = Warehouse(tmp_path / "wh")
+    write_cohort(wh, targets=MEAN_TARGETS, pretarget={}, train_counts={A: 1})
+    started = datetime(2026, 1, 1)
+    for run_id in ("r1", "r2"):
+        rankings = {system: {t: MEAN_TARGETS[t][:h] + [X, Y][:2 - h] for t, h in zip(MEAN_ORDER, hits)}
+                    for (run, system), hits in MEAN_HITS.items() if run == run_id}
+        write_rankings(wh, run_id, rankings=rankings, status={})
+        for system in rankings:
+            record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2}, "finished", started, started)
+    return wh
+
+
+def independent_mean_metrics(system: str, weights: np.ndarray) -> dict[str, float]:
+    """Spec §1's six metrics (subset all, K = 2) of `system`, with trajectory multiplicities `weights`, averaged over
+    r1 and r2."""
+    k, sizes = 2, np.array([len(MEAN_TARGETS[t]) for t in MEAN_ORDER], float)
+    per_run = []
+    for run_id in ("r1", "r2"):
+        h, n = np.array(MEAN_HITS[(run_id, system)], float) * weights, weights.sum()
+        y = sizes * weights
+        per_run.append({"precision_at_k": (h / k).sum() / n, "recall_at_k": (h / sizes).sum() / n,
+                        "micro_precision": h.sum() / (n * k), "micro_recall": h.sum() / y.sum(),
+                        "micro_f1": 2 * h.sum() / (n * k + y.sum()),
+                        "macro_f1": (2 * h / (k + sizes)).sum() / n})
+    return {metric: float(np.mean([run[metric] for run in per_run])) for metric in METRICS}
+
+
+def test_paired_comparisons_of_means_equal_an_independent_computation_with_one_resample_for_every_run(
+        two_runs_of_three_systems):
+    from scipy.stats import binomtest
+
+    wh = two_runs_of_three_systems
+    metrics = evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=200, seed=4, natural=False, run_id="mean")
+    stored = wh.read("paired_comparisons", run_id="mean")
+    assert set(stored["cohort_id"]) == {COHORT}
+    assert sorted(set(stored.select("system_a", "system_b").rows())) == [("s1", "s2"), ("s1", "s3"), ("s2", "s3")]
+    assert json.loads(wh.read("runs", run_id="mean")["config_json"][0])["pairs"] == [["s1", "s2"], ["s1", "s3"],
+                                                                                     ["s2", "s3"]]
+    # The resample the evaluation draws, one for every run and system (patients 1, 1, 2, 3).
+    resamples = bootstrap_weights(np.array([0, 0, 1, 2]), 200, 4)
+    k, sizes = 2, np.array([len(MEAN_TARGETS[t]) for t in MEAN_ORDER], float)
+    for a, b in (("s1", "s2"), ("s1", "s3"), ("s2", "s3")):
+        point_a, point_b = independent_mean_metrics(a, np.ones(4)), independent_mean_metrics(b, np.ones(4))
+        replicates = [(independent_mean_metrics(a, w), independent_mean_metrics(b, w)) for w in resamples]
+        # A patient's change: its F1 summands 2h/(K + |Y|), a minus b, summed over its trajectories and both runs.
+        change = sum((np.array(MEAN_HITS[(run_id, a)]) - np.array(MEAN_HITS[(run_id, b)])) * 2 / (k + sizes)
+                     for run_id in ("r1", "r2"))
+        by_patient = np.round([change[0] + change[1], change[2], change[3]], 12)
+        improved, worsened = int((by_patient > 0).sum()), int((by_patient < 0).sum())
+        p = binomtest(improved, improved + worsened).pvalue if improved + worsened else 1.0
+        for metric in METRICS:
+            row = stored.filter((pl.col("system_a") == a) & (pl.col("system_b") == b) & (pl.col("subset") == "all")
+                                & (pl.col("metric") == metric) & (pl.col("k") == 2)).row(0, named=True)
+            low, high = np.percentile([ra[metric] - rb[metric] for ra, rb in replicates], [2.5, 97.5])
+            assert (row["value_a"], row["value_b"], row["difference"], row["ci_low"], row["ci_high"]) == pytest.approx(
+                (point_a[metric], point_b[metric], point_a[metric] - point_b[metric], low, high), abs=1e-12), metric
+            assert (row["value_a"], row["value_b"]) == pytest.approx(
+                (value(metrics, a, metric, 2), value(metrics, b, metric, 2)), abs=1e-15)
+            assert (row["n"], row["n_improved"], row["n_worsened"], row["n_tied"]) == (
+                4, improved, worsened, 3 - improved - worsened)
+            assert row["sign_test_p"] == pytest.approx(p, abs=1e-12)
+    versus_s2 = stored.filter((pl.col("system_a") == "s1") & (pl.col("system_b") == "s2") & (pl.col("subset") == "all"))
+    for metric in ("precision_at_k", "micro_precision"):
+        row = versus_s2.filter(pl.col("metric") == metric).row(0, named=True)
+        assert (row["difference"], row["ci_low"], row["ci_high"]) == pytest.approx((0.25, 0.25, 0.25), abs=1e-12)
+    # In one run the difference varies between patients: only the resample shared by both runs makes it a point.
+    own = evaluate(wh, "r1", ks=(2,), n_boot=200, seed=4, natural=False).paired.filter(
+        (pl.col("system_a") == "s1") & (pl.col("system_b") == "s2") & (pl.col("subset") == "all")
+        & (pl.col("metric") == "precision_at_k")).row(0, named=True)
+    assert own["ci_low"] < own["ci_high"]
+    # Summed over both runs patient 1 is worse under s1 than s3, patient 2 tied, patient 3 better (r1 alone: 3 better).
+    versus_s3 = stored.filter((pl.col("system_a") == "s1") & (pl.col("system_b") == "s3")).row(0, named=True)
+    assert (versus_s3["n_improved"], versus_s3["n_worsened"], versus_s3["n_tied"]) == (1, 1, 1)
+
+
+def test_paired_comparisons_of_a_mean_are_replaced_whole_and_compared_only_under_one_run_id(
+        two_runs_of_three_systems):
+    from tasks.evaluate import paired_means
+
+    wh = two_runs_of_three_systems
+    evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean")
+    assert wh.read("paired_comparisons", run_id="mean").height
+    # The pairs asked for, as a single run's are; a pair with an oracle is each run's own (the mean has none).
+    evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean",
+                      pairs=[("s3", "s1"), ("s1", "oracle")])
+    assert set(wh.read("paired_comparisons", run_id="mean").select("system_a", "system_b").rows()) == {("s3", "s1")}
+    with pytest.raises(NotFoundError, match="^pair s1,s9 names 's9', not evaluated in run 'r1, r2'; evaluated: s1, "
+                                            "s2, s3$"):
+        evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean", pairs=[("s1", "s9")])
+    # A rerun with one system leaves none of the earlier pairs.
+    evaluate_repeated(wh, ["r1", "r2"], systems=["s1"], ks=(2,), n_boot=0, natural=False, run_id="mean")
+    assert not wh.has_rows("paired_comparisons", run_id="mean")
+    assert set(wh.read("metrics", run_id="mean")["system"]) == {"s1"}
+    assert json.loads(wh.read("runs", run_id="mean")["config_json"][0])["pairs"] == []
+    # Without --run-id each system's mean is under its own config-… id: no pair is compared, and the note says why.
+    metrics = evaluate_repeated(wh, ["r1", "r2"], systems=["s1", "s2"], ks=(2,), n_boot=0, natural=False)
+    assert metrics["run_id"].n_unique() == 2
+    assert wh.read("paired_comparisons").is_empty()
+    assert paired_means(metrics, None) == ([], "no paired comparison of the means of s1,s2: each system's mean is "
+                                               "stored under its own configuration's config-… id, and only means "
+                                               "under one id are compared; pass --run-id to store them under one id "
+                                               "with their paired comparisons")
+
+
 def test_repeated_runs_refuse_different_configurations(wh):
     write_rankings(wh, "r7", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
     started = datetime(2026, 1, 1)

@@ -587,6 +587,29 @@ def test_an_out_of_date_named_mean_says_to_take_it_again_under_its_run_id(wh, tm
         render_report(wh, "seeds", tmp_path / "stale")
 
 
+def test_the_report_of_a_named_mean_shows_its_paired_comparisons(wh, tmp_path):
+    from datetime import datetime
+
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}, "s2": RANKINGS["s2"]})
+    for run_id in ("r1", "r9"):
+        for system in ("s1", "s2"):
+            record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2}, "finished", datetime(2026, 1, 1),
+                       datetime(2026, 1, 1))
+    evaluate_repeated(wh, ["r1", "r9"], ks=(2,), n_boot=50, run_id="seeds")
+    paired = wh.read("paired_comparisons", run_id="seeds")
+    [row] = paired.filter((pl.col("subset") == "all") & (pl.col("metric") == "micro_f1") & (pl.col("k") == 2)).rows(
+        named=True)
+    markdown = (render_report(wh, "seeds", tmp_path / "out").parent / "report.md").read_text()
+    assert "## Paired comparisons (micro-F1 at K = 2, same patients)" in markdown
+    assert "Difference of the means over the 2 runs, a − b, with a paired bootstrap interval" in markdown
+    assert (f"| s1 | s2 | {row['value_a']:.3f} | {row['value_b']:.3f} | {row['difference']:.3f} "
+            f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}] | {row['n_improved']} | {row['n_worsened']} | "
+            f"{row['n_tied']} | {row['sign_test_p']:.3g} |") in markdown
+
+
 def test_a_first_mean_under_its_run_id_cut_short_among_its_writes_is_refused_by_the_report(wh, tmp_path, monkeypatch):
     # The first mean under an id had no `runs` row for its writes to mark stale: cut short after one system's
     # metrics, it left them unregistered, and the report showed that system alone as the mean.

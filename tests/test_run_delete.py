@@ -123,6 +123,8 @@ def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_run
     wh, _ = two_runs
     evaluate_repeated(wh, ["r1", "r2"], ks=(10,), n_boot=0, natural=False, run_id="mean-12")
     before = every_table(wh)
+    for table in ("metrics", "paired_comparisons"):  # the mean's rows, which its delete removes
+        assert before[table].filter(pl.col("run_id") == "mean-12").height, table
 
     code, out, err = cli(wh, "run", "delete", "r1")
     assert (code, out) == (2, "")
@@ -271,17 +273,18 @@ def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(tw
 
 def test_a_mean_is_not_written_while_one_of_its_runs_is_being_deleted(two_runs, monkeypatch):
     # The mean reads its runs under their locks, then computes and writes with them released: a run delete that
-    # holds one of them meanwhile (here from when the rows are put together) must not find no mean, delete the run,
-    # and leave the mean averaging a run that is gone.
+    # holds one of them meanwhile (here from when the first rows, the metrics, are put together) must not find no
+    # mean, delete the run, and leave the mean averaging a run that is gone.
     import tasks.evaluate
 
     wh, _ = two_runs
     real_conform = tasks.evaluate._conform
     deleting = ExitStack()
 
-    def conform_while_deleting(*args, **kwargs):
-        deleting.enter_context(held(wh, "run:r2", shared=False, busy="a delete"))
-        return real_conform(*args, **kwargs)
+    def conform_while_deleting(table, *args, **kwargs):
+        if table == "metrics":
+            deleting.enter_context(held(wh, "run:r2", shared=False, busy="a delete"))
+        return real_conform(table, *args, **kwargs)
 
     monkeypatch.setattr(tasks.evaluate, "_conform", conform_while_deleting)
     with deleting, pytest.raises(InputError, match="^run 'r2' is being deleted or evaluated by another dxr process: "

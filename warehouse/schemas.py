@@ -158,7 +158,8 @@ TABLES: dict[str, Table] = {
            "process (null in rows written before they were added); `finished_at` is null while a run is `running` and "
            "once it is `killed`. A mean over repeated runs (`dxr evaluate` "
            "with several --run) is registered under its `config-…` run id (or its --run-id) with kind `evaluate` "
-           "and the runs it averages under `runs` in `config_json`. "
+           "and the runs it averages under `runs` in `config_json`, the pairs of means it compares under `pairs` "
+           "(absent in means recorded before they were compared). "
            "A learned system's forecast records the registered model version it used under `model` in "
            "`config_json`; a Direct Forecast (`direct`) records its LLM under `llm_backend`, `llm_model` (the "
            "configured name), `llm_model_identity` (which model answered, as in `llm_calls`), "
@@ -262,7 +263,11 @@ TABLES.update({
             "sign_test_p": pa.float64(),
         }, ["run_id"], "Metric difference a - b on the same patients with a paired bootstrap 95% interval and "
            "an exact sign test over patients whose F1 summand (summed over their trajectories) improved or "
-           "worsened: n counts trajectories, n_improved, n_worsened and n_tied count patients.",
+           "worsened: n counts trajectories, n_improved, n_worsened and n_tied count patients. Under the run id of "
+           "a mean over repeated runs (`dxr evaluate` with several --run), for two systems whose means share the id "
+           "(every system's does under a --run-id; without one each has its own `config-…` id): the difference of "
+           "the means over the runs, its interval from one patient resample shared by every run and both systems, "
+           "and each patient's F1 summand summed over its trajectories and the runs.",
            nullable=["ci_low", "ci_high"]),
         _t("headroom", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "pool": pa.string(), "subset": pa.string(),

@@ -72,12 +72,14 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--natural/--no-natural", default=True, show_default=True,
               help="Also evaluate each system's whole list (variable cardinality, shown as K=|C|).")
-@click.option("--pair", "pairs", multiple=True, help="Paired comparison a,b (repeatable; default: every pair).")
+@click.option("--pair", "pairs", multiple=True,
+              help="Paired comparison a,b (repeatable; default: every pair), in each run and of the means under one "
+                   "--run-id.")
 @click.option("--pool", "pools", multiple=True,
               help="Pool-oracle headroom over the union of systems a+b (repeatable; default: each system and all).")
 @click.option("--run-id", "mean_id", default=None,
-              help="Run id of the mean over several --run values (default: one config-… id per configuration); "
-                   "reuse it to replace that mean.")
+              help="Run id of the mean over several --run values (default: one config-… id per configuration, "
+                   "and so no paired comparison of the means); reuse it to replace that mean.")
 @click.pass_context
 def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, natural, pairs, pools, mean_id) -> None:
     """Compute forecast metrics with bootstrap intervals and write them to the warehouse.
@@ -87,6 +89,9 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     the subset `all`. With several --run values, each
     run is evaluated and the mean over the runs (one configuration) of each forecasting system is
     written with n_runs (the gold-side oracles are the same in every run), under --run-id when given.
+    Under --run-id the means are also compared in pairs as one run's systems are (--pair), the
+    difference of the means with one patient resample for every run; without it each system's mean
+    has its own config-… id, and no pair of means is compared (a note says so).
 
     \b
     Example:
@@ -96,7 +101,7 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     import polars as pl
 
     from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
-                                evaluate_run, in_sample_note, incomplete_note, repeated_systems,
+                                evaluate_run, in_sample_note, incomplete_note, paired_means, repeated_systems,
                                 run_superseded_note)
 
     wh = warehouse(ctx, existing=True)
@@ -117,10 +122,14 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     for run_id in run_ids:
         click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
         frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, pair_list, pool_list))
+    unpaired = None
     if len(set(run_ids)) > 1:
         frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural,
-                                        run_id=mean_id))
+                                        run_id=mean_id, pairs=pair_list))
+        unpaired = paired_means(frames[-1], pair_list)[1]
     click.echo(metrics_table(pl.concat(frames)))
+    if unpaired:
+        click.echo(f"note: {unpaired}", err=True)
     for run_id in dict.fromkeys(run_ids):
         if incomplete := incomplete_note(wh, run_id):
             click.echo(f"note: run {run_id}: {incomplete}", err=True)
