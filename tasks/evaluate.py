@@ -155,6 +155,22 @@ def _no_rankings(wh: Warehouse, run_id: str) -> NotFoundError:
                          "`dxr run list --kind forecast`")
 
 
+def _not_ranked(run_id: str, system: str, ranked: list[str], named_by: str) -> NotFoundError:
+    """The error for a system, named by an option, that has no lists in the run: no typo (the option refused those),
+    so it names the run's systems and the two ways out."""
+    return NotFoundError(f"{named_by} names {system!r}, which has no rankings in run {run_id!r} (it has: "
+                         f"{', '.join(ranked) or 'none'}): forecast it into the run (dxr forecast --system {system} "
+                         f"--run-id {run_id}, with the options of the run's other systems), or find a run that has it "
+                         f"with `dxr run list --kind forecast:{system}`")
+
+
+def _ranked_systems(wh: Warehouse, run_id: str) -> list[str]:
+    """The systems with lists (rankings or statuses) in the run, sorted."""
+    con = wh.connect(run_id=run_id)  # only this run's partitions are opened
+    return sorted(_query(con, "SELECT system FROM rankings WHERE run_id = $run UNION SELECT system FROM "
+                              "ranking_status WHERE run_id = $run", {"run": run_id})["system"].to_list())
+
+
 def check_has_rankings(wh: Warehouse, run_id: str) -> None:
     """Refuse a run without ranking files; cheap (no file is read), so a command given several runs checks
     them all before evaluating the first."""
@@ -195,8 +211,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         systems = list(dict.fromkeys(systems))  # a system named twice is evaluated once, not written twice
         unknown = [s for s in systems if s not in available and s not in ORACLES]
         if unknown:
-            raise NotFoundError(f"system(s) {unknown} have no rankings in run {run_id!r}; "
-                                f"the run has: {', '.join(available)}")
+            raise _not_ranked(run_id, unknown[0], available, f"--systems {','.join(systems)}")
         absent = [s for s in systems if s in ORACLES and not oracle_rows[s]]
         if absent:
             raise NotFoundError(f"cohort {cohort_id} has no {ORACLES[absent[0]]} (only synthetic cohorts have "
@@ -661,18 +676,20 @@ def check_comparisons(run_id: str, systems: list[str], pairs: list[tuple[str, ..
 
 def comparisons_named(wh: Warehouse, run_id: str, systems: list[str] | None, pairs: list[tuple[str, ...]] | None,
                       pools: list[tuple[str, ...]] | None) -> None:
-    """`check_comparisons` before the run is read, so that a command given several runs refuses a mistyped name
-    before evaluating the first: against `systems` when given, else each named system must have ranking files in
-    the run (cheap: no file is read) or be an oracle (whose gold rows `evaluate` checks)."""
+    """Before the run is read, so that a command given several runs refuses a name before evaluating the first: each
+    system of `systems` must have ranking files in the run (cheap: no file is read) or be an oracle (whose gold rows
+    `evaluate` checks), and so must each system a pair or pool names, which `check_comparisons` also wants among
+    `systems` when given."""
     if systems is not None:
-        check_comparisons(run_id, systems, pairs or [], pools or [])
-        return
-    for label, system in _named(pairs or [], pools or []):
+        named = [(f"--systems {','.join(systems)}", system) for system in systems]
+    else:
+        named = list(_named(pairs or [], pools or []))
+    for label, system in named:
         if not (system in ORACLES or wh.has_rows("rankings", run_id=check_run_id(run_id), system=system)
                 or wh.has_rows("ranking_status", run_id=run_id, system=system)):
-            raise NotFoundError(f"{label} names {system!r}, which has no rankings in run {run_id!r}: correct the name "
-                                f"(`dxr sql \"SELECT DISTINCT system FROM rankings WHERE run_id = '{run_id}'\"` lists "
-                                "the run's systems)")
+            raise _not_ranked(run_id, system, _ranked_systems(wh, run_id), label)
+    if systems is not None:
+        check_comparisons(run_id, systems, pairs or [], pools or [])
 
 
 def evaluate(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DEFAULT_KS, n_boot: int = 1000,

@@ -73,6 +73,29 @@ def one_line_error(result) -> str:
     (["prior", "promote", "--cohort", "c", "--system", "ehr_prio", "--version", "1"],
      "Error: Invalid value for '--system': 'ehr_prio' is not one of 'ehr_prior', 'dense_prior', 'gru'. "
      "(usage: dxr prior promote -h)"),
+    # So is an id that names no system whose lists a run can hold, wherever dxr evaluate takes one.
+    (["evaluate", "--run", "r1", "--systems", "repeat_history,ehr_prio"],
+     "Error: Invalid value for '--systems': unknown system 'ehr_prio'; evaluable: dense_prior, direct, ehr_prior, "
+     "global_frequency, gru, oracle, record_oracle, repeat_history, rrf_prior_direct, transition "
+     "(usage: dxr evaluate -h)"),
+    (["evaluate", "--run", "r1", "--pair", "oracle,ehr_prio"],
+     "Error: Invalid value for '--pair': unknown system 'ehr_prio'; evaluable: dense_prior, direct, ehr_prior, "
+     "global_frequency, gru, oracle, record_oracle, repeat_history, rrf_prior_direct, transition "
+     "(usage: dxr evaluate -h)"),
+    (["evaluate", "--run", "r1", "--pool", "ehr_prior+research_path"],
+     "Error: Invalid value for '--pool': system 'research_path' is declared but not built yet, so no run has its "
+     "lists; evaluable: dense_prior, direct, ehr_prior, global_frequency, gru, oracle, record_oracle, repeat_history, "
+     "rrf_prior_direct, transition (usage: dxr evaluate -h)"),
+    # A kind that no command records: the empty table it printed read as "no such run yet".
+    (["run", "list", "--kind", "forecast:ehr_prio"],
+     "Error: Invalid value for '--kind': no command records runs of kind 'forecast:ehr_prio'; the forecast kinds: "
+     "forecast, forecast:dense_prior, forecast:direct, forecast:ehr_prior, forecast:global_frequency, forecast:gru, "
+     "forecast:repeat_history, forecast:rrf_prior_direct, forecast:transition (usage: dxr run list -h)"),
+    (["run", "list", "--kind", "forcast"],
+     "Error: Invalid value for '--kind': no command records runs of kind 'forcast'; kinds: cohort, "
+     "corpus[:ingest|build], evaluate, forecast[:dense_prior|direct|ehr_prior|global_frequency|gru|repeat_history|"
+     "rrf_prior_direct|transition], ingest[:meds|mimic3|mimic4], promote[:ehr_prior|dense_prior|gru], synth, "
+     "train[:ehr_prior|dense_prior|gru] (usage: dxr run list -h)"),
     (["nosuch"], "Error: No such command 'nosuch'. (usage: dxr -h)"),
 ])
 def test_usage_errors_are_one_line_with_exit_code_2(args, line):
@@ -509,9 +532,17 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     assert run("forecast", "--cohort", "default", "--system", "global_frequency", "--split", "all", "--run-id", "r2",
                data_dir=data_dir).exit_code == 0
     line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", "--pool", "repeat_history", data_dir=data_dir))
-    assert line == ("Error: pool repeat_history names 'repeat_history', which has no rankings in run 'r2': correct the "
-                    "name (`dxr sql \"SELECT DISTINCT system FROM rankings WHERE run_id = 'r2'\"` lists the run's "
-                    "systems)")
+    assert line == ("Error: pool repeat_history names 'repeat_history', which has no rankings in run 'r2' (it has: "
+                    "global_frequency): forecast it into the run (dxr forecast --system repeat_history --run-id r2, "
+                    "with the options of the run's other systems), or find a run that has it with "
+                    "`dxr run list --kind forecast:repeat_history`")
+    # As is a system to evaluate (the line came after the first run's "evaluating", as a list of ids).
+    line = one_line_error(run("evaluate", "--run", "r1", "--systems", "repeat_history,global_frequency",
+                              data_dir=data_dir))
+    assert line == ("Error: --systems repeat_history,global_frequency names 'global_frequency', which has no rankings "
+                    "in run 'r1' (it has: repeat_history): forecast it into the run (dxr forecast --system "
+                    "global_frequency --run-id r1, with the options of the run's other systems), or find a run that "
+                    "has it with `dxr run list --kind forecast:global_frequency`")
     line = one_line_error(run("evaluate", "--run", "r1", "--systems", "repeat_history", "--pair",
                               "repeat_history,global_frequency", data_dir=data_dir))
     assert line == ("Error: pair repeat_history,global_frequency names 'global_frequency', not evaluated in run 'r1'; "
@@ -530,7 +561,9 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
                            "global_frequency,repeat_history, or leave the option out for every system of the run"),
         ("--k", ",", "Error: --k takes comma-separated integers such as 10,20; got ','"),
         ("--k", "0,10", "Error: every K must be >= 1, got (0, 10); the variable-cardinality version is --natural"),
-        ("--pair", "a", "Error: --pair takes two systems as a,b; got 'a'"),
+        ("--pair", "oracle", "Error: --pair takes two different systems as a,b; got 'oracle'"),
+        ("--pair", "oracle,oracle", "Error: --pair takes two different systems as a,b; got 'oracle,oracle'"),
+        ("--pool", "oracle+", "Error: --pool takes one or more systems joined by +, as a+b; got 'oracle+'"),
     ]:
         assert one_line_error(run("evaluate", "--run", "r1", option, value, data_dir=data_dir)) == line
     result = run("evaluate", "--run", "r1", "--bootstrap", "-1", data_dir=data_dir)
@@ -549,6 +582,13 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     registered = Warehouse(data_dir).read("runs", run_id="mean")
     assert registered.select("kind", "status").rows() == [("evaluate", "finished")]
     assert json.loads(registered["config_json"][0])["runs"] == ["r1", "r3"]
+    # `dxr run list --kind` takes each kind the commands recorded, and a kind no run has yet lists none.
+    recorded = Warehouse(data_dir).read("runs")
+    for kind in set(recorded["kind"]):
+        listed = run("run", "list", "--kind", kind, "--format", "csv", data_dir=data_dir)
+        assert (listed.exit_code, len(listed.output.splitlines()) - 1) == (0, (recorded["kind"] == kind).sum()), kind
+    assert run("run", "list", "--kind", "forecast:transition", "--format", "csv", data_dir=data_dir).output == (
+        "run_id,kind,status,cohort,cohort_id,started_at,finished_at\n")
 
 
 def test_evaluate_compares_the_means_of_repeated_runs_only_under_one_run_id(tiny_meds, wh_vocab):
@@ -717,3 +757,22 @@ def test_cohort_build_memory_limit_option_overrides_the_setting_and_running_out_
     line = one_line_error(run("cohort", "build", "--dataset", "tiny", "--name", "default", "--memory-limit", "1MB",
                               data_dir=data_dir))
     assert "DuckDB ran out of memory within its limit of 1MB" in line, line
+
+
+def test_demo_refuses_its_run_id_before_any_work(tmp_path):
+    # The flow refused an unsafe --run-id, or one holding a record of what a command made, only after generating the
+    # dataset, building the cohort and training the prior: minutes, then a failed flow run's traceback in the log.
+    from datetime import datetime
+
+    from warehouse.runs import record_run
+
+    assert one_line_error(run("demo", "--run-id", "demo/1", "--patients", "50", data_dir=tmp_path / "wh")) == (
+        "Error: run id 'demo/1' has unsafe characters: use letters, digits and _.:-")
+    assert not (tmp_path / "wh").exists()
+    wh = Warehouse(tmp_path / "wh")
+    record_run(wh, "p1-llm", None, "train:ehr_prior", {}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    assert one_line_error(run("demo", "--run-id", "p1", "--patients", "50", data_dir=wh.root)) == (
+        "Error: run id 'p1-llm' already holds a record of what a command made (train:ehr_prior), and a "
+        "forecast:ehr_prior run is a result: give it a run id of its own (or none, to have one generated); "
+        "`dxr run delete` deletes results only, so it could not delete a run id that holds both")
+    assert not wh.has_rows("datasets") and wh.read("runs")["run_id"].to_list() == ["p1-llm"]

@@ -270,8 +270,8 @@ def dxr_usage_error(args: list[str]) -> str | None:
         if PLACEHOLDER.search(value) or isinstance(option.type, click.Path):
             continue  # a path shown need not exist here
         for each in value.split("|"):  # `--mode hybrid|bm25|dense` shows the choices
-            try:
-                option.type.convert(each, option, None)
+            try:  # the option's type, then its callback (the system ids `--system` and `--systems` take, ...)
+                option.process_value(click.Context(command), (each,) if option.multiple else each)
             except click.BadParameter as error:
                 return f"{' '.join(path)} {token} {each!r}: {error.format_message()}"
     return None
@@ -291,4 +291,8 @@ def test_a_documented_dxr_command_with_a_wrong_option_or_value_is_caught():
         "'sparse' is not one of 'hybrid', 'bm25', 'dense'.")
     assert dxr_usage_error(["forecast", "--cohort", "C", "--limit", "ten"]) == \
         "dxr forecast --limit 'ten': Invalid value for '--limit': 'ten' is not a valid integer range."
+    assert dxr_usage_error(["evaluate", "--run", "R", "--systems", "s1", "--k", "5"]) == (
+        "dxr evaluate --systems 's1': Invalid value for '--systems': unknown system 's1'; evaluable: dense_prior, "
+        "direct, ehr_prior, global_frequency, gru, oracle, record_oracle, repeat_history, rrf_prior_direct, transition")
+    assert dxr_usage_error(["run", "list", "--kind", "forecast:ehr_prior", "--limit", "3"]) is None
     assert dxr_usage_error(["--data-dir", "D", "cohort", "build", "--dataset", "mimic4", "--name", "native"]) is None

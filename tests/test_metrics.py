@@ -217,7 +217,7 @@ def test_duplicate_codes_are_refused(wh):
 
 
 def test_unknown_system_and_run(wh):
-    with pytest.raises(NotFoundError, match="the run has: s1, s2"):
+    with pytest.raises(NotFoundError, match=r"in run .r1. \(it has: s1, s2\)"):
         evaluate(wh, "r1", systems=["nope"], n_boot=0)
     with pytest.raises(NotFoundError, match="run 'zzz' has no rankings"):
         evaluate(wh, "zzz", n_boot=0)

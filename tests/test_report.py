@@ -18,6 +18,11 @@ from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, dx, wri
 from warehouse.store import Warehouse
 
 
+# The CLI takes the ids of systems that dxr forecasts, which test_metrics' s1 and s2 are not: their lists under two.
+FORECASTABLE = {"global_frequency": RANKINGS["s1"], "repeat_history": RANKINGS["s2"]}
+FORECASTABLE_STATUS = {("repeat_history", T2): "short"}
+
+
 @pytest.fixture
 def wh(tmp_path) -> Warehouse:
     warehouse = Warehouse(tmp_path / "wh")
@@ -307,21 +312,22 @@ def test_a_report_file_that_does_not_fit_on_the_disk_is_named(wh, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"] and list((tmp_path / "out").iterdir()) == []
 
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):
+    write_rankings(wh, "r5", rankings=FORECASTABLE, status=FORECASTABLE_STATUS)
     runner = CliRunner()
-    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
-                                  "--bootstrap", "0", "--systems", "s1,s2"])
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r5", "--k", "2",
+                                  "--bootstrap", "0", "--systems", "global_frequency,repeat_history"])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["run", "system", "K", "n", "n_runs", "micro-F1", "R@K", "P@K"]
     # Hand-computed in test_metrics: s1 micro-F1 0.5, R@2 4/9, P@2 0.5; s2 0.5, 5/9, 0.5.
-    assert lines[1].split() == ["r1", "s1", "2", "3", "1", "0.500", "0.444", "0.500"]
-    assert lines[2].split() == ["r1", "s2", "2", "3", "1", "0.500", "0.556", "0.500"]
+    assert lines[1].split() == ["r5", "global_frequency", "2", "3", "1", "0.500", "0.444", "0.500"]
+    assert lines[2].split() == ["r5", "repeat_history", "2", "3", "1", "0.500", "0.556", "0.500"]
     assert [line.split()[2] for line in lines[3:]] == ["|C|", "|C|"]
-    stored = wh.read("metrics", run_id="r1")
-    assert set(stored["system"]) == {"s1", "s2"} and set(stored["n_runs"]) == {1}
+    stored = wh.read("metrics", run_id="r5")
+    assert set(stored["system"]) == set(FORECASTABLE) and set(stored["n_runs"]) == {1}
 
     out = tmp_path / "rep"
-    result = runner.invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(out)])
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r5", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [f"report: {out / 'report.html'}", f"markdown: {out / 'report.md'}"]
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
@@ -342,9 +348,9 @@ def test_cli_evaluate_says_how_many_lists_were_short_or_failed(wh):
             f"note: run {run_id}: lists recorded short or failed (ranking_status) are scored with the hits they have "
             f"over the same denominators (K): {counts} (see evaluation_coverage)")
         assert "note" not in result.stdout
-    write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [A, D], T3: [E, X]}}, status={})
+    write_rankings(wh, "r3", rankings={"global_frequency": {T1: [A, B], T2: [A, D], T3: [E, X]}}, status={})
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2", "--bootstrap",
-                                  "0", "--systems", "s1"])
+                                  "0", "--systems", "global_frequency"])
     assert result.exit_code == 0, result.output
     assert "note" not in result.output
 
@@ -385,15 +391,17 @@ def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
 
     wh.write("trajectories", wh.read("trajectories", cohort_id=COHORT).with_columns(split=pl.lit("train")),
              cohort_id=COHORT)
-    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    write_rankings(wh, "r1", rankings=FORECASTABLE, status=FORECASTABLE_STATUS)
+    write_rankings(wh, "r9", rankings={"global_frequency": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
     for run_id in ("r1", "r9"):
-        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
-    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
+        record_run(wh, run_id, COHORT, "forecast:global_frequency", {"k": 2}, "finished", datetime(2026, 1, 1),
+                   datetime(2026, 1, 1))
+    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["global_frequency"], ks=(2,), n_boot=0)["run_id"][0]
     assert "\n\nIn-sample: 3 of the 3 trajectories are of train-split patients (train 3): " in to_markdown(
         build_report(wh, config_id))
     # `dxr evaluate` over both runs says it once, naming both, not once per run.
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9",
-                                       "--k", "2", "--bootstrap", "0", "--systems", "s1"])
+                                       "--k", "2", "--bootstrap", "0", "--systems", "global_frequency"])
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and notes[0].startswith("note: runs r1, r9: 3 of the 3 trajectories are of train-split")
@@ -416,19 +424,20 @@ def test_cli_rejects_bad_k_and_silent_short(wh):
 
 
 def test_cli_names_a_system_forecast_on_fewer_trajectories_than_the_others_of_its_run(wh):
-    # s3 forecast with --limit 1 into a run whose s1 covers three trajectories: it has no list and no
-    # status for two of them, which was reported as if its output were short ("fix the system's output").
-    write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [D, A], T3: [E, X]}, "s3": {T1: [A, B]}}, status={})
+    # transition forecast with --limit 1 into a run whose global_frequency covers three trajectories: it has no list
+    # and no status for two of them, which was reported as if its output were short ("fix the system's output").
+    write_rankings(wh, "r3", rankings={"global_frequency": {T1: [A, B], T2: [D, A], T3: [E, X]},
+                                       "transition": {T1: [A, B]}}, status={})
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2"])
     assert result.exit_code == 1
     assert result.output.splitlines() == [
         "evaluating run r3 (K=2, bootstrap 1000) …",
-        f"Error: run 'r3': system 's3' was not forecast for 2 of the run's 3 trajectories (e.g. '{T2}'), which another "
-        "system of the run was (another --split, --limit or --subject-id); a run's systems are evaluated on the same "
-        "trajectories: evaluate the others alone (--systems s1,oracle), or forecast s3 with the others' options under "
-        "a new run id"]
+        f"Error: run 'r3': system 'transition' was not forecast for 2 of the run's 3 trajectories (e.g. '{T2}'), which "
+        "another system of the run was (another --split, --limit or --subject-id); a run's systems are evaluated on "
+        "the same trajectories: evaluate the others alone (--systems global_frequency,oracle), or forecast transition "
+        "with the others' options under a new run id"]
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r3", "--k", "2",
-                                       "--bootstrap", "0", "--systems", "s1,oracle"])
+                                       "--bootstrap", "0", "--systems", "global_frequency,oracle"])
     assert result.exit_code == 0, result.output
     # Two systems on different patients: neither alone covers the run, so only a new run id helps.
     write_rankings(wh, "r4", rankings={"s4": {T1: [A, B]}, "s5": {T2: [D, A]}}, status={})
@@ -469,18 +478,20 @@ def test_cli_evaluates_repeats_of_one_configuration(wh):
 
     from warehouse.runs import record_run
 
-    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
+    write_rankings(wh, "r1", rankings=FORECASTABLE, status=FORECASTABLE_STATUS)
+    write_rankings(wh, "r9", rankings={"global_frequency": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
     for run_id in ("r1", "r9"):
-        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2, "run_id": run_id}, "finished",
+        record_run(wh, run_id, COHORT, "forecast:global_frequency", {"k": 2, "run_id": run_id}, "finished",
                    datetime(2026, 1, 1), datetime(2026, 1, 1))
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9",
-                                       "--systems", "s1", "--k", "2", "--bootstrap", "0", "--no-natural"])
+                                       "--systems", "global_frequency", "--k", "2", "--bootstrap", "0", "--no-natural"])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines()[1:]]
     # r1: micro-F1 0.5, R@2 4/9, P@2 0.5; r9 hits T1 {B, C}, T2 {D, A}, T3 {E}: 5/6, 8/9, 5/6; means below.
-    assert rows[0] == ["r1", "s1", "2", "3", "1", "0.500", "0.444", "0.500"]
-    assert rows[1] == ["r9", "s1", "2", "3", "1", "0.833", "0.889", "0.833"]
-    assert rows[2][0].startswith("config-") and rows[2][1:] == ["s1", "2", "3", "2", "0.667", "0.667", "0.667"]
+    assert rows[0] == ["r1", "global_frequency", "2", "3", "1", "0.500", "0.444", "0.500"]
+    assert rows[1] == ["r9", "global_frequency", "2", "3", "1", "0.833", "0.889", "0.833"]
+    assert rows[2][0].startswith("config-") and rows[2][1:] == ["global_frequency", "2", "3", "2", "0.667", "0.667",
+                                                                "0.667"]
 
 
 def test_cli_repeats_with_an_oracle_among_the_systems(wh):
@@ -490,19 +501,22 @@ def test_cli_repeats_with_an_oracle_among_the_systems(wh):
 
     from warehouse.runs import record_run
 
-    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]},
-                                       "s2": {T1: [B, C], T2: [X], T3: [E, X]}}, status={("s2", T2): "short"})
+    write_rankings(wh, "r1", rankings=FORECASTABLE, status=FORECASTABLE_STATUS)
+    write_rankings(wh, "r9", rankings={"global_frequency": {T1: [B, C], T2: [D, A], T3: [E, X]},
+                                       "repeat_history": {T1: [B, C], T2: [X], T3: [E, X]}},
+                   status={("repeat_history", T2): "short"})
     for run_id in ("r1", "r9"):
-        for system in ("s1", "s2"):
+        for system in FORECASTABLE:
             record_run(wh, run_id, COHORT, f"forecast:{system}", {"k": 2, "run_id": run_id}, "finished",
                        datetime(2026, 1, 1), datetime(2026, 1, 1))
     args = ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9", "--k", "2", "--bootstrap", "0",
             "--no-natural", "--systems"]
-    result = CliRunner().invoke(main, args + ["s1,oracle"])
+    result = CliRunner().invoke(main, args + ["global_frequency,oracle"])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines()[1:]]
-    assert [(r[0][:7], r[1], r[4]) for r in rows] == [("r1", "oracle", "1"), ("r1", "s1", "1"), ("r9", "oracle", "1"),
-                                                      ("r9", "s1", "1"), ("config-", "s1", "2")]
+    assert [(r[0][:7], r[1], r[4]) for r in rows] == [
+        ("r1", "global_frequency", "1"), ("r1", "oracle", "1"), ("r9", "global_frequency", "1"), ("r9", "oracle", "1"),
+        ("config-", "global_frequency", "2")]
     result = CliRunner().invoke(main, args + ["oracle"])
     assert result.exit_code == 1
     assert result.output.startswith("Error: --systems oracle names only gold-side oracles, which are the same")

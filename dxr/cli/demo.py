@@ -28,12 +28,18 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
       dxr demo --patients 5000 --llm-sample 4
     """
     from flows.api_server import start_temporary_api
-    from flows.demo import demo_flow
+    from flows.demo import DEMO_SYSTEMS, LLM_SAMPLE_SYSTEMS, demo_flow
+    from warehouse.runs import check_run_kind
     from warehouse.sql import format_table
+    from warehouse.store import Warehouse, check_run_id
 
     cfg = settings(ctx)
     if patients:
         cfg = cfg.model_copy(update={"synth": cfg.synth.model_copy(update={"patients": patients})})
+    if run_id is not None:  # checked here: the flow would refuse it only after the dataset, the cohort and the prior
+        runs = {run_id: DEMO_SYSTEMS[0]} | ({f"{run_id}-llm": LLM_SAMPLE_SYSTEMS[0]} if llm_sample else {})
+        for run, first_system in runs.items():
+            check_run_kind(Warehouse(cfg.data_dir), check_run_id(run), f"forecast:{first_system}")
     start_temporary_api()
     result = demo_flow(cfg, run_id=run_id, llm_sample=llm_sample)
     cohort = result["cohort"]

@@ -12,15 +12,28 @@ def _names(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
-def _systems(value: str | None) -> list[str] | None:
+def _evaluable(ctx: click.Context, param: click.Parameter, systems: list[str]) -> None:
+    """An id that names no system a run can hold is a value outside the option's choices: a usage error (exit code
+    2), as `dxr forecast --system` gives, with check_evaluable's message naming the ids that are."""
+    from tasks.forecast import check_evaluable
+
+    for system in systems:
+        try:
+            check_evaluable(system)
+        except InputError as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+
+
+def _systems(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
     systems = _names(value)
     if systems == []:  # `--systems ,` would otherwise evaluate nothing and fail deep in the metrics
         raise InputError("--systems names no system; give a comma-separated list such as global_frequency,"
                          "repeat_history, or leave the option out for every system of the run")
+    _evaluable(ctx, param, systems or [])
     return systems
 
 
-def _ks(value: str) -> list[int]:
+def _ks(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     try:
         ks = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
@@ -30,14 +43,26 @@ def _ks(value: str) -> list[int]:
     return ks
 
 
-def _pairs(values: tuple[str, ...]) -> list[tuple[str, str]] | None:
+def _pairs(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, str]] | None:
     pairs = []
     for value in values:
         parts = _names(value) or []
-        if len(parts) != 2:
-            raise InputError(f"--pair takes two systems as a,b; got {value!r}")
+        if len(parts) != 2 or parts[0] == parts[1]:  # a system against itself differs by nothing
+            raise InputError(f"--pair takes two different systems as a,b; got {value!r}")
         pairs.append((parts[0], parts[1]))
+    _evaluable(ctx, param, [system for pair in pairs for system in pair])
     return pairs or None
+
+
+def _pools(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, ...]] | None:
+    pools = []
+    for value in values:
+        parts = tuple(part.strip() for part in value.split("+"))
+        if not all(parts):  # `--pool a+` was looked up as a system named ''
+            raise InputError(f"--pool takes one or more systems joined by +, as a+b; got {value!r}")
+        pools.append(parts)
+    _evaluable(ctx, param, [system for pool in pools for system in pool])
+    return pools or None
 
 
 def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_k", "precision_at_k")) -> str:
@@ -64,18 +89,19 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @main.command("evaluate")
 @click.option("--run", "run_ids", multiple=True, required=True,
               help="Run whose rankings are evaluated; repeat it to also average repeats of one configuration.")
-@click.option("--systems", default=None, help="Comma-separated systems (default: every system of the run, "
-                                              "plus the gold-side oracles when the cohort has them).")
-@click.option("--k", "ks", default="10,20", show_default=True, help="Comma-separated budgets K.")
+@click.option("--systems", default=None, callback=_systems,
+              help="Comma-separated systems (default: every system of the run, plus the gold-side oracles when the "
+                   "cohort has them).")
+@click.option("--k", "ks", default="10,20", callback=_ks, show_default=True, help="Comma-separated budgets K.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Bootstrap resamples (0: no intervals).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--natural/--no-natural", default=True, show_default=True,
               help="Also evaluate each system's whole list (variable cardinality, shown as K=|C|).")
-@click.option("--pair", "pairs", multiple=True,
+@click.option("--pair", "pairs", multiple=True, callback=_pairs,
               help="Paired comparison a,b (repeatable; default: every pair), in each run and of the means under one "
                    "--run-id.")
-@click.option("--pool", "pools", multiple=True,
+@click.option("--pool", "pools", multiple=True, callback=_pools,
               help="Pool-oracle headroom over the union of systems a+b (repeatable; default: each system and all).")
 @click.option("--run-id", "mean_id", default=None,
               help="Run id of the mean over several --run values (default: one config-… id per configuration, "
@@ -105,11 +131,9 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
                                 run_superseded_note)
 
     wh = warehouse(ctx, existing=True)
-    system_list, k_list, pair_list = _systems(systems), _ks(ks), _pairs(pairs)
-    pool_list = [tuple(p.split("+")) for p in pools] or None
-    budgets(k_list, natural)  # refuses K < 1 before any work
+    budgets(ks, natural)  # refuses K < 1 before any work
     if len(set(run_ids)) > 1:
-        repeated_systems(system_list)  # refuses a mean over runs of oracles alone before any work
+        repeated_systems(systems)  # refuses a mean over runs of oracles alone before any work
         if mean_id is not None:
             check_mean_run_id(wh, mean_id)
     elif mean_id is not None:
@@ -117,16 +141,16 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
                          f"{run_ids[0]} is stored under its own id: leave --run-id out, or add the runs to average")
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
-        comparisons_named(wh, run_id, system_list, pair_list, pool_list)
+        comparisons_named(wh, run_id, systems, pairs, pools)
     frames = []
     for run_id in run_ids:
-        click.echo(f"evaluating run {run_id} (K={','.join(map(str, k_list))}, bootstrap {n_boot}) …", err=True)
-        frames.append(evaluate_run(wh, run_id, system_list, k_list, n_boot, seed, natural, pair_list, pool_list))
+        click.echo(f"evaluating run {run_id} (K={','.join(map(str, ks))}, bootstrap {n_boot}) …", err=True)
+        frames.append(evaluate_run(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools))
     unpaired = None
     if len(set(run_ids)) > 1:
-        frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), system_list, k_list, n_boot, seed, natural,
-                                        run_id=mean_id, pairs=pair_list))
-        unpaired = paired_means(frames[-1], pair_list)[1]
+        frames.append(evaluate_repeated(wh, list(dict.fromkeys(run_ids)), systems, ks, n_boot, seed, natural,
+                                        run_id=mean_id, pairs=pairs))
+        unpaired = paired_means(frames[-1], pairs)[1]
     click.echo(metrics_table(pl.concat(frames)))
     if unpaired:
         click.echo(f"note: {unpaired}", err=True)

@@ -18,9 +18,39 @@ def run_group() -> None:
     """
 
 
+def recorded_kinds() -> dict[str, tuple[str, ...]]:
+    """The kinds of run the commands record, by the part before the colon, each with the parts they put after it
+    (none: that part is the whole kind): what `synth`, `ingest`, `cohort build`, `forecast`, `evaluate`, `prior train`,
+    `prior promote` and `corpus ingest|build` pass to `registered_run` or `record_run`."""
+    from models.prior.config import ARCHS
+    from models.registry import forecastable_systems
+    from warehouse.importers.mimic import MIMIC3, MIMIC4
+    from warehouse.runs import EVALUATE_KIND
+
+    return {"synth": (), "ingest": ("meds", MIMIC3.source, MIMIC4.source), "cohort": (),
+            "forecast": tuple(forecastable_systems()), EVALUATE_KIND: (), "train": tuple(ARCHS),
+            "promote": tuple(ARCHS), "corpus": ("ingest", "build")}
+
+
+def recorded_kind(ctx: click.Context, param: click.Parameter, kind: str | None) -> str | None:
+    """A kind that no command records lists no run, ever: a usage error (exit code 2) naming the kinds, rather than
+    an empty table that reads as "no such runs yet"."""
+    if kind is None:
+        return None
+    kinds = recorded_kinds()
+    family, colon, part = kind.partition(":")
+    if family in kinds and (not colon or part in kinds[family]):
+        return kind
+    if family in kinds and kinds[family]:
+        raise click.BadParameter(f"no command records runs of kind {kind!r}; the {family} kinds: {family}, "
+                                 + ", ".join(f"{family}:{part}" for part in kinds[family]), ctx, param)
+    spelt = [f"{name}[:{'|'.join(parts)}]" if parts else name for name, parts in sorted(kinds.items())]
+    raise click.BadParameter(f"no command records runs of kind {kind!r}; kinds: {', '.join(spelt)}", ctx, param)
+
+
 @run_group.command("list")
 @click.option("--cohort", default=None, help="Only the runs on this cohort (its id, or a name: every cohort of it).")
-@click.option("--kind", default=None,
+@click.option("--kind", default=None, callback=recorded_kind,
               help="Only the runs of this kind (`forecast` takes every `forecast:<system>`; evaluate, cohort, "
                    "train:ehr_prior, ...).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, metavar="N",
