@@ -225,6 +225,10 @@ ADVERSARIAL = [
     ("with or " * 12500 + "on 2019 copd", "with or " * 12500 + "copd", [("date", "2019")]),
     # A run of name characters with no '@': read to its end from every word boundary in it.
     ("1-" * 49999 + "1", "1-" * 49999 + "1", []),
+    # Chains of phrases of several words: each later word of one ("at" of "as at", "to" of "up to", "later than" of
+    # "no later than") started the rest of the chain again.
+    ("as at or " * 11111 + "copd", "as at or " * 11111 + "copd", []),
+    ("as of or no later than or up to or " * 2941 + "copd", "as of or no later than or up to or " * 2941 + "copd", []),
 ]
 
 

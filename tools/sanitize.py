@@ -116,8 +116,10 @@ def _chain(phrases: tuple[str, ...]) -> str:
 
     Started at each word of a long chain that no removal follows ("on or at or in or ..."), the regex would read the
     rest of the chain from every one of them: quadratic. A later word adds nothing, since the chain from the first
-    word ends at the same places, so a word after a preposition and 'or'/'and' does not start one. Look-behinds have a
-    fixed width, so there is one per width; they read single spaces, which the text has when this runs.
+    word ends at the same places, so a word after a preposition and 'or'/'and' does not start one, nor does a word
+    inside a phrase of several ("at" of "as at", "to" of "up to", "later than" of "no later than": the phrase from its
+    first word ends where they do). Look-behinds have a fixed width, so there is one per width; they read single
+    spaces, which the text has when this runs.
     """
     by_width: dict[int, list[str]] = {}
     for phrase in phrases:
@@ -125,8 +127,22 @@ def _chain(phrases: tuple[str, ...]) -> str:
             before = f"{phrase} {conjunction} "
             by_width.setdefault(len(before), []).append(re.escape(before))
     not_inside = "".join(rf"(?<!\b(?:{'|'.join(befores)}))" for befores in by_width.values())
+    # No phrase extends a later part of another ("at" of "as at" is no "at ..." phrase's start), or the chain from the
+    # later word could end elsewhere than the chain from the first.
+    extending = [(phrase, other) for phrase in phrases for other in phrases
+                 if any(other.startswith(f"{part} ") for part in _later_parts(phrase))]
+    assert not extending, f"phrases extending a later part of another: {extending}"
+    not_within = "".join(rf"(?!(?<=\b{re.escape(phrase[:-len(part)])}){re.escape(part)}\b)"
+                         for phrase in phrases for part in _later_parts(phrase))
     element = "|".join(re.escape(phrase).replace(r"\ ", r"\s+") for phrase in phrases)
-    return rf"\b{not_inside}(?:{element})(?:\s+(?:or|and)\s+(?:{element}))*"
+    return rf"\b{not_inside}{not_within}(?:{element})(?:\s+(?:or|and)\s+(?:{element}))*"
+
+
+def _later_parts(phrase: str) -> list[str]:
+    """The ends of a phrase of several words that start at its second word or later: "no later than" -> "later than",
+    "than"."""
+    words = phrase.split(" ")
+    return [" ".join(words[i:]) for i in range(1, len(words))]
 
 
 _TIME_PREPOSITIONS = _chain(_TIME_PREPOSITION_PHRASES)
