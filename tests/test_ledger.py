@@ -65,6 +65,9 @@ REMOVED = [
     ("sepsis T20:15 lactate", "sepsis lactate", [("date", "T20:15")]),
     ("sepsis at 8:30pm lactate", "sepsis lactate", [("date", "8:30pm")]),
     ("metformin 2000 mg since 2019", "metformin 2000 mg", [("date", "2019")]),
+    # Only the units' usual capitals make a quantity: "MG" is also myasthenia gravis, "L" left.
+    ("ptosis diagnosed 2019 MG", "ptosis diagnosed MG", [("date", "2019")]),
+    ("CKD since 2019 L kidney", "CKD L kidney", [("date", "2019")]),
     # MIMIC shifts dates into 2100-2200 and the oldest patients' birth years into the 1800s.
     ("heart failure admitted July 2180", "heart failure admitted", [("date", "July 2180")]),
     ("CHF readmission 2180 Jul 23 diuretic", "CHF readmission diuretic", [("date", "2180 Jul 23")]),
@@ -186,7 +189,8 @@ KEPT = [
     "30-day readmission heart failure", "HbA1c 7.5% insulin", "eGFR 15-29 dialysis", "NYHA class III heart failure",
     "COVID-19 pneumonia", "G6PD deficiency hemolysis", "ICD-10 I50.9 heart failure", "BP 120/80 hypertension",
     "pain score 7.5/10", "hydrocodone 5/325 mg", "epinephrine 1:1000 anaphylaxis", "cohort of 2000 patients sepsis",
-    "cohort of 2150 patients sepsis", "furosemide 2200 mg heart failure",
+    "cohort of 2150 patients sepsis", "furosemide 2200 mg heart failure", "fluid restriction 1800 mL heart failure",
+    "vitamin D 2000 IU deficiency", "heparin 2000 Units bolus", "potassium chloride 2000 mEq", "LDL 1900 mg/dL",
     "patient type 2 diabetes outcomes", "patient COVID-19 pneumonia", "patient HbA1c 7.5% insulin",
     "patient CKD 4 progression", "patient 500 mg metformin", "encounter 30-day readmission",
     "subjects 18 to 65 years", "Marfan syndrome aortic dissection",

@@ -28,8 +28,11 @@ _MONTH_NO_YEAR = _MONTH.replace("|may|", "|(?-i:May|MAY)|")
 _DAY = r"(?:0?[1-9]|[12]\d|3[01])(?:st|nd|rd|th)?\b"
 # A day before its month may carry its article ("the 14th of March"): the article goes with the date.
 _THE_DAY = rf"(?:the\s+)?{_DAY}"
-# A number followed by a unit or a count noun is a dose or a size, not a year ("metformin 2000 mg").
-_NOT_A_QUANTITY = r"(?!\s*(?:%|(?:mg|mcg|[µu]g|ng|g|kg|ml|dl|l|cc|iu|u|units?|mmol|meq|kcal|patients|cells)\b))"
+# A number followed by a unit or a count noun is a dose or a size, not a year ("metformin 2000 mg"). The bare year is
+# matched with case, so the units' usual capitals are spelled out ("2000 mL", "2000 IU"); not every upper-case form,
+# as "MG" is also myasthenia gravis, "CC" a chief complaint and "L" left ("diagnosed 2019 MG" loses its year).
+_NOT_A_QUANTITY = (r"(?!\s*(?:%|(?:mg|mcg|[µu]g|ng|g|kg|ml|mL|dl|dL|l|cc|iu|IU|u|units?|Units?|mmol|meq|mEq|kcal|"
+                   r"patients|cells)\b))")
 # Years 1800-2299: besides real dates, MIMIC shifts every date into 2100-2200 (and the birth years of the
 # oldest patients into the 1800s), and the history a query is written from shows those years.
 _CENTURY = r"(?:1[89]|2[0-2])"
