@@ -251,6 +251,14 @@ def test_sanitizer_refuses_dates_nested_deeper_than_its_passes_at_once():
         _within_seconds(10, sanitize_query, query)
 
 
+@pytest.mark.parametrize("hidden", ["\u200b", "\u2060", "\ufeff", "\u00ad", "\ue000", "\ue001", "\ue002", "\uf8ff"])
+def test_sanitizer_sees_through_invisible_characters(hidden):
+    # A zero-width or private-use character inside a date or an identifier hid it from every pattern ("3/ 14/" and
+    # "MRN\ue000" left the process), and a private-use one could pose as a gap marking a removal.
+    clean = sanitize_query(f"sepsis 3/{hidden}14/2019 MRN{hidden} 12345 culture{hidden}")
+    assert (clean.text, clean.removed) == ("sepsis culture", [("identifier", "MRN 12345"), ("date", "3/14/2019")])
+
+
 def _within_seconds(seconds, function, *args):
     """The call's result, or TimeoutError after `seconds` (the regex engine checks signals as it runs)."""
     def too_slow(signum, frame):

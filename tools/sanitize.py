@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+import unicodedata
 from dataclasses import dataclass, field
 
 from dxr.errors import InputError
@@ -240,7 +241,7 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
     'admitted with chest pain, smoker'
     """
     removed: list[tuple[str, str]] = []
-    text = query
+    text = _visible(query)
     for literal in forbidden:
         if literal and literal.lower() in text.lower():
             removed.append(("identifier", literal))
@@ -265,6 +266,13 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
         raise InputError(f"query {query!r} has nothing left after removing identifiers, dates and verbatim "
                          "record spans: phrase it with clinical terms only")
     return SanitizedQuery(cleaned, removed)
+
+
+def _visible(query: str) -> str:
+    """The query without invisible characters: a zero-width space or a private-use character inside a date or an
+    identifier ("3/\u200b14/2019") would hide it from every pattern, and a private-use one could pose as the gaps
+    this module marks removals with."""
+    return "".join(char for char in query if unicodedata.category(char) not in ("Cf", "Co"))
 
 
 def _remove_once(text: str, removed: list[tuple[str, str]]) -> tuple[str, bool]:

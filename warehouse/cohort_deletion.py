@@ -129,7 +129,8 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
 def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False,
                   end_killed_trainings: Callable[[list[dict]], object] | None = None) -> CohortDeletion:
     """Delete a cohort (by id, or by a name no other cohort has), with its runs when `with_runs`; returns what went
-    (with `dry_run`, what would go: nothing changes).
+    (with `dry_run`, what would go: nothing is removed, though runs whose process is gone are recorded as killed,
+    as any command looking at the runs in progress records them).
 
     The cohort is held as its build holds it and each of its runs as its evaluation does, so no forecast, training,
     build, evaluation or report of them runs meanwhile; a delete refused for that is simply run again later.
