@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
-from dxr.errors import ConfigError
+from dxr.errors import ConfigError, InputError
 from models.llm.config import LLMConfig
 from models.prior.config import PriorConfig
 from tools.config import ToolsConfig
@@ -89,6 +89,19 @@ class BackfillConfig(BaseModel):
         except ValidationError as exc:
             raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return value
+
+    @field_validator("systems")
+    @classmethod
+    def _forecastable_in_order(cls, systems: list[str]) -> list[str]:
+        # Checked with the settings, so that `dxr config show` refuses what `dxr serve` would; the forecast stage is
+        # imported only when a backfill is configured.
+        from tasks.forecast import check_system_order
+
+        try:
+            check_system_order(tuple(systems))
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        return systems
 
 
 class Settings(BaseSettings):
@@ -176,7 +189,8 @@ def load_settings(**overrides) -> Settings:
         where = ".".join(str(p) for p in first["loc"])
         source = f" (from {path} or DXR_* variables)" if path else " (from DXR_* variables)"
         raise ConfigError(
-            f"invalid setting '{where}'{source}: {first['msg']} (got {first.get('input')!r}); "
+            f"invalid setting '{where}'{source}: {first['msg'].removeprefix('Value error, ')} "
+            f"(got {first.get('input')!r}); "
             "`dxr config show` lists the valid keys and defaults"
         ) from exc
     except tomllib.TOMLDecodeError as exc:

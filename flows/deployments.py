@@ -21,7 +21,6 @@ from dxr.errors import ConfigError
 from flows.backfill import backfill_artifact_key, cohort_backfill_flow
 from flows.patient import forecast_patient_flow
 from flows.train_prior import train_prior_flow
-from tasks.forecast import check_system_order
 from warehouse.store import Warehouse
 
 PATIENT_DEPLOYMENT = "adhoc"
@@ -51,7 +50,6 @@ def build_deployments(settings: Settings, serve_name: str | None = None) -> list
                         "set cfg.promote to false to register a challenger without moving the alias.")]
     keys: dict[str, str] = {}
     for backfill in settings.backfills:
-        check_system_order(tuple(backfill.systems))
         name = deployment_name(backfill.name, serve_name)
         key = backfill_artifact_key(name, backfill.cohort)
         if key in keys:  # unique names can still share a key: `a_b` and `a-b`

@@ -69,7 +69,7 @@ from dxr.errors import InputError, NotFoundError
 from warehouse.cohorts import superseded_note
 from warehouse.locks import held
 from warehouse.meds import SPLITS
-from warehouse.runs import EVALUATE_KIND, holding_run, record_run
+from warehouse.runs import EVALUATE_KIND, RESULT_KINDS, holding_run, record_run
 from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES, utc_now
 from warehouse.store import Warehouse, check_run_id, conform
 
@@ -149,10 +149,21 @@ def check_forecasts_finished(con, run_id: str, systems: list[str]) -> None:
                          f"options, or leave {system} out with --systems")
 
 
+def not_a_forecast(wh: Warehouse, run_id: str) -> NotFoundError | None:
+    """The error for a run id that records what a command made (a dataset's ingest, a cohort's build, a training):
+    no forecast wrote lists under it, so neither evaluating nor reporting it can help. None for any other run."""
+    records = sorted({kind for kind in wh.read("runs", run_id=run_id)["kind"] if not kind.startswith(RESULT_KINDS)})
+    if not records:
+        return None
+    return NotFoundError(f"run {run_id!r} is a {', '.join(records)} run (see `dxr run list`), not a forecast: it has "
+                         "no rankings to evaluate or report; name a forecast run (`dxr run list --kind forecast` "
+                         "lists them)")
+
+
 def _no_rankings(wh: Warehouse, run_id: str) -> NotFoundError:
-    return NotFoundError(f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first "
-                         "(dxr forecast …), check --data-dir, or list the forecast runs with "
-                         "`dxr run list --kind forecast`")
+    return not_a_forecast(wh, run_id) or NotFoundError(
+        f"run {run_id!r} has no rankings in the warehouse at {wh.root}: run a forecast first (dxr forecast …), check "
+        "--data-dir, or list the forecast runs with `dxr run list --kind forecast`")
 
 
 def _not_ranked(run_id: str, system: str, ranked: list[str], named_by: str) -> NotFoundError:
@@ -863,16 +874,22 @@ def configuration_id(key: str) -> str:
     return CONFIGURATION_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def check_mean_name(run_id: str) -> str:
+    """Refuse a run id that no mean over repeated runs may be given, whatever the warehouse holds."""
+    check_run_id(run_id)
+    if run_id.startswith(CONFIGURATION_PREFIX):
+        raise InputError(f"run id {run_id!r} starts with {CONFIGURATION_PREFIX}, as the ids a mean over repeated runs "
+                         "gets without --run-id (one per configuration) do: choose another")
+    return run_id
+
+
 def check_mean_run_id(wh: Warehouse, run_id: str) -> None:
     """Refuse a run id named for a mean over repeated runs that holds anything but an earlier mean.
 
     A rerun under the same id replaces that mean; writing a mean under a forecast run's id (one of
     the averaged runs, say) would replace that run's own evaluation and be mistaken for it.
     """
-    check_run_id(run_id)
-    if run_id.startswith(CONFIGURATION_PREFIX):
-        raise InputError(f"--run-id {run_id}: ids starting with {CONFIGURATION_PREFIX} are those a mean over repeated "
-                         "runs gets without --run-id (one per configuration): choose another")
+    check_mean_name(run_id)
     # A run's own evaluation is registered beside its forecasts (kind `evaluate` too): the other kinds tell them apart.
     others = wh.read("runs", run_id=run_id).filter(pl.col("kind") != EVALUATE_KIND)["kind"].sort().to_list()
     if others:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from dxr.config import load_settings
 from dxr.errors import InputError, NotFoundError
 from models.prior import tracking
-from models.prior.config import PriorConfig, check_prior_system, check_prior_systems
+from models.prior.config import PriorConfig, check_model_version, check_prior_system, check_prior_systems
 from tasks import stage_logger
 from warehouse.cohorts import get_cohort, reading_cohort
 from warehouse.runs import registered_run
@@ -202,6 +202,7 @@ def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: Pr
     """Point the configured alias of a system's registered model for a cohort at `version` (a rollback,
     or a model trained with `promote = false` made champion); recorded in `runs` as `promote:<system>`
     with the version the alias pointed to before. Forecasts started afterwards use the new version."""
+    check_model_version(version)
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)

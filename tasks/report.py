@@ -30,7 +30,7 @@ from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency, run_systems  # noqa: E402
 from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
-                            estimate, in_sample_note, load_run, metric_rows, run_superseded_note,
+                            estimate, in_sample_note, load_run, metric_rows, not_a_forecast, run_superseded_note,
                             system_counts)
 from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
@@ -316,7 +316,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
         # Evaluating first helps only a run that exists: a mistyped id (or another data dir) is named as such.
         if not wh.has_rows("runs", run_id=run_id) and not wh.has_rows("rankings", run_id=run_id):
             raise unknown_run(wh, run_id)
-        raise NotFoundError(f"run {run_id!r} has no stored metrics: run `dxr evaluate --run {run_id}` first")
+        raise not_a_forecast(wh, run_id) or NotFoundError(f"run {run_id!r} has no stored metrics: run "
+                                                          f"`dxr evaluate --run {run_id}` first")
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)

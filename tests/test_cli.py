@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import click
 import polars as pl
 import pytest
 from click.testing import CliRunner
@@ -46,11 +47,16 @@ def test_python_dash_m_dxr_runs_the_same_command_line():
     assert result.stdout.startswith("Usage: dxr ") and "Example:" in result.stdout
 
 
-def one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
+def one_line_error(result, exit_code: int = 1) -> str:
+    assert result.exit_code == exit_code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     return lines[0]
+
+
+def usage_error(result) -> str:
+    """The one line of a usage error (exit code 2)."""
+    return one_line_error(result, exit_code=2)
 
 
 @pytest.mark.parametrize(("args", "line"), [
@@ -103,14 +109,116 @@ def test_usage_errors_are_one_line_with_exit_code_2(args, line):
     assert (result.exit_code, result.output.strip().splitlines()) == (2, [line])
 
 
+UNSAFE_RUN_ID = "run id 'bad/x' has unsafe characters: use letters, digits and _.:-"
+NAME_RULE = "use 1-64 lower-case letters, digits, '_' or '-', starting with a letter or digit"
+NO_COHORT_KEY = ("cohort 'Bad/x' is no cohort name or id: names are 1-64 lower-case letters, digits, '_' or '-', "
+                 "starting with a letter or digit, and ids c and 11 hex digits (`dxr cohort list` lists the cohorts)")
+CORPUS_RULE = "use letters, digits and _.:- only (e.g. guidelines)"
+INDEX_RULE = "use letters, digits and _.- only, not starting with a dot (it names a directory under the index root)"
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    # Every option or argument naming a run, a dataset, a cohort, a corpus or an index checks its spelling...
+    (["sql", "--run", "bad/x", "SELECT 1"], f"Invalid value for '--run': {UNSAFE_RUN_ID}"),
+    (["synth", "--name", "Bad"], f"Invalid value for '--name': dataset name 'Bad' is not allowed: {NAME_RULE}"),
+    (["synth", "--run-id", "bad/x"], f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    (["ingest", "mimic4", "{tmp}", "--name", "Bad"],
+     f"Invalid value for '--name': dataset name 'Bad' is not allowed: {NAME_RULE}"),
+    (["ingest", "meds", "{tmp}", "--name", "x", "--run-id", "bad/x"], f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    (["cohort", "build", "--dataset", "Bad", "--name", "x"],
+     f"Invalid value for '--dataset': dataset name 'Bad' is not allowed: {NAME_RULE}"),
+    (["cohort", "build", "--dataset", "d", "--name", "Bad"],
+     f"Invalid value for '--name': cohort name 'Bad' is not allowed: {NAME_RULE}"),
+    (["cohort", "delete", "Bad/x"], f"Invalid value for 'COHORT': {NO_COHORT_KEY}"),
+    (["forecast", "--cohort", "Bad/x", "--system", "repeat_history"], f"Invalid value for '--cohort': {NO_COHORT_KEY}"),
+    (["forecast", "--cohort", "c", "--system", "repeat_history", "--run-id", "bad/x"],
+     f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    (["evaluate", "--run", "r1", "--run", "bad/x"], f"Invalid value for '--run': {UNSAFE_RUN_ID}"),
+    (["evaluate", "--run", "r1", "--run", "r2", "--run-id", "config-x"],
+     "Invalid value for '--run-id': run id 'config-x' starts with config-, as the ids a mean over repeated runs gets "
+     "without --run-id (one per configuration) do: choose another"),
+    (["report", "--run", "bad/x"], f"Invalid value for '--run': {UNSAFE_RUN_ID}"),
+    (["run", "list", "--cohort", "Bad/x"], f"Invalid value for '--cohort': {NO_COHORT_KEY}"),
+    (["run", "delete", "bad/x"], f"Invalid value for 'RUN_ID': {UNSAFE_RUN_ID}"),
+    (["corpus", "ingest", "jsonl", "{tmp}", "--corpus", "bad/x"], f"Invalid value for '--corpus': corpus 'bad/x': "
+                                                                  f"{CORPUS_RULE}"),
+    (["corpus", "ingest", "jsonl", "{tmp}", "--corpus", "web"],
+     "Invalid value for '--corpus': corpus 'web' is reserved for pages read by the web channel: choose another name"),
+    (["corpus", "ingest", "jsonl", "{tmp}", "--run-id", "bad/x"], f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    (["corpus", "build", "--name", ".x"], f"Invalid value for '--name': index name '.x': {INDEX_RULE}"),
+    (["corpus", "build", "--corpus", "pmc", "--corpus", "bad/x"],
+     f"Invalid value for '--corpus': corpus 'bad/x': {CORPUS_RULE}"),
+    (["corpus", "search", "q", "--name", ".x"], f"Invalid value for '--name': index name '.x': {INDEX_RULE}"),
+    (["prior", "train", "--cohort", "c", "--run-id", "bad/x"], f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    (["prior", "models", "--cohort", "Bad/x"], f"Invalid value for '--cohort': {NO_COHORT_KEY}"),
+    (["prior", "promote", "--cohort", "c", "--version", "abc"],
+     "Invalid value for '--version': version 'abc' is no registered version: MLflow numbers them 1, 2, … "
+     "(`dxr prior models` lists them)"),
+    (["demo", "--run-id", "bad/x"], f"Invalid value for '--run-id': {UNSAFE_RUN_ID}"),
+    # ... as do the lists of dxr evaluate and dxr prior, ...
+    (["evaluate", "--run", "r1", "--k", ","],
+     "Invalid value for '--k': ',' is not a list of comma-separated integers such as 10,20"),
+    (["evaluate", "--run", "r1", "--k", "abc"],
+     "Invalid value for '--k': 'abc' is not a list of comma-separated integers such as 10,20"),
+    (["evaluate", "--run", "r1", "--k", "0"],
+     "Invalid value for '--k': every K must be >= 1, got (0,); the variable-cardinality version is --natural"),
+    (["evaluate", "--run", "r1", "--pair", "a"], "Invalid value for '--pair': 'a' is not two different systems as a,b"),
+    (["evaluate", "--run", "r1", "--systems", ","],
+     "Invalid value for '--systems': ',' names no system: give a comma-separated list such as global_frequency,"
+     "repeat_history, or leave the option out for every system of the run"),
+    (["evaluate", "--run", "r1", "--pool", "a+"],
+     "Invalid value for '--pool': 'a+' is not one or more systems joined by +, as a+b"),
+    (["prior", "models", "--cohort", "c", "--system", "gru", "--system", "gru"],
+     "Invalid value for '--system': gru is listed twice in systems: list each system once"),
+    # ... and the paths of the ingests, ...
+    (["ingest", "meds", "{tmp}/a_file", "--name", "x"],
+     "Invalid value for 'PATH': {tmp}/a_file is a file, not a MEDS directory: pass the folder that holds data/ and "
+     "metadata/"),
+    (["ingest", "mimic3", "{tmp}/nope"],
+     "Invalid value for 'PATH': MIMIC-III directory {tmp}/nope does not exist: check the path"),
+    (["ingest", "mimic4", "{tmp}/a_file"],
+     "Invalid value for 'PATH': {tmp}/a_file is a file: pass the MIMIC-IV directory that holds the CSV tables"),
+    (["corpus", "ingest", "jsonl", "{tmp}/nope"],
+     "Invalid value for '[PATH]': {tmp}/nope does not exist: give a jsonl file or a directory of them"),
+    # ... while options that do not go together are usage errors too.
+    (["evaluate", "--run", "r1", "--run-id", "mean"],
+     "--run-id names the mean over several --run values; the evaluation of the one run r1 is stored under its own id: "
+     "leave --run-id out, or add the runs to average"),
+    (["evaluate", "--run", "r1", "--run", "r2", "--systems", "oracle"],
+     "--systems oracle names only gold-side oracles, which are the same in every run: name a forecasting system to "
+     "average over the runs"),
+    (["corpus", "ingest", "jsonl", "{tmp}", "--corpus", "icd"],
+     "--corpus icd is reserved for the ICD dictionary (dxr corpus ingest icd): choose another name"),
+    (["corpus", "ingest", "jsonl", "{tmp}", "--fulltext-dir", "{tmp}"],
+     "--fulltext-dir applies to FORMAT arxiv only, not jsonl: drop it"),
+    (["corpus", "ingest", "icd", "{tmp}"], "FORMAT icd takes no PATH: it reads the ICD vocabulary tables"),
+    (["corpus", "ingest", "jsonl"], "FORMAT jsonl needs a PATH (a file or a directory)"),
+], ids=lambda v: " ".join(v[:3]) if isinstance(v, list) else "")
+def test_malformed_option_values_are_usage_errors(tmp_path, args, error):
+    # A malformed value exited 1 like an error found in the data, some only after the command had started
+    # (a run id checked deep in the forecast, `--k 0` after the warehouse was opened). Each is now refused
+    # while the command line is parsed: nothing is read or created.
+    (tmp_path / "a_file").write_text("not a directory")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), *args], prog_name="dxr")
+    command, words = main, []
+    while isinstance(command, click.Group):  # the command's path, named in the line's pointer to its help
+        command = command.commands[args[len(words)]]
+        words.append(command.name)
+    assert usage_error(result) == f"Error: {error.replace('{tmp}', str(tmp_path))} (usage: dxr {' '.join(words)} -h)"
+    assert not (tmp_path / "wh").exists()
+
+
 def test_a_bare_group_still_shows_its_help():
     result = CliRunner().invoke(main, ["cohort"], prog_name="dxr")
     assert result.output.startswith("Usage: dxr cohort [OPTIONS] COMMAND [ARGS]...") and "build" in result.output
 
 
 def test_ingest_missing_path(tmp_path):
-    line = one_line_error(run("ingest", "meds", tmp_path / "nope", "--name", "x", data_dir=tmp_path / "wh"))
-    assert line == f"Error: MEDS directory {tmp_path / 'nope'} does not exist: check the path"
+    line = usage_error(run("ingest", "meds", tmp_path / "nope", "--name", "x", data_dir=tmp_path / "wh"))
+    assert line == (f"Error: Invalid value for 'PATH': MEDS directory {tmp_path / 'nope'} does not exist: check the "
+                    "path (usage: main ingest meds -h)")
+    assert not (tmp_path / "wh").exists()
 
 
 def test_ingest_malformed_directory(tmp_path):
@@ -137,8 +245,8 @@ def test_ingest_unknown_code_system(tmp_path):
 
 
 def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
-    line = one_line_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
-    assert "dataset name 'Bad Name' is not allowed" in line
+    line = usage_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
+    assert "Invalid value for '--name': dataset name 'Bad Name' is not allowed" in line
     line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history",
                               data_dir=tmp_path / "wh"))
     assert line == (f"Error: cohort 'missing' not found in the warehouse at {tmp_path / 'wh'}; built cohorts: none "
@@ -347,8 +455,8 @@ def test_producing_commands_register_their_runs(tmp_path, tiny_meds, wh_vocab):
     assert one_run.output.splitlines() == ["run_id,kind", "coh-2,cohort"]
     assert "no run 'coh-3' in the warehouse" in one_line_error(run("sql", "--run", "coh-3", "SELECT 1",
                                                                     data_dir=data_dir))
-    assert "run id 'coh/*' has unsafe characters" in one_line_error(run("sql", "--run", "coh/*", "SELECT 1",
-                                                                         data_dir=data_dir))
+    assert "Invalid value for '--run': run id 'coh/*' has unsafe characters" in usage_error(
+        run("sql", "--run", "coh/*", "SELECT 1", data_dir=data_dir))
 
 
 def test_the_same_cohort_built_under_another_name_is_renamed_and_says_so(tiny_meds, wh_vocab):
@@ -480,8 +588,9 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
                  "+ (SELECT count(*) FROM paired_comparisons WHERE run_id = 'r1') AS n")
     assert run(*forecast, data_dir=data_dir).exit_code == 0
     assert run("sql", evaluated, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "0"
-    line = one_line_error(run(*forecast[:-1], "demo[1]", data_dir=data_dir))
-    assert line == "Error: run id 'demo[1]' has unsafe characters: use letters, digits and _.:-"
+    line = usage_error(run(*forecast[:-1], "demo[1]", data_dir=data_dir))
+    assert line == ("Error: Invalid value for '--run-id': run id 'demo[1]' has unsafe characters: use letters, digits "
+                    "and _.:- (usage: main forecast -h)")
 
 
 def test_forecast_of_a_split_without_trajectories_is_one_line_and_registers_no_run(tiny_meds, wh_vocab):
@@ -551,21 +660,16 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
     line = one_line_error(run("evaluate", "--run", "r1", "--run", "r2", "--run-id", "r1", data_dir=data_dir))
     assert line == ("Error: --run-id r1 is a forecast:repeat_history run (see `runs`), not a mean over repeated runs: "
                     "pass a new --run-id for the mean")
-    line = one_line_error(run("evaluate", "--run", "r1", "--run", "r1", "--run-id", "mean", data_dir=data_dir))
+    line = usage_error(run("evaluate", "--run", "r1", "--run", "r1", "--run-id", "mean", data_dir=data_dir))
     assert line == ("Error: --run-id names the mean over several --run values; the evaluation of the one run r1 is "
-                    "stored under its own id: leave --run-id out, or add the runs to average")
+                    "stored under its own id: leave --run-id out, or add the runs to average (usage: main evaluate -h)")
     assert not Warehouse(data_dir).has_rows("metrics")
-    # Option values are checked before the work starts, and a list option naming nothing is no silent default.
-    for option, value, line in [
-        ("--systems", ",", "Error: --systems names no system; give a comma-separated list such as "
-                           "global_frequency,repeat_history, or leave the option out for every system of the run"),
-        ("--k", ",", "Error: --k takes comma-separated integers such as 10,20; got ','"),
-        ("--k", "0,10", "Error: every K must be >= 1, got (0, 10); the variable-cardinality version is --natural"),
-        ("--pair", "oracle", "Error: --pair takes two different systems as a,b; got 'oracle'"),
-        ("--pair", "oracle,oracle", "Error: --pair takes two different systems as a,b; got 'oracle,oracle'"),
-        ("--pool", "oracle+", "Error: --pool takes one or more systems joined by +, as a+b; got 'oracle+'"),
-    ]:
-        assert one_line_error(run("evaluate", "--run", "r1", option, value, data_dir=data_dir)) == line
+    # Option values are checked before the work starts, and a list option naming nothing is no silent default: each
+    # a usage error (test_malformed_option_values_are_usage_errors has the lines).
+    for option, value in [("--systems", ","), ("--k", ","), ("--k", "0,10"), ("--pair", "oracle"),
+                          ("--pair", "oracle,oracle"), ("--pool", "oracle+")]:
+        assert f"Invalid value for '{option}'" in usage_error(run("evaluate", "--run", "r1", option, value,
+                                                                  data_dir=data_dir))
     result = run("evaluate", "--run", "r1", "--bootstrap", "-1", data_dir=data_dir)
     assert result.exit_code == 2 and "Invalid value for '--bootstrap': -1 is not in the range x>=0." in result.output
     assert not Warehouse(data_dir).has_rows("metrics", run_id="r1")
@@ -589,6 +693,20 @@ def test_evaluate_checks_every_run_before_evaluating_any(tiny_meds, wh_vocab):
         assert (listed.exit_code, len(listed.output.splitlines()) - 1) == (0, (recorded["kind"] == kind).sum()), kind
     assert run("run", "list", "--kind", "forecast:transition", "--format", "csv", data_dir=data_dir).output == (
         "run_id,kind,status,cohort,cohort_id,started_at,finished_at\n")
+
+
+def test_report_and_evaluate_of_a_run_that_is_no_forecast_say_what_it_is(tmp_path):
+    # `dxr report --run <a training>` said to run `dxr evaluate` first, which then said the run had no rankings.
+    from datetime import datetime
+
+    from warehouse.runs import record_run
+
+    wh = Warehouse(tmp_path / "wh")
+    record_run(wh, "t1", None, "train:ehr_prior", {}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    for command in ("report", "evaluate"):
+        assert one_line_error(run(command, "--run", "t1", data_dir=wh.root)) == (
+            "Error: run 't1' is a train:ehr_prior run (see `dxr run list`), not a forecast: it has no rankings to "
+            "evaluate or report; name a forecast run (`dxr run list --kind forecast` lists them)"), command
 
 
 def test_evaluate_compares_the_means_of_repeated_runs_only_under_one_run_id(tiny_meds, wh_vocab):
@@ -766,8 +884,9 @@ def test_demo_refuses_its_run_id_before_any_work(tmp_path):
 
     from warehouse.runs import record_run
 
-    assert one_line_error(run("demo", "--run-id", "demo/1", "--patients", "50", data_dir=tmp_path / "wh")) == (
-        "Error: run id 'demo/1' has unsafe characters: use letters, digits and _.:-")
+    assert usage_error(run("demo", "--run-id", "demo/1", "--patients", "50", data_dir=tmp_path / "wh")) == (
+        "Error: Invalid value for '--run-id': run id 'demo/1' has unsafe characters: use letters, digits and _.:- "
+        "(usage: main demo -h)")
     assert not (tmp_path / "wh").exists()
     wh = Warehouse(tmp_path / "wh")
     record_run(wh, "p1-llm", None, "train:ehr_prior", {}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))

@@ -1032,9 +1032,9 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     result = runner.invoke(main, [*data, "corpus", "search", "loop diuretics", "--fusion", "rrf", "--dense-share", "2"])
     assert result.exit_code == 2 and "2.0 is not in the range 0<=x<=1" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "missing.jsonl")])
-    assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
+    assert result.exit_code == 2 and "missing.jsonl does not exist" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "medline"])
-    assert result.exit_code == 1 and "FORMAT medline needs a PATH" in result.output
+    assert result.exit_code == 2 and "FORMAT medline needs a PATH" in result.output
 
 
 def test_cli_a_build_of_an_index_another_build_holds_is_refused_before_reading_corpora_or_loading_a_model(
@@ -1224,21 +1224,21 @@ def test_cli_ingest_and_build_register_their_runs(tmp_path):
     assert result.exit_code == 0, result.output
     result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only", "--run-id", "build-1"])
     assert result.exit_code == 0, result.output
+    # A PATH that is not there is a usage error, refused before a run is registered.
     result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "missing.jsonl"),
                                   "--run-id", "ing-2"])
-    assert result.exit_code == 1 and "missing.jsonl does not exist" in result.output
+    assert result.exit_code == 2 and "missing.jsonl does not exist" in result.output
     assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl")]).exit_code == 0
     runs = Warehouse(tmp_path / "wh").read("runs").sort("started_at")
-    assert runs.select("run_id", "kind", "status", "cohort_id").rows()[:3] == [
-        ("ing-1", "corpus:ingest", "finished", None), ("build-1", "corpus:build", "finished", None),
-        ("ing-2", "corpus:ingest", "failed", None)]
-    assert runs["run_id"][3].startswith("corpus-") and runs["status"][3] == "finished"
+    assert runs.select("run_id", "kind", "status", "cohort_id").rows()[:2] == [
+        ("ing-1", "corpus:ingest", "finished", None), ("build-1", "corpus:build", "finished", None)]
+    assert runs.height == 3 and runs["run_id"][2].startswith("corpus-") and runs["status"][2] == "finished"
     assert json.loads(runs["config_json"][0]) == {"format": "jsonl", "path": str(tmp_path / "tiny.jsonl"),
                                                   "corpus": "tiny", "fulltext_dir": None, "chunk_chars": 1000}
     built = json.loads(runs["config_json"][1])
     assert built["indexes"] == [{"name": "literature", "corpora": ["tiny"], "lexical_only": True}]
     result = runner.invoke(main, [*data, "corpus", "build", "--lexical-only", "--run-id", "a b"])
-    assert result.exit_code == 1 and "run id 'a b' has unsafe characters" in result.output
+    assert result.exit_code == 2 and "run id 'a b' has unsafe characters" in result.output
 
 def test_cli_build_refuses_chunks_other_than_the_ingested_ones(tmp_path, monkeypatch):
     # Ledger rows name their evidence's chunk by id, to be joined to the chunks table: an index chunked with another
@@ -1301,15 +1301,15 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
     runner = CliRunner()
     data = ["--data-dir", str(tmp_path / "wh")]
 
-    def error(*arguments: str) -> str:
+    def error(*arguments: str, exit_code: int = 2) -> str:  # malformed names are usage errors
         result = runner.invoke(main, [*data, "corpus", *arguments])
-        assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+        assert result.exit_code == exit_code and result.output.count("\n") == 1, result.output
         return result.output
 
-    assert "--corpus web is reserved for pages read by the web channel" in error(
+    assert "'--corpus': corpus 'web' is reserved for pages read by the web channel" in error(
         "ingest", "jsonl", str(source), "--corpus", "web")
     assert "--corpus icd is reserved for the ICD dictionary" in error("ingest", "jsonl", str(source), "--corpus", "icd")
-    assert "--corpus '../x': use letters, digits and _.:- only" in error(
+    assert "'--corpus': corpus '../x': use letters, digits and _.:- only" in error(
         "ingest", "jsonl", str(source), "--corpus", "../x")
     assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(source)]).exit_code == 0
     for name in (".", "..", "../escaped", "a/b"):
@@ -1317,11 +1317,12 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
             "build", "--lexical-only", "--name", name)
     assert not (tmp_path / "wh" / "forecast" / "escaped").exists()
     assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
-    assert "query '  ' has no words to search for" in error("search", "  ")
-    assert error("search", "heart", "--name", "other") == (
+    assert "query '  ' has no words to search for" in error("search", "  ", exit_code=1)
+    assert error("search", "heart", "--name", "other", exit_code=1) == (
         "Error: no corpus index named 'other' (built: literature): build it with "
         "`dxr corpus build --name other --corpus CORPUS`\n")  # a plain build never makes it
-    assert "has no dense vectors (built lexical-only): use mode bm25" in error("search", "heart", "--mode", "dense")
+    dense = error("search", "heart", "--mode", "dense", exit_code=1)
+    assert "has no dense vectors (built lexical-only): use mode bm25" in dense
 
 
 def test_words_outside_ascii_are_searched_as_the_index_holds_them(tmp_path):
@@ -1372,7 +1373,7 @@ def test_cli_arxiv_full_texts_from_a_directory_and_misplaced_fulltext_dir(tmp_pa
     assert result.exit_code == 0 and result.stdout.endswith(": 1 documents (0 duplicates dropped), 2 chunks\n")
     result = runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "meta" / "a.jsonl"),
                                   "--fulltext-dir", str(tmp_path / "texts")])
-    assert result.exit_code == 1 and "--fulltext-dir applies to FORMAT arxiv only, not jsonl" in result.output
+    assert result.exit_code == 2 and "--fulltext-dir applies to FORMAT arxiv only, not jsonl" in result.output
     result = runner.invoke(main, [*data, "corpus", "ingest", "arxiv", str(tmp_path / "meta"),
                                   "--fulltext-dir", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in result.output

@@ -460,7 +460,7 @@ def test_a_named_mean_over_repeated_runs_is_replaced_whole_by_a_rerun_and_takes_
     write_rankings(wh, "unregistered", rankings={"s1": {T1: [A, B], T2: [A, D], T3: [E, X]}}, status={})
     with pytest.raises(InputError, match="^--run-id unregistered holds rankings \\(a forecast run\\)"):
         evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="unregistered")
-    with pytest.raises(InputError, match="^--run-id config-1: ids starting with config- are those a mean"):
+    with pytest.raises(InputError, match="^run id 'config-1' starts with config-, as the ids a mean over repeated"):
         evaluate_repeated(wh, ["r1", "r6"], systems=["s1"], ks=(2,), n_boot=0, run_id="config-1")
     assert set(wh.read("metrics", run_id="r1")["system"]) == set()  # r1 was never evaluated, and still is not
     assert wh.read("metrics", run_id="r6")["n_runs"].unique().to_list() == [1]

@@ -519,7 +519,9 @@ def test_prior_models_refuses_a_system_listed_twice(tmp_path):
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
     listed = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort,
                                        "--system", "gru", "--system", "ehr_prior", "--system", "gru"])
-    assert (listed.exit_code, listed.output) == (1, "Error: gru is listed twice in systems: list each system once\n")
+    assert (listed.exit_code, listed.output) == (
+        2, "Error: Invalid value for '--system': gru is listed twice in systems: list each system once "
+           "(usage: main prior models -h)\n")
 
 
 def test_another_tracking_store_does_not_reuse_the_cached_model_of_the_same_version(tmp_path):

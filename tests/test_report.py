@@ -416,7 +416,7 @@ def test_the_report_says_what_native_share_counts(wh):
 def test_cli_rejects_bad_k_and_silent_short(wh):
     runner = CliRunner()
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "two"])
-    assert result.exit_code == 1 and "--k takes comma-separated integers" in result.output
+    assert result.exit_code == 2 and "'two' is not a list of comma-separated integers" in result.output
     write_rankings(wh, "r2", rankings={"s3": {T1: [A, B], T2: [D], T3: [E, X]}}, status={})
     result = runner.invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r2", "--k", "2"])
     assert result.exit_code == 1
@@ -518,7 +518,7 @@ def test_cli_repeats_with_an_oracle_among_the_systems(wh):
         ("r1", "global_frequency", "1"), ("r1", "oracle", "1"), ("r9", "global_frequency", "1"), ("r9", "oracle", "1"),
         ("config-", "global_frequency", "2")]
     result = CliRunner().invoke(main, args + ["oracle"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # options that do not go together
     assert result.output.startswith("Error: --systems oracle names only gold-side oracles, which are the same")
 
 

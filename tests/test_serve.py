@@ -258,6 +258,28 @@ def test_a_bad_backfill_schedule_is_a_config_error_naming_the_key(tmp_path, monk
         load_settings()
 
 
+@pytest.mark.parametrize(("systems", "message"), [
+    ('["repeat_history", "repeat_histry"]',
+     "unknown system 'repeat_histry'; available: dense_prior, direct, ehr_prior, global_frequency, gru, "
+     "repeat_history, rrf_prior_direct, transition"),
+    ('["rrf_prior_direct", "ehr_prior", "direct"]', "rrf_prior_direct fuses the lists of ehr_prior, direct: put "
+                                                    "ehr_prior, direct before it in systems"),
+])
+def test_the_systems_of_a_backfill_are_checked_with_the_settings(tmp_path, monkeypatch, systems, message):
+    # `dxr config show` printed a backfill whose systems `dxr serve` then refused at its start; both now refuse the
+    # configuration with one line, and serve before it needs a Prefect server.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    path = write_config(tmp_path, monkeypatch,
+                        BACKFILL.format(cron="0 2 * * *", tz="UTC") + f"systems = {systems}\n")
+    line = (f"Error: invalid setting 'backfills.0.systems' (from {path} or DXR_* variables): {message} (got "
+            f"{json.loads(systems)!r}); `dxr config show` lists the valid keys and defaults")
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        for command in (["config", "show"], ["serve"]):
+            result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), *command])
+            assert (result.exit_code, result.output.splitlines()) == (1, [line]), command
+
+
 def test_backfill_names_are_unique(tmp_path, monkeypatch):
     write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC") * 2)
     with pytest.raises(ConfigError, match="backfill names must be unique; repeated: nightly"):

@@ -30,6 +30,16 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+def check_cohort_key(key: str) -> str:
+    """A cohort as commands name it, by name or by id: an id (c and 11 hex digits) is spelt as a name is, so a key
+    that could be no cohort's name is no cohort."""
+    if not _NAME.match(key):
+        raise InputError(f"cohort {key!r} is no cohort name or id: names are 1-64 lower-case letters, digits, '_' "
+                         "or '-', starting with a letter or digit, and ids c and 11 hex digits (`dxr cohort list` "
+                         "lists the cohorts)")
+    return key
+
+
 def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_version: str | None = None,
                      memory_limit: str = "2GB", validated: MedsInfo | None = None, time_zone: str = "",
                      utc_offset: str = "") -> dict:

@@ -271,6 +271,15 @@ class MedsInfo:
         return replace(self, root=root, shards=tuple(root / shard.relative_to(self.root) for shard in self.shards))
 
 
+def check_meds_path(root: Path) -> Path:
+    """Refuse a path that is no directory, before anything is read from it."""
+    if not root.exists():
+        raise InputError(f"MEDS directory {root} does not exist: check the path")
+    if not root.is_dir():
+        raise InputError(f"{root} is a file, not a MEDS directory: pass the folder that holds data/ and metadata/")
+    return root
+
+
 def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", validated: MedsInfo | None = None,
                       other_spellings: bool = False) -> MedsInfo:
     """Check a MEDS directory and summarize it; every problem is one InputError naming it and the fix.
@@ -284,11 +293,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     is returned for `path` when every file is still the one it read (same inode, size, modification and change
     times; a rename keeps them all, any write changes the change time), else the directory is validated afresh.
     """
-    root = Path(path)
-    if not root.exists():
-        raise InputError(f"MEDS directory {root} does not exist: check the path")
-    if not root.is_dir():
-        raise InputError(f"{root} is a file, not a MEDS directory: pass the folder that holds data/ and metadata/")
+    root = check_meds_path(Path(path))
     # Taken before anything is read: a file changed while validation reads it fails the comparison later.
     stamps = _file_stamps(root)
     if validated is not None and validated.stamps == stamps and (other_spellings or not validated.respelled):

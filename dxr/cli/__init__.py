@@ -1,6 +1,7 @@
 """The `dxr` command line. Each command group lives in its own module and registers on `main`.
 
-Library code raises `DxrError` subclasses; `main` turns them into one line on stderr and exit 1.
+Library code raises `DxrError` subclasses; `main` turns them into one line on stderr and exit 1. An option's value
+that is malformed whatever the warehouse holds is refused by its callback (`dxr.cli.valid`) as a usage error, exit 2.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from dxr.cli import main, settings, warehouse
+from dxr.cli import main, settings, valid, warehouse
 from dxr.errors import InputError, NotFoundError
 
 FORMAT_NAMES = ["jats", "medline", "arxiv", "medquad", "pubmedqa", "jsonl", "icd"]
@@ -21,25 +21,40 @@ CORPUS_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 INDEX_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 
-def checked_corpus_name(name: str, fmt: str) -> str:
+def check_corpus_names(ctx: click.Context, param: click.Parameter, value):
+    """The callback of an option naming corpora (each value of a repeatable one)."""
+    for name in () if value is None else value if param.multiple else (value,):
+        if not CORPUS_NAME.fullmatch(name):
+            raise click.BadParameter(f"corpus {name!r}: use letters, digits and _.:- only (e.g. guidelines)", ctx,
+                                     param)
+    return value
+
+
+def check_new_corpus_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The callback of the corpus an ingest writes: never the one the web channel writes."""
     from tools.corpus import WEB_CORPUS  # pages read by the web channel: an ingested corpus must not mix with them
-    from tools.dictionary import CORPUS as ICD
 
-    if not CORPUS_NAME.fullmatch(name):
-        raise InputError(f"--corpus {name!r}: use letters, digits and _.:- only (e.g. guidelines)")
-    if name == WEB_CORPUS:
-        raise InputError(f"--corpus {WEB_CORPUS} is reserved for pages read by the web channel: choose another name")
-    if name == ICD and fmt != "icd":
-        raise InputError(f"--corpus {ICD} is reserved for the ICD dictionary (dxr corpus ingest icd): "
-                         "choose another name")
-    return name
+    if check_corpus_names(ctx, param, value) == WEB_CORPUS:
+        raise click.BadParameter(f"corpus {WEB_CORPUS!r} is reserved for pages read by the web channel: choose "
+                                 "another name", ctx, param)
+    return value
 
 
-def checked_index_name(name: str) -> str:
-    if not INDEX_NAME.fullmatch(name):
-        raise InputError(f"index name {name!r}: use letters, digits and _.- only, not starting with a dot "
-                         "(it names a directory under the index root)")
-    return name
+def check_index_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not INDEX_NAME.fullmatch(value):
+        raise click.BadParameter(f"index name {value!r}: use letters, digits and _.- only, not starting with a dot "
+                                 "(it names a directory under the index root)", ctx, param)
+    return value
+
+
+def check_ingest_path(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """The callback of an ingest's PATH: it exists (FORMAT, an argument before it, is parsed first)."""
+    from tools.corpus import check_input_path
+
+    fmt = ctx.params["fmt"]
+    if path is None or fmt == "icd":  # the command refuses a PATH given to icd, and a PATH missing for the others
+        return path
+    return valid.checked(ctx, param, path, lambda given: check_input_path(fmt, given))
 
 
 def index_root(ctx: click.Context) -> Path:
@@ -61,11 +76,12 @@ def corpus() -> None:
 
 @corpus.command("ingest")
 @click.argument("fmt", metavar="FORMAT", type=click.Choice(FORMAT_NAMES))
-@click.argument("path", required=False, type=click.Path(path_type=Path))
-@click.option("--corpus", "corpus_name", default=None, help="Corpus name (default: per format, e.g. pmc, medquad).")
+@click.argument("path", required=False, type=click.Path(path_type=Path), callback=check_ingest_path)
+@click.option("--corpus", "corpus_name", default=None, callback=check_new_corpus_name,
+              help="Corpus name (default: per format, e.g. pmc, medquad).")
 @click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="arXiv only: directory of <id>.txt full texts.")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name: str | None,
                    fulltext_dir: Path | None, run_id: str | None) -> None:
@@ -79,16 +95,18 @@ def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name:
       dxr corpus ingest jats ../shared/data/corpora/samples
       dxr corpus ingest icd
     """
+    from tools.dictionary import CORPUS as ICD
     from warehouse.runs import registered_run
 
-    if corpus_name is not None:
-        checked_corpus_name(corpus_name, fmt)
+    if corpus_name == ICD and fmt != "icd":
+        raise click.UsageError(f"--corpus {ICD} is reserved for the ICD dictionary (dxr corpus ingest icd): "
+                               "choose another name", ctx)
     if fulltext_dir is not None and fmt != "arxiv":
-        raise InputError(f"--fulltext-dir applies to FORMAT arxiv only, not {fmt}: drop it")
+        raise click.UsageError(f"--fulltext-dir applies to FORMAT arxiv only, not {fmt}: drop it", ctx)
     if fmt == "icd" and path is not None:
-        raise InputError("FORMAT icd takes no PATH: it reads the ICD vocabulary tables")
+        raise click.UsageError("FORMAT icd takes no PATH: it reads the ICD vocabulary tables", ctx)
     if fmt != "icd" and path is None:
-        raise InputError(f"FORMAT {fmt} needs a PATH (a file or a directory)")
+        raise click.UsageError(f"FORMAT {fmt} needs a PATH (a file or a directory)", ctx)
     wh = warehouse(ctx)
     chunk_chars = settings(ctx).tools.chunk_chars
     config = {"format": fmt, "path": None if path is None else str(path), "corpus": corpus_name,
@@ -118,10 +136,12 @@ def _ingest(wh, fmt: str, path: Path | None, corpus_name: str | None, fulltext_d
 
 
 @corpus.command("build")
-@click.option("--name", default=None, help=f"Index name (default: {LITERATURE}, plus icd when ingested).")
-@click.option("--corpus", "corpora", multiple=True, help="Corpora to include (default: every literature corpus).")
+@click.option("--name", default=None, callback=check_index_name,
+              help=f"Index name (default: {LITERATURE}, plus icd when ingested).")
+@click.option("--corpus", "corpora", multiple=True, callback=check_corpus_names,
+              help="Corpora to include (default: every literature corpus).")
 @click.option("--lexical-only", is_flag=True, help="BM25 only, no embeddings (the icd index always is).")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...], lexical_only: bool,
                   run_id: str | None) -> None:
@@ -142,8 +162,6 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     from warehouse.corpora import stored_corpora
     from warehouse.runs import registered_run
 
-    if name is not None:
-        checked_index_name(name)
     config = settings(ctx)
     wh = warehouse(ctx)
     ingested = [corpus for corpus in stored_corpora(wh) if corpus != WEB_CORPUS]
@@ -213,7 +231,8 @@ def read_chunks(wh, index_name: str, chosen: list[str], chunk_chars: int):
 
 @corpus.command("search")
 @click.argument("query")
-@click.option("--name", default=LITERATURE, show_default=True, help="Index to search (e.g. icd).")
+@click.option("--name", default=LITERATURE, show_default=True, callback=check_index_name,
+              help="Index to search (e.g. icd).")
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--mode", type=click.Choice(["hybrid", "bm25", "dense"]), default="hybrid", show_default=True)
 @click.option("--fusion", type=click.Choice(["zscore", "minmax", "rrf"]), default="zscore", show_default=True,
@@ -240,7 +259,7 @@ def search_command(ctx: click.Context, query: str, name: str, k: int, mode: str,
                                                                      ParameterSource.DEFAULT_MAP)]
     if mode != "hybrid" and fusion_options:
         raise click.UsageError(f"{fusion_options[0]} applies to --mode hybrid only, not --mode {mode}: drop it", ctx)
-    directory = index_root(ctx) / checked_index_name(name)
+    directory = index_root(ctx) / name
     if not (directory / "manifest.json").exists():
         built = sorted(p.parent.name for p in index_root(ctx).glob("*/manifest.json"))
         # A plain build makes only the default indexes; any other index is named, with its corpora, when built.

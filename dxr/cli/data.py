@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dxr.cli import main, settings, warehouse
+from dxr.cli import main, settings, valid, warehouse
 from dxr.config import MEMORY_LIMIT_PATTERN
 from warehouse.choices import HARMONIZATIONS, OUTPUT_FORMATS, TARGET_RULES
 
@@ -68,7 +68,7 @@ def config_show(ctx: click.Context) -> None:
                    "numbers: DECIMAL(18,3) 1.250 as 1.250), booleans as true/false. NULL is NULL in a table, an empty "
                    "field in CSV (an empty string is \"\" there, as DuckDB writes it) and null in JSON.")
 @click.option("--with-gold", is_flag=True, help="Also open the gold store (targets, raw MEDS, oracle).")
-@click.option("--run", "run_id", default=None, metavar="RUN_ID",
+@click.option("--run", "run_id", default=None, metavar="RUN_ID", callback=valid.run_id,
               help="Show only this run's rows of the tables partitioned by run (runs, rankings, metrics, ledger, "
                    "llm_calls, ...): the query then opens that run's files only.")
 @click.pass_context
@@ -87,11 +87,12 @@ def sql(ctx: click.Context, query: str, fmt: str, with_gold: bool, run_id: str |
 
 
 @main.command()
-@click.option("--name", default="synthetic", show_default=True, help="Dataset name to register.")
+@click.option("--name", default="synthetic", show_default=True, callback=valid.dataset_name,
+              help="Dataset name to register.")
 @click.option("--patients", type=click.IntRange(min=1), default=None,
               help="Number of patients (default: setting synth.patients, 5000).")
 @click.option("--seed", type=int, default=None, help="Generator seed (default: setting seed).")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None, run_id: str | None) -> None:
     """Generate the synthetic MEDS dataset (with its exact oracle) and register it.
@@ -121,11 +122,12 @@ def ingest() -> None:
 
 
 @ingest.command("meds")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--name", required=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.argument("path", type=click.Path(path_type=Path), callback=valid.meds_directory)
+@click.option("--name", required=True, callback=valid.dataset_name,
+              help="Dataset name (lower-case letters, digits, _ and -).")
 @click.option("--memory-limit", default="2GB", show_default=True, callback=check_memory_limit,
               help="DuckDB memory of the validation; beyond it DuckDB spills to the system's temporary directory.")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str, run_id: str | None) -> None:
     """Validate a MEDS directory, copy it into the gold store and register it.
@@ -168,8 +170,8 @@ def cohort() -> None:
 
 
 @cohort.command("build")
-@click.option("--dataset", required=True, help="Registered dataset name.")
-@click.option("--name", required=True, help="Cohort name.")
+@click.option("--dataset", required=True, callback=valid.dataset_name, help="Registered dataset name.")
+@click.option("--name", required=True, callback=valid.cohort_name, help="Cohort name.")
 @click.option("--target", type=click.Choice(TARGET_RULES), default=None,
               help="Target encounter: each patient's final one, or every encounter with enough history.")
 @click.option("--harmonize", type=click.Choice(HARMONIZATIONS), default=None,
@@ -180,7 +182,7 @@ def cohort() -> None:
 @click.option("--memory-limit", default=None, callback=check_memory_limit,
               help="DuckDB memory of the build; beyond it DuckDB spills to a work directory in the gold store "
                    "(default: setting cohort.memory_limit, 2GB).")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None, harmonize: str | None,
                  min_history: int | None, memory_limit: str | None, run_id: str | None) -> None:
@@ -247,7 +249,7 @@ def cohort_list(ctx: click.Context) -> None:
 
 
 @cohort.command("delete")
-@click.argument("cohort_key", metavar="COHORT")
+@click.argument("cohort_key", metavar="COHORT", callback=valid.cohort_key)
 @click.option("--with-runs", is_flag=True,
               help="Also delete the runs recorded on the cohort (forecasts, evaluations) and all they wrote: rankings, "
                    "statuses, candidates, metrics, LLM calls, the ledger, reports in the default place. Without it, a "

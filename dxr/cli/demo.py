@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, settings
+from dxr.cli import main, settings, valid
 
 
 @main.command()
 @click.option("--patients", type=click.IntRange(min=50), default=None,
               help="Synthetic patients (default: setting synth.patients, 5000).")
-@click.option("--run-id", default=None, help="Run id (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id (generated when absent).")
 @click.option("--llm-sample", type=click.IntRange(min=0), default=4, show_default=True,
               help="held_out patients for Direct Forecast and Union + RRF with the configured LLM (0 skips).")
 @click.pass_context
@@ -31,7 +31,7 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
     from flows.demo import DEMO_SYSTEMS, LLM_SAMPLE_SYSTEMS, demo_flow
     from warehouse.runs import check_run_kind
     from warehouse.sql import format_table
-    from warehouse.store import Warehouse, check_run_id
+    from warehouse.store import Warehouse
 
     cfg = settings(ctx)
     if patients:
@@ -39,7 +39,7 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
     if run_id is not None:  # checked here: the flow would refuse it only after the dataset, the cohort and the prior
         runs = {run_id: DEMO_SYSTEMS[0]} | ({f"{run_id}-llm": LLM_SAMPLE_SYSTEMS[0]} if llm_sample else {})
         for run, first_system in runs.items():
-            check_run_kind(Warehouse(cfg.data_dir), check_run_id(run), f"forecast:{first_system}")
+            check_run_kind(Warehouse(cfg.data_dir), run, f"forecast:{first_system}")
     start_temporary_api()
     result = demo_flow(cfg, run_id=run_id, llm_sample=llm_sample)
     cohort = result["cohort"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, warehouse
+from dxr.cli import main, valid, warehouse
 from dxr.errors import InputError
 
 
@@ -27,42 +27,54 @@ def _evaluable(ctx: click.Context, param: click.Parameter, systems: list[str]) -
 def _systems(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
     systems = _names(value)
     if systems == []:  # `--systems ,` would otherwise evaluate nothing and fail deep in the metrics
-        raise InputError("--systems names no system; give a comma-separated list such as global_frequency,"
-                         "repeat_history, or leave the option out for every system of the run")
+        raise click.BadParameter(f"{value!r} names no system: give a comma-separated list such as global_frequency,"
+                                 "repeat_history, or leave the option out for every system of the run", ctx, param)
     _evaluable(ctx, param, systems or [])
     return systems
 
 
 def _ks(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    from tasks.evaluate import budgets
+
     try:
         ks = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         ks = []
     if not ks:  # `--k ,` would otherwise leave only the natural K, unasked
-        raise InputError(f"--k takes comma-separated integers such as 10,20; got {value!r}")
+        raise click.BadParameter(f"{value!r} is not a list of comma-separated integers such as 10,20", ctx, param)
+    try:
+        budgets(ks, natural=False)  # K >= 1
+    except InputError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
     return ks
 
 
-def _pairs(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, str]] | None:
+def _pairs(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> list[tuple[str, str]] | None:
     pairs = []
-    for value in values:
+    for value in given:
         parts = _names(value) or []
         if len(parts) != 2 or parts[0] == parts[1]:  # a system against itself differs by nothing
-            raise InputError(f"--pair takes two different systems as a,b; got {value!r}")
+            raise click.BadParameter(f"{value!r} is not two different systems as a,b", ctx, param)
         pairs.append((parts[0], parts[1]))
     _evaluable(ctx, param, [system for pair in pairs for system in pair])
     return pairs or None
 
 
-def _pools(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[tuple[str, ...]] | None:
+def _pools(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -> list[tuple[str, ...]] | None:
     pools = []
-    for value in values:
+    for value in given:
         parts = tuple(part.strip() for part in value.split("+"))
         if not all(parts):  # `--pool a+` was looked up as a system named ''
-            raise InputError(f"--pool takes one or more systems joined by +, as a+b; got {value!r}")
+            raise click.BadParameter(f"{value!r} is not one or more systems joined by +, as a+b", ctx, param)
         pools.append(parts)
     _evaluable(ctx, param, [system for pool in pools for system in pool])
     return pools or None
+
+
+def _mean_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from tasks.evaluate import check_mean_name
+
+    return valid.checked(ctx, param, value, check_mean_name)
 
 
 def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_k", "precision_at_k")) -> str:
@@ -87,7 +99,7 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 
 
 @main.command("evaluate")
-@click.option("--run", "run_ids", multiple=True, required=True,
+@click.option("--run", "run_ids", multiple=True, required=True, callback=valid.run_id,
               help="Run whose rankings are evaluated; repeat it to also average repeats of one configuration.")
 @click.option("--systems", default=None, callback=_systems,
               help="Comma-separated systems (default: every system of the run, plus the gold-side oracles when the "
@@ -103,7 +115,7 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
                    "--run-id.")
 @click.option("--pool", "pools", multiple=True, callback=_pools,
               help="Pool-oracle headroom over the union of systems a+b (repeatable; default: each system and all).")
-@click.option("--run-id", "mean_id", default=None,
+@click.option("--run-id", "mean_id", default=None, callback=_mean_name,
               help="Run id of the mean over several --run values (default: one config-… id per configuration, "
                    "and so no paired comparison of the means); reuse it to replace that mean.")
 @click.pass_context
@@ -126,19 +138,23 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import (budgets, check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
+    from tasks.evaluate import (check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
                                 evaluate_run, in_sample_note, incomplete_note, paired_means, repeated_systems,
                                 run_superseded_note)
 
-    wh = warehouse(ctx, existing=True)
-    budgets(ks, natural)  # refuses K < 1 before any work
+    # Options that do not go together are usage errors, found before the warehouse is looked at.
     if len(set(run_ids)) > 1:
-        repeated_systems(systems)  # refuses a mean over runs of oracles alone before any work
-        if mean_id is not None:
-            check_mean_run_id(wh, mean_id)
+        try:
+            repeated_systems(systems)  # refuses a mean over runs of oracles alone
+        except InputError as exc:
+            raise click.UsageError(str(exc), ctx) from exc
     elif mean_id is not None:
-        raise InputError(f"--run-id names the mean over several --run values; the evaluation of the one run "
-                         f"{run_ids[0]} is stored under its own id: leave --run-id out, or add the runs to average")
+        raise click.UsageError(f"--run-id names the mean over several --run values; the evaluation of the one run "
+                               f"{run_ids[0]} is stored under its own id: leave --run-id out, or add the runs to "
+                               "average", ctx)
+    wh = warehouse(ctx, existing=True)
+    if len(set(run_ids)) > 1 and mean_id is not None:
+        check_mean_run_id(wh, mean_id)
     for run_id in run_ids:
         check_has_rankings(wh, run_id)
         comparisons_named(wh, run_id, systems, pairs, pools)
@@ -168,7 +184,7 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
 
 
 @main.command("report")
-@click.option("--run", "run_id", required=True, help="Evaluated run (see `dxr evaluate`).")
+@click.option("--run", "run_id", required=True, callback=valid.run_id, help="Evaluated run (see `dxr evaluate`).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory, replaced whole by the report: new, empty or holding a report "
                    "(default: <data_dir>/reports/<run>).")

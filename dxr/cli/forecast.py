@@ -6,8 +6,8 @@ import json
 
 import click
 
-from dxr.cli import main, settings
-from dxr.errors import DxrError, InputError
+from dxr.cli import main, settings, valid
+from dxr.errors import DxrError
 from warehouse.choices import FORECAST_SPLITS
 
 
@@ -16,15 +16,11 @@ def forecastable_system(ctx: click.Context, param: click.Parameter, system: str)
     code 2), as `dxr prior train --system` gives, with check_system's message naming the ids that are."""
     from tasks.forecast import check_system
 
-    try:
-        check_system(system)
-    except InputError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
-    return system
+    return valid.checked(ctx, param, system, check_system)
 
 
 @main.command()
-@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--cohort", required=True, callback=valid.cohort_key, help="Cohort name or id.")
 @click.option("--system", required=True, callback=forecastable_system,
               help="Forecasting system id, e.g. repeat_history, ehr_prior, direct.")
 @click.option("--split", type=click.Choice(FORECAST_SPLITS), default="held_out",
@@ -33,8 +29,8 @@ def forecastable_system(ctx: click.Context, param: click.Parameter, system: str)
 @click.option("--k", type=click.IntRange(min=1), default=20, show_default=True, help="Codes per trajectory.")
 @click.option("--subject-id", type=int, default=None, help="Forecast only this patient's trajectories (an ad-hoc "
               "rerun of one patient).")
-@click.option("--run-id", default=None, help="Run id to write under (generated when absent); reuse it to put "
-              "several systems in one run.")
+@click.option("--run-id", default=None, callback=valid.run_id,
+              help="Run id to write under (generated when absent); reuse it to put several systems in one run.")
 @click.pass_context
 def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: int | None, k: int,
              run_id: str | None, subject_id: int | None) -> None:

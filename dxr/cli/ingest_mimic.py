@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dxr.cli import echo_err, settings, warehouse
+from dxr.cli import echo_err, settings, valid, warehouse
 from dxr.cli.data import check_memory_limit, echo_refresh_note, ingest
 
 
@@ -30,13 +30,14 @@ memory_limit_option = click.option(
 
 
 @ingest.command("mimic3")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--name", default="mimic3", show_default=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.argument("path", type=click.Path(path_type=Path), callback=valid.mimic_directory("mimic3"))
+@click.option("--name", default="mimic3", show_default=True, callback=valid.dataset_name,
+              help="Dataset name (lower-case letters, digits, _ and -).")
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
 @click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
               "table by far, so off by default.")
 @memory_limit_option
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
                   run_id: str | None) -> None:
@@ -53,13 +54,14 @@ def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, l
 
 
 @ingest.command("mimic4")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--name", default="mimic4", show_default=True, help="Dataset name (lower-case letters, digits, _ and -).")
+@click.argument("path", type=click.Path(path_type=Path), callback=valid.mimic_directory("mimic4"))
+@click.option("--name", default="mimic4", show_default=True, callback=valid.dataset_name,
+              help="Dataset name (lower-case letters, digits, _ and -).")
 @click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
 @click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
               "table by far, so off by default.")
 @memory_limit_option
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
                   run_id: str | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, settings
+from dxr.cli import main, settings, valid
 from models.prior.config import ARCHS
 
 PRIOR_SYSTEMS = tuple(ARCHS)
@@ -22,17 +22,19 @@ def prior() -> None:
 
 
 @prior.command("train")
-@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--cohort", required=True, callback=valid.cohort_key, help="Cohort name or id.")
 @click.option("--system", "systems", type=click.Choice(PRIOR_SYSTEMS), multiple=True, default=("ehr_prior",),
-              show_default=True, help="System(s) to train; repeat the option for several.")
+              callback=valid.prior_systems, show_default=True,
+              help="System(s) to train; repeat the option for several.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Override setting prior.epochs.")
 @click.option("--max-train-patients", type=click.IntRange(min=1), default=None,
               help="Train on at most N train patients (quick runs).")
 @click.option("--seed", type=int, default=None, help="Override setting prior.seed.")
 @click.option("--promote/--no-promote", default=None, help="Override setting prior.promote: point the alias at the "
               "new version (or leave it where it is, to compare first).")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent); each system's training "
-              "is recorded under it with kind train:<system>.")
+@click.option("--run-id", default=None, callback=valid.run_id,
+              help="Run id to register (generated when absent); each system's training is recorded under it with "
+                   "kind train:<system>.")
 @click.pass_context
 def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epochs: int | None,
                 max_train_patients: int | None, seed: int | None, promote: bool | None, run_id: str | None) -> None:
@@ -46,7 +48,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     from flows.train_prior import train_prior_flow
     from warehouse.cohorts import get_cohort
     from warehouse.runs import check_run_kind
-    from warehouse.store import Warehouse, check_run_id
+    from warehouse.store import Warehouse
 
     s = settings(ctx)
     overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed,
@@ -56,7 +58,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     wh = Warehouse(s.data_dir)
     get_cohort(wh, cohort, suggest_build=True)
     if run_id:
-        check_run_kind(wh, check_run_id(run_id), f"train:{systems[0]}")
+        check_run_kind(wh, run_id, f"train:{systems[0]}")
     start_temporary_api()
     for result in train_prior_flow(str(s.data_dir), cohort, tuple(systems), cfg, run_id):
         epoch = int(result['metrics']['selected_epoch']) + 1
@@ -71,8 +73,9 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
 
 
 @prior.command("models")
-@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--cohort", required=True, callback=valid.cohort_key, help="Cohort name or id.")
 @click.option("--system", "systems", type=click.Choice(PRIOR_SYSTEMS), multiple=True, default=PRIOR_SYSTEMS,
+              callback=valid.prior_systems,
               help="System(s) to list; repeat the option for several.  [default: all]")
 @click.pass_context
 def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> None:
@@ -97,11 +100,12 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> N
 
 
 @prior.command("promote")
-@click.option("--cohort", required=True, help="Cohort name or id.")
+@click.option("--cohort", required=True, callback=valid.cohort_key, help="Cohort name or id.")
 @click.option("--system", type=click.Choice(PRIOR_SYSTEMS), default="ehr_prior", show_default=True,
               help="System whose alias moves.")
-@click.option("--version", "version", required=True, help="Registered version the alias should point to.")
-@click.option("--run-id", default=None, help="Run id to register (generated when absent).")
+@click.option("--version", "version", required=True, callback=valid.model_version,
+              help="Registered version the alias should point to.")
+@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def prior_promote(ctx: click.Context, cohort: str, system: str, version: str, run_id: str | None) -> None:
     """Point the alias (setting prior.alias, default champion) at a registered version: a rollback, or a

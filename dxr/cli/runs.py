@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, warehouse
+from dxr.cli import main, valid, warehouse
 from warehouse.choices import OUTPUT_FORMATS
 
 
@@ -49,7 +49,8 @@ def recorded_kind(ctx: click.Context, param: click.Parameter, kind: str | None) 
 
 
 @run_group.command("list")
-@click.option("--cohort", default=None, help="Only the runs on this cohort (its id, or a name: every cohort of it).")
+@click.option("--cohort", default=None, callback=valid.cohort_key,
+              help="Only the runs on this cohort (its id, or a name: every cohort of it).")
 @click.option("--kind", default=None, callback=recorded_kind,
               help="Only the runs of this kind (`forecast` takes every `forecast:<system>`; evaluate, cohort, "
                    "train:ehr_prior, ...).")
@@ -75,7 +76,7 @@ def run_list(ctx: click.Context, cohort: str | None, kind: str | None, limit: in
 
 
 @run_group.command("delete")
-@click.argument("run_id", metavar="RUN_ID")
+@click.argument("run_id", metavar="RUN_ID", callback=valid.run_id)
 @click.option("--dry-run", is_flag=True,
               help="Print what would be removed (rows by table, directories); change nothing.")
 @click.pass_context

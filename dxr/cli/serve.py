@@ -49,6 +49,7 @@ def serve(ctx: click.Context, limit: int, serve_name: str | None) -> None:
     from flows.deployments import build_deployments, check_refreshing_backfills, unbuilt_backfill_cohorts
     from flows.serving import check_not_served_elsewhere, serve_until_stopped
 
+    cfg = settings(ctx)  # a configuration error first: it needs no server to be found
     if not PREFECT_API_URL.value():
         raise ConfigError("dxr serve needs a Prefect server: start one with `prefect server start --host 127.0.0.1` "
                           "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
@@ -56,14 +57,14 @@ def serve(ctx: click.Context, limit: int, serve_name: str | None) -> None:
     # Every served flow needs a cohort of this warehouse; a mistyped or relative data dir would re-point the
     # server's deployments at a folder where each run fails.
     wh = warehouse(ctx, existing=True)
-    deployments = build_deployments(settings(ctx), serve_name)
-    check_refreshing_backfills(wh, settings(ctx).backfills)
+    deployments = build_deployments(cfg, serve_name)
+    check_refreshing_backfills(wh, cfg.backfills)
     for note in check_not_served_elsewhere(deployments, str(wh.root), say=echo_err):
         echo_err(note)
     for deployment in deployments:
         schedules = ", ".join(f"cron {s.schedule.cron} ({s.schedule.timezone})" for s in deployment.schedules or [])
         click.echo(f"deployment {deployment.flow_name}/{deployment.name}: {schedules or 'ad hoc'}")
-    for warning in unbuilt_backfill_cohorts(wh, settings(ctx).backfills):
+    for warning in unbuilt_backfill_cohorts(wh, cfg.backfills):
         click.echo(warning, err=True)
     click.echo(f"serving to {PREFECT_API_URL.value()}; stop with Ctrl-C")
     stop_signal = serve_until_stopped(deployments, limit)

@@ -27,6 +27,14 @@ def check_prior_systems(systems: tuple[str, ...]) -> None:
             raise InputError(f"{system} is listed twice in systems: list each system once")
 
 
+def check_model_version(version: str) -> str:
+    """A registered version as MLflow numbers a model's versions: 1, 2, …"""
+    if not re.fullmatch(r"[1-9][0-9]*", version):
+        raise InputError(f"version {version!r} is no registered version: MLflow numbers them 1, 2, … "
+                         "(`dxr prior models` lists them)")
+    return version
+
+
 class PriorConfig(BaseModel):
     """Model, training and MLflow settings; CPU-friendly defaults (2 cores, minutes not hours)."""
 

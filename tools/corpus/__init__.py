@@ -78,11 +78,16 @@ def source_key(path: Path) -> str:
     return f"{stem}-{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
 
 
+def check_input_path(fmt: str, path: Path) -> Path:
+    if not path.exists():
+        raise InputError(f"{path} does not exist: give a {fmt} file or a directory of them")
+    return path
+
+
 def input_files(fmt: str, path: Path) -> list[Path]:
     if fmt not in FORMATS:
         raise InputError(f"unknown corpus format {fmt!r}; choose one of {', '.join(FORMATS)} (or icd)")
-    if not path.exists():
-        raise InputError(f"{path} does not exist: give a {fmt} file or a directory of them")
+    check_input_path(fmt, path)
     if path.is_file():
         files = [path]
     else:

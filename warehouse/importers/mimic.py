@@ -543,12 +543,18 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
             scratches.close()
 
 
-def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> dict[str, Path]:
-    """Map each table to its file (`<name>.csv` or `<name>.csv.gz`, any case); check the required ones exist."""
+def check_source_dir(layout: Layout, src: Path) -> Path:
+    """Refuse a path that is no directory, before anything is read from it."""
     if not src.exists():
         raise InputError(f"{layout.title} directory {src} does not exist: check the path")
     if not src.is_dir():
         raise InputError(f"{src} is a file: pass the {layout.title} directory that holds the CSV tables")
+    return src
+
+
+def locate_tables(layout: Layout, src: Path, tables: dict[str, SourceTable]) -> dict[str, Path]:
+    """Map each table to its file (`<name>.csv` or `<name>.csv.gz`, any case); check the required ones exist."""
+    check_source_dir(layout, src)
     folder = src
     if layout.subdirectory and (src / layout.subdirectory).is_dir():
         folder = src / layout.subdirectory
