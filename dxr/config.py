@@ -93,9 +93,8 @@ class BackfillConfig(BaseModel):
     @field_validator("systems")
     @classmethod
     def _forecastable_in_order(cls, systems: list[str]) -> list[str]:
-        # Checked with the settings, so that `dxr config show` refuses what `dxr serve` would; the forecast stage is
-        # imported only when a backfill is configured.
-        from tasks.forecast import check_system_order
+        # Checked with the settings, so that `dxr config show` refuses what `dxr serve` would.
+        from models.registry import check_system_order
 
         try:
             check_system_order(tuple(systems))

@@ -25,8 +25,8 @@ from flows import flow_run_id
 from flows.forecast import forecast_flow
 from flows.train_prior import train_prior_flow
 from models.prior.config import PriorConfig
+from models.registry import check_system_order
 from tasks.evaluate import DEFAULT_KS, evaluate_run_task
-from tasks.forecast import check_system_order
 from tasks.refresh import refresh_cohort_task, untrained_systems
 from tasks.report import ARTIFACT_K, artifact_key, headline_markdown, render_report_task
 from warehouse.store import Warehouse

@@ -9,11 +9,10 @@ from prefect import flow
 from dxr.config import load_settings
 from dxr.errors import InputError
 from flows import flow_run_id
-from models.registry import FORECASTERS
+from models.registry import FORECASTERS, FUSED_INPUTS, check_system
 from tasks import stage_logger
-from tasks.forecast import (FUSED_INPUTS, check_rerun, check_system, clear_outputs, fitted_forecaster, forecast_config,
-                            forecast_shard_task, forecast_shards, llm_run_config, pinned_model, run_shards,
-                            shard_workers)
+from tasks.forecast import (check_rerun, clear_outputs, fitted_forecaster, forecast_config, forecast_shard_task,
+                            forecast_shards, llm_run_config, pinned_model, run_shards, shard_workers)
 from warehouse.choices import FORECAST_SPLITS
 from warehouse.cohorts import reading_cohort, rebuild_command, superseded_note
 from warehouse.locks import held

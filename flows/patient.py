@@ -14,7 +14,7 @@ from prefect.logging import get_run_logger
 
 from flows import flow_run_id
 from flows.forecast import forecast_flow
-from tasks.forecast import check_system_order
+from models.registry import check_system_order
 from tasks.report import artifact_key, incomplete_lists, labelled_rankings, ranking_lines, ranking_table
 from warehouse.store import Warehouse
 

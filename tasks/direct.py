@@ -24,7 +24,8 @@ from models.llm.client import (CONTEXT_REFUSED, FEEDBACK_RESERVE_CHARS, FIRST, C
 from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
-from tasks.forecast import FUSED_INPUTS, write_shard_outputs
+from models.registry import FUSED_INPUTS
+from tasks.forecast import write_shard_outputs
 from warehouse.cohorts import code_titles
 from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse

@@ -70,10 +70,9 @@ from warehouse.cohorts import superseded_note
 from warehouse.locks import held
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, RESULT_KINDS, holding_run, record_run
-from warehouse.schemas import METRICS, RANKING_STATUSES, TABLES, utc_now
+from warehouse.schemas import METRICS, ORACLES, RANKING_STATUSES, TABLES, utc_now
 from warehouse.store import Warehouse, check_run_id, conform
 
-ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
 NATURAL_K = 0
 DEFAULT_KS = (10, 20)
 # (name, lowest count, highest count or None) of the train-split encounters coding a target code.

@@ -24,58 +24,15 @@ from prefect import task
 from dxr.errors import InputError
 from models.baselines import FORECASTER_COLUMNS, RANKING_COLUMNS, Forecaster
 from models.prior.config import ARCHS
-from models.registry import FORECASTERS, LLM_SYSTEMS, forecastable_systems, forecaster_class
+from models.registry import FUSED_INPUTS, LLM_SYSTEMS, check_system, forecaster_class
 from tasks import stage_logger
-from tasks.evaluate import ORACLES
 from warehouse.runs import EVALUATE_KIND, check_run_id, check_run_kind, code_version, mark_stale
-from warehouse.schemas import NON_RUN_TABLES, SYSTEMS
+from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
 
-# The systems whose lists of the same run a fused system reads.
-FUSED_INPUTS = {"rrf_prior_direct": ("ehr_prior", "direct")}
 # Systems that are a stage of the forecasting pipeline (spec §2): their lists are also written as that
 # stage's `candidates`, the input of the stages after them.
 CANDIDATE_STAGES = {"ehr_prior": "candidate_generation", "direct": "direct_forecast"}
-
-
-def check_system(system: str) -> None:
-    """A system `dxr forecast` can run; the error tells a typo from a declared system that no forecast produces."""
-    if system in FORECASTERS or system in LLM_SYSTEMS:
-        return
-    available = ", ".join(forecastable_systems())
-    if system in ORACLES:
-        raise InputError(f"system {system!r} is not forecast: dxr evaluate adds it from the gold store to every "
-                         f"evaluation of a synthetic cohort; forecast one of: {available}")
-    if system in SYSTEMS:
-        raise InputError(f"system {system!r} is declared but not built yet; available: {available}")
-    raise InputError(f"unknown system {system!r}; available: {available}")
-
-
-def check_evaluable(system: str) -> None:
-    """A system `dxr evaluate` can score: one `dxr forecast` runs, or a gold-side oracle; the error tells a typo from
-    a declared system that nothing produces yet, whose lists no run can hold."""
-    evaluable = sorted([*forecastable_systems(), *ORACLES])
-    if system in evaluable:
-        return
-    if system in SYSTEMS:
-        raise InputError(f"system {system!r} is declared but not built yet, so no run has its lists; evaluable: "
-                         f"{', '.join(evaluable)}")
-    raise InputError(f"unknown system {system!r}; evaluable: {', '.join(evaluable)}")
-
-
-def check_system_order(systems: tuple[str, ...]) -> None:
-    """Each system is known and listed once, and every fused system comes after the systems whose lists it fuses."""
-    if not systems:
-        raise InputError("no system given: name at least one, e.g. repeat_history")
-    for position, system in enumerate(systems):
-        check_system(system)
-        # A second forecast of a system into the run redoes the first, and deletes the lists fused from it since.
-        if system in systems[:position]:
-            raise InputError(f"{system} is listed twice in systems: list each system once")
-        missing = [source for source in FUSED_INPUTS.get(system, ()) if source not in systems[:position]]
-        if missing:
-            raise InputError(f"{system} fuses the lists of {', '.join(FUSED_INPUTS[system])}: put "
-                             f"{', '.join(missing)} before it in systems")
 
 
 def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int | None,

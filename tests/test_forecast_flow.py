@@ -143,7 +143,7 @@ def test_a_failing_shard_fails_the_run_and_nothing_is_written_into_it_afterwards
 
 def test_every_forecast_system_is_declared_and_the_refusal_tells_a_typo_from_a_declared_system():
     from models.registry import FORECASTERS
-    from tasks.forecast import LLM_SYSTEMS, check_system
+    from models.registry import LLM_SYSTEMS, check_system
     from warehouse.schemas import SYSTEMS
 
     assert set(FORECASTERS) | set(LLM_SYSTEMS) <= set(SYSTEMS)

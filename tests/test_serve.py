@@ -22,7 +22,8 @@ from dxr.errors import ConfigError, InputError
 from flows.backfill import cohort_backfill_flow
 from flows.forecast import forecast_flow
 from flows.patient import forecast_patient_flow
-from tasks.forecast import check_rerun, check_system_order, fitted_forecaster, forecast_config
+from models.registry import check_system_order
+from tasks.forecast import check_rerun, fitted_forecaster, forecast_config
 from tasks.report import incomplete_lists, labelled_rankings, ranking_lines, report_path
 from tests.conftest import THIRD_PARTY_NOISE, flow_run_names
 from tests.sentinel import assert_no_leak, forecast_store_texts
@@ -278,6 +279,17 @@ def test_the_systems_of_a_backfill_are_checked_with_the_settings(tmp_path, monke
         for command in (["config", "show"], ["serve"]):
             result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), *command])
             assert (result.exit_code, result.output.splitlines()) == (1, [line]), command
+
+
+def test_checking_the_systems_of_a_backfill_imports_no_stage(tmp_path, monkeypatch):
+    # Every command loads the settings: a backfill's systems checked through the forecast stage cost each command of a
+    # scheduled deployment's users (`dxr sql` included) a second of importing the stages and scipy.
+    write_config(tmp_path, monkeypatch, BACKFILL.format(cron="0 2 * * *", tz="UTC") + 'systems = ["repeat_history"]\n')
+    probe = ("import sys; from dxr.config import load_settings; print(load_settings().backfills[0].systems, "
+             "sorted(name for name in sys.modules if name.split('.')[0] in ('tasks', 'flows', 'scipy')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parents[1])
+    assert result.stdout.split("\n")[0] == "['repeat_history'] []", result.stdout + result.stderr
 
 
 def test_backfill_names_are_unique(tmp_path, monkeypatch):

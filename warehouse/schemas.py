@@ -235,6 +235,8 @@ TABLES: dict[str, Table] = {
     ]
 }
 
+# The gold-side oracles: no forecast writes their lists; evaluation reads each from its gold table.
+ORACLES = {"oracle": "oracle_probabilities", "record_oracle": "record_oracle_probabilities"}  # system → gold table
 SYSTEMS = (
     "oracle", "record_oracle", "global_frequency", "repeat_history", "transition", "gru", "dense_prior", "ehr_prior",
     "direct", "rrf_prior_direct", "research_path", "rrf", "full", "web_search_standalone",

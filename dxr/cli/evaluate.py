@@ -15,7 +15,7 @@ def _names(value: str | None) -> list[str] | None:
 def _evaluable(ctx: click.Context, param: click.Parameter, systems: list[str]) -> None:
     """An id that names no system a run can hold is a value outside the option's choices: a usage error (exit code
     2), as `dxr forecast --system` gives, with check_evaluable's message naming the ids that are."""
-    from tasks.forecast import check_evaluable
+    from models.registry import check_evaluable
 
     for system in systems:
         try:

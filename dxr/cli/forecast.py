@@ -14,7 +14,7 @@ from warehouse.choices import FORECAST_SPLITS
 def forecastable_system(ctx: click.Context, param: click.Parameter, system: str) -> str:
     """A system id outside those dxr forecast runs is a value outside the option's choices: a usage error (exit
     code 2), as `dxr prior train --system` gives, with check_system's message naming the ids that are."""
-    from tasks.forecast import check_system
+    from models.registry import check_system
 
     return valid.checked(ctx, param, system, check_system)
 
