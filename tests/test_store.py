@@ -353,6 +353,18 @@ def test_a_run_scoped_connection_shows_only_that_runs_rows_of_run_keyed_tables(w
         wh.connect(run_id="a/*")
 
 
+def test_a_value_or_name_ending_in_a_newline_is_refused():
+    # `$` matches before a final newline, so "r1\n" passed as a run id and would name a directory `run_id=r1\n`.
+    from warehouse.datasets import check_cohort_key, check_name
+
+    with pytest.raises(InputError, match="run id 'r1\\\\n' has unsafe characters"):
+        store.check_run_id("r1\n")
+    with pytest.raises(InputError, match="dataset name 'tiny\\\\n'"):
+        check_name("dataset", "tiny\n")
+    with pytest.raises(InputError, match="cohort 'default\\\\n' is no cohort name or id"):
+        check_cohort_key("default\n")
+
+
 def ranking_rows(run_id: str, n: int) -> pl.DataFrame:
     return pl.DataFrame({"run_id": [run_id] * n, "cohort_id": ["c"] * n, "system": ["repeat_history"] * n,
                          "trajectory_id": [f"c:{i}:1" for i in range(n)], "rank": [1] * n,

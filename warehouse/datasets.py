@@ -24,7 +24,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 
 def check_name(kind: str, name: str) -> str:
     """Dataset and cohort names become partition keys: keep them simple and portable."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # `$` alone would let a trailing newline through
         raise InputError(f"{kind} name {name!r} is not allowed: use 1-64 lower-case letters, digits, '_' or '-', "
                          "starting with a letter or digit")
     return name
@@ -33,7 +33,7 @@ def check_name(kind: str, name: str) -> str:
 def check_cohort_key(key: str) -> str:
     """A cohort as commands name it, by name or by id: an id (c and 11 hex digits) is spelt as a name is, so a key
     that could be no cohort's name is no cohort."""
-    if not _NAME.match(key):
+    if not _NAME.fullmatch(key):
         raise InputError(f"cohort {key!r} is no cohort name or id: names are 1-64 lower-case letters, digits, '_' "
                          "or '-', starting with a letter or digit, and ids c and 11 hex digits (`dxr cohort list` "
                          "lists the cohorts)")

@@ -482,7 +482,7 @@ def check_run_id(run_id: str) -> str:
 
 def unsafe(value: str) -> str | None:
     """Why a value cannot be a partition directory's value (None when it can)."""
-    if not SAFE_VALUE.match(value):
+    if not SAFE_VALUE.fullmatch(value):  # `$` alone would let a trailing newline through
         return "has unsafe characters: use letters, digits and _.:-"
     if value == HIVE_NULL:
         return "would read back as NULL through the warehouse views: use another value"
