@@ -17,11 +17,9 @@ def _evaluable(ctx: click.Context, param: click.Parameter, systems: list[str]) -
     2), as `dxr forecast --system` gives, with check_evaluable's message naming the ids that are."""
     from models.registry import check_evaluable
 
-    for system in systems:
-        try:
+    with valid.usage_error(ctx, param):
+        for system in systems:
             check_evaluable(system)
-        except InputError as exc:
-            raise click.BadParameter(str(exc), ctx, param) from exc
 
 
 def _systems(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -42,10 +40,8 @@ def _ks(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
         ks = []
     if not ks:  # `--k ,` would otherwise leave only the natural K, unasked
         raise click.BadParameter(f"{value!r} is not a list of comma-separated integers such as 10,20", ctx, param)
-    try:
+    with valid.usage_error(ctx, param):
         budgets(ks, natural=False)  # K >= 1
-    except InputError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
     return ks
 
 

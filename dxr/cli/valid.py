@@ -9,7 +9,8 @@ exits 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -17,16 +18,23 @@ import click
 from dxr.errors import InputError
 
 
+@contextmanager
+def usage_error(ctx: click.Context, param: click.Parameter) -> Iterator[None]:
+    """A library check's InputError inside the block, as click's BadParameter for `param`."""
+    try:
+        yield
+    except InputError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from exc
+
+
 def checked(ctx: click.Context, param: click.Parameter, value, check: Callable[[str], object]):
     """`value` after `check` has passed it (each value of a repeatable option), its InputError turned into click's
     BadParameter; an option left out (None) is not checked."""
     if value is None:
         return None
-    try:
+    with usage_error(ctx, param):
         for one in value if param.multiple else (value,):
             check(one)
-    except InputError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
     return value
 
 
@@ -78,10 +86,8 @@ def prior_systems(ctx: click.Context, param: click.Parameter, systems: tuple[str
     """The learned priors named by a repeated --system: a system named twice is a usage error too."""
     from models.prior.config import check_prior_systems
 
-    try:
+    with usage_error(ctx, param):
         check_prior_systems(systems)
-    except InputError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from exc
     return systems
 
 
