@@ -1317,7 +1317,7 @@ def test_cli_refuses_names_that_escape_or_collide_and_queries_without_words(tmp_
             "build", "--lexical-only", "--name", name)
     assert not (tmp_path / "wh" / "forecast" / "escaped").exists()
     assert runner.invoke(main, [*data, "corpus", "build", "--lexical-only"]).exit_code == 0
-    assert "query '  ' has no words to search for" in error("search", "  ", exit_code=1)
+    assert "'QUERY': query '  ' has no words to search for" in error("search", "  ")
     assert error("search", "heart", "--name", "other", exit_code=1) == (
         "Error: no corpus index named 'other' (built: literature): build it with "
         "`dxr corpus build --name other --corpus CORPUS`\n")  # a plain build never makes it

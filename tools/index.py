@@ -212,6 +212,13 @@ def bm25_query_text(query: str) -> str:
     return " ".join(re.findall(r"[^\W_]+", query.lower()))
 
 
+def check_query(query: str) -> None:
+    """Refuse a query without a word: the dense side would still answer, with the neighbours of an empty
+    embedding, which is noise."""
+    if not bm25_query_text(query):
+        raise InputError(f"query {query!r} has no words to search for: phrase it with clinical terms")
+
+
 def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, **options) -> dict:
     """Write an index directory for `chunks` under its build lock (`building_index`); `embedder=None` builds a
     lexical-only index. `options` are those of the build `building_index` yields."""
@@ -584,9 +591,7 @@ class CorpusIndex:
         retriever a mode does not use answers {}. A hybrid search on a lexical-only index is BM25."""
         if mode not in MODES:
             raise InputError(f"unknown search mode {mode!r}; choose one of {', '.join(MODES)}")
-        if not bm25_query_text(query):
-            # The dense side would still answer, with the neighbours of an empty embedding: noise.
-            raise InputError(f"query {query!r} has no words to search for: phrase it with clinical terms")
+        check_query(query)
         if mode == "hybrid" and self._dense is None:
             mode = "bm25"
         lexical = self._best_chunk_per_doc(self.bm25_chunks(query, depth)) if mode in ("bm25", "hybrid") else {}

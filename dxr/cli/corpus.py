@@ -230,7 +230,7 @@ def read_chunks(wh, index_name: str, chosen: list[str], chunk_chars: int):
 
 
 @corpus.command("search")
-@click.argument("query")
+@click.argument("query", callback=valid.search_query)
 @click.option("--name", default=LITERATURE, show_default=True, callback=check_index_name,
               help="Index to search (e.g. icd).")
 @click.option("-k", "k", default=5, show_default=True, type=click.IntRange(1, 100))

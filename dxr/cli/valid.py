@@ -95,3 +95,9 @@ def model_version(ctx: click.Context, param: click.Parameter, value):
     from models.prior.config import check_model_version
 
     return checked(ctx, param, value, check_model_version)
+
+
+def search_query(ctx: click.Context, param: click.Parameter, value):
+    from tools.index import check_query
+
+    return checked(ctx, param, value, check_query)
