@@ -993,14 +993,20 @@ def paired_means(metrics: pl.DataFrame,
     naming an oracle is left to each run's own evaluation: the oracles are the same in every run and have no mean.
     """
     mean_ids = dict(metrics.select("system", "run_id").unique(maintain_order=True).iter_rows())
-    asked = list(combinations(mean_ids, 2)) if pairs is None else without_oracles(list(dict.fromkeys(pairs)))
+    named = list(dict.fromkeys(pairs or []))
+    asked = list(combinations(mean_ids, 2)) if pairs is None else without_oracles(named)
     compared = [(a, b) for a, b in asked if mean_ids[a] == mean_ids[b]]
     apart = [f"{a},{b}" for a, b in asked if mean_ids[a] != mean_ids[b]]
-    if not apart:
-        return compared, None
-    return compared, (f"no paired comparison of the means of {'; '.join(apart)}: each system's mean is stored under "
-                      "its own configuration's config-… id, and only means under one id are compared; pass --run-id "
-                      "to store them under one id with their paired comparisons")
+    with_oracle = [f"{a},{b}" for a, b in named if (a, b) not in asked]
+    reasons = []
+    if apart:
+        reasons.append(f"no paired comparison of the means of {'; '.join(apart)}: each system's mean is stored under "
+                       "its own configuration's config-… id, and only means under one id are compared; pass --run-id "
+                       "to store them under one id with their paired comparisons")
+    if with_oracle:
+        reasons.append(f"no paired comparison of means for {'; '.join(with_oracle)}: an oracle is the same in every "
+                       "run and has no mean; each run's own evaluation compares it")
+    return compared, "; ".join(reasons) or None
 
 
 def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, run_ids: list[str], run_id: str | None,

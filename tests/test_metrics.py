@@ -568,9 +568,12 @@ def test_paired_comparisons_of_a_mean_are_replaced_whole_and_compared_only_under
     evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean")
     assert wh.read("paired_comparisons", run_id="mean").height
     # The pairs asked for, as a single run's are; a pair with an oracle is each run's own (the mean has none).
-    evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean",
-                      pairs=[("s3", "s1"), ("s1", "oracle")])
+    metrics = evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean",
+                                pairs=[("s3", "s1"), ("s1", "oracle")])
     assert set(wh.read("paired_comparisons", run_id="mean").select("system_a", "system_b").rows()) == {("s3", "s1")}
+    assert paired_means(metrics, [("s3", "s1"), ("s1", "oracle")]) == (
+        [("s3", "s1")], "no paired comparison of means for s1,oracle: an oracle is the same in every run and has no "
+                        "mean; each run's own evaluation compares it")
     with pytest.raises(NotFoundError, match="^pair s1,s9 names 's9', not evaluated in run 'r1, r2'; evaluated: s1, "
                                             "s2, s3$"):
         evaluate_repeated(wh, ["r1", "r2"], ks=(2,), n_boot=0, natural=False, run_id="mean", pairs=[("s1", "s9")])

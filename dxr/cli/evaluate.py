@@ -125,7 +125,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     written with n_runs (the gold-side oracles are the same in every run), under --run-id when given.
     Under --run-id the means are also compared in pairs as one run's systems are (--pair), the
     difference of the means with one patient resample for every run; without it each system's mean
-    has its own config-… id, and no pair of means is compared (a note says so).
+    has its own config-… id, and no pair of means is compared (a note says so). A pair naming an
+    oracle is compared in each run only (a note says so too).
 
     \b
     Example:
