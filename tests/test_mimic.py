@@ -20,6 +20,7 @@ from dxr.cli import main
 from dxr.errors import ConfigError, InputError
 from models.llm.config import LLMConfig
 from tests.conftest import FailsAt, abandoned_scratch, disk_full_errors, shared_data
+from warehouse.choices import HARMONIZATIONS
 from warehouse.importers import import_mimic3, import_mimic4
 from warehouse.meds import hash_split, validate_meds_dir
 
@@ -183,8 +184,9 @@ def test_demo_default_cohort_has_the_trajectories_the_csvs_imply(demo, wh_vocab)
 
 def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo, wh_vocab):
     # DIAGNOSES_ICD uses 20 codes that D_ICD_DIAGNOSES (Ω) lacks, older ones such as 789.5 ascites and 276.6
-    # fluid overload: V(.) drops them from every forecast. Under icd10, 20 codes map to NoDx only (pressure
-    # ulcer stages, drug adverse effects) and their events are dropped. Both used to pass in silence.
+    # fluid overload: V(.) drops them from every forecast. Under icd10, 37 codes map to NoDx only (pressure
+    # ulcer stages, drug adverse effects) or are not in the GEM, and their events are dropped; icd10_closest
+    # renders 17 of those through their children, leaving 20. Both used to pass in silence.
     from warehouse.datasets import register_dataset
     from warehouse.meds import copy_meds_dir
 
@@ -202,12 +204,17 @@ def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo
         "where they are targets every system misses them")
     icd10 = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "icd10",
                 "--harmonize", "icd10")
-    assert "note: 20 diagnosis codes of the data have no icd10 rendering (GEM NoDx only, no common ICD-10 " \
-           "ancestor): their events are dropped from histories and targets" in icd10.output
+    assert "note: 37 diagnosis codes of the data have no icd10 rendering (not in the GEM, or NoDx only): their " \
+           "events are dropped from histories and targets" in icd10.output
+    closest = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "closest",
+                  "--harmonize", "icd10_closest")
+    assert "note: 20 diagnosis codes of the data have no icd10_closest rendering (GEM NoDx only, no common ICD-10 " \
+           "ancestor): their events are dropped from histories and targets" in closest.output
     recorded = {r["name"]: json.loads(r["options_json"]) for r in wh_vocab.read("cohorts").iter_rows(named=True)}
     assert recorded["native"]["diagnosis_codes_outside_vocabulary"] == 20
     assert recorded["native"]["unmapped_diagnosis_codes"] == 0
-    assert recorded["icd10"]["unmapped_diagnosis_codes"] == 20
+    assert recorded["icd10"]["unmapped_diagnosis_codes"] == 37
+    assert recorded["closest"]["unmapped_diagnosis_codes"] == 20
 
 
 # ---- MIMIC-IV fixture: every rule on a hand-written hosp directory -------------------------------
@@ -403,7 +410,7 @@ def test_mimic4_v1_core_module_beside_hosp_is_read(tmp_path, mimic4):
         import_mimic4(hosp.parent, tmp_path / "twice", seed=SEED)
 
 
-@pytest.mark.parametrize("mode", ["native", "icd10", "category"])
+@pytest.mark.parametrize("mode", HARMONIZATIONS)
 def test_fixture_runs_end_to_end_with_every_harmonization(mode, wh_vocab, prefect_harness):
     from flows.forecast import forecast_flow
     from tasks.evaluate import evaluate_run

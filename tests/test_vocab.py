@@ -200,8 +200,21 @@ def test_harmonize_native_is_identity(tables):
     assert out.rows() == [(c, c) for c in sorted(set(SOURCES))]
 
 
-def test_harmonize_icd10_one_code_per_choice_list(tables):
-    out = harmonize_codes(pl.Series(SOURCES), "icd10", tables["gem"], tables["titles"])
+def test_harmonize_icd10_maps_to_every_gem_target(tables):
+    # Every non-NoDx target of every forward row: both alternatives of a choice list (780.60 fever → R50.2 and
+    # R50.9; 998.59 → K68.11 and T81.4XXA, read as its tables' ancestor T81.4), both parts of a combination
+    # (ornithosis with pneumonia → A70 + J17). A code the GEM does not list (585) or maps to NoDx only (E934.2)
+    # gets no row.
+    sources = [dx(9, "78060"), dx(9, "99859"), dx(9, "0730"), dx(9, "585"), dx(9, "E9342"), dx(10, "I5022")]
+    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    assert out.rows() == [(dx(10, "I5022"), dx(10, "I5022")),
+                          (dx(9, "0730"), dx(10, "A70")), (dx(9, "0730"), dx(10, "J17")),
+                          (dx(9, "78060"), dx(10, "R502")), (dx(9, "78060"), dx(10, "R509")),
+                          (dx(9, "99859"), dx(10, "K6811")), (dx(9, "99859"), dx(10, "T814"))]
+
+
+def test_harmonize_icd10_closest_one_code_per_choice_list(tables):
+    out = harmonize_codes(pl.Series(SOURCES), "icd10_closest", tables["gem"], tables["titles"])
     assert out.rows() == [
         (dx(10, "I5022"), dx(10, "I5022")),
         (dx(9, "4280"), dx(10, "I509")),
@@ -215,9 +228,9 @@ def test_harmonize_icd10_one_code_per_choice_list(tables):
     ]  # E934.2 maps to NoDx only: no row
 
 
-def test_harmonize_icd10_picks_alternatives_by_title_and_keeps_combinations(tables):
+def test_harmonize_icd10_closest_picks_alternatives_by_title_and_keeps_combinations(tables):
     sources = [dx(9, "78060"), dx(9, "27669"), dx(9, "0730")]
-    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    out = harmonize_codes(sources, "icd10_closest", tables["gem"], tables["titles"])
     # The GEM lists R50.2 (drug induced fever) and R50.9 for 780.60 "Fever, unspecified", E87.70 and
     # E87.79 for 276.69 "Other fluid overload": one alternative each, the one named like the source.
     # Ornithosis with pneumonia needs two codes (one per choice list of its combination): both stay.
@@ -225,29 +238,30 @@ def test_harmonize_icd10_picks_alternatives_by_title_and_keeps_combinations(tabl
                           (dx(9, "27669"), dx(10, "E8779")), (dx(9, "78060"), dx(10, "R509"))]
 
 
-def test_harmonize_icd10_maps_codes_missing_from_the_gem_through_their_children(tables):
+def test_harmonize_icd10_closest_maps_codes_missing_from_the_gem_through_their_children(tables):
     # 585 and 276.6 were billable before being split (585.1-585.9, 276.61/276.69), so the GEM does
     # not list them; their children's codes share N18 and E87.7. 780.6's children spread over R50
     # and R68, and the V45 category's over several Z categories: no common category, no row.
     sources = [dx(9, "585"), dx(9, "2766"), dx(9, "7806"), dx(9, "V45")]
-    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    out = harmonize_codes(sources, "icd10_closest", tables["gem"], tables["titles"])
     assert out.rows() == [(dx(9, "2766"), dx(10, "E877")), (dx(9, "585"), dx(10, "N18"))]
 
 
-def test_harmonize_icd10_yields_only_codes_of_the_tables(tables):
+def test_harmonize_icd10_closest_yields_only_codes_of_the_tables(tables):
     # 156 ICD-9 codes had a GEM target that ICD-10-CM FY2026 no longer has (skull fractures S02.10XA, now
     # S02.101A-S02.109A; glaucoma H40.11X0): they became untitled Ω codes that no model output could match.
     sources = [dx(9, "80100"), dx(9, "36511"), dx(9, "99859")]
-    out = harmonize_codes(sources, "icd10", tables["gem"], tables["titles"])
+    out = harmonize_codes(sources, "icd10_closest", tables["gem"], tables["titles"])
     titled = dict(tables["titles"].iter_rows())
     assert [(source, code, titled[code]) for source, code in out.rows()] == [
         (dx(9, "36511"), dx(10, "H4011"), "Primary open-angle glaucoma"),
         (dx(9, "80100"), dx(10, "S0210"), "Unspecified fracture of base of skull"),
         (dx(9, "99859"), dx(10, "T814"), "Infection following a procedure"),
     ]
-    every = harmonize_codes(tables["gem"].filter(pl.col("direction") == "9to10")["source_code"].unique(), "icd10",
-                            tables["gem"], tables["titles"])
-    assert every.join(tables["titles"], on="code", how="anti").is_empty()
+    listed = tables["gem"].filter(pl.col("direction") == "9to10")["source_code"].unique()
+    for mode in ("icd10", "icd10_closest"):
+        every = harmonize_codes(listed, mode, tables["gem"], tables["titles"])
+        assert every.join(tables["titles"], on="code", how="anti").is_empty(), mode
 
 
 def test_harmonize_category_truncates_within_version(tables):

@@ -3,7 +3,7 @@ CLI's option choices and the settings' patterns come from the same lists as the 
 those stages (and their libraries) at start."""
 
 TARGET_RULES = ("final", "every")  # a cohort's target encounters: each patient's final one, or every one
-HARMONIZATIONS = ("native", "icd10", "category")  # ICD renderings of a cohort's codes
+HARMONIZATIONS = ("native", "icd10", "category", "icd10_closest")  # ICD renderings of a cohort's codes
 FORECAST_SPLITS = ("train", "tuning", "held_out", "all")  # the MEDS splits, and all of them at once
 OUTPUT_FORMATS = ("table", "csv", "json")  # a query's result (`warehouse.sql.stream_query`): aligned, CSV, JSON lines
 

@@ -72,8 +72,11 @@ def cohort_id_for(dataset: dict, options: CohortOptions, seed: int) -> str:
     The cohort name is a label, not part of the identity: building the same options under another
     name relabels that cohort instead of copying it.
     """
+    # Until 2026-12-06 `icd10` cohorts were built with the rule now named `icd10_closest`: the rule they are
+    # built with now is part of their identity, so that such a cohort is never taken for one built by it.
+    rule = {"gem_rule": "every_target"} if options.harmonize == "icd10" else {}
     payload = json.dumps({"dataset_id": dataset["dataset_id"], "fingerprint": dataset["fingerprint"],
-                          "seed": seed, **asdict(options)}, sort_keys=True)
+                          "seed": seed, **asdict(options), **rule}, sort_keys=True)
     return "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
 
 

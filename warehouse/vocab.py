@@ -431,23 +431,30 @@ def _forward_rows(gem: pl.DataFrame) -> pl.DataFrame:
     return gem.filter(pl.col("direction") == "9to10") if "direction" in gem.columns else gem
 
 
-def _forward_gem(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
-    """One ICD-10 rendering of each ICD-9 code of the forward GEM: (source_code, target_code) rows.
-
-    A GEM source has one or more scenarios (ways to express it), each a set of choice lists, and
-    lists every alternative of a choice list as its own row. Taking every row would put all the
-    alternatives into a target set at once (alternatives are approximations of one condition, e.g.
-    fever → R50.2 drug-induced fever or R50.9 fever unspecified), so the first scenario is kept,
-    with one code per choice list (several only for true combinations, e.g. ornithosis with
-    pneumonia → A70 + J17): the alternative whose title shares most words with the ICD-9 title
-    (Jaccard), ties to the lower code.
+def _forward_targets(gem: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
+    """Every non-NoDx row of the forward GEM, its target read as a code of the ICD tables:
+    (source_code, target_code, scenario, choice_list) rows.
 
     A target that ICD-10-CM has since split (T81.4XXA, now T81.40XA–T81.49XA) is no code of the
     tables: it is read as its nearest ancestor that is (T81.4 "Infection following a procedure"),
-    which has a title to choose by and to show.
+    which has a title to choose by and to show, and which the validator accepts.
     """
     rows = _forward_rows(gem).filter(pl.col("target_code").is_not_null())
-    rows = rows.with_columns(target_code=_nearest_known(rows["target_code"], set(titles["code"].to_list())))
+    return rows.with_columns(target_code=_nearest_known(rows["target_code"], set(titles["code"].to_list())))
+
+
+def _closest_alternatives(rows: pl.DataFrame, titles: pl.DataFrame) -> pl.DataFrame:
+    """One ICD-10 rendering of each ICD-9 code of the forward GEM rows (`_forward_targets`):
+    (source_code, target_code) rows.
+
+    A GEM source has one or more scenarios (ways to express it), each a set of choice lists, and
+    lists every alternative of a choice list as its own row. Taking every row puts all the
+    alternatives into a target set at once (alternatives are approximations of one condition, e.g.
+    fever → R50.2 drug-induced fever or R50.9 fever unspecified), so here the first scenario is kept,
+    with one code per choice list (several only for true combinations, e.g. ornithosis with
+    pneumonia → A70 + J17): the alternative whose title shares most words with the ICD-9 title
+    (Jaccard), ties to the lower code.
+    """
     rows = rows.filter(pl.col("scenario") == pl.col("scenario").min().over("source_code"))
     # Only choice lists with alternatives need titles (about a fifth of the rows).
     alternatives = pl.len().over("source_code", "choice_list") > 1
@@ -509,12 +516,14 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
                     titles: pl.DataFrame) -> pl.DataFrame:
     """Map MEDS diagnosis codes to the cohort's harmonized codes: one row per (source_code, code).
 
-    `native` keeps codes; `icd10` keeps ICD-10 codes and maps each ICD-9 code to one ICD-10 code
-    per choice list of its forward GEM (see `_forward_gem`), or, when the GEM does not list it, to
-    the common ICD-10 ancestor of its children's codes (see `_parent_fallback`); a code mapped to
-    NoDx only, or without such an ancestor, gets no row (callers count those). `category`
-    truncates to the category of the same version. `titles` is (code, title) of the ICD tables
-    (e.g. `icd_codes`). Rows are sorted by source, then code.
+    `native` keeps codes. `icd10` keeps ICD-10 codes and maps each ICD-9 code to every non-NoDx
+    target of its forward GEM rows (`_forward_targets`), so one code may become several; a code the
+    GEM does not list, or maps to NoDx only, gets no row (callers count those). `icd10_closest`
+    keeps ICD-10 codes too but maps an ICD-9 code to one ICD-10 code per choice list of its first
+    GEM scenario (`_closest_alternatives`), or, when the GEM does not list it, to the common ICD-10
+    ancestor of its children's codes (`_parent_fallback`). `category` truncates to the category of
+    the same version. `titles` is (code, title) of the ICD tables (e.g. `icd_codes`). Rows are
+    sorted by source, then code.
     """
     _check_mode(mode)
     sources = pl.Series("source_code", list(codes), dtype=pl.String).drop_nulls().unique(maintain_order=True)
@@ -529,12 +538,17 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
         versions = pl.Series([v for _, v, _ in parsed], dtype=pl.Int8)
         frame = pl.DataFrame({"source_code": sources, "version": versions})
         kept = frame.filter(pl.col("version") == 10).select("source_code", code="source_code")
-        forward = _forward_gem(gem, titles)
+        forward = _forward_targets(gem, titles)
+        if mode == "icd10_closest":
+            forward = _closest_alternatives(forward, titles)
         icd9 = frame.filter(pl.col("version") == 9).select("source_code")
         mapped = icd9.join(forward, on="source_code").select("source_code", code="target_code")
-        listed = _forward_rows(gem).select("source_code").unique()
-        unlisted = icd9.join(listed, on="source_code", how="anti")["source_code"]
-        out = pl.concat([kept, mapped, _parent_fallback(unlisted, forward, titles)])
+        parts = [kept, mapped]
+        if mode == "icd10_closest":
+            listed = _forward_rows(gem).select("source_code").unique()
+            unlisted = icd9.join(listed, on="source_code", how="anti")["source_code"]
+            parts.append(_parent_fallback(unlisted, forward, titles))
+        out = pl.concat(parts)
     return out.unique().sort("source_code", "code")
 
 

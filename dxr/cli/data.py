@@ -222,8 +222,9 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                    f"{row['previous_name']} no longer finds it (use the id or the new name)")
     built = json.loads(row["options_json"])
     if built["unmapped_diagnosis_codes"]:
+        why = {"icd10": "not in the GEM, or NoDx only", "icd10_closest": "GEM NoDx only, no common ICD-10 ancestor"}
         click.echo(f"note: {built['unmapped_diagnosis_codes']:,} diagnosis codes of the data have no "
-                   f"{options.harmonize} rendering (GEM NoDx only, no common ICD-10 ancestor): their events are "
+                   f"{options.harmonize} rendering ({why[options.harmonize]}): their events are "
                    "dropped from histories and targets")
     if built["subjects_without_split"]:
         click.echo(f"note: {built['subjects_without_split']:,} patient(s) of the data have no split in "
