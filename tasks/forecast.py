@@ -33,6 +33,9 @@ from warehouse.store import Warehouse
 # Systems that are a stage of the forecasting pipeline (spec §2): their lists are also written as that
 # stage's `candidates`, the input of the stages after them.
 CANDIDATE_STAGES = {"ehr_prior": "candidate_generation", "direct": "direct_forecast"}
+# Candidate Generation's list pi_F is the prior's top 20 (spec §2), whatever K the run's rankings hold: the stages
+# after it take its set as their seed set B.
+CANDIDATE_GENERATION_SIZE = 20
 
 
 def forecast_config(cohort_id: str, system: str, split: str, k: int, limit: int | None,
@@ -380,13 +383,14 @@ def stage_candidates(ranked: pl.DataFrame, pretarget: pl.DataFrame, stage: str) 
 
 
 def write_shard_outputs(wh: Warehouse, system: str, shard: int, run_id: str, ranked: pl.DataFrame,
-                        status: pl.DataFrame, pretarget: pl.DataFrame) -> None:
-    """Write a system's rankings of one shard, its stage candidates when it is a pipeline stage, then the
-    per-trajectory status."""
+                        status: pl.DataFrame, pretarget: pl.DataFrame, stage_list: pl.DataFrame | None = None) -> None:
+    """Write a system's rankings of one shard, its stage candidates when it is a pipeline stage (from
+    `stage_list` when the stage's list is not the rankings), then the per-trajectory status."""
     wh.write("rankings", ranked, run_id=run_id, system=system, shard=shard)
     if system in CANDIDATE_STAGES:
         stage = CANDIDATE_STAGES[system]
-        wh.write("candidates", stage_candidates(ranked, pretarget, stage), run_id=run_id, stage=stage, shard=shard)
+        wh.write("candidates", stage_candidates(ranked if stage_list is None else stage_list, pretarget, stage),
+                 run_id=run_id, stage=stage, shard=shard)
     wh.write("ranking_status", status, run_id=run_id, system=system, shard=shard)
 
 
@@ -409,11 +413,18 @@ def forecast_shard_task(wh_root: str, cohort_id: str, system: str, shard: int, s
     if system in LLM_SYSTEMS:
         return llm_shard(wh, cohort_id, system, shard, trajectories, pretarget, k, run_id)
     forecaster = fitted_forecaster(wh_root, cohort_id, system, model_version, model_run_id)
-    ranked, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, run_id, cohort_id, shard)
+    generates_candidates = CANDIDATE_STAGES.get(system) == "candidate_generation"
+    depth = max(k, CANDIDATE_GENERATION_SIZE) if generates_candidates else k
+    listed, status, cached = cached_forecast_shard(wh, forecaster, trajectories, pretarget, depth, run_id, cohort_id,
+                                                   shard)
     if cached:
         stage_logger(__name__).info("%s shard %d: %d trajectories' lists read from the prediction cache",
                                     system, shard, trajectories.height)
-    write_shard_outputs(wh, system, shard, run_id, ranked, status, pretarget)
+    ranked = listed.filter(pl.col("rank") <= k)
+    if depth > k:  # the status says whether the run's k-code lists are full, not the deeper ones pi_F needed
+        status = shard_status(ranked, trajectories, k, run_id, system)
+    stage_list = listed.filter(pl.col("rank") <= CANDIDATE_GENERATION_SIZE) if generates_candidates else None
+    write_shard_outputs(wh, system, shard, run_id, ranked, status, pretarget, stage_list)
     return trajectories.height
 
 

@@ -166,6 +166,25 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
                         "evaluate": "stale"}
 
 
+@pytest.mark.parametrize("k", [5, 22])  # the planted cohort's model knows 24 output codes
+def test_candidate_generation_holds_the_priors_20_codes_whatever_k_the_rankings_hold(trained, k):
+    wh, cohort, _, _ = trained
+    run_id = f"fc-k{k}"
+    trajectories = wh.read("trajectories", cohort_id=cohort)
+    for shard in sorted(trajectories["shard"].unique()):
+        forecast_shard_task.fn(str(wh.root), cohort, "ehr_prior", shard, "all", k, run_id)
+    rankings = wh.read("rankings", run_id=run_id, system="ehr_prior")
+    candidates = wh.read("candidates", run_id=run_id, stage="candidate_generation")
+    assert rankings.group_by("trajectory_id").len()["len"].unique().to_list() == [k]
+    assert candidates.group_by("trajectory_id").len()["len"].unique().to_list() == [20]
+    assert wh.read("ranking_status", run_id=run_id)["status"].unique().to_list() == ["ok"]
+    # The ranks both hold are one list: the forecast's K cuts it, it does not reorder it.
+    key = ["trajectory_id", "rank"]
+    both = rankings.join(candidates, on=key, suffix="_candidate")
+    assert both.height == trajectories.height * min(k, 20)
+    assert both["code"].to_list() == both["code_candidate"].to_list()
+
+
 def test_a_model_trained_on_codes_the_cohorts_vocabulary_no_longer_holds_is_refused(trained):
     # A cohort rebuilt under its id with another Ω (e.g. an ICD release update): the model would rank codes outside it.
     wh, cohort, result, _ = trained

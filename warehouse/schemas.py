@@ -182,9 +182,10 @@ TABLES: dict[str, Table] = {
             "trajectory_id": pa.string(), "rank": pa.int32(), "code": pa.string(), "score": pa.float64(),
             "history_count": pa.int32(),
         }, ["run_id", "stage", "shard"], "Each forecasting stage's candidate codes per trajectory, in the stage's "
-           "order: `candidate_generation` is the EHR prior's pi_F (its set is the research seed B), "
-           "`direct_forecast` Direct's list D (score = its confidence). `history_count` is the number of "
-           "pre-target encounters of the trajectory that record the code (0 = new to the record)."),
+           "order: `candidate_generation` is the EHR prior's pi_F, its top 20 whatever K its rankings hold "
+           "(their set is the research seed B), `direct_forecast` Direct's list D (score = its confidence). "
+           "`history_count` is the number of pre-target encounters of the trajectory that record the code (0 = new "
+           "to the record)."),
         _t("prediction_cache", FORECAST, {
             "system": pa.string(), "cache_key": pa.string(), "key_json": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
