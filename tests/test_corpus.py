@@ -1392,6 +1392,37 @@ def test_ingest_reads_arxiv_full_texts_from_a_directory_and_refuses_one_for_anot
     with pytest.raises(InputError, match="^full texts from a directory apply to format arxiv only, not jsonl$"):
         read_documents("jsonl", tmp_path / "a.jsonl", fulltext_dir=tmp_path / "texts")  # read arXiv's way before
 
+
+def test_arxiv_authors_and_categories_are_kept_in_documents(tmp_path, wh):
+    # The snapshot writes both as strings; other exports write lists. Other formats have neither.
+    records = [{"id": "2101.00001v2", "title": "T1", "abstract": "Heart failure.", "authors": "A. Smith and B. Jones",
+                "categories": "q-bio.QM stat.AP"},
+               {"id": "2101.00002", "title": "T2", "abstract": "Readmission.", "authors": ["C. Wu", "D. Roe"],
+                "categories": ["cs.LG", "q-bio.TO"]},
+               {"id": "2101.00003", "title": "T3", "abstract": "Dialysis."}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    ingest(wh, "arxiv", tmp_path / "a.jsonl")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"id": "x", "title": "T", "text": "Heart failure."}) + "\n")
+    ingest(wh, "jsonl", tmp_path / "b.jsonl", corpus="notes")
+    rows = wh.connect().execute("SELECT doc_id, authors, categories FROM documents ORDER BY doc_id").fetchall()
+    assert rows == [("arxiv:2101.00001", "A. Smith and B. Jones", "q-bio.QM stat.AP"),
+                    ("arxiv:2101.00002", "C. Wu, D. Roe", "cs.LG q-bio.TO"),
+                    ("arxiv:2101.00003", None, None), ("notes:x", None, None)]
+    (tmp_path / "c.jsonl").write_text(json.dumps({**records[0], "authors": 7}) + "\n")
+    with pytest.raises(InputError, match=r"c\.jsonl:1: field 'authors' must be a string, got a number$"):
+        ingest(wh, "arxiv", tmp_path / "c.jsonl")
+
+
+def test_documents_ingested_before_authors_and_categories_were_kept_open_with_them_null(tmp_path, wh):
+    from tools.corpus import documents_frame
+
+    path = wh.partition_path("documents", corpus="old", source="s")
+    path.parent.mkdir(parents=True)
+    documents_frame([doc("1", "T", "Heart failure.")], "old", "s").drop("authors", "categories").write_parquet(path)
+    assert wh.connect().execute("SELECT doc_id, authors, categories FROM documents").fetchall() == [
+        ("tiny:1", None, None)]
+    assert wh.read("documents").select("doc_id", "authors", "categories").rows() == [("tiny:1", None, None)]
+
 @pytest.mark.parametrize("module", ["tools.corpus.documents", "tools.index", "tools.passages", "tools.text",
                                     "tools.sanitize", "tools.ledger", "tools.web.channel"])
 def test_doctests(module):

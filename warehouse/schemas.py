@@ -289,11 +289,13 @@ TABLES.update({
             "corpus": pa.string(), "source": pa.string(), "doc_id": pa.string(), "source_format": pa.string(),
             "title": pa.string(), "url": pa.string(), "doi": pa.string(), "pmcid": pa.string(), "pmid": pa.string(),
             "arxiv_id": pa.string(), "sections_json": pa.large_string(), "n_chars": pa.int64(),
-            "ingested_at": TS,
+            "ingested_at": TS, "authors": pa.string(), "categories": pa.string(),
         }, ["corpus", "source"], "Ingested local documents (one partition per ingested path) and pages read "
            "from the web (corpus `web`, source = run and shard); `doc_id` is stable (pmc:/arxiv:/pmid:/doi:/"
-           "<corpus>:); `sections_json` is a list of [heading, text].",
-           nullable=["url", "doi", "pmcid", "pmid", "arxiv_id"]),
+           "<corpus>:); `sections_json` is a list of [heading, text]. `authors` and `categories` are an arXiv "
+           "record's, as its metadata snapshot writes them (a list of names joined by ', ' and ' '); null for "
+           "other formats and for documents ingested before they were kept.",
+           nullable=["url", "doi", "pmcid", "pmid", "arxiv_id", "authors", "categories"]),
         _t("chunks", FORECAST, {
             "corpus": pa.string(), "source": pa.string(), "chunk_id": pa.string(), "doc_id": pa.string(),
             "ordinal": pa.int32(), "section": pa.string(), "text": pa.large_string(),

@@ -148,7 +148,9 @@ def documents_frame(documents: list[Document], corpus: str, source: str) -> pl.D
         "corpus": corpus, "source": source, "doc_id": d.doc_id, "source_format": d.source_format, "title": d.title,
         "url": d.url, "doi": d.doi, "pmcid": d.pmcid, "pmid": d.pmid, "arxiv_id": d.arxiv_id,
         "sections_json": json.dumps(d.sections, ensure_ascii=False), "n_chars": len(d.text), "ingested_at": now,
-    } for d in documents], schema_overrides={"ingested_at": pl.Datetime("us")})
+        "authors": d.meta.get("authors"), "categories": d.meta.get("categories"),
+    } for d in documents], schema_overrides={"ingested_at": pl.Datetime("us"), "authors": pl.String,
+                                             "categories": pl.String})
 
 
 def chunks_frame(documents: list[Document], corpus: str, source: str, max_chars: int) -> pl.DataFrame:

@@ -73,6 +73,15 @@ def _field(record: dict, key: str, where: str, *, required: bool = False, number
     raise InputError(f"{where}: field '{key}' must be {expected}, got {_json_type(value)}")
 
 
+def _names(record: dict, key: str, where: str, separator: str) -> str | None:
+    """A field of names kept as one string: the arXiv snapshot's own string, or a list of strings joined by
+    `separator`, as other exports write authors and categories."""
+    value = record.get(key)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return separator.join(item.strip() for item in value if item.strip()) or None
+    return _field(record, key, where)
+
+
 def _strings(record: dict, key: str, where: str, *, required: bool = False) -> list[str] | None:
     """A list-of-strings field (PubMedQA CONTEXTS, LABELS)."""
     value = record.get(key)
@@ -110,7 +119,8 @@ def read_arxiv(path: Path, corpus: str, fulltext_dir: Path | None = None) -> Ite
         yield Document(doc_id=stable_doc_id(corpus, arxiv_id=arxiv_id), corpus=corpus, source_format="arxiv",
                        title=title, sections=[s for s in sections if s[1]],
                        url=f"https://arxiv.org/abs/{arxiv_id}", doi=_field(record, "doi", where), arxiv_id=arxiv_id,
-                       meta={"authors": record.get("authors"), "categories": record.get("categories")})
+                       meta={"authors": _names(record, "authors", where, ", "),
+                             "categories": _names(record, "categories", where, " ")})
 
 
 def read_medquad(path: Path, corpus: str) -> Iterator[Document]:

@@ -168,11 +168,12 @@ class WebChannel:
         rows = [{"corpus": WEB_CORPUS, "source": source, "doc_id": d["doc_id"], "source_format": "web",
                  "title": d["title"], "url": d["url"], "doi": None, "pmcid": None, "pmid": None, "arxiv_id": None,
                  "sections_json": json.dumps([["Page", d["text"]]], ensure_ascii=False), "n_chars": len(d["text"]),
-                 "ingested_at": now} for d in sorted(self.documents.values(), key=lambda d: d["doc_id"])]
+                 "ingested_at": now, "authors": None, "categories": None}
+                for d in sorted(self.documents.values(), key=lambda d: d["doc_id"])]
         return pl.DataFrame(rows, schema={
             **dict.fromkeys(("corpus", "source", "doc_id", "source_format", "title", "url", "doi", "pmcid", "pmid",
                              "arxiv_id", "sections_json"), pl.String), "n_chars": pl.Int64,
-            "ingested_at": pl.Datetime("us")})
+            "ingested_at": pl.Datetime("us"), "authors": pl.String, "categories": pl.String})
 
     def flush(self) -> None:
         """Write the pages read (documents, corpus `web`) and the ledger partition citing them as one commit, then
