@@ -3,9 +3,10 @@
 The report is built once as a list of blocks (headings, paragraphs, tables, figures) and rendered
 twice: `report.md` (figures as PNG files next to it) and `report.html` (figures embedded as base64
 data URIs, inline CSS, no external URL: it opens offline). The K-sweep (K = 1..20, point values)
-is recomputed from `rankings` and the gold targets; everything else is read from the tables that
-`dxr evaluate` wrote. A render writes no clock time (the run registry table says when the
-evaluation ran), so the same stored evaluation renders the same bytes.
+is recomputed from `rankings` and the gold targets (a mean over repeated runs averages its runs'
+sweeps); everything else is read from the tables that `dxr evaluate` wrote. A render writes no
+clock time (the run registry table says when the evaluation ran), so the same stored evaluation
+renders the same bytes.
 """
 
 from __future__ import annotations
@@ -310,6 +311,12 @@ def k_sweep(wh: Warehouse, run_id: str, systems: list[str], max_k: int) -> pl.Da
     return metric_rows(estimate(system_counts(run, tuple(range(1, max_k + 1)), subsets=("all",)), None))
 
 
+def mean_k_sweep(wh: Warehouse, run_ids: list[str], systems: list[str], max_k: int) -> pl.DataFrame:
+    """The K-sweep of a mean over repeated runs: each run's point values averaged, as its stored metrics are."""
+    sweeps = pl.concat([k_sweep(wh, run_id, systems, max_k) for run_id in run_ids])
+    return sweeps.group_by("system", "subset", "k", "metric").agg(pl.col("value").mean())
+
+
 def build_report(wh: Warehouse, run_id: str) -> list:
     metrics = wh.read("metrics", run_id=run_id)
     if metrics.is_empty():
@@ -377,11 +384,14 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     blocks += [Heading("System comparison"),
                Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",
                       comparison_figure(metrics, k))]
-    # A repeated-run aggregate has no rankings of its own to sweep.
-    max_sweep = min(SWEEP_MAX_K, k) if fixed and n_runs == 1 else 0
+    # A mean over repeated runs has no rankings of its own: its sweep is the mean of the sweeps of the runs its
+    # evaluation names.
+    swept = averaged or ([run_id] if n_runs == 1 else [])
+    max_sweep = min(SWEEP_MAX_K, k) if fixed and swept else 0
     if max_sweep:
-        blocks.append(Figure("k_sweep", f"K-sweep 1..{max_sweep} (point values).",
-                             sweep_figure(k_sweep(wh, run_id, systems, max_sweep))))
+        over = f"; means over the {len(averaged)} runs" if averaged else ""
+        blocks.append(Figure("k_sweep", f"K-sweep 1..{max_sweep} (point values{over}).",
+                             sweep_figure(mean_k_sweep(wh, swept, systems, max_sweep))))
     buckets = [b[0] for b in FREQUENCY_BUCKETS]
     blocks += [Heading("Recall by code frequency in the train split"),
                Paragraph("A target code's bucket is the number of train-split encounters coding it; each subset "

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from dxr.cli import main
 from dxr.errors import InputError
 from tasks.evaluate import evaluate_run
-from tasks.report import build_report, render_report, system_table, to_markdown
+from tasks.report import build_report, k_sweep, mean_k_sweep, render_report, system_table, to_markdown
 from test_metrics import A, B, C, COHORT, D, E, RANKINGS, T1, T2, T3, X, dx, write_cohort, write_rankings
 from warehouse.store import Warehouse
 
@@ -215,22 +215,14 @@ def test_a_render_killed_at_any_step_of_its_swap_leaves_one_whole_report(wh, tmp
 
 
 def test_a_report_rendered_over_another_keeps_none_of_its_files(wh, tmp_path):
-    # A mean over repeated runs draws no K-sweep: rendered into r1's report directory, it left r1's k_sweep.png
-    # there beside its own figures.
-    from datetime import datetime
-
-    from tasks.evaluate import evaluate_repeated
-    from warehouse.runs import record_run
-
+    # An evaluation at the natural list sizes alone draws no K-sweep (no fixed K to sweep up to): rendered over
+    # the report of an evaluation at K = 2, it left that report's k_sweep.png beside its own figures.
     out = tmp_path / "out"
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     render_report(wh, "r1", out)
     assert (out / "k_sweep.png").is_file()
-    write_rankings(wh, "r9", rankings={"s1": {T1: [B, C], T2: [D, A], T3: [E, X]}}, status={})
-    for run_id in ("r1", "r9"):
-        record_run(wh, run_id, COHORT, "forecast:s1", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
-    config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=0)["run_id"][0]
-    render_report(wh, config_id, out)
+    evaluate_run(wh, "r1", ks=(), natural=True, n_boot=0)
+    render_report(wh, "r1", out)
     assert sorted(p.name for p in out.iterdir()) == ["comparison.png", "frequency.png", "onset.png", "report.html",
                                                      "report.md"]
 
@@ -461,7 +453,16 @@ def test_report_of_repeated_runs_aggregate(wh, tmp_path):
     config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["s1"], ks=(2,), n_boot=50)["run_id"][0]
     text = render_report(wh, config_id, tmp_path / "agg").read_text()
     assert "Values are means of 2 repeated runs of one configuration." in text
-    assert text.count("data:image/png;base64,") == 3     # no K-sweep: an aggregate has no rankings of its own
+    # The mean has no rankings of its own; its K-sweep averages its runs' sweeps, so at K = 2 it meets the stored
+    # means (mean of run-level metrics) and at K = 1 the mean of the two runs' own values.
+    assert text.count("data:image/png;base64,") == 4 and "K-sweep 1..2 (point values; means over the 2 runs)." in text
+    sweep = mean_k_sweep(wh, ["r1", "r9"], ["s1"], 2)
+    stored = wh.read("metrics", run_id=config_id).filter((pl.col("subset") == "all") & (pl.col("k") == 2))
+    joined = stored.join(sweep, on=["system", "subset", "k", "metric"], suffix="_sweep")
+    assert joined.height == stored.height == 6 and (joined["value"] - joined["value_sweep"]).abs().max() < 1e-12
+    runs_at_1 = pl.concat([k_sweep(wh, run_id, ["s1"], 1) for run_id in ("r1", "r9")])
+    expected = runs_at_1.group_by("metric").agg(pl.col("value").mean()).sort("metric")
+    assert sweep.filter(pl.col("k") == 1).select("metric", "value").sort("metric").equals(expected)
 
 
 def test_prefect_task_wrappers_call_the_stage_functions(wh, tmp_path):
