@@ -177,6 +177,33 @@ def test_a_refresh_names_no_cohort_whose_name_now_finds_another_datasets_cohort(
     assert superseded_cohorts(wh_vocab, "hosp") == []
 
 
+def test_an_icd10_cohort_built_by_the_earlier_rule_is_named_for_its_rule_not_for_earlier_files(wh_vocab, tmp_path):
+    # Until 2026-12-06 `--harmonize icd10` built what icd10_closest builds now, under an id that named no rule. Such a
+    # cohort holds the dataset's current files: its notes must name the rule, and an ingest of the same files must not
+    # list it among the cohorts built from earlier ones.
+    from warehouse.cohorts import superseded_note
+
+    write_tiny_meds(tmp_path / "v1")
+    assert cli(wh_vocab.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    options = CohortOptions(harmonize="icd10")
+    current = build_cohort(wh_vocab, "hosp", "coded", options, seed=7)["cohort_id"]
+    dataset = get_dataset(wh_vocab, "hosp")
+    # The id such a build gave: the dataset, the seed and the options, no rule.
+    payload = json.dumps({"dataset_id": "hosp", "fingerprint": dataset["fingerprint"], "seed": 7, "target": "final",
+                          "harmonize": "icd10", "min_history": 1}, sort_keys=True)
+    earlier = "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
+    assert earlier != current
+    row = wh_vocab.read("cohorts", cohort_id=current).with_columns(cohort_id=pl.lit(earlier), name=pl.lit("coded_2025"))
+    wh_vocab.write("cohorts", row, cohort_id=earlier)
+
+    assert superseded_note(wh_vocab, row.row(0, named=True)) == (
+        f"cohort coded_2025 ({earlier}) was built from these files of dataset hosp by the icd10 rule of before "
+        "2026-12-06, one ICD-10 code per GEM choice list (now --harmonize icd10_closest), whereas icd10 now maps each "
+        "ICD-9 code to every target of its GEM rows")
+    code, out, _ = cli(wh_vocab.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")
+    assert code == 0 and "note: cohort" not in out
+
+
 # A prior that trains in seconds on the tiny dataset, set as an ETL host would configure it (the backfill trains with
 # the configured prior settings). promote = false: a backfill's first model of a cohort is put in service anyway.
 TINY_PRIOR = {"DXR_PRIOR__D_MODEL": "16", "DXR_PRIOR__N_LAYERS": "1", "DXR_PRIOR__N_HEADS": "2",

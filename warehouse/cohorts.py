@@ -74,10 +74,21 @@ def cohort_id_for(dataset: dict, options: CohortOptions, seed: int) -> str:
     """
     # Until 2026-12-06 `icd10` cohorts were built with the rule now named `icd10_closest`: the rule they are
     # built with now is part of their identity, so that such a cohort is never taken for one built by it.
-    rule = {"gem_rule": "every_target"} if options.harmonize == "icd10" else {}
+    return _hashed_id(dataset, options, seed, {"gem_rule": "every_target"} if options.harmonize == "icd10" else {})
+
+
+def _hashed_id(dataset: dict, options: CohortOptions, seed: int, rule: dict) -> str:
     payload = json.dumps({"dataset_id": dataset["dataset_id"], "fingerprint": dataset["fingerprint"],
                           "seed": seed, **asdict(options), **rule}, sort_keys=True)
     return "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
+
+
+def built_by_earlier_icd10_rule(dataset: dict, cohort: dict) -> bool:
+    """Whether a cohort (its `cohorts` row) is an `icd10` one built from these files of `dataset` before
+    2026-12-06, by the rule now named `icd10_closest`: its id is the one those builds gave, which names no rule."""
+    options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
+    seed = json.loads(cohort["options_json"]).get("seed")
+    return options.harmonize == "icd10" and _hashed_id(dataset, options, seed, {}) == cohort["cohort_id"]
 
 
 def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
@@ -472,7 +483,8 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
 
     A dataset registered again with other files (a nightly extract's refresh) gives the same options another
     cohort id; the earlier cohort keeps its tables, so the runs scored against it stay as they were, but it
-    holds the earlier files' patients and encounters.
+    holds the earlier files' patients and encounters. An `icd10` cohort built before the rule changed
+    (`built_by_earlier_icd10_rule`) is told apart: its files are the current ones, its rule is not.
     """
     seed = json.loads(cohort["options_json"]).get("seed")
     if seed is None or not wh.has_rows("datasets", dataset_id=cohort["dataset_id"]):
@@ -481,6 +493,11 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
     if cohort_id_for(dataset, options, seed) == cohort["cohort_id"]:
         return None
+    if built_by_earlier_icd10_rule(dataset, cohort):
+        return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from these files of dataset "
+                f"{cohort['dataset_id']} by the icd10 rule of before 2026-12-06, one ICD-10 code per GEM choice list "
+                "(now --harmonize icd10_closest), whereas icd10 now maps each ICD-9 code to every target of its GEM "
+                "rows")
     return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
             f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with "
             f"other files (fingerprint {dataset['fingerprint']})")
@@ -511,8 +528,9 @@ def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:
     ones a refresh of the dataset leaves to be built again."""
     # Newest among every dataset's cohorts: a name another dataset's cohort took since no longer finds this one.
     newest = wh.read("cohorts").sort("created_at", descending=True).unique("name", keep="first", maintain_order=True)
+    dataset = get_dataset(wh, dataset_id)
     return [row for row in newest.filter(pl.col("dataset_id") == dataset_id).iter_rows(named=True)
-            if superseded_note(wh, row)]
+            if superseded_note(wh, row) and not built_by_earlier_icd10_rule(dataset, row)]
 
 
 def cohort_list(wh: Warehouse) -> str:
