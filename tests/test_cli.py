@@ -342,6 +342,24 @@ def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     assert "reads outside the warehouse" in one_line_error(run("sql", outside, "--with-gold", data_dir=tmp_path))
 
 
+
+def test_sql_errors_keep_duckdbs_hint_on_their_one_line(tmp_path):
+    """The line kept only DuckDB's first line: a misspelt column (`config` for `runs.config_json`) lost the
+    candidates DuckDB names, and a column missing from GROUP BY its fix. The echoed query and caret stay out."""
+    (tmp_path / "forecast").mkdir()  # an empty warehouse
+    assert one_line_error(run("sql", "SELECT run_id, config FROM runs", data_dir=tmp_path)).startswith(
+        'Error: SQL error: Binder Error: Referenced column "config" not found in FROM clause! '
+        'Candidate bindings: "config_json"')
+    line = one_line_error(run("sql", "SELECT kind, count(*) FROM runs", data_dir=tmp_path))
+    assert line.startswith('Error: SQL error: Binder Error: column "kind" must appear in the GROUP BY clause')
+    assert line.endswith('Either add it to the GROUP BY list, or use ANY_VALUE("kind") if the exact value of "kind" '
+                         'is not important.')
+    assert one_line_error(run("sql", "SELEC 1", data_dir=tmp_path)) == (
+        "Error: dxr sql runs read-only queries; 'selec' is not allowed: start with SELECT, WITH, FROM, DESCRIBE, "
+        "SHOW, SUMMARIZE, PIVOT, UNPIVOT, EXPLAIN, VALUES or TABLE")
+    assert one_line_error(run("sql", "SELECT 1 +", data_dir=tmp_path)) == (
+        'Error: SQL error: Parser Error: syntax error at or near "+"')
+
 def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     config = tmp_path / "dxr.toml"
     config.write_text('seed = 11\n[synth]\npatients = 300\n')

@@ -744,7 +744,7 @@ def test_sql_doctests():
     import warehouse.sql
 
     result = doctest.testmod(warehouse.sql)
-    assert result.failed == 0 and result.attempted == 9, result
+    assert result.failed == 0 and result.attempted == 10, result
 
 
 def test_recorded_times_are_utc_whatever_the_hosts_zone(wh, host_in_kolkata):

@@ -118,7 +118,18 @@ def _fetch(cursor: duckdb.DuckDBPyConnection, n: int | None) -> list[tuple]:
     try:
         return cursor.fetchall() if n is None else cursor.fetchmany(n)
     except duckdb.Error as exc:
-        raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+        raise InputError(f"SQL error: {_one_line(exc.args[0])}") from exc
+
+
+def _one_line(message: str) -> str:
+    """DuckDB's error message as one line: its first paragraph, whose later lines hold its hint (the columns that
+    a misspelt one may mean, the fix for a column missing from GROUP BY), without the echoed query and caret.
+
+    >>> _one_line('Binder Error: Referenced column "config" not found in FROM clause!\\nCandidate bindings: '
+    ...           '"config_json"\\n\\nLINE 1: SELECT config FROM runs\\n               ^^^^^^')
+    'Binder Error: Referenced column "config" not found in FROM clause! Candidate bindings: "config_json"'
+    """
+    return " ".join(line.strip() for line in message.strip().split("\n\n")[0].splitlines())
 
 
 def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None,
@@ -165,7 +176,7 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None,
             # returns or raises.
             if attempt == 1 and isinstance(exc, duckdb.IOException) and "No files found" in exc.args[0]:
                 continue
-            raise InputError(f"SQL error: {exc.args[0].splitlines()[0]}") from exc
+            raise InputError(f"SQL error: {_one_line(exc.args[0])}") from exc
 
 
 def _catalog_error(message: str, with_gold: bool) -> str:
