@@ -199,22 +199,49 @@ def test_demo_cohort_build_says_which_diagnosis_codes_no_forecast_can_reach(demo
     assert "14 trajectories (train 12, tuning 2, held_out 0)" in native.output
     assert "note: no trajectory is in held_out, the split dxr forecast takes by default: forecast --split all" \
         in native.output
+    # The note named no code: which ones, and how often the data uses them, took a query of the gold store.
     assert native.output.splitlines()[-1] == (
         "note: 20 diagnosis codes of the data are not in Ω (dataset_dictionary): no forecast can name them, so "
-        "where they are targets every system misses them")
+        "where they are targets every system misses them; most frequent first: DIAGNOSIS//ICD//9//0414 (8 events), "
+        "DIAGNOSIS//ICD//9//2765 (5 events), DIAGNOSIS//ICD//9//5185 (5 events), DIAGNOSIS//ICD//9//2554 "
+        "(3 events), DIAGNOSIS//ICD//9//2766 (2 events), and 15 more")
+    assert "in no ICD-9-CM or ICD-10-CM table" not in native.output  # they are older ICD-9-CM codes, no typos
     icd10 = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "icd10",
                 "--harmonize", "icd10")
     assert "note: 37 diagnosis codes of the data have no icd10 rendering (not in the GEM, or NoDx only): their " \
-           "events are dropped from histories and targets" in icd10.output
+           "events are dropped from histories and targets; most frequent first: " in icd10.output
     closest = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "mimic3demo", "--name", "closest",
                   "--harmonize", "icd10_closest")
     assert "note: 20 diagnosis codes of the data have no icd10_closest rendering (GEM NoDx only, no common ICD-10 " \
-           "ancestor): their events are dropped from histories and targets" in closest.output
+           "ancestor): their events are dropped from histories and targets; most frequent first: " \
+           "DIAGNOSIS//ICD//9//70722 (5 events), " in closest.output
     recorded = {r["name"]: json.loads(r["options_json"]) for r in wh_vocab.read("cohorts").iter_rows(named=True)}
     assert recorded["native"]["diagnosis_codes_outside_vocabulary"] == 20
     assert recorded["native"]["unmapped_diagnosis_codes"] == 0
     assert recorded["icd10"]["unmapped_diagnosis_codes"] == 37
     assert recorded["closest"]["unmapped_diagnosis_codes"] == 20
+
+
+def test_cohort_build_names_a_diagnosis_code_that_no_icd_table_has(tmp_path, wh_vocab):
+    """A mistyped code (N1799 for N179) has a code's shape, so the import takes it; the build counted it among the
+    codes Ω lacks without naming it or saying that it is no ICD code at all."""
+    import gzip
+    import shutil
+
+    hosp = shutil.copytree(FIXTURE, tmp_path / "typo") / "hosp"
+    with gzip.open(hosp / "diagnoses_icd.csv.gz", "rt") as f:
+        rows = f.read()
+    with gzip.open(hosp / "diagnoses_icd.csv.gz", "wt") as f:
+        f.write(rows.replace(",N179,", ",N1799,"))
+    assert run("--data-dir", wh_vocab.root, "ingest", "mimic4", hosp.parent, "--name", "typo").exit_code == 0
+    built = run("--data-dir", wh_vocab.root, "cohort", "build", "--dataset", "typo", "--name", "typo")
+    assert built.exit_code == 0, built.output
+    assert built.output.splitlines()[-2:] == [
+        "note: 1 diagnosis codes of the data are not in Ω (dataset_dictionary): no forecast can name them, so where "
+        "they are targets every system misses them; most frequent first: DIAGNOSIS//ICD//10//N1799 (1 event)",
+        "note: 1 diagnosis code(s) of the data are in no ICD-9-CM or ICD-10-CM table: DIAGNOSIS//ICD//10//N1799 "
+        "(1 event); correct them in the export (a typo?), or list a local code with its title in the dataset's "
+        "dictionary (d_icd_diagnoses, codes.parquet) to forecast it"]
 
 
 # ---- MIMIC-IV fixture: every rule on a hand-written hosp directory -------------------------------

@@ -232,7 +232,10 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
                   seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
     """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
     under which other name (`previous_name`) this id was registered, if any: the id leaves the name out, so the
-    same build under a new name renames the cohort, and the old name no longer finds it."""
+    same build under a new name renames the cohort, and the old name no longer finds it. It also names, as
+    (code, events) most frequent first, the diagnosis codes of the data that Ω lacks (`outside_vocabulary`), those
+    that harmonization drops (`unmapped`), and those of either that no official ICD table has (`unknown_to_icd`:
+    a typo or a local code of the export)."""
     dataset_id = dataset["dataset_id"]
     previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
     # disable=None: bars only on a terminal, never in logs or captured output.
@@ -322,7 +325,11 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
         # A dictionary may lack codes its own data uses (MIMIC-III's d_icd_diagnoses lacks 20 older codes of the
         # demo, such as 789.5 ascites): V(.) drops them from every forecast, so their targets are out of reach.
-        outside = len(set(dx_map["code"].to_list()) - set(omega["code"].to_list()))
+        outside_codes = set(dx_map["code"].to_list()) - set(omega["code"].to_list())
+        outside = len(outside_codes)
+        # Named by the build, most frequent first (never written: a code may occur only in held-out targets).
+        outside_by_events = _by_events(con, "events", outside_codes)
+        unmapped_by_events = _by_events(con, "raw", set(dx_codes) - set(dx_map["source_code"].to_list()))
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
         steps.update()
 
@@ -370,7 +377,22 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         "dataset_fingerprint": dataset["fingerprint"],
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
-    return {**row, "previous_name": next((n for n in previous if n != name), None)}
+    known = set(icd_codes["code"].to_list())
+    return {**row, "previous_name": next((n for n in previous if n != name), None),
+            "outside_vocabulary": outside_by_events, "unmapped": unmapped_by_events,
+            "unknown_to_icd": [(code, n) for code, n in outside_by_events + unmapped_by_events if code not in known]}
+
+
+def _by_events(con: duckdb.DuckDBPyConnection, table: str, codes: set[str]) -> list[tuple[str, int]]:
+    """`codes` with their number of events in `table`, most frequent first (ties by code)."""
+    if not codes:
+        return []
+    con.register("counted_codes", pl.DataFrame({"code": sorted(codes)}).to_arrow())
+    try:
+        return con.execute(f"SELECT code, count(*) AS n FROM {table} JOIN counted_codes USING (code) "
+                           "GROUP BY code ORDER BY n DESC, code").fetchall()
+    finally:
+        con.unregister("counted_codes")
 
 
 @contextmanager

@@ -225,14 +225,26 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
         why = {"icd10": "not in the GEM, or NoDx only", "icd10_closest": "GEM NoDx only, no common ICD-10 ancestor"}
         click.echo(f"note: {built['unmapped_diagnosis_codes']:,} diagnosis codes of the data have no "
                    f"{options.harmonize} rendering ({why[options.harmonize]}): their events are "
-                   "dropped from histories and targets")
+                   f"dropped from histories and targets; most frequent first: {code_counts(row['unmapped'])}")
     if built["subjects_without_split"]:
         click.echo(f"note: {built['subjects_without_split']:,} patient(s) of the data have no split in "
                    "metadata/subject_splits.parquet: they are left out of the cohort (neither trained on nor forecast)")
     if built["diagnosis_codes_outside_vocabulary"]:
         click.echo(f"note: {built['diagnosis_codes_outside_vocabulary']:,} diagnosis codes of the data are not in Ω "
                    f"({row['vocabulary_source']}): no forecast can name them, so where they are targets every "
-                   "system misses them")
+                   f"system misses them; most frequent first: {code_counts(row['outside_vocabulary'])}")
+    if row["unknown_to_icd"]:
+        # A mistyped code passes the import (it has a code's shape) and would otherwise be one more of those above.
+        click.echo(f"note: {len(row['unknown_to_icd']):,} diagnosis code(s) of the data are in no ICD-9-CM or "
+                   f"ICD-10-CM table: {code_counts(row['unknown_to_icd'])}; correct them in the export (a typo?), "
+                   "or list a local code with its title in the dataset's dictionary (d_icd_diagnoses, codes.parquet) "
+                   "to forecast it")
+
+
+def code_counts(counted: list[tuple[str, int]], shown: int = 5) -> str:
+    """The first `shown` of (code, events) pairs with their events, and how many more there are."""
+    listed = ", ".join(f"{code} ({n:,} event{'' if n == 1 else 's'})" for code, n in counted[:shown])
+    return listed + (f", and {len(counted) - shown:,} more" if len(counted) > shown else "")
 
 
 @cohort.command("list")
