@@ -140,6 +140,33 @@ def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, 
             assert row["vocabulary_source"] == "dataset_dictionary" and omega == set(used + extra)
 
 
+
+def test_cohort_build_says_when_it_set_a_code_list_aside_as_no_dictionary(wh_vocab, tmp_path):
+    # A MIMIC extract whose d_icd_diagnoses keeps only the codes its rows use built Ω from the official billable
+    # codes, saying only "(official_billable_icd10)": nothing told that its dictionary was set aside, nor why.
+    from click.testing import CliRunner
+    from meds import code_metadata_filepath
+
+    from dxr.cli import main
+
+    def build(dataset: str) -> list[str]:
+        result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "cohort", "build", "--dataset", dataset,
+                                           "--name", dataset], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output.splitlines()
+
+    root = write_tiny_meds(tmp_path / "derived")
+    used = sorted(set(tiny_events().filter(pl.col("code").str.starts_with("DIAGNOSIS//"))["code"]))
+    pl.DataFrame({"code": used, "description": "a title"}).write_parquet(root / code_metadata_filepath)
+    ingest_meds(wh_vocab, root, "derived")
+    assert build("derived")[1] == (
+        f"note: the dataset's metadata/codes.parquet (d_icd_diagnoses, for a MIMIC import) lists {len(used)} "
+        "diagnosis codes, each used by the data: taken for a list made from the data, which would put codes found "
+        "only in held-out targets into Ω, not for a dictionary, so Ω is official_billable_icd10; to have Ω from "
+        "your dictionary, ship it whole")
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "undescribed"), "undescribed")  # no diagnosis listed: no note
+    assert not any("metadata/codes.parquet" in line for line in build("undescribed"))
+
 def test_a_dictionary_with_codes_written_unlike_the_data_is_refused(wh_vocab, tmp_path):
     # A hand-made dictionary writing its codes with dots became Ω as it was: no event, target or model output
     # matched it, so every forecast came out empty without an error. Its codes are held to the data's rules.

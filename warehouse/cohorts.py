@@ -232,10 +232,11 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
                   seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
     """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
     under which other name (`previous_name`) this id was registered, if any: the id leaves the name out, so the
-    same build under a new name renames the cohort, and the old name no longer finds it. It also names, as
-    (code, events) most frequent first, the diagnosis codes of the data that Ω lacks (`outside_vocabulary`), those
-    that harmonization drops (`unmapped`), and those of either that no official ICD table has (`unknown_to_icd`:
-    a typo or a local code of the export)."""
+    same build under a new name renames the cohort, and the old name no longer finds it. It says how many
+    diagnosis codes a `codes.parquet` that lists only codes of the data held (`dictionary_set_aside`: Ω did not
+    take it), and names, as (code, events) most frequent first, the diagnosis codes of the data that Ω lacks
+    (`outside_vocabulary`), those that harmonization drops (`unmapped`), and those of either that no official ICD
+    table has (`unknown_to_icd`: a typo or a local code of the export)."""
     dataset_id = dataset["dataset_id"]
     previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
     # disable=None: bars only on a terminal, never in logs or captured output.
@@ -322,7 +323,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.register("traj", trajectories.to_arrow())
         steps.update()
 
-        omega, omega_source = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
+        omega, omega_source, set_aside = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
         # A dictionary may lack codes its own data uses (MIMIC-III's d_icd_diagnoses lacks 20 older codes of the
         # demo, such as 789.5 ascites): V(.) drops them from every forecast, so their targets are out of reach.
         outside_codes = set(dx_map["code"].to_list()) - set(omega["code"].to_list())
@@ -379,7 +380,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
     known = set(icd_codes["code"].to_list())
     return {**row, "previous_name": next((n for n in previous if n != name), None),
-            "outside_vocabulary": outside_by_events, "unmapped": unmapped_by_events,
+            "outside_vocabulary": outside_by_events, "unmapped": unmapped_by_events, "dictionary_set_aside": set_aside,
             "unknown_to_icd": [(code, n) for code, n in outside_by_events + unmapped_by_events if code not in known]}
 
 
@@ -421,8 +422,9 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
 
 
 def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.DataFrame,
-                cohort_id: str, data_codes: set[str]) -> tuple[pl.DataFrame, str]:
-    """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized.
+                cohort_id: str, data_codes: set[str]) -> tuple[pl.DataFrame, str, int]:
+    """Ω from the dataset's shipped dictionary, else the official billable codes; then harmonized. Also the
+    number of diagnosis codes of a `codes.parquet` set aside as no dictionary (0 when none was).
 
     A `codes.parquet` whose diagnosis codes all occur in the data (`data_codes`) is taken for a list made
     from the data, as MEDS pipelines make it, not for a dictionary: it would hold codes found only in
@@ -438,15 +440,17 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
         shipped = (codes.select("code", "description").cast(pl.String)  # also dictionary-encoded or all-null
                    .filter(pl.col("code").str.starts_with("DIAGNOSIS//ICD//"))
                    .rename({"description": "title"}).unique("code", keep="first"))
+    set_aside = 0
     if shipped.height and not set(shipped["code"].to_list()) <= data_codes:
         omega, source = shipped, "dataset_dictionary"
     else:
+        set_aside = shipped.height
         versions = list(info.icd_versions)
         omega = (icd_codes.filter(pl.col("billable") & pl.col("icd_version").is_in(versions))
                  .select("code", "title"))
         source = "official_billable_icd" + "_".join(map(str, versions))
     harmonized = vocab.harmonized_vocabulary(omega, options.harmonize, gem, icd_codes.select("code", "title"))
-    return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source
+    return harmonized.with_columns(pl.lit(cohort_id).alias("cohort_id")).sort("code"), source, set_aside
 
 
 def _code_titles(info, cohort_id: str, used_codes: set[str], icd_titles: pl.DataFrame) -> pl.DataFrame:

@@ -208,6 +208,12 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories "
                f"({', '.join(f'{split} {n:,}' for split, n in splits.items())}), "
                f"|Ω| = {row['vocabulary_size']:,} ({row['vocabulary_source']})")
+    if row["dictionary_set_aside"]:
+        # Otherwise a trimmed d_icd_diagnoses (a hospital extract's, or a test's) passes for no dictionary at all.
+        click.echo(f"note: the dataset's metadata/codes.parquet (d_icd_diagnoses, for a MIMIC import) lists "
+                   f"{row['dictionary_set_aside']:,} diagnosis codes, each used by the data: taken for a list made "
+                   "from the data, which would put codes found only in held-out targets into Ω, not for a dictionary, "
+                   f"so Ω is {row['vocabulary_source']}; to have Ω from your dictionary, ship it whole")
     if row["n_trajectories"] and not splits[meds.held_out_split]:
         # Said here, not first by a refused `dxr forecast`: a small dataset (the MIMIC-III demo) has no such patient.
         click.echo(f"note: no trajectory is in {meds.held_out_split}, the split dxr forecast takes by default: "
