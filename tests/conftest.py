@@ -92,6 +92,7 @@ THIRD_PARTY_NOISE = {
     "Lightning's litlogger advert": r"litlogger",
     "Lightning's end of fit": r"`Trainer\.fit` stopped",
     "Lightning's progress bar": r"Epoch \d+/\d+ |it/s\b",
+    "Lightning's warning of a loader of length zero": r"Total length of `\w+` across ranks is zero",
     "torch's pytree deprecation inside Lightning": r"LeafSpec",
     "MLflow's pickle warning": r"Pickle or CloudPickle",
     "MLflow's artifact progress bar": r"Downloading artifacts|Uploading artifacts",
