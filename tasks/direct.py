@@ -4,9 +4,10 @@ Direct Forecast (forecasting spec §2): the LLM reads the rendered pre-target re
 trajectory and returns 20–30 codes with non-increasing confidence; V(.) keeps the codes of Ω.
 It sees no candidate list and no other system's output.
 
-Union + RRF (spec §5, control arm): for one run, the `ehr_prior` and `direct` lists already written
-under that run id are fused, s(c) = Σ 1/(k0 + rank), k0 = 60, ranks one-based, ties by code. A run
-finds them by its run id: forecast `ehr_prior` and `direct` with the same `--run-id` first.
+Union + RRF (spec §5, control arm): for one run, the prior's pi_F (its top 20, whatever K its rankings hold)
+and Direct's list D already written under that run id as their stages' `candidates` are fused,
+s(c) = Σ 1/(k0 + rank), k0 = 60, ranks one-based, ties by code. A run finds them by its run id: forecast
+`ehr_prior` and `direct` with the same `--run-id` first.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
 from models.registry import FUSED_INPUTS
-from tasks.forecast import write_shard_outputs
+from tasks.forecast import CANDIDATE_STAGES, write_shard_outputs
 from warehouse.cohorts import code_titles
 from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
@@ -220,7 +221,7 @@ def rrf_fuse(lists: Sequence[Sequence[str]], k0: int = RRF_K0) -> list[tuple[str
 
 def fuse_prior_direct(prior: pl.DataFrame, direct: pl.DataFrame, trajectories: pl.DataFrame, vocabulary: Vocabulary,
                       run_id: str, cohort_id: str, k: int) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Union + RRF rankings and status of each trajectory from its `ehr_prior` and `direct` rankings."""
+    """Union + RRF rankings and status of each trajectory from its `ehr_prior` (pi_F) and `direct` lists."""
     def lists(frame: pl.DataFrame) -> dict[str, list[str]]:
         return {t: group.sort("rank")["code"].to_list()
                 for (t,), group in frame.partition_by("trajectory_id", as_dict=True).items()}
@@ -264,8 +265,11 @@ def rrf_prior_direct_shard(wh: Warehouse, cohort_id: str, shard: int, trajectori
 
 
 def fused_input(wh: Warehouse, run_id: str, cohort_id: str, system: str, trajectories: pl.DataFrame) -> pl.DataFrame:
-    """The run's `system` rankings of these trajectories; an error unless that forecast addressed every one.
+    """The run's `system` stage list (`candidates`) of these trajectories; an error unless that forecast addressed
+    every one.
 
+    The stage list, not the rankings: the prior's rankings hold the run's K codes, its pi_F the 20 that the spec
+    fuses, so the fused list stays one list whatever K the prior was forecast with (its first K are scored).
     A trajectory the input forecast addressed has a `ranking_status` row, written after its list, so a
     list that is absent there failed rather than went missing (a killed forecast, another split or
     limit). Read by trajectory, not by shard number: a cohort rebuilt with another shard size keeps
@@ -280,4 +284,15 @@ def fused_input(wh: Warehouse, run_id: str, cohort_id: str, system: str, traject
         raise NotFoundError(
             f"run {run_id!r} has no {system} rankings{coverage}; Union + RRF fuses lists of the same run: first run "
             f"dxr forecast --cohort {cohort_id} --system {system} --run-id {run_id} with the same split and limit")
-    return wh.read("rankings", run_id=run_id, system=system).join(wanted, on="trajectory_id", how="semi")
+    listed = wh.read("candidates", run_id=run_id, stage=CANDIDATE_STAGES[system]).join(wanted, on="trajectory_id",
+                                                                                       how="semi")
+    # A forecast made before stage candidates were written has rankings only: fusing it would drop its lists.
+    ranked = wh.read("rankings", run_id=run_id, system=system).filter(pl.col("native"))
+    unlisted = ranked.join(wanted, on="trajectory_id", how="semi").join(listed, on="trajectory_id",
+                                                                        how="anti")["trajectory_id"]
+    if unlisted.len():
+        raise NotFoundError(
+            f"run {run_id!r} has {system} rankings but no {CANDIDATE_STAGES[system]} candidates for "
+            f"{unlisted.n_unique()} trajectories (e.g. {unlisted[0]}), made before stage candidates were written: "
+            f"forecast it again with dxr forecast --cohort {cohort_id} --system {system} --run-id {run_id}")
+    return listed

@@ -15,7 +15,8 @@ from models.llm.config import LLMConfig
 from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, prompt_fields, rrf_fuse,
                           rrf_prior_direct_shard)
-from tasks.forecast import LLM_RUN_KEYS, shard_inputs
+from tasks.forecast import (CANDIDATE_GENERATION_SIZE, CANDIDATE_STAGES, LLM_RUN_KEYS, shard_inputs, shard_status,
+                            stage_candidates, write_shard_outputs)
 from tests.conftest import FUROSEMIDE, cohort_inputs, write_described_meds
 from tests.sentinel import assert_no_leak, forecast_store_texts
 from warehouse.cohorts import CohortOptions, build_cohort, code_titles
@@ -202,7 +203,7 @@ def test_a_cohort_harmonized_to_categories_is_asked_for_categories():
 
 def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     wh, cohort_id, _ = planted_cohort
-    trajectories, _ = cohort_inputs(wh, cohort_id)
+    trajectories, pretarget = cohort_inputs(wh, cohort_id)
     first = trajectories["trajectory_id"][0]
     dx = "DIAGNOSIS//ICD//10//"
 
@@ -220,8 +221,10 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     with pytest.raises(NotFoundError, match="run 'run-r' has no ehr_prior rankings; Union"):
         rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-r")
     # Written to another shard number, as after a rebuild of the cohort with another shard size.
-    wh.write("rankings", ranking("ehr_prior", ["I10", "E119", "N179"]), run_id="run-r", system="ehr_prior", shard=7)
-    wh.write("rankings", ranking("direct", ["N179", "I10", "J189"]), run_id="run-r", system="direct", shard=0)
+    for system, codes, shard in (("ehr_prior", ["I10", "E119", "N179"], 7), ("direct", ["N179", "I10", "J189"], 0)):
+        wh.write("rankings", ranking(system, codes), run_id="run-r", system=system, shard=shard)
+        wh.write("candidates", stage_candidates(ranking(system, codes), pretarget, CANDIDATE_STAGES[system]),
+                 run_id="run-r", stage=CANDIDATE_STAGES[system], shard=shard)
     wh.write("ranking_status", statuses("direct", trajectories["trajectory_id"]), run_id="run-r", system="direct",
              shard=0)
     # A forecast that never reached some of the trajectories (killed, or run on a smaller limit) is no input,
@@ -243,6 +246,40 @@ def test_union_rrf_of_prior_and_direct_lists(planted_cohort):
     assert status.filter(pl.col("trajectory_id") == first)["detail"].to_list() == ["4 of 20 codes"]
     others = status.filter(pl.col("trajectory_id") != first)
     assert others["detail"].to_list() == ["0 of 20 codes; no ehr_prior list; no direct list"] * 2
+
+
+def test_union_rrf_fuses_the_priors_pi_f_whatever_k_its_forecast_had(planted_cohort):
+    # Spec §2 and §5: the prior's list is pi_F, its top 20, and §1 scores the first K of one list: a prior forecast
+    # with --k 10 has 10 rankings, but the fusion takes its 20 candidates, as it does after --k 20.
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = cohort_inputs(wh, cohort_id)
+    omega = wh.read("cohort_vocabulary", cohort_id=cohort_id).sort("code")["code"].to_list()
+    prior_codes, direct_codes = omega[:25], [omega[30], omega[0], omega[18]]
+
+    def forecast(system, run_id, codes, k):
+        listed = pl.concat([pl.DataFrame({"trajectory_id": t, "rank": range(1, len(codes) + 1), "code": codes,
+                                          "score": [float(-r) for r in range(len(codes))], "native": True},
+                                         schema_overrides={"rank": pl.Int32})
+                            for t in trajectories["trajectory_id"]]).with_columns(
+            run_id=pl.lit(run_id), cohort_id=pl.lit(cohort_id), system=pl.lit(system))
+        ranked = listed.filter(pl.col("rank") <= k)
+        write_shard_outputs(wh, system, 0, run_id, ranked, shard_status(ranked, trajectories, k, run_id, system),
+                            pretarget, listed.filter(pl.col("rank") <= CANDIDATE_GENERATION_SIZE))
+
+    fused = {}
+    for k in (10, 20):
+        forecast("ehr_prior", f"run-k{k}", prior_codes, k)
+        forecast("direct", f"run-k{k}", direct_codes, k)
+        rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, k, f"run-k{k}")
+        fused[k] = (wh.read("rankings", run_id=f"run-k{k}", system="rrf_prior_direct")
+                    .filter(pl.col("trajectory_id") == trajectories["trajectory_id"][0]).sort("rank")["code"].to_list())
+    expected = [code for code, _ in rrf_fuse([prior_codes[:20], direct_codes])]
+    assert fused[10] == fused[20] == expected and len(expected) == 21
+    # A prior forecast made before stage candidates were written is refused, not fused as an empty list.
+    wh.delete("candidates", run_id="run-k20", stage="candidate_generation")
+    with pytest.raises(NotFoundError, match="run 'run-k20' has ehr_prior rankings but no candidate_generation "
+                                            "candidates for 3 trajectories"):
+        rrf_prior_direct_shard(wh, cohort_id, 0, trajectories, 20, "run-k20")
 
 
 def test_fusion_keeps_only_vocabulary_codes(planted_cohort):
