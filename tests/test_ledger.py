@@ -412,6 +412,26 @@ def test_merge_across_channels_dedupes_by_document_then_url_and_title():
     assert ledger.rows[0].provenance is None  # the ledger itself is never rewritten
 
 
+def test_merge_dedupes_web_hits_by_the_doi_or_pmcid_their_urls_name():
+    # Spec 4.4: merge by PMCID, arXiv id or DOI first. A paper no local corpus holds keeps a web: id per URL, and one
+    # DOI comes under several URLs (doi.org, the publisher's /doi/full/); a mirror names the PMCID of a local one.
+    from tools.ledger import merge_evidence
+
+    ledger = Ledger("r1", 0)
+    job = ledger.job(trajectory_id="t1", query="ckd dialysis", **JOB)
+    text = "Chronic kidney disease leads to dialysis."
+    ledger.record(job, engine="searxng", state="readable", doc_id="web:a", url="https://doi.org/10.1000/XYZ.1",
+                  title="CKD outcomes", excerpt=text)
+    ledger.record(job, engine="searxng", state="readable", doc_id="web:b", excerpt=text, provenance="searxng hit 2",
+                  url="https://www.nejm.org/doi/full/10.1000/xyz.1", title="CKD outcomes | NEJM")
+    ledger.record(job, engine="pmc", state="readable", doc_id="pmc:PMC7", excerpt=text, title="Dialysis in CKD",
+                  url="https://pmc.ncbi.nlm.nih.gov/articles/PMC7/")
+    ledger.record(job, engine="searxng", state="readable", doc_id="web:c", excerpt=text, provenance="searxng hit 4",
+                  url="https://europepmc.org/articles/PMC7", title="Dialysis in CKD - Europe PMC")
+    assert [(r.evidence_id, r.provenance) for r in merge_evidence(ledger.rows)] == [
+        ("E1", "searxng hit 2"), ("E3", "searxng hit 4")]
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"code": None}, r"search job code must be a non-empty string, got None"),
     ({"trajectory_id": " "}, r"search job trajectory_id must be a non-empty string, got ' '"),

@@ -255,10 +255,12 @@ class Ledger:
 
 
 def merge_evidence(rows: list[LedgerRow]) -> list[LedgerRow]:
-    """Readable rows of both channels without duplicates: by stable document id (PMC / arXiv / DOI
-    ids are canonical doc ids, web hits on them were canonicalized), then by normalized URL + title.
-    The first row is kept; the provenance of a dropped duplicate is appended to it."""
-    from tools.corpus.documents import normalize_title, normalize_url
+    """Readable rows of both channels without duplicates: by PMCID, arXiv id, DOI or PMID (a local document's
+    stable doc id, or the identifiers its URL names: a web hit on a paper that no local corpus holds keeps a `web:`
+    id, and the same DOI comes under several URLs), then by normalized URL + title. The first row is kept; the
+    provenance of a dropped duplicate is appended to it."""
+    from tools.corpus.documents import normalize_title, normalize_url, stable_doc_id
+    from tools.web.channel import identifiers_in_url
 
     kept: list[LedgerRow] = []
     index: dict[str, int] = {}
@@ -267,6 +269,8 @@ def merge_evidence(rows: list[LedgerRow]) -> list[LedgerRow]:
             continue
         keys = [f"doc:{row.doc_id}"] if row.doc_id else []
         if row.url:
+            keys += [f"doc:{stable_doc_id('web', **{name: value})}"
+                     for name, value in identifiers_in_url(row.url).items()]
             keys.append(f"url:{normalize_url(row.url)}|{normalize_title(row.title or '')}")
         found = next((index[k] for k in keys if k in index), None)
         if found is None:
