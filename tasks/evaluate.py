@@ -799,22 +799,32 @@ def in_sample_note(wh: Warehouse, run_id: str) -> str | None:
     `--split all` (a small dataset may have no held_out trajectory at all) scores the patients whose full records
     the learned systems and the frequency padding were fit on, targets included. None when no trajectory is of a
     train patient, and for a mean over repeated runs, which has no trajectories of its own: ask about one of the
-    runs it averages.
+    runs it averages. The way out it names is a held_out run, unless the cohort has no held_out trajectory.
     """
     con = wh.connect(run_id=run_id, tables=("ranking_status", "trajectories"))
     try:
-        found = dict(con.execute("SELECT t.split, count(*) FROM (SELECT DISTINCT trajectory_id FROM ranking_status) r "
+        scored = "SELECT DISTINCT trajectory_id FROM ranking_status"
+        found = dict(con.execute(f"SELECT t.split, count(*) FROM ({scored}) r "
                                  "JOIN trajectories t USING (trajectory_id) GROUP BY t.split").fetchall())
+        cohort_held_out = con.execute(
+            f"SELECT count(*) FROM trajectories WHERE split = ? AND cohort_id IN (SELECT t.cohort_id FROM ({scored}) r "
+            "JOIN trajectories t USING (trajectory_id))", [meds.held_out_split]).fetchone()[0]
     finally:
         con.close()
     in_train = found.get(meds.train_split, 0)
     if not in_train:
         return None
     counts = ", ".join(f"{split} {found[split]:,}" for split in SPLITS if split in found)
+    # A small extract (the MIMIC-III demo) has no held_out trajectory: suggesting a held_out run would send the
+    # user to a command that finds nothing to forecast.
+    way_out = (f"only {meds.held_out_split} trajectories (forecast --split held_out) score patients no system "
+               "learned from" if cohort_held_out else
+               f"the cohort has no {meds.held_out_split} trajectory, so no run of it scores patients no system learned "
+               "from: a larger extract, or another split of its patients (the MIMIC importers' --seed), can give it "
+               f"{meds.held_out_split} patients")
     return (f"{in_train:,} of the {sum(found.values()):,} trajectories are of train-split patients ({counts}): "
             "the learned systems, and the train-split frequency list that pads other lists, were fit on their "
-            f"records, targets included, so scores on them are in-sample; only {meds.held_out_split} trajectories "
-            "(forecast --split held_out) score patients no system learned from")
+            f"records, targets included, so scores on them are in-sample; {way_out}")
 
 
 def incomplete_note(wh: Warehouse, run_id: str) -> str | None:

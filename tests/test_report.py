@@ -373,6 +373,24 @@ def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_repor
     assert f"\n\nIn-sample: {note}.\n\n## Run registry" in markdown
 
 
+def test_the_in_sample_note_of_a_cohort_without_held_out_trajectories_suggests_no_held_out_run(wh):
+    # The MIMIC-III demo's cohort has 12 train and 2 tuning trajectories and none in held_out: the note told the
+    # user to forecast `--split held_out`, which finds nothing to forecast there.
+    wh.write("trajectories", wh.read("trajectories", cohort_id=COHORT).with_columns(
+        split=pl.when(pl.col("trajectory_id") == T3).then(pl.lit("tuning")).otherwise(pl.lit("train"))),
+        cohort_id=COHORT)
+    note = ("2 of the 3 trajectories are of train-split patients (train 2, tuning 1): the learned systems, and the "
+            "train-split frequency list that pads other lists, were fit on their records, targets included, so "
+            "scores on them are in-sample; the cohort has no held_out trajectory, so no run of it scores patients "
+            "no system learned from: a larger extract, or another split of its patients (the MIMIC importers' "
+            "--seed), can give it held_out patients")
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--k", "2",
+                                       "--bootstrap", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[-1] == f"note: run r1: {note}"
+    assert f"\n\nIn-sample: {note}.\n\n## Run registry" in to_markdown(build_report(wh, "r1"))
+
+
 def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
     # A mean over repeated runs has no trajectories of its own: its report said nothing of the train patients
     # whose targets the runs it averages were scored on.
