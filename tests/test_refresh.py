@@ -204,6 +204,49 @@ def test_an_icd10_cohort_built_by_the_earlier_rule_is_named_for_its_rule_not_for
     assert code == 0 and "note: cohort" not in out
 
 
+def test_an_icd10_cohort_records_its_gem_rule_under_the_same_id_and_cohort_list_names_the_earlier_rule(
+        wh_vocab, tmp_path):
+    # options_json did not say which GEM rule an icd10 cohort was built by, and `dxr cohort list` showed a cohort
+    # built before 2026-12-06 (by the rule now named icd10_closest) as one of today's icd10 cohorts.
+    write_tiny_meds(tmp_path / "v1")
+    assert cli(wh_vocab.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    native = build_cohort(wh_vocab, "hosp", "plain", CohortOptions(), seed=7)
+    current = build_cohort(wh_vocab, "hosp", "coded", CohortOptions(harmonize="icd10"), seed=7)
+    identity = {"dataset_id": "hosp", "fingerprint": get_dataset(wh_vocab, "hosp")["fingerprint"], "seed": 7,
+                "target": "final", "harmonize": "icd10", "min_history": 1}
+
+    def hashed(payload: dict) -> str:
+        return "c" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:11]
+
+    # Recording the rule left the ids as they were.
+    assert current["cohort_id"] == hashed({**identity, "gem_rule": "every_target"})
+    assert native["cohort_id"] == hashed({**identity, "harmonize": "native"})
+    assert json.loads(current["options_json"])["gem_rule"] == "every_target"
+    assert "gem_rule" not in json.loads(native["options_json"])
+
+    # Two icd10 cohorts as builds before 2026-12-06 wrote them, no rule in their ids or options_json: one of these
+    # files, and an older one from before the files were recorded in the row.
+    written = {key: value for key, value in json.loads(current["options_json"]).items() if key != "gem_rule"}
+    row = wh_vocab.read("cohorts", cohort_id=current["cohort_id"]).with_columns(
+        options_json=pl.lit(json.dumps(written, sort_keys=True)))
+    for days, name, cohort_id, fingerprint in ((9, "coded_2024", hashed({**identity, "fingerprint": "f0"}), None),
+                                               (5, "coded_2025", hashed(identity), identity["fingerprint"])):
+        wh_vocab.write("cohorts", row.with_columns(
+            cohort_id=pl.lit(cohort_id), name=pl.lit(name), created_at=pl.col("created_at") - pl.duration(days=days),
+            dataset_fingerprint=pl.lit(fingerprint, dtype=pl.String)), cohort_id=cohort_id)
+
+    code, out, _ = cli(wh_vocab.root, "cohort", "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["cohort_id", "name", "dataset_id", "target_rule", "harmonization", "min_history",
+                                "n_trajectories", "vocabulary_size", "gem_rule"]
+    listed = [line.split(None, 8) for line in lines[2:-1]]  # the gem_rule cell holds spaces
+    assert [(cells[1], cells[4], cells[8:]) for cells in listed] == [
+        ("coded_2024", "icd10", ["icd10_closest (earlier icd10)"]),
+        ("coded_2025", "icd10", ["icd10_closest (earlier icd10)"]),
+        ("plain", "native", []), ("coded", "icd10", ["every_target"])]
+
+
 # A prior that trains in seconds on the tiny dataset, set as an ETL host would configure it (the backfill trains with
 # the configured prior settings). promote = false: a backfill's first model of a cohort is put in service anyway.
 TINY_PRIOR = {"DXR_PRIOR__D_MODEL": "16", "DXR_PRIOR__N_LAYERS": "1", "DXR_PRIOR__N_HEADS": "2",

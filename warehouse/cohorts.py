@@ -48,6 +48,9 @@ from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
 
+ICD10_GEM_RULE = "every_target"  # how `icd10` maps an ICD-9 code since 2026-12-06: to every target of its GEM rows
+# How `dxr cohort list` names the rule of an `icd10` cohort built before 2026-12-06.
+EARLIER_ICD10_RULE = "icd10_closest (earlier icd10)"
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 
 
@@ -72,9 +75,16 @@ def cohort_id_for(dataset: dict, options: CohortOptions, seed: int) -> str:
     The cohort name is a label, not part of the identity: building the same options under another
     name relabels that cohort instead of copying it.
     """
-    # Until 2026-12-06 `icd10` cohorts were built with the rule now named `icd10_closest`: the rule they are
-    # built with now is part of their identity, so that such a cohort is never taken for one built by it.
-    return _hashed_id(dataset, options, seed, {"gem_rule": "every_target"} if options.harmonize == "icd10" else {})
+    return _hashed_id(dataset, options, seed, gem_rule_fields(options))
+
+
+def gem_rule_fields(options: CohortOptions) -> dict:
+    """The GEM rule an `icd10` cohort is built by, as its id and its `options_json` record it ({} for the others).
+
+    Until 2026-12-06 `icd10` cohorts were built with the rule now named `icd10_closest`: the rule they are built
+    with now is part of their identity, so that such a cohort is never taken for one built by it.
+    """
+    return {"gem_rule": ICD10_GEM_RULE} if options.harmonize == "icd10" else {}
 
 
 def _hashed_id(dataset: dict, options: CohortOptions, seed: int, rule: dict) -> str:
@@ -89,6 +99,22 @@ def built_by_earlier_icd10_rule(dataset: dict, cohort: dict) -> bool:
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
     seed = json.loads(cohort["options_json"]).get("seed")
     return options.harmonize == "icd10" and _hashed_id(dataset, options, seed, {}) == cohort["cohort_id"]
+
+
+def gem_rule_of(cohort: dict) -> str | None:
+    """The GEM rule an `icd10` cohort (its `cohorts` row) was built by, None for the other harmonizations.
+
+    A build since the rule was recorded says it in `options_json`. An earlier one is told by its id: the files it was
+    built from are in the row since 2026-12-05, so one without them predates the rule's change too.
+    """
+    if cohort["harmonization"] != "icd10":
+        return None
+    if recorded := json.loads(cohort["options_json"]).get("gem_rule"):
+        return recorded
+    built_from = {"dataset_id": cohort["dataset_id"], "fingerprint": cohort["dataset_fingerprint"]}
+    # Built before the rule was recorded, under either rule: it changed earlier on the day it was first recorded.
+    earlier = cohort["dataset_fingerprint"] is None or built_by_earlier_icd10_rule(built_from, cohort)
+    return EARLIER_ICD10_RULE if earlier else ICD10_GEM_RULE
 
 
 def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
@@ -372,8 +398,9 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         "cohort_id": cohort_id, "dataset_id": dataset_id, "name": name, "target_rule": options.target,
         "harmonization": options.harmonize, "min_history": options.min_history, "created_at": utc_now(),
         "n_trajectories": trajectories.height, "vocabulary_size": omega.height, "vocabulary_source": omega_source,
-        "options_json": json.dumps({**asdict(options), "seed": seed, "shard_size": shard_size,
-                                    "unmapped_diagnosis_codes": unmapped, "subjects_without_split": unsplit,
+        "options_json": json.dumps({**asdict(options), **gem_rule_fields(options), "seed": seed,
+                                    "shard_size": shard_size, "unmapped_diagnosis_codes": unmapped,
+                                    "subjects_without_split": unsplit,
                                     "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
         "dataset_fingerprint": dataset["fingerprint"],
     }
@@ -560,11 +587,15 @@ def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:
 
 
 def cohort_list(wh: Warehouse) -> str:
-    """The built cohorts, oldest first, as the aligned table `dxr cohort list` prints."""
-    from warehouse.sql import run_query
+    """The built cohorts, oldest first, as the aligned table `dxr cohort list` prints; `gem_rule` is empty but for
+    `icd10` cohorts (`gem_rule_of`)."""
+    from warehouse.sql import format_table
 
-    return run_query(wh, "SELECT cohort_id, name, dataset_id, target_rule, harmonization, min_history, "
-                         "n_trajectories, vocabulary_size FROM cohorts ORDER BY created_at")
+    columns = ["cohort_id", "name", "dataset_id", "target_rule", "harmonization", "min_history", "n_trajectories",
+               "vocabulary_size"]
+    cohorts = wh.read("cohorts").sort("created_at")
+    return format_table(columns + ["gem_rule"], [tuple(row[c] for c in columns) + (gem_rule_of(row) or "",)
+                                                 for row in cohorts.iter_rows(named=True)])
 
 
 def split_counts(wh: Warehouse, cohort_id: str) -> dict[str, int]:

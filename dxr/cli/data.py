@@ -258,6 +258,10 @@ def code_counts(counted: list[tuple[str, int]], shown: int = 5) -> str:
 def cohort_list(ctx: click.Context) -> None:
     """List built cohorts.
 
+    gem_rule, for an icd10 cohort, is the rule its ICD-9 codes were mapped by: every_target (each code to every
+    target of its GEM rows), or "icd10_closest (earlier icd10)" for one built before 2026-12-06, when icd10
+    meant that rule.
+
     \b
     Example:
       dxr cohort list
