@@ -596,6 +596,15 @@ BAD_INPUTS = {
                       (hosp / "prescriptions.csv").read_bytes().replace(b"Omeprazole", "Omépr".encode("latin-1"))),
                   "prescriptions.csv, data row 4: malformed CSV (text that is not UTF-8, as when the file was saved "
                   "in another encoding such as Latin-1): fix the row or re-download the file"),
+    # DuckDB refused these with "The CSV Parser state machine reached an invalid state", naming no line.
+    "line endings converted twice": (lambda hosp: edit_table(hosp, "diagnoses_icd", lambda lines: [
+                                         line + "\r\r" if index >= 6 else line for index, line in enumerate(lines)]),
+                                     "diagnoses_icd.csv.gz, data row 6: malformed CSV (the line ends in \\r\\r\\n, a "
+                                     "carriage return too many, as when Windows line endings are converted twice): end "
+                                     "every line with \\n or \\r\\n, e.g. gunzip it, then sed -i 's/\\r*$//' "),
+    "every line ending converted twice": (lambda hosp: edit_table(hosp, "procedures_icd", lambda lines: [
+                                              line + "\r\r" for line in lines]),
+                                          "procedures_icd.csv, the header: malformed CSV (the line ends in \\r\\r\\n"),
     "semicolon separated": (lambda hosp: edit_table(hosp, "patients", lambda lines: [
                                 line.replace(",", ";") for line in lines]),
                             "patients.csv.gz: the columns are separated by ';', not by commas: use the official "

@@ -59,6 +59,7 @@ import csv
 import difflib
 import gzip
 import re
+import shlex
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -657,6 +658,16 @@ def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec:
 
 def _malformed_csv_message(path: Path, exc: duckdb.Error) -> str:
     text = str(exc)
+    # DuckDB refuses a line ending in \r\r\n (Windows line endings converted a second time) without its line number.
+    # Reading such a file would need DuckDB's strict mode off, which also lets through the malformed rows reported
+    # below by row, so the line is found here and the file refused.
+    if "state machine reached an invalid state" in text and (bad_line := _first_doubled_carriage_return(path)):
+        where = "the header" if bad_line == 1 else f"data row {bad_line - 1:,}"
+        gzipped = path.suffix.lower() == ".gz"
+        fix = ("gunzip it, then " if gzipped else "") + f"sed -i 's/\\r*$//' " + shlex.quote(
+            str(path.with_suffix("") if gzipped else path)) + (" (a plain .csv is imported too)" if gzipped else "")
+        return (f"{path}, {where}: malformed CSV (the line ends in \\r\\r\\n, a carriage return too many, as when "
+                f"Windows line endings are converted twice): end every line with \\n or \\r\\n, e.g. {fix}")
     line = re.search(r"CSV Error on Line: (\d+)", text)
     fields = re.search(r"Expected Number of Columns: (\d+) Found: (\d+)", text)
     if "unterminated quote" in text:
@@ -672,6 +683,24 @@ def _malformed_csv_message(path: Path, exc: duckdb.Error) -> str:
     if line:  # DuckDB counts lines from the header, which is line 1
         return f"{path}, data row {int(line[1]) - 1:,}: malformed CSV ({problem}): fix the row or re-download the file"
     return f"{path}: malformed CSV ({problem}): re-download the file"
+
+
+def _first_doubled_carriage_return(path: Path) -> int | None:
+    """The line of `path` (the header is line 1) that first ends in \\r\\r\\n, or None when none does (or the file
+    cannot be read to its end)."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    lines, carried = 1, b""
+    try:
+        with opener(path, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                window = carried + chunk
+                if (at := window.find(b"\r\r\n")) >= 0:
+                    return lines + window.count(b"\n", 0, at)
+                carried = window[-2:]  # a match may straddle two chunks; its newlines are counted with the next
+                lines += window.count(b"\n", 0, len(window) - len(carried))
+    except (OSError, EOFError):
+        return None
+    return None
 
 
 def _missing_column_message(layout: Layout, path: Path, spec: SourceTable, header: list[str], column: str) -> str:
