@@ -43,7 +43,8 @@ Repeated runs of one configuration: a configuration is the cohort, the run kind 
 `config_json` without the keys in `CONFIG_IGNORED_KEYS`; its metrics are the mean of the run-level
 metrics (with the same patient resample in every run), written under the run id
 `config-<hash>` (or every system's under one run id the caller names) with `n_runs` = the number
-of runs, and registered there (kind `evaluate`, the averaged runs under `runs` in its config) so
+of runs, beside its coverage (short, failed and below-K lists counted over the runs, the mean native
+share), and registered there (kind `evaluate`, the averaged runs under `runs` in its config) so
 that a report refuses the mean once a forecast of one of those runs is run again. Two systems'
 means under one run id are compared as a single run's systems are (`paired_means`): the difference
 of the means, its interval from the one patient resample shared by every run and both systems, and
@@ -650,6 +651,16 @@ def coverage_rows(run: RunData, ks: tuple[int, ...]) -> pl.DataFrame:
                                       "native_share": pl.Float64})
 
 
+def mean_coverage(runs: list[RunData], systems: list[str], ks: tuple[int, ...]) -> pl.DataFrame:
+    """`coverage_rows` of a mean over repeated runs: the short, failed and below-K lists counted over every run, and
+    the mean of the runs' native shares (as its metrics are the means of the runs'); `n_trajectories` is each run's
+    frozen set, the same in every run."""
+    per_run = pl.concat([coverage_rows(_only(run, systems), ks) for run in runs])
+    return (per_run.group_by("system", "k", maintain_order=True)
+            .agg(pl.col("n_trajectories").first(), pl.col("n_short", "n_failed", "n_below_k").sum(),
+                 pl.col("native_share").mean()))
+
+
 # ---- the stage --------------------------------------------------------------------------------
 
 @dataclass
@@ -971,8 +982,10 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     compared, _ = paired_means(metrics, pairs)
     paired = _conform("paired_comparisons", paired_rows(mean, compared, first.subject_index).with_columns(
         **extra, run_id=pl.col("system_a").replace_strict(mean_ids, return_dtype=pl.String)))
+    coverage = _conform("evaluation_coverage", mean_coverage(runs, shared, all_ks).with_columns(
+        **extra, run_id=pl.col("system").replace_strict(mean_ids, return_dtype=pl.String)))
     if write:
-        write_mean(wh, metrics, paired, run_ids, run_id, n_boot, seed, all_ks, started)
+        write_mean(wh, metrics, paired, coverage, run_ids, run_id, n_boot, seed, all_ks, started)
     return metrics
 
 
@@ -1019,10 +1032,10 @@ def paired_means(metrics: pl.DataFrame,
     return compared, "; ".join(reasons) or None
 
 
-def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, run_ids: list[str], run_id: str | None,
-               n_boot: int, seed: int, all_ks, started) -> None:
-    """Write and register the means over `run_ids` (`evaluate_repeated`) and their paired comparisons, under the
-    cohort of their runs.
+def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, coverage: pl.DataFrame, run_ids: list[str],
+               run_id: str | None, n_boot: int, seed: int, all_ks, started) -> None:
+    """Write and register the means over `run_ids` (`evaluate_repeated`), their paired comparisons and coverage,
+    under the cohort of their runs.
 
     The runs were read under their locks, released since: the cohort is held, as an evaluation holds its run's, and
     each run as a report holds it, and the runs must still be registered, or a `dxr cohort delete --with-runs` or a
@@ -1056,10 +1069,12 @@ def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, run_i
                           "pairs": [list(pair) for pair in compared.select("system_a", "system_b").unique().sort(
                               "system_a", "system_b").rows()]}
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "stale", started)
-                for table in ("metrics", "paired_comparisons"):
+                for table in ("metrics", "paired_comparisons", "evaluation_coverage"):
                     wh.delete(table, run_id=mean_id)
                 for (system,), rows in part.group_by("system"):
                     wh.write("metrics", rows, run_id=mean_id, system=system)
+                    wh.write("evaluation_coverage", coverage.filter(pl.col("system") == system), run_id=mean_id,
+                             system=system)
                 if compared.height:
                     wh.write("paired_comparisons", compared, run_id=mean_id)
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())

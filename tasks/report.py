@@ -376,10 +376,12 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     for i, kk in enumerate(fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else [])):
         blocks += [Heading(f"Systems at K = {k_label(kk)}")]
         if i == 0:
+            over_runs = (f" Over the {n_runs} runs: short and failed count the lists of every run, and native share "
+                         "is the mean of the runs' shares." if n_runs > 1 else "")
             blocks.append(Paragraph("short = trajectories whose list has fewer than K codes (failed ones included), "
                                     "scored with the hits they have; failed = trajectories whose forecast failed. "
                                     "native share = the share of the top-K codes that the system ranked itself; the "
-                                    "rest pad its list from the train-split frequency list."))
+                                    "rest pad its list from the train-split frequency list." + over_runs))
         blocks.append(system_table(metrics, coverage, kk))
     blocks += [Heading("System comparison"),
                Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",

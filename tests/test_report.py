@@ -483,6 +483,30 @@ def test_report_of_repeated_runs_aggregate(wh, tmp_path):
     assert sweep.filter(pl.col("k") == 1).select("metric", "value").sort("metric").equals(expected)
 
 
+def test_the_report_of_a_mean_over_repeated_runs_shows_its_short_failed_and_native_share(wh, tmp_path):
+    from datetime import datetime
+
+    from tasks.evaluate import evaluate_repeated
+    from warehouse.runs import record_run
+
+    # r1: s2 is explicitly short on T2 (one code), every code native. r9: s2 failed on T3 (no list), and pads T1's
+    # second code, so its native share at K = 2 is 3 of 4 top-2 rows.
+    write_rankings(wh, "r9", rankings={"s2": {T1: [B, X], T2: [A, D]}}, status={}, padding={("s2", T1, X)})
+    failed = pl.DataFrame({"run_id": "r9", "system": "s2", "trajectory_id": [T3], "status": "failed", "detail": None},
+                          schema_overrides={"detail": pl.String})
+    wh.write("ranking_status", failed, run_id="r9", system="s2", shard=1)
+    for run_id in ("r1", "r9"):
+        record_run(wh, run_id, COHORT, "forecast:s2", {"k": 2}, "finished", datetime(2026, 1, 1), datetime(2026, 1, 1))
+    evaluate_repeated(wh, ["r1", "r9"], systems=["s2"], ks=(2,), n_boot=0, natural=False, run_id="mean-s2")
+    coverage = wh.read("evaluation_coverage", run_id="mean-s2")
+    assert coverage.select("system", "k", "n_trajectories", "n_short", "n_failed", "n_below_k",
+                           "native_share").rows() == [("s2", 2, 3, 1, 1, 2, (1.0 + 0.75) / 2)]
+    markdown = to_markdown(build_report(wh, "mean-s2"))
+    assert "| s2 | 0.500 | 0.500 | 0.500 | 0.478 | 3 | 2 | 1 | 0.875 |" in markdown   # short: T2 of r1, T3 of r9
+    assert ("Over the 2 runs: short and failed count the lists of every run, and native share is the mean of the "
+            "runs' shares.") in markdown
+
+
 def test_prefect_task_wrappers_call_the_stage_functions(wh, tmp_path):
     from tasks.evaluate import evaluate_run_task
     from tasks.report import render_report_task

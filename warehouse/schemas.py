@@ -256,7 +256,8 @@ TABLES.update({
             "native_share": pa.float64(),
         }, ["run_id", "system"], "Per system and K: explicit short/failed trajectories, trajectories with fewer "
            "than K codes, and the share of top-K rows that are native (not padding; null when no trajectory has a "
-           "code); k = 0 is the whole list.",
+           "code); k = 0 is the whole list. Under the run id of a mean over repeated runs: the short, failed and "
+           "below-K lists counted over all its runs, and the mean of the runs' native shares.",
            nullable=["native_share"]),
         _t("paired_comparisons", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system_a": pa.string(), "system_b": pa.string(),
