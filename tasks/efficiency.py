@@ -1,21 +1,23 @@
 """Efficiency stage (spec/evaluation.md §6): what each system of a run spent per patient, next to its micro-F1@20.
 
-Matched patients are the run's frozen set, the trajectories `dxr evaluate` scores (every one that
-any system of the run ranked or gave a status); each system's numbers are totals over the
-trajectories it addressed divided by their number.
+Matched patients are the patients of the run's frozen set, the trajectories `dxr evaluate` scores
+(every one that any system of the run ranked or gave a status); each system's numbers are totals
+over the trajectories it addressed divided by the number of their patients. A patient forecast at
+several target encounters (`--target every`) counts once, with the work of all its trajectories.
 
 - LLM (`llm_calls`): the rows whose stage is the system, or a system whose lists it fuses in the
   same run (`INPUT_SYSTEMS`: fusing Direct's list costs Direct's calls). Rows of other trajectories
   are left out; run-level rows without a trajectory are shared by its patients. A cache hit is a
   call but not a backend call: no tokens, latency or cost (`models.llm.telemetry.backend_totals`).
   Cost comes from the price table passed in (null when a backend call's model has no price).
-- Throughput: observed patients/hour from the wall clock of the run's registered
+- Throughput: observed patients/hour (distinct patients) from the wall clock of the run's registered
   `forecast:<system>` rows (summed over fused inputs; it includes fitting and writing); null, with
   the reason in `clock`, when a row is missing or every LLM call was a cache hit (a replay says
   nothing about throughput). `patients_per_hour_serial` assumes one backend call at a time.
 - Retrieval (`search_jobs` + `ledger`, `warehouse.evidence.retrieval_efficiency`): the ledger has no
   system column, so the run's retrieval is counted for every system in `RETRIEVAL_SYSTEMS` (or
-  fusing one); `efficiency_notes` says when that is ambiguous or when nothing can claim it.
+  fusing one); `efficiency_notes` says when that is ambiguous or when nothing can claim it. Queries are
+  unique within a patient: one asked again at a later target encounter of the patient counts once.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ RETRIEVAL_SYSTEMS = ("research_path", "rrf", "full", "web_search_standalone", "f
 RETRIEVAL_COUNTS = ("queries", "retrieval_operations", "source_accesses", "supported_records")
 
 SCHEMA = {
-    "system": pl.String, "patients": pl.Int64, "llm_stages": pl.String, "llm_calls": pl.Int64,
+    "system": pl.String, "patients": pl.Int64, "trajectories": pl.Int64, "llm_stages": pl.String,
+    "llm_calls": pl.Int64,
     "backend_calls": pl.Int64, "cache_hits": pl.Int64, "calls_per_patient": pl.Float64,
     "backend_calls_per_patient": pl.Float64, **{f"{kind}_per_patient": pl.Float64 for kind in TOKEN_KINDS},
     "latency_ms_p50": pl.Float64, "latency_ms_total": pl.Float64, "cost_usd": pl.Float64,
@@ -101,13 +104,14 @@ def retrieval_claimers(systems: list[str]) -> list[str]:
 
 
 def retrieval_part(con, run_id: str, patients: pl.DataFrame) -> pl.DataFrame:
-    """Per system: summed `retrieval_efficiency` counts over its matched patients; zero for non-retrieval systems."""
-    per_trajectory = retrieval_efficiency(con, run_id)
-    claims = patients.filter(pl.col("system").is_in(retrieval_claimers(patients["system"].unique().to_list())))
-    totals = (claims.join(per_trajectory, on="trajectory_id", how="inner").group_by("system")
-              .agg(pl.col(c).sum().cast(pl.Int64) for c in RETRIEVAL_COUNTS))
-    return (pl.DataFrame({"system": claims["system"].unique()}, schema={"system": pl.String})
-            .with_columns(pl.lit(True).alias("retrieval")).join(totals, on="system", how="left"))
+    """Per system: `retrieval_efficiency` counts of each of its matched patients, summed; only retrieval systems."""
+    rows = []
+    for system in retrieval_claimers(patients["system"].unique().to_list()):
+        mine = patients.filter(pl.col("system") == system).select(pl.col("subject_id").alias("unit"), "trajectory_id")
+        per_patient = retrieval_efficiency(con, run_id, mine)
+        rows.append({"system": system, "retrieval": True, **{c: int(per_patient[c].sum()) for c in RETRIEVAL_COUNTS}})
+    return pl.DataFrame(rows, schema={"system": pl.String, "retrieval": pl.Boolean,
+                                      **{c: pl.Int64 for c in RETRIEVAL_COUNTS}})
 
 
 def run_systems(wh: Warehouse, run_id: str) -> list[str]:
@@ -128,10 +132,11 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
         patients = patients.filter(pl.col("system").is_in(systems))
     if patients.is_empty():
         return pl.DataFrame(schema=SCHEMA)
-    counts = patients.group_by("system").agg(pl.len().cast(pl.Int64).alias("patients")).sort("system")
+    counts = (patients.group_by("system").agg(pl.col("subject_id").n_unique().cast(pl.Int64).alias("patients"),
+                                              pl.len().cast(pl.Int64).alias("trajectories")).sort("system"))
     f1 = run_metric(con, run_id, "micro_f1", F1_K).rename({"value": "micro_f1_at_20"})
     frame = (counts.join(llm_part(con, run_id, patients, prices), on="system", how="left")
-             .join(clock_part(con, run_id, counts), on="system", how="left")
+             .join(clock_part(con, run_id, counts.select("system", "patients")), on="system", how="left")
              .join(retrieval_part(con, run_id, patients), on="system", how="left")
              .join(f1, on="system", how="left"))
 

@@ -36,7 +36,6 @@ from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, 
 from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
-from warehouse.run_outputs import matched_subjects  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
 from warehouse.store import Warehouse  # noqa: E402
@@ -180,12 +179,13 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
         return blocks + [Paragraph("No per-patient telemetry: no system with lists in this run was evaluated (left "
                                    f"out by `dxr evaluate --systems`: {', '.join(left_out)}).")]
     rows = frame.to_dicts()
-    n, subjects = max(r["patients"] for r in rows), matched_subjects(wh, run_id)
-    matched = (f"{n} matched patients" if subjects == n else
-               f"{n} matched trajectories of {subjects} patients; a patient forecast at several target encounters "
-               "counts once per trajectory in every per-patient column")
+    patients, trajectories = max(r["patients"] for r in rows), max(r["trajectories"] for r in rows)
+    matched = (f"{patients} matched patients" if trajectories == patients else
+               f"{patients} matched patients with {trajectories} trajectories; a patient forecast at several target "
+               "encounters counts once, with the work of all its trajectories")
     blocks += [
-        Paragraph(f"Totals over each system's trajectories of the run ({matched}) divided by their number. "
+        Paragraph(f"Totals over each system's trajectories of the run divided by the number of their patients "
+                  f"({matched}). "
                   "Calls count cache hits; backend calls do not (a cache hit sends no request: no tokens, latency or "
                   "cost). Cost per patient uses the configured `llm.prices` table (US dollars; n/a = a model without "
                   "a price). Patients/hour is observed from the clock named in the last column (a registered run's "

@@ -14,7 +14,7 @@ from tasks.report import build_report, render_report, to_markdown
 from test_metrics import A, B, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
 from tools.ledger import Ledger
 from warehouse.evidence import search_job_count
-from warehouse.run_outputs import matched_patients, matched_subjects, run_llm_calls, run_metric
+from warehouse.run_outputs import matched_patients, run_llm_calls, run_metric
 from warehouse.runs import finished_wall_clocks, record_run
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse
@@ -149,7 +149,7 @@ def test_missing_or_unfinished_run_record_gives_no_clock(run):
     assert rows["direct"]["patients_per_hour"] == pytest.approx(120.0)
 
 
-def test_matched_patients_and_subjects_are_what_the_run_ranked_or_gave_a_status(tmp_path):
+def test_matched_patients_are_what_the_run_ranked_or_gave_a_status(tmp_path):
     wh = Warehouse(tmp_path / "wh")
     # Patient 1 is forecast at two target encounters (`--target every`), patient 2 at one.
     first, second, other = f"{COHORT}:1:10", f"{COHORT}:1:11", f"{COHORT}:2:20"
@@ -159,9 +159,9 @@ def test_matched_patients_and_subjects_are_what_the_run_ranked_or_gave_a_status(
                                              "status": "failed", "detail": "no valid reply"}),
              run_id="m1", system="direct", shard=1)  # a failed trajectory: a status without a list
     write_rankings(wh, "m2", rankings={"global_frequency": {other: [A]}}, status={})
-    assert matched_patients(wh.connect(), "m1").rows() == [("direct", first), ("direct", other), ("ehr_prior", first),
-                                                           ("ehr_prior", second)]
-    assert (matched_subjects(wh, "m1"), matched_subjects(wh, "m2")) == (2, 1)
+    assert matched_patients(wh.connect(), "m1").rows() == [("direct", first, 1), ("direct", other, 2),
+                                                           ("ehr_prior", first, 1), ("ehr_prior", second, 1)]
+    assert matched_patients(wh.connect(), "m2").rows() == [("global_frequency", other, 2)]
 
 
 def test_the_run_queries_read_only_their_run(run):
@@ -255,20 +255,42 @@ def test_report_has_the_efficiency_section(run, tmp_path, monkeypatch):
     assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a | 120 |" in unpriced
 
 
-def test_a_cohort_of_every_encounter_says_its_per_patient_columns_count_trajectories(tmp_path, monkeypatch):
+def test_a_patient_forecast_at_several_encounters_counts_once_with_the_work_of_all_its_trajectories(
+        tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout
     wh = Warehouse(tmp_path / "wh")
     # Patient 1 is forecast at two target encounters (`--target every`), patient 2 at one.
     first, second, other = f"{COHORT}:1:10", f"{COHORT}:1:11", f"{COHORT}:2:20"
     write_cohort(wh, targets={first: [A], second: [B], other: [D]}, pretarget={}, train_counts={A: 1})
-    write_rankings(wh, "ev", rankings={"global_frequency": {first: [A], second: [A], other: [A]}}, status={})
-    record_run(wh, "ev", COHORT, "forecast:global_frequency", {}, "finished", START, START + timedelta(seconds=9))
+    lists = {first: [A], second: [A], other: [A]}
+    write_rankings(wh, "ev", rankings={"direct": lists, "research_path": lists}, status={})
+    for system in ("direct", "research_path"):
+        record_run(wh, "ev", COHORT, f"forecast:{system}", {}, "finished", START, START + timedelta(seconds=9))
+    wh.write("llm_calls", calls_frame("ev", [("direct", t, 100, 0, 10, 0, 1000.0, False) for t in lists]),
+             run_id="ev", stage="direct", shard=0)
+    # Patient 1 asks the same query again at its second encounter, and one more; patient 2 asks it once.
+    ledger = Ledger("ev", 0, wh)
+    for trajectory_id, query in ((first, "kidney dialysis"), (second, "kidney dialysis"),
+                                 (second, "heart failure"), (other, "kidney dialysis")):
+        job = ledger.job(trajectory_id=trajectory_id, code=A, query=query, purpose="validation",
+                         entity_terms=["kidney"], endpoint_terms=["dialysis"], temporal_class="chronic_active",
+                         iteration=1)
+        ledger.record(job, engine="pmc", state="unreadable", detail="empty page")
+    ledger.flush()
     evaluate_run(wh, "ev", ks=(1,), n_boot=0)
+    rows = by_system(run_efficiency(wh, "ev", PRICES))
+    for system in ("direct", "research_path"):
+        assert (rows[system]["patients"], rows[system]["trajectories"]) == (2, 3)
+        assert rows[system]["patients_per_hour"] == 800.0                  # 2 patients in 9 s
+    assert rows["direct"]["tokens_in_per_patient"] == 150.0                # 3 calls of 100 tokens, 2 patients
+    assert rows["direct"]["patients_per_hour_serial"] == 2400.0           # 2 patients in 3 s of calls
+    assert rows["research_path"]["queries_per_patient"] == 1.5            # unique within patient: (2 + 1) / 2
+    assert rows["research_path"]["retrieval_operations_per_patient"] == 2.0   # 4 jobs
     markdown = to_markdown(build_report(wh, "ev"))
-    assert ("Totals over each system's trajectories of the run (3 matched trajectories of 2 patients; a patient "
-            "forecast at several target encounters counts once per trajectory in every per-patient column) divided "
-            "by their number.") in markdown
-    assert "| global_frequency | 3 | n/a | 0.00 | 0.00 | 0 | 0.000000 | 1,200 |" in markdown
+    assert ("Totals over each system's trajectories of the run divided by the number of their patients (2 matched "
+            "patients with 3 trajectories; a patient forecast at several target encounters counts once, with the "
+            "work of all its trajectories).") in markdown
+    assert "| research_path | 2 | n/a | 0.00 | 0.00 | 0 | 0.000000 | 800 |" in markdown
 
 
 def test_only_the_evaluated_systems_are_listed(run, tmp_path, monkeypatch):

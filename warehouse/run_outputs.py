@@ -6,26 +6,18 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
-from warehouse.store import Warehouse, fetch_frame
+from warehouse.store import fetch_frame
 
 
 def matched_patients(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
-    """(system, trajectory_id), sorted: every trajectory each system of the run ranked or gave a status."""
+    """(system, trajectory_id, subject_id), sorted: every trajectory each system of the run ranked or gave a status,
+    with its patient (several trajectories of one patient in a cohort that targets every encounter)."""
     return fetch_frame(connection, """
-        SELECT DISTINCT system, trajectory_id FROM (
+        SELECT m.system, m.trajectory_id, t.subject_id FROM (
             SELECT system, trajectory_id FROM rankings WHERE run_id = $run
-            UNION ALL SELECT system, trajectory_id FROM ranking_status WHERE run_id = $run)
-        ORDER BY system, trajectory_id""", {"run": run_id})
-
-
-def matched_subjects(wh: Warehouse, run_id: str) -> int:
-    """Distinct patients of the run's matched trajectories: fewer than the trajectories in a cohort that
-    targets every encounter (`--target every`), where each trajectory counts as one patient in `matched_patients`."""
-    return fetch_frame(wh.connect(run_id=run_id), """
-        SELECT count(DISTINCT t.subject_id) AS n FROM trajectories t JOIN (
-            SELECT trajectory_id FROM rankings WHERE run_id = $run
-            UNION SELECT trajectory_id FROM ranking_status WHERE run_id = $run) USING (trajectory_id)""",
-                       {"run": run_id})["n"].item()
+            UNION SELECT system, trajectory_id FROM ranking_status WHERE run_id = $run) m
+        JOIN trajectories t USING (trajectory_id)
+        ORDER BY m.system, m.trajectory_id""", {"run": run_id})
 
 
 def run_llm_calls(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
