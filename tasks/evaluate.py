@@ -48,7 +48,7 @@ share), and registered there (kind `evaluate`, the averaged runs under `runs` in
 that a report refuses the mean once a forecast of one of those runs is run again. Two systems'
 means under one run id are compared as a single run's systems are (`paired_means`): the difference
 of the means, its interval from the one patient resample shared by every run and both systems, and
-the sign test over patients of the F1 summand summed over their trajectories and the runs.
+the sign test over patients of the metric's summand summed over their trajectories and the runs.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ EXPLICIT_INCOMPLETE = ("short", "failed")
 BOOTSTRAP_CHUNK = 100
 # Per-trajectory summands whose mean over a subset's trajectories is a metric (the others are pooled).
 AVERAGED = ("precision", "recall", "f1")
+# The summand whose change, summed over a patient's trajectories, says whether the patient improved on each metric
+# (in METRICS order): a pooled metric takes the per-trajectory form of its ratio.
+SIGN_SUMMANDS = ("precision", "recall", "precision", "recall", "f1", "f1")
 
 
 # ---- target classes ---------------------------------------------------------------------------
@@ -488,13 +491,14 @@ def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray,
 
 @dataclass
 class Estimates:
-    """Point values (M,S,K,6), bootstrap replicates (B,M,S,K,6) or None, n (S,), F1 summands (M,S,K,n)."""
+    """Point values (M,S,K,6), bootstrap replicates (B,M,S,K,6) or None, n (S,), and the per-trajectory summands
+    (M,S,K,n) of `AVERAGED` by name."""
 
     counts: Counts
     point: np.ndarray
     boot: np.ndarray | None
     n: np.ndarray
-    f1: np.ndarray
+    summands: dict[str, np.ndarray]
 
 
 def estimate(counts: Counts, weights: np.ndarray | None) -> Estimates:
@@ -531,7 +535,7 @@ def estimate(counts: Counts, weights: np.ndarray | None) -> Estimates:
             boot[:, m] = _ratios(dict(zip(parts, sums)), b_patients[:, :, None], b_gold[:, :, None], mine)
     # A subset without trajectories (NaN) has no rows (`metric_frame` leaves it out); 0 keeps the arrays finite.
     point = np.nan_to_num(point, nan=0.0)
-    return Estimates(counts, point, boot, patients.astype(np.int64), parts["f1"])
+    return Estimates(counts, point, boot, patients.astype(np.int64), {name: parts[name] for name in AVERAGED})
 
 
 def percentile_interval(replicates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -587,9 +591,11 @@ def paired_rows(est: Estimates, pairs: list[tuple[str, str]], subject_index: np.
     """Difference a − b of every metric with paired bootstrap intervals and the per-patient sign test.
 
     The sign test's unit is the patient, also when a patient has several trajectories (`--target
-    every`): a patient improved when the sum of its trajectories' F1 summands 2h/(K+|Y|) is higher
-    under a (for one trajectory and a fixed K, the same as more hits); ties are excluded from the
-    test. `n_improved`, `n_worsened` and `n_tied` count patients, `n` trajectories.
+    every`): a patient improved on a metric when the sum of its trajectories' summands of that metric
+    (`SIGN_SUMMANDS`: h/K for precision, h/|Y| for recall, 2h/(K+|Y|) for F1, K = |C| at natural list
+    sizes) is higher under a; for one trajectory and a fixed K every metric agrees with more hits, but
+    at K = |C| a longer list can raise recall and lower precision. Ties are excluded from the test.
+    `n_improved`, `n_worsened` and `n_tied` count patients, `n` trajectories.
     """
     names = est.counts.names
     member = est.counts.targets > 0                                       # (S, n)
@@ -606,12 +612,15 @@ def paired_rows(est: Estimates, pairs: list[tuple[str, str]], subject_index: np.
     frames = []
     for a, b in pairs:
         ia, ib = names.index(a), names.index(b)
-        # Summands are fractions: a patient whose trajectories cancel out is tied, not 1e-17 better.
-        change = per_patient((est.f1[ia] - est.f1[ib]) * member[:, None, :])   # (S, K, patients)
-        change[np.isclose(change, 0.0, rtol=0.0, atol=1e-9)] = 0.0
-        improved = (change > 0).sum(-1)
-        worsened = (change < 0).sum(-1)
-        tied = patients[:, None] - improved - worsened
+        changes = {}
+        for name in AVERAGED:
+            # Summands are fractions: a patient whose trajectories cancel out is tied, not 1e-17 better.
+            change = per_patient((est.summands[name][ia] - est.summands[name][ib]) * member[:, None, :])  # (S,K,P)
+            change[np.isclose(change, 0.0, rtol=0.0, atol=1e-9)] = 0.0
+            changes[name] = change
+        improved = np.stack([(changes[name] > 0).sum(-1) for name in SIGN_SUMMANDS], axis=-1)   # (S, K, 6)
+        worsened = np.stack([(changes[name] < 0).sum(-1) for name in SIGN_SUMMANDS], axis=-1)
+        tied = patients[:, None, None] - improved - worsened
         p = sign_test(improved, worsened)
         diff = est.point[ia] - est.point[ib]
         low = high = np.full(diff.shape, np.nan)
@@ -624,8 +633,8 @@ def paired_rows(est: Estimates, pairs: list[tuple[str, str]], subject_index: np.
             "k": np.array(est.counts.ks, dtype=np.int32)[kk], "metric": np.array(METRICS)[q],
             "value_a": est.point[ia].ravel(), "value_b": est.point[ib].ravel(), "difference": diff.ravel(),
             "ci_low": low.ravel().astype(float), "ci_high": high.ravel().astype(float), "n": est.n[s],
-            "n_improved": improved[s, kk], "n_worsened": worsened[s, kk], "n_tied": tied[s, kk],
-            "sign_test_p": p[s, kk],
+            "n_improved": improved[s, kk, q], "n_worsened": worsened[s, kk, q], "n_tied": tied[s, kk, q],
+            "sign_test_p": p[s, kk, q],
         }))
     if not frames:
         return pl.from_arrow(TABLES["paired_comparisons"].schema.empty_table())
@@ -992,12 +1001,12 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
 def mean_estimate(estimates: list[Estimates]) -> Estimates:
     """The mean over repeated runs of the runs' `Estimates`, all drawn with the same bootstrap weights: point values
     and replicates averaged over the runs, so each replicate is the mean under one patient resample shared by every
-    run (and system), and the F1 summands summed over the runs, so that a patient's change in `paired_rows` counts
-    every run of each of its trajectories."""
+    run (and system), and the per-trajectory summands summed over the runs, so that a patient's change in
+    `paired_rows` counts every run of each of its trajectories."""
     first = estimates[0]
     return Estimates(first.counts, np.mean([e.point for e in estimates], axis=0),
                      None if first.boot is None else np.mean([e.boot for e in estimates], axis=0),
-                     first.n, sum(e.f1 for e in estimates))
+                     first.n, {name: sum(e.summands[name] for e in estimates) for name in AVERAGED})
 
 
 def without_oracles(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:

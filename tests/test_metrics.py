@@ -303,6 +303,23 @@ def test_the_sign_test_counts_patients_not_trajectories(tmp_path):
     assert row["sign_test_p"] == 1.0
 
 
+def test_the_sign_test_of_each_metric_counts_the_patients_that_improved_on_that_metric(tmp_path):
+    # At natural list sizes s1's longer list finds both targets (recall 1 against 1/2) at a lower precision (2/5
+    # against 1/1) and F1 (4/7 against 2/3): each of the three patients improved on recall and worsened on the rest.
+    wh = Warehouse(tmp_path / "wh")
+    trajectories = [f"{COHORT}:{i}:{10 * i}" for i in (1, 2, 3)]
+    write_cohort(wh, targets={t: [A, B] for t in trajectories}, pretarget={}, train_counts={A: 1})
+    write_rankings(wh, "r1", rankings={"s1": {t: [A, B, X, Y, D] for t in trajectories},
+                                       "s2": {t: [A] for t in trajectories}}, status={})
+    paired = evaluate(wh, "r1", ks=(1,), n_boot=0).paired.filter((pl.col("subset") == "all") & (pl.col("k") == 0))
+    counts = {r["metric"]: (r["n_improved"], r["n_worsened"], r["n_tied"], r["difference"] > 0)
+              for r in paired.iter_rows(named=True)}
+    assert counts == {"recall_at_k": (3, 0, 0, True), "micro_recall": (3, 0, 0, True),
+                      "precision_at_k": (0, 3, 0, False), "micro_precision": (0, 3, 0, False),
+                      "micro_f1": (0, 3, 0, False), "macro_f1": (0, 3, 0, False)}
+    assert paired.filter(pl.col("metric") == "recall_at_k")["sign_test_p"].item() == 0.25   # 2 · 0.5^3
+
+
 def test_paired_intervals_resample_both_systems_together_and_the_sign_test_leaves_ties_out(tmp_path):
     # Every trajectory (|Y| = 2, K = 2) has exactly one hit more under s1 than under s2, so every metric's
     # difference is 1/2 for every patient: 1/2 in the point and in every paired resample (interval [0.5, 0.5]),

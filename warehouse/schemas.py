@@ -266,12 +266,14 @@ TABLES.update({
             "n": pa.int64(), "n_improved": pa.int64(), "n_worsened": pa.int64(), "n_tied": pa.int64(),
             "sign_test_p": pa.float64(),
         }, ["run_id"], "Metric difference a - b on the same patients with a paired bootstrap 95% interval and "
-           "an exact sign test over patients whose F1 summand (summed over their trajectories) improved or "
-           "worsened: n counts trajectories, n_improved, n_worsened and n_tied count patients. Under the run id of "
+           "an exact sign test over patients whose summand of the row's metric (summed over their trajectories) "
+           "improved or worsened: h/K for precision_at_k and micro_precision, h/|Y| for recall_at_k and "
+           "micro_recall, 2h/(K + |Y|) for micro_f1 and macro_f1 (K = the list's length at k = 0); n counts "
+           "trajectories, n_improved, n_worsened and n_tied count patients. Under the run id of "
            "a mean over repeated runs (`dxr evaluate` with several --run), for two systems whose means share the id "
            "(every system's does under a --run-id; without one each has its own `config-…` id): the difference of "
            "the means over the runs, its interval from one patient resample shared by every run and both systems, "
-           "and each patient's F1 summand summed over its trajectories and the runs.",
+           "and each patient's summand summed over its trajectories and the runs.",
            nullable=["ci_low", "ci_high"]),
         _t("headroom", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "pool": pa.string(), "subset": pa.string(),
