@@ -342,7 +342,6 @@ def test_sql_is_read_only_and_gold_needs_a_flag(tmp_path):
     assert "reads outside the warehouse" in one_line_error(run("sql", outside, "--with-gold", data_dir=tmp_path))
 
 
-
 def test_sql_errors_keep_duckdbs_hint_on_their_one_line(tmp_path):
     """The line kept only DuckDB's first line: a misspelt column (`config` for `runs.config_json`) lost the
     candidates DuckDB names, and a column missing from GROUP BY its fix. The echoed query and caret stay out."""
@@ -359,6 +358,7 @@ def test_sql_errors_keep_duckdbs_hint_on_their_one_line(tmp_path):
         "SHOW, SUMMARIZE, PIVOT, UNPIVOT, EXPLAIN, VALUES or TABLE")
     assert one_line_error(run("sql", "SELECT 1 +", data_dir=tmp_path)) == (
         'Error: SQL error: Parser Error: syntax error at or near "+"')
+
 
 def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     config = tmp_path / "dxr.toml"

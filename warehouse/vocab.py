@@ -538,17 +538,16 @@ def harmonize_codes(codes: pl.Series | Iterable[str], mode: str, gem: pl.DataFra
         versions = pl.Series([v for _, v, _ in parsed], dtype=pl.Int8)
         frame = pl.DataFrame({"source_code": sources, "version": versions})
         kept = frame.filter(pl.col("version") == 10).select("source_code", code="source_code")
+        icd9 = frame.filter(pl.col("version") == 9).select("source_code")
         forward = _forward_targets(gem, titles)
+        fallback = []
         if mode == "icd10_closest":
             forward = _closest_alternatives(forward, titles)
-        icd9 = frame.filter(pl.col("version") == 9).select("source_code")
+            # A code the GEM lists, if only with NoDx, is not rendered through its children.
+            unlisted = icd9.join(_forward_rows(gem).select("source_code").unique(), on="source_code", how="anti")
+            fallback = [_parent_fallback(unlisted["source_code"], forward, titles)]
         mapped = icd9.join(forward, on="source_code").select("source_code", code="target_code")
-        parts = [kept, mapped]
-        if mode == "icd10_closest":
-            listed = _forward_rows(gem).select("source_code").unique()
-            unlisted = icd9.join(listed, on="source_code", how="anti")["source_code"]
-            parts.append(_parent_fallback(unlisted, forward, titles))
-        out = pl.concat(parts)
+        out = pl.concat([kept, mapped, *fallback])
     return out.unique().sort("source_code", "code")
 
 
