@@ -181,6 +181,15 @@ def parquet_writes_failing_from(monkeypatch, number: int, error: BaseException) 
     monkeypatch.setattr(store.pq, "write_table", write_table)
 
 
+def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, **options) -> dict:
+    """Write an index directory for `chunks` in one step, as `dxr corpus build` does under `building_index`;
+    `embedder=None` builds a lexical-only index. `options` are those of the build `building_index` yields."""
+    from tools.index import building_index
+
+    with building_index(out_dir) as build:
+        return build(chunks, embedder, **options)
+
+
 def legacy_scratch(target: Path, kind: str = "tmp") -> Path:
     """A scratch name of an ended process on this host, without a lock file (as earlier versions wrote)."""
     from warehouse.scratch import _HOST

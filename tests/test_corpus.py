@@ -15,14 +15,14 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from conftest import parquet_writes_failing_from, shared_data
+from conftest import build_index, parquet_writes_failing_from, shared_data
 from dxr.errors import InputError
 from tools.corpus import ingest, load_documents, read_documents, source_key
 from tools.corpus.documents import Document, chunk_document, dedupe, normalize_url, stable_doc_id
 from tools.corpus.json_sources import read_jsonl, read_medquad, read_pubmedqa
 from tools.corpus.xml_sources import read_jats, read_medline
 from tools.dictionary import Dictionary, icd_documents
-from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, build_index, chunk_frame, fuse_documents,
+from tools.index import (DEFAULT_DENSE_SHARE, DEFAULT_FUSION, CorpusIndex, chunk_frame, fuse_documents,
                          minmax_normalize, rank_documents, reciprocal_rank_fusion, score_fusion, zscore_normalize)
 from tools.ledger import support_cue
 from tools.passages import focused_passage

@@ -6,12 +6,12 @@ import signal
 
 import pytest
 
-from conftest import parquet_writes_failing_from
+from conftest import build_index, parquet_writes_failing_from
 from dxr.errors import InputError
 from test_corpus import TINY, tiny_vocabulary
 from tools.channels import DictionaryChannel, LocalChannel
 from tools.dictionary import Dictionary
-from tools.index import CorpusIndex, build_index, chunk_frame
+from tools.index import CorpusIndex, chunk_frame
 from tools.ledger import Ledger, job_id_for, support_cue
 from tools.sanitize import sanitize_query
 from warehouse.evidence import retrieval_efficiency

@@ -15,11 +15,11 @@ import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
-from conftest import parquet_writes_failing_from
+from conftest import build_index, parquet_writes_failing_from
 from dxr.errors import ConfigError, InputError
 from tools.config import SerpMapping, WebConfig
 from tools.corpus.documents import Document
-from tools.index import CorpusIndex, build_index, chunk_frame
+from tools.index import CorpusIndex, chunk_frame
 from tools.ledger import Ledger
 from tools.web.channel import WebChannel, identifiers_in_url
 from tools.web.providers import BRAVE_MAPPING, SearchProvider, SerpHit, SerpJsonProvider, make_provider

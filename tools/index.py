@@ -219,13 +219,6 @@ def check_query(query: str) -> None:
         raise InputError(f"query {query!r} has no words to search for: phrase it with clinical terms")
 
 
-def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, **options) -> dict:
-    """Write an index directory for `chunks` under its build lock (`building_index`); `embedder=None` builds a
-    lexical-only index. `options` are those of the build `building_index` yields."""
-    with building_index(out_dir) as build:
-        return build(chunks, embedder, **options)
-
-
 @contextlib.contextmanager
 def building_index(out_dir: Path):
     """Hold the build lock of the index at `out_dir` and yield the function that builds it there,
