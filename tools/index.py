@@ -4,8 +4,11 @@ An index is a directory:
   manifest.json       what was built (corpora, counts, embedder, build seconds)
   chunks.parquet      one row per chunk; the row number is the id in both indexes
   tantivy/            BM25 over title + body (stemmed English)
-  dense.faiss         inner-product index over L2-normalized embeddings (absent for lexical-only)
-  embeddings.npy      the vectors, reused by the next build for unchanged chunk texts
+  dense.faiss         inner-product index over L2-normalized embeddings (absent for lexical-only, as are the
+                      two files below)
+  embeddings.npy      the vectors, one row per chunk
+  embedding_keys.parquet  each vector's key (a hash of the embedder's name and the text it embedded), by which the
+                      next build reuses the vectors of unchanged chunk texts
 
 A build writes `.<name>.building/` beside it and swaps it in by rename (the old index stays whole
 until then; embeddings are checkpointed there, so a killed build resumes).
