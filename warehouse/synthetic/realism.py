@@ -162,9 +162,3 @@ def warehouse_realism(wh: Warehouse, cohort_id: str, run_id: str,
                                   params).fetchall()
     recall = dict(run_metric(con, run_id, "recall_at_k", K).iter_rows())
     return band_statistics(targets, history, mean_prior, recall)
-
-
-def violations(report: dict[str, float]) -> list[str]:
-    """Human-readable list of the bands a report misses (empty when all hold)."""
-    return [f"{k}={report[k]:.3f} outside [{lo}, {hi}]" for k, (lo, hi) in REALISM_BANDS.items()
-            if not lo <= report[k] <= hi]
