@@ -24,20 +24,31 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
     echo_refresh_note(wh, name)
 
 
-memory_limit_option = click.option(
-    "--memory-limit", default="2GB", show_default=True, callback=check_memory_limit,
-    help="DuckDB memory of the import; beyond it DuckDB spills to a work directory beside the dataset.")
+def mimic_options(source: str):
+    """The argument and options both MIMIC commands take, `source` (mimic3 or mimic4) naming the dataset by default."""
+    options = [
+        click.argument("path", type=click.Path(path_type=Path), callback=valid.mimic_directory(source)),
+        click.option("--name", default=source, show_default=True, callback=valid.dataset_name,
+                     help="Dataset name (lower-case letters, digits, _ and -)."),
+        click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed)."),
+        click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the "
+                     "largest table by far, so off by default."),
+        click.option("--memory-limit", default="2GB", show_default=True, callback=check_memory_limit,
+                     help="DuckDB memory of the import; beyond it DuckDB spills to a work directory beside the "
+                     "dataset."),
+        click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when "
+                     "absent)."),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
 
 
 @ingest.command("mimic3")
-@click.argument("path", type=click.Path(path_type=Path), callback=valid.mimic_directory("mimic3"))
-@click.option("--name", default="mimic3", show_default=True, callback=valid.dataset_name,
-              help="Dataset name (lower-case letters, digits, _ and -).")
-@click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
-@click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
-              "table by far, so off by default.")
-@memory_limit_option
-@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
+@mimic_options("mimic3")
 @click.pass_context
 def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
                   run_id: str | None) -> None:
@@ -54,14 +65,7 @@ def ingest_mimic3(ctx: click.Context, path: Path, name: str, seed: int | None, l
 
 
 @ingest.command("mimic4")
-@click.argument("path", type=click.Path(path_type=Path), callback=valid.mimic_directory("mimic4"))
-@click.option("--name", default="mimic4", show_default=True, callback=valid.dataset_name,
-              help="Dataset name (lower-case letters, digits, _ and -).")
-@click.option("--seed", type=int, default=None, help="Seed of the hash split (default: setting seed).")
-@click.option("--labs", is_flag=True, help="Also import lab results (labevents, labels from d_labitems); the largest "
-              "table by far, so off by default.")
-@memory_limit_option
-@click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
+@mimic_options("mimic4")
 @click.pass_context
 def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, labs: bool, memory_limit: str,
                   run_id: str | None) -> None:
