@@ -9,7 +9,9 @@ several target encounters (`--target every`) counts once, with the work of all i
   same run (`INPUT_SYSTEMS`: fusing Direct's list costs Direct's calls). Rows of other trajectories
   are left out; run-level rows without a trajectory are shared by its patients. A cache hit is a
   call but not a backend call: no tokens, latency or cost (`models.llm.telemetry.backend_totals`).
-  Cost comes from the price table passed in (null when a backend call's model has no price).
+  Cost is the one each call stored when its run wrote it (the price in force then; null when its model had no
+  price), so a later change of the price table does not reprice calls already made. Calls of files written
+  before costs were stored are priced from the price table passed in (`calls_written_before_cost`).
 - Throughput: observed patients/hour (distinct patients) from the wall clock of the run's registered
   `forecast:<system>` rows (summed over fused inputs; it includes fitting and writing); null, with
   the reason in `clock`, when a row is missing or every LLM call was a cache hit (a replay says
@@ -25,9 +27,9 @@ from __future__ import annotations
 import polars as pl
 
 from models.llm.config import ModelPrice
-from models.llm.telemetry import TOKEN_KINDS, backend_totals
+from models.llm.telemetry import TOKEN_KINDS, backend_totals, with_report_time_costs
 from warehouse.evidence import retrieval_efficiency, search_job_count
-from warehouse.run_outputs import matched_patients, run_llm_calls, run_metric
+from warehouse.run_outputs import calls_written_before_cost, matched_patients, run_llm_calls, run_metric
 from warehouse.runs import finished_wall_clocks
 from warehouse.store import Warehouse
 
@@ -67,15 +69,17 @@ def _stage_map(systems: list[str]) -> pl.DataFrame:
     return pl.DataFrame(pairs, schema={"system": pl.String, "stage": pl.String}, orient="row")
 
 
-def llm_part(con, run_id: str, patients: pl.DataFrame, prices: dict[str, ModelPrice]) -> pl.DataFrame:
+def llm_part(wh: Warehouse, con, run_id: str, patients: pl.DataFrame,
+             prices: dict[str, ModelPrice]) -> pl.DataFrame:
     """Per system: `backend_totals` of its own and its fused inputs' calls on its matched patients."""
-    calls = run_llm_calls(con, run_id)
+    written_before_cost = pl.col("call_id").is_in(calls_written_before_cost(wh, run_id))
+    calls = with_report_time_costs(run_llm_calls(con, run_id), prices, written_before_cost)
     mine = _stage_map(patients["system"].unique().to_list()).join(calls, on="stage", how="inner")
     mine = pl.concat([mine.filter(pl.col("trajectory_id").is_null()),
                       mine.filter(pl.col("trajectory_id").is_not_null())
                       .join(patients, on=["system", "trajectory_id"], how="semi")])
     stages = mine.group_by("system").agg(pl.col("stage").unique().sort().str.join(", ").alias("llm_stages"))
-    return backend_totals(mine, prices, ["system"]).join(stages, on="system")
+    return backend_totals(mine, ["system"]).join(stages, on="system")
 
 
 def clock_part(con, run_id: str, counts: pl.DataFrame) -> pl.DataFrame:
@@ -123,8 +127,9 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
                    systems: list[str] | None = None) -> pl.DataFrame:
     """One row per system of the run (sorted by name) with the `SCHEMA` columns; empty for a run without rankings.
 
-    `systems` keeps those of them (the evaluated ones): a system that `dxr evaluate --systems` left out has no
-    micro-F1 of this evaluation to set its costs against.
+    `prices` prices only the calls written before each stored its cost. `systems` keeps those of them (the
+    evaluated ones): a system that `dxr evaluate --systems` left out has no micro-F1 of this evaluation to set its
+    costs against.
     """
     con = wh.connect(run_id=run_id)  # only this run's partitions are opened
     patients = matched_patients(con, run_id)
@@ -135,7 +140,7 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
     counts = (patients.group_by("system").agg(pl.col("subject_id").n_unique().cast(pl.Int64).alias("patients"),
                                               pl.len().cast(pl.Int64).alias("trajectories")).sort("system"))
     f1 = run_metric(con, run_id, "micro_f1", F1_K).rename({"value": "micro_f1_at_20"})
-    frame = (counts.join(llm_part(con, run_id, patients, prices), on="system", how="left")
+    frame = (counts.join(llm_part(wh, con, run_id, patients, prices), on="system", how="left")
              .join(clock_part(con, run_id, counts.select("system", "patients")), on="system", how="left")
              .join(retrieval_part(con, run_id, patients), on="system", how="left")
              .join(f1, on="system", how="left"))

@@ -163,8 +163,9 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
                       systems: list[str] | None = None) -> list:
     """Spec §6 per system on the run's matched patients: LLM calls, tokens, cost, throughput, retrieval, micro-F1@20.
 
-    Prices default to the configured `llm.prices` table (cost is computed now, never stored). `systems` are the
-    evaluated systems (default: every system of the run); the others are named as left out, not listed.
+    Cost is the one each call stored; `prices` (default: the configured `llm.prices` table) prices the calls
+    written before costs were stored. `systems` are the evaluated systems (default: every system of the run); the
+    others are named as left out, not listed.
     """
     if prices is None:
         prices = load_settings(data_dir=wh.root).llm.prices
@@ -187,11 +188,12 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
         Paragraph(f"Totals over each system's trajectories of the run divided by the number of their patients "
                   f"({matched}). "
                   "Calls count cache hits; backend calls do not (a cache hit sends no request: no tokens, latency or "
-                  "cost). Cost per patient uses the configured `llm.prices` table (US dollars; n/a = a model without "
-                  "a price). Patients/hour is observed from the clock named in the last column (a registered run's "
-                  "wall clock includes fitting and writing). A system that fuses other systems' lists of the run "
-                  "counts their calls and clocks too. micro-F1@20 is the evaluated value on the same patients "
-                  "(n/a when K = 20 was not evaluated)."),
+                  "cost). Cost per patient sums the cost each call stored at the `llm.prices` entry in force "
+                  "when it was made (calls recorded before costs were stored: the configured table now; US dollars; "
+                  "n/a = a model without a price). Patients/hour is observed from the clock named in the last column "
+                  "(a registered run's wall clock includes fitting and writing). A system that fuses other systems' "
+                  "lists of the run counts their calls and clocks too. micro-F1@20 is the evaluated value on the "
+                  "same patients (n/a when K = 20 was not evaluated)."),
         Table(["system", "patients", "micro-F1@20", "LLM calls/pt", "backend calls/pt", "cache hits",
                "cost/pt (USD)", "patients/h", "clock"],
               [[r["system"], str(r["patients"]), _value(r["micro_f1_at_20"], ".3f"),

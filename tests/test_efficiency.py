@@ -5,16 +5,18 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from models.llm.config import ModelPrice
+from models.llm.telemetry import call_costs
 from tasks.efficiency import efficiency_notes, run_efficiency
 from tasks.evaluate import evaluate_run
 from tasks.report import build_report, render_report, to_markdown
 from test_metrics import A, B, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
 from tools.ledger import Ledger
 from warehouse.evidence import search_job_count
-from warehouse.run_outputs import matched_patients, run_llm_calls, run_metric
+from warehouse.run_outputs import calls_written_before_cost, matched_patients, run_llm_calls, run_metric
 from warehouse.runs import finished_wall_clocks, record_run
 from warehouse.schemas import TABLES
 from warehouse.store import Warehouse
@@ -30,14 +32,15 @@ STATUS = {(system, t): "short" for system in RANKINGS for t in (T1, T2, T3)}
 WALL_SECONDS = {"direct": 90, "global_frequency": 9, "ehr_prior": 30, "rrf_prior_direct": 6}
 
 
-def calls_frame(run_id: str, rows: list[tuple]) -> pl.DataFrame:
-    """llm_calls rows from (stage, trajectory, tokens in, cached in, out, reasoning, latency ms, cache hit)."""
+def calls_frame(run_id: str, rows: list[tuple], prices: dict[str, ModelPrice] = PRICES) -> pl.DataFrame:
+    """llm_calls rows from (stage, trajectory, tokens in, cached in, out, reasoning, latency ms, cache hit), each
+    with its cost at `prices`, the price table of the run that wrote them (as `LLMClient.telemetry` prices them)."""
     schema = pl.from_arrow(TABLES["llm_calls"].schema.empty_table()).schema
-    return pl.DataFrame([{"call_id": f"c{i}", "run_id": run_id, "stage": r[0], "trajectory_id": r[1],
+    return call_costs(pl.DataFrame([{"call_id": f"c{i}", "run_id": run_id, "stage": r[0], "trajectory_id": r[1],
                           "backend": "openai", "model": "m", "prompt_version": "direct_forecast/1",
                           "tokens_in": r[2], "tokens_cached_in": r[3], "tokens_out": r[4], "tokens_reasoning": r[5],
                           "latency_ms": r[6], "cache_hit": r[7], "status": "ok", "error": None, "truncated_chars": 0}
-                         for i, r in enumerate(rows)], schema=schema)
+                         for i, r in enumerate(rows)], schema=schema).drop("cost_usd"), prices)
 
 
 DIRECT_CALLS = [
@@ -50,12 +53,12 @@ DIRECT_CALLS = [
 ]
 
 
-def write_run(wh: Warehouse, run_id: str, calls: list[tuple]) -> None:
+def write_run(wh: Warehouse, run_id: str, calls: list[tuple], prices: dict[str, ModelPrice] = PRICES) -> None:
     write_rankings(wh, run_id, rankings=RANKINGS, status=STATUS)
     for system, seconds in WALL_SECONDS.items():
         record_run(wh, run_id, COHORT, f"forecast:{system}", {"system": system}, "finished", START,
                    START + timedelta(seconds=seconds))
-    frame = calls_frame(run_id, calls)
+    frame = calls_frame(run_id, calls, prices)
     for (stage,), part in frame.group_by("stage"):
         wh.write("llm_calls", part, run_id=run_id, stage=stage, shard=0)
 
@@ -121,16 +124,41 @@ def test_systems_without_calls_cost_zero_and_fusion_counts_its_inputs(run):
 
 
 def test_unknown_price_is_not_zero(run):
-    rows = by_system(run_efficiency(run, "e1", {}))
+    # A run whose price table had no price for its model: a price added to the table since does not make the cost
+    # of the calls it made known.
+    write_run(run, "e2", DIRECT_CALLS, prices={"other-model": ModelPrice(input=1.0)})
+    rows = by_system(run_efficiency(run, "e2", PRICES))
     assert rows["direct"]["cost_usd"] is None and rows["direct"]["cost_per_patient_usd"] is None
     assert rows["global_frequency"]["cost_per_patient_usd"] == 0.0      # no calls: a known zero
-    other = {"other-model": ModelPrice(input=1.0)}
-    assert by_system(run_efficiency(run, "e1", other))["direct"]["cost_per_patient_usd"] is None
+
+
+def test_the_cost_stored_with_a_call_outlives_a_change_of_the_price_table(run):
+    # The run wrote its calls at PRICES; the table has doubled every price since, and lost the model later still.
+    doubled = {"m": ModelPrice(input=4.0, cached_input=1.0, output=20.0)}
+    for prices in (doubled, {}):
+        direct = by_system(run_efficiency(run, "e1", prices))["direct"]
+        assert direct["cost_usd"] == pytest.approx(9900e-6)            # as at PRICES (see the test above)
+
+
+def test_calls_written_before_costs_were_stored_are_priced_at_report_time(run):
+    # Shard 0 of direct's calls as dxr wrote it before `cost_usd` existed (a file without the column), shard 1 as
+    # written since, at PRICES: only the first is priced from the table of the report.
+    write_run(run, "e3", [])
+    old = run.write("llm_calls", calls_frame("e3", DIRECT_CALLS[:2]), run_id="e3", stage="direct", shard=0)
+    pq.write_table(pq.read_table(old).drop_columns(["cost_usd"]), old)
+    new = calls_frame("e3", DIRECT_CALLS[2:4]).with_columns(pl.format("new-{}", "call_id").alias("call_id"))
+    run.write("llm_calls", new, run_id="e3", stage="direct", shard=1)
+    assert calls_written_before_cost(run, "e3") == ["c0", "c1"]
+    doubled = {"m": ModelPrice(input=4.0, cached_input=1.0, output=20.0)}
+    # T1's two calls at twice PRICES (2 · (3400 + 1900) micro-dollars), T3's as stored (4600; T2's is a cache hit).
+    assert by_system(run_efficiency(run, "e3", doubled))["direct"]["cost_usd"] == pytest.approx(15200e-6)
+    # A model the table of the report does not price leaves the old calls' cost unknown, as before.
+    assert by_system(run_efficiency(run, "e3", {}))["direct"]["cost_usd"] is None
 
 
 def test_fully_cached_rerun_has_no_backend_calls_and_no_throughput(run):
     cached = [(stage, t, 0, 0, 0, 0, 0.4, True) for stage, t, *_ in DIRECT_CALLS[:4]]
-    write_run(run, "e2", cached)
+    write_run(run, "e2", cached, prices={})
     direct = by_system(run_efficiency(run, "e2", {}))["direct"]
     assert (direct["llm_calls"], direct["backend_calls"], direct["cache_hits"]) == (4, 0, 4)
     assert direct["tokens_in_per_patient"] == 0.0 and direct["latency_ms_total"] == 0.0
@@ -250,9 +278,9 @@ def test_report_has_the_efficiency_section(run, tmp_path, monkeypatch):
     assert "Not counted above: 1 LLM call(s) of stage(s) unit belong to no system" in markdown
     assert "Efficiency" in (tmp_path / "out" / "report.html").read_text()
 
+    # The configured table no longer prices the model: the calls keep the cost stored when they were made.
     monkeypatch.delenv("DXR_CONFIG")
-    unpriced = to_markdown(build_report(run, "e1"))
-    assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a | 120 |" in unpriced
+    assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | 0.003300 | 120 |" in to_markdown(build_report(run, "e1"))
 
 
 def test_a_patient_forecast_at_several_encounters_counts_once_with_the_work_of_all_its_trajectories(
@@ -301,7 +329,7 @@ def test_only_the_evaluated_systems_are_listed(run, tmp_path, monkeypatch):
     efficiency = to_markdown(build_report(run, "e1")).split("## Efficiency")[1]
     listed = [line.split(" | ")[0][2:] for line in efficiency.splitlines() if line.startswith("| ")]
     assert listed == ["system", "global_frequency", "rrf_prior_direct", "system", "rrf_prior_direct"]
-    assert "| rrf_prior_direct | 3 | 0.121 | 1.33 | 1.00 | 1 | n/a |" in efficiency   # it fuses direct's calls
+    assert "| rrf_prior_direct | 3 | 0.121 | 1.33 | 1.00 | 1 | 0.003300 |" in efficiency   # it fuses direct's calls
     assert ("Not listed (lists in this run, but left out of its evaluation by `dxr evaluate --systems`): direct, "
             "ehr_prior.") in efficiency
     assert "Not counted above: 1 LLM call(s) of stage(s) unit belong to no system of this run" in efficiency

@@ -47,7 +47,7 @@ def test_valid_reply_is_parsed_and_recorded(tmp_path):
                     "prompt_version": "unit/1", "tokens_in": 40, "tokens_cached_in": 0, "tokens_out": 5,
                     "tokens_reasoning": 0, "cache_hit": False, "status": "ok", "error": None, "truncated_chars": 0,
                     "model_identity": str(tmp_path / "replay.jsonl"), "attempt": 1, "attempt_reason": "first",
-                    "transport_retries": 0}]
+                    "transport_retries": 0, "cost_usd": None}]
 
 
 def re_ask(bad: str, *errors: str) -> list[dict]:
@@ -202,6 +202,20 @@ def test_second_identical_call_is_a_cache_hit_without_a_backend_call(tmp_path):
     # A new prompt version is a different cache key: the backend is asked again.
     asyncio.run(client.complete_json(QUESTION, SCHEMA, "unit/2", CONTEXT))
     assert client.backend.calls == 2
+
+
+def test_each_call_stores_its_cost_at_the_price_table_of_its_run(tmp_path):
+    # $2/M input and $10/M output: 40 tokens in and 5 out cost 80 + 50 micro-dollars.
+    priced = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 40, 5)],
+                           prices={"m": ModelPrice(input=2.0, output=10.0)})
+    asyncio.run(priced.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    assert priced.telemetry()["cost_usd"].to_list() == [130e-6]
+    # The default table prices only the embedded model: "m" has no price, so its request's cost is unknown (null),
+    # while its cache hit sent no request and cost 0.
+    unpriced = replay_client(tmp_path, [(QUESTION, '{"answer": 3}', 40, 5)], cache=True)
+    for _ in range(2):
+        asyncio.run(unpriced.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
+    assert unpriced.telemetry().select("cache_hit", "cost_usd").rows() == [(False, None), (True, 0.0)]
 
 
 def test_cache_files_are_complete_json_named_by_their_key(tmp_path):
@@ -403,14 +417,14 @@ def test_backend_totals_count_cache_hits_as_calls_without_tokens_or_cost():
                           "trajectory_id": ["a", "a", "b"], "tokens_in": [1000, 1200, 900],
                           "tokens_cached_in": [0, 0, 400], "tokens_out": [300, 250, 280], "tokens_reasoning": [0, 0, 0],
                           "latency_ms": [1000.0, 2.0, 3000.0], "cache_hit": [False, True, False]})
-    totals = backend_totals(calls, {"m": ModelPrice(input=1.0, cached_input=0.5, output=2.0)},
+    totals = backend_totals(call_costs(calls, {"m": ModelPrice(input=1.0, cached_input=0.5, output=2.0)}),
                             ["stage"]).row(0, named=True)
     assert (totals["llm_calls"], totals["backend_calls"], totals["cache_hits"]) == (3, 2, 1)
     assert (totals["tokens_in"], totals["tokens_cached_in"], totals["tokens_out"]) == (1900, 400, 580)
     assert (totals["latency_ms_p50"], totals["latency_ms_total"]) == (2000.0, 4000.0)
     # (1900 - 400) uncached at $1/M + 400 cached at $0.5/M + 580 out at $2/M; the cache hit costs nothing.
     assert totals["cost_usd"] == pytest.approx((1500 * 1.0 + 400 * 0.5 + 580 * 2.0) / 1e6)
-    assert backend_totals(calls, {}, ["stage"])["cost_usd"].to_list() == [None]
+    assert backend_totals(call_costs(calls, {}), ["stage"])["cost_usd"].to_list() == [None]
 
 
 def _write_many(root: str) -> int:

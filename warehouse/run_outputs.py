@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 
-from warehouse.store import fetch_frame
+from warehouse.store import PART_FILE, Warehouse, fetch_frame
 
 
 def matched_patients(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
@@ -23,6 +24,14 @@ def matched_patients(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.D
 def run_llm_calls(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
     """Every `llm_calls` row of the run, in every column."""
     return fetch_frame(connection, "SELECT * FROM llm_calls WHERE run_id = ?", [run_id])
+
+
+def calls_written_before_cost(wh: Warehouse, run_id: str) -> list[str]:
+    """`call_id` of the run's `llm_calls` rows in files written before `cost_usd` was recorded: their cost reads null
+    because the file has no such column, not because their model had no price (which a newer file's null says)."""
+    files = sorted(wh.partitions_dir("llm_calls", run_id=run_id).rglob(PART_FILE))
+    return [call_id for path in files if "cost_usd" not in pq.read_schema(path).names
+            for call_id in pl.read_parquet(path, columns=["call_id"])["call_id"]]
 
 
 def run_metric(connection: duckdb.DuckDBPyConnection, run_id: str, metric: str, k: int,

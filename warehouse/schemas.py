@@ -348,7 +348,7 @@ TABLES.update({
             "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
             "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
             "truncated_chars": pa.int64(), "model_identity": pa.string(), "started_at": TS, "attempt": pa.int32(),
-            "attempt_reason": pa.string(), "transport_retries": pa.int32(),
+            "attempt_reason": pa.string(), "transport_retries": pa.int32(), "cost_usd": pa.float64(),
         }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
            "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx), cancelled (in flight when "
            "the run stopped on another request's error or an interrupt)}; a run that stops still writes the rows of "
@@ -370,9 +370,12 @@ TABLES.update({
            "retry sends the same request again within its row: `transport_retries` counts them (0 when the first "
            "send answered, and for a cache hit), and `latency_ms` sums every send. These four are null in rows "
            "written before they were recorded. "
-           "Cost is computed at report time from the `llm.prices` table, never stored.",
+           "`cost_usd` = the call's cost in US dollars at the `llm.prices` entry of its `model` in force when the "
+           "run wrote it (uncached input, cached input and output tokens at their prices per 1M tokens): 0 for a "
+           "cache hit, null when the model had no price, and null in rows written before it was recorded (the "
+           "report prices those from the price table at report time).",
            nullable=["trajectory_id", "error", "model_identity", "started_at", "attempt", "attempt_reason",
-                     "transport_retries"]),
+                     "transport_retries", "cost_usd"]),
     ]
 })
 

@@ -25,6 +25,7 @@ from models.llm.backends import (Backend, Completion, ContextLengthError, Transp
                                  canonical_json, make_backend)
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
+from models.llm.telemetry import call_costs
 from warehouse.schemas import utc_now
 
 
@@ -56,6 +57,7 @@ FEEDBACK_REPEATED = "\nThe same problems as in your previous reply ({times} repl
 CANCELLED = "cancelled in flight: the run stopped (another request's error, or an interrupt)"
 
 
+# The columns of a request's row; `telemetry` adds its `cost_usd`.
 CALL_COLUMNS = {
     "call_id": pl.String, "run_id": pl.String, "stage": pl.String, "trajectory_id": pl.String,
     "backend": pl.String, "model": pl.String, "prompt_version": pl.String, "tokens_in": pl.Int64,
@@ -413,8 +415,9 @@ class LLMClient:
         self.calls.append(row)
 
     def telemetry(self) -> pl.DataFrame:
-        """Every call so far as `llm_calls` rows."""
-        return pl.DataFrame(self.calls, schema=CALL_COLUMNS)
+        """Every call so far as `llm_calls` rows, each priced by this run's price table: the cost of a call is the
+        price in force when it was made, whatever the table says when it is reported."""
+        return call_costs(pl.DataFrame(self.calls, schema=CALL_COLUMNS), self.config.prices)
 
     async def close(self) -> None:
         await self.backend.close()

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ModelPrice(BaseModel):
-    """US dollars per million tokens of one model; cost is computed at report time, never stored."""
+    """US dollars per million tokens of one model; each call stores its cost at the price in force when made."""
 
     model_config = ConfigDict(extra="forbid")
     input: float = Field(0.0, ge=0)
