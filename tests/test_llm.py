@@ -374,8 +374,40 @@ def test_an_embedded_server_that_stopped_answering_is_named_with_its_log(tmp_pat
 
     with pytest.raises(EndpointUnreachableError, match="gave up after 1 attempts: the embedded llama.cpp server "
                        "at http://127.0.0.1:1/v1/chat/completions stopped answering \\(exited with code 137; last "
-                       "log line: Killed; full log: .*server.log\\)"):
+                       "log line: Killed; full log: .*server.log\\): run it again under the same run id to resume"):
         asyncio.run(scenario())
+
+
+def test_an_embedded_server_killed_by_a_signal_is_named_so_with_the_way_to_resume(tmp_path):
+    """Popen reports a server killed by SIGKILL (the out-of-memory killer, an operator's kill -9) as return code -9:
+    the line names the signal, not an exit code -9, and says how to resume the run."""
+    from models.llm.client import EndpointUnreachableError
+    from models.llm.local_server import LocalBackend, LocalServer
+
+    class Killed(LocalServer):  # as if it had started, then been killed, leaving its port closed
+        def start(self) -> str:
+            self.process = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
+                                             "signal.SIGKILL)"])
+            self.process.wait()
+            return "http://127.0.0.1:1/v1"
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    backend = LocalBackend(Killed(tmp_path / "m.gguf", 2048, 1, tmp_path / "server.log"), 10.0)
+    client = LLMClient(LLMConfig(transport_retries=0), backend)
+
+    async def scenario():
+        try:
+            await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
+        finally:
+            await client.close()
+
+    with pytest.raises(EndpointUnreachableError) as raised:
+        asyncio.run(scenario())
+    message = str(raised.value)
+    assert "stopped answering (killed by signal 9 (Killed); last log line: no output; full log: " in message
+    assert "code -9" not in message
+    assert message.endswith("server.log): run it again under the same run id to resume (a new server starts; with "
+                            "llm.cache on, the replies already received are not asked for again)")
 
 
 def test_a_backend_that_keeps_computing_timed_out_requests_uses_its_own_timeout_and_does_not_retry():

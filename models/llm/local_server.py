@@ -15,6 +15,7 @@ import atexit
 import hashlib
 import importlib.metadata
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -167,11 +168,16 @@ class LocalServer:
                           f"(log: {self.log_path}); raise llm.local_startup_timeout_s on a slow machine")
 
     def exit_status(self) -> str:
-        """`exited with code N`, `stopped` (by `stop`), or `still running` (yet no longer answering on its port)."""
+        """`exited with code N`, `killed by signal 9 (Killed)`, `stopped` (by `stop`), or `still running` (yet no
+        longer answering on its port)."""
         if self.process is None:
             return "stopped"
         code = self.process.poll()
-        return "still running" if code is None else f"exited with code {code}"
+        if code is None:
+            return "still running"
+        if code < 0:  # Popen's -9 is no exit status the server chose: a signal (9, SIGKILL, is the OOM killer's)
+            return f"killed by signal {-code} ({signal.strsignal(-code)})"
+        return f"exited with code {code}"
 
     def _log_tail(self) -> str:
         """The last line this server wrote (not an earlier server's, from the same log), or `no output`."""
@@ -215,6 +221,11 @@ def fold_system_messages(messages: list[dict]) -> list[dict]:
     return rest
 
 
+# What to do about a server that died in a run: the run stops with it, and the same command resumes it.
+RESTART_HINT = ("run it again under the same run id to resume (a new server starts; with llm.cache on, the replies "
+                "already received are not asked for again)")
+
+
 class LocalBackend:
     """The embedded default: an `OpenAIBackend` in front of a `LocalServer` started on first use."""
 
@@ -253,7 +264,7 @@ class LocalBackend:
         except UnreachableError as exc:  # it answered at start: it has stopped since (killed, out of memory)
             raise UnreachableError(f"the embedded llama.cpp server at {http.url} stopped answering "
                                    f"({self.server.exit_status()}; last log line: {self.server._log_tail()}; full "
-                                   f"log: {self.server.log_path})") from exc
+                                   f"log: {self.server.log_path}): {RESTART_HINT}") from exc
 
     async def close(self) -> None:
         if self._http is not None:
