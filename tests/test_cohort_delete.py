@@ -16,14 +16,14 @@ from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
 from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
-                            lock_files, plant, tiny_events, write_tiny_meds)
+                            lock_files, plant, tiny_events, warehouse_copy, with_vocabularies, write_tiny_meds)
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held
 from warehouse.runs import record_run
 from warehouse.schemas import RUN_TABLES, TABLES
-from warehouse.store import COMMIT_DIR, COMMITTED
+from warehouse.store import COMMIT_DIR, COMMITTED, Warehouse
 
 
 def cli(wh, *args) -> tuple[int, str, str]:
@@ -71,15 +71,24 @@ def with_runs_and_results(wh, cohort_id: str, run_id: str) -> None:
     (wh.root / "mlflow" / "cache" / f"ehr_prior-{cohort_id}" / "v1-abc").mkdir(parents=True)
 
 
+@pytest.fixture(scope="module")
+def two_cohorts_built(tmp_path_factory, vocab_cache, prefect_harness):
+    """Two cohorts of one dataset (native codes and ICD categories), each with a run and everything above. Built once
+    for the module: tests get copies (`two_cohorts`)."""
+    wh = with_vocabularies(Warehouse(tmp_path_factory.mktemp("two_cohorts") / "warehouse"), vocab_cache)
+    ingest_meds(wh, write_tiny_meds(tmp_path_factory.mktemp("tiny_meds")), "tiny")
+    old = build_cohort(wh, "tiny", "old", CohortOptions(), seed=7)["cohort_id"]
+    kept = build_cohort(wh, "tiny", "kept", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    with_runs_and_results(wh, old, "r-old")
+    with_runs_and_results(wh, kept, "r-kept")
+    return wh, old, kept
+
+
 @pytest.fixture
-def two_cohorts(wh_vocab, tiny_meds, prefect_harness):
-    """Two cohorts of one dataset (native codes and ICD categories), each with a run and everything above."""
-    ingest_meds(wh_vocab, tiny_meds, "tiny")
-    old = build_cohort(wh_vocab, "tiny", "old", CohortOptions(), seed=7)["cohort_id"]
-    kept = build_cohort(wh_vocab, "tiny", "kept", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
-    with_runs_and_results(wh_vocab, old, "r-old")
-    with_runs_and_results(wh_vocab, kept, "r-kept")
-    return wh_vocab, old, kept
+def two_cohorts(two_cohorts_built, tmp_path):
+    """The module's two cohorts in a warehouse of the test's own."""
+    template, old, kept = two_cohorts_built
+    return warehouse_copy(template, tmp_path / "warehouse"), old, kept
 
 
 def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_other_cohort(two_cohorts):

@@ -16,14 +16,14 @@ from dxr.errors import InputError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
 from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
-                            lock_files, plant)
+                            lock_files, plant, warehouse_copy, with_vocabularies, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held, lock_file
 from warehouse.run_deletion import NotAResult, delete_run
 from warehouse.runs import record_run, registered_run
 from warehouse.schemas import RUN_TABLES, TABLES, utc_now
-from warehouse.store import COMMIT_DIR, COMMITTED
+from warehouse.store import COMMIT_DIR, COMMITTED, Warehouse
 
 SYSTEMS = ("global_frequency", "repeat_history")
 
@@ -44,13 +44,13 @@ def files(wh) -> list[str]:
     return sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts)
 
 
-@pytest.fixture
-def two_runs(wh_vocab, tiny_meds, prefect_harness):
+@pytest.fixture(scope="module")
+def two_runs_built(tmp_path_factory, vocab_cache, prefect_harness):
     """One cohort and two runs of it, each with two systems' forecasts, an evaluation, a report and a row in every
     table partitioned by run (an LLM system's calls, the ledger, ...); a prediction-cache entry of the cohort and an
-    LLM response-cache file, which belong to no run."""
-    wh = wh_vocab
-    ingest_meds(wh, tiny_meds, "tiny")
+    LLM response-cache file, which belong to no run. Built once for the module: tests get copies (`two_runs`)."""
+    wh = with_vocabularies(Warehouse(tmp_path_factory.mktemp("two_runs") / "warehouse"), vocab_cache)
+    ingest_meds(wh, write_tiny_meds(tmp_path_factory.mktemp("tiny_meds")), "tiny")
     cohort_id = build_cohort(wh, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
     for run_id in ("r1", "r2"):
         for system in SYSTEMS:
@@ -70,6 +70,13 @@ def two_runs(wh_vocab, tiny_meds, prefect_harness):
     (wh.forecast_dir / "llm_cache").mkdir()
     (wh.forecast_dir / "llm_cache" / "ab12.json").write_text("{}")
     return wh, cohort_id
+
+
+@pytest.fixture
+def two_runs(two_runs_built, tmp_path):
+    """The module's two runs in a warehouse of the test's own."""
+    template, cohort_id = two_runs_built
+    return warehouse_copy(template, tmp_path / "warehouse"), cohort_id
 
 
 def test_a_run_goes_with_its_evaluation_and_report_and_leaves_its_cohort_and_the_other_run(two_runs):
