@@ -26,7 +26,7 @@ def test_demo_prints_metrics_and_realism_bands_and_reruns_cleanly(tmp_path, pref
         assert system in out
     # The LLM sample: Direct Forecast with the embedded model and Union + RRF on the same patients.
     llm_part = out.split("LLM sample (local backend")[1]
-    assert f": {LLM_SAMPLE} held_out patients, run demo-test-llm\n" in llm_part
+    assert f": {LLM_SAMPLE} held_out patient, run demo-test-llm\n" in llm_part  # one patient, not 'patients'
     for system in ("direct", "rrf_prior_direct", "ehr_prior"):
         assert f"\n{system} " in llm_part
     assert "ranking status: direct " in llm_part

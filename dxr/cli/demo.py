@@ -52,8 +52,8 @@ def demo(ctx: click.Context, patients: int | None, run_id: str | None, llm_sampl
     click.echo(f"report: {result['report']}")
     if result["llm"] is not None:
         llm = result["llm"]
-        click.echo(f"\nLLM sample ({cfg.llm.backend} backend, model {cfg.llm.model}): {llm_sample} held_out patients, "
-                   f"run {llm['run_id']}")
+        click.echo(f"\nLLM sample ({cfg.llm.backend} backend, model {cfg.llm.model}): {llm_sample} held_out "
+                   f"patient{'s' if llm_sample != 1 else ''}, run {llm['run_id']}")
         click.echo(headline_table(llm["metrics"]))
         statuses = "; ".join(f"{system} " + ", ".join(f"{n} {status}" for _, status, n in group.iter_rows())
                              for (system,), group in llm["status"].partition_by("system", as_dict=True).items())
