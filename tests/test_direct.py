@@ -377,14 +377,16 @@ def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, 
     assert wh.read("ranking_status", run_id="bad", system="direct")["status"].to_list() == ["ok", "ok"]
 
 
-def failed_cli_forecast(wh, run_id: str):
-    """`dxr forecast --system direct` over held_out, which must exit 1; its output and its Error/run lines."""
+def failed_cli_forecast(wh, run_id: str | None):
+    """`dxr forecast --system direct` over held_out (under a generated run id when `run_id` is None), which must
+    exit 1; its output and its Error/run lines."""
     from click.testing import CliRunner
 
     from dxr.cli import main
 
+    given = [] if run_id is None else ["--run-id", run_id]
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
-                                       "direct", "--split", "held_out", "--run-id", run_id])
+                                       "direct", "--split", "held_out", *given])
     assert result.exit_code == 1, result.output
     return result, [line for line in result.output.splitlines() if line.startswith(("Error", "run "))]
 
@@ -407,6 +409,23 @@ def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_coh
     assert calls.select("stage", "backend", "status", "cache_hit").rows() == [
         ("direct", "openai", "transport_error", False)]
     assert calls["error"][0].startswith("cannot connect to http://127.0.0.1:1/v1/chat/completions")
+
+
+def test_a_failed_forecast_under_a_generated_run_id_names_the_run_to_resume(planted_cohort, monkeypatch,
+                                                                              prefect_harness):
+    wh, _, _ = planted_cohort
+    # Without --run-id the line said only why the run stopped: the generated id that a rerun must name to resume
+    # the run (its replies cached so far reused) was left to be found with dxr run list.
+    for key, value in {"BACKEND": "openai", "BASE_URL": "http://127.0.0.1:1/v1", "TRANSPORT_RETRIES": "0",
+                       "MAX_CONCURRENCY": "1"}.items():
+        monkeypatch.setenv(f"DXR_LLM__{key}", value)
+    result, lines = failed_cli_forecast(wh, None)
+    failed = wh.read("runs").filter(pl.col("kind") == "forecast:direct")
+    assert failed["status"].to_list() == ["failed"]
+    run_id = failed["run_id"][0]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"Error: run {run_id} (recorded failed; resume it with --run-id {run_id}): direct: gave up after 1 "
+        "attempts: cannot connect to http://127.0.0.1:1/v1/chat/completions"), result.output
 
 
 def test_a_run_stopped_by_a_configuration_error_records_the_calls_it_made():

@@ -46,6 +46,7 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     from flows.forecast import forecast_flow
     from tasks.forecast import check_rerun, forecast_config, forecast_shards, llm_run_config, pinned_model
     from warehouse.cohorts import get_cohort
+    from warehouse.runs import new_run_id
     from warehouse.store import Warehouse
 
     data_dir = str(settings(ctx).data_dir)
@@ -57,7 +58,14 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     forecast_shards(wh, cohort_id, split, subject_id)  # an empty split or a patient outside it
     pinned_model(wh, cohort_id, system)  # a learned system without a registered model
     start_temporary_api()
-    run = forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run_id, subject_id=subject_id)
+    # A generated id is made here rather than in the flow, so that a failure's line can name the run to resume.
+    run = run_id or new_run_id("forecast")
+    try:
+        forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run, subject_id=subject_id)
+    except DxrError as exc:
+        if run_id is None and not wh.read("runs", run_id=run).is_empty():
+            raise DxrError(f"run {run} (recorded failed; resume it with --run-id {run}): {exc}") from exc
+        raise
     status = wh.read("ranking_status", run_id=run, system=system)
     failed = status.filter(pl.col("status") == "failed")
     if failed.height and failed.height == status.height:  # e.g. an LLM whose every reply stays invalid: no list
