@@ -473,7 +473,9 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
 
     subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
     (tmp_path / "none.toml").write_text("")
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
+    # Polled every second, not 10: a requested run starts at once.
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml"),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = tmp_path / "serve.log"
     dxr = Path(sys.executable).parent / "dxr"
     with log.open("w") as out:  # a file, not a pipe: nobody reads the runner's log while the test waits
@@ -482,20 +484,20 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
     try:
         wait_for_deployment("forecast-patient/adhoc", log)
         # Requested as the UI's Run button does; the deployment adds the parameters it fixes (data_dir).
-        flow_run = run_deployment("forecast-patient/adhoc", timeout=300, parameters={
+        flow_run = run_deployment("forecast-patient/adhoc", timeout=300, poll_interval=0.5, parameters={
             "cohort": "default", "subject_id": subject, "systems": ["repeat_history"]})
         assert flow_run.state.is_completed(), (flow_run.state, log.read_text())
         rankings = wh_vocab.read("rankings").filter(pl.col("run_id").str.starts_with("patient-"))
         assert rankings["trajectory_id"].str.split(":").list.get(1).cast(pl.Int64).unique().to_list() == [subject]
         # A mistyped patient fails the run with the one-line error in its log, and no traceback.
-        failed = run_deployment("forecast-patient/adhoc", timeout=300, parameters={
+        failed = run_deployment("forecast-patient/adhoc", timeout=300, poll_interval=0.5, parameters={
             "cohort": "default", "subject_id": 987654, "systems": ["repeat_history"]})
         assert failed.state.is_failed(), (failed.state, log.read_text())
         messages = flow_run_log(failed.id, "has no trajectory in cohort")
         assert any("InputError: patient 987654 has no trajectory in cohort" in m for m in messages), messages
         assert not any("Traceback" in m for m in messages), messages
         # Retraining from the UI: a challenger registered without moving the alias.
-        trained = run_deployment("train_prior/adhoc", timeout=300, parameters={
+        trained = run_deployment("train_prior/adhoc", timeout=300, poll_interval=0.5, parameters={
             "cohort": "default", "systems": ["gru"],
             "cfg": {"epochs": 1, "d_model": 16, "n_heads": 2, "expert_hidden": 16, "promote": False}})
         assert trained.state.is_completed(), (trained.state, log.read_text())
@@ -505,7 +507,7 @@ def test_serve_executes_a_patient_rerun_requested_through_the_prefect_api(wh_voc
         assert (result["version"], result["alias"], result["system"]) == ("1", None, "gru")
         # Settings the run form's types allow but the model refuses: Prefect's own parameter check fails the run,
         # and its log says why in one line instead of ending in a traceback of Prefect's engine.
-        refused = run_deployment("train_prior/adhoc", timeout=300, parameters={
+        refused = run_deployment("train_prior/adhoc", timeout=300, poll_interval=0.5, parameters={
             "cohort": "default", "systems": ["gru"], "cfg": {"d_model": 30, "n_heads": 4}})
         assert refused.state.is_failed(), (refused.state, log.read_text())
         messages = flow_run_log(refused.id, "must be a multiple")
@@ -555,7 +557,9 @@ def test_ctrl_c_in_a_terminal_stops_serve_as_sigterm_does_cancelling_the_run_in_
 
     subject = wh_vocab.read("trajectories", cohort_id=tiny_cohort_id)["subject_id"][0]
     (tmp_path / "none.toml").write_text("")
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml")}
+    # Polled every second, not 10: a requested run starts at once.
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "DXR_CONFIG": str(tmp_path / "none.toml"),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     log = tmp_path / "serve.log"
     with log.open("w") as out:  # a process group of its own, as a shell gives a command it starts in a terminal
         server = subprocess.Popen([*FROM_A_TERMINAL, sys.executable, "-m", "dxr", "--data-dir", str(wh_vocab.root),
@@ -706,15 +710,17 @@ def test_a_second_serve_leaves_the_deployments_of_a_first_one_alone(wh_vocab, ti
     with first_log.open("w") as out:
         first = subprocess.Popen([*dxr, str(wh_vocab.root), "serve"], env=env, cwd=tmp_path, stdout=out,
                                  stderr=subprocess.STDOUT)
-    second = None
+    second, refusals = None, []
     try:
         with get_client(sync_client=True) as client:
             served_deployment(client, "cohort-backfill/nightly", wh_vocab.root, first_log)
-            for data_dir in (wh_vocab.root, other):  # the same data dir started twice, or another one
-                refused = subprocess.run([*dxr, str(data_dir), "serve"], env=env, cwd=tmp_path, capture_output=True,
-                                         text=True, timeout=120)
-                assert refused.returncode == 1, refused.stdout + refused.stderr
-                assert refused.stderr.splitlines()[-1] == (
+            # The same data dir started twice, or another one: both at once, as each waits 7 s for the first's poll.
+            refusals = [subprocess.Popen([*dxr, str(data_dir), "serve"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True) for data_dir in (wh_vocab.root, other)]
+            for refusal in refusals:
+                stdout, stderr = refusal.communicate(timeout=120)
+                assert refusal.returncode == 1, stdout + stderr
+                assert stderr.splitlines()[-1] == (
                     f"Error: forecast-patient/adhoc is being served by another dxr serve, of data dir {wh_vocab.root}: "
                     "stop that one first, or give this one deployment names of its own with `dxr serve --name NAME`")
             with second_log.open("w") as out:
@@ -730,7 +736,7 @@ def test_a_second_serve_leaves_the_deployments_of_a_first_one_alone(wh_vocab, ti
                 deployment = client.read_deployment_by_name(name)
                 assert (deployment.paused, deployment.parameters["data_dir"]) == (False, str(wh_vocab.root)), name
     finally:
-        for serve in (first, second):
+        for serve in (first, second, *refusals):
             if serve is not None and serve.poll() is None:
                 serve.send_signal(signal.SIGTERM)
                 serve.wait(timeout=60)
