@@ -1110,14 +1110,21 @@ def test_loading_an_embedding_model_draws_no_bar_but_still_warns_of_weights_miss
     del weights["embeddings.word_embeddings.weight"]
     save_file(weights, broken / "model.safetensors")
     environment = {name: value for name, value in os.environ.items() if not name.startswith("TRANSFORMERS_")}
-    for model, expected_warning in ((shipped, False), (broken, True)):
-        result = subprocess.run([sys.executable, "-c", "import sys; from tools.embeddings import "
-                                 "SentenceTransformerEmbedder; SentenceTransformerEmbedder(sys.argv[1])", str(model)],
-                                capture_output=True, text=True, env=environment, timeout=300,
-                                cwd=Path(__file__).resolve().parents[1])  # the repository's tools, wherever pytest runs
-        assert result.returncode == 0, result.stderr
-        assert "Loading weights" not in result.stderr
-        assert ("embeddings.word_embeddings.weight | MISSING" in result.stderr) == expected_warning, result.stderr
+    # Both models load at once: each process spends its seconds importing torch and transformers.
+    loads = {model: subprocess.Popen([sys.executable, "-c", "import sys; from tools.embeddings import "
+                                      "SentenceTransformerEmbedder; SentenceTransformerEmbedder(sys.argv[1])",
+                                      str(model)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=environment, cwd=Path(__file__).resolve().parents[1])  # the repository's tools
+             for model in (shipped, broken)}
+    try:
+        for model, expected_warning in ((shipped, False), (broken, True)):
+            _, stderr = loads[model].communicate(timeout=300)
+            assert loads[model].returncode == 0, stderr
+            assert "Loading weights" not in stderr
+            assert ("embeddings.word_embeddings.weight | MISSING" in stderr) == expected_warning, stderr
+    finally:
+        for load in loads.values():
+            load.kill()  # a load still running after a failed check; no effect on an ended one
 
 
 def test_cli_search_refuses_fusion_options_outside_hybrid_mode(tmp_path, monkeypatch):
