@@ -407,7 +407,8 @@ def test_an_embedded_server_killed_by_a_signal_is_named_so_with_the_way_to_resum
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     backend = LocalBackend(Killed(tmp_path / "m.gguf", 2048, 1, tmp_path / "server.log"), 10.0)
-    client = LLMClient(LLMConfig(transport_retries=0), backend)
+    # No retry can reach a server whose process has ended: the run stops at the first attempt, without backing off.
+    client = LLMClient(LLMConfig(transport_retries=3, backoff_s=30.0), backend)
 
     async def scenario():
         try:
@@ -418,6 +419,7 @@ def test_an_embedded_server_killed_by_a_signal_is_named_so_with_the_way_to_resum
     with pytest.raises(EndpointUnreachableError) as raised:
         asyncio.run(scenario())
     message = str(raised.value)
+    assert message.startswith("unit: gave up after 1 attempts: ") and client.calls[0]["transport_retries"] == 0
     assert "stopped answering (killed by signal 9 (Killed); last log line: no output; full log: " in message
     assert "code -9" not in message
     assert message.endswith("server.log): run it again under the same run id to resume (a new server starts; with "

@@ -44,6 +44,10 @@ class UnreachableError(TransportError):
     """
 
 
+class EndedServerError(UnreachableError):
+    """The embedded server's process has ended: no retry can reach it, so the run stops at once."""
+
+
 class ContextLengthError(InputError):
     """One request's prompt left too little of the model's context window for the reply: the endpoint refused
     it, or cut the reply off at the full window.

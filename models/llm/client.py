@@ -21,8 +21,8 @@ import jsonschema
 import polars as pl
 
 from dxr.errors import ConfigError, DxrError
-from models.llm.backends import (Backend, Completion, ContextLengthError, TransportError, UnreachableError,
-                                 canonical_json, make_backend)
+from models.llm.backends import (Backend, Completion, ContextLengthError, EndedServerError, TransportError,
+                                 UnreachableError, canonical_json, make_backend)
 from models.llm.cache import ResponseCache, cache_key_input
 from models.llm.config import LLMConfig
 from models.llm.telemetry import call_costs
@@ -382,7 +382,8 @@ class LLMClient:
                 except (TransportError, TimeoutError) as exc:
                     message = str(exc) or f"timeout after {self._timeout_s}s"
                     timed_out = isinstance(exc, TimeoutError) or isinstance(exc.__cause__, TimeoutError)
-                    if attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts):
+                    if (attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts)
+                            or isinstance(exc, EndedServerError)):
                         row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
                         gave_up = f"{context.stage}: gave up after {attempt + 1} attempts: {message}"
                         if isinstance(exc, UnreachableError):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dxr.errors import ConfigError
 from dxr.processes import killed_with_parent
-from models.llm.backends import Completion, OpenAIBackend, UnreachableError
+from models.llm.backends import Completion, EndedServerError, OpenAIBackend, UnreachableError
 from models.llm.config import EMBEDDED_MODEL
 
 # llama-cpp-python's `gemma` chat format drops system messages, so they are folded into the first user turn.
@@ -262,9 +262,10 @@ class LocalBackend:
         try:
             return await http.complete({**request, "messages": fold_system_messages(request["messages"])})
         except UnreachableError as exc:  # it answered at start: it has stopped since (killed, out of memory)
-            raise UnreachableError(f"the embedded llama.cpp server at {http.url} stopped answering "
-                                   f"({self.server.exit_status()}; last log line: {self.server._log_tail()}; full "
-                                   f"log: {self.server.log_path}): {RESTART_HINT}") from exc
+            ended = self.server.process is not None and self.server.process.poll() is not None
+            raise (EndedServerError if ended else UnreachableError)(
+                f"the embedded llama.cpp server at {http.url} stopped answering ({self.server.exit_status()}; last "
+                f"log line: {self.server._log_tail()}; full log: {self.server.log_path}): {RESTART_HINT}") from exc
 
     async def close(self) -> None:
         if self._http is not None:
