@@ -462,10 +462,14 @@ def prefect_harness():
     Autouse: a test that reaches Prefect without it would start a temporary server of its own,
     whose shutdown then logs to pytest's closed output ("Logging error" after the summary).
     """
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    # The harness waits 30 s for its server by default; a busy CI machine can need more.
-    with prefect_test_harness(server_startup_timeout=180):
+    # The harness waits 30 s for its server by default; a busy CI machine can need more. Heartbeats off: each flow
+    # run's end joins its heartbeat thread, which sleeps in whole seconds, so every flow run (and subflow) took up to
+    # a second longer, and no test reads the heartbeat events, which only matter to runs that outlive 180 s.
+    with prefect_test_harness(server_startup_timeout=180), temporary_settings(
+            updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
 
 
