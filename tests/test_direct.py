@@ -80,7 +80,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     assert status.select("trajectory_id", "status").rows() == [(ids[0], "short"), (ids[1], "ok"), (ids[2], "failed")]
     assert status["detail"][0] == "19 of 20 codes; dropped 1 duplicate, 1 not_in_vocabulary, 1 wrong_icd_version"
     assert status["detail"][1] is None
-    assert status["detail"][2] == (f"direct reply for {ids[2]} stayed invalid after 1 attempts: at predictions/5/"
+    assert status["detail"][2] == (f"direct reply for {ids[2]} stayed invalid after 1 attempt: at predictions/5/"
                                    "confidence: 99 is higher than the 91.0 before it; confidences must not increase")
 
     rankings = wh.read("rankings", run_id="run-d", system="direct")
@@ -400,7 +400,7 @@ def test_dxr_forecast_against_an_endpoint_that_is_down_stops_at_once(planted_coh
         monkeypatch.setenv(f"DXR_LLM__{key}", value)
     result, lines = failed_cli_forecast(wh, "down")
     assert len(lines) == 1 and lines[0].startswith(
-        "Error: direct: gave up after 1 attempts: cannot connect to http://127.0.0.1:1/v1/chat/completions "
+        "Error: direct: gave up after 1 attempt: cannot connect to http://127.0.0.1:1/v1/chat/completions "
         "(ClientConnectorError"), result.output
     assert lines[0].endswith("start the endpoint, or check llm.base_url and llm.backend"), result.output
     assert wh.read("ranking_status", run_id="down").is_empty()
@@ -425,7 +425,7 @@ def test_a_failed_forecast_under_a_generated_run_id_names_the_run_to_resume(plan
     run_id = failed["run_id"][0]
     assert len(lines) == 1 and lines[0].startswith(
         f"Error: run {run_id} (recorded failed; resume it with --run-id {run_id}): direct: gave up after 1 "
-        "attempts: cannot connect to http://127.0.0.1:1/v1/chat/completions"), result.output
+        "attempt: cannot connect to http://127.0.0.1:1/v1/chat/completions"), result.output
 
 
 def test_a_run_stopped_by_a_configuration_error_records_the_calls_it_made():

@@ -386,7 +386,7 @@ def test_an_embedded_server_that_stopped_answering_is_named_with_its_log(tmp_pat
         finally:
             await client.close()
 
-    with pytest.raises(EndpointUnreachableError, match="gave up after 1 attempts: the embedded llama.cpp server "
+    with pytest.raises(EndpointUnreachableError, match="gave up after 1 attempt: the embedded llama.cpp server "
                        "at http://127.0.0.1:1/v1/chat/completions stopped answering \\(exited with code 137; last "
                        "log line: Killed; full log: .*server.log\\): run it again under the same run id to resume"):
         asyncio.run(scenario())
@@ -419,7 +419,7 @@ def test_an_embedded_server_killed_by_a_signal_is_named_so_with_the_way_to_resum
     with pytest.raises(EndpointUnreachableError) as raised:
         asyncio.run(scenario())
     message = str(raised.value)
-    assert message.startswith("unit: gave up after 1 attempts: ") and client.calls[0]["transport_retries"] == 0
+    assert message.startswith("unit: gave up after 1 attempt: ") and client.calls[0]["transport_retries"] == 0
     assert "stopped answering (killed by signal 9 (Killed); last log line: no output; full log: " in message
     assert "code -9" not in message
     assert message.endswith("server.log): run it again under the same run id to resume (a new server starts; with "
@@ -440,7 +440,7 @@ def test_a_backend_that_keeps_computing_timed_out_requests_uses_its_own_timeout_
         async with chat_server(2.0, state) as url:
             config = LLMConfig(backend="openai", base_url=url, model="served", timeout_s=30.0, transport_retries=3)
             client = LLMClient(config, LocalLike(url, 0.2))
-            with pytest.raises(TransportError, match="gave up after 1 attempts: timeout after 0.2s"):
+            with pytest.raises(TransportError, match="gave up after 1 attempt: timeout after 0.2s"):
                 await client.complete_json(QUESTION, SCHEMA, "unit/1", CONTEXT)
             await client.close()
         return state, client.telemetry()

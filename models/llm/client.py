@@ -95,6 +95,11 @@ def schema_errors(schema: dict, value) -> list[str]:
     return [f"at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}" for e in errors]
 
 
+def attempts_made(count: int) -> str:
+    """'1 attempt', '3 attempts': the lines that say how often a request was tried."""
+    return f"{count} attempt{'' if count == 1 else 's'}"
+
+
 def prompt_budget(config: LLMConfig, chars_per_token: float | None = None) -> int:
     """Characters a whole prompt may take: the context window less the reserved output, at `chars_per_token`
     (default: the configured one)."""
@@ -283,7 +288,7 @@ class LLMClient:
             conversation = (self.retry_conversation(messages, completion.text, errors, budget_chars, repeats)
                             if repeats else retry)
         raise LLMOutputError(f"{context.stage} reply for {context.trajectory_id or 'the request'} stayed invalid after "
-                             f"{self.config.validation_retries + 1} attempts: {'; '.join(errors)[:300]}")
+                             f"{attempts_made(self.config.validation_retries + 1)}: {'; '.join(errors)[:300]}")
 
     def cutting_window(self, completion: Completion) -> int | None:
         """The context window that cut a reply off at the length limit; None when it was not cut, or was cut at
@@ -385,7 +390,7 @@ class LLMClient:
                     if (attempt == self.config.transport_retries or (timed_out and not self._retry_timeouts)
                             or isinstance(exc, EndedServerError)):
                         row.update(status="transport_error", error=message[:1000], latency_ms=in_flight * 1000)
-                        gave_up = f"{context.stage}: gave up after {attempt + 1} attempts: {message}"
+                        gave_up = f"{context.stage}: gave up after {attempts_made(attempt + 1)}: {message}"
                         if isinstance(exc, UnreachableError):
                             self._stopped_by = EndpointUnreachableError(gave_up)
                             raise self._stopped_by from exc
