@@ -428,6 +428,31 @@ def test_a_failed_forecast_under_a_generated_run_id_names_the_run_to_resume(plan
         "attempt: cannot connect to http://127.0.0.1:1/v1/chat/completions"), result.output
 
 
+def test_a_forecast_stopped_by_a_signal_under_a_generated_run_id_names_the_run_to_resume(planted_cohort, monkeypatch,
+                                                                                        prefect_harness):
+    # SIGTERM or Ctrl-C unwinds as SystemExit (dxr.cli.terminated) after the run is recorded failed: its line said
+    # only 'dxr: stopped by SIGTERM', not which run to resume.
+    from click.testing import CliRunner
+
+    import flows.forecast
+    from dxr.cli import main
+    from warehouse.runs import registered_run
+
+    wh, cohort_id, _ = planted_cohort
+
+    def stopped_by_sigterm(data_dir, cohort, system, run_id, **options):
+        with registered_run(wh, f"forecast:{system}", {}, run_id, cohort_id):
+            raise SystemExit(128 + 15)
+
+    monkeypatch.setattr(flows.forecast, "forecast_flow", stopped_by_sigterm)
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "repeat_history"])
+    assert result.exit_code == 143, result.output
+    run_id = wh.read("runs").filter(pl.col("kind") == "forecast:repeat_history")["run_id"].to_list()
+    assert len(run_id) == 1 and result.output.splitlines()[-1] == (
+        f"dxr: run {run_id[0]} recorded failed; resume it with --run-id {run_id[0]}")
+
+
 def test_a_run_stopped_by_a_configuration_error_records_the_calls_it_made():
     import asyncio
 

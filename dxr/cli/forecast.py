@@ -62,9 +62,13 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     run = run_id or new_run_id("forecast")
     try:
         forecast_flow(data_dir, cohort, system, split=split, k=k, limit=limit, run_id=run, subject_id=subject_id)
-    except DxrError as exc:
+    except (DxrError, SystemExit) as exc:  # SystemExit: stopped by a signal (dxr.cli.terminated)
         if run_id is None and not wh.read("runs", run_id=run).is_empty():
-            raise DxrError(f"run {run} (recorded failed; resume it with --run-id {run}): {exc}") from exc
+            resume = f"recorded failed; resume it with --run-id {run}"
+            if isinstance(exc, SystemExit):
+                click.echo(f"dxr: run {run} {resume}", err=True)
+                raise
+            raise DxrError(f"run {run} ({resume}): {exc}") from exc
         raise
     status = wh.read("ranking_status", run_id=run, system=system)
     failed = status.filter(pl.col("status") == "failed")
