@@ -94,8 +94,9 @@ def k_label(k: int) -> str:
 def system_table(metrics: pl.DataFrame, coverage: pl.DataFrame, k: int, subset: str = "all") -> Table:
     """One row per system (best micro-F1 first): headline metrics with intervals, n, short/failed, native share.
 
-    `short` is the trajectories whose list has fewer than K codes (`n_below_k`): a list recorded `short` of
-    the largest K may be complete at a smaller one, and a failed one is short of every K.
+    `short` and `failed` are disjoint, as in `dxr forecast`'s summary: `short` is the trajectories whose list has
+    fewer than K codes (`n_below_k`) less the failed ones, which have no codes and so are below every K; a list
+    recorded `short` of the largest K may be complete at a smaller one.
     """
     rows = metrics.filter((pl.col("k") == k) & (pl.col("subset") == subset))
     order = (rows.filter(pl.col("metric") == "micro_f1").sort(["value", "system"], descending=[True, False])
@@ -107,8 +108,8 @@ def system_table(metrics: pl.DataFrame, coverage: pl.DataFrame, k: int, subset: 
         cells = [system] + [with_interval(mine[m]["value"], mine[m]["ci_low"], mine[m]["ci_high"]) for m in HEADLINE]
         c = cov.get(system)
         share = "" if c is None or c["native_share"] is None else f"{c['native_share']:.3f}"
-        cells += [str(mine["micro_f1"]["n"]), str(c["n_below_k"]) if c else "", str(c["n_failed"]) if c else "",
-                  share]
+        short = "" if c is None else str(0 if k == NATURAL_K else c["n_below_k"] - c["n_failed"])  # |C|: none below
+        cells += [str(mine["micro_f1"]["n"]), short, str(c["n_failed"]) if c else "", share]
         out.append(cells)
     return Table(["system"] + [LABELS[m] for m in HEADLINE] + ["n", "short", "failed", "native share"], out)
 
@@ -380,8 +381,10 @@ def build_report(wh: Warehouse, run_id: str) -> list:
         if i == 0:
             over_runs = (f" Over the {n_runs} runs: short and failed count the lists of every run, and native share "
                          "is the mean of the runs' shares." if n_runs > 1 else "")
-            blocks.append(Paragraph("short = trajectories whose list has fewer than K codes (failed ones included), "
-                                    "scored with the hits they have; failed = trajectories whose forecast failed. "
+            blocks.append(Paragraph("short = trajectories whose list has fewer than K codes (failed ones not "
+                                    "included, as in dxr forecast's summary), scored with the hits they have; a list "
+                                    "recorded short at the forecast's K may be complete at a smaller K. failed = "
+                                    "trajectories whose forecast failed (no list). "
                                     "native share = the share of the top-K codes that the system ranked itself; the "
                                     "rest pad its list from the train-split frequency list." + over_runs))
         blocks.append(system_table(metrics, coverage, kk))

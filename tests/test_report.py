@@ -58,9 +58,10 @@ def test_html_report_is_self_contained_with_embedded_plots(wh, tmp_path):
         assert f"]({figure}.png)" in markdown
 
 
-def test_the_short_column_counts_the_trajectories_ranked_below_k_at_each_k(wh):
+def test_the_short_column_counts_the_trajectories_ranked_below_k_at_each_k_failed_ones_apart(wh):
     # s2 ranks one code for T2 and records it `short`: short of K = 2 but not of K = 1. The column showed the
-    # status rows, 1 at every K; a failed trajectory (no codes) is below K too.
+    # status rows, 1 at every K. s5's failed T2 (no codes) counts as failed only, as `dxr forecast` counts it: the
+    # column counted it as short too ("short 2, failed 1" at K = 2 where the forecast said "1 short, 1 failed").
     write_rankings(wh, "r4", rankings={"s1": RANKINGS["s1"], "s2": RANKINGS["s2"], "s5": {T1: [A, B], T2: [], T3: [E]}},
                    status={("s2", T2): "short", ("s5", T2): "failed", ("s5", T3): "short"})
     evaluate_run(wh, "r4", ks=(1, 2), n_boot=0)
@@ -71,12 +72,13 @@ def test_the_short_column_counts_the_trajectories_ranked_below_k_at_each_k(wh):
         at = table.columns.index("short")
         return {row[0]: (row[at], row[at + 1]) for row in table.rows}
 
-    assert short_and_failed(1) == {"s1": ("0", "0"), "s2": ("0", "0"), "s5": ("1", "1"), "oracle": ("0", "0")}
-    assert short_and_failed(2) == {"s1": ("0", "0"), "s2": ("1", "0"), "s5": ("2", "1"), "oracle": ("0", "0")}
+    assert short_and_failed(1) == {"s1": ("0", "0"), "s2": ("0", "0"), "s5": ("0", "1"), "oracle": ("0", "0")}
+    assert short_and_failed(2) == {"s1": ("0", "0"), "s2": ("1", "0"), "s5": ("1", "1"), "oracle": ("0", "0")}
     assert short_and_failed(0) == {"s1": ("0", "0"), "s2": ("0", "0"), "s5": ("0", "1"), "oracle": ("0", "0")}
     markdown = to_markdown(build_report(wh, "r4"))
-    assert ("short = trajectories whose list has fewer than K codes (failed ones included), scored with the hits "
-            "they have; failed = trajectories whose forecast failed.") in markdown
+    assert ("short = trajectories whose list has fewer than K codes (failed ones not included, as in dxr forecast's "
+            "summary), scored with the hits they have; a list recorded short at the forecast's K may be complete at a "
+            "smaller K. failed = trajectories whose forecast failed (no list).") in markdown
 
 
 def test_the_k_sweep_counts_only_the_subset_it_draws(tmp_path):
@@ -502,7 +504,8 @@ def test_the_report_of_a_mean_over_repeated_runs_shows_its_short_failed_and_nati
     assert coverage.select("system", "k", "n_trajectories", "n_short", "n_failed", "n_below_k",
                            "native_share").rows() == [("s2", 2, 3, 1, 1, 2, (1.0 + 0.75) / 2)]
     markdown = to_markdown(build_report(wh, "mean-s2"))
-    assert "| s2 | 0.500 | 0.500 | 0.500 | 0.478 | 3 | 2 | 1 | 0.875 |" in markdown   # short: T2 of r1, T3 of r9
+    # short: T2 of r1; failed: T3 of r9, which has no list and is not counted as short too
+    assert "| s2 | 0.500 | 0.500 | 0.500 | 0.478 | 3 | 1 | 1 | 0.875 |" in markdown
     assert ("Over the 2 runs: short and failed count the lists of every run, and native share is the mean of the "
             "runs' shares.") in markdown
 
