@@ -50,6 +50,18 @@ def test_a_server_that_cannot_load_its_model_fails_with_its_log(tmp_path):
         LocalServer(tmp_path / "missing.gguf", 2048, 1, tmp_path / "server.log")
 
 
+@pytest.mark.parametrize("signum, status", [(9, "killed by signal 9 (Killed)"), (32, "killed by signal 32")])
+def test_a_server_killed_by_a_signal_names_it_and_its_description_when_there_is_one(tmp_path, signum, status):
+    # glibc has no description of its internal signals 32 and 33 (signal.strsignal returns None): the line said
+    # "killed by signal 32 (None)".
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    server = LocalServer(model, 2048, 1, tmp_path / "server.log")
+    server.process = subprocess.Popen([sys.executable, "-c", f"import os; os.kill(os.getpid(), {signum})"])
+    server.process.wait()
+    assert server.exit_status() == status
+
+
 def test_a_server_that_exits_silently_is_not_described_by_an_earlier_server_s_log(tmp_path):
     # The log keeps every server's output (append): a server killed before it wrote a line (out of memory) was
     # reported with the last line of the previous server, which had started fine.

@@ -168,15 +168,16 @@ class LocalServer:
                           f"(log: {self.log_path}); raise llm.local_startup_timeout_s on a slow machine")
 
     def exit_status(self) -> str:
-        """`exited with code N`, `killed by signal 9 (Killed)`, `stopped` (by `stop`), or `still running` (yet no
-        longer answering on its port)."""
+        """`exited with code N`, `killed by signal 9 (Killed)` (`killed by signal 32` for a signal the C library has
+        no description of), `stopped` (by `stop`), or `still running` (yet no longer answering on its port)."""
         if self.process is None:
             return "stopped"
         code = self.process.poll()
         if code is None:
             return "still running"
         if code < 0:  # Popen's -9 is no exit status the server chose: a signal (9, SIGKILL, is the OOM killer's)
-            return f"killed by signal {-code} ({signal.strsignal(-code)})"
+            description = signal.strsignal(-code)  # None for one it does not know, e.g. glibc's internal 32 and 33
+            return f"killed by signal {-code}" + (f" ({description})" if description else "")
         return f"exited with code {code}"
 
     def _log_tail(self) -> str:
