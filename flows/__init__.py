@@ -6,12 +6,12 @@ from datetime import timezone
 
 from prefect.runtime import flow_run
 
-from dxr.errors import quiet_user_error_tracebacks
+from dxr.errors import quiet_user_errors
 from warehouse.runs import new_run_id
 
 # A served flow run executes in Prefect's engine process, which imports its flow from here without
 # passing through the CLI: a user's error (an unknown cohort or patient) stays one line in its log too.
-quiet_user_error_tracebacks()
+quiet_user_errors()
 
 
 def flow_run_id(kind: str) -> str:

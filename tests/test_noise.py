@@ -101,3 +101,56 @@ def test_mlflows_artifact_bar_is_off_unless_the_user_turns_it_on(monkeypatch):
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")
     noise.silence_third_party_noise()
     assert MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.get() is True
+
+
+class RunRecords(logging.Handler):
+    """(logger, level, message's first line, traceback kept) of each record a run logger hands to its handlers."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, str, str, bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.levelname, record.getMessage().splitlines()[0],
+                             record.exc_info is not None))
+
+
+def test_a_users_error_in_a_task_is_logged_once_by_the_flow_runs_state_line_and_a_bug_in_full():
+    # `dxr forecast` failing in a shard task printed its error three times at ERROR (the task run's exception and
+    # state, the flow run's exception) before the flow run's state line and the CLI's `Error:` line.
+    from prefect import flow, task
+
+    from dxr.errors import RUN_LOGGERS, InputError, quiet_user_errors
+
+    @task(name="stage")
+    def stage(error: Exception) -> None:
+        raise error
+
+    @flow(name="pipeline")
+    def pipeline(error: Exception) -> None:
+        stage(error)
+
+    quiet_user_errors()  # as the CLI and the flows package do
+    handler, loggers = RunRecords(), [logging.getLogger(name) for name in RUN_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        user = pipeline(InputError("cohort 'x' not found"), return_state=True)
+        user_records, handler.records = handler.records, []
+        bug = pipeline(KeyError("k"), return_state=True)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    # The Prefect UI still records the failure and its message.
+    assert user.is_failed() and user.message == "Flow run encountered an exception: InputError: cohort 'x' not found"
+    assert [r for r in user_records if "not found" in r[2]] == [
+        ("prefect.flow_runs", "INFO", "Finished in state Failed(\"Flow run encountered an exception: InputError: "
+                                      "cohort 'x' not found\")", False)]
+    assert bug.is_failed()
+    assert [r for r in handler.records if "KeyError" in r[2]] == [
+        ("prefect.task_runs", "ERROR", "Task run failed with exception: KeyError('k')", True),
+        ("prefect.task_runs", "ERROR", "Finished in state Failed(\"Task run encountered an exception KeyError: "
+                                       "'k'\")", False),
+        ("prefect.flow_runs", "ERROR", "Encountered exception during execution: KeyError('k')", True),
+        ("prefect.flow_runs", "INFO", "Finished in state Failed(\"Flow run encountered an exception: KeyError: "
+                                      "'k'\")", False)]

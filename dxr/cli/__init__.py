@@ -15,7 +15,7 @@ import click
 
 from dxr import __version__
 from dxr.config import Settings, load_settings
-from dxr.errors import DxrError, NotFoundError, quiet_user_error_tracebacks
+from dxr.errors import DxrError, NotFoundError, quiet_user_errors
 
 
 def one_line(exc: OSError) -> str:
@@ -82,7 +82,7 @@ class DxrGroup(click.Group):
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when Ctrl-C is ignored
                 signal.signal(signal.SIGINT, terminated)
         _received.clear()  # a signal handled in an earlier invocation of this process is not this one's
-        quiet_user_error_tracebacks()
+        quiet_user_errors()
         try:
             return super().invoke(ctx)
         except Exception as exc:
