@@ -35,7 +35,8 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         raise InputError(f"k must be at least 1, got {k}")
     if limit is not None and limit < 1:
         raise InputError(f"limit must be at least 1 (or none for every trajectory), got {limit}")
-    workers = shard_workers(system, limit, load_settings(data_dir=data_dir).forecast.shard_workers)
+    settings = load_settings(data_dir=data_dir)
+    workers = shard_workers(system, limit, settings.forecast.shard_workers)
     wh = Warehouse(data_dir)
     run_id = check_run_id(run_id) if run_id else flow_run_id("forecast")
     # Other systems may forecast into the same run at the same time; the same system, a rebuild of
@@ -63,7 +64,7 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         # new run on different cohorts would otherwise both pass the check before either is recorded.
         run = stack.enter_context(registered_run(wh, f"forecast:{system}", config, run_id, cohort_id,
                                                  check=lambda: check_rerun(wh, run_id, config)))
-        for fused in clear_outputs(wh, run.run_id, system):
+        for fused in clear_outputs(wh, run.run_id, system, settings.llm.prices):
             stage_logger(__name__).warning(
                 "removed %s's lists of run %s: they fused the %s lists this run replaces; forecast %s "
                 "again with --run-id %s", fused, run.run_id, system, fused, run.run_id)

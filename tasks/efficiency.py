@@ -12,6 +12,10 @@ several target encounters (`--target every`) counts once, with the work of all i
   Cost is the one each call stored when its run wrote it (the price in force then; null when its model had no
   price), so a later change of the price table does not reprice calls already made. Calls of files written
   before costs were stored are priced from the price table passed in (`calls_written_before_cost`).
+- Superseded attempts (`superseded_llm_calls`): the calls of the same stages that an earlier attempt made before a
+  rerun of its system under the run id replaced its outputs, counted as the kept calls are (same stages, same
+  matched patients) but apart, as totals: `superseded_calls` and `superseded_cost_usd`, so what a system cost in
+  all is `cost_usd` + `superseded_cost_usd`.
 - Throughput: observed patients/hour (distinct patients) from the wall clock of the run's registered
   `forecast:<system>` rows (summed over fused inputs; it includes fitting and writing); null, with
   the reason in `clock`, when a row is missing or every LLM call was a cache hit (a replay says
@@ -29,7 +33,8 @@ import polars as pl
 from models.llm.config import ModelPrice
 from models.llm.telemetry import TOKEN_KINDS, backend_totals, with_report_time_costs
 from warehouse.evidence import retrieval_efficiency, search_job_count
-from warehouse.run_outputs import calls_written_before_cost, matched_patients, run_llm_calls, run_metric
+from warehouse.run_outputs import (calls_written_before_cost, matched_patients, run_llm_calls, run_metric,
+                                   run_superseded_calls)
 from warehouse.runs import finished_wall_clocks
 from warehouse.store import Warehouse
 
@@ -49,6 +54,7 @@ SCHEMA = {
     "cost_per_patient_usd": pl.Float64, "wall_clock_s": pl.Float64, "patients_per_hour": pl.Float64,
     "clock": pl.String, "patients_per_hour_serial": pl.Float64, "retrieval": pl.Boolean,
     **{f"{count}_per_patient": pl.Float64 for count in RETRIEVAL_COUNTS}, "micro_f1_at_20": pl.Float64,
+    "superseded_calls": pl.Int64, "superseded_cost_usd": pl.Float64,
 }
 
 
@@ -69,17 +75,30 @@ def _stage_map(systems: list[str]) -> pl.DataFrame:
     return pl.DataFrame(pairs, schema={"system": pl.String, "stage": pl.String}, orient="row")
 
 
+def systems_calls(calls: pl.DataFrame, patients: pl.DataFrame) -> pl.DataFrame:
+    """`calls` with the system each is counted for: its own and its fused inputs' calls on its matched patients
+    (run-level calls, without a trajectory, included)."""
+    mine = _stage_map(patients["system"].unique().to_list()).join(calls, on="stage", how="inner")
+    return pl.concat([mine.filter(pl.col("trajectory_id").is_null()),
+                      mine.filter(pl.col("trajectory_id").is_not_null())
+                      .join(patients, on=["system", "trajectory_id"], how="semi")])
+
+
 def llm_part(wh: Warehouse, con, run_id: str, patients: pl.DataFrame,
              prices: dict[str, ModelPrice]) -> pl.DataFrame:
     """Per system: `backend_totals` of its own and its fused inputs' calls on its matched patients."""
     written_before_cost = pl.col("call_id").is_in(calls_written_before_cost(wh, run_id))
-    calls = with_report_time_costs(run_llm_calls(con, run_id), prices, written_before_cost)
-    mine = _stage_map(patients["system"].unique().to_list()).join(calls, on="stage", how="inner")
-    mine = pl.concat([mine.filter(pl.col("trajectory_id").is_null()),
-                      mine.filter(pl.col("trajectory_id").is_not_null())
-                      .join(patients, on=["system", "trajectory_id"], how="semi")])
+    mine = systems_calls(with_report_time_costs(run_llm_calls(con, run_id), prices, written_before_cost), patients)
     stages = mine.group_by("system").agg(pl.col("stage").unique().sort().str.join(", ").alias("llm_stages"))
     return backend_totals(mine, ["system"]).join(stages, on="system")
+
+
+def superseded_part(con, run_id: str, patients: pl.DataFrame) -> pl.DataFrame:
+    """Per system with superseded calls: how many of them count for it (as `llm_part` counts the kept ones) and
+    their cost (null when one's is unknown)."""
+    mine = systems_calls(run_superseded_calls(con, run_id), patients)
+    return backend_totals(mine, ["system"]).select(
+        "system", pl.col("llm_calls").alias("superseded_calls"), pl.col("cost_usd").alias("superseded_cost_usd"))
 
 
 def clock_part(con, run_id: str, counts: pl.DataFrame) -> pl.DataFrame:
@@ -143,7 +162,8 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
     frame = (counts.join(llm_part(wh, con, run_id, patients, prices), on="system", how="left")
              .join(clock_part(con, run_id, counts.select("system", "patients")), on="system", how="left")
              .join(retrieval_part(con, run_id, patients), on="system", how="left")
-             .join(f1, on="system", how="left"))
+             .join(f1, on="system", how="left")
+             .join(superseded_part(con, run_id, patients), on="system", how="left"))
 
     def per_patient(column: str) -> pl.Expr:
         return pl.col(column) / pl.col("patients")
@@ -151,7 +171,10 @@ def run_efficiency(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice],
     frame = frame.with_columns(
         # No row in llm_calls: the system made no calls, so it cost nothing (known zero, not unknown).
         pl.when(pl.col("llm_calls").is_null()).then(0.0).otherwise(pl.col("cost_usd")).alias("cost_usd"),
-        pl.col("llm_calls", "backend_calls", "cache_hits", *TOKEN_KINDS, *RETRIEVAL_COUNTS).fill_null(0),
+        pl.when(pl.col("superseded_calls").is_null()).then(0.0).otherwise(pl.col("superseded_cost_usd"))
+        .alias("superseded_cost_usd"),
+        pl.col("llm_calls", "backend_calls", "cache_hits", "superseded_calls", *TOKEN_KINDS, *RETRIEVAL_COUNTS)
+        .fill_null(0),
         pl.col("latency_ms_total").fill_null(0.0), pl.col("llm_stages").fill_null(""),
         pl.col("retrieval").fill_null(False))
     fully_cached = (pl.col("llm_calls") > 0) & (pl.col("backend_calls") == 0)
@@ -184,18 +207,19 @@ def efficiency_notes(wh: Warehouse, run_id: str, systems: list[str] | None = Non
     calls = run_llm_calls(con, run_id)
     covered = {stage for system in systems for stage in footprint(system)}
     left_out = {stage for system in ranked for stage in footprint(system)} - covered
-    for stray, whose in ((calls.filter(pl.col("stage").is_in(sorted(left_out))),
-                          "are of systems left out of the evaluation"),
-                         (calls.filter(~pl.col("stage").is_in(sorted(covered | left_out))),
-                          "belong to no system of this run")):
-        if stray.height:
-            notes.append(f"{stray.height} LLM call(s) of stage(s) {', '.join(sorted(set(stray['stage'])))} {whose} "
-                         "and are not counted.")
-    outside = (calls.filter(pl.col("stage").is_in(sorted(covered)) & pl.col("trajectory_id").is_not_null())
-               .join(patients.select("trajectory_id").unique(), on="trajectory_id", how="anti"))
-    if outside.height:
-        notes.append(f"{outside.height} LLM call(s) name trajectories outside the run's matched set and are not "
-                     "counted.")
+    for kind, made in (("LLM call(s)", calls), ("superseded LLM call(s)", run_superseded_calls(con, run_id))):
+        for stray, whose in ((made.filter(pl.col("stage").is_in(sorted(left_out))),
+                              "are of systems left out of the evaluation"),
+                             (made.filter(~pl.col("stage").is_in(sorted(covered | left_out))),
+                              "belong to no system of this run")):
+            if stray.height:
+                notes.append(f"{stray.height} {kind} of stage(s) {', '.join(sorted(set(stray['stage'])))} {whose} "
+                             "and are not counted.")
+        outside = (made.filter(pl.col("stage").is_in(sorted(covered)) & pl.col("trajectory_id").is_not_null())
+                   .join(patients.select("trajectory_id").unique(), on="trajectory_id", how="anti"))
+        if outside.height:
+            notes.append(f"{outside.height} {kind} name trajectories outside the run's matched set and are not "
+                         "counted.")
     jobs = search_job_count(con, run_id)
     if jobs and not retrieval_claimers(systems):
         unevaluated = retrieval_claimers(ranked)

@@ -23,11 +23,14 @@ from prefect import task
 
 from dxr.errors import InputError
 from models.baselines import FORECASTER_COLUMNS, RANKING_COLUMNS, Forecaster
+from models.llm.config import ModelPrice
+from models.llm.telemetry import with_report_time_costs
 from models.prior.config import ARCHS
 from models.registry import FUSED_INPUTS, LLM_SYSTEMS, check_system, forecaster_class
 from tasks import stage_logger
+from warehouse.run_outputs import calls_written_before_cost
 from warehouse.runs import EVALUATE_KIND, check_run_id, check_run_kind, code_version, mark_stale
-from warehouse.schemas import NON_RUN_TABLES
+from warehouse.schemas import NON_RUN_TABLES, utc_now
 from warehouse.store import Warehouse
 
 # Systems that are a stage of the forecasting pipeline (spec §2): their lists are also written as that
@@ -137,9 +140,11 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
                          f"the run first (`dxr run delete {run_id}`: every system's lists and its evaluation go)")
 
 
-def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
-    """Remove a system's earlier rankings, status, stage candidates, LLM telemetry and evaluation of a run
-    before it is redone, with those of the fused systems that read its lists; returns those fused systems.
+def clear_outputs(wh: Warehouse, run_id: str, system: str, prices: dict[str, ModelPrice]) -> list[str]:
+    """Remove a system's earlier rankings, status, stage candidates and evaluation of a run before it is redone,
+    with those of the fused systems that read its lists, and move their LLM telemetry to `superseded_llm_calls`
+    (`supersede_llm_calls`, which prices calls recorded before costs were stored at `prices`); returns those fused
+    systems.
 
     Every shard is recomputed anyway; clearing first means a shard that is not written this time
     (the cohort was re-sharded) cannot survive as a stale partition. A fused system's lists of the
@@ -162,10 +167,30 @@ def clear_outputs(wh: Warehouse, run_id: str, system: str) -> list[str]:
         if cleared in CANDIDATE_STAGES:
             wh.delete("candidates", run_id=run_id, stage=CANDIDATE_STAGES[cleared])
         if cleared in LLM_SYSTEMS:
-            wh.delete("llm_calls", run_id=run_id, stage=cleared)
+            supersede_llm_calls(wh, run_id, cleared, prices)
     for table in ("paired_comparisons", "headroom"):
         wh.delete(table, run_id=run_id)
     return fused
+
+
+def supersede_llm_calls(wh: Warehouse, run_id: str, stage: str, prices: dict[str, ModelPrice]) -> None:
+    """Move a stage's `llm_calls` rows of a run into `superseded_llm_calls`: the calls were made and paid for even
+    though the outputs they made are being replaced, so the run's spend keeps them.
+
+    One commit writes them there and removes them from `llm_calls`, so a process killed during the move leaves
+    them in one table, never both or neither. The partition is named by a digest of the moved call ids, so each
+    move has its own and the same calls could only ever replace their copy, not add one. A row written before
+    costs were stored is priced now, at `prices`, as the report prices those that stay in `llm_calls`.
+    """
+    calls = wh.read("llm_calls", run_id=run_id, stage=stage)
+    if calls.is_empty():  # nothing to keep, but a stopped shard may have left a file without a row
+        wh.delete("llm_calls", run_id=run_id, stage=stage)
+        return
+    calls = with_report_time_costs(calls, prices, pl.col("call_id").is_in(calls_written_before_cost(wh, run_id)))
+    digest = hashlib.sha256("\n".join(sorted(calls["call_id"])).encode()).hexdigest()[:16]
+    wh.write_together([("superseded_llm_calls", calls.with_columns(pl.lit(utc_now()).alias("superseded_at")),
+                        {"run_id": run_id, "stage": stage, "calls": digest})],
+                      removals=[("llm_calls", {"run_id": run_id, "stage": stage})])
 
 
 def pinned_model(wh: Warehouse, cohort_id: str, system: str) -> dict | None:

@@ -204,6 +204,17 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
     if left_out:
         blocks.append(Paragraph("Not listed (lists in this run, but left out of its evaluation by `dxr evaluate "
                                 f"--systems`): {', '.join(left_out)}."))
+    superseded = [r for r in rows if r["superseded_calls"]]
+    if superseded:
+        blocks += [Heading("Superseded attempts", 3),
+                   Paragraph("Calls made by earlier attempts of a system in this run (killed, failed or redone) "
+                             "whose outputs a rerun under the same run id replaced: paid for, but behind no list "
+                             "above, so they are not in the per-patient numbers. Totals in US dollars, counted on "
+                             "the same patients and stages as the kept calls; spent = the kept calls' cost + the "
+                             "superseded attempts' (n/a when a model had no price)."),
+                   Table(["system", "superseded calls", "superseded cost (USD)", "kept cost (USD)", "spent (USD)"],
+                         [[r["system"], str(r["superseded_calls"]), _value(r["superseded_cost_usd"], ".6f"),
+                           _value(r["cost_usd"], ".6f"), _value(spent(r), ".6f")] for r in superseded])]
     llm = [r for r in rows if r["llm_calls"]]
     if llm:
         blocks += [Heading("LLM tokens and latency per patient", 3),
@@ -237,6 +248,16 @@ def efficiency_blocks(wh: Warehouse, run_id: str, prices: dict[str, ModelPrice] 
     if notes:
         blocks.append(Paragraph("Not counted above: " + " ".join(notes)))
     return blocks
+
+
+def spent(row: dict) -> float | None:
+    """What a system of the run cost in all (`run_efficiency` row): its kept calls' cost and its superseded ones'.
+
+    >>> spent({"cost_usd": 0.5, "superseded_cost_usd": 0.25}), spent({"cost_usd": None, "superseded_cost_usd": 0.25})
+    (0.75, None)
+    """
+    known = row["cost_usd"] is not None and row["superseded_cost_usd"] is not None
+    return row["cost_usd"] + row["superseded_cost_usd"] if known else None
 
 
 # ---- figures ---------------------------------------------------------------------------------

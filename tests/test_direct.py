@@ -15,6 +15,7 @@ from models.llm.config import LLMConfig
 from models.llm.prompts import load_prompt
 from tasks.direct import (RRF_K0, direct_prompt, direct_shard, fuse_prior_direct, prompt_fields, rrf_fuse,
                           rrf_prior_direct_shard)
+from tasks.efficiency import run_efficiency
 from tasks.forecast import (CANDIDATE_GENERATION_SIZE, CANDIDATE_STAGES, LLM_RUN_KEYS, shard_inputs, shard_status,
                             stage_candidates, write_shard_outputs)
 from tests.conftest import FUROSEMIDE, cohort_inputs, write_described_meds
@@ -375,6 +376,47 @@ def test_dxr_forecast_where_every_trajectory_failed_is_an_error(planted_cohort, 
                                        "direct", "--split", "held_out", "--run-id", "bad"])
     assert result.exit_code == 0, result.output
     assert wh.read("ranking_status", run_id="bad", system="direct")["status"].to_list() == ["ok", "ok"]
+
+
+def test_a_rerun_keeps_the_failed_attempts_calls_and_their_cost_as_superseded(planted_cohort, tmp_path, monkeypatch,
+                                                                              prefect_harness):
+    # The first attempt's replies all break the contract; the rerun under the same run id, its cause fixed, used to
+    # delete the calls (and the cost) of that attempt with its lists.
+    wh, cohort_id, _ = planted_cohort
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout: prices come only from the file named below
+    config_file = tmp_path / "priced.toml"
+    config_file.write_text('[llm.prices.recorded]\ninput = 2.0\noutput = 10.0\n')
+    monkeypatch.setenv("DXR_CONFIG", str(config_file))
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded", validation_retries=0)
+    trajectories, pretarget = shard_inputs(wh, cohort_id, 0, "held_out")
+    rising = {"predictions": [{"code": c, "confidence": i} for i, c in enumerate(VALID)]}
+    record_replies(config, wh, cohort_id, trajectories, pretarget, [rising] * trajectories.height)
+    for key, value in {"BACKEND": "replay", "REPLAY_FILE": str(config.replay_file), "MODEL": "recorded",
+                       "VALIDATION_RETRIES": "0"}.items():
+        monkeypatch.setenv(f"DXR_LLM__{key}", value)
+    failed_cli_forecast(wh, "again")
+    first = wh.read("llm_calls", run_id="again")
+    # Each call: 800 tokens in at $2/M and 300 out at $10/M.
+    assert first["status"].to_list() == ["invalid", "invalid"] and first["cost_usd"].to_list() == [0.0046, 0.0046]
+
+    fixed = LLMConfig(backend="replay", replay_file=tmp_path / "fixed.jsonl", model="recorded", validation_retries=0)
+    record_replies(fixed, wh, cohort_id, trajectories, pretarget, [predictions(VALID)] * trajectories.height)
+    monkeypatch.setenv("DXR_LLM__REPLAY_FILE", str(fixed.replay_file))
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "forecast", "--cohort", "default", "--system",
+                                       "direct", "--split", "held_out", "--run-id", "again"])
+    assert result.exit_code == 0, result.output
+    kept = wh.read("llm_calls", run_id="again")
+    assert kept["status"].to_list() == ["ok", "ok"] and kept["cost_usd"].to_list() == [0.0046, 0.0046]
+    superseded = wh.read("superseded_llm_calls", run_id="again")
+    assert superseded.drop("superseded_at").sort("call_id").equals(first.sort("call_id"))
+    assert not set(kept["call_id"]) & set(superseded["call_id"])
+    rows = run_efficiency(wh, "again", {}).to_dicts()
+    assert [(r["system"], r["cost_usd"], r["superseded_calls"], r["superseded_cost_usd"]) for r in rows] == [
+        ("direct", pytest.approx(0.0092), 2, pytest.approx(0.0092))]
 
 
 def failed_cli_forecast(wh, run_id: str | None):

@@ -12,13 +12,16 @@ from models.llm.config import ModelPrice
 from models.llm.telemetry import call_costs
 from tasks.efficiency import efficiency_notes, run_efficiency
 from tasks.evaluate import evaluate_run
+from tasks.forecast import clear_outputs
 from tasks.report import build_report, render_report, to_markdown
 from test_metrics import A, B, COHORT, D, E, T1, T2, T3, X, write_cohort, write_rankings
 from tools.ledger import Ledger
+from warehouse import store
 from warehouse.evidence import search_job_count
 from warehouse.run_outputs import calls_written_before_cost, matched_patients, run_llm_calls, run_metric
+from warehouse.run_deletion import delete_run
 from warehouse.runs import finished_wall_clocks, record_run
-from warehouse.schemas import TABLES
+from warehouse.schemas import TABLES, utc_now
 from warehouse.store import Warehouse
 
 PRICES = {"m": ModelPrice(input=2.0, cached_input=0.5, output=10.0)}
@@ -348,3 +351,101 @@ def test_only_the_evaluated_systems_are_listed(run, tmp_path, monkeypatch):
     assert efficiency.strip().splitlines()[-1] == (
         "No per-patient telemetry: no system with lists in this run was evaluated (left out by `dxr evaluate "
         "--systems`: direct, ehr_prior, global_frequency, rrf_prior_direct).")
+
+
+class Killed(BaseException):
+    """The process dies here (SIGKILL): nothing after this point of the move runs."""
+
+
+def test_a_rerun_keeps_the_replaced_attempts_calls_and_the_report_shows_their_cost_apart(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout
+    first = run.read("llm_calls", run_id="e1", stage="direct")
+    # direct is forecast again under e1: clear_outputs deleted its calls, so the run's report said it had cost only
+    # what the second attempt cost.
+    clear_outputs(run, "e1", "direct", PRICES)
+    assert run.read("llm_calls", run_id="e1", stage="direct").is_empty()
+    moved = run.read("superseded_llm_calls", run_id="e1")
+    assert moved.drop("superseded_at").sort("call_id").equals(first.sort("call_id"))
+    assert moved["superseded_at"].n_unique() == 1 and moved["superseded_at"][0] <= utc_now()
+    # The second attempt makes the same calls again (new call ids) and its lists; the evaluation runs again.
+    write_run(run, "e1", [])
+    again = calls_frame("e1", DIRECT_CALLS[:5]).with_columns(pl.format("again-{}", "call_id").alias("call_id"))
+    run.write("llm_calls", again, run_id="e1", stage="direct", shard=0)
+    evaluate_run(run, "e1", ks=(20,), n_boot=0, natural=False)
+
+    rows = by_system(run_efficiency(run, "e1", PRICES))
+    direct = rows["direct"]
+    # Kept and superseded alike: the four calls on the matched patients, 9900 micro-dollars (see the first test).
+    assert (direct["llm_calls"], direct["cost_usd"]) == (4, pytest.approx(9900e-6))
+    assert (direct["superseded_calls"], direct["superseded_cost_usd"]) == (4, pytest.approx(9900e-6))
+    assert (rows["rrf_prior_direct"]["superseded_calls"], rows["rrf_prior_direct"]["superseded_cost_usd"]) == (
+        4, pytest.approx(9900e-6))                                        # it fuses direct's lists
+    assert (rows["global_frequency"]["superseded_calls"], rows["global_frequency"]["superseded_cost_usd"]) == (0, 0.0)
+    markdown = to_markdown(build_report(run, "e1"))
+    assert ("| system | superseded calls | superseded cost (USD) | kept cost (USD) | spent (USD) |\n"
+            "|---|---|---|---|---|\n"
+            "| direct | 4 | 0.009900 | 0.009900 | 0.019800 |\n"
+            "| rrf_prior_direct | 4 | 0.009900 | 0.009900 | 0.019800 |\n") in markdown
+    # The per-patient table is the kept calls' alone, as before; the calls of neither kind counted are named.
+    assert "| direct | 3 | 0.121 | 1.33 | 1.00 | 1 | 0.003300 |" in markdown
+    assert efficiency_notes(run, "e1") == [
+        "1 LLM call(s) of stage(s) unit belong to no system of this run and are not counted.",
+        "1 LLM call(s) name trajectories outside the run's matched set and are not counted.",
+        "1 superseded LLM call(s) name trajectories outside the run's matched set and are not counted."]
+
+    # Its calls and the superseded ones leave with the run.
+    delete_run(run, "e1")
+    assert run.read("superseded_llm_calls").is_empty() and run.read("llm_calls").is_empty()
+
+
+def test_superseded_calls_of_an_unpriced_model_cost_n_a_and_old_files_are_priced_when_moved(run, tmp_path,
+                                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)   # no ./dxr.toml of the checkout
+    # e2's first attempt ran under a price table without its model: the calls' cost is unknown, not 0.
+    write_run(run, "e2", DIRECT_CALLS[:4], prices={})
+    clear_outputs(run, "e2", "direct", PRICES)
+    write_run(run, "e2", [])
+    evaluate_run(run, "e2", ks=(20,), n_boot=0, natural=False)
+    direct = by_system(run_efficiency(run, "e2", PRICES))["direct"]
+    assert (direct["superseded_calls"], direct["superseded_cost_usd"], direct["cost_usd"]) == (4, None, 0.0)
+    assert "| direct | 4 | n/a | 0.000000 | n/a |" in to_markdown(build_report(run, "e2"))
+
+    # e3's first attempt wrote shard 0 before calls stored their cost (a file without the column): the move prices
+    # those at the forecast's table (here twice PRICES), the others keep the cost they stored.
+    write_run(run, "e3", [])
+    old = run.write("llm_calls", calls_frame("e3", DIRECT_CALLS[:2]), run_id="e3", stage="direct", shard=0)
+    pq.write_table(pq.read_table(old).drop_columns(["cost_usd"]), old)
+    new = calls_frame("e3", DIRECT_CALLS[2:4]).with_columns(pl.format("new-{}", "call_id").alias("call_id"))
+    run.write("llm_calls", new, run_id="e3", stage="direct", shard=1)
+    doubled = {"m": ModelPrice(input=4.0, cached_input=1.0, output=20.0)}
+    clear_outputs(run, "e3", "direct", doubled)
+    moved = run.read("superseded_llm_calls", run_id="e3").sort("call_id")
+    assert dict(moved.select("call_id", "cost_usd").iter_rows()) == pytest.approx(
+        {"c0": 6800e-6, "c1": 3800e-6, "new-c0": 0.0, "new-c1": 4600e-6})
+
+
+@pytest.mark.parametrize("killed_at", ["new_commit_id", "apply_commit", "remove_into"])
+def test_a_move_killed_anywhere_then_run_again_leaves_each_call_once(run, monkeypatch, killed_at):
+    # Killed while staging (before the commit point), after the commit point, or between the renaming of the
+    # superseded file into place and the removal of the llm_calls partitions.
+    first = run.read("llm_calls", run_id="e1", stage="direct")
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, killed_at, killed)
+        with pytest.raises(Killed):
+            clear_outputs(run, "e1", "direct", PRICES)
+    clear_outputs(run, "e1", "direct", PRICES)  # the rerun of direct
+
+    moved = run.read("superseded_llm_calls", run_id="e1")
+    assert moved.drop("superseded_at").sort("call_id").equals(first.sort("call_id"))
+    assert run.read("llm_calls", run_id="e1", stage="direct").is_empty()
+    assert run.read("llm_calls", run_id="e1", stage="unit").height == 1      # another stage's calls stay
+    # A third attempt's calls, superseded in turn, are added beside the first's.
+    run.write("llm_calls", calls_frame("e1", DIRECT_CALLS[:1]).with_columns(pl.lit("third").alias("call_id")),
+              run_id="e1", stage="direct", shard=0)
+    clear_outputs(run, "e1", "direct", PRICES)
+    assert sorted(run.read("superseded_llm_calls", run_id="e1")["call_id"]) == sorted(
+        [*first["call_id"], "third"])

@@ -157,7 +157,7 @@ def test_every_trajectory_gets_20_unique_vocabulary_codes_and_no_sentinel(traine
                  system=other, shard=0)
     for kind in ("forecast:rrf_prior_direct", "forecast:repeat_history", "evaluate"):
         record_run(wh, "fc-test", cohort, kind, {}, "finished", datetime.now(), datetime.now())
-    assert clear_outputs(wh, "fc-test", "ehr_prior") == ["rrf_prior_direct"]
+    assert clear_outputs(wh, "fc-test", "ehr_prior", {}) == ["rrf_prior_direct"]
     assert wh.read("candidates", run_id="fc-test")["stage"].unique().to_list() == ["direct_forecast"]
     for table in ("rankings", "ranking_status"):
         assert wh.read(table, run_id="fc-test")["system"].unique().to_list() == ["repeat_history"]

@@ -126,7 +126,7 @@ def test_report_refuses_an_evaluation_a_forecast_rerun_made_stale(wh, tmp_path):
     from tasks.forecast import clear_outputs
 
     evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
-    clear_outputs(wh, "r1", "s1")  # what a rerun of s1 does first: its metrics go, the others' stay
+    clear_outputs(wh, "r1", "s1", {})  # what a rerun of s1 does first: its metrics go, the others' stay
     assert wh.has_rows("metrics", run_id="r1")
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(out)])

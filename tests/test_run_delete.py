@@ -89,12 +89,13 @@ def test_a_run_goes_with_its_evaluation_and_report_and_leaves_its_cohort_and_the
     assert (code, err) == (0, "")
     removed = {table: rows.filter(pl.col("run_id") == "r1").height for table, rows in before.items()
                if table in RUN_TABLES}
+    width = max(map(len, RUN_TABLES))  # superseded_llm_calls
     assert out == "\n".join([
         "run r1 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort default "
         f"({cohort_id}): removed these rows:",
-        "table                store     rows",
-        "-------------------  --------  ----",
-        *(f"{table:<19}  forecast  {removed[table]:>4}" for table in
+        f"{'table':<{width}}  store     rows",
+        f"{'-' * width}  --------  ----",
+        *(f"{table:<{width}}  forecast  {removed[table]:>4}" for table in
           ["runs", *sorted(RUN_TABLES - {"runs"})]),
         f"({len(RUN_TABLES)} rows)",
         "removed reports/r1/", ""])

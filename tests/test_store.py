@@ -119,8 +119,8 @@ def test_a_delete_removes_the_partition_directories_it_leaves_empty(wh):
         wh.write("metrics", pl.DataFrame({
             "run_id": run_id, "cohort_id": "c1", "system": system, "subset": "all", "k": 10, "metric": "recall_at_k",
             "value": 0.5, "ci_low": None, "ci_high": None, "n": 3, "n_runs": 1}), run_id=run_id, system=system)
-    clear_outputs(wh, "r1", "repeat_history")
-    clear_outputs(wh, "r2", "repeat_history")
+    clear_outputs(wh, "r1", "repeat_history", {})
+    clear_outputs(wh, "r2", "repeat_history", {})
     assert empty_partition_dirs(wh) == []
     assert [p.relative_to(wh.forecast_dir) for p in wh.forecast_dir.rglob(store.PART_FILE)] == [
         Path("metrics/run_id=r2/system=global_frequency/data.parquet")]

@@ -1,5 +1,6 @@
-"""Queries over what a run's stages wrote (`rankings`, `ranking_status`, `llm_calls`, `metrics`), for the stages
-that read a run back: its efficiency (tasks.efficiency), its report and the demo's realism check."""
+"""Queries over what a run's stages wrote (`rankings`, `ranking_status`, `llm_calls`, `superseded_llm_calls`,
+`metrics`), for the stages that read a run back: its efficiency (tasks.efficiency), its report and the demo's realism
+check."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def matched_patients(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.D
 def run_llm_calls(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
     """Every `llm_calls` row of the run, in every column."""
     return fetch_frame(connection, "SELECT * FROM llm_calls WHERE run_id = ?", [run_id])
+
+
+def run_superseded_calls(connection: duckdb.DuckDBPyConnection, run_id: str) -> pl.DataFrame:
+    """Every `superseded_llm_calls` row of the run: the calls of attempts that a rerun of their system replaced."""
+    return fetch_frame(connection, "SELECT * FROM superseded_llm_calls WHERE run_id = ?", [run_id])
 
 
 def calls_written_before_cost(wh: Warehouse, run_id: str) -> list[str]:

@@ -339,22 +339,25 @@ TABLES.update({
 })
 
 # ---- language-model calls (models/llm) -------------------------------------------------------
+LLM_CALL_COLUMNS = {
+    "call_id": pa.string(), "run_id": pa.string(), "stage": pa.string(), "trajectory_id": pa.string(),
+    "backend": pa.string(), "model": pa.string(), "prompt_version": pa.string(), "tokens_in": pa.int64(),
+    "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
+    "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
+    "truncated_chars": pa.int64(), "model_identity": pa.string(), "started_at": TS, "attempt": pa.int32(),
+    "attempt_reason": pa.string(), "transport_retries": pa.int32(), "cost_usd": pa.float64(),
+}
+LLM_CALL_NULLABLE = ("trajectory_id", "error", "model_identity", "started_at", "attempt", "attempt_reason",
+                     "transport_retries", "cost_usd")
 TABLES.update({
     t.name: t
     for t in [
-        _t("llm_calls", FORECAST, {
-            "call_id": pa.string(), "run_id": pa.string(), "stage": pa.string(), "trajectory_id": pa.string(),
-            "backend": pa.string(), "model": pa.string(), "prompt_version": pa.string(), "tokens_in": pa.int64(),
-            "tokens_cached_in": pa.int64(), "tokens_out": pa.int64(), "tokens_reasoning": pa.int64(),
-            "latency_ms": pa.float64(), "cache_hit": pa.bool_(), "status": pa.string(), "error": pa.string(),
-            "truncated_chars": pa.int64(), "model_identity": pa.string(), "started_at": TS, "attempt": pa.int32(),
-            "attempt_reason": pa.string(), "transport_retries": pa.int32(), "cost_usd": pa.float64(),
-        }, ["run_id", "stage", "shard"], "One row per LLM request or cache hit; status in {ok, invalid, "
-           "transport_error, rejected (the backend refused the request, e.g. HTTP 4xx), cancelled (in flight when "
-           "the run stopped on another request's error or an interrupt)}; a run that stops still writes the rows of "
-           "the requests it sent; `model` = the configured "
-           "model name, `model_identity` = which model answered (the endpoint's base URL, `<file>@<fingerprint>` "
-           "of the embedded backend's GGUF, the replay file; null in rows written before it was recorded); "
+        _t("llm_calls", FORECAST, LLM_CALL_COLUMNS, ["run_id", "stage", "shard"], "One row per LLM request or "
+           "cache hit; status in {ok, invalid, transport_error, rejected (the backend refused the request, e.g. "
+           "HTTP 4xx), cancelled (in flight when the run stopped on another request's error or an interrupt)}; a "
+           "run that stops still writes the rows of the requests it sent; `model` = the configured model name, "
+           "`model_identity` = which model answered (the endpoint's base URL, `<file>@<fingerprint>` of the "
+           "embedded backend's GGUF, the replay file; null in rows written before it was recorded); "
            "`truncated_chars` = history characters dropped to fit the context window; `latency_ms` = time in "
            "flight at the backend over every attempt (queueing and backoff excluded; the lookup time for a cache "
            "hit). `tokens_cached_in` is part of `tokens_in` and `tokens_reasoning` part of `tokens_out`; a cache hit "
@@ -373,9 +376,20 @@ TABLES.update({
            "`cost_usd` = the call's cost in US dollars at the `llm.prices` entry of its `model` in force when the "
            "run wrote it (uncached input, cached input and output tokens at their prices per 1M tokens): 0 for a "
            "cache hit, null when the model had no price, and null in rows written before it was recorded (the "
-           "report prices those from the price table at report time).",
-           nullable=["trajectory_id", "error", "model_identity", "started_at", "attempt", "attempt_reason",
-                     "transport_retries", "cost_usd"]),
+           "report prices those from the price table at report time). These are the calls behind the outputs the "
+           "run holds now: those of an earlier attempt of the same system under the same run id (killed, failed "
+           "or redone) are in `superseded_llm_calls`, so the run's whole spend is the sum over both tables.",
+           nullable=LLM_CALL_NULLABLE),
+        _t("superseded_llm_calls", FORECAST, {**LLM_CALL_COLUMNS, "superseded_at": TS},
+           ["run_id", "stage", "calls"], "The `llm_calls` rows of a system's earlier attempt in a run, moved here "
+           "when the system was forecast again under the same run id (after a kill, a failure or on purpose), "
+           "which replaces its outputs: calls made and paid for, whose outputs the run no longer holds. Every "
+           "`llm_calls` column with its meaning, plus `superseded_at` (UTC), when the rerun moved them. `cost_usd` "
+           "is the cost the call stored; for a row written before `llm_calls` stored costs it is priced when moved, "
+           "at the `llm.prices` of the forecast that superseded it (null for an unpriced model, as always). One "
+           "partition per move: `calls` is a digest of the moved call ids, and the move and the removal of the rows "
+           "from `llm_calls` are one commit, so a rerun killed during it neither loses nor duplicates a call.",
+           nullable=LLM_CALL_NULLABLE),
     ]
 })
 

@@ -90,15 +90,19 @@ class Warehouse:
         arrow = _checked(table, data, keys)
         return self._replace_partition(table, keys, lambda tmp: pq.write_table(arrow, tmp, compression="zstd"))
 
-    def write_together(self, writes: list[tuple[str, pl.DataFrame | pa.Table, dict]]) -> list[Path]:
-        """Replace several partitions of one store, given as (table, data, keys), as one commit.
+    def write_together(self, writes: list[tuple[str, pl.DataFrame | pa.Table, dict]],
+                       removals: Iterable[tuple[str, dict]] = ()) -> list[Path]:
+        """Replace several partitions of one store, given as (table, data, keys), and remove the partitions of that
+        store given as (table, leading keys) in `removals`, as one commit.
 
         Each file is written into a staging directory under the store's `.commits`, which one rename
-        turns into a commit; only then are the files renamed over their partitions. A writer killed
-        before that rename leaves every partition as it was; one killed after it leaves a commit that
-        the next read, write or delete in the store finishes first, so a rerun gives a clean run's rows.
+        turns into a commit; only then are the files renamed over their partitions, and the removed ones moved
+        into the commit. A writer killed before that rename leaves every partition as it was; one killed after
+        it leaves a commit that the next read, write or delete in the store finishes first, so a rerun gives a
+        clean run's rows, and rows moved from one table to another are never in both or in neither.
         """
-        stores = {_spec(table).store for table, _, _ in writes}
+        removals = list(removals)
+        stores = {_spec(table).store for table, _, _ in writes} | {_spec(table).store for table, _ in removals}
         if len(stores) != 1:
             raise ValueError(f"write_together needs partitions of one store, got tables of stores {sorted(stores)}")
         store_dir = self.store_dir(stores.pop())
@@ -112,13 +116,17 @@ class Warehouse:
                 with naming(path):
                     pq.write_table(arrow, staging / f"{number}.parquet", compression="zstd")
                 plan.append({"file": f"{number}.parquet", "target": str(path.relative_to(store_dir))})
+            if removals:
+                (staging / REMOVED).mkdir()
+                plan += [{"remove": str(self.partitions_dir(table, **keys).relative_to(self.root))}
+                         for table, keys in removals]
             (staging / COMMIT_PLAN).write_text(json.dumps(plan))
             committed = commits / (new_commit_id(commits) + COMMITTED)
             os.replace(staging, committed)  # the commit point: from here on the files are the partitions' own
         # With the older commits first: one that a writer killed since our `finish_commits` above left would
         # otherwise be finished after ours, by the next read, and undo it.
         finish_commits(commits)
-        return [store_dir / entry["target"] for entry in plan]
+        return [store_dir / entry["target"] for entry in plan if "target" in entry]
 
     def write_query(self, table: str, con: duckdb.DuckDBPyConnection, query: str, **keys) -> Path:
         """Replace one partition with the rows of a DuckDB query, streamed to Parquet by DuckDB.
