@@ -350,6 +350,28 @@ def test_validate_reason_of_each_item(icd10_vocabulary):
     assert icd10_vocabulary.resolve("XYZ") == (None, "malformed")
 
 
+def test_validate_reads_the_code_through_formatting_noise(icd10_vocabulary):
+    # What chat models write around a code: full-width digits (CJK replies), invisible characters, list bullets,
+    # curly quotes, braces, a question mark; none changes which code is meant.
+    written = ["Ｉ５０．２２", "I50.22\u200b", "\ufeffI50.22", "I50.22\u00ad", "- I50.22", "• I50.22", "“I50.22”",
+               "{I50.22}", "< I50.22 >", "I50.22?"]
+    assert [icd10_vocabulary.resolve(item) for item in written] == [(dx(10, "I5022"), None)] * len(written)
+
+
+def test_validate_finds_a_code_after_words(icd10_vocabulary):
+    assert icd10_vocabulary.resolve("Hypertension (I10)") == (dx(10, "I10"), None)
+    assert icd10_vocabulary.resolve("ICD-10-CM code: I50.22") == (dx(10, "I5022"), None)
+    # A bare 3-character word that looks like a code gives way to the dotted code after it.
+    assert icd10_vocabulary.resolve("Vitamin B12 deficiency anemia (D51.0)") == (dx(10, "D510"), None)
+    # A version named before the words still decides: an ICD-9 code is never read into an ICD-10 Ω.
+    assert icd10_vocabulary.resolve("ICD-9 code 428.0") == (None, "wrong_icd_version")
+
+
+def test_validate_counts_long_ids_of_other_code_systems_as_non_diagnosis(icd10_vocabulary):
+    assert icd10_vocabulary.resolve("SNOMED 84114007") == (None, "non_diagnosis")
+    assert icd10_vocabulary.resolve("RxNorm 1049630") == (None, "non_diagnosis")
+
+
 def test_mixed_version_vocabulary_prefers_icd10_unless_disambiguated():
     # E8300 is ICD-10 E83.00 (copper metabolism) and ICD-9 E830.0 (watercraft accident).
     omega = {dx(10, "E8300"): "Disorder of copper metabolism, unspecified",
@@ -416,11 +438,15 @@ def test_mimic_iii_dictionary_as_omega():
     voc = Vocabulary({meds_code(9, c): t for c, t in d.select("icd9_code", "long_title").iter_rows()})
     assert (len(voc), voc.versions) == (14_567, frozenset({9}))
     result = voc.validate(["428.0", "V45.81 aortocoronary bypass status", "E849.7", "4280", "I50.22", "36.15",
-                           "PROCEDURE//ICD//9//3615", "428"])
-    assert result.codes == [dx(9, "4280"), dx(9, "V4581"), dx(9, "E8497")]
+                           "PROCEDURE//ICD//9//3615", "428", "Congestive heart failure (428.0)", "ICD-9 code 250.00",
+                           "４０１．９", "- 038.9"])
+    assert result.codes == [dx(9, "4280"), dx(9, "V4581"), dx(9, "E8497"), dx(9, "25000"), dx(9, "4019"),
+                            dx(9, "0389")]
     assert result.titles == ["Congestive heart failure, unspecified", "Aortocoronary bypass status",
-                             "Accidents occurring in residential institution"]
-    assert result.drops == Counter({"duplicate": 1, "wrong_icd_version": 1, "procedure_code": 2,
+                             "Accidents occurring in residential institution",
+                             "Diabetes mellitus without mention of complication, type II or unspecified type, not "
+                             "stated as uncontrolled", "Unspecified essential hypertension", "Unspecified septicemia"]
+    assert result.drops == Counter({"duplicate": 2, "wrong_icd_version": 1, "procedure_code": 2,
                                     "not_in_vocabulary": 1})
 
 

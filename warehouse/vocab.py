@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import time
+import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -579,17 +580,21 @@ def harmonized_vocabulary(omega: pl.DataFrame, mode: str, gem: pl.DataFrame, tit
 
 # ---- the validator V(.) -----------------------------------------------------------------------------
 
-# One LLM-written item: optional quoting, an optional coding-system tag (`ICD10:`, `ICD_`,
-# `ICD-10-CM`, `CPT`), the code, then anything (usually a title) after a separator.
+# One LLM-written item: optional quoting or a list bullet, an optional coding-system tag (`ICD10:`, `ICD_`,
+# `ICD-10-CM`, `CPT`), the code, then anything (usually a title) after a separator. The code is matched whole (an
+# atomic group): "I50.22?" must not fall back to its prefix "I50" before the dot. It may be longer than any ICD code
+# so that a SNOMED or RxNorm id after its tag still reads as a code of that system.
 _ITEM = re.compile(r"""
-    ^[\s"'`*\[(]*
+    ^[\s"'`*\[({<\u201c\u2018\u2022\u00b7-]*
     (?:(?P<system>ICD|CPT|HCPCS|LOINC|NDC|SNOMED(?:[\s_-]?CT)?|RXNORM|ATC)
        [\s_-]*(?P<version>9|10|11)?[\s_-]*(?P<flavor>CM|PCS)?[\s:=_#-]*)?
-    (?P<code>[A-Z0-9]{1,7}(?:\.[A-Z0-9]{1,4})?)
-    (?=$|[\s:;,()\[\]"'`*/.\u2013\u2014-])
+    (?P<code>(?>[A-Z0-9]+(?:\.[A-Z0-9]+)?))
+    (?=$|[\s:;,()\[\]{}<>?!"'`*/.\u201d\u2019\u2013\u2014-])
 """, re.X)
-# A code written inside text ("Type 2 diabetes (E11.9)"): only shapes that cannot be plain words.
+# A code written inside text ("Type 2 diabetes (E11.9)"): only shapes that cannot be plain words. A dotted match
+# wins over an earlier bare 3-character one ("Vitamin B12 deficiency anemia (D51.0)").
 _EMBEDDED = re.compile(r"\b([A-Z]\d[0-9A-Z](?:\.[0-9A-Z]{1,4})?|\d{3}\.\d{1,2}|[VE]\d{2,3}\.\d{1,2})\b")
+_FORMAT_CHARACTERS = re.compile(r"[\u00ad\u200b-\u200f\u2060\ufeff]")
 _MEDS_ITEM = re.compile(r"^(?P<kind>[A-Z_]+)//(?P<rest>\S*)")
 _MEDS_ICD = re.compile(r"^ICD//(?P<version>9|10)//(?P<code>[A-Z0-9.]+)$")
 _ICD10_SHAPE = re.compile(r"^[A-Z]\d[0-9A-Z](?:\.?[0-9A-Z]{1,4})?$")
@@ -678,8 +683,13 @@ class Vocabulary:
 
     def resolve(self, item: str | float | None) -> tuple[str | None, str | None]:
         """(canonical code, None) when `item` names a code of Ω, else (None, drop reason)."""
-        # JSON from a model may carry a code as a number (428.0); read it as written.
-        text = "" if item is None else str(item).strip()
+        # JSON from a model may carry a code as a number (428.0); read it as written. NFKC folds full-width
+        # characters (a model answering in CJK text writes "Ｉ５０．２２"); invisible format characters (zero-width
+        # space, soft hyphen, BOM) would otherwise cut the code short.
+        text = "" if item is None else str(item)
+        if not text.isascii():
+            text = _FORMAT_CHARACTERS.sub("", unicodedata.normalize("NFKC", text))
+        text = text.strip()
         if not text:
             return None, "blank"
         upper = text.upper()
@@ -691,7 +701,7 @@ class Vocabulary:
             return self._resolve_meds(meds.group("kind"), meds.group("rest"))
         match = _ITEM.match(upper)
         if match is None:
-            return None, "malformed"
+            return self._resolve_embedded(upper, None)
         system, flavor, token = match.group("system"), match.group("flavor"), match.group("code")
         if system in _NON_ICD_SYSTEMS or (system or "").startswith("SNOMED"):
             return None, "non_diagnosis"
@@ -700,12 +710,15 @@ class Vocabulary:
         if flavor == "PCS":
             return None, "procedure_code"
         version = int(match.group("version")) if match.group("version") else None
-        if not system and not self._code_shaped(token):
-            embedded = _EMBEDDED.search(upper)
-            if embedded is None:
-                return None, "malformed"
-            token = embedded.group(1)
+        if not self._code_shaped(token):  # a word ("ICD-10 code I50.22", "Hypertension (I10)")
+            return self._resolve_embedded(upper, version)
         return self._resolve_token(token, version)
+
+    def _resolve_embedded(self, text: str, version: int | None) -> tuple[str | None, str | None]:
+        found = [match.group(1) for match in _EMBEDDED.finditer(text)]
+        if not found:
+            return None, "malformed"
+        return self._resolve_token(next((token for token in found if "." in token), found[0]), version)
 
     def _resolve_meds(self, kind: str, rest: str) -> tuple[str | None, str]:
         if kind == PROCEDURE:
