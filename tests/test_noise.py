@@ -115,12 +115,27 @@ class RunRecords(logging.Handler):
                              record.exc_info is not None))
 
 
+def run_records(flow_fn) -> tuple[object, list[tuple[str, str, str, bool]]]:
+    """The final state of `flow_fn` run with dxr's filter installed, and the records its run loggers handed on."""
+    from dxr.errors import RUN_LOGGERS, quiet_user_errors
+
+    quiet_user_errors()  # as the CLI and the flows package do
+    handler, loggers = RunRecords(), [logging.getLogger(name) for name in RUN_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        return flow_fn(return_state=True), handler.records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
 def test_a_users_error_in_a_task_is_logged_once_by_the_flow_runs_state_line_and_a_bug_in_full():
     # `dxr forecast` failing in a shard task printed its error three times at ERROR (the task run's exception and
     # state, the flow run's exception) before the flow run's state line and the CLI's `Error:` line.
     from prefect import flow, task
 
-    from dxr.errors import RUN_LOGGERS, InputError, quiet_user_errors
+    from dxr.errors import InputError
 
     @task(name="stage")
     def stage(error: Exception) -> None:
@@ -130,27 +145,56 @@ def test_a_users_error_in_a_task_is_logged_once_by_the_flow_runs_state_line_and_
     def pipeline(error: Exception) -> None:
         stage(error)
 
-    quiet_user_errors()  # as the CLI and the flows package do
-    handler, loggers = RunRecords(), [logging.getLogger(name) for name in RUN_LOGGERS]
-    for logger in loggers:
-        logger.addHandler(handler)
-    try:
-        user = pipeline(InputError("cohort 'x' not found"), return_state=True)
-        user_records, handler.records = handler.records, []
-        bug = pipeline(KeyError("k"), return_state=True)
-    finally:
-        for logger in loggers:
-            logger.removeHandler(handler)
+    user, user_records = run_records(lambda **kw: pipeline(InputError("cohort 'x' not found"), **kw))
+    bug, bug_records = run_records(lambda **kw: pipeline(KeyError("k"), **kw))
     # The Prefect UI still records the failure and its message.
     assert user.is_failed() and user.message == "Flow run encountered an exception: InputError: cohort 'x' not found"
     assert [r for r in user_records if "not found" in r[2]] == [
         ("prefect.flow_runs", "INFO", "Finished in state Failed(\"Flow run encountered an exception: InputError: "
                                       "cohort 'x' not found\")", False)]
     assert bug.is_failed()
-    assert [r for r in handler.records if "KeyError" in r[2]] == [
+    assert [r for r in bug_records if "KeyError" in r[2]] == [
         ("prefect.task_runs", "ERROR", "Task run failed with exception: KeyError('k')", True),
         ("prefect.task_runs", "ERROR", "Finished in state Failed(\"Task run encountered an exception KeyError: "
                                        "'k'\")", False),
         ("prefect.flow_runs", "ERROR", "Encountered exception during execution: KeyError('k')", True),
         ("prefect.flow_runs", "INFO", "Finished in state Failed(\"Flow run encountered an exception: KeyError: "
                                       "'k'\")", False)]
+
+
+def test_a_users_error_of_the_flow_body_keeps_its_state_line_and_a_retried_task_keeps_its_own():
+    # The flow run's exception record goes without a task run's: its state line still carries the message. A task
+    # whose user's error (an OSError) is retried is logged at INFO without the exception, so nothing of it is
+    # dropped, and its final state line, Completed, must stay.
+    from prefect import flow, task
+
+    from dxr.errors import InputError
+
+    @flow(name="checks")
+    def checks() -> None:
+        raise InputError("k must be at least 1, got 0")
+
+    attempts = []
+
+    @task(name="flaky", retries=1)
+    def flaky() -> int:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise OSError("disk busy")
+        return 1
+
+    @flow(name="retried")
+    def retried() -> int:
+        return flaky()
+
+    state, records = run_records(checks)
+    assert state.is_failed()
+    assert [r for r in records if r[1] == "ERROR" or "Finished" in r[2]] == [
+        ("prefect.flow_runs", "INFO", "Finished in state Failed('Flow run encountered an exception: InputError: k "
+                                      "must be at least 1, got 0')", False)]
+    state, records = run_records(retried)
+    assert state.is_completed()
+    assert [r for r in records if r[0] == "prefect.task_runs"] == [
+        ("prefect.task_runs", "INFO", "Task run failed with exception: OSError('disk busy') - Retry 1/1 will start "
+                                      "immediately", False),
+        ("prefect.task_runs", "INFO", "Finished in state Completed()", False)]

@@ -43,7 +43,8 @@ COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whol
 COMMIT_ID = "t{ns:020d}-{token}"
 COMMIT_TIME = re.compile(r"^t(\d{20})-")  # the time in a COMMIT_ID
 # In a commit: [{"file": staged file name, "target": partition path in the store}] for a write, and
-# [{"remove": directory path under the warehouse root}] for a removal (`delete_together`).
+# [{"remove": directory path under the warehouse root}] for a removal (`delete_together`); a commit may hold both
+# (`write_together` with removals moves rows from one table to another).
 COMMIT_PLAN = "plan.json"
 REMOVED = "removed"  # in a removal's commit: the directories it removes, moved in to go with it
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
