@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -202,6 +203,21 @@ def test_a_read_after_a_commit_killed_between_its_renames_sees_the_whole_commit(
         ("s", "new"), ("t", "new")]
     assert wh.read("chunks")["text"].to_list() == ["new", "new"]
     assert list((wh.forecast_dir / store.COMMIT_DIR).iterdir()) == []
+
+
+def test_write_together_refuses_to_remove_a_partition_it_writes(wh):
+    """The commit renames the new file into place, then moves the removed directory out with it: the write is lost."""
+    wh.write("chunks", chunk_rows("old"), corpus="c", source="s")
+    for removal in ({"corpus": "c", "source": "s"}, {"corpus": "c"}, {}):
+        with pytest.raises(ValueError, match=r"table chunks \{'corpus': 'c', 'source': 's'\} is under removal "
+                                             rf"\(chunks, {re.escape(str(removal))}\)"):
+            wh.write_together([("chunks", chunk_rows("new"), {"corpus": "c", "source": "s"})],
+                              removals=[("chunks", removal)])
+    assert wh.read("chunks")["text"].to_list() == ["old"]
+    # A sibling partition of the same table may go in the same commit.
+    wh.write_together([("chunks", chunk_rows("new", "t"), {"corpus": "c", "source": "t"})],
+                      removals=[("chunks", {"corpus": "c", "source": "s"})])
+    assert wh.read("chunks")["text"].to_list() == ["new"]
 
 
 def test_a_commit_whose_removal_was_killed_is_removed_by_the_next_write(wh, monkeypatch):

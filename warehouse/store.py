@@ -100,7 +100,8 @@ class Warehouse:
         turns into a commit; only then are the files renamed over their partitions, and the removed ones moved
         into the commit. A writer killed before that rename leaves every partition as it was; one killed after
         it leaves a commit that the next read, write or delete in the store finishes first, so a rerun gives a
-        clean run's rows, and rows moved from one table to another are never in both or in neither.
+        clean run's rows, and rows moved from one table to another are never in both or in neither. A partition may
+        not be both written and under a removal (ValueError).
         """
         removals = list(removals)
         stores = {_spec(table).store for table, _, _ in writes} | {_spec(table).store for table, _ in removals}
@@ -108,6 +109,14 @@ class Warehouse:
             raise ValueError(f"write_together needs partitions of one store, got tables of stores {sorted(stores)}")
         store_dir = self.store_dir(stores.pop())
         checked = [(self.partition_path(table, **keys), _checked(table, data, keys)) for table, data, keys in writes]
+        # The commit renames the new files into place before it moves the removed directories out: a partition both
+        # written and removed would lose its new file.
+        for removed_table, removed_keys in removals:
+            removed = self.partitions_dir(removed_table, **removed_keys)
+            for (table, _, keys), (path, _) in zip(writes, checked):
+                if path.is_relative_to(removed):
+                    raise ValueError(f"write_together would remove the partition it writes: table {table} {keys} "
+                                     f"is under removal ({removed_table}, {removed_keys})")
         commits = store_dir / COMMIT_DIR
         finish_commits(commits)
         plan = []
