@@ -367,6 +367,35 @@ def test_validate_finds_a_code_after_words(icd10_vocabulary):
     assert icd10_vocabulary.resolve("ICD-9 code 428.0") == (None, "wrong_icd_version")
 
 
+def test_validate_finds_an_undotted_code_in_text(icd10_vocabulary):
+    assert icd10_vocabulary.resolve("Heart failure (I5022)") == (dx(10, "I5022"), None)
+    assert icd10_vocabulary.resolve("Essential hypertension [I10]") == (dx(10, "I10"), None)
+    assert icd10_vocabulary.resolve("ICD-10 code: S72001A") == (dx(10, "S72001A"), None)
+    # Never a child guessed for a non-billable parent, never a cross-version read, a written version still decides.
+    assert icd10_vocabulary.resolve("Heart failure (I502)") == (None, "not_in_vocabulary")
+    assert icd10_vocabulary.resolve("CHF - 42822") == (None, "malformed")
+    assert icd10_vocabulary.resolve("Aortocoronary bypass (V4581)") == (None, "wrong_icd_version")
+    # No ICD-9 code has the shape of I5022 (nor of I50.22): under a written ICD-9 it is no code at all.
+    assert icd10_vocabulary.resolve("ICD-9: heart failure (I5022)") == (None, "malformed")
+    # A number in text is read only as a code of Ω: a year is no drop reason of its own.
+    assert icd10_vocabulary.resolve("CHF since 2019") == (None, "malformed")
+    assert icd10_vocabulary.resolve("Portal vein thrombosis since 2019 (I81)") == (dx(10, "I81"), None)
+
+
+def test_validate_looks_past_a_code_shaped_word_that_is_no_code_of_omega(icd10_vocabulary):
+    assert icd10_vocabulary.resolve("T2DM (E11.9)") == (dx(10, "E119"), None)
+    assert icd10_vocabulary.resolve("B12 deficiency anemia (D51.0)") == (dx(10, "D510"), None)
+    assert icd10_vocabulary.resolve("CKD3 (N1830)") == (dx(10, "N1830"), None)
+    # A first token that is a code of Ω is the code, whatever follows; among several codes of Ω a dotted one wins.
+    assert icd10_vocabulary.resolve("I10 (I50.22)") == (dx(10, "I10"), None)
+    assert icd10_vocabulary.resolve("T2DM (E119), CHF (I50.22)") == (dx(10, "I5022"), None)
+    assert icd10_vocabulary.resolve("T2DM (E119), CHF (I5022)") == (dx(10, "E119"), None)
+    # Without a code of Ω after it, the first token's reason stands.
+    assert icd10_vocabulary.resolve("428.0 Congestive heart failure (4280)") == (None, "wrong_icd_version")
+    assert icd10_vocabulary.resolve("I50.2 heart failure") == (None, "not_in_vocabulary")
+    assert icd10_vocabulary.resolve("ICD-9 428.0 (I50.22)") == (None, "wrong_icd_version")
+
+
 def test_validate_counts_long_ids_of_other_code_systems_as_non_diagnosis(icd10_vocabulary):
     assert icd10_vocabulary.resolve("SNOMED 84114007") == (None, "non_diagnosis")
     assert icd10_vocabulary.resolve("RxNorm 1049630") == (None, "non_diagnosis")
@@ -439,14 +468,15 @@ def test_mimic_iii_dictionary_as_omega():
     assert (len(voc), voc.versions) == (14_567, frozenset({9}))
     result = voc.validate(["428.0", "V45.81 aortocoronary bypass status", "E849.7", "4280", "I50.22", "36.15",
                            "PROCEDURE//ICD//9//3615", "428", "Congestive heart failure (428.0)", "ICD-9 code 250.00",
-                           "４０１．９", "- 038.9"])
+                           "４０１．９", "- 038.9", "CHF - 42822", "Hypertension (4019)", "Depression (311)"])
     assert result.codes == [dx(9, "4280"), dx(9, "V4581"), dx(9, "E8497"), dx(9, "25000"), dx(9, "4019"),
-                            dx(9, "0389")]
+                            dx(9, "0389"), dx(9, "42822"), dx(9, "311")]
     assert result.titles == ["Congestive heart failure, unspecified", "Aortocoronary bypass status",
                              "Accidents occurring in residential institution",
                              "Diabetes mellitus without mention of complication, type II or unspecified type, not "
-                             "stated as uncontrolled", "Unspecified essential hypertension", "Unspecified septicemia"]
-    assert result.drops == Counter({"duplicate": 2, "wrong_icd_version": 1, "procedure_code": 2,
+                             "stated as uncontrolled", "Unspecified essential hypertension", "Unspecified septicemia",
+                             "Chronic systolic heart failure", "Depressive disorder, not elsewhere classified"]
+    assert result.drops == Counter({"duplicate": 3, "wrong_icd_version": 1, "procedure_code": 2,
                                     "not_in_vocabulary": 1})
 
 

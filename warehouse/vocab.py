@@ -591,9 +591,14 @@ _ITEM = re.compile(r"""
     (?P<code>(?>[A-Z0-9]+(?:\.[A-Z0-9]+)?))
     (?=$|[\s:;,()\[\]{}<>?!"'`*/.\u201d\u2019\u2013\u2014-])
 """, re.X)
-# A code written inside text ("Type 2 diabetes (E11.9)"): only shapes that cannot be plain words. A dotted match
-# wins over an earlier bare 3-character one ("Vitamin B12 deficiency anemia (D51.0)").
-_EMBEDDED = re.compile(r"\b([A-Z]\d[0-9A-Z](?:\.[0-9A-Z]{1,4})?|\d{3}\.\d{1,2}|[VE]\d{2,3}\.\d{1,2})\b")
+# A code written inside text ("Type 2 diabetes (E11.9)", "Heart failure (I5022)", "CHF - 42822"). Undotted shapes
+# include words such as T2DM or B12 and numbers such as 2019: a candidate counts only when it is a code of Ω, and a
+# dotted one is tried first ("Vitamin B12 deficiency anemia (D51.0)"). Dotted alternatives come first so that
+# "E849.7" is not read as the word "E849" before its dot.
+_EMBEDDED = re.compile(r"""\b(
+    [A-Z]\d[0-9A-Z]\.[0-9A-Z]{1,4} | \d{3}\.\d{1,2} | [VE]\d{2,3}\.\d{1,2}   # dotted ICD-10, ICD-9
+    | [A-Z]\d[0-9A-Z]{1,5} | \d{3,5}                                     # undotted
+)\b""", re.X)
 _FORMAT_CHARACTERS = re.compile(r"[\u00ad\u200b-\u200f\u2060\ufeff]")
 _MEDS_ITEM = re.compile(r"^(?P<kind>[A-Z_]+)//(?P<rest>\S*)")
 _MEDS_ICD = re.compile(r"^ICD//(?P<version>9|10)//(?P<code>[A-Z0-9.]+)$")
@@ -712,13 +717,29 @@ class Vocabulary:
         version = int(match.group("version")) if match.group("version") else None
         if not self._code_shaped(token):  # a word ("ICD-10 code I50.22", "Hypertension (I10)")
             return self._resolve_embedded(upper, version)
-        return self._resolve_token(token, version)
+        code, reason = self._resolve_token(token, version)
+        if code is None and match.end() < len(upper):
+            # A code-shaped word may precede the code ("T2DM (E11.9)", "CKD3 (N1830)"); if none follows, the
+            # first token's reason stands ("428.0 Congestive heart failure" in an ICD-10 Ω is the wrong version).
+            embedded, _ = self._resolve_embedded(upper[match.end():], version)
+            if embedded is not None:
+                return embedded, None
+        return code, reason
 
     def _resolve_embedded(self, text: str, version: int | None) -> tuple[str | None, str | None]:
-        found = [match.group(1) for match in _EMBEDDED.finditer(text)]
-        if not found:
-            return None, "malformed"
-        return self._resolve_token(next((token for token in found if "." in token), found[0]), version)
+        """The first dotted candidate that is a code of Ω, else the first undotted one; when none is, the drop reason
+        of the first dotted candidate, else of the first undotted one that is not a bare number."""
+        found = sorted((match.group(1) for match in _EMBEDDED.finditer(text)), key=lambda token: "." not in token)
+        first_reason = None
+        for token in found:
+            code, reason = self._resolve_token(token, version)
+            if code is not None:
+                return code, None
+            # A bare number in text is a year or a count as often as a code ("since 2019", "1250-1499 grams"): it
+            # is read as a code of Ω, but a miss says nothing about the item.
+            if not token.isdigit():
+                first_reason = first_reason or reason
+        return None, first_reason or "malformed"
 
     def _resolve_meds(self, kind: str, rest: str) -> tuple[str | None, str]:
         if kind == PROCEDURE:
