@@ -248,7 +248,7 @@ def test_harmonize_icd10_closest_maps_codes_missing_from_the_gem_through_their_c
 
 
 def test_harmonize_icd10_closest_yields_only_codes_of_the_tables(tables):
-    # 156 ICD-9 codes had a GEM target that ICD-10-CM FY2026 no longer has (skull fractures S02.10XA, now
+    # 165 ICD-9 codes had a GEM target that ICD-10-CM FY2026 no longer has (skull fractures S02.10XA, now
     # S02.101A-S02.109A; glaucoma H40.11X0): they became untitled Ω codes that no model output could match.
     sources = [dx(9, "80100"), dx(9, "36511"), dx(9, "99859")]
     out = harmonize_codes(sources, "icd10_closest", tables["gem"], tables["titles"])

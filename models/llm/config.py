@@ -55,8 +55,8 @@ class LLMConfig(BaseModel):
         "max_tokens", description="request field for max_output_tokens; max_completion_tokens for reasoning models")
     # Characters per token for budgeting prompts without a tokenizer. English prose runs ~4, but a record is
     # dense with codes, dates and lab values, and Gemma (the embedded model) makes each digit a token: on the
-    # demo's Direct Forecast prompts the packaged model's tokenizer measured 2.68 at the least (median 3.12),
-    # so that even the densest of them fits when its history fills the budget (docs/llm.md).
+    # demo's Direct Forecast prompts (direct_forecast/4) the packaged model's tokenizer measured 2.78 at the least
+    # (median 3.21), so that even the densest of them fits when its history fills the budget (docs/llm.md).
     chars_per_token: float = Field(2.7, gt=0)
     temperature: float = Field(0.0, ge=0)
     seed: int | None = Field(7, description="sent when not null; ignored by backends without seeding")
