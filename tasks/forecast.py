@@ -13,7 +13,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextvars import copy_context
 from functools import lru_cache
 from itertools import islice
@@ -254,6 +254,8 @@ def run_shards(run: Callable[[int, int | None], int], shards: list[int], workers
     threads, each in a copy of this thread's context (a Prefect task called there is a task run of
     the flow). After a failure no shard starts, and the error is raised only once the shards under
     way have ended (written or failed too): nothing is written into a run after it is recorded failed.
+    The first failed shard's error is raised; another failed shard's error, if it says something else,
+    is logged on one line, since the run ends with the first one only.
     """
     if workers == 1:
         done = 0
@@ -264,18 +266,38 @@ def run_shards(run: Callable[[int, int | None], int], shards: list[int], workers
         return done
     if limit is not None:
         raise ValueError("a forecast with a limit runs one shard at a time")
-    queue, done = iter(shards), 0
+    queue, done, shard_of = iter(shards), 0, {}
+
+    def start(count: int) -> set[Future]:
+        started = {pool.submit(copy_context().run, run, shard, None): shard for shard in islice(queue, count)}
+        shard_of.update(started)
+        return set(started)
+
     with ThreadPoolExecutor(workers, thread_name_prefix="shard") as pool:
-        under_way = {pool.submit(copy_context().run, run, shard, None) for shard in islice(queue, workers)}
+        under_way = start(workers)
         while under_way:
             ended, under_way = wait(under_way, return_when=FIRST_COMPLETED)
-            failed = [future.exception() for future in ended if future.exception() is not None]
-            if failed:
+            if any(future.exception() is not None for future in ended):
                 wait(under_way)
-                raise failed[0]
+                failed = sorted((future for future in ended | under_way if future.exception() is not None),
+                                key=lambda future: (future not in ended, shard_of[future]))
+                _log_other_failures(failed[0].exception(), [(shard_of[f], f.exception()) for f in failed[1:]])
+                raise failed[0].exception()
             done += sum(future.result() for future in ended)
-            under_way |= {pool.submit(copy_context().run, run, shard, None) for shard in islice(queue, len(ended))}
+            under_way |= start(len(ended))
     return done
+
+
+def _log_other_failures(raised: BaseException, others: list[tuple[int, BaseException]]) -> None:
+    said = {_one_line(raised)}
+    for shard, error in others:
+        if _one_line(error) not in said:
+            said.add(_one_line(error))
+            stage_logger(__name__).error("shard %d failed too: %s", shard, _one_line(error))
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def forecast_shards(wh: Warehouse, cohort_id: str, split: str, subject_id: int | None = None) -> list[int]:

@@ -70,6 +70,23 @@ def test_after_a_failing_shard_none_starts_and_the_error_waits_for_the_shards_un
     assert sorted(log.ended) == [0, 1] and log.running == 0  # shard 0 ended before the error was raised
 
 
+def test_every_failed_shard_that_says_something_else_is_logged_and_the_first_is_raised(caplog):
+    # Two shards under way that failed with different errors used to leave only the raised one's message: the
+    # other one's records are those dxr drops for a user's error, so nobody saw that it was a second problem.
+    errors = {0: InputError("shard 0: code 'X' is not in Omega"), 1: OSError("disk full"), 2: OSError("disk full"),
+              3: InputError("shard 0: code 'X' is not in Omega")}
+    barrier = threading.Barrier(4)
+
+    def every_shard_fails(shard: int, remaining: int | None) -> int:
+        barrier.wait(20)  # all four are under way before any fails
+        time.sleep(0.1 * shard)  # shard 0 fails first
+        raise errors[shard]
+
+    with caplog.at_level("ERROR", logger="tasks.forecast"), pytest.raises(InputError, match="shard 0: code"):
+        run_shards(every_shard_fails, [0, 1, 2, 3], 4)
+    assert [record.getMessage() for record in caplog.records] == ["shard 1 failed too: OSError: disk full"]
+
+
 @pytest.fixture
 def sharded(wh_vocab, tiny_meds):
     """The tiny dataset's every-encounter cohort in five shards of at most two trajectories."""
