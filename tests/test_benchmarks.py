@@ -209,3 +209,17 @@ def test_the_readme_prior_tables_are_the_kept_results(heading, reference):
     for system, cells in table.items():
         for column, cell in cells.items():
             assert cell == f"{measured[system][column][0]:.3f}", (system, column, cell)
+
+
+def test_the_readme_mimic_import_row_is_the_kept_result():
+    """The README's MIMIC-IV import row opens with the run kept in benchmarks/reference/: its time, rows per second,
+    peak memory and load, to the printed digit."""
+    result = json.loads((REFERENCE / "mimic_import.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["uncommitted_changes"] is False
+    assert result["scale"] == 1.0 and result["rows_per_table"]["prescriptions"] == 3_000_000
+    row = next(line for line in README.read_text().splitlines()
+               if line.startswith("| MIMIC-IV import, generated full-scale `hosp` layout"))
+    measured = row.strip("|").split("|")[2].strip()
+    assert measured.startswith(
+        f"{result['import_s']:.1f} s ({result['rows_per_s']:,} rows/s), {result['peak_rss_mib']:,.0f} MiB peak under "
+        f"load {result['load_avg_1m_before']:.1f}–{result['load_avg_1m_after']:.1f} "), measured

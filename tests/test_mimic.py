@@ -458,6 +458,34 @@ def test_fixture_runs_end_to_end_with_every_harmonization(mode, wh_vocab, prefec
     assert sorted(overall["system"]) == ["global_frequency", "repeat_history"] and set(overall["n"]) == {2}
 
 
+def test_results_split_per_icd_version_for_a_patient_moving_from_icd9_to_icd10(tmp_path, wh_vocab, prefect_harness):
+    """The docs' example of the `icd9` and `icd10` subsets: the fixture with S1's second admission coded in ICD-9,
+    so S1 has two ICD-9 admissions before an ICD-10 one and `--target every` gives one ICD-9 target of three."""
+    from flows.forecast import forecast_flow
+    from tasks.evaluate import evaluate_run
+    from warehouse.cohorts import CohortOptions, build_cohort
+    from warehouse.datasets import register_dataset
+
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "diagnoses_icd", lambda lines: [
+        line.replace("20000002,1,I5023,10", "20000002,1,4280,9").replace("20000002,2,E119,10", "20000002,2,25000,9")
+        for line in lines])
+    import_mimic4(hosp, wh_vocab.meds_dir("moving"), seed=SEED)
+    register_dataset(wh_vocab, "moving", source="mimic4")
+    n_per_subset = {}
+    for mode in ("native", "icd10"):
+        build_cohort(wh_vocab, "moving", mode, CohortOptions(target="every", harmonize=mode), seed=SEED)
+        forecast_flow(str(wh_vocab.root), mode, "repeat_history", split="all", k=5, run_id=f"run-{mode}")
+        metrics = evaluate_run(wh_vocab, f"run-{mode}", ks=(5,), n_boot=0, natural=False).filter(
+            pl.col("metric") == "recall_at_k")
+        by_version = metrics.filter(pl.col("subset").is_in(["all", "icd9", "icd10"]))
+        n_per_subset[mode] = dict(by_version.select("subset", "n").iter_rows())
+        if mode == "native":  # S1's ICD-9 target repeats its first admission's two codes
+            assert metrics.filter(pl.col("subset") == "icd9")["value"].to_list() == [1.0]
+    # Harmonized to ICD-10, the ICD-9 target is an ICD-10 one: no icd9 row.
+    assert n_per_subset == {"native": {"all": 3, "icd9": 1, "icd10": 2}, "icd10": {"all": 3, "icd10": 3}}
+
+
 def test_a_cohort_flags_the_patients_whose_age_was_capped_and_an_older_cohort_reads_null(wh_vocab):
     import pyarrow.parquet as pq
 
