@@ -72,7 +72,7 @@ def ingest_mimic4(ctx: click.Context, path: Path, name: str, seed: int | None, l
     """Import a MIMIC-IV `hosp` module (the release root or hosp/ itself; .csv or .csv.gz) as a MEDS dataset.
 
     Diagnoses keep their ICD version (9 or 10, mixed within patients); harmonize them when building
-    a cohort (`dxr cohort build --harmonize icd10|category`). Lab results come with --labs.
+    a cohort (`dxr cohort build --harmonize icd10|icd10_closest|category`). Lab results come with --labs.
     See docs/bring-your-own-data.md.
 
     \b
