@@ -13,6 +13,8 @@ s(c) = Σ 1/(k0 + rank), k0 = 60, ranks one-based, ties by code. A run finds the
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -26,6 +28,7 @@ from models.llm.config import LLMConfig
 from models.llm.history import render_history
 from models.llm.prompts import RenderedPrompt, load_prompt, render
 from models.registry import FUSED_INPUTS
+from tasks import stage_logger
 from tasks.forecast import CANDIDATE_STAGES, write_shard_outputs
 from warehouse.cohorts import code_titles
 from warehouse.schemas import NON_RUN_TABLES
@@ -43,6 +46,9 @@ ICD_NAMES = {9: "ICD-9-CM", 10: "ICD-10-CM"}
 SPECIFIC_CODES = "Prefer specific billable codes"
 CATEGORY_CODES = ("Give ICD categories only (the first three characters of a code, four for ICD-9 E codes, e.g. I50 "
                   "or 428), each at most once")
+# Progress lines per shard: one each tenth of its trajectories (each one when fewer than ten), since a shard of an LLM
+# system runs for minutes to hours (about a minute a patient with the embedded model) with nothing else to show.
+PROGRESS_LINES = 10
 # The code of the example reply, (specific, category), in the cohort's own version: an ICD-10 example before an
 # ICD-9 record contradicts the rule to use the record's version, and a small model copies examples.
 EXAMPLE_CODES = {9: ("428.0", "428"), 10: ("I50.22", "I50")}
@@ -159,7 +165,19 @@ async def forecast_direct(client: LLMClient, trajectories: pl.DataFrame, pretarg
         return rows, (status, "; ".join(n for n in notes if n) or None)
 
     ids = trajectories["trajectory_id"].to_list()
-    tasks = [asyncio.ensure_future(one(t)) for t in ids]
+    logger, started, outcomes = stage_logger(__name__), time.monotonic(), Counter()
+    every = max(1, len(ids) // PROGRESS_LINES)
+
+    async def reported(trajectory_id: str):
+        rows, (status, detail) = await one(trajectory_id)
+        outcomes[status] += 1
+        done = outcomes.total()
+        if done % every == 0 or done == len(ids):
+            logger.info("%s: %d of %d trajectories done (%s) in %.0f s", DIRECT, done, len(ids),
+                        ", ".join(f"{n} {s}" for s, n in sorted(outcomes.items())), time.monotonic() - started)
+        return rows, (status, detail)
+
+    tasks = [asyncio.ensure_future(reported(t)) for t in ids]
     try:
         results = await asyncio.gather(*tasks)
     except BaseException:

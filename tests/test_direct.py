@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta
 
 import polars as pl
@@ -119,6 +120,25 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
                                **forecast_store_texts(wh.forecast_dir)})
     # ...while the prompts do carry the pre-target history (the harness is not looking at empty text).
     assert any("I50.22 " in text for text in prompt_texts)
+
+
+def test_direct_forecast_reports_its_progress_as_trajectories_finish(planted_cohort, tmp_path, caplog):
+    # A shard of an LLM system runs for minutes to hours: each finished trajectory (one in ten, on larger shards)
+    # says how far the shard is and how its lists came out so far.
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = cohort_inputs(wh, cohort_id)
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
+                       response_format="json_object_schema", validation_retries=0)
+    rising = predictions(VALID)
+    rising["predictions"][5]["confidence"] = 99
+    record_replies(config, wh, cohort_id, trajectories, pretarget,
+                   [predictions(VALID[:19] + ["U99.99"]), predictions(VALID), rising])
+
+    caplog.set_level("INFO", logger="tasks.direct")
+    direct_shard(wh, cohort_id, 0, trajectories, pretarget, 20, "run-p", config)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.direct"]
+    assert [line.split(" (")[0] for line in lines] == [f"direct: {n} of 3 trajectories done" for n in (1, 2, 3)]
+    assert re.fullmatch(r"direct: 3 of 3 trajectories done \(1 failed, 1 ok, 1 short\) in \d+ s", lines[-1])
 
 
 def test_direct_forecast_names_medications_by_the_cohorts_code_titles(wh_vocab, tmp_path):
