@@ -171,7 +171,10 @@ TABLES: dict[str, Table] = {
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
-        }, ["run_id", "system", "shard"], "Ordered code lists per trajectory; `native` is false for padding. "
+        }, ["run_id", "system", "shard"], "Ordered code lists per trajectory, up to K codes (the forecast's `--k`) "
+           "but for `direct` and `rrf_prior_direct`, which keep their whole lists (Direct's up to 30 codes after V(.), "
+           "their union with the prior's 20: up to 50), of which evaluation scores the first K; `native` is false for "
+           "padding. "
            "`score` orders one list and is on its system's own scale, so compare ranks, not scores, across systems: "
            "train-split encounter counts (`global_frequency`), the patient's encounters recording the code "
            "(`repeat_history`, its padding below 1), a transition probability (`transition`, padding negative), "

@@ -26,7 +26,9 @@ def forecastable_system(ctx: click.Context, param: click.Parameter, system: str)
 @click.option("--split", type=click.Choice(FORECAST_SPLITS), default="held_out",
               show_default=True, help="Which trajectories to forecast.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Forecast at most N trajectories.")
-@click.option("--k", type=click.IntRange(min=1), default=20, show_default=True, help="Codes per trajectory.")
+@click.option("--k", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Codes per trajectory; a list with fewer is `short`. direct and rrf_prior_direct keep their whole "
+              "lists (Direct's up to 30 codes; their union with the prior's 20), of which evaluation scores the first K.")
 @click.option("--subject-id", type=int, default=None, help="Forecast only this patient's trajectories (an ad-hoc "
               "rerun of one patient).")
 @click.option("--run-id", default=None, callback=valid.run_id,
