@@ -562,6 +562,20 @@ def test_a_retry_quotes_only_the_latest_reply_and_at_most_ten_errors():
     assert tight.retry_conversation(QUESTION, "x" * 600, errors)[:-1] == QUESTION
 
 
+def test_structural_errors_are_listed_in_reply_order_so_a_re_ask_names_the_first_ones(tmp_path):
+    # Sorted as text, predictions/10 and /11 came before /2 and the re-ask's ten listed errors skipped /9.
+    schema = {"type": "object", "properties": {"predictions": {"type": "array", "items": {"maximum": 100}}}}
+    reply = json.dumps({"predictions": [90] + [101 + i for i in range(11)]})
+    client = replay_client(tmp_path, [(QUESTION, reply, 40, 5)], validation_retries=0, response_format="none")
+    with pytest.raises(LLMOutputError):
+        asyncio.run(client.complete_json(QUESTION, schema, "unit/1", CONTEXT))
+    assert client.telemetry()["error"].to_list() == [
+        "; ".join(f"at predictions/{i}: {100 + i} is greater than the maximum of 100" for i in range(1, 12))]
+    feedback = client.retry_conversation(QUESTION, reply, client.telemetry()["error"][0].split("; "))[-1]["content"]
+    listed = [line.split(":")[0] for line in feedback.splitlines()[1:11]]
+    assert listed == [f"- at predictions/{i}" for i in range(1, 11)]
+
+
 def answering(replies: list, state: dict):
     """A handler that answers each request with the next of `replies`: (status, body bytes, headers)."""
     async def handler(request: web.Request) -> web.Response:

@@ -89,9 +89,15 @@ def _validator(schema_json: str) -> jsonschema.Draft202012Validator:
 
 
 def schema_errors(schema: dict, value) -> list[str]:
-    """Structural errors of `value` against a JSON schema, one readable line each (sorted by path)."""
+    """Structural errors of `value` against a JSON schema, one readable line each, in reply order (array
+    positions by number, so that predictions/2 comes before predictions/10 and a re-ask lists the first ones).
+
+    >>> schema_errors({"type": "array", "items": {"maximum": 100}}, [0, 0, 101, 0, 0, 0, 0, 0, 0, 0, 102])
+    ['at 2: 101 is greater than the maximum of 100', 'at 10: 102 is greater than the maximum of 100']
+    """
     validator = _validator(canonical_json(schema))
-    errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = sorted(validator.iter_errors(value),
+                    key=lambda e: [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in e.absolute_path])
     return [f"at {'/'.join(str(p) for p in e.absolute_path) or '(root)'}: {e.message}" for e in errors]
 
 
