@@ -18,7 +18,7 @@ from dxr.errors import InputError
 from models.llm.backends import (Completion, OpenAIBackend, ReplayBackend, TransportError, UnrecordedRequestError,
                                  append_recording, request_hash)
 from models.llm.cache import ResponseCache
-from models.llm.client import CallContext, LLMClient, LLMOutputError
+from models.llm.client import CallContext, LLMClient, LLMOutputError, prompt_budget
 from models.llm.config import EMBEDDED_MODEL, LLMConfig, ModelPrice
 from models.llm.telemetry import call_costs
 from tests.conftest import serving
@@ -700,7 +700,7 @@ def test_the_cache_key_and_telemetry_name_the_model_that_answers(tmp_path):
 
 
 def test_a_re_ask_stays_within_the_prompt_budget():
-    from models.llm.client import FEEDBACK_RESERVE_CHARS, MAX_ERROR_CHARS, prompt_budget
+    from models.llm.client import FEEDBACK_RESERVE_CHARS, MAX_ERROR_CHARS
 
     client = LLMClient(LLMConfig(context_window=4096, max_output_tokens=1000, chars_per_token=3.0), backend=None)
     budget = prompt_budget(client.config)
@@ -945,6 +945,14 @@ def test_reasoning_models_are_sent_max_completion_tokens_when_configured():
     with pytest.raises(ValueError, match="llm.max_tokens_field = 'max_completion_tokens' is for OpenAI-compatible "
                                          "endpoints that take it; the embedded llama.cpp server"):
         LLMConfig(backend="local", max_tokens_field="max_completion_tokens")
+
+
+def test_a_window_that_the_reserved_output_fills_is_refused_when_configured():
+    # It was accepted, and every call then failed on "a prompt budget of -2085 characters".
+    with pytest.raises(ValueError, match="llm.context_window = 1024 leaves no room for a prompt after "
+                                         "llm.max_output_tokens = 1500: raise the window"):
+        LLMConfig(context_window=1024)
+    assert prompt_budget(LLMConfig(context_window=1024, max_output_tokens=1000), 2.0) == 48
 
 
 def test_a_refused_temperature_names_the_setting_to_change():

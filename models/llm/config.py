@@ -88,3 +88,13 @@ class LLMConfig(BaseModel):
             raise ValueError(f"llm.max_tokens_field = {self.max_tokens_field!r} is for OpenAI-compatible endpoints "
                              "that take it; the embedded llama.cpp server (backend local) takes max_tokens")
         return self
+
+    @model_validator(mode="after")
+    def _window_holds_the_output(self) -> LLMConfig:
+        # The prompt gets what the window leaves after the reserved output: without this check every call would fail
+        # later with a negative prompt budget.
+        if self.context_window <= self.max_output_tokens:
+            raise ValueError(f"llm.context_window = {self.context_window} leaves no room for a prompt after "
+                             f"llm.max_output_tokens = {self.max_output_tokens}: raise the window (the model's context "
+                             "length) or lower the output tokens")
+        return self
