@@ -323,9 +323,15 @@ def check_rankings(rankings: pl.DataFrame, status: pl.DataFrame, trajectory_ids:
     if silent.height:
         row = silent.row(0, named=True)
         bound = f"K={k}" if k else "1 (natural list sizes still need a list)"
+        # Every list shorter than K is a K above the forecast's own (`--k 30` over a run forecast at 20), not an
+        # output to fix.
+        longest = lengths.filter(pl.col("system") == row["system"])["n"].max() or 0
+        fix = (f"{row['system']}'s lists hold at most {longest} codes: evaluate with --k up to {longest}, or forecast "
+               f"{row['system']} with --k {k} under a new run id" if 0 < longest < k
+               else "fix the system's output or record its status")
         raise InputError(f"run {run_id!r}, system {row['system']!r}, trajectory {row['trajectory_id']!r} ranks "
                          f"{row['n']} code(s) < {bound} with no ranking_status 'short' or 'failed' row "
-                         f"({silent.height} such trajectories): fix the system's output or record its status")
+                         f"({silent.height} such lists): {fix}")
 
 
 def _check_addressed(silent: pl.DataFrame, status: pl.DataFrame, trajectory_ids: list[str], systems: list[str],

@@ -179,6 +179,19 @@ def test_silently_short_ranking_is_refused(wh):
         evaluate(wh, "r2", ks=(2,), n_boot=0)
 
 
+def test_a_k_above_every_list_of_a_system_names_the_longest_list_not_an_output_to_fix(wh):
+    # s1's lists hold 3, 2 and 2 codes: K = 5 is above the budget it was forecast with, so the way out is a smaller
+    # K or a new forecast; s2's two silent lists (T2 is explicitly short) count too.
+    refusal = (f"system 's1', trajectory '{T1}' ranks 3 code\\(s\\) < K=5 .*\\(5 such lists\\): s1's lists hold at "
+               "most 3 codes: evaluate with --k up to 3, or forecast s1 with --k 5 under a new run id$")
+    with pytest.raises(InputError, match=refusal):
+        evaluate(wh, "r1", ks=(5,), n_boot=0)
+    # One list below K among longer ones is the system's output to fix.
+    write_rankings(wh, "r2", rankings={"s3": {T1: [A, B, C], T2: [A], T3: [E, X, Y]}}, status={})
+    with pytest.raises(InputError, match="ranks 1 code.*: fix the system's output or record its status$"):
+        evaluate(wh, "r2", ks=(3,), n_boot=0)
+
+
 def test_missing_trajectory_without_status_is_refused(wh):
     write_rankings(wh, "r3", rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X]}, "s4": {T1: [A, B], T2: [A, B]}},
                    status={})
