@@ -130,7 +130,8 @@ def subset_table(metrics: pl.DataFrame, k: int, metric: str, subsets: list[str])
 def paired_table(paired: pl.DataFrame, k: int, metric: str = "micro_f1") -> Table:
     rows = (paired.filter((pl.col("k") == k) & (pl.col("metric") == metric) & (pl.col("subset") == "all"))
             .sort(["difference", "system_a", "system_b"], descending=[True, False, False]))
-    return Table(["a", "b", f"{LABELS[metric]} a", f"{LABELS[metric]} b", "a − b [95% CI]", "improved",
+    difference = "a − b [95% CI]" if rows["ci_low"].null_count() < rows.height else "a − b"
+    return Table(["a", "b", f"{LABELS[metric]} a", f"{LABELS[metric]} b", difference, "improved",
                   "worsened", "tied", "sign test p"],
                  [[r["system_a"], r["system_b"], f"{r['value_a']:.3f}", f"{r['value_b']:.3f}",
                    with_interval(r["difference"], r["ci_low"], r["ci_high"]), str(r["n_improved"]),
@@ -277,7 +278,7 @@ def _errors(frame: pl.DataFrame) -> list[list[float]]:
     return [(values - low).clip(lower_bound=0).to_list(), (high - values).clip(lower_bound=0).to_list()]
 
 
-def comparison_figure(metrics: pl.DataFrame, k: int) -> bytes:
+def comparison_figure(metrics: pl.DataFrame, k: int, intervals: bool) -> bytes:
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * metrics["system"].n_unique() + 1.5), sharey=True)
     order = (metrics.filter((pl.col("k") == k) & (pl.col("subset") == "all") & (pl.col("metric") == "micro_f1"))
              .sort("value")["system"].to_list())
@@ -286,7 +287,7 @@ def comparison_figure(metrics: pl.DataFrame, k: int) -> bytes:
                 .join(pl.DataFrame({"system": order, "pos": range(len(order))}), on="system").sort("pos"))
         ax.errorbar(rows["value"], rows["pos"], xerr=_errors(rows), fmt="o", capsize=3)
         ax.set_yticks(range(len(order)), order)
-        ax.set_xlabel(f"{LABELS[metric]} at K={k_label(k)} (95% CI)")
+        ax.set_xlabel(f"{LABELS[metric]} at K={k_label(k)}" + (" (95% CI)" if intervals else ""))
         ax.grid(axis="x", alpha=0.3)
     return _png(fig)
 
@@ -374,12 +375,13 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     n = metrics.filter(pl.col("subset") == "all")["n"].max()
     has_interval = metrics["ci_low"].null_count() < metrics.height
     n_runs = int(metrics["n_runs"].max())
+    natural = NATURAL_K in set(metrics["k"])
     blocks: list = [
         Heading(f"Evaluation report — run {run_id}", 1),
         Paragraph(f"Cohort {cohort_provenance(wh, metrics['cohort_id'][0])}; {n} trajectories; "
                   f"{len(systems)} systems "
-                  f"({', '.join(systems)}). K values: {', '.join(k_label(x) for x in sorted(metrics['k'].unique()))} "
-                  f"(|C| = each system's whole list). "
+                  f"({', '.join(systems)}). K values: {', '.join(k_label(x) for x in sorted(metrics['k'].unique()))}"
+                  + (" (|C| = each system's whole list). " if natural else ". ")
                   + ("Intervals are 95% patient-cluster bootstrap percentile intervals."
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
@@ -397,7 +399,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
             [[r["kind"], r["status"], r["code_version"], f"{r['started_at']:%Y-%m-%d %H:%M:%S}",
               f"{(r['finished_at'] - r['started_at']).total_seconds():.1f}" if r["finished_at"] else "",
               r["config_json"]] for r in runs.iter_rows(named=True)])]
-    for i, kk in enumerate(fixed[::-1] + ([NATURAL_K] if NATURAL_K in set(metrics["k"]) else [])):
+    for i, kk in enumerate(fixed[::-1] + ([NATURAL_K] if natural else [])):
         blocks += [Heading(f"Systems at K = {k_label(kk)}")]
         if i == 0:
             over_runs = (f" Over the {n_runs} runs: short and failed count the lists of every run, and native share "
@@ -410,8 +412,9 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                                     "rest pad its list from the train-split frequency list." + over_runs))
         blocks.append(system_table(metrics, coverage, kk))
     blocks += [Heading("System comparison"),
-               Figure("comparison", f"micro-F1 and R@K at K={k_label(k)} with 95% intervals.",
-                      comparison_figure(metrics, k))]
+               Figure("comparison", f"micro-F1 and R@K at K={k_label(k)}"
+                      + (" with 95% intervals." if has_interval else " (no bootstrap intervals)."),
+                      comparison_figure(metrics, k, has_interval))]
     # A mean over repeated runs has no rankings of its own: its sweep is the mean of the sweeps of the runs its
     # evaluation names.
     swept = averaged or ([run_id] if n_runs == 1 else [])
@@ -422,12 +425,15 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                              sweep_figure(mean_k_sweep(wh, swept, systems, max_sweep))))
     buckets = [b[0] for b in FREQUENCY_BUCKETS]
     blocks += [Heading("Recall by code frequency in the train split"),
-               Paragraph("A target code's bucket is the number of train-split encounters coding it; each subset "
-                         "keeps the trajectories with at least one target code in it."),
+               Paragraph(f"R@K at K = {k_label(k)}. A target code's bucket is the number of train-split encounters "
+                         "coding it; each subset keeps the trajectories with at least one target code in it."),
                subset_table(metrics, k, "recall_at_k", buckets),
                Figure("frequency", f"R@K at K={k_label(k)} by code-frequency bucket.",
                       grouped_figure(metrics, k, buckets)),
-               Heading("New-onset vs repeated target codes"),
+               Heading("New-onset vs repeated target codes, and ICD version"),
+               Paragraph(f"R@K at K = {k_label(k)}. A target code is repeated when it is among the trajectory's "
+                         "pre-target diagnoses, else new-onset; icd9 and icd10 keep the target codes of one ICD "
+                         "version."),
                subset_table(metrics, k, "recall_at_k", ["new_onset", "repeated", "icd9", "icd10"]),
                Figure("onset", f"R@K at K={k_label(k)}: new-onset vs repeated codes.",
                       grouped_figure(metrics, k, ["new_onset", "repeated"]))]

@@ -419,6 +419,25 @@ def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
     assert len(notes) == 1 and notes[0].startswith("note: runs r1, r9: 3 of the 3 trajectories are of train-split")
 
 
+def test_a_report_without_bootstrap_or_natural_k_claims_neither(wh):
+    # Evaluated with --bootstrap 0 --no-natural, the page said "with 95% intervals", "a − b [95% CI]" and
+    # "(|C| = each system's whole list)" of values that have no interval and a K that was not evaluated.
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0, natural=False)
+    markdown = to_markdown(build_report(wh, "r1"))
+    assert "K values: 2. No bootstrap intervals were computed." in markdown
+    assert "*micro-F1 and R@K at K=2 (no bootstrap intervals).*" in markdown
+    assert "| a | b | micro-F1 a | micro-F1 b | a − b | improved |" in markdown
+    assert "95%" not in markdown and "|C|" not in markdown
+    # The subset tables say which metric and K they hold, and the ICD version columns have a heading that names them.
+    assert "## New-onset vs repeated target codes, and ICD version\n\nR@K at K = 2. " in markdown
+    assert "## Recall by code frequency in the train split\n\nR@K at K = 2. " in markdown
+    evaluate_run(wh, "r1", ks=(2,), n_boot=20)
+    markdown = to_markdown(build_report(wh, "r1"))
+    assert "(|C| = each system's whole list)" in markdown
+    assert "*micro-F1 and R@K at K=2 with 95% intervals.*" in markdown
+    assert "a − b [95% CI]" in markdown
+
+
 def test_the_report_says_what_native_share_counts(wh):
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     assert ("native share = the share of the top-K codes that the system ranked itself; the rest pad its list from "
