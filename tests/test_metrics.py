@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dxr.errors import InputError, NotFoundError
-from tasks.evaluate import (NATURAL_K, SUBSETS, Counts, bootstrap_weights, estimate, evaluate, evaluate_repeated,
-                            evaluate_run, label_targets, load_run, sign_test)
+from tasks.evaluate import (NATURAL_K, SUBSETS, Counts, RunData, bootstrap_weights, estimate, evaluate,
+                            evaluate_repeated, evaluate_run, label_targets, load_run, sign_test, system_counts)
 from tasks.forecast import check_rerun, forecast_config
 from warehouse.runs import record_run
 from warehouse.schemas import METRICS
@@ -703,6 +703,62 @@ def test_more_budget_never_loses_hits(problem):
     large = estimate(counts_of(k, targets, rankings), None)
     # Recall-type metrics are monotone in the prefix; precision denominators are fixed at K.
     assert np.all(large.point[:, 0, 0, [1, 3]] >= small.point[:, 0, 0, [1, 3]] - 1e-12)
+
+
+@st.composite
+def ranked_problems(draw):
+    """Random targets with random classes, and ranked lists of any length (empty too), several systems and budgets."""
+    codes = [dx(f"A{c:02d}") for c in range(6)] + [dx(f"{c:03d}", 9) for c in range(6)]
+    n = draw(st.integers(1, 8))
+    targets = [draw(st.lists(st.sampled_from(codes), min_size=1, max_size=6, unique=True)) for _ in range(n)]
+    repeated = {code: draw(st.booleans()) for code in codes}
+    train_count = {code: draw(st.sampled_from([0, 3, 40, 500])) for code in codes}
+    lists = [[draw(st.permutations(codes))[:draw(st.integers(0, 8))] for _ in range(n)]
+             for _ in range(draw(st.integers(1, 3)))]
+    ks = tuple(sorted(draw(st.sets(st.integers(1, 8), min_size=1, max_size=3)))) + (NATURAL_K,)
+    return targets, repeated, train_count, lists, ks
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ranked_problems())
+def test_metrics_from_random_rankings_equal_their_definitions_in_every_subset(problem):
+    # The path from ranked rows to hits (positions, subsets by version, onset and train frequency) against §1 written
+    # out per trajectory: patient-averaged over the subset's trajectories, pooled over them, K = |C| at k = 0.
+    targets, repeated, train_count, lists, ks = problem
+    ids = [f"t{i}" for i in range(len(targets))]
+    systems = [f"s{m}" for m in range(len(lists))]
+    target_rows = [(t, c) for t, codes in zip(ids, targets) for c in codes]
+    labelled = label_targets(pl.DataFrame({"trajectory_id": [r[0] for r in target_rows],
+                                           "code": [r[1] for r in target_rows],
+                                           "repeated": [repeated[r[1]] for r in target_rows],
+                                           "train_count": [train_count[r[1]] for r in target_rows]}))
+    ranked = [(s, t, position, c) for s, per_system in zip(systems, lists) for t, codes in zip(ids, per_system)
+              for position, c in enumerate(codes, 1)]
+    rankings = pl.DataFrame({"system": [r[0] for r in ranked], "trajectory_id": [r[1] for r in ranked],
+                             "position": [r[2] for r in ranked], "code": [r[3] for r in ranked], "native": True},
+                            schema={"system": pl.String, "trajectory_id": pl.String, "position": pl.Int32,
+                                    "code": pl.String, "native": pl.Boolean})
+    run = RunData("r", COHORT, ids, np.arange(len(ids)), systems, rankings, pl.DataFrame(), labelled)
+    est = estimate(system_counts(run, ks), None)
+    for s, subset in enumerate(SUBSETS):
+        gold = {t: set(labelled.filter((pl.col("trajectory_id") == t) & (pl.col("subset") == subset))["code"])
+                for t in ids}
+        members = [i for i, t in enumerate(ids) if gold[t]]
+        assert est.n[s] == len(members)
+        for m, per_system in enumerate(lists):
+            for kk, k in enumerate(ks):
+                if not members:
+                    continue
+                size = [len(per_system[i]) if k == NATURAL_K else k for i in members]
+                hits = [len(set(per_system[i] if k == NATURAL_K else per_system[i][:k]) & gold[ids[i]])
+                        for i in members]
+                wanted = [len(gold[ids[i]]) for i in members]
+                expected = [np.mean([h / c if c else 0.0 for h, c in zip(hits, size)]),
+                            np.mean([h / y for h, y in zip(hits, wanted)]),
+                            sum(hits) / sum(size) if sum(size) else 0.0, sum(hits) / sum(wanted),
+                            2 * sum(hits) / (sum(size) + sum(wanted)),
+                            np.mean([2 * h / (c + y) for h, c, y in zip(hits, size, wanted)])]
+                assert est.point[m, s, kk] == pytest.approx(expected, abs=1e-12), (subset, k, systems[m])
 
 
 def test_cluster_bootstrap_keeps_a_patients_trajectories_together():
