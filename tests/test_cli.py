@@ -168,6 +168,8 @@ INDEX_RULE = "use letters, digits and _.- only, not starting with a dot (it name
      "repeat_history, or leave the option out for every system of the run"),
     (["evaluate", "--run", "r1", "--pool", "a+"],
      "Invalid value for '--pool': 'a+' is not one or more systems joined by +, as a+b"),
+    (["evaluate", "--run", "r1", "--pool", "repeat_history,transition"],
+     "Invalid value for '--pool': 'repeat_history,transition' is not one or more systems joined by +, as a+b"),
     (["prior", "models", "--cohort", "c", "--system", "gru", "--system", "gru"],
      "Invalid value for '--system': gru is listed twice in systems: list each system once"),
     # ... and the paths of the ingests, ...

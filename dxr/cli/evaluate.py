@@ -60,7 +60,8 @@ def _pools(ctx: click.Context, param: click.Parameter, given: tuple[str, ...]) -
     pools = []
     for value in given:
         parts = tuple(part.strip() for part in value.split("+"))
-        if not all(parts):  # `--pool a+` was looked up as a system named ''
+        # `--pool a+` was looked up as a system named ''; `--pool a,b` (a --pair's separator) as one named 'a,b'.
+        if not all(parts) or "," in value:
             raise click.BadParameter(f"{value!r} is not one or more systems joined by +, as a+b", ctx, param)
         pools.append(parts)
     _evaluable(ctx, param, [system for pool in pools for system in pool])
