@@ -104,7 +104,7 @@ def metrics_table(metrics, subset: str = "all", columns=("micro_f1", "recall_at_
 @click.option("--k", "ks", default="10,20", callback=_ks, show_default=True, help="Comma-separated budgets K.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Bootstrap resamples (0: no intervals).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--natural/--no-natural", default=True, show_default=True,
               help="Also evaluate each system's whole list (variable cardinality, shown as K=|C|).")
 @click.option("--pair", "pairs", multiple=True, callback=_pairs,
