@@ -164,6 +164,8 @@ INDEX_RULE = "use letters, digits and _.- only, not starting with a dot (it name
      "Invalid value for '--k': every K must be >= 1, got (0,); the variable-cardinality version is --natural"),
     (["evaluate", "--run", "r1", "--pair", "a"], "Invalid value for '--pair': 'a' is not two different systems as a,b"),
     (["evaluate", "--run", "r1", "--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0."),
+    (["prior", "train", "--cohort", "c", "--seed", "-1"],
+     "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295."),
     (["evaluate", "--run", "r1", "--systems", ","],
      "Invalid value for '--systems': ',' names no system: give a comma-separated list such as global_frequency,"
      "repeat_history, or leave the option out for every system of the run"),

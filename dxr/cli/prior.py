@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dxr.cli import main, settings, valid
-from models.prior.config import ARCHS
+from models.prior.config import ARCHS, MAX_SEED
 
 PRIOR_SYSTEMS = tuple(ARCHS)
 
@@ -29,7 +29,7 @@ def prior() -> None:
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Override setting prior.epochs.")
 @click.option("--max-train-patients", type=click.IntRange(min=1), default=None,
               help="Train on at most N train patients (quick runs).")
-@click.option("--seed", type=int, default=None, help="Override setting prior.seed.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None, help="Override setting prior.seed.")
 @click.option("--promote/--no-promote", default=None, help="Override setting prior.promote: point the alias at the "
               "new version (or leave it where it is, to compare first).")
 @click.option("--run-id", default=None, callback=valid.run_id,
