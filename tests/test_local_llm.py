@@ -126,6 +126,30 @@ def test_lazy_grammar_sampling_emits_the_tokens_of_full_grammar_sampling(tmp_pat
     assert applied_sizes.count(1) == 60 and 0 < full_matches < 60, full_matches
 
 
+def test_the_server_s_grammar_holds_a_reply_to_the_bounds_of_an_integer(tmp_path):
+    # llama-cpp-python's converter ignores minimum and maximum: asked to copy 125 into a 0-100 field, the model did,
+    # and only validation refused the reply (Direct Forecast's confidences rose to 125 on the MIMIC-III demo).
+    import llama_cpp
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from models.llm.llama_serve import STOCK_JSON_SCHEMA_TO_GBNF, bounded_json_schema_to_gbnf
+
+    schema = json.dumps({"type": "object", "required": ["n"], "additionalProperties": False,
+                         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 100}}})
+    llm = llama_cpp.Llama(model_path=str(packaged_model_path(tmp_path)), n_ctx=256, n_threads=1, verbose=False)
+    prompt = '<start_of_turn>user\nCopy this JSON exactly: {"n": 125}<end_of_turn>\n<start_of_turn>model\n'
+    replies = {}
+    try:
+        for convert in (STOCK_JSON_SCHEMA_TO_GBNF, bounded_json_schema_to_gbnf):
+            grammar = LlamaGrammar.from_string(convert(schema), verbose=False)
+            completion = llm.create_completion(prompt, max_tokens=16, temperature=0.0, grammar=grammar)
+            replies[convert] = json.loads(completion["choices"][0]["text"])["n"]
+    finally:
+        llm.close()
+    assert replies[STOCK_JSON_SCHEMA_TO_GBNF] == 125  # what the server produced before
+    assert 0 <= replies[bounded_json_schema_to_gbnf] <= 100
+
+
 def test_direct_forecast_on_one_patient_with_the_embedded_server(planted_cohort):
     # One patient: the second took minutes more and adds no path, since this one's first reply already breaks the
     # confidence order and is re-asked.
@@ -142,12 +166,14 @@ def test_direct_forecast_on_one_patient_with_the_embedded_server(planted_cohort)
     counted = calls.select("tokens_in", "tokens_out", "latency_ms", "status", "error")
     assert (calls["tokens_in"] > 0).all() and (calls["tokens_out"] > 0).all() and (calls["latency_ms"] > 0).all(), \
         counted.rows()
-    # The schema reaches the server as a grammar: every reply parses as JSON of the right shape, so the only
-    # possible validation errors are about confidences: their order (which JSON Schema cannot express) and their
-    # 0-100 range (which llama-cpp-python's grammar converter ignores).
+    # The schema reaches the server as a grammar, its confidences' 0-100 bounds included: every reply parses as JSON
+    # of the right shape, so the only possible validation error is the confidences' order (which JSON Schema cannot
+    # express).
     for error in calls["error"].drop_nulls():  # (stored errors are cut at 1,000 characters)
         parts = re.split(r"; (?=at )", error)
-        assert all(part.startswith("at predictions/") and "/confidence" in part for part in parts), error
+        assert all(part.startswith("at predictions/") and "/confidence" in part and "maximum" not in part
+                   for part in parts), error
+        assert all(part.endswith("confidences must not increase") for part in parts[:-1]), error  # the last may be cut
 
     status = wh.read("ranking_status", run_id="run-local", system="direct")
     assert status.height == 1 and status["status"].is_in(["ok", "short", "failed"]).all()

@@ -9,14 +9,21 @@ does the same). The tokens produced are identical (tests/test_local_llm.py check
 model); Direct Forecast on four demo patients took 383 s instead of 519 s (docs/llm.md).
 
 Every other sampling configuration (a temperature, a logits processor, no grammar) goes through
-llama-cpp-python unchanged. Run as `python -m models.llm.llama_serve <llama_cpp.server arguments>`.
+llama-cpp-python unchanged.
+
+The grammar holds a reply to the bounds of the schema's integers too: llama-cpp-python's converter
+ignores `minimum` and `maximum`, so each bounded integer reaches it as the enumeration of its values.
+
+Run as `python -m models.llm.llama_serve <llama_cpp.server arguments>`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 
 import llama_cpp
+import llama_cpp.llama_grammar
 import numpy as np
 
 # The sampler chain llama-cpp-python builds for temperature 0 with a grammar and no logits processor.
@@ -74,10 +81,48 @@ class LazyGrammarLlama(llama_cpp.Llama):
                      for i in range(llama_cpp.llama_sampler_chain_n(chain)))
 
 
+# Widest bounded integer turned into an enumeration (a grammar alternative per value); wider ones stay unbounded.
+MAX_ENUMERATED = 1000
+# Keywords whose values are data, not schemas.
+DATA_KEYWORDS = {"enum", "const", "default", "examples"}
+STOCK_JSON_SCHEMA_TO_GBNF = llama_cpp.llama_grammar.json_schema_to_gbnf
+
+
+def enumerate_bounded_integers(schema):
+    """`schema` with each integer bounded by `minimum` and `maximum` replaced by the enumeration of its values.
+
+    llama-cpp-python's schema converter (0.3.36) ignores both bounds, so the grammar let Direct Forecast's
+    0-100 confidences run up to 125 (MIMIC-III demo), a reply that only validation then refused; it does
+    turn an enumeration into a grammar.
+
+    >>> enumerate_bounded_integers({"type": "integer", "minimum": 1, "maximum": 3, "description": "x"})
+    {'description': 'x', 'enum': [1, 2, 3]}
+    """
+    if isinstance(schema, list):
+        return [enumerate_bounded_integers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: value if key in DATA_KEYWORDS else enumerate_bounded_integers(value)
+              for key, value in schema.items()}
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if (schema.get("type") == "integer" and type(low) is int and type(high) is int
+            and 0 <= high - low <= MAX_ENUMERATED):
+        return {**{key: value for key, value in schema.items() if key not in ("type", "minimum", "maximum")},
+                "enum": list(range(low, high + 1))}
+    return schema
+
+
+def bounded_json_schema_to_gbnf(schema: str, prop_order: list[str] | None = None) -> str:
+    """llama-cpp-python's `json_schema_to_gbnf`, with the schema's bounded integers enumerated first."""
+    return STOCK_JSON_SCHEMA_TO_GBNF(json.dumps(enumerate_bounded_integers(json.loads(schema))), prop_order)
+
+
 def main() -> None:
     from llama_cpp.server.__main__ import main as serve
 
     llama_cpp.Llama = LazyGrammarLlama  # the server builds its model through this name
+    # `LlamaGrammar.from_json_schema`, which the server calls for a reply's schema, looks this name up.
+    llama_cpp.llama_grammar.json_schema_to_gbnf = bounded_json_schema_to_gbnf
     serve()
 
 
