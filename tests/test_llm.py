@@ -748,7 +748,7 @@ def served_locally(tmp_path: Path, url: str, window: int = 2048, threads: int = 
 def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_path):
     """A reply depends on the window it was computed in (a server with a full window cuts it off or refuses the
     prompt), which the request does not carry: another window asks again instead of replaying it."""
-    from models.llm.local_server import CHAT_FORMAT, SYSTEM_FOLD_VERSION
+    from models.llm.local_server import CHAT_FORMAT, SCHEMA_GRAMMAR_VERSION, SYSTEM_FOLD_VERSION
 
     def counting(state: dict):
         async def handler(request: web.Request) -> web.Response:
@@ -788,7 +788,7 @@ def test_the_cache_key_holds_the_context_window_the_model_answered_within(tmp_pa
     assert [{k: v for k, v in key.items() if k != "request"} for key in keys] == [
         {"backend": "local", "identity": identity, "prompt_version": "unit/1",
          "serving": {"chat_format": CHAT_FORMAT, "context_window": window, "system_fold": SYSTEM_FOLD_VERSION,
-                     "llama_cpp_python": version("llama-cpp-python")}}
+                     "schema_grammar": SCHEMA_GRAMMAR_VERSION, "llama_cpp_python": version("llama-cpp-python")}}
         for window in (2048, 4096)]
 
 

@@ -207,6 +207,10 @@ class LocalServer:
 # server: bump this whenever the fold changes what the server receives, or cached replies to the old prompt are
 # replayed for the new one.
 SYSTEM_FOLD_VERSION = 1
+# What the server process makes of a reply's schema (`models/llm/llama_serve.py`): bump this whenever it changes what
+# a schema's grammar lets through, or replies cached under the old grammar are replayed. 2: bounded integers are
+# enumerated (2026-12-06).
+SCHEMA_GRAMMAR_VERSION = 2
 
 
 def fold_system_messages(messages: list[dict]) -> list[dict]:
@@ -244,12 +248,14 @@ class LocalBackend:
         self.server = server
         self.identity = gguf_identity(server.model_path)
         # Not in the request, yet they shape the reply: the window the server computes in (`--n_ctx`), the chat
-        # template that turns the messages into the prompt, how system messages are folded before it, and what
-        # computes it: llama-cpp-python's version (its bundled llama.cpp kernels and samplers). The thread counts
-        # stay out, although a sum split over other threads may round otherwise: they follow the machine's cores,
-        # and a cache that another machine could not replay would not make a run reproducible there.
+        # template that turns the messages into the prompt, how system messages are folded before it, the grammar
+        # its schema becomes, and what computes it: llama-cpp-python's version (its bundled llama.cpp kernels and
+        # samplers). The thread counts stay out, although a sum split over other threads may round otherwise: they
+        # follow the machine's cores, and a cache that another machine could not replay would not make a run
+        # reproducible there.
         self.serving = {"context_window": server.context_window, "chat_format": CHAT_FORMAT,
-                        "system_fold": SYSTEM_FOLD_VERSION, "llama_cpp_python": llama_cpp_python_version()}
+                        "system_fold": SYSTEM_FOLD_VERSION, "schema_grammar": SCHEMA_GRAMMAR_VERSION,
+                        "llama_cpp_python": llama_cpp_python_version()}
         self.timeout_s = timeout_s
         self._http: OpenAIBackend | None = None
         self._starting = asyncio.Lock()
