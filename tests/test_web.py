@@ -989,17 +989,17 @@ def test_a_redirected_robots_txt_is_followed():
 
 class SlowRedirectSite(LoopbackSite):
     """`/hop/N` answers after `hop_seconds` with a redirect to `/hop/N+1`, up to `/hop/4`, which serves a page;
-    `/slow` serves a page after 0.9 s."""
+    `/slow` serves a page after `slow_seconds`."""
 
-    def __init__(self, hop_seconds: float = 0.3):
+    def __init__(self, hop_seconds: float = 0.3, slow_seconds: float = 0.9):
         super().__init__()
-        self.hop_seconds = hop_seconds
+        self.hop_seconds, self.slow_seconds = hop_seconds, slow_seconds
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/robots.txt":
             return web.Response(status=404)
         if request.path == "/slow":
-            await asyncio.sleep(0.9)
+            await asyncio.sleep(self.slow_seconds)
             return web.Response(text=page("Heart failure", "Slow but within the timeout."), content_type="text/html")
         await asyncio.sleep(self.hop_seconds)
         hop = int(request.path.removeprefix("/hop/"))
@@ -1025,16 +1025,18 @@ def test_timeout_seconds_bounds_a_whole_redirect_chain():
 
 def test_a_redirect_hop_waiting_behind_a_slow_page_of_its_host_is_not_timed_out():
     async def scenario():
-        async with (SlowRedirectSite(hop_seconds=0.1) as site, aiohttp.ClientSession() as session,
-                    PageReader(session, config(timeout_seconds=1.0)) as reader):
+        # At least half a second of slack either way, so that a loaded machine cannot tip the outcome: the slow page's
+        # 1.5 s and the chain's own 1.25 s are within the 2 s; the chain with its wait behind the slow page is not.
+        async with (SlowRedirectSite(hop_seconds=0.25, slow_seconds=1.5) as site, aiohttp.ClientSession() as session,
+                    PageReader(session, config(timeout_seconds=2.0)) as reader):
             chain = asyncio.create_task(reader.read(f"{site.base}/hop/0"))
             await asyncio.sleep(0.15)  # the chain has its host's turn; the slow page queues behind its hop
             slow = await reader.read(f"{site.base}/slow")
             return site, await chain, slow
 
     site, chain, slow = asyncio.run(scenario())
-    # The slow page held the host for 0.9 s between two hops of the chain, whose own requests took 0.5 s in all:
-    # only those count against the 1 s, so the chain is read, not reported as a timeout of a prompt server.
+    # The slow page held the host for 1.5 s between two hops of the chain, whose own requests took 1.25 s in all:
+    # only those count against the 2 s, so the chain is read, not reported as a timeout of a prompt server.
     assert (chain.error, chain.final_url, slow.error) == (None, f"{site.base}/hop/4", None)
     assert site.requests.index("/slow") < site.requests.index("/hop/4"), site.requests  # it did queue between hops
 
