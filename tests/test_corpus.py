@@ -1037,6 +1037,36 @@ def test_cli_ingest_build_search(tmp_path, monkeypatch):
     assert result.exit_code == 2 and "FORMAT medline needs a PATH" in result.output
 
 
+def test_cli_build_name_icd_builds_the_dictionary_index_never_a_literature_one(tmp_path, wh, monkeypatch):
+    # `dxr corpus build --name icd` built every literature corpus, embeddings included (an hour for the shared data on
+    # a loaded machine), into the index that `dxr corpus search --name icd` reads as the ICD dictionary's.
+    from dxr.cli import main
+    from tools.corpus import store_documents, writing_corpus
+
+    # A model that cannot load: the dictionary's index is lexical and must not ask for one.
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING__KIND", "path")
+    monkeypatch.setenv("DXR_TOOLS__EMBEDDING__PATH", str(tmp_path / "no-model"))
+    jsonl_corpus(tmp_path / "tiny.jsonl", TINY)
+    data = ["--data-dir", str(wh.root)]
+    runner = CliRunner()
+    assert runner.invoke(main, [*data, "corpus", "ingest", "jsonl", str(tmp_path / "tiny.jsonl"),
+                                "--corpus", "tiny"]).exit_code == 0
+    with writing_corpus(wh, "icd"):
+        store_documents(wh, icd_documents(*tiny_vocabulary()), "icd", "vocabulary")
+    result = runner.invoke(main, [*data, "corpus", "build", "--name", "icd"])
+    assert result.exit_code == 0, result.output
+    assert "icd: 3 documents, 6 chunks, 0 embedded, 0 reused" in result.stdout  # title + notes sections
+    assert json.loads((wh.forecast_dir / "corpus" / "icd" / "manifest.json").read_text())["corpora"] == ["icd"]
+    result = runner.invoke(main, [*data, "corpus", "search", "E11.9", "--name", "icd", "-k", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0].split()[2] == "icd10:E11.9"
+    result = runner.invoke(main, [*data, "corpus", "build", "--name", "icd", "--corpus", "tiny"], prog_name="dxr")
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == (
+        "Error: index name 'icd' is the ICD dictionary's (corpus icd, lexical): drop --corpus to build it, or choose "
+        "another --name for these corpora (usage: dxr corpus build -h)")
+
+
 def test_cli_a_build_of_an_index_another_build_holds_is_refused_before_reading_corpora_or_loading_a_model(
         tmp_path, monkeypatch):
     import fcntl

@@ -137,7 +137,8 @@ def _ingest(wh, fmt: str, path: Path | None, corpus_name: str | None, fulltext_d
 
 @corpus.command("build")
 @click.option("--name", default=None, callback=check_index_name,
-              help=f"Index name (default: {LITERATURE}, plus icd when ingested).")
+              help=f"Index name (default: {LITERATURE}, plus icd when ingested; icd alone rebuilds the ICD "
+                   "dictionary's index).")
 @click.option("--corpus", "corpora", multiple=True, callback=check_corpus_names,
               help="Corpora to include (default: every literature corpus).")
 @click.option("--lexical-only", is_flag=True, help="BM25 only, no embeddings (the icd index always is).")
@@ -167,9 +168,14 @@ def build_command(ctx: click.Context, name: str | None, corpora: tuple[str, ...]
     ingested = [corpus for corpus in stored_corpora(wh) if corpus != WEB_CORPUS]
     if not ingested and not corpora:  # named corpora (`web` too) are checked as they are read
         raise InputError("no corpus ingested yet: run `dxr corpus ingest FORMAT PATH` first")
+    if name == ICD and set(corpora) - {ICD}:
+        raise click.UsageError(f"index name {ICD!r} is the ICD dictionary's (corpus {ICD}, lexical): drop --corpus "
+                               "to build it, or choose another --name for these corpora", ctx)
     plans = []
     if name or corpora:
-        chosen = list(corpora) or [c for c in ingested if c != ICD]
+        # `--name icd` alone builds the dictionary's index, the one `dxr corpus search --name icd` expects, never a
+        # literature index under its name (and with embeddings it never has).
+        chosen = list(corpora) or ([ICD] if name == ICD else [c for c in ingested if c != ICD])
         if not chosen:  # no corpus named reads every stored one: the dictionary and the web pages
             raise InputError(f"no literature corpus ingested (only {', '.join(ingested)}) for index {name}: name its "
                              "corpora with --corpus, or ingest one first (dxr corpus ingest FORMAT PATH)")
