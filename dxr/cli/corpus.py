@@ -80,7 +80,8 @@ def corpus() -> None:
 @click.option("--corpus", "corpus_name", default=None, callback=check_new_corpus_name,
               help="Corpus name (default: per format, e.g. pmc, medquad).")
 @click.option("--fulltext-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
-              help="arXiv only: directory of <id>.txt full texts.")
+              help="arXiv only: directory of <id>.txt full texts, the id without its version and an old-style "
+                   "id's / as _ (2301.01234.txt, math_0406594.txt).")
 @click.option("--run-id", default=None, callback=valid.run_id, help="Run id to register (generated when absent).")
 @click.pass_context
 def ingest_command(ctx: click.Context, fmt: str, path: Path | None, corpus_name: str | None,
