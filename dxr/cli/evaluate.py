@@ -192,7 +192,7 @@ def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None
 
     \b
     Example:
-      dxr report --run forecast-20260101T000000-abc123 --out reports/
+      dxr report --run forecast-20260101T000000-abc123 --out reports/forecast-20260101T000000-abc123
     """
     from tasks.report import render_report
 
