@@ -8,7 +8,7 @@ import pytest
 
 from conftest import build_index, parquet_writes_failing_from
 from dxr.errors import InputError
-from test_corpus import TINY, tiny_vocabulary
+from test_corpus import TINY, CountingEmbedder, tiny_vocabulary
 from tools.channels import DictionaryChannel, LocalChannel
 from tools.dictionary import Dictionary
 from tools.index import CorpusIndex, chunk_frame
@@ -466,6 +466,19 @@ def test_a_job_of_another_ledger_cannot_be_recorded(wh):
         mine.record(foreign, engine="pmc", state="no_result")
     mine.flush()  # the ledger partition never holds a row whose job is missing from search_jobs
     assert wh.read("ledger").height == 0
+
+
+def test_a_hybrid_search_whose_hits_share_no_term_with_the_query_records_no_result(wh, tmp_path):
+    # The dense side always answers with its nearest passages: a nonsense query was recorded as two unrelated
+    # readable rows, each a source access, instead of an attempt that found nothing.
+    build_index(chunk_frame(TINY), tmp_path / "lit", CountingEmbedder(), name="literature")
+    ledger = Ledger("r1", 0, wh)
+    local = LocalChannel(CorpusIndex(tmp_path / "lit", CountingEmbedder()), ledger, k=2)
+    found = local.run(ledger.job(trajectory_id="t1", query="chronic kidney disease dialysis", **JOB))
+    # (This embedder's vectors mean nothing: the dense side's pick is arbitrary, BM25's is the CKD text.)
+    assert len(found) == 2 and "tiny:ckd" in {r.doc_id for r in found} and "no_result" not in {r.state for r in found}
+    assert [(r.evidence_id, r.engine, r.state) for r in local.run(ledger.job(trajectory_id="t1", query="zzzz qqqq",
+                                                                             **JOB))] == [("E3", "tiny", "no_result")]
 
 
 def test_a_search_without_hits_records_one_no_result_per_engine_its_hits_would_record(wh, tmp_path):

@@ -15,7 +15,12 @@ class LocalChannel:
         self.index, self.ledger, self.k, self.mode = index, ledger, k, mode
 
     def run(self, job: SearchJob) -> list[LedgerRow]:
-        hits = self.index.search(job.query, k=self.k, mode=self.mode if self.index.has_dense else "bm25")
+        mode = self.mode if self.index.has_dense else "bm25"
+        hits = self.index.search(job.query, k=self.k, mode=mode)
+        # The dense retriever always answers with its nearest passages, however far: in a hybrid search, hits none
+        # of which shares a term with the query are no evidence of what it asks (`zzzz qqqq` got k unrelated rows).
+        if mode == "hybrid" and all(hit.bm25_rank is None for hit in hits):
+            hits = []
         if not hits:
             # One attempt per engine searched, each under the engine its hits record (pmc, arxiv, a corpus name;
             # not the index name `literature`, which no hit records).
