@@ -300,6 +300,15 @@ def test_support_cue_matches_hyphenated_and_spaced_forms_of_a_term():
     assert support_cue("Beta blockers lower post-MI mortality.", ["beta-blocker"], ["post MI mortality"]) == (True, 1.0)
 
 
+def test_support_cue_matches_the_participle_and_adjective_of_a_term():
+    # "infected" and "infectious" did not meet the endpoint "infection" (nor "hospitalized" "hospitalization").
+    assert support_cue("Diabetic foot ulcers are often infected.", ["diabetic foot ulcer"], ["infection"]) \
+        == (True, 1.0)
+    assert support_cue("Patients with heart failure are frequently hospitalized.", ["heart failure"],
+                       ["hospitalization"]) == (True, 1.0)
+    assert support_cue("Infectious complications follow splenectomy.", ["splenectomy"], ["infection"]) == (True, 1.0)
+
+
 def test_jobs_are_reused_only_for_the_same_trajectory_hypothesis_code_class_purpose_iteration_and_query():
     ledger = Ledger("r1", 0)
     a = ledger.job(trajectory_id="t1", query="CKD  progression Dialysis", **JOB)

@@ -28,12 +28,16 @@ def words(text: str) -> list[str]:
 
 
 def stem(word: str) -> str:
-    """A crude suffix stripper so 'failures'/'failure' and 'recurrent'/'recurrence' meet.
+    """A crude suffix stripper so 'failures'/'failure', 'recurrent'/'recurrence' and 'infected'/'infectious'/
+    'infection' meet.
 
-    >>> [stem(w) for w in ["failures", "recurrence", "recurrent", "infections"]]
-    ['failur', 'recurr', 'recurr', 'infect']
+    >>> [stem(w) for w in ["failures", "recurrence", "recurrent", "infections", "infected", "infectious"]]
+    ['failur', 'recurr', 'recurr', 'infect', 'infect', 'infect']
+    >>> [stem(w) for w in ["hospitalized", "hospitalization", "need", "bleed", "nervous"]]
+    ['hospitaliz', 'hospitaliz', 'need', 'bleed', 'nerv']
     """
-    for suffix in ("ations", "ation", "ences", "ence", "ents", "ent", "ions", "ion", "ing", "ies", "es", "s", "e"):
+    for suffix in ("ations", "ation", "ences", "ence", "ents", "ent", "ions", "ion", "ious", "ous", "ing", "ies", "ed",
+                   "es", "s", "e"):
         if word.endswith(suffix) and len(word) - len(suffix) >= 4:
             return word[: -len(suffix)]
     return word
