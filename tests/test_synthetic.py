@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import shutil
@@ -137,6 +138,20 @@ def test_same_seed_is_byte_identical_and_other_seed_differs(dataset, tmp_path):
     other = tmp_path / "other"
     generate(other, PATIENTS, SEED + 1, shard_size=100, workers=2)  # also exercises the process pool
     assert (dataset / "data" / "00000.parquet").read_bytes() != (other / "data" / "00000.parquet").read_bytes()
+
+
+# SHA-256 of the rows of PATIENTS patients at SEED, per generator version. `dxr demo` and `synthetic_is_current` reuse
+# a registered dataset whose version matches, so output that changes under the same version would go unnoticed.
+EVENTS_DIGEST = {"synthetic-1.2.0": "c8e8bb896d716431af1362b25ddf7490879ca8e6f5e31ef46e9e8afc742df6c5"}
+
+
+def test_changed_output_bumps_the_generator_version(events):
+    digest = hashlib.sha256()
+    for row in events.iter_rows():
+        digest.update(repr(row).encode())
+    assert EVENTS_DIGEST.get(GENERATOR_VERSION) == digest.hexdigest(), (
+        f"the generator's output changed under {GENERATOR_VERSION}: bump GENERATOR_VERSION in "
+        f"warehouse/synthetic/generate.py and record {digest.hexdigest()} for it in EVENTS_DIGEST")
 
 
 def test_rerun_over_a_larger_run_leaves_no_stale_shard(tmp_path):
