@@ -223,3 +223,20 @@ def test_the_readme_mimic_import_row_is_the_kept_result():
     assert measured.startswith(
         f"{result['import_s']:.1f} s ({result['rows_per_s']:,} rows/s), {result['peak_rss_mib']:,.0f} MiB peak under "
         f"load {result['load_avg_1m_before']:.1f}–{result['load_avg_1m_after']:.1f} "), measured
+
+
+def test_the_readme_generator_row_is_the_kept_result():
+    """The README's synthetic generator row opens with the run kept in benchmarks/reference/: its events, time, rows per
+    second, peak memory and load, to the printed digit, measured with the generator version of this checkout."""
+    from warehouse.synthetic import GENERATOR_VERSION
+
+    result = json.loads((REFERENCE / "synth.json").read_text())
+    assert result["provenance"]["commit"] and result["provenance"]["uncommitted_changes"] is False
+    assert result["generator_version"] == GENERATOR_VERSION, "rerun benchmarks/synth.py for the new generator"
+    row = next(line for line in README.read_text().splitlines()
+               if line.startswith(f"| synthetic generator, {result['patients']:,} patients"))
+    measured = row.strip("|").split("|")[2].strip()
+    assert measured.startswith(
+        f"{result['events']:,} events in {result['seconds']:.1f} s ({result['rows_per_second']:,} rows/s), peak RSS "
+        f"{result['peak_rss_mb_main']:.0f} MB main process, {result['peak_rss_mb_worker']:.0f} MB worker "
+        f"({result['workers']} worker processes) under load {result['provenance']['load_average'][0]:.1f} "), measured

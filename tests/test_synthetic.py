@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import shutil
@@ -137,6 +138,21 @@ def test_same_seed_is_byte_identical_and_other_seed_differs(dataset, tmp_path):
     other = tmp_path / "other"
     generate(other, PATIENTS, SEED + 1, shard_size=100, workers=2)  # also exercises the process pool
     assert (dataset / "data" / "00000.parquet").read_bytes() != (other / "data" / "00000.parquet").read_bytes()
+
+
+# SHA-256 of the rows of PATIENTS patients at SEED, per generator version. `dxr demo` and `synthetic_is_current` reuse
+# a registered dataset whose version matches, so output that changes under the same version would go unnoticed.
+EVENTS_DIGEST = {"synthetic-1.2.0": "59d469eb586de6eca67ac606a49373220a127c60f9966dd6ecf824bdf978563c"}
+
+
+def test_changed_output_bumps_the_generator_version(events):
+    digest = hashlib.sha256()
+    # Lab values to 6 significant digits: a last-bit difference of another platform's libm is no change of generator.
+    for row in events.with_columns(pl.col("numeric_value").map_elements(lambda v: f"{v:.6g}", pl.String)).iter_rows():
+        digest.update(repr(row).encode())
+    assert EVENTS_DIGEST.get(GENERATOR_VERSION) == digest.hexdigest(), (
+        f"the generator's output changed under {GENERATOR_VERSION}: bump GENERATOR_VERSION in "
+        f"warehouse/synthetic/generate.py and record {digest.hexdigest()} for it in EVENTS_DIGEST")
 
 
 def test_rerun_over_a_larger_run_leaves_no_stale_shard(tmp_path):

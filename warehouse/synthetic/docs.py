@@ -71,6 +71,9 @@ For a trajectory the patient is re-simulated to the latent state just before the
 encounter; the encounter is then drawn `draws` times (default 200) with the same
 `draw_encounter` function the generator used, from a stream distinct from the realized one.
 `P(code ∈ Y | state)` is the share of draws containing the code (after the cohort's harmonization).
+A cohort build stores the 100 most probable codes of each trajectory (`oracle(..., top=100)`) among
+those drawn at least once, so every stored probability is at least 1/`draws`, and a trajectory whose draws
+name fewer codes stores fewer: 472 of the default cohort's 3,343 trajectories, down to 47 codes.
 The oracle knows the latent state — including conditions not yet coded and current stages — but
 not what is decided at the encounter (its reason, omissions, siblings, complications).
 
@@ -146,8 +149,9 @@ ICD-10-CM FY2026 dictionary plus every procedure, medication, lab, admission and
 ## Performance
 
 `python benchmarks/synth.py --patients 60000` (2 worker processes, zstd Parquet, 2,000 patients per
-shard): 60,000 patients, 6.13 M events in 118 s on a shared 2-core machine (52 k rows/s), peak RSS
-about 420 MB per process. The oracle for the default cohort (~340 trajectories × 200 draws) takes
+shard): 60,000 patients, 6.13 M events in 112 s on a shared 2-core machine (55 k rows/s, load average
+6.5; kept in `benchmarks/reference/synth.json`; 118 s on 2026-12-04), peak RSS 358 MB in the main
+process and 417 MB in a worker. The oracle for the default cohort (~340 trajectories × 200 draws) takes
 about 5 s (`--realism`).
 
 ## Tokens
