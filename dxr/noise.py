@@ -18,8 +18,11 @@ import warnings
 # Lightning's INFO lines about the hardware and its own products, on each fit: dxr trains on the CPU by choice
 # (Trainer(accelerator="cpu"); a GPU left unused is still a warning of Lightning's), logs one line per epoch
 # itself (`tasks.prior.epoch_reporter`), so "stopped: max_epochs reached" repeats its last epoch line; a fit
-# stopped for another reason still says so. `rank_zero_info` logs through one of these two loggers.
-LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+# stopped for another reason still says so. `rank_zero_info` logs through the logger of whichever of Lightning's
+# rank_zero modules was imported last: importing `mlflow.pytorch` (to log or load a model) imports the standalone
+# `pytorch_lightning`, so every later fit in the process logs through its loggers.
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
 LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_epochs=")
 
 # MLflow warns at every `log_model` that a pickled model runs code when loaded. dxr pickles on purpose

@@ -91,6 +91,7 @@ THIRD_PARTY_NOISE = {
     "Lightning's hardware lines": r"(GPU|TPU) available: ",
     "Lightning's litlogger advert": r"litlogger",
     "Lightning's end of fit": r"`Trainer\.fit` stopped",
+    "Lightning's notice of a batch limit set": r"`Trainer\(limit_\w+=[\d.]+\)` was configured",
     "Lightning's progress bar": r"Epoch \d+/\d+ |it/s\b",
     "Lightning's warning of a loader of length zero": r"Total length of `\w+` across ranks is zero",
     "torch's pytree deprecation inside Lightning": r"LeafSpec",

@@ -345,7 +345,9 @@ def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(pref
                             text=True, env=env, cwd=Path(__file__).parents[1])
     outputs = {}
     try:
-        for name, command in (("dxr prior train", [*dxr, "prior", "train", "--cohort", cohort]),
+        # Two systems: the second fit runs after MLflow registered the first (see `dxr.noise.LIGHTNING_LOGGERS`).
+        for name, command in (("dxr prior train", [*dxr, "prior", "train", "--cohort", cohort, "--system", "ehr_prior",
+                                                   "--system", "gru"]),
                               ("dxr forecast", [*dxr, "forecast", "--cohort", cohort, "--system", "ehr_prior"])):
             ended = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1],
                                    timeout=600)

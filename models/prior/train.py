@@ -108,9 +108,10 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     show_bar = progress and sys.stdout.isatty()
     # No tuning pair (the MIMIC-III demo's tuning patients have one visit before their target): validation is
     # switched off, or Lightning warns that a loader of length zero may not be what was meant; dxr says it itself.
+    # Otherwise the limit stays unset (None, every batch): set to 1.0 it made Lightning say so on every fit.
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=show_bar, enable_model_summary=False,
-                        num_sanity_val_steps=0, deterministic=True, limit_val_batches=1.0 if len(data.val_set) else 0,
+                        num_sanity_val_steps=0, deterministic=True, limit_val_batches=None if len(data.val_set) else 0,
                         callbacks=[*callbacks, *([best] if best else [])])
     trainer.fit(PriorModule(net, cfg), datamodule=data)
     return net.eval(), net_cfg, best.epoch if best else None
