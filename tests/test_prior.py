@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dxr.errors import InputError
 from models.prior import data as prior_data, lit as prior_lit, tracking as prior_tracking
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
@@ -501,6 +502,25 @@ def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(pl
     assert chunked.keys == whole.keys == sorted(whole.keys)
     for name in ("codes", "numeric", "static", "lengths", "dx"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name  # chunks span 5 or 6 visits
+
+
+def test_a_train_patient_cap_that_leaves_no_two_visit_patient_names_the_cap():
+    t = dt.datetime
+    con = duckdb.connect()
+    # Subject 1 has one visit, subject 2 two: only a cap of 1 leaves nothing to learn from.
+    con.execute("""CREATE TABLE train_events AS SELECT 'c' AS cohort_id, * FROM (VALUES
+        (1, TIMESTAMP '2020-01-01', 'DIAGNOSIS//ICD//10//X', NULL::DOUBLE, NULL::VARCHAR, 10),
+        (2, TIMESTAMP '2020-01-01', 'DIAGNOSIS//ICD//10//X', NULL, NULL, 20),
+        (2, TIMESTAMP '2020-02-01', 'DIAGNOSIS//ICD//10//Y', NULL, NULL, 21))
+        AS e(subject_id, time, code, numeric_value, text_value, encounter_id)""")
+    vocab = Vocabulary(input_codes=[dx("X"), dx("Y")], output_codes=[dx("X"), dx("Y")], omega=[dx("X"), dx("Y")])
+    tensors, n_patients = training_sequences(con, "c", vocab, PriorConfig())
+    assert tensors.keys == [2] and n_patients == 2
+    with pytest.raises(InputError) as refused:
+        training_sequences(con, "c", vocab, PriorConfig(max_train_patients=1))
+    assert str(refused.value) == (
+        "cohort c: none of the first 1 train patients (--max-train-patients / prior.max_train_patients) has two "
+        "visits with diagnoses; raise the cap or leave it unset to train on every train patient")
 
 
 def test_training_is_deterministic_for_a_seed(planted):

@@ -455,6 +455,10 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
         parts.append(part)
         del chunk, events
     if not sum(len(t) for t in parts):
+        if cfg.max_train_patients is not None:  # the other train patients may have them: say whom training read
+            raise InputError(f"cohort {cohort_id}: none of the first {cfg.max_train_patients} train patients "
+                             f"(--max-train-patients / prior.max_train_patients) has two visits with diagnoses; "
+                             "raise the cap or leave it unset to train on every train patient")
         raise InputError(f"cohort {cohort_id}: no train patient has two visits with diagnoses; "
                          "nothing to learn next-visit transitions from")
     return concat_rows(parts, vocab.n_output), n_patients
