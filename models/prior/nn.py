@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-N_NUMERIC = 2  # log time gap since the previous visit, age in decades
+N_NUMERIC = 2  # log1p(days since the previous visit) / 5, age in years / 100 (`data.visit_tensors`)
 N_HISTORY_FEATURES = 3  # log1p(count), 1 / (1 + visits since last seen), seen in the latest visit
 
 
