@@ -240,3 +240,27 @@ def test_the_readme_generator_row_is_the_kept_result():
         f"{result['events']:,} events in {result['seconds']:.1f} s ({result['rows_per_second']:,} rows/s), peak RSS "
         f"{result['peak_rss_mb_main']:.0f} MB main process, {result['peak_rss_mb_worker']:.0f} MB worker "
         f"({result['workers']} worker processes) under load {result['provenance']['load_average'][0]:.1f} "), measured
+
+
+def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkeypatch, capsys):
+    """`--eval-split all` (the MIMIC-III demo's smoke run: it has no held_out trajectory) scores patients the learned
+    systems were fit on; the table and the results file say so, as `dxr evaluate` does."""
+    import multiprocessing
+
+    from benchmarks import prior
+
+    monkeypatch.setattr(prior, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr("sys.argv", ["prior.py", "--data-dir", str(tmp_path / "wh"), "--planted", "60", "--epochs", "1",
+                                     "--bootstrap", "0", "--systems", "repeat_history", "--eval-split", "all",
+                                     "--name", "smoke"])
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        prior.main()  # sets the start method to spawn, which the rest of the session must not inherit
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
+    record = json.loads((tmp_path / "results" / "prior-smoke.json").read_text())
+    counts = record["trajectories"]
+    assert record["in_sample_note"].startswith(
+        f"{counts['train']} of the {sum(counts.values())} trajectories are of train-split patients")
+    assert "scores on them are in-sample" in record["in_sample_note"]
+    assert f"note: {record['in_sample_note']}\n" in capsys.readouterr().out
