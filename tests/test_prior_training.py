@@ -869,6 +869,12 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
     assert f"no registered model 'gru-{cohort}' with alias 'champion'" in untrained.output
     assert f"dxr prior train --cohort {cohort} --system gru" in untrained.output
     assert wh.read("runs").height == runs_before
+    # Versions registered, none under the alias asked for (another prior.alias): the fix is a promote, not training.
+    with pytest.raises(NotFoundError, match=re.escape(
+            f"alias 'challenger' in {tracking.mlflow.get_tracking_uri()}: point it at one of versions 1, 2 with "
+            f"`dxr prior promote --cohort {cohort} --system ehr_prior --version 2` (setting prior.alias = "
+            "'challenger'), or train one with")):
+        tracking.resolve_alias("ehr_prior", cohort, "challenger")
 
 
 def test_an_interrupted_model_download_leaves_nothing_a_later_load_takes_for_a_model(trained, monkeypatch):

@@ -276,8 +276,14 @@ def resolve_alias(system: str, cohort_id: str, alias: str) -> tuple[str, str]:
     except MlflowException as exc:
         if exc.error_code not in ABSENT:
             raise store_error(exc, f"resolving {name}@{alias}") from exc
+        with store_errors(f"listing the versions of {name}"):
+            versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
+        # Versions without the alias (another prior.alias, or trained with --no-promote): one is to be pointed at.
+        fix = (f"point it at one of versions {', '.join(map(str, versions))} with `dxr prior promote --cohort "
+               f"{cohort_id} --system {system} --version {versions[-1]}` (setting prior.alias = {alias!r}), or train "
+               "one" if versions else "train one")
         raise NotFoundError(
-            f"no registered model {name!r} with alias {alias!r} in {mlflow.get_tracking_uri()}: train one with "
+            f"no registered model {name!r} with alias {alias!r} in {mlflow.get_tracking_uri()}: {fix} with "
             f"`dxr prior train --cohort {cohort_id} --system {system}`") from exc
     return str(version.version), version.run_id
 
