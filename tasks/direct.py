@@ -54,11 +54,20 @@ PROGRESS_LINES = 10
 EXAMPLE_CODES = {9: ("428.0", "428"), 10: ("I50.22", "I50")}
 
 
-def check_confidence_order(value: dict) -> list[str]:
-    """Errors for confidences that increase down the list (JSON Schema cannot express the order)."""
-    confidences = [p["confidence"] for p in value["predictions"]]
+def check_confidence_order(value) -> list[str]:
+    """Errors for confidences that increase down the list (JSON Schema cannot express the order).
+
+    It reads any reply, also one that breaks the schema, so that a single re-ask names both kinds of mistake: a
+    confidence that is no number is the schema's to name, and the order is checked across the others.
+
+    >>> check_confidence_order({"predictions": [{"confidence": 90}, {"confidence": "x"}, {"confidence": 120}]})
+    ['at predictions/2/confidence: 120 is higher than the 90 before it; confidences must not increase']
+    """
+    predictions = value.get("predictions") if isinstance(value, dict) else None
+    numbered = [(i, p["confidence"]) for i, p in enumerate(predictions if isinstance(predictions, list) else [])
+                if isinstance(p, dict) and type(p.get("confidence")) in (int, float)]
     return [f"at predictions/{i}/confidence: {b} is higher than the {a} before it; confidences must not increase"
-            for i, (a, b) in enumerate(zip(confidences, confidences[1:]), 1) if b > a]
+            for (_, a), (i, b) in zip(numbered, numbered[1:]) if b > a]
 
 
 def direct_prompt(events: pl.DataFrame, vocabulary: Vocabulary, config: LLMConfig,

@@ -141,6 +141,26 @@ def test_direct_forecast_reports_its_progress_as_trajectories_finish(planted_coh
     assert re.fullmatch(r"direct: 3 of 3 trajectories done \(1 failed, 1 ok, 1 short\) in \d+ s", lines[-1])
 
 
+def test_a_reply_that_breaks_the_schema_and_the_order_is_told_both_at_once(planted_cohort, tmp_path):
+    # The order was checked only once the schema held, so a reply with a confidence above 100 and a rising one
+    # needed a second re-ask to hear of the order.
+    wh, cohort_id, _ = planted_cohort
+    trajectories, pretarget = cohort_inputs(wh, cohort_id)
+    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
+                       response_format="json_object_schema", validation_retries=0)
+    both = predictions(VALID)
+    both["predictions"][2]["confidence"] = 101
+    both["predictions"][6]["confidence"] = 95
+    record_replies(config, wh, cohort_id, trajectories.head(1), pretarget, [both])
+
+    direct_shard(wh, cohort_id, 0, trajectories.head(1), pretarget, 20, "run-both", config)
+    error = wh.read("llm_calls", run_id="run-both")["error"].item()
+    assert error.split("; at ") == [
+        "at predictions/2/confidence: 101 is greater than the maximum of 100",
+        "predictions/2/confidence: 101 is higher than the 94.0 before it; confidences must not increase",
+        "predictions/6/confidence: 95 is higher than the 90.0 before it; confidences must not increase"], error
+
+
 def test_direct_forecast_names_medications_by_the_cohorts_code_titles(wh_vocab, tmp_path):
     ingest_meds(wh_vocab, write_described_meds(tmp_path / "meds"), "described")
     cohort_id = build_cohort(wh_vocab, "described", "default", CohortOptions(), seed=7)["cohort_id"]

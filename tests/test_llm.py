@@ -724,8 +724,9 @@ def test_doctests():
     import models.llm.backends
     import models.llm.client
     import models.llm.llama_serve
+    import tasks.direct
 
-    for module in (models.llm.backends, models.llm.client, models.llm.llama_serve):
+    for module in (models.llm.backends, models.llm.client, models.llm.llama_serve, tasks.direct):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

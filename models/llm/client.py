@@ -248,8 +248,9 @@ class LLMClient:
                             budget_chars: int | None = None) -> object:
         """A reply valid against `schema` and `check`, re-asking with the errors appended when it is not.
 
-        `budget_chars` is the prompt budget `messages` were rendered to (default: `prompt_budget` of the
-        configuration); re-asks stay within it.
+        `check` returns the errors beyond the schema (an order it cannot express); it gets every parsed reply, also
+        one that breaks the schema, and reads what it can of it. `budget_chars` is the prompt budget `messages` were
+        rendered to (default: `prompt_budget` of the configuration); re-asks stay within it.
         """
         conversation = list(messages)
         errors: list[str] = []
@@ -260,9 +261,8 @@ class LLMClient:
                                                    reason)
             try:
                 value = parse_json_reply(completion.text)
-                errors = schema_errors(schema, value)
-                if not errors and check is not None:
-                    errors = check(value)
+                # The check runs on a reply that breaks the schema too: one re-ask then names every kind of mistake.
+                errors = schema_errors(schema, value) + (check(value) if check is not None else [])
             except json.JSONDecodeError as exc:
                 # Some of json's messages end with "at" ("Unterminated string starting at"): said once.
                 errors = [f"the reply is not JSON ({exc.msg.removesuffix(' at')} at character {exc.pos})"]
