@@ -43,6 +43,12 @@ def test_rrf_on_a_hand_example():
     assert rrf_fuse([["B"], ["A"]]) == [("A", 1 / 61), ("B", 1 / 61)]
 
 
+def one_reply_each(tmp_path) -> LLMConfig:
+    """A replay backend that answers each trajectory once, as the llama.cpp server is asked (no re-ask)."""
+    return LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
+                     response_format="json_object_schema", validation_retries=0)
+
+
 def record_replies(config: LLMConfig, wh, cohort_id, trajectories, pretarget, replies) -> list[str]:
     """Record one reply per trajectory for exactly the request Direct Forecast will send; returns prompt texts."""
     vocabulary = Vocabulary.from_warehouse(wh.connect(), cohort_id)
@@ -62,8 +68,7 @@ def test_direct_forecast_end_to_end_with_recorded_replies(planted_cohort, tmp_pa
     wh, cohort_id, sentinels = planted_cohort
     trajectories, pretarget = cohort_inputs(wh, cohort_id)
     assert trajectories.height == 3
-    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
-                       response_format="json_object_schema", validation_retries=0)
+    config = one_reply_each(tmp_path)
     rising = predictions(VALID)
     rising["predictions"][5]["confidence"] = 99  # confidences must not increase: invalid, no retry left
     # Codes tagged with their ICD version, as V(.) reads them, pass the reply's schema: V(.) resolves them, or
@@ -127,8 +132,7 @@ def test_direct_forecast_reports_its_progress_as_trajectories_finish(planted_coh
     # says how far the shard is and how its lists came out so far.
     wh, cohort_id, _ = planted_cohort
     trajectories, pretarget = cohort_inputs(wh, cohort_id)
-    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
-                       response_format="json_object_schema", validation_retries=0)
+    config = one_reply_each(tmp_path)
     rising = predictions(VALID)
     rising["predictions"][5]["confidence"] = 99
     record_replies(config, wh, cohort_id, trajectories, pretarget,
@@ -146,8 +150,7 @@ def test_a_reply_that_breaks_the_schema_and_the_order_is_told_both_at_once(plant
     # needed a second re-ask to hear of the order.
     wh, cohort_id, _ = planted_cohort
     trajectories, pretarget = cohort_inputs(wh, cohort_id)
-    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
-                       response_format="json_object_schema", validation_retries=0)
+    config = one_reply_each(tmp_path)
     both = predictions(VALID)
     both["predictions"][2]["confidence"] = 101
     both["predictions"][6]["confidence"] = 95
@@ -165,8 +168,7 @@ def test_direct_forecast_names_medications_by_the_cohorts_code_titles(wh_vocab, 
     ingest_meds(wh_vocab, write_described_meds(tmp_path / "meds"), "described")
     cohort_id = build_cohort(wh_vocab, "described", "default", CohortOptions(), seed=7)["cohort_id"]
     trajectories, pretarget = cohort_inputs(wh_vocab, cohort_id)
-    config = LLMConfig(backend="replay", replay_file=tmp_path / "replay.jsonl", model="recorded",
-                       response_format="json_object_schema", validation_retries=0)
+    config = one_reply_each(tmp_path)
     texts = record_replies(config, wh_vocab, cohort_id, trajectories, pretarget, [predictions(VALID)] * 3)
     # The first encounters of subjects 2 and 4 had furosemide, recorded by its NDC.
     assert FUROSEMIDE == "MEDICATION//NDC//00054829725"
