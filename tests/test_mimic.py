@@ -805,11 +805,13 @@ def test_a_trailing_comma_and_a_quoted_header_name_are_read(tmp_path, mimic4):
     assert read_meds(tmp_path / "meds").equals(read_meds(out))
 
 
-def test_header_case_is_ignored(tmp_path, mimic4):
+def test_header_case_and_padding_are_ignored(tmp_path, mimic4):
+    # A header exported as "subject_id, hadm_id, …" was refused as missing 'hadm_id' (columns found: … hadm_id …).
     out, _ = mimic4
     hosp = copy_fixture(tmp_path)
     edit_table(hosp, "diagnoses_icd", lambda lines: [lines[0].upper(), *lines[1:]])
     edit_table(hosp, "admissions", lambda lines: [lines[0].title(), *lines[1:]])
+    edit_table(hosp, "patients", lambda lines: [lines[0].replace(",", " , "), *lines[1:]])
     import_mimic4(hosp, tmp_path / "meds", seed=SEED)
     assert read_meds(tmp_path / "meds").equals(read_meds(out))
 

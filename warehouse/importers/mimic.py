@@ -1,10 +1,10 @@
 """MIMIC-III and MIMIC-IV (`hosp` module) into MEDS.
 
-The official CSV files (plain or gzipped, header case ignored) are read by DuckDB as text, checked
-(required tables and columns present and not empty, every typed value castable, patients and admissions
-unique, every diagnosis, procedure and prescription on an admission of its own patient), normalized
-into one view per concept by a small layout-specific SQL block, and turned into MEDS events by
-SQL shared by both releases. Nothing is held as Python objects; DuckDB works in a file-backed
+The official CSV files (plain or gzipped; header names matched ignoring case and surrounding spaces) are
+read by DuckDB as text, checked (required tables and columns present and not empty, every typed value
+castable, patients and admissions unique, every diagnosis, procedure and prescription on an admission of
+its own patient), normalized into one view per concept by a small layout-specific SQL block, and turned
+into MEDS events by SQL shared by both releases. Nothing is held as Python objects; DuckDB works in a file-backed
 database next to the output so large releases spill to disk instead of exhausting memory.
 
 Events (all with `encounter_id` = `hadm_id` where there is an admission):
@@ -600,7 +600,8 @@ def _read_header(path: Path) -> list[str]:
         # Decoding is lenient: the reader decodes a whole buffer, so a non-UTF-8 byte in an early data row would
         # fail here without a row number; DuckDB's read reports that row instead.
         with opener(path, "rt", encoding="utf-8-sig", errors="replace", newline="") as handle:
-            return next(csv.reader(handle), [])
+            # Names are matched without case or surrounding spaces ("subject_id, hadm_id" from some exports).
+            return [name.strip() for name in next(csv.reader(handle), [])]
     except (OSError, EOFError, csv.Error) as exc:
         raise InputError(f"{path}: not a readable CSV file ({_first_line(exc)}): "
                          "use the official comma-separated file, plain or gzipped") from exc
