@@ -103,6 +103,13 @@ def usage_error(result) -> str:
      "rrf_prior_direct|transition], ingest[:meds|mimic3|mimic4], promote[:ehr_prior|dense_prior|gru], synth, "
      "train[:ehr_prior|dense_prior|gru] (usage: dxr run list -h)"),
     (["nosuch"], "Error: No such command 'nosuch'. (usage: dxr -h)"),
+    # --data-dir is the group's option: after the command it was refused like a typo, with no word of where it goes.
+    (["cohort", "list", "--data-dir", "d"],
+     "Error: No such option '--data-dir' here: it is an option of dxr itself, given before the command "
+     "(dxr --data-dir DIR cohort list …), or set DXR_DATA_DIR (usage: dxr cohort list -h)"),
+    (["sql", "--data-dir=d", "SELECT 1"],
+     "Error: No such option '--data-dir' here: it is an option of dxr itself, given before the command "
+     "(dxr --data-dir DIR sql …), or set DXR_DATA_DIR (usage: dxr sql -h)"),
 ])
 def test_usage_errors_are_one_line_with_exit_code_2(args, line):
     result = CliRunner().invoke(main, args, prog_name="dxr")

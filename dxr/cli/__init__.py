@@ -59,7 +59,13 @@ def _in_one_line(exc: click.UsageError) -> click.UsageError:
     """The usage error as one line; a bare `dxr` or `dxr cohort` keeps showing its help."""
     if isinstance(exc, (OneLineUsageError, click.exceptions.NoArgsIsHelpError)):
         return exc
-    one = OneLineUsageError(exc.format_message(), exc.ctx)
+    message = exc.format_message()
+    if isinstance(exc, click.NoSuchOption) and exc.option_name == "--data-dir" and exc.ctx is not None:
+        # The benchmark scripts take --data-dir after their name, so it is easily typed after a dxr command too.
+        command = exc.ctx.command_path.removeprefix(exc.ctx.find_root().command_path).strip()
+        message = (f"No such option '--data-dir' here: it is an option of dxr itself, given before the command "
+                   f"(dxr --data-dir DIR {command} …), or set DXR_DATA_DIR")
+    one = OneLineUsageError(message, exc.ctx)
     one.__cause__ = exc
     return one
 
