@@ -122,6 +122,17 @@ def test_report_names_a_run_id_the_warehouse_does_not_hold(wh):
     assert "dxr evaluate" not in result.output
 
 
+def test_report_refuses_an_evaluation_that_a_system_joining_the_run_made_stale(wh, tmp_path):
+    # The refusal said "a forecast it read was run again" when a system the evaluation never read had joined the run.
+    from tasks.forecast import clear_outputs
+
+    evaluate_run(wh, "r1", ks=(1, 2), n_boot=10)
+    clear_outputs(wh, "r1", "s9", {})  # what a forecast of a system new to the run does first
+    with pytest.raises(InputError, match=r"^the evaluation of run 'r1' is stale \(a system was forecast into the run "
+                                         r"since, anew or again, "):
+        render_report(wh, "r1", tmp_path / "out")
+
+
 def test_report_refuses_an_evaluation_a_forecast_rerun_made_stale(wh, tmp_path):
     from tasks.forecast import clear_outputs
 
@@ -724,8 +735,8 @@ def test_a_first_evaluation_cut_short_among_its_writes_is_refused_by_the_report(
         evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     monkeypatch.undo()
     assert len(systems_written) == 1 and set(wh.read("metrics", run_id="r1")["system"]) == set(systems_written)
-    with pytest.raises(InputError, match=r"^the evaluation of run 'r1' is stale \(a forecast it read was run again "
-                                         r"since, or its writes were cut short\): run `dxr evaluate --run r1` "
+    with pytest.raises(InputError, match=r"^the evaluation of run 'r1' is stale \(a system was forecast into the "
+                                         r"run since, anew or again, or its writes were cut short\): run `dxr evaluate --run r1` "
                                          "again, then the report$"):
         render_report(wh, "r1", tmp_path / "cut")
     assert not (tmp_path / "cut").exists()
