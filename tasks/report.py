@@ -360,7 +360,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     again = f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}{named}"
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (a system was forecast into "
-                         f"the run since, anew or again, or its writes were cut short): run `{again}` again, then the report")
+                         f"the run since, anew or again, or its writes were cut short): run `{again}` again, then the "
+                         "report")
     # A mean is stored under its own id, which no forecast rerun of the runs it averages touches.
     changed = changed_since_mean(wh, run_id)
     if changed:

@@ -736,8 +736,8 @@ def test_a_first_evaluation_cut_short_among_its_writes_is_refused_by_the_report(
     monkeypatch.undo()
     assert len(systems_written) == 1 and set(wh.read("metrics", run_id="r1")["system"]) == set(systems_written)
     with pytest.raises(InputError, match=r"^the evaluation of run 'r1' is stale \(a system was forecast into the "
-                                         r"run since, anew or again, or its writes were cut short\): run `dxr evaluate --run r1` "
-                                         "again, then the report$"):
+                                         r"run since, anew or again, or its writes were cut short\): run "
+                                         r"`dxr evaluate --run r1` again, then the report$"):
         render_report(wh, "r1", tmp_path / "cut")
     assert not (tmp_path / "cut").exists()
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
