@@ -121,6 +121,29 @@ def test_a_diagnosis_with_neither_time_nor_encounter_is_not_history(wh_vocab, tm
     assert pretarget.filter(pl.col("time").is_null())["code"].to_list() == ["GENDER//F"]
 
 
+
+def test_undated_events_of_an_encounter_open_at_the_cutoff_or_never_dated_are_not_history(wh_vocab, tmp_path):
+    # An export that keeps diagnoses undated. Subject 1's 101 ended on day 2: its undated diagnoses are history.
+    # 102 is admitted on day 10 and discharged on day 25, so it spans the target 103 (admitted on day 20): its
+    # undated diagnoses are coded at that discharge, after the cutoff. 105 has no dated event at all; it names
+    # J189, a diagnosis of 103. Nothing places either before the cutoff, so neither may be in 103's record.
+    events = tiny_events().with_columns(
+        pl.when(pl.col("encounter_id").is_in([101, 102]) & pl.col("code").str.starts_with("DIAGNOSIS//"))
+        .then(None).when((pl.col("encounter_id") == 102) & (pl.col("code") == "HOSPITAL_DISCHARGE//HOME"))
+        .then(pl.lit(t(25))).otherwise(pl.col("time")).alias("time"))
+    undated = pl.DataFrame({"subject_id": 1, "time": None, "code": [dx("J189"), "NOTE//DISCHARGE_SUMMARY"],
+                            "numeric_value": None, "text_value": [None, "pneumonia, lobar"], "encounter_id": 105},
+                           schema=events.schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "undated", pl.concat([events, undated])), "undated")
+    cid = build_cohort(wh_vocab, "undated", "default", CohortOptions(), seed=7)["cohort_id"]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert pretarget.filter(pl.col("time").is_null()).sort("code").select("code", "encounter_id").rows() == [
+        (dx("E119"), 101), (dx("I5022"), 101), ("GENDER//F", None)]
+    assert pretarget.filter(pl.col("encounter_id") == 102)["time"].max() < t(20)  # its dated events before the cutoff
+    # The history count is what the record shows: 101 only.
+    trajectory = wh_vocab.read("trajectories", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert trajectory["n_prior_encounters"].to_list() == [1]
+
 def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, tmp_path):
     # A codes.parquet listing exactly the data's diagnosis codes (as MEDS pipelines derive it) holds codes found
     # only in held-out targets, such as subject 1's J189 and I5023; with one code the data never uses it is a

@@ -15,7 +15,8 @@ Rules (spec/forecasting.md §1, §3):
 - the pre-target record of a trajectory is made by `pretarget_sql` alone: events strictly before
   the target admission, minus every event of the target encounter even when time-stamped earlier,
   and minus untagged events from the target encounter's first own event on (or from the untagged
-  emergency-department registration of the visit that led into it), and any death;
+  emergency-department registration of the visit that led into it), the undated events of an encounter still
+  open at the cutoff or never dated, and any death;
 - Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
   one (a list of only the codes the data uses is no dictionary), else the official billable codes
   of the ICD versions present — never from targets.
@@ -122,9 +123,12 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
 
     `events(subject_id, time, code, numeric_value, text_value, encounter_id)`,
     `trajectories(trajectory_id, subject_id, target_encounter_id, cutoff_time)`,
-    `encounter_starts(encounter_id, start_time, claims_from)` (`encounter_starts_sql`). An event is kept
-    when it is static (no time) or strictly before the cutoff, it does not belong to the target
-    encounter, and the encounter it belongs to (if any) began before the cutoff. An event without an
+    `encounter_starts(encounter_id, start_time, last_time, claims_from)` (`encounter_starts_sql`). An event is
+    kept when it is static (no time) or strictly before the cutoff, it does not belong to the target
+    encounter, and the encounter it belongs to (if any) began before the cutoff. An undated event of an
+    encounter is kept only when that encounter's last dated event precedes the cutoff: a stay still open
+    at the cutoff (one that spans the target stay) codes its diagnoses at its discharge, after the cutoff,
+    and an encounter with no dated event at all is placed nowhere. An event without an
     encounter is also dropped from the target encounter's `claims_from` on (its first own event, or the
     untagged emergency-department registration of the visit that led into it): in that span it may well
     be the target encounter's own (the registration itself, an ED lab draw that the export left
@@ -143,6 +147,7 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
         WHERE (e.time IS NULL OR e.time < t.cutoff_time)
           AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
+          AND (e.time IS NOT NULL OR e.encounter_id IS NULL OR coalesce(s.last_time < t.cutoff_time, false))
           AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.claims_from IS NULL OR e.time < own.claims_from)
           AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND e.code LIKE 'DIAGNOSIS//%')
           AND e.code <> 'MEDS_DEATH'
@@ -164,8 +169,9 @@ def encounter_starts_sql(events: str) -> str:
       patient began in between (an export without `ED_OUT` then cannot stretch one registration over
       later stays). An ED visit that ended before the admission began stays history. The EHR prior and the
       readable record place such events in the same span (`models.stays.stay_spans`);
-    - `n_dx`, and `dx_time`: from when its diagnoses are in later records, its first dated one (none when one
-      is undated, as an undated event is in every record).
+    - `n_dx`, and `dx_time`: from when its diagnoses are in later records: its first dated one, else (every one
+      undated) its last dated event, after which `pretarget_sql` keeps its undated events (none when it has no
+      dated event at all).
     """
     return f"""
         WITH own AS (
@@ -173,8 +179,7 @@ def encounter_starts_sql(events: str) -> str:
                    coalesce(min(time) FILTER (WHERE code LIKE 'HOSPITAL_ADMISSION//%'), min(time)) AS start_time,
                    min(time) AS first_time, max(time) AS last_time,
                    count(*) FILTER (WHERE code LIKE 'DIAGNOSIS//%') AS n_dx,
-                   CASE WHEN bool_or(time IS NULL) FILTER (WHERE code LIKE 'DIAGNOSIS//%') THEN NULL
-                        ELSE min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%') END AS dx_time
+                   coalesce(min(time) FILTER (WHERE code LIKE 'DIAGNOSIS//%'), max(time)) AS dx_time
             FROM {events} WHERE encounter_id IS NOT NULL GROUP BY encounter_id),
         ordered AS (
             SELECT *, lag(first_time) OVER (PARTITION BY subject_id ORDER BY first_time, encounter_id) AS previous_first
@@ -318,7 +323,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             SELECT o.subject_id, o.encounter_id, o.start_time, o.position, o.n_total, count(p.encounter_id) AS n_prior
             FROM ordered o LEFT JOIN ordered p
               ON p.subject_id = o.subject_id AND p.start_time < o.start_time
-             AND (p.dx_time IS NULL OR p.dx_time < o.start_time)
+             AND p.dx_time < o.start_time
             GROUP BY ALL""")
         target_filter = "position = n_total - 1" if options.target == "final" else "TRUE"
         con.execute(f"""CREATE TEMP TABLE candidate_targets AS
