@@ -50,8 +50,9 @@ class Sentinels:
 def plant_sentinels(meds_dir: Path, exclude_splits: Iterable[str] = ("train",)) -> Sentinels:
     """Add sentinel events to each planted patient's final encounter with diagnoses (in place).
 
-    Per planted encounter: a sentinel diagnosis at discharge, a discharge-note phrase, and a lab with a
-    phrase time-stamped one hour *before* the admission (the pre-target view must drop it anyway).
+    Per planted encounter: a sentinel diagnosis at discharge, a discharge-note phrase, a lab with a
+    phrase time-stamped one hour *before* the admission, and a copy of the note with neither a time nor an
+    encounter, as an export taken at extraction may hold it (the pre-target view must drop both anyway).
     """
     import simple_icd_10_cm as cm
 
@@ -74,7 +75,8 @@ def plant_sentinels(meds_dir: Path, exclude_splits: Iterable[str] = ("train",)) 
             phrase = f"{PHRASE_PREFIX}{n}"
             extra += [(subject, end, code, None, None, encounter),
                       (subject, end, "NOTE//DISCHARGE_SUMMARY", None, f"Discharged. {phrase} noted.", encounter),
-                      (subject, start - timedelta(hours=1), "LAB//SENTINEL//x", 1.0, f"{phrase}-prelab", encounter)]
+                      (subject, start - timedelta(hours=1), "LAB//SENTINEL//x", 1.0, f"{phrase}-prelab", encounter),
+                      (subject, None, "NOTE//DISCHARGE_SUMMARY", None, f"Copy. {phrase}-loose", None)]
             sentinels.encounters.append(encounter)
             sentinels.phrases.append(phrase)
             if code not in sentinels.codes:

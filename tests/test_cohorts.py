@@ -121,6 +121,22 @@ def test_a_diagnosis_with_neither_time_nor_encounter_is_not_history(wh_vocab, tm
     assert pretarget.filter(pl.col("time").is_null())["code"].to_list() == ["GENDER//F"]
 
 
+def test_no_clinical_event_with_neither_time_nor_encounter_is_history(wh_vocab, tmp_path):
+    # Rows an export took at extraction, undated and without an encounter: a summary of subject 1's target stay 103,
+    # the furosemide and the ventilation begun there, a BNP. Nothing places them before the cutoff, so none is in
+    # the record (the Direct prompt would list them as "Recorded without a date"). Race stays, as sex does.
+    loose = pl.DataFrame({"subject_id": 1, "time": None,
+                          "code": ["NOTE//DISCHARGE_SUMMARY", FUROSEMIDE, "PROCEDURE//ICD//10//5A1955Z",
+                                   "LAB//BNP//pg/mL", "RACE//WHITE"],
+                          "numeric_value": [None, None, None, 900.0, None],
+                          "text_value": ["Admitted on day 20 with pneumonia", None, None, None, None],
+                          "encounter_id": None}, schema=tiny_events().schema)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "loose", pl.concat([tiny_events(), loose])), "loose")
+    cid = build_cohort(wh_vocab, "loose", "default", CohortOptions(), seed=7)["cohort_id"]
+    pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
+    assert sorted(pretarget.filter(pl.col("time").is_null())["code"].to_list()) == ["GENDER//F", "RACE//WHITE"]
+
+
 
 def test_undated_events_of_an_encounter_open_at_the_cutoff_or_never_dated_are_not_history(wh_vocab, tmp_path):
     # An export that keeps diagnoses undated. Subject 1's 101 ended on day 2: its undated diagnoses are history.

@@ -406,15 +406,17 @@ def test_a_record_without_birth_gets_the_mean_age_of_train_visits_and_old_models
 def test_static_codes_become_per_record_ids():
     t = dt.datetime(2020, 1, 1)
     events = pl.DataFrame({
-        "trajectory_id": ["a", "a", "a", "a", "a", "b", "b", "b"],
-        "time": [None, None, t, dt.datetime(2020, 6, 1), None, None, t, None],
-        "code": ["GENDER//F", "ETHNICITY//X", dx("X"), dx("X"), dx("Y"), "GENDER//M", dx("X"), dx("Y")],
+        "trajectory_id": ["a", "a", "a", "a", "a", "b", "b", "b", "b"],
+        "time": [None, None, t, dt.datetime(2020, 6, 1), None, None, t, None, None],
+        "code": ["GENDER//F", "ETHNICITY//X", dx("X"), dx("X"), dx("Y"), "GENDER//M", dx("X"), dx("Y"),
+                 "MEDICATION//NAME//m"],
         # Y has no time but belongs to encounter 3: an undated event of a visit, not a fact of the patient
-        # (as a static code, a later visit's diagnosis would reach every earlier visit's input). Neither is b's
-        # undated Y without an encounter (a problem list taken at extraction, left out of pre-target views).
-        "encounter_id": [None, None, 1, 3, 3, None, 2, None]})
-    vocab = Vocabulary(input_codes=["GENDER//F", "GENDER//M", dx("X"), dx("Y")], output_codes=[dx("X")],
-                       omega=[dx("X")])
+        # (as a static code, a later visit's diagnosis would reach every earlier visit's input). Neither are b's
+        # undated Y and m without an encounter (a problem or medication list taken at extraction, left out of
+        # pre-target views).
+        "encounter_id": [None, None, 1, 3, 3, None, 2, None, None]})
+    vocab = Vocabulary(input_codes=["GENDER//F", "GENDER//M", dx("X"), dx("Y"), "MEDICATION//NAME//m"],
+                       output_codes=[dx("X")], omega=[dx("X")])
     out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["b", "a", "none"])
     # Row order follows `keys`; a static code outside the vocabulary is dropped, not made unknown.
     assert out.static.tolist() == [[3], [2], [0]] and out.static.dtype == torch.int32

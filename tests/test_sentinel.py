@@ -55,20 +55,28 @@ def test_the_title_of_a_code_only_target_encounters_hold_never_reaches_the_forec
     assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
 
 
-def test_harness_catches_a_leaky_pretarget_view(wh_vocab, tmp_path, monkeypatch):
+@pytest.mark.parametrize("forgotten, leaked", [
+    # That the target encounter's events can be time-stamped before its admission.
+    (("AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)",
+      "AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)"), "prelab"),
+    # That a note with neither a time nor an encounter is placed before no cutoff.
+    ((f"AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND {cohorts.clinical_sql('e.code')})",), "loose"),
+])
+def test_harness_catches_a_leaky_pretarget_view(wh_vocab, tmp_path, monkeypatch, forgotten, leaked):
     meds_dir = write_tiny_meds(tmp_path / "meds")
     sentinels = plant_sentinels(meds_dir)
     honest = cohorts.pretarget_sql
 
     def leaky(events, trajectories, encounter_starts):
-        # Forgets that the target encounter's events can be time-stamped before its admission.
-        return honest(events, trajectories, encounter_starts).replace(
-            "AND (e.encounter_id IS NULL OR e.encounter_id <> t.target_encounter_id)", "").replace(
-            "AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)", "")
+        sql = honest(events, trajectories, encounter_starts)
+        for condition in forgotten:
+            assert condition in sql
+            sql = sql.replace(condition, "")
+        return sql
 
     monkeypatch.setattr(cohorts, "pretarget_sql", leaky)
     build_and_forecast(wh_vocab, meds_dir)
-    with pytest.raises(LeakError, match="pretarget_events.*QUILLWORT-ZEPHYR-0-prelab"):
+    with pytest.raises(LeakError, match=f"pretarget_events.*QUILLWORT-ZEPHYR-0-{leaked}"):
         assert_no_leak(sentinels, forecast_store_texts(wh_vocab.forecast_dir))
 
 

@@ -16,7 +16,7 @@ Rules (spec/forecasting.md §1, §3):
   the target admission, minus every event of the target encounter even when time-stamped earlier,
   and minus untagged events from the target encounter's first own event on (or from the untagged
   emergency-department registration of the visit that led into it), the undated events of an encounter still
-  open at the cutoff or never dated, and any death;
+  open at the cutoff or never dated, the clinical events with neither a time nor an encounter, and any death;
 - Ω is fixed from the dataset's own diagnosis dictionary (metadata/codes.parquet) when it ships
   one (a list of only the codes the data uses is no dictionary), else the official billable codes
   of the ICD versions present — never from targets.
@@ -53,6 +53,20 @@ ICD10_GEM_RULE = "every_target"  # how `icd10` maps an ICD-9 code since 2026-12-
 # How `dxr cohort list` names the rule of an `icd10` cohort built before 2026-12-06.
 EARLIER_ICD10_RULE = "icd10_closest (earlier icd10)"
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
+# The kinds of event that are an encounter's or a day's (spec §1: H holds demographics, the earlier encounters' events
+# and the notes dated before the cutoff). One with neither a time nor an encounter is placed before no cutoff: a
+# problem list, a medication list or a note taken at extraction may be the target encounter's own. The other undated
+# rows without an encounter (sex, race, language) are the patient's static facts.
+CLINICAL_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//", "LAB//", "NOTE//")
+
+
+def clinical_sql(code: str) -> str:
+    """SQL that is true when the code column `code` is of a `CLINICAL_PREFIXES` kind.
+
+    >>> clinical_sql("e.code")[:50]
+    "(e.code LIKE 'DIAGNOSIS//%' OR e.code LIKE 'PROCED"
+    """
+    return "(" + " OR ".join(f"{code} LIKE '{prefix}%'" for prefix in CLINICAL_PREFIXES) + ")"
 
 
 @dataclass(frozen=True)
@@ -132,8 +146,8 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
     encounter is also dropped from the target encounter's `claims_from` on (its first own event, or the
     untagged emergency-department registration of the visit that led into it): in that span it may well
     be the target encounter's own (the registration itself, an ED lab draw that the export left
-    untagged). A diagnosis with neither a time nor an
-    encounter is left out: nothing places it before the cutoff (a problem list taken at extraction
+    untagged). A clinical event (`CLINICAL_PREFIXES`: a diagnosis, procedure, medication, lab or note) with neither
+    a time nor an encounter is left out: nothing places it before the cutoff (a problem list taken at extraction
     may hold the target encounter's diagnoses), so it cannot be static history as sex is. Nor is a death
     (`MEDS_DEATH`): no encounter follows one, so a death dated before the cutoff is the target encounter's
     own, recorded by its date alone (midnight, before a same-day admission).
@@ -149,7 +163,7 @@ def pretarget_sql(events: str, trajectories: str, encounter_starts: str) -> str:
           AND (s.start_time IS NULL OR s.start_time < t.cutoff_time)
           AND (e.time IS NOT NULL OR e.encounter_id IS NULL OR coalesce(s.last_time < t.cutoff_time, false))
           AND (e.encounter_id IS NOT NULL OR e.time IS NULL OR own.claims_from IS NULL OR e.time < own.claims_from)
-          AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND e.code LIKE 'DIAGNOSIS//%')
+          AND NOT (e.time IS NULL AND e.encounter_id IS NULL AND {clinical_sql('e.code')})
           AND e.code <> 'MEDS_DEATH'
     """
 

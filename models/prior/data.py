@@ -37,7 +37,7 @@ from models.prior.config import PriorConfig
 from models.pretarget import cut_records, unserved_visits
 from models.stays import has_loose_events, stay_spans, within_stays
 from models.transition import sql_frame
-from warehouse.cohorts import encounter_starts_sql
+from warehouse.cohorts import CLINICAL_PREFIXES, clinical_sql, encounter_starts_sql
 
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
 LAB_PREFIX = "LAB//"  # lab value tokens come last
@@ -122,10 +122,10 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_co
             SELECT code, encounter_id FROM placed)
         SELECT code FROM coded GROUP BY code HAVING count(DISTINCT encounter_id) >= $2 ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
-    static = sql_frame(con, """SELECT code FROM train_events
-                               WHERE cohort_id = ? AND time IS NULL AND encounter_id IS NULL
-                                 AND code NOT LIKE 'DIAGNOSIS//%'
-                               GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
+    static = sql_frame(con, f"""SELECT code FROM train_events
+                                WHERE cohort_id = ? AND time IS NULL AND encounter_id IS NULL
+                                  AND NOT {clinical_sql('code')}
+                                GROUP BY code HAVING count(DISTINCT subject_id) >= ? ORDER BY code""",
                        [cohort_id, min_code_count])["code"].to_list()
     omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ? ORDER BY code",
                       [cohort_id])["code"].to_list()
@@ -351,10 +351,11 @@ def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl
     vocabulary, so it sees exactly the inputs it was trained on.
     """
     # An undated event of an encounter is no fact of the patient: as a static code a later visit's
-    # diagnosis would reach the inputs of every earlier visit of a training record. Nor is an undated
-    # diagnosis without an encounter (a problem list taken at extraction): the pre-target view leaves it out.
+    # diagnosis would reach the inputs of every earlier visit of a training record. Nor is an undated clinical
+    # event without an encounter (a problem list taken at extraction): the pre-target view leaves it out.
     static = (events.filter(pl.col("time").is_null() & pl.col("encounter_id").is_null()
-                            & ~pl.col("code").str.starts_with("DIAGNOSIS//")).select(key, "code").unique()
+                            & ~pl.any_horizontal(pl.col("code").str.starts_with(p) for p in CLINICAL_PREFIXES))
+              .select(key, "code").unique()
               .join(rows, on=key).join(input_ids, on="code").sort("row", "id")
               .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
     ids = np.zeros((rows.height, int(static["slot"].max()) + 1 if static.height else 1), dtype=np.int32)
