@@ -137,7 +137,6 @@ def test_no_clinical_event_with_neither_time_nor_encounter_is_history(wh_vocab, 
     assert sorted(pretarget.filter(pl.col("time").is_null())["code"].to_list()) == ["GENDER//F", "RACE//WHITE"]
 
 
-
 def test_undated_events_of_an_encounter_open_at_the_cutoff_or_never_dated_are_not_history(wh_vocab, tmp_path):
     # An export that keeps diagnoses undated. Subject 1's 101 ended on day 2: its undated diagnoses are history.
     # 102 is admitted on day 10 and discharged on day 25, so it spans the target 103 (admitted on day 20): its
@@ -159,6 +158,7 @@ def test_undated_events_of_an_encounter_open_at_the_cutoff_or_never_dated_are_no
     # The history count is what the record shows: 101 only.
     trajectory = wh_vocab.read("trajectories", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:1:103")
     assert trajectory["n_prior_encounters"].to_list() == [1]
+
 
 def test_a_code_list_made_from_the_data_is_not_taken_for_a_dictionary(wh_vocab, tmp_path):
     # A codes.parquet listing exactly the data's diagnosis codes (as MEDS pipelines derive it) holds codes found
