@@ -219,6 +219,29 @@ def test_sanitizer_leaves_no_word_that_served_only_what_it_removed(query, left, 
     assert (clean.text, clean.removed) == (left, removed)
 
 
+# An age over 89 identifies as a date does (HIPAA's safe harbour): it is kept as "90+"; other numbers near age words stay.
+AGES = [
+    ("93-year-old man with sepsis", "90+-year-old man with sepsis", [("age", "93")]),
+    ("aged 95 with heart failure", "aged 90+ with heart failure", [("age", "95")]),
+    ("Age: 97 CKD", "Age: 90+ CKD", [("age", "97")]),
+    ("101 yo female fall", "90+ yo female fall", [("age", "101")]),
+    ("92 y/o F pneumonia", "90+ y/o F pneumonia", [("age", "92")]),
+    ("91 years of age delirium", "90+ years of age delirium", [("age", "91")]),
+    ("MRN 12345 94 years old on 3/14/2019", "90+ years old",
+     [("identifier", "MRN 12345"), ("date", "3/14/2019"), ("age", "94")]),
+    ("89-year-old man", "89-year-old man", []),
+    ("infant aged 90 days sepsis", "infant aged 90 days sepsis", []),
+    ("stage 93 tumor hemoglobin 93 g/L", "stage 93 tumor hemoglobin 93 g/L", []),
+    ("93% saturation aged 92.5 kg", "93% saturation aged 92.5 kg", []),
+]
+
+
+@pytest.mark.parametrize(("query", "left", "removed"), AGES, ids=[q for q, _, _ in AGES])
+def test_sanitizer_keeps_an_age_over_89_as_90_plus(query, left, removed):
+    clean = sanitize_query(query)
+    assert (clean.text, clean.removed) == (left, removed)
+
+
 # Queries built to make the sanitizer slow, each with what is left. 100,000 characters take about a second; the code
 # before linear matching took minutes on each but the first, which took minutes at 40 words before 92c6857.
 ADVERSARIAL = [

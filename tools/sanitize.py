@@ -8,7 +8,7 @@ served only what was removed go with it, so none dangles: a time word or label b
 on 3/14" -> "seen", "DOB: 3/14/1950", "born in 1882"), any preposition before an identifier
 ("admitted on MRN 12345 with chest pain" -> "admitted with chest pain"), the open end of a range
 ("smoker from 2019 to present" -> "smoker"), a conjunction left with one side, brackets left empty,
-and a preposition ending the words a verbatim cut keeps.
+and a preposition ending the words a verbatim cut keeps. An age over 89 becomes "90+" (an identifier too).
 Clinical numbers stay: codes (N18.4), doses (500 mg), stages, ranges (15-29), "30-day", "COVID-19".
 """
 
@@ -96,6 +96,15 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
     # Five or more digits in a row are never clinical vocabulary: record, account or lab ids.
     ("identifier", re.compile(r"\b[A-Za-z]*\d{5,}[\w-]*\b")),
 ]
+# An age over 89 is an identifier (HIPAA's safe harbour lists it with dates): a query keeps it as "90+" ("93-year-old"
+# -> "90+-year-old", "aged 95" -> "aged 90+", "101 yo" -> "90+ yo"). Ages in days, weeks or months are not meant. The
+# look-behinds read single spaces, which the text has when this runs.
+_OLD_AGE = r"(?:9\d|1[0-4]\d)\b"
+_AGES_OVER_89 = re.compile(
+    rf"(?:(?<=\bage )|(?<=\baged )|(?<=\bage:)|(?<=\bage: )|(?<=\bage=)){_OLD_AGE}"
+    r"(?!\.\d|\s*(?:%|-?\s*(?:days?|d|weeks?|wks?|w|months?|mos?|m|hours?|hrs?|h)\b))"
+    rf"|\b{_OLD_AGE}(?=\s*-?\s*(?:years?|yrs?|y)\s*-?\s*old\b|\s*(?:yo|y/o|y\.o\.?)(?![\w/])"
+    r"|\s*-?\s*years?\s+of\s+age\b)", re.I)
 # What a removal can leave behind between words: a lone colon, slash, hyphen or dash, "at" sign or ampersand.
 _LEFTOVER = re.compile(r"[-/.,;:#=@&–—]+")
 # Brackets that held only what was removed ("copd (MRN 12345) heart failure" would keep "( )").
@@ -256,6 +265,9 @@ def sanitize_query(query: str, patient_text: str | None = None, max_verbatim_wor
         raise InputError(f"query {reprlib.repr(query)} ({len(query):,} characters) still shows a new date or "
                          f"identifier after {_MOST_PASSES} passes, each joining the words around what the one before "
                          "removed: phrase it with clinical terms only")
+    text = " ".join(text.split())
+    removed.extend(("age", match.group(0)) for match in _AGES_OVER_89.finditer(text))
+    text = _AGES_OVER_89.sub("90+", text)
     text = _EMPTY_BRACKETS.sub(" ", text)
     tokens = [token for token in text.split() if not _LEFTOVER.fullmatch(token)]
     if patient_text:
