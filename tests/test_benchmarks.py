@@ -242,6 +242,81 @@ def test_the_readme_generator_row_is_the_kept_result():
         f"({result['workers']} worker processes) under load {result['provenance']['load_average'][0]:.1f} "), measured
 
 
+def readme_row(start: str) -> str:
+    """The measured cell of the README's Benchmarks row that starts with `start`."""
+    row = next(line for line in README.read_text().splitlines() if line.startswith(start))
+    return row.strip("|").split("|")[2].strip()
+
+
+def test_the_retrieval_rows_and_tables_are_the_kept_results():
+    """The README's retrieval rows and docs/tools.md's quality, latency and build tables quote the two runs kept in
+    benchmarks/reference/ (a first build and a rebuild from its cached embeddings), to the printed digit."""
+    cold, cached = (json.loads((REFERENCE / name).read_text()) for name in ("retrieval.json", "retrieval-cached.json"))
+    for result in (cold, cached):
+        assert result["provenance"]["commit"] and result["provenance"]["uncommitted_changes"] is False
+    # Retrieval and fusion are deterministic: the rebuild must not change one quality number.
+    assert cold["benchmarks"] == cached["benchmarks"] and cold["selection"] == cached["selection"]
+    assert all(index["embedded"] == 0 for index in cached["indexes"].values())
+    quality = cold["benchmarks"]
+    hybrid = f"hybrid {cold['product_default']['fusion']} {cold['product_default']['dense_share']}"
+
+    def r10(benchmark, split, method):
+        return f"{quality[benchmark][split][method]['R@10']:.3f}"
+
+    def trio(benchmark, split):
+        return " / ".join(r10(benchmark, split, method) for method in ("bm25", "dense", hybrid))
+
+    for benchmark, name in (("pubmedqa", "PubMedQA"), ("medquad", "MedQuAD")):
+        test = quality[benchmark]["test"]
+        assert readme_row(f"| literature retrieval, {name} ").startswith(
+            f"R@10 on the test half ({test['bm25']['n_queries']:,}): BM25 {r10(benchmark, 'test', 'bm25')}, dense "
+            f"{r10(benchmark, 'test', 'dense')}, hybrid {r10(benchmark, 'test', hybrid)}; full set "
+            f"{trio(benchmark, 'full')}"), benchmark
+    latency = [result["combined_latency"]["hybrid"] for result in (cold, cached)]
+    loads = [result["load_average"]["before_latency"][0] for result in (cold, cached)]
+    assert readme_row("| hybrid query over MedQuAD").startswith(
+        f"p50/p95 {latency[0]['p50_ms']:.1f}/{latency[0]['p95_ms']:.1f} ms under load average {loads[0]:.1f} "
+        f"(2026-12-06, kept with the rows above), {latency[1]['p50_ms']:.1f}/{latency[1]['p95_ms']:.1f} ms under "
+        f"load {loads[1]:.1f} "), latency
+    medquad, icd = cold["indexes"]["medquad"], cold["indexes"]["icd"]
+    assert readme_row("| index builds |").startswith(
+        f"MedQuAD {medquad['n_chunks']:,} chunks ({medquad['embedded']:,} distinct texts embedded) in "
+        f"{medquad['build_seconds']:.1f} s, {medquad['bytes'] / 1e6:.1f} MB; with the embeddings cached a rebuild "
+        f"takes {cached['indexes']['medquad']['build_seconds']:.1f} s; ICD BM25 index {icd['n_chunks']:,} chunks in "
+        f"{icd['build_seconds']:.1f} s")
+
+    tools = (Path(__file__).parents[1] / "docs" / "tools.md").read_text().splitlines()
+    methods = {"BM25": "bm25", "dense": "dense", "hybrid z-score, s = 0.7 (default)": hybrid,
+               "hybrid plain RRF (previous)": "hybrid rrf 0.5 (previous default)"}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in tools
+            if line.startswith(tuple(f"| {name} | {split} |" for name in ("PubMedQA", "MedQuAD")
+                                     for split in ("test", "full", "dev")))]
+    assert len(rows) == 24
+    for benchmark, split, method, n, *metrics in rows:
+        measured = quality[benchmark.lower()][split][methods[method]]
+        expected = [str(measured["n_queries"]), *(f"{measured[m]:.3f}" for m in ("R@1", "R@5", "R@10", "MRR"))]
+        assert [n, *metrics] == expected, (benchmark, split, method)
+    modes = {"BM25": "bm25", "dense": "dense", "hybrid (z-score, s = 0.7)": "hybrid"}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in tools
+            if line.startswith(tuple(f"| {mode} | 1000 |" for mode in modes))]
+    assert len(rows) == 3
+    for mode, n, r1, r10_, mrr, first, second in rows:
+        runs = [result["combined_latency"][modes[mode]] for result in (cold, cached)]
+        assert [n, r1, r10_, mrr] == [str(runs[0]["n_queries"]), *(f"{runs[0][m]:.3f}" for m in ("R@1", "R@10", "MRR"))]
+        assert [first, second] == [f"{run['p50_ms']:.1f} / {run['p95_ms']:.1f}" for run in runs], mode
+    builds = {"PubMedQA": "pubmedqa", "MedQuAD": "medquad", "combined": "combined", "ICD (lexical)": "icd"}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in tools
+            if line.startswith(tuple(f"| {name} | " for name in builds)) and line.count("|") == 7]
+    assert len(rows) == 4
+    for name, documents, chunks, size, first, rebuild in rows:
+        built, rebuilt = cold["indexes"][builds[name]], cached["indexes"][builds[name]]
+        assert (documents, chunks, size) == (f"{built['n_documents']:,}", f"{built['n_chunks']:,}",
+                                             f"{built['bytes'] / 1e6:.1f} MB"), name
+        assert first.startswith(f"{built['build_seconds']:.1f} s") and rebuild == f"{rebuilt['build_seconds']:.1f} s"
+        if built["embedded"]:
+            assert f"({built['embedded']:,} distinct texts embedded" in first, name
+
+
 def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkeypatch, capsys):
     """`--eval-split all` (the MIMIC-III demo's smoke run: it has no held_out trajectory) scores patients the learned
     systems were fit on; the table and the results file say so, as `dxr evaluate` does."""
