@@ -750,3 +750,29 @@ def test_an_encounter_column_under_another_name_is_named_as_the_one_to_rename(wh
     root = write_tiny_meds(tmp_path / "meds", tiny_events().rename({"encounter_id": column}))
     with pytest.raises(InputError, match=re.escape(f"0.parquet: missing column 'encounter_id' (int64): {fix}")):
         ingest_meds(wh_vocab, root, "meds")
+
+
+@pytest.mark.parametrize("column, written, why", [
+    ("subject_id", "Subject_ID", "column names are case-sensitive"),
+    ("time", "TIME", "column names are case-sensitive"),
+    ("code", " code", "column names keep their spaces")])
+def test_a_shard_column_in_another_case_or_with_spaces_is_named_as_the_one_to_rename(wh_vocab, tmp_path, column,
+                                                                                        written, why):
+    # Was "every MEDS shard needs it", which left the user to spot that the shard has the column under another spelling.
+    root = write_tiny_meds(tmp_path / "meds")
+    pq.write_table(tiny_events().rename({column: written}).to_arrow(), root / "data" / "0.parquet")
+    with pytest.raises(InputError, match=re.escape(f"0.parquet: missing column '{column}' (") + r"[^)]*\): "
+                       + re.escape(f"rename column {written!r} to {column} ({why})") + "$"):
+        ingest_meds(wh_vocab, root, "meds")
+    assert not wh_vocab.has_rows("datasets", dataset_id="meds")
+
+
+@pytest.mark.parametrize("file, column", [("subject_splits.parquet", "subject_id"), ("subject_splits.parquet", "split"),
+                                          ("codes.parquet", "code")])
+def test_a_metadata_column_in_another_case_is_named_as_the_one_to_rename(wh_vocab, tiny_meds, file, column):
+    path = tiny_meds / "metadata" / file
+    pl.read_parquet(path).rename({column: column.upper()}).write_parquet(path)
+    with pytest.raises(InputError, match=re.escape(f"{file}: missing column '{column}' (columns found: ")
+                       + r".*\): " + re.escape(f"rename column '{column.upper()}' to {column} (column names are "
+                                               "case-sensitive)") + "$"):
+        ingest_meds(wh_vocab, tiny_meds, "meds")

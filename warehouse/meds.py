@@ -321,9 +321,10 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                 continue
             if field.name not in shard_schema.names:
                 fix = (_encounter_fix(shard_schema.names) if field.name == "encounter_id"
-                       else "this is the MEDS layout before 0.3; rename patient_id to subject_id (and timestamp to "
-                       "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
-                       else "every MEDS shard needs it")
+                       else _renaming_fix(field.name, shard_schema.names)
+                       or ("this is the MEDS layout before 0.3; rename patient_id to subject_id (and timestamp to "
+                           "time)" if {"patient_id", "timestamp"} & set(shard_schema.names)
+                           else "every MEDS shard needs it"))
                 raise InputError(f"{shard}: missing column '{field.name}' ({field.type}): {fix}")
         if pa.types.is_timestamp(time_type := shard_schema.field("time").type):
             time_types[shard] = time_type
@@ -377,8 +378,9 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         except (pa.ArrowInvalid, OSError) as exc:
             raise _unreadable_optional_file(codes_path, exc) from exc
         if "code" not in code_schema.names:
+            fix = _renaming_fix("code", code_schema.names) or "MEDS code metadata has code, description and parent_codes"
             raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
-                             "MEDS code metadata has code, description and parent_codes")
+                             f"{fix}")
         # A description column may be all-null as pandas writes it (no code described); text may be dictionary-encoded.
         untyped = next((f for f in code_schema if f.name in ("code", "description") and not _holds_text(f.type)
                         and not (f.name == "description" and pa.types.is_null(f.type))), None)
@@ -395,8 +397,9 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             raise _unreadable_optional_file(splits_path, exc) from exc
         missing = [column for column in ("subject_id", "split") if column not in splits.columns]
         if missing:
+            fix = _renaming_fix(missing[0], splits.columns) or "MEDS subject splits have subject_id and split"
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
-                             f"{', '.join(splits.columns)}): MEDS subject splits have subject_id and split")
+                             f"{', '.join(splits.columns)}): {fix}")
         check_splits(splits, splits_path)
     fingerprint, fingerprint_with_paths = _fingerprints(root, shards)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
@@ -406,14 +409,24 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                     fingerprint_with_paths=fingerprint_with_paths)
 
 
+def _renaming_fix(name: str, columns: list[str]) -> str | None:
+    """The fix for a missing column `name` that one of `columns` spells in another case or with spaces around it
+    (`Subject_ID`, `code `, as a CSV header or a spreadsheet export leaves them), else None."""
+    lookalike = next((column for column in columns if column.strip().lower() == name), None)
+    if lookalike is None:
+        return None
+    why = "column names are case-sensitive" if lookalike == lookalike.strip() else "column names keep their spaces"
+    return f"rename column {lookalike!r} to {name} ({why})"
+
+
 def _encounter_fix(columns: list[str]) -> str:
     """How to give a shard without an encounter column one, naming a column of `columns` that may hold it."""
-    lookalike = next((name for name in columns if name.lower() in _ENCOUNTER_LOOKALIKES), None)
+    lookalike = next((name for name in columns if name.strip().lower() in _ENCOUNTER_LOOKALIKES), None)
     if lookalike is None:
         return ("add the hospital encounter (admission) id to every event, as encounter_id or as hadm_id "
                 "(MEDS-Extract's MIMIC-IV layout)")
-    if lookalike.lower() in ("encounter_id", "hadm_id"):
-        return f"rename column '{lookalike}' to {lookalike.lower()} (column names are case-sensitive)"
+    if lookalike.strip().lower() in ("encounter_id", "hadm_id"):
+        return _renaming_fix(lookalike.strip().lower(), columns)
     return (f"the shard has '{lookalike}': when its ids are hospital encounters (admissions), rename it to "
             "encounter_id; when it counts outpatient visits too, write the admission id as encounter_id instead")
 
