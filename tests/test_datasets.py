@@ -776,3 +776,33 @@ def test_a_metadata_column_in_another_case_is_named_as_the_one_to_rename(wh_voca
                        + r".*\): " + re.escape(f"rename column '{column.upper()}' to {column} (column names are "
                                                "case-sensitive)") + "$"):
         ingest_meds(wh_vocab, tiny_meds, "meds")
+
+
+@pytest.mark.parametrize("code, problem", [
+    ("", "code is empty: every MEDS event needs a code"),
+    ("  ", "code is empty: every MEDS event needs a code"),
+    (" DIAGNOSIS//ICD//10//J449", "diagnosis code ' DIAGNOSIS//ICD//10//J449' has spaces around it: write it "
+                                  "'DIAGNOSIS//ICD//10//J449'"),
+    ("DIAGNOSIS//ICD//10//J449 ", "diagnosis code 'DIAGNOSIS//ICD//10//J449 ' has spaces around it: write it "
+                                  "'DIAGNOSIS//ICD//10//J449'"),
+    (" ICD10CM/J44.9", "diagnosis code ' ICD10CM/J44.9' has spaces around it: write it 'ICD10CM/J44.9'")])
+def test_an_empty_code_or_a_diagnosis_with_spaces_around_it_is_refused_naming_the_row(wh_vocab, tmp_path, code,
+                                                                                        problem):
+    # Were taken: '' as a code of its own, ' DIAGNOSIS//…' as no diagnosis at all (or, every diagnosis so written,
+    # "no diagnosis events"), 'DIAGNOSIS//… ' as "unknown code system".
+    events = tiny_events()
+    row = events["code"].to_list().index(dx("J449")) + 1
+    root = write_tiny_meds(tmp_path / "meds", events)
+    pq.write_table(events.with_columns(pl.when(pl.int_range(pl.len()) == row - 1).then(pl.lit(code))
+                                       .otherwise(pl.col("code")).alias("code")).to_arrow(), root / "data" / "0.parquet")
+    with pytest.raises(InputError, match=re.escape(f"0.parquet, row {row}: {problem}") + "$"):
+        ingest_meds(wh_vocab, root, "meds")
+    assert not wh_vocab.meds_dir("meds").exists()
+
+
+def test_a_dictionary_diagnosis_code_with_spaces_around_it_is_refused(wh_vocab, tiny_meds):
+    path = tiny_meds / "metadata" / "codes.parquet"
+    pl.DataFrame({"code": ["LAB//HBA1C//%", dx("J449 ")], "description": ["HbA1c", "COPD"]}).write_parquet(path)
+    with pytest.raises(InputError, match=re.escape(f"codes.parquet, row 2: diagnosis code '{dx('J449 ')}' has spaces "
+                                                   f"around it: write it '{dx('J449')}'") + "$"):
+        ingest_meds(wh_vocab, tiny_meds, "meds")

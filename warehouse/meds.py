@@ -533,12 +533,15 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
     rel = scan()
     # Every event needs a subject and a code, every diagnosis a known code system. The prefix
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
-    is_diagnosis = "code ILIKE 'DIAGNOSIS//%'"
+    # Spaces around a code (a spreadsheet or CSV export's) are no part of it: such a diagnosis would otherwise pass
+    # as a code of no system, or its absence as data without diagnoses.
+    is_diagnosis = "trim(code) ILIKE 'DIAGNOSIS//%'"
     if other_spellings:  # a code naming ICD in another spelling that none of DIAGNOSIS_SPELLINGS matches
-        is_diagnosis = f"({is_diagnosis} OR regexp_matches(code, {duck.literal(_OTHER_DIAGNOSIS_PREFIX)}, 'i'))"
+        is_diagnosis = f"({is_diagnosis} OR regexp_matches(trim(code), {duck.literal(_OTHER_DIAGNOSIS_PREFIX)}, 'i'))"
     problems = {
         "subject_id IS NULL": "subject_id is empty: every MEDS event needs its subject",
-        "code IS NULL": "code is empty: every MEDS event needs a code",
+        # '' (or spaces) is no code either: it would pass into records and vocabularies as one.
+        "code IS NULL OR trim(code) = ''": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
     if float_encounters:  # copied as int64 (`_conform_shard`), so every id must be a whole number
@@ -614,6 +617,8 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
 def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
     """What is wrong with a code under DIAGNOSIS// that `valid` does not match, or one naming ICD in another
     spelling that no pattern of `DIAGNOSIS_SPELLINGS` matches, and the fix."""
+    if code != code.strip():
+        return f"diagnosis code {code!r} has spaces around it: write it {code.strip()!r}"
     if not code.upper().startswith("DIAGNOSIS//"):
         if any(re.match(pattern, code.upper()) for pattern in DIAGNOSIS_SPELLINGS.values()):
             return f"diagnosis code {code!r} is not upper case: write it {code.upper()!r}"
@@ -641,7 +646,7 @@ def _check_dictionary_codes(codes_path: Path, other_spellings: bool) -> None:
     """
     codes = pl.read_parquet(codes_path, columns=["code"]).cast(pl.String).with_row_index("row", offset=1)
     respelled = pl.any_horizontal([pl.col("code").str.contains(pattern) for pattern in DIAGNOSIS_SPELLINGS.values()])
-    wrong = codes.filter(pl.col("code").str.to_uppercase().str.starts_with("DIAGNOSIS//")
+    wrong = codes.filter(pl.col("code").str.strip_chars().str.to_uppercase().str.starts_with("DIAGNOSIS//")
                          & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern)
                          & ~(respelled & pl.lit(other_spellings)))
     if wrong.height:
