@@ -8,6 +8,7 @@ import re
 import polars as pl
 import pytest
 
+from dxr.errors import InputError
 from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, OUT_OF_MEMORY, FailsAt, abandoned_scratch, disk_full_errors, dx,
                             t, tiny_events, write_described_meds, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
@@ -211,8 +212,6 @@ def test_a_dictionary_with_codes_written_unlike_the_data_is_refused(wh_vocab, tm
     # matched it, so every forecast came out empty without an error. Its codes are held to the data's rules.
     from meds import code_metadata_filepath
 
-    from dxr.errors import InputError
-
     for name, written, problem in (
             ("lower", "DIAGNOSIS//ICD//10//i5022",
              r"diagnosis code 'DIAGNOSIS//ICD//10//i5022' is not upper case: write it 'DIAGNOSIS//ICD//10//I5022'"),
@@ -400,8 +399,6 @@ def test_a_name_being_rebuilt_is_not_answered_by_an_older_cohort_of_that_name(wh
 
 
 def test_unknown_options_fail_with_the_fix():
-    from dxr.errors import InputError
-
     with pytest.raises(InputError, match="unknown harmonization 'icd11': use one of native, icd10, category"):
         CohortOptions(harmonize="icd11")
 
@@ -524,3 +521,30 @@ def test_a_build_removes_the_spill_directory_a_killed_build_of_another_cohort_le
     (killed / "duckdb_temp_storage-0.tmp").write_bytes(b"spilled rows")
     build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     assert not [p.name for p in wh_vocab.gold_dir.iterdir() if p.name.startswith(".cohort-build-")]
+
+
+@pytest.mark.parametrize("change, min_history, why", [
+    ("none", 3, "dataset 'tiny' yields no trajectory with --min-history 3: no patient has that many earlier encounters "
+                "with diagnoses coded before the target encounter began (at most 2); lower --min-history to 2"),
+    # Both were told to lower --min-history, also at 0.
+    ("no splits", 0, "dataset 'tiny' yields no trajectory: none of the patients with encounters is listed in its "
+                     "metadata/subject_splits.parquet, and a patient it does not list is in no cohort: give them a split "
+                     "(train, tuning or held_out) there, or leave the file out for the seeded hash split, and ingest "
+                     "the dataset again"),
+    ("diagnoses outside encounters", 0,
+     "dataset 'tiny' yields no trajectory: no encounter has a diagnosis (a target is the diagnoses coded in one "
+     "encounter, so a diagnosis needs the encounter_id of its admission, and the encounter a dated event): give "
+     "diagnoses their encounter_id and ingest the dataset again")])
+def test_a_build_without_trajectories_names_the_cause(wh_vocab, tmp_path, change, min_history, why):
+    events = tiny_events()
+    if change == "diagnoses outside encounters":
+        events = events.with_columns(pl.when(pl.col("code").str.starts_with("DIAGNOSIS//")).then(None)
+                                     .otherwise(pl.col("encounter_id")).alias("encounter_id"))
+    root = write_tiny_meds(tmp_path / "meds", events)
+    if change == "no splits":
+        splits = root / "metadata" / "subject_splits.parquet"
+        pl.read_parquet(splits).head(0).write_parquet(splits)
+    ingest_meds(wh_vocab, root, "tiny")
+    with pytest.raises(InputError, match=f"^{re.escape(why)}$"):
+        build_cohort(wh_vocab, "tiny", "none", CohortOptions(min_history=min_history), seed=7)
+    assert wh_vocab.read("cohorts").is_empty()

@@ -273,6 +273,31 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
                                  oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
 
 
+def _why_no_trajectory(con, dataset_id: str, options: CohortOptions, target_filter: str) -> str:
+    """Why a build's tables (`_write_cohort`'s) hold no trajectory, and the fix.
+
+    "Lower --min-history" alone misled when the cause lay elsewhere: it was the advice at --min-history 0 too, for a
+    dataset whose split file lists none of its patients or whose diagnoses carry no encounter."""
+    start = f"dataset {dataset_id!r} yields no trajectory"
+    [(n_encounters, n_listed, most)] = con.execute(f"""
+        SELECT (SELECT count(*) FROM ordered),
+               (SELECT count(*) FROM ordered JOIN splits_frame USING (subject_id)),
+               (SELECT max(n_prior) FROM counted JOIN splits_frame USING (subject_id) WHERE {target_filter})""").fetchall()
+    if not n_encounters:
+        return (f"{start}: no encounter has a diagnosis (a target is the diagnoses coded in one encounter, so a "
+                "diagnosis needs the encounter_id of its admission, and the encounter a dated event): give diagnoses "
+                "their encounter_id and ingest the dataset again")
+    if not n_listed:
+        return (f"{start}: none of the patients with encounters is listed in its metadata/subject_splits.parquet, and a "
+                "patient it does not list is in no cohort: give them a split (train, tuning or held_out) there, or "
+                "leave the file out for the seeded hash split, and ingest the dataset again")
+    if most < options.min_history:
+        return (f"{start} with --min-history {options.min_history}: no patient has that many earlier encounters with "
+                f"diagnoses coded before the target encounter began (at most {most}); lower --min-history to {most}")
+    return (f"{start}: no target encounter keeps a diagnosis code under --harmonize {options.harmonize} (their codes "
+            "have no rendering there): build with --harmonize native")
+
+
 def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions, *,
                   seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
     """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
@@ -361,9 +386,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             WHERE '{cohort_id}:' || subject_id || ':' || encounter_id IN (SELECT trajectory_id FROM target_codes)
             ORDER BY subject_id, cutoff_time, target_encounter_id""")
         if trajectories.is_empty():
-            raise InputError(f"dataset {dataset_id!r} yields no trajectory with --min-history {options.min_history}: "
-                             "patients need that many earlier encounters with diagnoses coded before the target "
-                             "encounter began; lower --min-history")
+            raise InputError(_why_no_trajectory(con, dataset_id, options, target_filter))
         trajectories = assign_shards(trajectories, shard_size)
         con.register("traj", trajectories.to_arrow())
         steps.update()
