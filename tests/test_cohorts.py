@@ -528,9 +528,9 @@ def test_a_build_removes_the_spill_directory_a_killed_build_of_another_cohort_le
                 "with diagnoses coded before the target encounter began (at most 2); lower --min-history to 2"),
     # Both were told to lower --min-history, also at 0.
     ("no splits", 0, "dataset 'tiny' yields no trajectory: none of the patients with encounters is listed in its "
-                     "metadata/subject_splits.parquet, and a patient it does not list is in no cohort: give them a split "
-                     "(train, tuning or held_out) there, or leave the file out for the seeded hash split, and ingest "
-                     "the dataset again"),
+                     "metadata/subject_splits.parquet, and a patient it does not list is in no cohort: give them a "
+                     "split (train, tuning or held_out) there, or leave the file out for the seeded hash split, and "
+                     "ingest the dataset again"),
     ("diagnoses outside encounters", 0,
      "dataset 'tiny' yields no trajectory: no encounter has a diagnosis (a target is the diagnoses coded in one "
      "encounter, so a diagnosis needs the encounter_id of its admission, and the encounter a dated event): give "

@@ -793,8 +793,9 @@ def test_an_empty_code_or_a_diagnosis_with_spaces_around_it_is_refused_naming_th
     events = tiny_events()
     row = events["code"].to_list().index(dx("J449")) + 1
     root = write_tiny_meds(tmp_path / "meds", events)
-    pq.write_table(events.with_columns(pl.when(pl.int_range(pl.len()) == row - 1).then(pl.lit(code))
-                                       .otherwise(pl.col("code")).alias("code")).to_arrow(), root / "data" / "0.parquet")
+    written = events.with_columns(pl.when(pl.int_range(pl.len()) == row - 1).then(pl.lit(code))
+                                  .otherwise(pl.col("code")).alias("code"))
+    pq.write_table(written.to_arrow(), root / "data" / "0.parquet")
     with pytest.raises(InputError, match=re.escape(f"0.parquet, row {row}: {problem}") + "$"):
         ingest_meds(wh_vocab, root, "meds")
     assert not wh_vocab.meds_dir("meds").exists()
@@ -806,3 +807,25 @@ def test_a_dictionary_diagnosis_code_with_spaces_around_it_is_refused(wh_vocab, 
     with pytest.raises(InputError, match=re.escape(f"codes.parquet, row 2: diagnosis code '{dx('J449 ')}' has spaces "
                                                    f"around it: write it '{dx('J449')}'") + "$"):
         ingest_meds(wh_vocab, tiny_meds, "meds")
+
+
+def test_ingest_says_how_many_patients_its_split_file_leaves_out(tmp_path):
+    # Such patients are in no cohort; the ingest said nothing, so a split file listing none of them passed
+    # unnoticed until a cohort build found no trajectory.
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    root = write_tiny_meds(tmp_path / "meds")
+    splits = root / "metadata" / "subject_splits.parquet"
+    pl.read_parquet(splits).filter(pl.col("subject_id") != 3).write_parquet(splits)
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
+                                       "--name", "tiny"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (f"note: 1 of the {len(SPLITS)} patients are not in metadata/subject_splits.parquet: they are left out of "
+            "every cohort (neither trained on nor forecast); give them a split there, or leave the file out for the "
+            "seeded hash split") in result.output
+    write_tiny_meds(root)  # every patient listed: no note
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
+                                       "--name", "tiny"], catch_exceptions=False)
+    assert result.exit_code == 0 and "subject_splits.parquet" not in result.output, result.output

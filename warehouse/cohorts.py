@@ -279,18 +279,18 @@ def _why_no_trajectory(con, dataset_id: str, options: CohortOptions, target_filt
     "Lower --min-history" alone misled when the cause lay elsewhere: it was the advice at --min-history 0 too, for a
     dataset whose split file lists none of its patients or whose diagnoses carry no encounter."""
     start = f"dataset {dataset_id!r} yields no trajectory"
-    [(n_encounters, n_listed, most)] = con.execute(f"""
-        SELECT (SELECT count(*) FROM ordered),
-               (SELECT count(*) FROM ordered JOIN splits_frame USING (subject_id)),
-               (SELECT max(n_prior) FROM counted JOIN splits_frame USING (subject_id) WHERE {target_filter})""").fetchall()
+    counts = f"""SELECT (SELECT count(*) FROM ordered),
+                        (SELECT count(*) FROM ordered JOIN splits_frame USING (subject_id)),
+                        (SELECT max(n_prior) FROM counted JOIN splits_frame USING (subject_id) WHERE {target_filter})"""
+    [(n_encounters, n_listed, most)] = con.execute(counts).fetchall()
     if not n_encounters:
         return (f"{start}: no encounter has a diagnosis (a target is the diagnoses coded in one encounter, so a "
                 "diagnosis needs the encounter_id of its admission, and the encounter a dated event): give diagnoses "
                 "their encounter_id and ingest the dataset again")
     if not n_listed:
-        return (f"{start}: none of the patients with encounters is listed in its metadata/subject_splits.parquet, and a "
-                "patient it does not list is in no cohort: give them a split (train, tuning or held_out) there, or "
-                "leave the file out for the seeded hash split, and ingest the dataset again")
+        return (f"{start}: none of the patients with encounters is listed in its metadata/subject_splits.parquet, "
+                "and a patient it does not list is in no cohort: give them a split (train, tuning or held_out) there, "
+                "or leave the file out for the seeded hash split, and ingest the dataset again")
     if most < options.min_history:
         return (f"{start} with --min-history {options.min_history}: no patient has that many earlier encounters with "
                 f"diagnoses coded before the target encounter began (at most {most}); lower --min-history to {most}")

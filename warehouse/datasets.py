@@ -63,7 +63,8 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
         "time_zone": time_zone, "utc_offset": utc_offset,
     }
     wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)
-    return {**row, "n_diagnoses_without_encounter": info.n_diagnoses_without_encounter}
+    return {**row, "n_diagnoses_without_encounter": info.n_diagnoses_without_encounter,
+            "n_subjects_without_split": info.n_subjects_without_split}
 
 
 def writing_dataset(wh: Warehouse, dataset_id: str):

@@ -238,6 +238,8 @@ class MedsInfo:
     fingerprint: str
     # Diagnoses coded outside any encounter (outpatient, problem lists): history only, never a target.
     n_diagnoses_without_encounter: int = 0
+    # Subjects of data/ that the dataset's own subject_splits.parquet does not list: in no cohort (`read_splits`).
+    n_subjects_without_split: int = 0
     encounter_column: str = "encounter_id"  # or an alias (ENCOUNTER_ALIASES) that ingest copies into encounter_id
     # The time zones that the shards' times are in ('UTC', '-05:00', 'Asia/Tokyo'; '' when none) and their one UTC
     # offset (None when none), whose wall-clock times ingest keeps (`_time_zone`).
@@ -378,7 +380,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         except (pa.ArrowInvalid, OSError) as exc:
             raise _unreadable_optional_file(codes_path, exc) from exc
         if "code" not in code_schema.names:
-            fix = _renaming_fix("code", code_schema.names) or "MEDS code metadata has code, description and parent_codes"
+            fix = (_renaming_fix("code", code_schema.names)
+                   or "MEDS code metadata has code, description and parent_codes")
             raise InputError(f"{codes_path}: missing column 'code' (columns found: {', '.join(code_schema.names)}): "
                              f"{fix}")
         # A description column may be all-null as pandas writes it (no code described); text may be dictionary-encoded.
@@ -389,6 +392,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                              "MEDS code metadata holds codes and descriptions as strings")
         _check_dictionary_codes(codes_path, other_spellings)
     splits_path = root / meds.subject_splits_filepath
+    n_unsplit = 0
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
         try:
@@ -401,10 +405,17 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
                              f"{', '.join(splits.columns)}): {fix}")
         check_splits(splits, splits_path)
+        # Told at ingest, where the file can still be fixed, and not first by a cohort build that leaves them out.
+        with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
+            con.register("listed", splits.select("subject_id").to_arrow())
+            shards_glob = duck.literal(str(data_dir / "**" / "*.parquet"))
+            [(n_unsplit,)] = con.execute(f"SELECT count(DISTINCT subject_id) FROM read_parquet({shards_glob}, "
+                                         "union_by_name=true) ANTI JOIN listed USING (subject_id)").fetchall()
     fingerprint, fingerprint_with_paths = _fingerprints(root, shards)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=fingerprint,
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps,
+                    n_subjects_without_split=n_unsplit,
                     time_zone=time_zone, utc_offset=offset, respelled=respelled,
                     fingerprint_with_paths=fingerprint_with_paths)
 

@@ -156,6 +156,10 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     if row["n_diagnoses_without_encounter"]:
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")
+    if row["n_subjects_without_split"]:
+        click.echo(f"note: {row['n_subjects_without_split']:,} of the {row['n_subjects']:,} patients are not in "
+                   "metadata/subject_splits.parquet: they are left out of every cohort (neither trained on nor "
+                   "forecast); give them a split there, or leave the file out for the seeded hash split")
     echo_refresh_note(wh, name)
 
 
