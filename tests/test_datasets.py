@@ -822,8 +822,8 @@ def test_ingest_says_how_many_patients_its_split_file_leaves_out(tmp_path):
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
                                        "--name", "tiny"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert (f"note: 1 of the {len(SPLITS)} patients are not in metadata/subject_splits.parquet: they are left out of "
-            "every cohort (neither trained on nor forecast); give them a split there, or leave the file out for the "
+    assert (f"note: 1 of the {len(SPLITS)} patients is not in metadata/subject_splits.parquet: it is left out of "
+            "every cohort (neither trained on nor forecast); give each a split there, or leave the file out for the "
             "seeded hash split") in result.output
     write_tiny_meds(root)  # every patient listed: no note
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),

@@ -157,9 +157,11 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")
     if row["n_subjects_without_split"]:
-        click.echo(f"note: {row['n_subjects_without_split']:,} of the {row['n_subjects']:,} patients are not in "
-                   "metadata/subject_splits.parquet: they are left out of every cohort (neither trained on nor "
-                   "forecast); give them a split there, or leave the file out for the seeded hash split")
+        n = row["n_subjects_without_split"]
+        they = "they are" if n > 1 else "it is"
+        click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {'are' if n > 1 else 'is'} not in "
+                   f"metadata/subject_splits.parquet: {they} left out of every cohort (neither trained on nor "
+                   "forecast); give each a split there, or leave the file out for the seeded hash split")
     echo_refresh_note(wh, name)
 
 
