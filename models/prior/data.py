@@ -42,6 +42,7 @@ from warehouse.cohorts import CLINICAL_PREFIXES, clinical_sql, encounter_starts_
 TOKEN_PREFIXES = ("DIAGNOSIS//", "PROCEDURE//", "MEDICATION//")  # kept in this order within a visit
 LAB_PREFIX = "LAB//"  # lab value tokens come last
 LAB_QUANTILES = (0.2, 0.4, 0.6, 0.8)
+MICROSECONDS_PER_DAY = 86_400_000_000
 PAD, UNKNOWN = 0, 1
 
 
@@ -175,15 +176,17 @@ def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
     A real export may lack the birth of some patients: at age 0 they would look like newborns, far from
     every adult the network learned from; at the mean they look like a typical patient.
     """
-    [(mean,)] = con.execute("""
+    # The ages are summed as whole microseconds: exact, so the mean is the same bits whatever order DuckDB's threads
+    # add them in (a sum of float ages was not, and a retraining on the same data got another `age_fill`).
+    [(total_us, visits)] = con.execute("""
         WITH births AS (SELECT subject_id, min(time) AS birth FROM train_events
                         WHERE cohort_id = ? AND code = 'MEDS_BIRTH' GROUP BY subject_id),
              visits AS (SELECT subject_id, min(time) AS start FROM train_events
                         WHERE cohort_id = ? AND encounter_id IS NOT NULL GROUP BY subject_id, encounter_id
                         HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL)
-        SELECT avg((epoch(start) - epoch(birth)) / 86400 / 365.25) FROM visits JOIN births USING (subject_id)""",
+        SELECT sum(epoch_us(start) - epoch_us(birth))::HUGEINT, count(*) FROM visits JOIN births USING (subject_id)""",
         [cohort_id, cohort_id]).fetchall()
-    return 0.0 if mean is None else float(mean)
+    return 0.0 if not visits else int(total_us) / visits / MICROSECONDS_PER_DAY / 365.25
 
 
 def lab_value_tokens(labs: pl.DataFrame, lab_cuts: dict[str, list[float]],
