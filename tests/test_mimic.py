@@ -745,6 +745,20 @@ def test_a_prescription_without_hadm_id_belongs_to_the_admission_whose_stay_hold
     assert line.split()[-1] == "2", line
 
 
+def test_an_order_in_two_stays_admitted_at_one_time_goes_to_the_larger_hadm_id(tmp_path):
+    # The latest admitted stay claims an untagged order; between two admitted at the same second the pick was
+    # whichever DuckDB's aggregate met last.
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "admissions", lambda lines: lines + [
+        "10000001,20000009,2150-03-01 08:00:00,2150-03-04 14:00:00,,EW EMER.,P00001,EMERGENCY ROOM,HOME,Medicare,"
+        "ENGLISH,MARRIED,WHITE,,,0"])
+    order = "10000001,,1009,10000001-19,19,P00001,2150-03-02 10:00:00,,MAIN,Ceftriaxone,,,,,,1,g,1,VIAL,1,IV"
+    edit_table(hosp, "prescriptions", lambda lines: lines + [order])
+    import_mimic4(hosp, tmp_path / "meds", seed=SEED)
+    ceftriaxone = read_meds(tmp_path / "meds").filter(pl.col("code") == "MEDICATION//NAME//ceftriaxone")
+    assert ceftriaxone["encounter_id"].to_list() == [20000009]
+
+
 def test_mimic3_files_given_to_the_mimic4_importer_say_which_command_to_use(tmp_path):
     src = shared_data("mimic-iii-demo")
     with pytest.raises(InputError, match=r"PATIENTS.csv: missing column 'anchor_age' .*: this file has the "

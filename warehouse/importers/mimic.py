@@ -217,9 +217,10 @@ MIMIC4 = Layout(
 
 def _stay_sql(view: str, rows: str, time: str) -> str:
     """`view(src_row, hadm_id)`: for each row of `rows` without an hadm_id, the admission of its subject whose stay,
-    from `edregtime` (else `admittime`) to `dischtime`, holds its `time`; the latest admitted when stays overlap."""
+    from `edregtime` (else `admittime`) to `dischtime`, holds its `time`; the latest admitted when stays overlap (the
+    larger hadm_id of two admitted at one time, so that every import picks the same)."""
     return f"""CREATE VIEW {view} AS
-SELECT r.src_row, arg_max(a.hadm_id, a.admittime) AS hadm_id
+SELECT r.src_row, arg_max(a.hadm_id, (a.admittime, a.hadm_id)) AS hadm_id
 FROM {rows} r JOIN adm a ON a.subject_id = r.subject_id
      AND r.{time} >= least(coalesce(a.edregtime, a.admittime), a.admittime)
      AND r.{time} <= greatest(coalesce(a.dischtime, a.admittime), a.admittime)
@@ -291,7 +292,7 @@ px_unique AS (
     FROM px WHERE nullif(trim(icd_code), '') IS NOT NULL AND hadm_id IN (SELECT hadm_id FROM adm) GROUP BY ALL
 ),
 in_hospital_death AS (
-    SELECT subject_id, max(deathtime) AS deathtime, arg_max(hadm_id, deathtime) AS hadm_id
+    SELECT subject_id, max(deathtime) AS deathtime, arg_max(hadm_id, (deathtime, hadm_id)) AS hadm_id
     FROM adm WHERE deathtime IS NOT NULL GROUP BY ALL
 ),
 death AS (
