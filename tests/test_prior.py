@@ -425,6 +425,25 @@ def test_the_mean_age_of_train_visits_is_the_same_bits_whatever_order_duckdbs_th
     assert ages.pop() == pytest.approx(sum(ages_us) / len(ages_us) / 86_400_000_000 / 365.25, rel=1e-12)
 
 
+def test_an_undated_birth_leaves_its_patients_visits_out_of_the_mean_age():
+    # visit_tensors gives a visit whose birth has no time the fill age, as one without a MEDS_BIRTH: such visits are
+    # no ages to average. Counted with a NULL sum they dragged the mean towards 0, or failed on an all-NULL sum.
+    def train(birth_times):
+        births = pl.DataFrame({"subject_id": [1, 2], "encounter_id": [None, None], "code": "MEDS_BIRTH",
+                               "time": birth_times}, schema_overrides={"encounter_id": pl.Int64,
+                                                                      "time": pl.Datetime("us")})
+        visits = pl.DataFrame({"subject_id": [1, 2], "encounter_id": [10, 20], "code": dx("X"),
+                               "time": [dt.datetime(2020, 1, 1), dt.datetime(2020, 1, 1)]},
+                              schema_overrides={"time": pl.Datetime("us")})
+        con = duckdb.connect()
+        con.register("train_events", pl.concat([births, visits]).with_columns(cohort_id=pl.lit("c")).to_arrow())
+        return prior_data.mean_visit_age(con, "c")
+
+    one_dated = train([dt.datetime(1950, 1, 1), None])
+    assert one_dated == pytest.approx((dt.datetime(2020, 1, 1) - dt.datetime(1950, 1, 1)).days / 365.25, rel=1e-12)
+    assert train([None, None]) == 0.0
+
+
 def test_static_codes_become_per_record_ids():
     t = dt.datetime(2020, 1, 1)
     events = pl.DataFrame({

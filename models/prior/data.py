@@ -177,14 +177,16 @@ def mean_visit_age(con: duckdb.DuckDBPyConnection, cohort_id: str) -> float:
     every adult the network learned from; at the mean they look like a typical patient.
     """
     # The ages are summed as whole microseconds: exact, so the mean is the same bits whatever order DuckDB's threads
-    # add them in (a sum of float ages was not, and a retraining on the same data got another `age_fill`).
+    # add them in (a sum of float ages was not, and a retraining on the same data got another `age_fill`). A birth
+    # without a time gives no age (`visit_tensors` fills its visits' as a missing birth's), so it is not counted.
     [(total_us, visits)] = con.execute("""
         WITH births AS (SELECT subject_id, min(time) AS birth FROM train_events
                         WHERE cohort_id = ? AND code = 'MEDS_BIRTH' GROUP BY subject_id),
              visits AS (SELECT subject_id, min(time) AS start FROM train_events
                         WHERE cohort_id = ? AND encounter_id IS NOT NULL GROUP BY subject_id, encounter_id
                         HAVING bool_or(code LIKE 'DIAGNOSIS//%') AND min(time) IS NOT NULL)
-        SELECT sum(epoch_us(start) - epoch_us(birth))::HUGEINT, count(*) FROM visits JOIN births USING (subject_id)""",
+        SELECT sum(epoch_us(start) - epoch_us(birth))::HUGEINT, count(birth)
+        FROM visits JOIN births USING (subject_id)""",
         [cohort_id, cohort_id]).fetchall()
     return 0.0 if not visits else int(total_us) / visits / MICROSECONDS_PER_DAY / 365.25
 
