@@ -143,7 +143,8 @@ TABLES: dict[str, Table] = {
         }, ["cohort_id"], "Full records of `train` patients (diagnosis codes harmonized as the cohort's), at "
            "the dataset's wall-clock times as in `pretarget_events`. "
            "`time` and `encounter_id` are null where the dataset's event has none, as in `pretarget_events`; with "
-           "no cutoff to apply, every such event is here, undated diagnoses outside any encounter included.",
+           "no cutoff to apply, every such event is here, the undated clinical events outside any encounter and those "
+           "of encounters never dated included.",
            nullable=["time", "numeric_value", "text_value", "encounter_id"]),
         # ---- runs and forecasts ---------------------------------------------------------------
         _t("runs", FORECAST, {
