@@ -219,7 +219,8 @@ def test_sanitizer_leaves_no_word_that_served_only_what_it_removed(query, left, 
     assert (clean.text, clean.removed) == (left, removed)
 
 
-# An age over 89 identifies as a date does (HIPAA's safe harbour): it is kept as "90+"; other numbers near age words stay.
+# An age over 89 identifies as a date does (HIPAA's safe harbour): it is kept as "90+"; other numbers near age words
+# stay.
 AGES = [
     ("93-year-old man with sepsis", "90+-year-old man with sepsis", [("age", "93")]),
     ("aged 95 with heart failure", "aged 90+ with heart failure", [("age", "95")]),
