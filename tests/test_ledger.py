@@ -231,6 +231,9 @@ AGES = [
     ("94yo M fall", "90+yo M fall", [("age", "94")]),
     ("95y/o F, 96-yo M, 97yr old", "90+y/o F, 90+-yo M, 90+yr old", [("age", "95"), ("age", "96"), ("age", "97")]),
     ("990yo 195yo", "990yo 195yo", []),
+    # Spaced labels, and a "+" already written, which stays one.
+    ("age = 95 CKD, age : 96 CKD", "age 90+ CKD, age 90+ CKD", [("age", "95"), ("age", "96")]),
+    ("age 95+ fall, 96+ yo", "age 90+ fall, 90+ yo", [("age", "95+"), ("age", "96+")]),
     ("MRN 12345 94 years old on 3/14/2019", "90+ years old",
      [("identifier", "MRN 12345"), ("date", "3/14/2019"), ("age", "94")]),
     ("89-year-old man", "89-year-old man", []),

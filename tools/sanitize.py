@@ -101,10 +101,13 @@ _PATTERNS: list[tuple[str, re.Pattern]] = [
 # look-behinds read single spaces, which the text has when this runs. Before a unit the number needs no word boundary:
 # notes write "94yo", "94y/o" and "94yr old" as often as "94 yo".
 _OLD_AGE = r"(?:9\d|1[0-4]\d)"
+# A "+" already written after the age goes with it ("age 95+" -> "age 90+").
+_AGE_LABELS = "|".join(rf"(?<=\b{label})" for label in ("age ", "aged ", "age:", "age: ", "age :", "age : ", "age=",
+                                                        "age= ", "age =", "age = "))
 _AGES_OVER_89 = re.compile(
-    rf"(?:(?<=\bage )|(?<=\baged )|(?<=\bage:)|(?<=\bage: )|(?<=\bage=)){_OLD_AGE}\b"
+    rf"(?:{_AGE_LABELS}){_OLD_AGE}\b\+?"
     r"(?!\.\d|\s*(?:%|-?\s*(?:days?|d|weeks?|wks?|w|months?|mos?|m|hours?|hrs?|h)\b))"
-    rf"|\b{_OLD_AGE}(?=\s*-?\s*(?:years?|yrs?|y)\s*-?\s*old\b|\s*-?\s*(?:yo|y/o|y\.o\.?)(?![\w/])"
+    rf"|\b{_OLD_AGE}\+?(?=\s*-?\s*(?:years?|yrs?|y)\s*-?\s*old\b|\s*-?\s*(?:yo|y/o|y\.o\.?)(?![\w/])"
     r"|\s*-?\s*years?\s+of\s+age\b)", re.I)
 # What a removal can leave behind between words: a lone colon, slash, hyphen or dash, "at" sign or ampersand.
 _LEFTOVER = re.compile(r"[-/.,;:#=@&–—]+")
