@@ -781,11 +781,14 @@ def test_a_metadata_column_in_another_case_is_named_as_the_one_to_rename(wh_voca
 @pytest.mark.parametrize("code, problem", [
     ("", "code is empty: every MEDS event needs a code"),
     ("  ", "code is empty: every MEDS event needs a code"),
-    (" DIAGNOSIS//ICD//10//J449", "diagnosis code ' DIAGNOSIS//ICD//10//J449' has spaces around it: write it "
+    ("\t", "code is empty: every MEDS event needs a code"),
+    ("DIAGNOSIS//ICD//10//J449\t", "diagnosis code 'DIAGNOSIS//ICD//10//J449\\t' has white space around it: write it "
+     "'DIAGNOSIS//ICD//10//J449'"),
+    (" DIAGNOSIS//ICD//10//J449", "diagnosis code ' DIAGNOSIS//ICD//10//J449' has white space around it: write it "
                                   "'DIAGNOSIS//ICD//10//J449'"),
-    ("DIAGNOSIS//ICD//10//J449 ", "diagnosis code 'DIAGNOSIS//ICD//10//J449 ' has spaces around it: write it "
+    ("DIAGNOSIS//ICD//10//J449 ", "diagnosis code 'DIAGNOSIS//ICD//10//J449 ' has white space around it: write it "
                                   "'DIAGNOSIS//ICD//10//J449'"),
-    (" ICD10CM/J44.9", "diagnosis code ' ICD10CM/J44.9' has spaces around it: write it 'ICD10CM/J44.9'")])
+    (" ICD10CM/J44.9", "diagnosis code ' ICD10CM/J44.9' has white space around it: write it 'ICD10CM/J44.9'")])
 def test_an_empty_code_or_a_diagnosis_with_spaces_around_it_is_refused_naming_the_row(wh_vocab, tmp_path, code,
                                                                                         problem):
     # Were taken: '' as a code of its own, ' DIAGNOSIS//…' as no diagnosis at all (or, every diagnosis so written,
@@ -804,8 +807,8 @@ def test_an_empty_code_or_a_diagnosis_with_spaces_around_it_is_refused_naming_th
 def test_a_dictionary_diagnosis_code_with_spaces_around_it_is_refused(wh_vocab, tiny_meds):
     path = tiny_meds / "metadata" / "codes.parquet"
     pl.DataFrame({"code": ["LAB//HBA1C//%", dx("J449 ")], "description": ["HbA1c", "COPD"]}).write_parquet(path)
-    with pytest.raises(InputError, match=re.escape(f"codes.parquet, row 2: diagnosis code '{dx('J449 ')}' has spaces "
-                                                   f"around it: write it '{dx('J449')}'") + "$"):
+    with pytest.raises(InputError, match=re.escape(f"codes.parquet, row 2: diagnosis code '{dx('J449 ')}' has white "
+                                                   f"space around it: write it '{dx('J449')}'") + "$"):
         ingest_meds(wh_vocab, tiny_meds, "meds")
 
 

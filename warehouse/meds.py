@@ -546,13 +546,15 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
     # test ignores case: codes are case-sensitive, so 'diagnosis//…' would otherwise pass as some other code.
     # Spaces around a code (a spreadsheet or CSV export's) are no part of it: such a diagnosis would otherwise pass
     # as a code of no system, or its absence as data without diagnoses.
-    is_diagnosis = "trim(code) ILIKE 'DIAGNOSIS//%'"
+    # DuckDB's one-argument trim() strips spaces only; tabs and line breaks are as little part of a code.
+    trimmed = "trim(code, ' ' || chr(9) || chr(10) || chr(13))"
+    is_diagnosis = f"{trimmed} ILIKE 'DIAGNOSIS//%'"
     if other_spellings:  # a code naming ICD in another spelling that none of DIAGNOSIS_SPELLINGS matches
-        is_diagnosis = f"({is_diagnosis} OR regexp_matches(trim(code), {duck.literal(_OTHER_DIAGNOSIS_PREFIX)}, 'i'))"
+        is_diagnosis = f"({is_diagnosis} OR regexp_matches({trimmed}, {duck.literal(_OTHER_DIAGNOSIS_PREFIX)}, 'i'))"
     problems = {
         "subject_id IS NULL": "subject_id is empty: every MEDS event needs its subject",
-        # '' (or spaces) is no code either: it would pass into records and vocabularies as one.
-        "code IS NULL OR trim(code) = ''": "code is empty: every MEDS event needs a code",
+        # '' (or white space) is no code either: it would pass into records and vocabularies as one.
+        f"code IS NULL OR {trimmed} = ''": "code is empty: every MEDS event needs a code",
         f"{is_diagnosis} AND NOT regexp_full_match(code, '{_DIAGNOSIS_CODE.pattern[1:-1]}')": None,
     }
     if float_encounters:  # copied as int64 (`_conform_shard`), so every id must be a whole number
@@ -629,7 +631,7 @@ def _diagnosis_code_problem(code: str, valid: re.Pattern) -> str:
     """What is wrong with a code under DIAGNOSIS// that `valid` does not match, or one naming ICD in another
     spelling that no pattern of `DIAGNOSIS_SPELLINGS` matches, and the fix."""
     if code != code.strip():
-        return f"diagnosis code {code!r} has spaces around it: write it {code.strip()!r}"
+        return f"diagnosis code {code!r} has white space around it: write it {code.strip()!r}"
     if not code.upper().startswith("DIAGNOSIS//"):
         if any(re.match(pattern, code.upper()) for pattern in DIAGNOSIS_SPELLINGS.values()):
             return f"diagnosis code {code!r} is not upper case: write it {code.upper()!r}"
