@@ -158,10 +158,10 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
                    "in patients' histories but never form or join a target encounter")
     if row["n_subjects_without_split"]:
         n = row["n_subjects_without_split"]
-        they = "they are" if n > 1 else "it is"
-        click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {'are' if n > 1 else 'is'} not in "
-                   f"metadata/subject_splits.parquet: {they} left out of every cohort (neither trained on nor "
-                   "forecast); give each a split there, or leave the file out for the seeded hash split")
+        are, they_are = ("are", "they are") if n > 1 else ("is", "it is")
+        click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {are} not in metadata/subject_splits.parquet: "
+                   f"{they_are} left out of every cohort (neither trained on nor forecast); give each a split there, "
+                   "or leave the file out for the seeded hash split")
     echo_refresh_note(wh, name)
 
 
