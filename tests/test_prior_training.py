@@ -251,6 +251,27 @@ def test_a_later_forecast_with_the_same_model_version_reads_the_prediction_cache
     assert not cached_forecast_shard(wh, challenger, trajectories, pretarget, k, "cache-5", cohort, 0)[2]
 
 
+def test_a_forecast_at_another_torch_thread_count_predicts_anew_and_is_cached_under_that_count(trained):
+    wh, cohort, _, _ = trained
+    trajectories, pretarget = shard_inputs(wh, cohort, 0, "all")
+    forecaster = RegisteredPrior()
+    forecaster.fit(wh.connect(), cohort)
+    k = 13  # a K no other test forecasts with: the first call below cannot find its key
+    fitted_threads = torch.get_num_threads()
+    assert not cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "threads-1", cohort, 0)[2]
+    assert cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "threads-2", cohort, 0)[2]
+    # Scores summed over another number of threads round otherwise: those lists are not the cached ones.
+    torch.set_num_threads(fitted_threads + 1)
+    try:
+        assert not cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "threads-3", cohort, 0)[2]
+        assert cached_forecast_shard(wh, forecaster, trajectories, pretarget, k, "threads-4", cohort, 0)[2]
+    finally:
+        torch.set_num_threads(fitted_threads)
+    keys = wh.read("prediction_cache", system="ehr_prior").filter(pl.col("key_json").str.contains('"k": 13'))
+    assert sorted(json.loads(key)["inference_threads"] for key in keys["key_json"].unique()) == [
+        fitted_threads, fitted_threads + 1]
+
+
 def test_no_held_out_or_tuning_target_reaches_training(trained):
     wh, cohort, _, _ = trained
     data = PriorDataModule(wh.connect(), cohort, PriorConfig(**TINY))

@@ -197,8 +197,9 @@ TABLES: dict[str, Table] = {
             "rank": pa.int32(), "code": pa.string(), "score": pa.float64(), "native": pa.bool_(),
         }, ["system", "cache_key"], "Ranked lists of a registered model over one shard's trajectories, reused by "
            "any later forecast with the same key. `key_json` holds the key's inputs: system, registered model "
-           "version and MLflow run, cohort, shard, K, code version, and SHA-256 digests of the trajectory ids "
-           "and of the shard's pre-target file. Safe to delete at any time (it is only recomputed)."),
+           "version and MLflow run, cohort, shard, K, code version, the torch threads that predicted (scores "
+           "summed over other threads round otherwise), and SHA-256 digests of the trajectory ids and of the "
+           "shard's pre-target file. Safe to delete at any time (it is only recomputed)."),
         _t("ranking_status", FORECAST, {
             "run_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(), "status": pa.string(),
             "detail": pa.string(),

@@ -114,6 +114,13 @@ class RegisteredPrior:
         self.net = load_network(model_dir)
         self.output_codes = np.array(self.vocab.output_codes, dtype=object)
 
+    @staticmethod
+    def inference_threads() -> int:
+        """The torch threads `predict` would use if called in this thread: the count that `fit` set, or whatever
+        set it since in this thread (torch keeps one per thread, which a new thread takes from the latest
+        `torch.set_num_threads` anywhere), not necessarily the `prior.threads` setting of now."""
+        return torch.get_num_threads()
+
     @torch.inference_mode()
     def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
         keys = trajectories["trajectory_id"].to_list()
