@@ -11,10 +11,11 @@ import re
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError, TomlConfigSettingsSource
 
 from dxr.errors import ConfigError, InputError
+from dxr.settings_model import SettingsModel
 from models.llm.config import LLMConfig
 from models.prior.config import PriorConfig
 from tools.config import ToolsConfig
@@ -26,20 +27,18 @@ MEMORY_LIMIT_PATTERN = r"^\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
 DEPLOYMENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 
 
-class SynthConfig(BaseModel):
+class SynthConfig(SettingsModel):
     """Defaults of the embedded synthetic dataset."""
 
-    model_config = ConfigDict(extra="forbid")
     patients: int = Field(5000, ge=1, description="patients in the default synthetic dataset")
     # Shards bound memory: one shard of patients is simulated and written at a time.
     shard_size: int = Field(2000, ge=1)
     oracle_draws: int = Field(200, ge=200, description="Monte Carlo draws per trajectory (spec: >= 200)")
 
 
-class CohortConfig(BaseModel):
+class CohortConfig(SettingsModel):
     """Defaults for `dxr cohort build`."""
 
-    model_config = ConfigDict(extra="forbid")
     target: str = Field("final", pattern=pattern(TARGET_RULES))
     harmonize: str = Field("native", pattern=pattern(HARMONIZATIONS))
     # A trajectory needs at least this many encounters before its target.
@@ -50,20 +49,18 @@ class CohortConfig(BaseModel):
     memory_limit: str = Field("2GB", pattern=MEMORY_LIMIT_PATTERN)
 
 
-class ForecastConfig(BaseModel):
+class ForecastConfig(SettingsModel):
     """How `dxr forecast` runs a cohort's shards."""
 
-    model_config = ConfigDict(extra="forbid")
     # Two at a time on two cores: one shard's featurization (polars) overlaps another's network (one
     # torch thread); benchmarks/prior.py measures it. LLM systems and `--limit` runs go one at a time.
     # Each worker runs `prior.threads` torch threads: keep workers × threads at most the cores.
     shard_workers: int = Field(2, ge=1, description="shards of a model or baseline forecast run at once")
 
 
-class BackfillConfig(BaseModel):
+class BackfillConfig(SettingsModel):
     """One scheduled cohort backfill served by `dxr serve` (a `[[backfills]]` table in the TOML file)."""
 
-    model_config = ConfigDict(extra="forbid")
     name: str = Field(..., pattern=DEPLOYMENT_NAME_PATTERN, description="deployment name, e.g. nightly")
     cohort: str = Field(..., description="cohort name or id")
     systems: list[str] = Field(["global_frequency", "repeat_history", "ehr_prior"], min_length=1,
@@ -103,7 +100,7 @@ class BackfillConfig(BaseModel):
         return systems
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, SettingsModel):
     """Everything configurable. Secrets never live here: they come from the environment only."""
 
     model_config = SettingsConfigDict(env_prefix="DXR_", env_nested_delimiter="__", extra="forbid")

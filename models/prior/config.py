@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dxr.errors import InputError
+from dxr.settings_model import SettingsModel
 
 ARCHS = {"ehr_prior": "moe", "dense_prior": "dense", "gru": "gru"}
 # Lightning's seed_everything refuses a seed numpy's legacy generator does not take.
@@ -37,10 +38,9 @@ def check_model_version(version: str) -> str:
     return version
 
 
-class PriorConfig(BaseModel):
+class PriorConfig(SettingsModel):
     """Model, training and MLflow settings; CPU-friendly defaults (2 cores, minutes not hours)."""
 
-    model_config = ConfigDict(extra="forbid")
     # ---- model ----
     d_model: int = Field(64, ge=8)
     n_layers: int = Field(2, ge=1)
