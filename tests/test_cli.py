@@ -551,7 +551,7 @@ def test_the_same_cohort_built_under_another_name_is_renamed_and_says_so(tiny_me
     listed = run("cohort", "list", data_dir=data_dir)
     assert listed.exit_code == 0 and listed.output.splitlines()[2].split() == [
         cohort_id, "mine", "tiny", "final", "native", "1", "3", str(Warehouse(data_dir).read("cohorts")
-                                                                     ["vocabulary_size"].item())], listed.output
+                                                                     ["vocabulary_size"].item()), "1"], listed.output
 
 
 def test_patients_the_datasets_own_split_leaves_out_are_left_out_of_the_cohort(tmp_path, tiny_meds, wh_vocab):

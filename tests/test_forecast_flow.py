@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 import tasks.forecast
 from dxr.errors import InputError
 from tasks.forecast import run_shards, shard_workers
+from tests.conftest import LoggedMessages
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -174,3 +176,37 @@ def test_every_forecast_system_is_declared_and_the_refusal_tells_a_typo_from_a_d
     with pytest.raises(InputError, match=r"^system 'oracle' is not forecast: dxr evaluate adds it from the gold store"):
         check_system("oracle")
     check_system("ehr_prior")
+
+
+def test_a_forecast_of_a_cohort_cut_by_other_rules_warns_once_naming_it_and_the_rebuild(sharded):
+    # A cohort keeps the pre-target records of the rules it was built by: one built before 2026-12-06's change of
+    # undated events was forecast as it was, and nothing said so.
+    from flows.forecast import forecast_flow
+    from warehouse.cohorts import CUT_RULE_VERSION, cohort_list, outdated_cut_note
+
+    wh, cid = sharded
+    warnings = LoggedMessages(logging.WARNING)
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.addHandler(warnings)
+    try:
+        forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="current-cuts")
+        assert warnings.lines == []  # a fresh build records the current version
+
+        # The cohort as a dxr before the version was recorded wrote it: its Parquet file has no such column.
+        row = wh.read("cohorts", cohort_id=cid)
+        assert row["cut_rule_version"].to_list() == [CUT_RULE_VERSION]
+        row.drop("cut_rule_version").write_parquet(wh.partition_path("cohorts", cohort_id=cid))
+        assert wh.read("cohorts", cohort_id=cid)["cut_rule_version"].to_list() == [None]
+        assert f"none (now {CUT_RULE_VERSION})" in cohort_list(wh).splitlines()[2]
+        forecast_flow(str(wh.root), "every0", "repeat_history", split="all", run_id="older-cuts")
+    finally:
+        logger.removeHandler(warnings)
+    assert warnings.lines == [
+        f"cohort every0 ({cid}) was cut before cut rules were versioned, not by this dxr's version {CUT_RULE_VERSION}: "
+        "its trajectories, targets and pre-target records may differ from what a build makes now; this run forecasts "
+        "it as it is, and `dxr cohort build --dataset tiny --name every0 --target every --harmonize native "
+        "--min-history 0` cuts it again"]
+    assert wh.read("runs", run_id="older-cuts")["status"].to_list() == ["finished"]  # a warning, not a refusal
+    other = {**row.row(0, named=True), "cut_rule_version": CUT_RULE_VERSION + 1}
+    assert outdated_cut_note(wh, other).startswith(
+        f"cohort every0 ({cid}) was cut by version {CUT_RULE_VERSION + 1} of the cut rules, not by this dxr's")

@@ -239,9 +239,9 @@ def test_an_icd10_cohort_records_its_gem_rule_under_the_same_id_and_cohort_list_
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["cohort_id", "name", "dataset_id", "target_rule", "harmonization", "min_history",
-                                "n_trajectories", "vocabulary_size", "gem_rule"]
-    listed = [line.split(None, 8) for line in lines[2:-1]]  # the gem_rule cell holds spaces
-    assert [(cells[1], cells[4], cells[8:]) for cells in listed] == [
+                                "n_trajectories", "vocabulary_size", "cut_rule_version", "gem_rule"]
+    listed = [line.split(None, 9) for line in lines[2:-1]]  # the gem_rule cell holds spaces
+    assert [(cells[1], cells[4], cells[9:]) for cells in listed] == [
         ("coded_2024", "icd10", ["icd10_closest (earlier icd10)"]),
         ("coded_2025", "icd10", ["icd10_closest (earlier icd10)"]),
         ("plain", "native", []), ("coded", "icd10", ["every_target"])]

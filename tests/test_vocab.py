@@ -448,7 +448,7 @@ def test_vocabulary_from_warehouse(tmp_path):
         "cohort_id": [cohort_id], "dataset_id": ["demo"], "name": ["demo"], "target_rule": ["final"],
         "harmonization": ["category"], "min_history": [1], "created_at": [datetime(2026, 1, 1)],
         "n_trajectories": [0], "vocabulary_size": [2], "vocabulary_source": ["test"], "options_json": ["{}"],
-        "dataset_fingerprint": [None],
+        "dataset_fingerprint": [None], "cut_rule_version": [None],
     }), cohort_id=cohort_id)
     wh.write("cohort_vocabulary", pl.DataFrame({
         "cohort_id": [cohort_id] * 2, "code": [dx(10, "I50"), dx(10, "E11")], "icd_version": [10, 10],

@@ -52,6 +52,13 @@ from warehouse.store import Warehouse, fetch_frame
 ICD10_GEM_RULE = "every_target"  # how `icd10` maps an ICD-9 code since 2026-12-06: to every target of its GEM rows
 # How `dxr cohort list` names the rule of an `icd10` cohort built before 2026-12-06.
 EARLIER_ICD10_RULE = "icd10_closest (earlier icd10)"
+# The version of the rules that cut a cohort: which encounters are targets and where their cutoffs fall, what their
+# targets hold, and what their pre-target records hold (`pretarget_sql`, `encounter_starts_sql`, `_write_cohort`).
+# Bump it with every change of those rules: a cohort records the version it was cut by (`cohorts.cut_rule_version`,
+# null before it was recorded) and keeps its cuts until it is built again, so a forecast of one cut by another
+# version warns (`outdated_cut_note`). 1 (2026-12-06): an encounter's undated events are history only once its last
+# dated event precedes the cutoff, and undated clinical rows without an encounter are left out.
+CUT_RULE_VERSION = 1
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 # The kinds of event that are an encounter's or a day's (spec §1: H holds demographics, the earlier encounters' events
 # and the notes dated before the cutoff). One with neither a time nor an encounter is placed before no cutoff: a
@@ -444,7 +451,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
                                     "shard_size": shard_size, "unmapped_diagnosis_codes": unmapped,
                                     "subjects_without_split": unsplit,
                                     "diagnosis_codes_outside_vocabulary": outside}, sort_keys=True),
-        "dataset_fingerprint": dataset["fingerprint"],
+        "dataset_fingerprint": dataset["fingerprint"], "cut_rule_version": CUT_RULE_VERSION,
     }
     wh.write("cohorts", pl.DataFrame([row]), cohort_id=cohort_id)
     known = set(icd_codes["code"].to_list())
@@ -581,9 +588,9 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
     holds the earlier files' patients and encounters. An `icd10` cohort built before the rule changed
     (`built_by_earlier_icd10_rule`) is told apart: its files are the current ones, its rule is not.
     """
-    seed = json.loads(cohort["options_json"]).get("seed")
-    if seed is None or not wh.has_rows("datasets", dataset_id=cohort["dataset_id"]):
-        return None  # a cohort made without a registered dataset (a test's planted one)
+    if not built_by_cohort_build(wh, cohort):
+        return None
+    seed = json.loads(cohort["options_json"])["seed"]
     dataset = get_dataset(wh, cohort["dataset_id"])
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
     if cohort_id_for(dataset, options, seed) == cohort["cohort_id"]:
@@ -596,6 +603,36 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
     return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
             f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with "
             f"other files (fingerprint {dataset['fingerprint']})")
+
+
+def built_by_cohort_build(wh: Warehouse, cohort: dict) -> bool:
+    """Whether a cohort (its `cohorts` row) was built from a dataset still registered, which a build can rebuild: not
+    one made without a registered dataset (a test's planted one)."""
+    return ("seed" in json.loads(cohort["options_json"])
+            and wh.has_rows("datasets", dataset_id=cohort["dataset_id"]))
+
+
+def outdated_cut_note(wh: Warehouse, cohort: dict) -> str | None:
+    """Why a cohort (its `cohorts` row) holds what rules other than this dxr's (`CUT_RULE_VERSION`) cut, or None.
+
+    A cohort keeps its trajectories, targets and pre-target records until it is built again; a dataset whose rows
+    the changed rules never meet (for version 1, one whose events all have a time) is cut the same by either.
+    """
+    version = cohort["cut_rule_version"]
+    if version == CUT_RULE_VERSION or not built_by_cohort_build(wh, cohort):
+        return None
+    cut_by = "before cut rules were versioned" if version is None else f"by version {version} of the cut rules"
+    return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was cut {cut_by}, not by this dxr's version "
+            f"{CUT_RULE_VERSION}: its trajectories, targets and pre-target records may differ from what a build "
+            "makes now")
+
+
+def cut_rule_cell(version: int | None) -> str:
+    """How `dxr cohort list` shows a cohort's `cut_rule_version`: the version, with the current one when it is
+    another, e.g. `none (now 2)` for a cohort built before versions were recorded where 2 is this dxr's."""
+    if version == CUT_RULE_VERSION:
+        return str(version)
+    return f"{'none' if version is None else version} (now {CUT_RULE_VERSION})"
 
 
 def cohort_provenance(wh: Warehouse, cohort_id: str) -> str:
@@ -629,15 +666,16 @@ def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:
 
 
 def cohort_list(wh: Warehouse) -> str:
-    """The built cohorts, oldest first, as the aligned table `dxr cohort list` prints; `gem_rule` is empty but for
-    `icd10` cohorts (`gem_rule_of`)."""
+    """The built cohorts, oldest first, as the aligned table `dxr cohort list` prints; `cut_rule_version` as
+    `cut_rule_cell` shows it, `gem_rule` empty but for `icd10` cohorts (`gem_rule_of`)."""
     from warehouse.sql import format_table
 
     columns = ["cohort_id", "name", "dataset_id", "target_rule", "harmonization", "min_history", "n_trajectories",
                "vocabulary_size"]
     cohorts = wh.read("cohorts").sort("created_at")
-    return format_table(columns + ["gem_rule"], [tuple(row[c] for c in columns) + (gem_rule_of(row) or "",)
-                                                 for row in cohorts.iter_rows(named=True)])
+    return format_table(columns + ["cut_rule_version", "gem_rule"], [
+        tuple(row[c] for c in columns) + (cut_rule_cell(row["cut_rule_version"]), gem_rule_of(row) or "")
+        for row in cohorts.iter_rows(named=True)])
 
 
 def split_counts(wh: Warehouse, cohort_id: str) -> dict[str, int]:

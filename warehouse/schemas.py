@@ -92,10 +92,14 @@ TABLES: dict[str, Table] = {
             "target_rule": pa.string(), "harmonization": pa.string(), "min_history": pa.int32(),
             "created_at": TS, "n_trajectories": pa.int64(), "vocabulary_size": pa.int64(),
             "vocabulary_source": pa.string(), "options_json": pa.string(), "dataset_fingerprint": pa.string(),
+            "cut_rule_version": pa.int32(),
         }, ["cohort_id"], "One row per cohort; `cohort_id` is a stable hash of dataset and options. "
            "`dataset_fingerprint` is the dataset's `fingerprint` when the cohort was built: which version of its "
            "files it holds, as a dataset registered again (a refreshed extract) gets another (null for cohorts "
-           "built before it was recorded).", nullable=["dataset_fingerprint"]),
+           "built before it was recorded). `cut_rule_version` is the version of the rules that cut its "
+           "trajectories, targets and pre-target records (`warehouse.cohorts.CUT_RULE_VERSION`; null for cohorts "
+           "built before it was recorded): a cohort keeps its cuts until it is built again, and a forecast of one "
+           "cut by another version warns.", nullable=["dataset_fingerprint", "cut_rule_version"]),
         _t("cohort_vocabulary", FORECAST, {
             "cohort_id": pa.string(), "code": pa.string(), "icd_version": pa.int8(), "title": pa.string(),
         }, ["cohort_id"], "The cohort's target vocabulary Ω, fixed at build time independently of targets.",

@@ -264,6 +264,11 @@ def code_counts(counted: list[tuple[str, int]], shown: int = 5) -> str:
 def cohort_list(ctx: click.Context) -> None:
     """List built cohorts.
 
+    cut_rule_version is the version of the rules that cut a cohort's trajectories, targets and pre-target
+    records; one other than this dxr's is shown with the current one, "none (now <current>)" for a cohort built
+    before versions were recorded. Such a cohort keeps its cuts (a forecast of it warns) until it is built again with
+    dxr cohort build and its options.
+
     gem_rule, for an icd10 cohort, is the rule its ICD-9 codes were mapped by: every_target (each code to every
     target of its GEM rows), or "icd10_closest (earlier icd10)" for one built before 2026-12-06, when icd10
     meant that rule.

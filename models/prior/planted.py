@@ -122,5 +122,6 @@ def write_planted_cohort(wh: Warehouse, n_patients: int = 200, seed: int = 0, co
         "cohort_id": cohort_id, "dataset_id": "planted", "name": cohort_id, "target_rule": "final",
         "harmonization": "native", "min_history": 1, "created_at": datetime(2026, 1, 1),
         "n_trajectories": trajectories.height, "vocabulary_size": len(omega), "vocabulary_source": "planted",
-        "options_json": "{}", "dataset_fingerprint": None}]), cohort_id=cohort_id)
+        "options_json": "{}", "dataset_fingerprint": None,
+        "cut_rule_version": None}]), cohort_id=cohort_id)
     return cohort_id
