@@ -54,13 +54,13 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         if superseded := superseded_note(wh, cohort_row):
             # A backfill that fires between a refresh's ingest and its cohort build forecasts yesterday's cohort.
             stage_logger(__name__).warning("%s: this run forecasts that earlier version; `%s` builds the current files",
-                                           superseded, rebuild_command(cohort_row))
+                                           superseded, rebuild_command(cohort_row, settings.seed))
         if outdated := outdated_cut_note(wh, cohort_row):
             # A warning, not a refusal: a dataset the changed rules never meet (for version 1, one whose events all
             # have a time) is cut the same by either version, and a backfill of it that stopped at every upgrade
             # until its cohort is rebuilt would lose nights of lists for nothing.
             stage_logger(__name__).warning("%s; this run forecasts it as it is, and `%s` cuts it again", outdated,
-                                           rebuild_command(cohort_row))
+                                           rebuild_command(cohort_row, settings.seed))
         config = forecast_config(cohort_id, system, split, k, limit, subject_id) | llm_run_config(system, data_dir)
         shards = forecast_shards(wh, cohort_id, split, subject_id)
         model = pinned_model(wh, cohort_id, system)

@@ -38,9 +38,9 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     superseded = superseded_note(wh, row)
     if superseded is None:
         return row["cohort_id"]
-    stage_logger(__name__).info("%s: building it again from the current files, as `%s` does", superseded,
-                                rebuild_command(row))
     settings = load_settings(data_dir=data_dir)
+    stage_logger(__name__).info("%s: building it again from the current files, as `%s` does", superseded,
+                                rebuild_command(row, settings.seed))
     options = CohortOptions(target=row["target_rule"], harmonize=row["harmonization"], min_history=row["min_history"])
     built = build_cohort(wh, row["dataset_id"], row["name"], options, seed=json.loads(row["options_json"])["seed"],
                          shard_size=settings.cohort.shard_size, oracle_draws=settings.synth.oracle_draws,

@@ -158,6 +158,30 @@ def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_file
                                        "run, delete it first (`dxr run delete night1`)") in result.output
 
 
+def test_the_rebuild_command_of_a_cohort_built_under_another_seed_names_that_seed(wh_vocab, tmp_path, monkeypatch):
+    # The seed is a setting, not a flag of `dxr cohort build`, and part of the cohort id: without it the printed
+    # command would build a second cohort beside this one, split by the seed in force.
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    write_next_night(tmp_path / "v2")
+    monkeypatch.setenv("DXR_SEED", "3")
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")[0] == 0
+    monkeypatch.delenv("DXR_SEED")
+
+    code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v2", "--name", "hosp")
+    command = ("DXR_SEED=3 dxr cohort build --dataset hosp --name nightly --target final --harmonize native "
+               "--min-history 1")
+    assert code == 0 and f"run `{command}`" in out
+    monkeypatch.setenv("DXR_SEED", "3")  # the command as printed
+    assert cli(data_dir, "cohort", "build", "--dataset", "hosp", "--name", "nightly")[0] == 0
+    rebuilt = wh_vocab.read("cohorts").sort("created_at")["cohort_id"][-1]
+    dataset = get_dataset(wh_vocab, "hosp")
+    assert rebuilt == cohort_id_for(dataset, CohortOptions(), 3) != cohort_id_for(dataset, CohortOptions(), 7)
+    code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v2", "--name", "hosp")
+    assert code == 0 and "note: cohort" not in out
+
+
 def test_a_refresh_names_no_cohort_whose_name_now_finds_another_datasets_cohort(wh_vocab, tmp_path):
     # Once the name nightly is given to a cohort of clinic, --cohort nightly no longer finds hosp's: a refresh of
     # hosp leaves no cohort of that name to build again, and building one would take the name back from clinic.

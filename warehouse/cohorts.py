@@ -649,10 +649,17 @@ def describe_cohort(cohort: dict) -> str:
             f"{cohort['dataset_id']}{files}")
 
 
-def rebuild_command(cohort: dict) -> str:
-    """The `dxr cohort build` command that builds a cohort's options again from its dataset's current files."""
-    return (f"dxr cohort build --dataset {cohort['dataset_id']} --name {cohort['name']} --target "
-            f"{cohort['target_rule']} --harmonize {cohort['harmonization']} --min-history {cohort['min_history']}")
+def rebuild_command(cohort: dict, seed_in_force: int) -> str:
+    """The `dxr cohort build` command that builds a cohort's options again from its dataset's current files.
+
+    The seed is an option too (it splits patients without a split file and is part of the cohort id) but a setting,
+    not a flag: a cohort built under another seed than `seed_in_force` is named with its own as `DXR_SEED`, so that
+    the command builds that cohort again rather than a new one beside it.
+    """
+    seed = json.loads(cohort["options_json"])["seed"]
+    return (f"{'' if seed == seed_in_force else f'DXR_SEED={seed} '}dxr cohort build --dataset {cohort['dataset_id']} "
+            f"--name {cohort['name']} --target {cohort['target_rule']} --harmonize {cohort['harmonization']} "
+            f"--min-history {cohort['min_history']}")
 
 
 def superseded_cohorts(wh: Warehouse, dataset_id: str) -> list[dict]:

@@ -20,15 +20,16 @@ def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | 
     return value
 
 
-def echo_refresh_note(wh, dataset_id: str) -> None:
+def echo_refresh_note(wh, dataset_id: str, seed_in_force: int) -> None:
     """After a dataset is registered: name its cohorts that were built from earlier files of it (a refreshed
-    extract) and the command that builds each again from these files."""
+    extract) and the command that builds each again from these files (`seed_in_force`: the `seed` setting)."""
     from warehouse.cohorts import rebuild_command, superseded_cohorts
 
     for cohort in superseded_cohorts(wh, dataset_id):
         click.echo(f"note: cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
                    f"{dataset_id}; it keeps them, and its runs their scores. To forecast these files, run "
-                   f"`{rebuild_command(cohort)}`: a new cohort id, which --cohort {cohort['name']} then names")
+                   f"`{rebuild_command(cohort, seed_in_force)}`: a new cohort id, which --cohort {cohort['name']} "
+                   "then names")
 
 
 @main.group()
@@ -108,7 +109,7 @@ def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None,
                            cfg.synth.shard_size, progress=True, run_id=run_id)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
                f"({row['meds_dir']})")
-    echo_refresh_note(wh, name)
+    echo_refresh_note(wh, name, settings(ctx).seed)
 
 
 @main.group()
@@ -162,7 +163,7 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
         click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {are} not in metadata/subject_splits.parquet: "
                    f"{they_are} left out of every cohort (neither trained on nor forecast); give each a split there, "
                    "or leave the file out for the seeded hash split")
-    echo_refresh_note(wh, name)
+    echo_refresh_note(wh, name, settings(ctx).seed)
 
 
 @main.group()

@@ -21,7 +21,7 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
-    echo_refresh_note(wh, name)
+    echo_refresh_note(wh, name, settings(ctx).seed)
 
 
 def mimic_options(source: str):
