@@ -832,3 +832,137 @@ def test_ingest_says_how_many_patients_its_split_file_leaves_out(tmp_path):
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
                                        "--name", "tiny"], catch_exceptions=False)
     assert result.exit_code == 0 and "subject_splits.parquet" not in result.output, result.output
+
+
+def ingested(tmp_path: Path, root: Path) -> str:
+    """The output of `dxr ingest meds` of `root`, which must succeed."""
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path / "wh"), "ingest", "meds", str(root),
+                                       "--name", "meds"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_tiny_dataset_ingests_without_a_note(tmp_path):
+    assert "note:" not in ingested(tmp_path, write_tiny_meds(tmp_path / "meds"))
+
+
+def test_ingest_notes_patients_born_after_their_first_event(tmp_path):
+    # Taken without a word: the prior featurized the earlier visits at negative ages and Direct Forecast's record
+    # said "Born: 2020" above a visit of 2020-01-01.
+    events = tiny_events().with_columns(pl.when((pl.col("subject_id") >= 2) & (pl.col("code") == "MEDS_BIRTH"))
+                                        .then(pl.lit(t(4))).otherwise(pl.col("time")).alias("time"))
+    output = ingested(tmp_path, write_tiny_meds(tmp_path / "meds", events))
+    assert ("note: 3 patients have a MEDS_BIRTH dated after their first other event (e.g. subject 2: born 2020-01-05 "
+            "00:00:00, first event 2020-01-01 00:00:00): taken as written, the ages at earlier events are negative "
+            "for the EHR prior, a record cut before the birth has none (the prior takes the train patients' mean "
+            "age), and Direct Forecast's record names a birth year after visits it lists; correct the birth in the "
+            "export\n") in output
+
+
+def test_a_birth_after_the_first_event_is_told_at_the_wall_clock_times_of_a_time_zone(tmp_path):
+    # Subject 2 born at 05:00 at +05:00 (00:00 UTC) and first seen at 04:00 (23:00 UTC the day before).
+    events = tiny_events().filter(pl.col("subject_id") == 2).with_columns(
+        pl.when(pl.col("code") == "MEDS_BIRTH").then(pl.lit(t(0))).otherwise(pl.col("time")).alias("time"))
+    events = pl.concat([events, pl.DataFrame([(2, datetime(2019, 12, 31, 23), "LAB//HBA1C//%", 7.0, None, None)],
+                                             schema=events.schema, orient="row")])
+    root = write_tiny_meds(tmp_path / "meds", events)
+    pl.read_parquet(root / "data" / "0.parquet").with_columns(
+        pl.col("time").dt.replace_time_zone("UTC").dt.convert_time_zone("+05:00")).write_parquet(
+        root / "data" / "0.parquet")
+    assert ("(e.g. subject 2: born 2020-01-01 05:00:00, first event 2020-01-01 04:00:00)"
+            in ingested(tmp_path, root))
+
+
+@pytest.mark.parametrize("time, row_time", [(datetime(1700, 1, 1), "1700-01-01 00:00:00"),
+                                            (datetime(2300, 1, 1), "2300-01-01 00:00:00"),
+                                            (datetime(9999, 12, 31, 23, 59, 59), "9999-12-31 23:59:59")])
+def test_ingest_notes_events_dated_before_1800_or_from_2300(tmp_path, time, row_time):
+    events = tiny_events()
+    row = events["code"].to_list().index("LAB//BNP//pg/mL") + 1
+    root = write_tiny_meds(tmp_path / "meds", events)
+    dated = events.with_columns(pl.when(pl.int_range(pl.len()) == row - 1).then(pl.lit(time))
+                                .otherwise(pl.col("time")).alias("time"))
+    pq.write_table(dated.to_arrow(), root / "data" / "0.parquet")
+    assert (f"note: 1 event is dated before 1800 or in 2300 or later (e.g. data/0.parquet, row {row}: subject 1, "
+            f"LAB//BNP//pg/mL at {row_time}): taken as dated, such an event precedes every cutoff of its patient or "
+            "follows them all (an admission so dated makes the patient's last encounter, the target of --target "
+            "final); a placeholder date? correct it in the export\n") in ingested(tmp_path, root)
+
+
+def test_mimic_shifted_years_and_births_300_years_before_them_stay_quiet(tmp_path):
+    # MIMIC shifts its years to 2100-2210; MIMIC-III moves the births of patients over 89 300 years before their
+    # first admission (the demo's earliest: 1844).
+    events = tiny_events().with_columns(pl.when(pl.col("code") == "MEDS_BIRTH").then(pl.lit(datetime(1800, 1, 1)))
+                                        .otherwise(pl.col("time").dt.offset_by("190y")).alias("time"))
+    assert "note:" not in ingested(tmp_path, write_tiny_meds(tmp_path / "meds", events))
+
+
+@pytest.mark.parametrize("unit, times, written, row, problem", [
+    # Epoch microseconds under a millisecond type: every time about year 51,970, a birth before 1970 about -18,030.
+    ("ms", lambda us: us, None, 2, "time -631,152,000,000,000 ms from 1970 (about year -18,030) is outside the years "
+                                   "1 to 9999 that dates take (56 events like it): write the times in the unit of the "
+                                   "column's type, timestamp[ms]"),
+    # Beyond DuckDB's own range too: validation failed with its ConversionException.
+    ("s", lambda us: us, "ms", 2, "time -631,152,000,000,000,000 ms from 1970 (about year -19,998,441) is outside the "
+                                  "years 1 to 9999 that dates take (56 events like it): write the times in the unit "
+                                  "of the column's type, timestamp[ms]"),
+    # Epoch nanoseconds under a microsecond type.
+    ("us", lambda us: None if us is None else us * 1000, None, 2,
+     "time -631,152,000,000,000,000 us from 1970 (about year -18,030) is outside the years 1 to 9999 that dates take "
+     "(56 events like it): write the times in the unit of the column's type, timestamp[us]")])
+def test_times_beyond_the_years_dates_take_are_refused_naming_the_row(wh_vocab, tmp_path, unit, times, written, row,
+                                                                      problem):
+    # Taken, their cohort was built, and Direct Forecast failed rendering its first record ("year -18031 is out of
+    # range"); under timestamp[s], validation ended in DuckDB's traceback.
+    root = write_tiny_meds(tmp_path / "meds")
+    events = tiny_events().to_arrow()
+    numbers = pa.array([times(us) for us in events["time"].cast(pa.int64()).to_pylist()], pa.int64())
+    pq.write_table(events.set_column(1, "time", numbers.cast(pa.timestamp(unit))), root / "data" / "0.parquet")
+    assert pq.read_schema(root / "data" / "0.parquet").field("time").type == pa.timestamp(written or unit)
+    with pytest.raises(InputError, match=re.escape(f"0.parquet, row {row}: {problem} (epoch microseconds as "
+                                                   "timestamp[us]), or correct the value") + "$"):
+        ingest_meds(wh_vocab, root, "meds")
+
+
+def test_a_patient_in_two_shards_is_noted_and_built_as_from_one(wh_vocab, tmp_path):
+    # Every step reads the shards as one table: the cohort is the same as with the patient in one shard.
+    events = tiny_events()
+    one = write_tiny_meds(tmp_path / "one", events)
+    two = write_tiny_meds(tmp_path / "two", events.filter(pl.col("subject_id") != 1))
+    early = pl.col("time").fill_null(t(0)) < t(15)  # the static rows with the first encounters
+    write_data_shard(two, "1", events.filter((pl.col("subject_id") == 1) & early))
+    write_data_shard(two, "train/2", events.filter((pl.col("subject_id") == 1) & ~early))
+    assert ("note: 1 patient has events in more than one shard (e.g. subject 1 in data/1.parquet and "
+            "data/train/2.parquet): dxr reads the shards as one table, so their events are joined, but MEDS keeps a "
+            "subject in one shard, as other MEDS tools expect\n") in ingested(tmp_path, two)
+    cohorts = []
+    for root in (one, two):
+        ingest_meds(wh_vocab, root, root.name)
+        cohort_id = build_cohort(wh_vocab, root.name, "default", CohortOptions(target="every"), seed=0)["cohort_id"]
+        cohorts.append([wh_vocab.read(table, cohort_id=cohort_id).drop("cohort_id", "trajectory_id", strict=False)
+                        .sort(pl.all()) for table in ("trajectories", "pretarget_events")])
+    assert cohorts[0][0].height == 4 and all(a.equals(b) for a, b in zip(*cohorts))
+
+
+def test_ingest_notes_files_under_data_that_no_step_reads(tmp_path):
+    # A CSV export dropped beside the shards was left out without a word.
+    root = write_tiny_meds(tmp_path / "meds")
+    (root / "data" / "labs.csv").write_text("subject_id,time,code\n")
+    (root / "data" / "0.parquet.tmp").write_bytes(b"")
+    output = ingested(tmp_path, root)
+    assert ("note: 2 files under data/ are not named *.parquet, so no step reads them (e.g. data/0.parquet.tmp): MEDS "
+            "keeps events in data/**/*.parquet; convert events written otherwise (a CSV) to Parquet there\n") in output
+
+
+def test_ingest_notes_subjects_of_the_split_file_without_events(tmp_path):
+    # A split file of another extract, or shards left behind, passed unnoticed: those subjects are in no cohort.
+    root = write_tiny_meds(tmp_path / "meds")
+    splits = root / "metadata" / "subject_splits.parquet"
+    pl.concat([pl.read_parquet(splits), pl.DataFrame({"subject_id": [9, 7], "split": ["train", "held_out"]})]
+              ).write_parquet(splits)
+    assert ("note: 2 subjects of metadata/subject_splits.parquet (e.g. subject 7) have no event in data/: are shards "
+            "missing, or is the file another extract's?\n") in ingested(tmp_path, root)

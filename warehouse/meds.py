@@ -98,6 +98,15 @@ def utc_offset(zone: str) -> str | None:
 _ZONE_SCAN_STEP = timedelta(hours=6)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _TIME_LIMITS = (datetime(1, 1, 2, tzinfo=timezone.utc) - _EPOCH, datetime(9999, 12, 30, tzinfo=timezone.utc) - _EPOCH)
+# The times Python's datetime holds (years 1 to 9999), as microseconds since 1970: polars hands a time outside them
+# to no Python code (Direct Forecast's rendering of a record fails on it), so validation refuses it.
+_DATETIME_US = tuple((limit - datetime(1970, 1, 1)) // timedelta(microseconds=1)
+                     for limit in (datetime.min, datetime.max))
+_TICKS_PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}
+# Events dated outside these years (from the first, before the last) are told in a note: a placeholder date
+# (1700-01-01, 2999-12-31) or a mistaken year. MIMIC's shifted years (2100 to 2210) fall within, and so do
+# MIMIC-III's births of patients over 89, which it moves 300 years before their first admission (1800 on).
+PLAUSIBLE_YEARS = (1800, 2300)
 
 
 def zone_offset(zone: str, first: datetime, last: datetime, where: str) -> timedelta:
@@ -224,6 +233,33 @@ class Respelling(NamedTuple):
     example: str  # one of the codes as written
 
 
+class LateBirth(NamedTuple):
+    """A subject whose `MEDS_BIRTH` (the earliest, as the EHR prior reads it) is dated after its first other event."""
+
+    subject_id: int
+    birth: datetime  # wall-clock times, as the copy in the gold store holds them
+    first_event: datetime
+
+
+class SubjectInShards(NamedTuple):
+    """A subject with events in more than one shard: two of them (paths relative to the MEDS directory)."""
+
+    subject_id: int
+    first_shard: str
+    last_shard: str
+
+
+class OddTime(NamedTuple):
+    """An event dated outside `PLAUSIBLE_YEARS`: its shard (relative to the MEDS directory), row (1-based), subject,
+    code and wall-clock time."""
+
+    shard: str
+    row: int
+    subject_id: int
+    code: str
+    time: datetime
+
+
 @dataclass(frozen=True)
 class MedsInfo:
     """What validation learned about a MEDS directory."""
@@ -253,6 +289,19 @@ class MedsInfo:
     # The content fingerprint with dataset.json's paths hashed too (`_metadata_bytes`), as datasets were registered
     # before it left them out (`fingerprint` itself for metadata without them).
     fingerprint_with_paths: str = ""
+    # What ingest tells in notes but takes (`_subject_checks`): subjects born after their first other event, subjects
+    # spread over several shards and events dated outside `PLAUSIBLE_YEARS`, each counted with its first example.
+    n_born_after_events: int = 0
+    born_after_events: LateBirth | None = None
+    n_subjects_in_several_shards: int = 0
+    in_several_shards: SubjectInShards | None = None
+    n_implausible_times: int = 0
+    implausible_time: OddTime | None = None
+    # Files under data/ that are not *.parquet, which nothing reads (paths relative to the MEDS directory, sorted).
+    other_files: tuple[str, ...] = ()
+    # Subjects of subject_splits.parquet without any event in data/, and the smallest of their ids.
+    n_listed_without_events: int = 0
+    listed_without_events: int | None = None
 
     def holds_registered(self, fingerprint: str) -> bool:
         """True when these are the files a dataset was registered with under `fingerprint` (a registration older
@@ -354,6 +403,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         except SchemaValidationError as exc:
             raise InputError(f"{shard}: not the MEDS data schema ({exc}): cast the columns to the MEDS types") from exc
     [encounter] = encounter_columns
+    _check_time_values(time_types)  # before DuckDB or a zone's offsets read a time beyond years 1 to 9999
     if len({time_type.tz for time_type in time_types.values()}) > 1:
         # A shard of static rows only (an export writing sex apart) has no time, so no offset to agree on, whatever
         # zone its empty column carries: polars and pandas write a column of missing times without one.
@@ -362,6 +412,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
         n_subjects, n_events, n_loose, versions, respelled = _check_events(
             con, data_dir, shards, encounter, float_encounters, other_spellings)
+        subject_checks = _subject_checks(con, root, offset)
     metadata_path = root / meds.dataset_metadata_filepath
     try:
         metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
@@ -392,7 +443,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                              "MEDS code metadata holds codes and descriptions as strings")
         _check_dictionary_codes(codes_path, other_spellings)
     splits_path = root / meds.subject_splits_filepath
-    n_unsplit = 0
+    n_unsplit = n_eventless = 0
+    eventless = None
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
         try:
@@ -405,19 +457,25 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
             raise InputError(f"{splits_path}: missing column '{missing[0]}' (columns found: "
                              f"{', '.join(splits.columns)}): {fix}")
         check_splits(splits, splits_path)
-        # Told at ingest, where the file can still be fixed, and not first by a cohort build that leaves them out.
+        # Told at ingest, where the file can still be fixed, and not first by a cohort build that leaves them out;
+        # and its subjects without events, which hint at missing shards or the split file of another extract.
         with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
             con.register("listed", splits.select("subject_id").to_arrow())
             shards_glob = duck.literal(str(data_dir / "**" / "*.parquet"))
-            [(n_unsplit,)] = con.execute(f"SELECT count(DISTINCT subject_id) FROM read_parquet({shards_glob}, "
-                                         "union_by_name=true) ANTI JOIN listed USING (subject_id)").fetchall()
+            [(n_unsplit, n_eventless, eventless)] = con.execute(f"""
+                WITH events AS (SELECT DISTINCT subject_id FROM read_parquet({shards_glob}, union_by_name=true))
+                SELECT (SELECT count(*) FROM events ANTI JOIN listed USING (subject_id)), count(*), min(subject_id)
+                FROM listed ANTI JOIN events USING (subject_id)""").fetchall()
     fingerprint, fingerprint_with_paths = _fingerprints(root, shards)
     return MedsInfo(root=root, shards=shards, metadata=metadata, n_subjects=n_subjects, n_events=n_events,
                     icd_versions=versions, has_splits=splits_path.is_file(), fingerprint=fingerprint,
                     n_diagnoses_without_encounter=n_loose, encounter_column=encounter, stamps=stamps,
                     n_subjects_without_split=n_unsplit,
                     time_zone=time_zone, utc_offset=offset, respelled=respelled,
-                    fingerprint_with_paths=fingerprint_with_paths)
+                    fingerprint_with_paths=fingerprint_with_paths, **subject_checks,
+                    other_files=tuple(sorted(str(path.relative_to(root)) for path in data_dir.rglob("*")
+                                             if path.is_file() and not path.name.endswith(".parquet"))),
+                    n_listed_without_events=n_eventless, listed_without_events=eventless)
 
 
 def _renaming_fix(name: str, columns: list[str]) -> str | None:
@@ -494,6 +552,98 @@ def _time_range(shards: list[Path]) -> tuple[datetime, datetime]:
     # Times beyond those a datetime holds (years 1 to 9999, with a day to spare for the offset) take its ends'.
     return tuple(_EPOCH + min(max(timedelta(microseconds=bound), _TIME_LIMITS[0]), _TIME_LIMITS[1])
                  for bound in (min(bounds), max(bounds)))
+
+
+def _check_time_values(time_types: dict[Path, pa.DataType]) -> None:
+    """Refuse times outside the years 1 to 9999 (`_DATETIME_US`), naming the first and how many there are.
+
+    Such a time is mostly written in another unit than its type says: epoch microseconds under timestamp[ms] read as
+    about year 51,970, and a birth before 1970 so as about year -18,030; under timestamp[s], beyond even DuckDB's
+    range, validation failed with DuckDB's traceback. Taken, a cohort is built from them and Direct Forecast fails
+    on the first record it renders. A time with a zone keeps a day to spare, for the offset its copy adds.
+    """
+    first: tuple[Path, int, int, pa.DataType] | None = None  # shard, row (1-based), value in its unit, its type
+    count = 0
+    for shard, time_type in time_types.items():
+        per_second = _TICKS_PER_SECOND[time_type.unit]
+        spare = 86_400 * 10**6 if time_type.tz else 0
+        # In the column's unit (rounded inwards), within int64: no nanosecond time reaches either end.
+        low = max(-((-_DATETIME_US[0] - spare) * per_second // 10**6), -2**63)
+        high = min((_DATETIME_US[1] - spare) * per_second // 10**6, 2**63 - 1)
+        row = 0  # of the batch's first, in the shard
+        with pq.ParquetFile(shard) as source:
+            for batch in source.iter_batches(columns=["time"]):
+                values = batch.column(0).cast(pa.int64())
+                outside = pc.or_(pc.less(values, low), pc.greater(values, high))
+                n_outside = pc.sum(outside).as_py() or 0
+                if n_outside and first is None:
+                    index = pc.index(outside, True).as_py()
+                    first = (shard, row + index + 1, values[index].as_py(), time_type)
+                count += n_outside
+                row += batch.num_rows
+    if first is not None:
+        shard, row, value, time_type = first
+        year = 1970 + value / _TICKS_PER_SECOND[time_type.unit] / (365.2425 * 86_400)
+        more = f" ({count:,} events like it)" if count > 1 else ""
+        raise InputError(f"{shard}, row {row:,}: time {value:,} {time_type.unit} from 1970 (about year {year:,.0f}) is "
+                         f"outside the years 1 to 9999 that dates take{more}: write the times in the unit of the "
+                         f"column's type, {time_type} (epoch microseconds as timestamp[us]), or correct the value")
+
+
+def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelta | None) -> dict:
+    """What ingest tells in notes (the `MedsInfo` fields of the same names), in one read of the shards: subjects
+    born after their first other dated event, subjects spread over several shards, and events dated outside
+    `PLAUSIBLE_YEARS`, each with its first example (by subject; by shard and row). Times are compared as the
+    wall-clock times the copy keeps (UTC instants plus the one `offset`).
+
+    None of these breaks a step, so a 300,000-patient extract is not refused for one patient: a birth after the
+    patient's events makes the ages at those events negative (the EHR prior's age feature), a record cut before the
+    birth has none (the prior takes the train patients' mean age) and Direct Forecast's record names the birth year
+    after visits it lists; every step reads all shards as one table, so a subject's events in two are joined.
+    """
+    shift = 0 if offset is None else offset // timedelta(microseconds=1)
+    first, last = (f"epoch_us(TIMESTAMP '{year}-01-01') - {shift}" for year in PLAUSIBLE_YEARS)
+    glob = duck.literal(str(root / meds.data_subdirectory / "**" / "*.parquet"))
+    birth = duck.literal(meds.birth_code)
+    # Every time as a UTC instant in microseconds, whatever its type (a zone's nanoseconds have no epoch_us of their
+    # own): cast to TIMESTAMP, which shows a time with a zone in the session's zone, here UTC. (Casting to
+    # TIMESTAMPTZ instead would look up the zone of every time without one, four times slower.)
+    con.execute("SET TimeZone = 'UTC'")
+    [(n_late, late, n_spread, spread, n_odd, odd)] = con.execute(f"""
+        WITH events AS (
+            SELECT subject_id, code, filename, file_row_number, epoch_us(time::TIMESTAMP) AS time
+            FROM read_parquet({glob}, union_by_name=true, filename=true, file_row_number=true)),
+        subjects AS (
+            SELECT subject_id, min(time) FILTER (WHERE code = {birth}) AS birth,
+                   min(time) FILTER (WHERE code <> {birth}) AS first_event,
+                   min(filename) AS first_shard, max(filename) AS last_shard
+            FROM events GROUP BY subject_id),
+        odd AS (
+            SELECT count(*) AS n, arg_min((filename, file_row_number + 1, subject_id, code, time + {shift}),
+                                          (filename, file_row_number)) AS first
+            FROM events WHERE time < {first} OR time >= {last})
+        SELECT count(*) FILTER (WHERE birth > first_event),
+               arg_min((subject_id, birth + {shift}, first_event + {shift}), subject_id)
+                   FILTER (WHERE birth > first_event),
+               count(*) FILTER (WHERE first_shard <> last_shard),
+               arg_min((subject_id, first_shard, last_shard), subject_id) FILTER (WHERE first_shard <> last_shard),
+               (SELECT n FROM odd), (SELECT first FROM odd)
+        FROM subjects""").fetchall()
+
+    def wall_clock(microseconds: int) -> datetime:
+        return datetime(1970, 1, 1) + timedelta(microseconds=microseconds)
+
+    def relative(shard: str) -> str:
+        return str(Path(shard).relative_to(root))
+
+    return {
+        "n_born_after_events": n_late,
+        "born_after_events": late and LateBirth(late[0], wall_clock(late[1]), wall_clock(late[2])),
+        "n_subjects_in_several_shards": n_spread,
+        "in_several_shards": spread and SubjectInShards(spread[0], relative(spread[1]), relative(spread[2])),
+        "n_implausible_times": n_odd,
+        "implausible_time": odd and OddTime(relative(odd[0]), odd[1], odd[2], odd[3], wall_clock(odd[4])),
+    }
 
 
 def _file_stamps(root: Path) -> tuple[tuple, ...]:

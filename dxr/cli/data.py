@@ -163,7 +163,45 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
         click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {are} not in metadata/subject_splits.parquet: "
                    f"{they_are} left out of every cohort (neither trained on nor forecast); give each a split there, "
                    "or leave the file out for the seeded hash split")
+    echo_meds_notes(row)
     echo_refresh_note(wh, name, settings(ctx).seed)
+
+
+def echo_meds_notes(row: dict) -> None:
+    """The notes on what `dxr ingest meds` takes although an expert would correct it in the export: none breaks a
+    step, and one patient should not hold back a 300,000-patient extract."""
+    from warehouse.meds import PLAUSIBLE_YEARS
+
+    def counted(n: int, one: str, more: str) -> str:
+        return f"{n:,} {one if n == 1 else more}"
+
+    if row["n_listed_without_events"]:
+        click.echo(f"note: {counted(row['n_listed_without_events'], 'subject', 'subjects')} of "
+                   f"metadata/subject_splits.parquet (e.g. subject {row['listed_without_events']}) "
+                   f"{'has' if row['n_listed_without_events'] == 1 else 'have'} no event in data/: are shards "
+                   "missing, or is the file another extract's?")
+    if other := row["other_files"]:
+        click.echo(f"note: {counted(len(other), 'file under data/ is', 'files under data/ are')} not named "
+                   f"*.parquet, so no step reads {'it' if len(other) == 1 else 'them'} (e.g. {other[0]}): MEDS keeps "
+                   "events in data/**/*.parquet; convert events written otherwise (a CSV) to Parquet there")
+    if late := row["born_after_events"]:
+        click.echo(f"note: {counted(row['n_born_after_events'], 'patient has', 'patients have')} a MEDS_BIRTH dated "
+                   f"after their first other event (e.g. subject {late.subject_id}: born {late.birth}, first event "
+                   f"{late.first_event}): taken as written, the ages at earlier events are negative for the EHR "
+                   "prior, a record cut before the birth has none (the prior takes the train patients' mean age), and "
+                   "Direct Forecast's record names a birth year after visits it lists; correct the birth in the export")
+    if spread := row["in_several_shards"]:
+        click.echo(f"note: {counted(row['n_subjects_in_several_shards'], 'patient has', 'patients have')} events in "
+                   f"more than one shard (e.g. subject {spread.subject_id} in {spread.first_shard} and "
+                   f"{spread.last_shard}): dxr reads the shards as one table, so their events are joined, but MEDS "
+                   "keeps a subject in one shard, as other MEDS tools expect")
+    if odd := row["implausible_time"]:
+        first, last = PLAUSIBLE_YEARS
+        click.echo(f"note: {counted(row['n_implausible_times'], 'event is', 'events are')} dated before {first} or "
+                   f"in {last} or later (e.g. {odd.shard}, row {odd.row:,}: subject {odd.subject_id}, {odd.code} at "
+                   f"{odd.time}): taken as dated, such an event precedes every cutoff of its patient or follows them "
+                   "all (an admission so dated makes the patient's last encounter, the target of --target final); a "
+                   "placeholder date? correct it in the export")
 
 
 @main.group()
