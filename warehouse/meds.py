@@ -297,7 +297,8 @@ class MedsInfo:
     in_several_shards: SubjectInShards | None = None
     n_implausible_times: int = 0
     implausible_time: OddTime | None = None
-    # Files under data/ that are not *.parquet, which nothing reads (paths relative to the MEDS directory, sorted).
+    # Files under data/ that are not *.parquet, which nothing reads (paths relative to the MEDS directory, sorted;
+    # hidden files, a file browser's, left out).
     other_files: tuple[str, ...] = ()
     # Subjects of subject_splits.parquet without any event in data/, and the smallest of their ids.
     n_listed_without_events: int = 0
@@ -474,7 +475,8 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                     time_zone=time_zone, utc_offset=offset, respelled=respelled,
                     fingerprint_with_paths=fingerprint_with_paths, **subject_checks,
                     other_files=tuple(sorted(str(path.relative_to(root)) for path in data_dir.rglob("*")
-                                             if path.is_file() and not path.name.endswith(".parquet"))),
+                                             if path.is_file() and not path.name.endswith(".parquet")
+                                             and not path.name.startswith("."))),  # .DS_Store is no export's
                     n_listed_without_events=n_eventless, listed_without_events=eventless)
 
 
