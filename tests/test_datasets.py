@@ -902,17 +902,17 @@ def test_mimic_shifted_years_and_births_300_years_before_them_stay_quiet(tmp_pat
 
 
 @pytest.mark.parametrize("unit, times, written, row, problem", [
-    # Epoch microseconds under a millisecond type: every time about year 51,970, a birth before 1970 about -18,030.
-    ("ms", lambda us: us, None, 2, "time -631,152,000,000,000 ms from 1970 (about year -18,030) is outside the years "
+    # Epoch microseconds under a millisecond type: every time about year 51,969, a birth before 1970 about -18,031.
+    ("ms", lambda us: us, None, 2, "time -631,152,000,000,000 ms from 1970 (year -18,031) is outside the years "
                                    "1 to 9999 that dates take (56 events like it): write the times in the unit of the "
                                    "column's type, timestamp[ms]"),
     # Beyond DuckDB's own range too: validation failed with its ConversionException.
-    ("s", lambda us: us, "ms", 2, "time -631,152,000,000,000,000 ms from 1970 (about year -19,998,441) is outside the "
+    ("s", lambda us: us, "ms", 2, "time -631,152,000,000,000,000 ms from 1970 (year -19,998,441) is outside the "
                                   "years 1 to 9999 that dates take (56 events like it): write the times in the unit "
                                   "of the column's type, timestamp[ms]"),
     # Epoch nanoseconds under a microsecond type.
     ("us", lambda us: None if us is None else us * 1000, None, 2,
-     "time -631,152,000,000,000,000 us from 1970 (about year -18,030) is outside the years 1 to 9999 that dates take "
+     "time -631,152,000,000,000,000 us from 1970 (year -18,031) is outside the years 1 to 9999 that dates take "
      "(56 events like it): write the times in the unit of the column's type, timestamp[us]")])
 def test_times_beyond_the_years_dates_take_are_refused_naming_the_row(wh_vocab, tmp_path, unit, times, written, row,
                                                                       problem):
@@ -926,6 +926,43 @@ def test_times_beyond_the_years_dates_take_are_refused_naming_the_row(wh_vocab, 
     with pytest.raises(InputError, match=re.escape(f"0.parquet, row {row}: {problem} (epoch microseconds as "
                                                    "timestamp[us]), or correct the value") + "$"):
         ingest_meds(wh_vocab, root, "meds")
+
+
+def with_zoned_bnp(root: Path, zone: str, instant: datetime) -> int:
+    """Rewrite `root`'s shard with its times in `zone` (the same instants) and the first BNP lab at `instant` (UTC);
+    returns that lab's row (1-based)."""
+    events = tiny_events()
+    row = events["code"].to_list().index("LAB//BNP//pg/mL")
+    dated = events.with_columns(pl.when(pl.int_range(pl.len()) == row).then(pl.lit(instant))
+                                .otherwise(pl.col("time")).alias("time")).to_arrow()
+    instants = dated["time"].cast(pa.int64()).cast(pa.timestamp("us", zone))
+    pq.write_table(dated.set_column(1, "time", instants), root / "data" / "0.parquet")
+    return row + 1
+
+
+@pytest.mark.parametrize("zone, instant, wall_clock", [
+    # A placeholder 9999-12-31 in UTC (as Spark writes times) was refused, as "about year 10,000", where the same
+    # date without a zone is noted: a zoned time had a day to spare at either end, whatever its offset.
+    ("UTC", datetime(9999, 12, 31), "9999-12-31 00:00:00"),
+    ("+14:00", datetime(9999, 12, 31, 9, 59, 59), "9999-12-31 23:59:59"),
+    ("Etc/GMT+12", datetime(1, 1, 1, 12), "0001-01-01 00:00:00")])  # a zone name, 12 hours behind UTC
+def test_a_zoned_time_is_a_date_by_the_wall_clock_time_its_copy_keeps(tmp_path, zone, instant, wall_clock):
+    root = write_tiny_meds(tmp_path / "meds")
+    row = with_zoned_bnp(root, zone, instant)
+    assert f"row {row}: subject 1, LAB//BNP//pg/mL at {wall_clock}): taken as dated" in ingested(tmp_path, root)
+
+
+@pytest.mark.parametrize("zone, instant, problem", [
+    ("+14:00", datetime(9999, 12, 31, 10), "time 253,402,250,400,000,000 us from 1970 (year 10,000)"),
+    ("Etc/GMT+12", datetime(1, 1, 1, 11, 59, 59), "time -62,135,553,601,000,000 us from 1970 (year 0)")])
+def test_a_zoned_time_whose_wall_clock_time_is_no_date_is_refused(tmp_path, zone, instant, problem):
+    root = write_tiny_meds(tmp_path / "meds")
+    row = with_zoned_bnp(root, zone, instant)
+    time_type = pq.read_schema(root / "data" / "0.parquet").field("time").type
+    with pytest.raises(InputError, match=re.escape(f"0.parquet, row {row}: {problem} is outside the years 1 to 9999 "
+                                                   "that dates take: write the times in the unit of the column's "
+                                                   f"type, {time_type} (epoch")):
+        validate_meds_dir(root)
 
 
 def test_a_patient_in_two_shards_is_noted_and_built_as_from_one(wh_vocab, tmp_path):
@@ -967,3 +1004,10 @@ def test_ingest_notes_subjects_of_the_split_file_without_events(tmp_path):
               ).write_parquet(splits)
     assert ("note: 2 subjects of metadata/subject_splits.parquet (e.g. subject 7) have no event in data/: are shards "
             "missing, or is the file another extract's?\n") in ingested(tmp_path, root)
+
+
+def test_doctests_of_the_meds_module():
+    import doctest
+
+    result = doctest.testmod(meds_module)
+    assert result.failed == 0 and result.attempted > 0, result

@@ -557,21 +557,22 @@ def _time_range(shards: list[Path]) -> tuple[datetime, datetime]:
 
 
 def _check_time_values(time_types: dict[Path, pa.DataType]) -> None:
-    """Refuse times outside the years 1 to 9999 (`_DATETIME_US`), naming the first and how many there are.
+    """Refuse times whose copy is outside the years 1 to 9999 (`_DATETIME_US`), naming the first and how many there
+    are. The copy keeps wall-clock times: a time with a zone is compared after the offset its copy adds.
 
     Such a time is mostly written in another unit than its type says: epoch microseconds under timestamp[ms] read as
-    about year 51,970, and a birth before 1970 so as about year -18,030; under timestamp[s], beyond even DuckDB's
+    about year 51,969, and a birth before 1970 so as about year -18,031; under timestamp[s], beyond even DuckDB's
     range, validation failed with DuckDB's traceback. Taken, a cohort is built from them and Direct Forecast fails
-    on the first record it renders. A time with a zone keeps a day to spare, for the offset its copy adds.
+    on the first record it renders.
     """
-    first: tuple[Path, int, int, pa.DataType] | None = None  # shard, row (1-based), value in its unit, its type
+    first: tuple[Path, int, int, pa.DataType, int] | None = None  # shard, row (1-based), value, type, offset (us)
     count = 0
     for shard, time_type in time_types.items():
         per_second = _TICKS_PER_SECOND[time_type.unit]
-        spare = 86_400 * 10**6 if time_type.tz else 0
+        offsets = _offsets_at_ends(time_type.tz)
         # In the column's unit (rounded inwards), within int64: no nanosecond time reaches either end.
-        low = max(-((-_DATETIME_US[0] - spare) * per_second // 10**6), -2**63)
-        high = min((_DATETIME_US[1] - spare) * per_second // 10**6, 2**63 - 1)
+        low = max(-((offsets[0] - _DATETIME_US[0]) * per_second // 10**6), -2**63)
+        high = min((_DATETIME_US[1] - offsets[1]) * per_second // 10**6, 2**63 - 1)
         row = 0  # of the batch's first, in the shard
         with pq.ParquetFile(shard) as source:
             for batch in source.iter_batches(columns=["time"]):
@@ -580,16 +581,47 @@ def _check_time_values(time_types: dict[Path, pa.DataType]) -> None:
                 n_outside = pc.sum(outside).as_py() or 0
                 if n_outside and first is None:
                     index = pc.index(outside, True).as_py()
-                    first = (shard, row + index + 1, values[index].as_py(), time_type)
+                    value = values[index].as_py()
+                    first = (shard, row + index + 1, value, time_type, offsets[value > high])
                 count += n_outside
                 row += batch.num_rows
     if first is not None:
-        shard, row, value, time_type = first
-        year = 1970 + value / _TICKS_PER_SECOND[time_type.unit] / (365.2425 * 86_400)
+        shard, row, value, time_type, offset = first
+        year = _year_of(value * 10**6 // _TICKS_PER_SECOND[time_type.unit] + offset)
         more = f" ({count:,} events like it)" if count > 1 else ""
-        raise InputError(f"{shard}, row {row:,}: time {value:,} {time_type.unit} from 1970 (about year {year:,.0f}) is "
+        raise InputError(f"{shard}, row {row:,}: time {value:,} {time_type.unit} from 1970 (year {year:,}) is "
                          f"outside the years 1 to 9999 that dates take{more}: write the times in the unit of the "
                          f"column's type, {time_type} (epoch microseconds as timestamp[us]), or correct the value")
+
+
+def _year_of(microseconds: int) -> int:
+    """The year of a wall-clock time (microseconds since 1970) in the Gregorian calendar extended both ways, beyond
+    the years 1 to 9999 too (0 the year before 1): the calendar repeats every 400 years, 146,097 days.
+
+    >>> [_year_of(us) for us in (-62_135_596_800_000_001, 253_402_300_800_000_000, 1_577_836_800_000_000_000)]
+    [0, 10000, 51969]
+    """
+    ordinal = microseconds // (86_400 * 10**6) + datetime(1970, 1, 1).toordinal()  # 1 for 0001-01-01
+    cycles = (ordinal - 1) // 146_097
+    return datetime.fromordinal(ordinal - cycles * 146_097).year + 400 * cycles
+
+
+def _offsets_at_ends(zone: str | None) -> tuple[int, int]:
+    """The UTC offsets, in microseconds, of time zone `zone` (an Arrow timestamp's, None for none) at the first and
+    the last time a datetime holds: those its copy adds to times near either end. 0 for a zone the database does not
+    know, which `_time_zone` refuses after `_check_time_values`.
+
+    >>> _offsets_at_ends(None), _offsets_at_ends("-12:00"), _offsets_at_ends("Etc/GMT-14")
+    ((0, 0), (-43200000000, -43200000000), (50400000000, 50400000000))
+    """
+    fixed = utc_offset(zone or "")
+    if fixed is not None:
+        return (_offset_delta(fixed) // timedelta(microseconds=1) if fixed else 0,) * 2
+    try:
+        info = ZoneInfo(zone)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return 0, 0
+    return tuple(info.utcoffset(end) // timedelta(microseconds=1) for end in (datetime.min, datetime.max))
 
 
 def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelta | None) -> dict:
