@@ -990,7 +990,12 @@ def test_ingest_notes_files_under_data_that_no_step_reads(tmp_path):
     root = write_tiny_meds(tmp_path / "meds")
     (root / "data" / "labs.csv").write_text("subject_id,time,code\n")
     (root / "data" / "0.parquet.tmp").write_bytes(b"")
-    (root / "data" / ".DS_Store").write_bytes(b"")  # a file browser's, hidden: not counted
+    # Tools' own files are not counted: a file browser's, a notebook's, and Spark's and pyarrow's (named with "_").
+    (root / "data" / ".DS_Store").write_bytes(b"")
+    (root / "data" / ".ipynb_checkpoints").mkdir()
+    (root / "data" / ".ipynb_checkpoints" / "labs-checkpoint.csv").write_text("subject_id,time,code\n")
+    (root / "data" / "_SUCCESS").write_bytes(b"")
+    (root / "data" / "_common_metadata").write_bytes(b"")
     output = ingested(tmp_path, root)
     assert ("note: 2 files under data/ are not named *.parquet, so no step reads them (e.g. data/0.parquet.tmp): MEDS "
             "keeps events in data/**/*.parquet; convert events written otherwise (a CSV) to Parquet there\n") in output

@@ -298,7 +298,7 @@ class MedsInfo:
     n_implausible_times: int = 0
     implausible_time: OddTime | None = None
     # Files under data/ that are not *.parquet, which nothing reads (paths relative to the MEDS directory, sorted;
-    # hidden files, a file browser's, left out).
+    # the tools' own, `_bookkeeping`, left out).
     other_files: tuple[str, ...] = ()
     # Subjects of subject_splits.parquet without any event in data/, and the smallest of their ids.
     n_listed_without_events: int = 0
@@ -476,8 +476,20 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                     fingerprint_with_paths=fingerprint_with_paths, **subject_checks,
                     other_files=tuple(sorted(str(path.relative_to(root)) for path in data_dir.rglob("*")
                                              if path.is_file() and not path.name.endswith(".parquet")
-                                             and not path.name.startswith("."))),  # .DS_Store is no export's
+                                             and not _bookkeeping(path.relative_to(data_dir)))),
                     n_listed_without_events=n_eventless, listed_without_events=eventless)
+
+
+def _bookkeeping(path: Path) -> bool:
+    """Whether a file under data/ (`path` relative to it) is a tool's own rather than an export's: hidden (a file
+    browser's .DS_Store, a notebook's .ipynb_checkpoints/) or, as Hadoop and pyarrow.dataset skip, named with a
+    leading underscore (Spark's _SUCCESS, the _common_metadata of a Parquet dataset). A note on them, after every
+    such export, would teach users to ignore the note.
+
+    >>> [_bookkeeping(Path(p)) for p in ("_SUCCESS", ".DS_Store", ".ipynb_checkpoints/a.csv", "labs.csv")]
+    [True, True, True, False]
+    """
+    return any(part.startswith((".", "_")) for part in path.parts)
 
 
 def _renaming_fix(name: str, columns: list[str]) -> str | None:
