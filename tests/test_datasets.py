@@ -985,6 +985,16 @@ def test_a_patient_in_two_shards_is_noted_and_built_as_from_one(wh_vocab, tmp_pa
     assert cohorts[0][0].height == 4 and all(a.equals(b) for a, b in zip(*cohorts))
 
 
+def test_demographics_kept_in_a_shard_of_their_own_are_no_patient_in_two_shards(tmp_path):
+    # A layout the time zone check takes (static rows apart) must not put every patient in the shards note: only
+    # the clinical events, dated and other than the birth, say where a patient is.
+    events = tiny_events()
+    demographic = pl.col("time").is_null() | (pl.col("code") == "MEDS_BIRTH")
+    root = write_tiny_meds(tmp_path / "apart", events.filter(~demographic))
+    write_data_shard(root, "demographics", events.filter(demographic))
+    assert "more than one shard" not in ingested(tmp_path, root)
+
+
 def test_ingest_notes_files_under_data_that_no_step_reads(tmp_path):
     # A CSV export dropped beside the shards was left out without a word.
     root = write_tiny_meds(tmp_path / "meds")

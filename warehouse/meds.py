@@ -638,7 +638,8 @@ def _offsets_at_ends(zone: str | None) -> tuple[int, int]:
 
 def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelta | None) -> dict:
     """What ingest tells in notes (the `MedsInfo` fields of the same names), in one read of the shards: subjects
-    born after their first other dated event, subjects spread over several shards, and events dated outside
+    born after their first other dated event, subjects whose dated events but the birth are spread over several
+    shards (static rows and births written apart are a layout, not a split patient), and events dated outside
     `PLAUSIBLE_YEARS`, each with its first example (by subject; by shard and row). Times are compared as the
     wall-clock times the copy keeps (UTC instants plus the one `offset`).
 
@@ -662,7 +663,9 @@ def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelt
         subjects AS (
             SELECT subject_id, min(time) FILTER (WHERE code = {birth}) AS birth,
                    min(time) FILTER (WHERE code <> {birth}) AS first_event,
-                   min(filename) AS first_shard, max(filename) AS last_shard
+                   -- Where its clinical events are: demographics (sex, birth) in a shard of their own are a layout.
+                   min(filename) FILTER (WHERE time IS NOT NULL AND code <> {birth}) AS first_shard,
+                   max(filename) FILTER (WHERE time IS NOT NULL AND code <> {birth}) AS last_shard
             FROM events GROUP BY subject_id),
         odd AS (
             SELECT count(*) AS n, arg_min((filename, file_row_number + 1, subject_id, code, time + {shift}),
