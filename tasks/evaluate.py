@@ -81,6 +81,14 @@ FREQUENCY_BUCKETS = (("freq_0", 0, 0), ("freq_1_9", 1, 9), ("freq_10_99", 10, 99
 SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b in FREQUENCY_BUCKETS)
 # Keys that differ between repeats of one configuration without changing what it is.
 CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate")
+# The version of the rules that compute an evaluation from a run's lists: its metrics and their subsets, its paired
+# comparisons and its headroom. Bump it with every change that gives a stored evaluation other values: an evaluation
+# records the version that computed it (`evaluation_rule_version` in its `runs` config, absent before it was
+# recorded) and keeps its tables until it is taken again, so a report of one computed by another version says so
+# (`outdated_evaluation_note`). 1 (2026-12-06): each paired row's sign test counts the patients whose summand of that
+# row's own metric moved (the F1 summand before, whatever the metric), and the freq_* subsets count the train-split
+# encounters coding a code (its diagnosis rows before 2026-12-05).
+EVALUATION_RULE_VERSION = 1
 EXPLICIT_INCOMPLETE = ("short", "failed")
 # Resamples drawn at a time: bounds the integer draws beside the weights at (BOOTSTRAP_CHUNK, patients).
 BOOTSTRAP_CHUNK = 100
@@ -800,7 +808,8 @@ def evaluate_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, k
         evaluation = evaluate(wh, run_id, systems, ks, n_boot, seed, natural, pairs, pools)
         cohort_id = evaluation.metrics["cohort_id"][0]
         config = {"systems": sorted(set(evaluation.metrics["system"])), "ks": sorted(set(evaluation.metrics["k"])),
-                  "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools}
+                  "n_boot": n_boot, "seed": seed, "pairs": pairs, "pools": pools,
+                  "evaluation_rule_version": EVALUATION_RULE_VERSION}
         # Until every table is written the evaluation is `stale`, the run's first one too (no earlier row to mark):
         # a process killed among the writes leaves a mix of old and new rows, or some systems' rows alone, and
         # says so.
@@ -1082,7 +1091,8 @@ def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, cover
                 config = {"runs": run_ids, "systems": sorted(set(part["system"])), "ks": list(all_ks),
                           "n_boot": n_boot, "seed": seed,
                           "pairs": [list(pair) for pair in compared.select("system_a", "system_b").unique().sort(
-                              "system_a", "system_b").rows()]}
+                              "system_a", "system_b").rows()],
+                          "evaluation_rule_version": EVALUATION_RULE_VERSION}
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "stale", started)
                 for table in ("metrics", "paired_comparisons", "evaluation_coverage"):
                     wh.delete(table, run_id=mean_id)
@@ -1093,6 +1103,34 @@ def write_mean(wh: Warehouse, metrics: pl.DataFrame, paired: pl.DataFrame, cover
                 if compared.height:
                     wh.write("paired_comparisons", compared, run_id=mean_id)
                 record_run(wh, mean_id, cohort_id, EVALUATE_KIND, config, "finished", started, utc_now())
+
+
+def evaluate_again(wh: Warehouse, run_id: str) -> str:
+    """The `dxr evaluate` command that takes a run's stored evaluation again: a mean over repeated runs names the runs
+    it averages, and its id unless it is the `config-…` id the mean gets by default."""
+    evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    averaged = [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
+    named = f" --run-id {run_id}" if averaged and not run_id.startswith(CONFIGURATION_PREFIX) else ""
+    return f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}{named}"
+
+
+def outdated_evaluation_note(wh: Warehouse, run_id: str) -> str | None:
+    """Why a run's stored evaluation holds what rules other than this dxr's (`EVALUATION_RULE_VERSION`) computed, or
+    None (also for metrics no registered evaluation wrote, whose rules nothing records).
+
+    A warehouse kept across an upgrade keeps its evaluations as they were computed: `dxr sql` and the report read them
+    until the run is evaluated again.
+    """
+    evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    if evaluation.is_empty():
+        return None
+    version = json.loads(evaluation["config_json"][0]).get("evaluation_rule_version")
+    if version == EVALUATION_RULE_VERSION:
+        return None
+    computed_by = "before evaluation rules were versioned" if version is None else f"by version {version} of them"
+    return (f"its evaluation was computed by dxr {evaluation['code_version'][0]} {computed_by}, not by this dxr's "
+            f"version {EVALUATION_RULE_VERSION}: its metrics, paired comparisons and headroom may differ from what "
+            f"`{evaluate_again(wh, run_id)}` computes now")
 
 
 def changed_since_mean(wh: Warehouse, run_id: str) -> str | None:

@@ -30,9 +30,9 @@ from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency, run_systems  # noqa: E402
-from tasks.evaluate import (CONFIGURATION_PREFIX, FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean,  # noqa: E402
-                            estimate, in_sample_note, load_run, metric_rows, not_a_forecast, run_superseded_note,
-                            system_counts)
+from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, estimate, evaluate_again,  # noqa: E402
+                            in_sample_note, load_run, metric_rows, not_a_forecast, outdated_evaluation_note,
+                            run_superseded_note, system_counts)
 from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
@@ -353,11 +353,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
-    # A mean over repeated runs is evaluated again by naming the runs it averages, and its id unless it is the
-    # `config-…` id the mean gets by default.
     averaged = [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
-    named = f" --run-id {run_id}" if averaged and not run_id.startswith(CONFIGURATION_PREFIX) else ""
-    again = f"dxr evaluate {' '.join(f'--run {r}' for r in averaged or [run_id])}{named}"
+    again = evaluate_again(wh, run_id)
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (a system was forecast into "
                          f"the run since, anew or again, or its writes were cut short): run `{again}` again, then the "
@@ -389,6 +386,8 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     ]
     if superseded := run_superseded_note(wh, run_id):
         blocks.append(Paragraph(f"Earlier data: {superseded}."))
+    if outdated := outdated_evaluation_note(wh, run_id):
+        blocks.append(Paragraph(f"Earlier evaluation rules: {outdated}."))
     # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:

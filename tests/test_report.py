@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 from pathlib import Path
 
@@ -402,6 +403,37 @@ def test_the_in_sample_note_of_a_cohort_without_held_out_trajectories_suggests_n
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines()[-1] == f"note: run r1: {note}"
     assert f"\n\nIn-sample: {note}.\n\n## Run registry" in to_markdown(build_report(wh, "r1"))
+
+
+def test_an_evaluation_an_earlier_dxr_computed_is_named_by_the_report_until_it_is_taken_again(wh, tmp_path):
+    # A warehouse kept across an upgrade keeps its evaluations: one made by ff794fa's dxr held paired rows whose sign
+    # test counted F1 summands for recall at k = 0 (ehr_prior - oracle: 37 patients improved, 2 worsened, where this
+    # dxr counts 0 and 38), and the report showed them under today's definitions without a word.
+    from tasks.evaluate import EVALUATION_RULE_VERSION
+    from warehouse.runs import EVALUATE_KIND
+
+    report = ["--data-dir", str(wh.root), "report", "--run", "r1", "--out", str(tmp_path / "out")]
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    row = wh.read("runs", run_id="r1", kind=EVALUATE_KIND)
+    recorded = json.loads(row["config_json"][0])
+    assert recorded["evaluation_rule_version"] == EVALUATION_RULE_VERSION
+    result = CliRunner().invoke(main, report)
+    assert result.exit_code == 0, result.output
+    assert not result.stderr and "Earlier evaluation rules" not in to_markdown(build_report(wh, "r1"))
+
+    del recorded["evaluation_rule_version"]  # the registry row as a dxr from before the version wrote it
+    wh.write("runs", row.with_columns(config_json=pl.lit(json.dumps(recorded)), code_version=pl.lit("0.1.0+ff794fa")),
+             run_id="r1", kind=EVALUATE_KIND)
+    note = ("its evaluation was computed by dxr 0.1.0+ff794fa before evaluation rules were versioned, not by this "
+            f"dxr's version {EVALUATION_RULE_VERSION}: its metrics, paired comparisons and headroom may differ from "
+            "what `dxr evaluate --run r1` computes now")
+    result = CliRunner().invoke(main, report)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == f"note: run r1: {note}\n"
+    assert f"\n\nEarlier evaluation rules: {note}.\n\n## Run registry" in to_markdown(build_report(wh, "r1"))
+
+    evaluate_run(wh, "r1", ks=(2,), n_boot=0)
+    assert "Earlier evaluation rules" not in to_markdown(build_report(wh, "r1"))
 
 
 def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):

@@ -173,7 +173,10 @@ TABLES: dict[str, Table] = {
            "`prompt_versions`, and its request settings `llm_temperature`, `llm_seed`, `llm_max_output_tokens`, "
            "`llm_context_window`, `llm_chars_per_token` (with the window, the history's budget), "
            "`llm_response_format`, `llm_validation_retries` and `llm_max_tokens_field` (the request field that "
-           "carries the output limit) (each absent in runs recorded before it was added).",
+           "carries the output limit) (each absent in runs recorded before it was added). An evaluation (kind "
+           "`evaluate`) records the version of the rules that computed it under `evaluation_rule_version` "
+           "(`tasks.evaluate.EVALUATION_RULE_VERSION`; absent in evaluations recorded before it was): it keeps its "
+           "tables until it is taken again, and the report of one computed by another version says so.",
            nullable=["cohort_id", "finished_at", "host", "pid"]),
         _t("rankings", FORECAST, {
             "run_id": pa.string(), "cohort_id": pa.string(), "system": pa.string(), "trajectory_id": pa.string(),
