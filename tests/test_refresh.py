@@ -73,6 +73,42 @@ def test_a_dataset_registered_before_content_fingerprints_still_builds_its_cohor
     assert row["cohort_id"] == cohort_id_for(legacy, CohortOptions(), 7)
 
 
+def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_earlier_files(wh_vocab, tmp_path):
+    # A warehouse made by 3da0d44 (size fingerprints, cohorts without dataset_fingerprint), then `dxr synth` of the
+    # same seed and patients with today's dxr: byte-identical shards, yet the note said the cohorts "were built from
+    # earlier files" and every forecast, evaluation and report of their runs called them an earlier version.
+    from warehouse.cohorts import superseded_note
+
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    info = validate_meds_dir(wh_vocab.meds_dir("hosp"))
+    legacy = get_dataset(wh_vocab, "hosp") | {"fingerprint": _size_fingerprint(info.root, info.shards)}
+    wh_vocab.write("datasets", pl.DataFrame([legacy]), dataset_id="hosp")
+    cohort_id = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    # The cohorts row as a dxr before content fingerprints wrote it: its Parquet file has no dataset_fingerprint.
+    wh_vocab.read("cohorts", cohort_id=cohort_id).drop("dataset_fingerprint").write_parquet(
+        wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
+
+    code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")
+    assert code == 0 and "earlier files" not in out
+    assert (f"note: cohort nightly ({cohort_id}) was built under dataset hosp's fingerprint of before 2026-12-05, of "
+            "sizes and row counts, which these files match (likely the same files); their fingerprint is now of their "
+            "contents. The cohort keeps its tables, and its runs and models stay on its id. To forecast these files, "
+            "run `dxr cohort build --dataset hosp --name nightly --target final --harmonize native --min-history 1`: "
+            "a new cohort id, which --cohort nightly then names") in out
+    dataset = get_dataset(wh_vocab, "hosp")
+    assert superseded_note(wh_vocab, wh_vocab.read("cohorts", cohort_id=cohort_id).row(0, named=True)) == (
+        f"cohort nightly ({cohort_id}) was built when dataset hosp had a fingerprint of its files' sizes and row "
+        f"counts (before 2026-12-05); registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with files "
+        f"of the same sizes and row counts, likely the same, it has a fingerprint of their contents "
+        f"({dataset['fingerprint']}), which gives the cohort's options another cohort id")
+
+    # Other files (a new night) are earlier files again, as for a cohort built under a content fingerprint.
+    code, out, _ = cli(data_dir, "ingest", "meds", write_next_night(tmp_path / "v2"), "--name", "hosp")
+    assert code == 0 and f"note: cohort nightly ({cohort_id}) was built from earlier files of dataset hosp;" in out
+
+
 def fingerprint_with_paths(root: Path) -> str:
     """A MEDS directory's fingerprint as datasets were registered before it left out dataset.json's paths: the
     metadata but its created_at, then the splits, the codes and each shard by name and SHA-256."""

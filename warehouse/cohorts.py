@@ -43,7 +43,7 @@ from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.choices import HARMONIZATIONS, TARGET_RULES
 from warehouse.locks import held
-from warehouse.meds import SPLITS, read_splits, validate_meds_dir
+from warehouse.meds import SPLITS, current_size_fingerprint, read_splits, validate_meds_dir
 from warehouse.runs import registered_run, runs_in_progress
 from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
@@ -600,9 +600,29 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
                 f"{cohort['dataset_id']} by the icd10 rule of before 2026-12-06, one ICD-10 code per GEM choice list "
                 "(now --harmonize icd10_closest), whereas icd10 now maps each ICD-9 code to every target of its GEM "
                 "rows")
+    if built_under_size_fingerprint(wh, dataset, cohort):
+        return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built when dataset {cohort['dataset_id']} had "
+                "a fingerprint of its files' sizes and row counts (before 2026-12-05); registered again on "
+                f"{dataset['registered_at']:%Y-%m-%d %H:%M} UTC with files of the same sizes and row counts, likely "
+                f"the same, it has a fingerprint of their contents ({dataset['fingerprint']}), which gives the "
+                "cohort's options another cohort id")
     return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
             f"{cohort['dataset_id']}, registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with "
             f"other files (fingerprint {dataset['fingerprint']})")
+
+
+def built_under_size_fingerprint(wh: Warehouse, dataset: dict, cohort: dict) -> bool:
+    """Whether a cohort (its `cohorts` row) was built when its dataset (its `datasets` row) was registered under a
+    fingerprint of sizes and row counts that its files registered now still have.
+
+    Such a fingerprint (before 2026-12-05) gives way to a content one when the dataset is registered again, even with
+    the very same files; sizes and row counts alone cannot tell those from a correction of the same length.
+    """
+    if cohort["dataset_fingerprint"] is not None:  # recorded since content fingerprints
+        return False
+    legacy = dataset | {"fingerprint": current_size_fingerprint(wh.meds_dir(cohort["dataset_id"]))}
+    options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
+    return cohort_id_for(legacy, options, json.loads(cohort["options_json"])["seed"]) == cohort["cohort_id"]
 
 
 def built_by_cohort_build(wh: Warehouse, cohort: dict) -> bool:

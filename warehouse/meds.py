@@ -978,6 +978,13 @@ def _fingerprints(root: Path, shards: tuple[Path, ...]) -> tuple[str, str]:
     return fingerprint(with_paths=False), fingerprint(with_paths=True)
 
 
+def current_size_fingerprint(root: Path) -> str:
+    """The fingerprint of sizes and row counts (`_size_fingerprint`) of a MEDS directory's shards as they are now,
+    without validating them: what a registration from before content fingerprints would have found."""
+    data_dir = root / meds.data_subdirectory
+    return _size_fingerprint(root, tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ())
+
+
 def _size_fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
     """The fingerprint datasets were registered under before `_fingerprints` read contents: metadata (paths and
     all), splits, shard row counts and sizes. Kept to recognize those registrations, whose cohort ids it is part of."""

@@ -23,13 +23,21 @@ def check_memory_limit(ctx: click.Context, param: click.Parameter, value: str | 
 def echo_refresh_note(wh, dataset_id: str, seed_in_force: int) -> None:
     """After a dataset is registered: name its cohorts that were built from earlier files of it (a refreshed
     extract) and the command that builds each again from these files (`seed_in_force`: the `seed` setting)."""
-    from warehouse.cohorts import rebuild_command, superseded_cohorts
+    from warehouse.cohorts import built_under_size_fingerprint, rebuild_command, superseded_cohorts
+    from warehouse.datasets import get_dataset
 
+    dataset = get_dataset(wh, dataset_id)
     for cohort in superseded_cohorts(wh, dataset_id):
-        click.echo(f"note: cohort {cohort['name']} ({cohort['cohort_id']}) was built from earlier files of dataset "
-                   f"{dataset_id}; it keeps them, and its runs their scores. To forecast these files, run "
-                   f"`{rebuild_command(cohort, seed_in_force)}`: a new cohort id, which --cohort {cohort['name']} "
-                   "then names")
+        named = f"cohort {cohort['name']} ({cohort['cohort_id']})"
+        if built_under_size_fingerprint(wh, dataset, cohort):
+            built = (f"{named} was built under dataset {dataset_id}'s fingerprint of before 2026-12-05, of sizes and "
+                     "row counts, which these files match (likely the same files); their fingerprint is now of their "
+                     "contents. The cohort keeps its tables, and its runs and models stay on its id")
+        else:
+            built = (f"{named} was built from earlier files of dataset {dataset_id}; it keeps them, and its runs their "
+                     "scores")
+        click.echo(f"note: {built}. To forecast these files, run `{rebuild_command(cohort, seed_in_force)}`: a new "
+                   f"cohort id, which --cohort {cohort['name']} then names")
 
 
 @main.group()
