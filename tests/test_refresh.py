@@ -89,9 +89,13 @@ def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_
     # The cohorts row as a dxr before content fingerprints wrote it: its Parquet file has no dataset_fingerprint.
     wh_vocab.read("cohorts", cohort_id=cohort_id).drop("dataset_fingerprint").write_parquet(
         wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
+    # Built since by a dxr that records the fingerprint, from the same registration: it records the size one.
+    every = build_cohort(wh_vocab, "hosp", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
+    assert wh_vocab.read("cohorts", cohort_id=every)["dataset_fingerprint"][0] == legacy["fingerprint"]
 
     code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")
     assert code == 0 and "earlier files" not in out
+    assert f"note: cohort every ({every}) was built under dataset hosp's fingerprint of before 2026-12-05" in out
     assert (f"note: cohort nightly ({cohort_id}) was built under dataset hosp's fingerprint of before 2026-12-05, of "
             "sizes and row counts, which these files match (likely the same files); their fingerprint is now of their "
             "contents. The cohort keeps its tables, and its runs and models stay on its id. To forecast these files, "
@@ -107,6 +111,7 @@ def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_
     # Other files (a new night) are earlier files again, as for a cohort built under a content fingerprint.
     code, out, _ = cli(data_dir, "ingest", "meds", write_next_night(tmp_path / "v2"), "--name", "hosp")
     assert code == 0 and f"note: cohort nightly ({cohort_id}) was built from earlier files of dataset hosp;" in out
+    assert f"note: cohort every ({every}) was built from earlier files of dataset hosp;" in out
 
 
 def fingerprint_with_paths(root: Path) -> str:

@@ -618,9 +618,11 @@ def built_under_size_fingerprint(wh: Warehouse, dataset: dict, cohort: dict) -> 
     Such a fingerprint (before 2026-12-05) gives way to a content one when the dataset is registered again, even with
     the very same files; sizes and row counts alone cannot tell those from a correction of the same length.
     """
-    if cohort["dataset_fingerprint"] is not None:  # recorded since content fingerprints
+    sizes = current_size_fingerprint(wh.meds_dir(cohort["dataset_id"]))
+    # Null for a cohort built before the fingerprint was recorded; a build since records the size fingerprint too.
+    if cohort["dataset_fingerprint"] not in (None, sizes):
         return False
-    legacy = dataset | {"fingerprint": current_size_fingerprint(wh.meds_dir(cohort["dataset_id"]))}
+    legacy = dataset | {"fingerprint": sizes}
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
     return cohort_id_for(legacy, options, json.loads(cohort["options_json"])["seed"]) == cohort["cohort_id"]
 
