@@ -135,7 +135,7 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     changed = [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
                for key in sorted(current.keys() | recorded.keys()) if recorded.get(key) != current.get(key)]
     if changed:
-        raise InputError(f"run {run_id} already holds a {config['system']} forecast with other options "
+        raise InputError(f"run {run_id} already holds a forecast by {config['system']} with other options "
                          f"({', '.join(changed)}): rerun with the recorded options, pass a new --run-id, or delete "
                          f"the run first (`dxr run delete {run_id}`: every system's lists and its evaluation go)")
 

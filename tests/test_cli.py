@@ -603,7 +603,7 @@ def test_a_failed_forecast_can_be_redone_with_other_options(tiny_meds, wh_vocab,
     assert run("sql", status, "--format", "csv", data_dir=data_dir).output.splitlines()[1:] == ["3,3"]
     # A finished forecast keeps its options: redone with others, the run would mix two configurations.
     line = one_line_error(run(*forecast, "--limit", "1", data_dir=data_dir))
-    assert "run r1 already holds a repeat_history forecast with other options (limit None -> 1)" in line
+    assert "run r1 already holds a forecast by repeat_history with other options (limit None -> 1)" in line
 
 
 def test_a_forecast_killed_before_any_run_marked_it_can_be_redone_with_other_options(tiny_meds, wh_vocab,
@@ -642,7 +642,7 @@ def test_forecast_rerun_redoes_the_same_options_and_refuses_others(tmp_path, tin
     assert run("sql", status_rows, "--format", "csv", data_dir=data_dir).output.splitlines()[1] == "3,3"
 
     line = one_line_error(run(*forecast, "--limit", "1", data_dir=data_dir))
-    assert "run r1 already holds a repeat_history forecast with other options (limit None -> 1)" in line
+    assert "run r1 already holds a forecast by repeat_history with other options (limit None -> 1)" in line
     assert "pass a new --run-id" in line
 
     # The same cohort re-sharded into one shard: the rerun must not keep the old shards' rows.

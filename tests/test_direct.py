@@ -372,7 +372,7 @@ def test_dxr_forecast_direct_through_the_flow(planted_cohort, tmp_path, monkeypa
     monkeypatch.setenv("DXR_LLM__MODEL", "another")
     result = forecast("direct")
     assert result.exit_code == 1
-    assert ("Error: run cli-d already holds a direct forecast with other options (llm_model 'recorded' -> "
+    assert ("Error: run cli-d already holds a forecast by direct with other options (llm_model 'recorded' -> "
             "'another'): rerun with the recorded options, pass a new --run-id, or delete the run first "
             "(`dxr run delete cli-d`: every system's lists and its evaluation go)") in result.output
     monkeypatch.setenv("DXR_LLM__MODEL", "recorded")
