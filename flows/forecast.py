@@ -53,8 +53,8 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
         cohort_id = cohort_row["cohort_id"]
         if superseded := superseded_note(wh, cohort_row):
             # A backfill that fires between a refresh's ingest and its cohort build forecasts yesterday's cohort.
-            stage_logger(__name__).warning("%s: this run forecasts that earlier version; `%s` builds the current files",
-                                           superseded, rebuild_command(cohort_row, settings.seed))
+            stage_logger(__name__).warning("%s: this run forecasts that cohort as it was built; `%s` builds the "
+                                           "current files", superseded, rebuild_command(cohort_row, settings.seed))
         if outdated := outdated_cut_note(wh, cohort_row):
             # A warning, not a refusal: a dataset the changed rules never meet (for version 1, one whose events all
             # have a time) is cut the same by either version, and a backfill of it that stopped at every upgrade

@@ -880,11 +880,11 @@ def incomplete_note(wh: Warehouse, run_id: str) -> str | None:
 
 def run_superseded_note(wh: Warehouse, run_id: str) -> str | None:
     """That a run's cohort was built from earlier files of its dataset than the ones registered now (a refreshed
-    extract), or None: its scores stand for that earlier version (`superseded_note`)."""
+    extract), or None: its scores stand for that cohort as it was built (`superseded_note`)."""
     cohort_ids = wh.read("runs", run_id=run_id)["cohort_id"].drop_nulls().unique().to_list()
     cohorts = wh.read("cohorts", cohort_id=cohort_ids[0]) if cohort_ids else None
     note = superseded_note(wh, cohorts.row(0, named=True)) if cohorts is not None and cohorts.height else None
-    return f"{note}: these scores are of that earlier version" if note else None
+    return f"{note}: these scores are of that cohort as it was built" if note else None
 
 
 # ---- repeated runs ----------------------------------------------------------------------------

@@ -385,7 +385,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
     if superseded := run_superseded_note(wh, run_id):
-        blocks.append(Paragraph(f"Earlier data: {superseded}."))
+        blocks.append(Paragraph(f"Earlier cohort: {superseded}."))
     if outdated := outdated_evaluation_note(wh, run_id):
         blocks.append(Paragraph(f"Earlier evaluation rules: {outdated}."))
     # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).

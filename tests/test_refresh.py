@@ -92,6 +92,8 @@ def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_
     # Built since by a dxr that records the fingerprint, from the same registration: it records the size one.
     every = build_cohort(wh_vocab, "hosp", "every", CohortOptions(target="every"), seed=7)["cohort_id"]
     assert wh_vocab.read("cohorts", cohort_id=every)["dataset_fingerprint"][0] == legacy["fingerprint"]
+    assert cli(data_dir, "forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all",
+               "--run-id", "night1")[0] == 0
 
     code, out, _ = cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")
     assert code == 0 and "earlier files" not in out
@@ -107,6 +109,13 @@ def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_
         f"counts (before 2026-12-05); registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with files "
         f"of the same sizes and row counts, likely the same, it has a fingerprint of their contents "
         f"({dataset['fingerprint']}), which gives the cohort's options another cohort id")
+    # Nor do the notes of its runs call the cohort an earlier version of the files.
+    code, _, err = cli(data_dir, "evaluate", "--run", "night1", "--bootstrap", "0")
+    assert code == 0 and "sizes and row counts (before 2026-12-05)" in err and "earlier version" not in err
+    assert "these scores are of that cohort as it was built" in err
+    assert cli(data_dir, "report", "--run", "night1")[0] == 0
+    report = (data_dir / "reports" / "night1" / "report.md").read_text()
+    assert "Earlier cohort: cohort nightly (" in report and "Earlier data" not in report
 
     # Other files (a new night) are earlier files again, as for a cohort built under a content fingerprint.
     code, out, _ = cli(data_dir, "ingest", "meds", write_next_night(tmp_path / "v2"), "--name", "hosp")
@@ -187,12 +196,12 @@ def test_a_nightly_refresh_names_the_cohorts_and_runs_that_hold_the_earlier_file
     # The run of the earlier night says what it scored; a forecast into it by name finds the new cohort.
     code, out, err = cli(data_dir, "evaluate", "--run", "night1", "--bootstrap", "0")
     assert code == 0 and (f"note: run night1: cohort nightly ({old}) was built from earlier files of dataset hosp, "
-                          "registered again on") in err and "these scores are of that earlier version" in err
+                          "registered again on") in err and "these scores are of that cohort as it was built" in err
     assert cli(data_dir, "report", "--run", "night1")[0] == 0
     report = (data_dir / "reports" / "night1" / "report.md").read_text()
     fingerprint = wh_vocab.read("cohorts", cohort_id=old)["dataset_fingerprint"][0]
     assert f"Cohort nightly ({old}), built " in report and f"from dataset hosp (fingerprint {fingerprint})" in report
-    assert "Earlier data: cohort nightly (" in report and "these scores are of that earlier version." in report
+    assert "Earlier cohort: cohort nightly (" in report and "these scores are of that cohort as it was built." in report
     result = CliRunner().invoke(main, ["--data-dir", str(data_dir), "forecast", "--cohort", "nightly", "--system",
                                        "global_frequency", "--split", "all", "--run-id", "night1"])
     assert result.exit_code == 1 and (f"pass --cohort {old} to add to this run, a new --run-id, or, to discard that "
