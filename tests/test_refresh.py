@@ -117,6 +117,18 @@ def test_the_same_files_registered_again_over_a_size_fingerprint_are_not_called_
     report = (data_dir / "reports" / "night1" / "report.md").read_text()
     assert "Earlier cohort: cohort nightly (" in report and "Earlier data" not in report
 
+    # Files that change while the check reads them (an ingest swapping the directory; the check holds no lock) leave
+    # the note in its general wording rather than failing the forecast that writes it.
+    cohort_row = wh_vocab.read("cohorts", cohort_id=cohort_id).row(0, named=True)
+    shard = next((wh_vocab.meds_dir("hosp") / "data").rglob("*.parquet"))
+    saved = shard.read_bytes()
+    shard.write_bytes(b"half a file")
+    try:
+        general = f"with other files (fingerprint {dataset['fingerprint']})"
+        assert superseded_note(wh_vocab, cohort_row).endswith(general)
+    finally:
+        shard.write_bytes(saved)
+
     # Other files (a new night) are earlier files again, as for a cohort built under a content fingerprint.
     code, out, _ = cli(data_dir, "ingest", "meds", write_next_night(tmp_path / "v2"), "--name", "hosp")
     assert code == 0 and f"note: cohort nightly ({cohort_id}) was built from earlier files of dataset hosp;" in out

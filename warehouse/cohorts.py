@@ -620,7 +620,7 @@ def built_under_size_fingerprint(wh: Warehouse, dataset: dict, cohort: dict) -> 
     """
     sizes = current_size_fingerprint(wh.meds_dir(cohort["dataset_id"]))
     # Null for a cohort built before the fingerprint was recorded; a build since records the size fingerprint too.
-    if cohort["dataset_fingerprint"] not in (None, sizes):
+    if sizes is None or cohort["dataset_fingerprint"] not in (None, sizes):
         return False
     legacy = dataset | {"fingerprint": sizes}
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])

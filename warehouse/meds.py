@@ -978,11 +978,16 @@ def _fingerprints(root: Path, shards: tuple[Path, ...]) -> tuple[str, str]:
     return fingerprint(with_paths=False), fingerprint(with_paths=True)
 
 
-def current_size_fingerprint(root: Path) -> str:
+def current_size_fingerprint(root: Path) -> str | None:
     """The fingerprint of sizes and row counts (`_size_fingerprint`) of a MEDS directory's shards as they are now,
-    without validating them: what a registration from before content fingerprints would have found."""
+    without validating them: what a registration from before content fingerprints would have found. None when the
+    files change while it reads them: it is read without the dataset's lock (a forecast's note; an ingest may swap
+    the directory meanwhile), and only a note's wording rests on it, which must not fail the forecast."""
     data_dir = root / meds.data_subdirectory
-    return _size_fingerprint(root, tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ())
+    try:
+        return _size_fingerprint(root, tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ())
+    except (OSError, pa.ArrowException, ValueError):  # a file gone or half-replaced; dataset.json rewritten
+        return None
 
 
 def _size_fingerprint(root: Path, shards: tuple[Path, ...]) -> str:
