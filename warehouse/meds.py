@@ -242,7 +242,8 @@ class LateBirth(NamedTuple):
 
 
 class SubjectInShards(NamedTuple):
-    """A subject with events in more than one shard: two of them (paths relative to the MEDS directory)."""
+    """A subject whose dated events other than its birth are in more than one shard: two of them (paths relative to
+    the MEDS directory)."""
 
     subject_id: int
     first_shard: str
