@@ -2,7 +2,8 @@
 with its dataset's files before the cohort is forecast.
 
 `refresh_cohort` builds a cohort again, under its name and with its options, when its dataset was registered
-again since it was built (a nightly extract ingested under the same name); `untrained_systems` are the learned
+again since it was built (a nightly extract ingested under the same name) or when rules other than this dxr's cut it
+(an upgrade of dxr); `untrained_systems` are the learned
 systems whose configured alias resolves to no model for a cohort, which the backfill trains next. Both only look
 at what is registered, so a retried firing redoes nothing that finished: a finished build leaves the cohort
 current, and a finished training leaves its alias set.
@@ -18,13 +19,17 @@ from dxr.config import load_settings
 from dxr.errors import InputError, NotFoundError
 from tasks import stage_logger
 from tasks.forecast import pinned_model
-from warehouse.cohorts import CohortOptions, build_cohort, get_cohort, rebuild_command, superseded_note
+from warehouse.cohorts import (CohortOptions, build_cohort, get_cohort, outdated_cut_note, rebuild_command,
+                              superseded_note)
 from warehouse.store import Warehouse
 
 
 def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str:
-    """The id of the cohort named `cohort` once it holds its dataset's current files; returns it unchanged when it
-    does, else builds it again first (registered in `runs` as kind `cohort` under `run_id`).
+    """The id of the cohort named `cohort` once it holds its dataset's current files as this dxr's rules cut them;
+    returns it unchanged when it does, else builds it again first (registered in `runs` as kind `cohort` under
+    `run_id`). A cohort of the current files cut by other rules (`outdated_cut_note`) is built again under its own id,
+    which its files, options and seed make: its models stay in service, since training reads the train patients'
+    full records, which no cut rule changes.
 
     The build is `dxr cohort build`'s: the cohort's own target rule, harmonization, minimum history and seed, the
     configured shard size, oracle draws and memory limit. A cohort named by its id is refused: an id stays on the
@@ -35,11 +40,12 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     if row["cohort_id"] == cohort:
         raise InputError(f"refresh: cohort {cohort} is named by its id, which stays on the files it was built "
                          f"from: name the backfill's cohort by its name, {row['name']!r}, or set refresh = false")
-    superseded = superseded_note(wh, row)
-    if superseded is None:
+    # Superseded first: a cohort of earlier files is built again whatever rules cut it, under a new id.
+    why = superseded_note(wh, row) or outdated_cut_note(wh, row)
+    if why is None:
         return row["cohort_id"]
     settings = load_settings(data_dir=data_dir)
-    stage_logger(__name__).info("%s: building it again from the current files, as `%s` does", superseded,
+    stage_logger(__name__).info("%s; building it again from the current files, as `%s` does", why,
                                 rebuild_command(row, settings.seed))
     options = CohortOptions(target=row["target_rule"], harmonize=row["harmonization"], min_history=row["min_history"])
     built = build_cohort(wh, row["dataset_id"], row["name"], options, seed=json.loads(row["options_json"])["seed"],

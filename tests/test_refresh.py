@@ -420,6 +420,51 @@ def test_a_backfill_without_refresh_forecasts_the_cohort_as_last_built(wh_vocab,
     assert wh_vocab.read("runs").filter(pl.col("run_id") == f"{run_id}-refresh").is_empty()
 
 
+def test_a_refreshing_backfill_cuts_again_under_its_id_a_cohort_cut_by_other_rules(wh_vocab, tmp_path):
+    # A refreshing backfill rebuilt only cohorts of earlier files: one cut by older rules from the current files was
+    # forecast as it was, with the forecast's warning, every night.
+    import logging
+
+    from flows.backfill import cohort_backfill_flow
+    from tests.conftest import LoggedMessages
+    from warehouse.cohorts import CUT_RULE_VERSION
+
+    data_dir = str(wh_vocab.root)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    cohort_id = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    # The cohorts row as a dxr before cut rules were versioned wrote it: its Parquet file has no such column.
+    wh_vocab.read("cohorts", cohort_id=cohort_id).drop("cut_rule_version").write_parquet(
+        wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
+    cut_before = (f"cohort nightly ({cohort_id}) was cut before cut rules were versioned, not by this dxr's version "
+                  f"{CUT_RULE_VERSION}: its trajectories, targets and pre-target records may differ from what a build "
+                  "makes now")
+    rebuild = "dxr cohort build --dataset hosp --name nightly --target final --harmonize native --min-history 1"
+    logged = LoggedMessages(logging.INFO)
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    for logger in loggers:
+        logger.addHandler(logged)
+    try:
+        # Without refresh the cohort is forecast as it was cut, and the forecast says so.
+        kept = cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all", name="hosp-recut-kept")
+        assert f"{cut_before}; this run forecasts it as it is, and `{rebuild}` cuts it again" in logged.lines
+        assert wh_vocab.read("cohorts", cohort_id=cohort_id)["cut_rule_version"].to_list() == [None]
+        assert wh_vocab.read("runs").filter(pl.col("run_id") == f"{kept}-refresh").is_empty()
+
+        logged.lines.clear()
+        refreshed = cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all",
+                                         name="hosp-recut-refreshed", refresh=True)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(logged)
+    assert f"{cut_before}; building it again from the current files, as `{rebuild}` does" in logged.lines
+    assert not [line for line in logged.lines if "forecasts it as it is" in line]
+    # The same files, options and seed: the same id, cut by this dxr's rules, and forecast so.
+    assert wh_vocab.read("cohorts").select("cohort_id", "cut_rule_version").rows() == [(cohort_id, CUT_RULE_VERSION)]
+    assert wh_vocab.read("runs").filter(pl.col("run_id") == f"{refreshed}-refresh").select(
+        "kind", "status", "cohort_id").rows() == [("cohort", "finished", cohort_id)]
+    assert forecast_cohorts(wh_vocab, refreshed) == {"repeat_history": cohort_id}
+
+
 def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, tmp_path):
     from flows.backfill import cohort_backfill_flow
 
