@@ -23,7 +23,7 @@ from dxr.errors import InputError, NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig, check_model_version, check_prior_system, check_prior_systems
 from tasks import stage_logger
-from warehouse.cohorts import get_cohort, reading_cohort
+from warehouse.cohorts import get_cohort, outdated_cut_note, reading_cohort, rebuild_command
 from warehouse.runs import registered_run
 from warehouse.schemas import NON_RUN_TABLES
 from warehouse.store import Warehouse
@@ -53,6 +53,12 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             stage_logger(__name__).info("%s: already trained in run %s (registered %s v%s), not trained again",
                                         system, run_id, done["registered_model"], done["version"])
             return TrainResult(**done)
+        if outdated := outdated_cut_note(wh, cohort_row):
+            # Training reads the train patients' full records, which no cut rule changes, but selects its epoch on
+            # the tuning patients' pre-target records, which the cohort's rules cut.
+            stage_logger(__name__).warning("%s; this training validates on its tuning records as they are, and `%s` "
+                                           "cuts it again", outdated,
+                                           rebuild_command(cohort_row, load_settings(data_dir=data_dir).seed))
         with registered_run(wh, f"train:{system}", config, run_id=run_id, cohort_id=cohort_id) as run:
             identity = training_identity(run.run_id, config)
             tracking.use_tracking(wh.root, cfg.tracking_uri, cfg.experiment)

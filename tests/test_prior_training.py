@@ -563,6 +563,36 @@ def test_the_systems_of_a_train_prior_flow_are_checked_before_any_training(prefe
     assert Warehouse(tmp_path).read("runs").is_empty()
 
 
+def test_a_training_of_a_cohort_cut_by_other_rules_warns_once_naming_it_and_the_rebuild(wh_vocab, tmp_path):
+    # A forecast of such a cohort warned; its training, which selects its epoch on the tuning pre-target records the
+    # cohort's rules cut, said nothing.
+    from tests.conftest import write_tiny_meds
+    from warehouse.cohorts import CUT_RULE_VERSION, CohortOptions, build_cohort
+    from warehouse.datasets import ingest_meds
+
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "meds"), "tiny")
+    cohort_id = build_cohort(wh_vocab, "tiny", "every0", CohortOptions(target="every", min_history=0),
+                             seed=7)["cohort_id"]
+    cfg = PriorConfig(**TINY, epochs=1)
+    warned = LoggedMessages(logging.WARNING)
+    logger = logging.getLogger("tasks.prior")  # outside a flow, the stage logs to its module logger
+    logger.addHandler(warned)
+    try:
+        train_prior(str(wh_vocab.root), "every0", "gru", cfg)
+        assert warned.lines == []  # a fresh build records the current version
+        # The cohorts row as a dxr before cut rules were versioned wrote it: its Parquet file has no such column.
+        wh_vocab.read("cohorts", cohort_id=cohort_id).drop("cut_rule_version").write_parquet(
+            wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
+        train_prior(str(wh_vocab.root), "every0", "gru", cfg)
+    finally:
+        logger.removeHandler(warned)
+    assert warned.lines == [
+        f"cohort every0 ({cohort_id}) was cut before cut rules were versioned, not by this dxr's version "
+        f"{CUT_RULE_VERSION}: its trajectories, targets and pre-target records may differ from what a build makes "
+        "now; this training validates on its tuning records as they are, and `dxr cohort build --dataset tiny "
+        "--name every0 --target every --harmonize native --min-history 0` cuts it again"]
+
+
 def test_an_unknown_system_is_refused_before_a_training_run_is_registered(tmp_path):
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
     with pytest.raises(InputError, match="unknown prior system 'repeat_history': use one of ehr_prior"):

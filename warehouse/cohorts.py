@@ -55,9 +55,10 @@ EARLIER_ICD10_RULE = "icd10_closest (earlier icd10)"
 # The version of the rules that cut a cohort: which encounters are targets and where their cutoffs fall, what their
 # targets hold, and what their pre-target records hold (`pretarget_sql`, `encounter_starts_sql`, `_write_cohort`).
 # Bump it with every change of those rules: a cohort records the version it was cut by (`cohorts.cut_rule_version`,
-# null before it was recorded) and keeps its cuts until it is built again, so a forecast of one cut by another
-# version warns (`outdated_cut_note`). 1 (2026-12-06): an encounter's undated events are history only once its last
-# dated event precedes the cutoff, and undated clinical rows without an encounter are left out.
+# null before it was recorded) and keeps its cuts until it is built again, so a forecast or a prior's training of one
+# cut by another version warns (`outdated_cut_note`) and a refreshing backfill builds it again. 1 (2026-12-06): an
+# encounter's undated events are history only once its last dated event precedes the cutoff, and undated clinical
+# rows without an encounter are left out.
 CUT_RULE_VERSION = 1
 SPILL_PREFIX = "cohort-build-"  # + cohort id: the target whose scratch sibling is a build's DuckDB spill directory
 # The kinds of event that are an encounter's or a day's (spec §1: H holds demographics, the earlier encounters' events

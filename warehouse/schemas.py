@@ -99,7 +99,8 @@ TABLES: dict[str, Table] = {
            "built before it was recorded). `cut_rule_version` is the version of the rules that cut its "
            "trajectories, targets and pre-target records (`warehouse.cohorts.CUT_RULE_VERSION`; null for cohorts "
            "built before it was recorded): a cohort keeps its cuts until it is built again (a backfill with "
-           "`refresh = true` builds it again under its id), and a forecast of one cut by another version warns.", nullable=["dataset_fingerprint", "cut_rule_version"]),
+           "`refresh = true` builds it again under its id), and a forecast or a prior's training of one cut by "
+           "another version warns.", nullable=["dataset_fingerprint", "cut_rule_version"]),
         _t("cohort_vocabulary", FORECAST, {
             "cohort_id": pa.string(), "code": pa.string(), "icd_version": pa.int8(), "title": pa.string(),
         }, ["cohort_id"], "The cohort's target vocabulary Ω, fixed at build time independently of targets.",
