@@ -855,6 +855,25 @@ def test_cli_ingest_mimic4_registers_the_dataset_and_its_run(tmp_path):
     assert (row["time_zone"], row["utc_offset"]) == ("Asia/Kolkata", "+05:30")  # without --labs: no labevents' +05:30
 
 
+def test_cli_mimic_imports_print_the_ingest_notes_of_what_the_release_holds_and_the_demo_none(tmp_path):
+    # `dxr ingest meds` printed a note for an event at a placeholder date; the MIMIC importers computed the same
+    # count and printed nothing.
+    hosp = copy_fixture(tmp_path)
+    edit_table(hosp, "prescriptions", replace_on_line(1, ",2150-03-01 09:00:00,", ",2999-12-31 00:00:00,"))
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic4", hosp, "--name", "placeholder")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stdout.splitlines() if line.startswith("note:")] == [
+        "note: 1 event is dated before 1800 or in 2300 or later (e.g. data/train/0.parquet, row 16: subject 10000001, "
+        "MEDICATION//NDC//00517570425 at 2999-12-31 00:00:00): taken as dated, such an event precedes every cutoff "
+        "of its patient or follows them all (an admission so dated makes the patient's last encounter, the target of "
+        "--target final); a placeholder date? correct it in the export"]
+    # The official files give none: the demo's births of patients over 89, moved before 1800 by MIMIC-III and
+    # capped by the import, and its shifted years stay quiet.
+    result = run("--data-dir", tmp_path / "wh", "ingest", "mimic3", shared_data("mimic-iii-demo"), "--name", "demo")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stdout
+
+
 def test_cli_bad_input_is_one_line_and_registers_nothing(tmp_path):
     from warehouse.store import Warehouse
 

@@ -162,6 +162,19 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
     for respelling in row["respelled"]:
         click.echo(f"diagnosis codes: {respelling.n_events:,} rewritten from {respelling.prefix}… to "
                    f"DIAGNOSIS//ICD//{respelling.version}//… without the dot (e.g. {respelling.example})")
+    echo_ingest_notes(row)
+    echo_refresh_note(wh, name, settings(ctx).seed)
+
+
+def echo_ingest_notes(row: dict) -> None:
+    """The notes of every ingest command (its `register_dataset` row) on what it takes although an expert would
+    correct it in the export: none breaks a step, and one patient should not hold back a 300,000-patient extract.
+    A MIMIC import writes none of these cases itself, but the release it reads may hold them (a placeholder date)."""
+    from warehouse.meds import PLAUSIBLE_YEARS
+
+    def counted(n: int, one: str, more: str) -> str:
+        return f"{n:,} {one if n == 1 else more}"
+
     if row["n_diagnoses_without_encounter"]:
         click.echo(f"note: {row['n_diagnoses_without_encounter']:,} diagnosis events have no encounter_id; they stay "
                    "in patients' histories but never form or join a target encounter")
@@ -171,18 +184,6 @@ def ingest_meds_cmd(ctx: click.Context, path: Path, name: str, memory_limit: str
         click.echo(f"note: {n:,} of the {row['n_subjects']:,} patients {are} not in metadata/subject_splits.parquet: "
                    f"{they_are} left out of every cohort (neither trained on nor forecast); give each a split there, "
                    "or leave the file out for the seeded hash split")
-    echo_meds_notes(row)
-    echo_refresh_note(wh, name, settings(ctx).seed)
-
-
-def echo_meds_notes(row: dict) -> None:
-    """The notes on what `dxr ingest meds` takes although an expert would correct it in the export: none breaks a
-    step, and one patient should not hold back a 300,000-patient extract."""
-    from warehouse.meds import PLAUSIBLE_YEARS
-
-    def counted(n: int, one: str, more: str) -> str:
-        return f"{n:,} {one if n == 1 else more}"
-
     if row["n_listed_without_events"]:
         click.echo(f"note: {counted(row['n_listed_without_events'], 'subject', 'subjects')} of "
                    f"metadata/subject_splits.parquet (e.g. subject {row['listed_without_events']}) "

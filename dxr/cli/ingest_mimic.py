@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from dxr.cli import echo_err, settings, valid, warehouse
-from dxr.cli.data import check_memory_limit, echo_refresh_note, ingest
+from dxr.cli.data import check_memory_limit, echo_ingest_notes, echo_refresh_note, ingest
 
 
 def _import_and_register(ctx: click.Context, source: str, path: Path, name: str, seed: int | None, labs: bool,
@@ -21,6 +21,7 @@ def _import_and_register(ctx: click.Context, source: str, path: Path, name: str,
     click.echo(summary.table())
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events, "
                f"ICD versions {row['icd_versions']}")
+    echo_ingest_notes(row)
     echo_refresh_note(wh, name, settings(ctx).seed)
 
 
