@@ -342,6 +342,15 @@ def mean_k_sweep(wh: Warehouse, run_ids: list[str], systems: list[str], max_k: i
     return sweeps.group_by("system", "subset", "k", "metric").agg(pl.col("value").mean())
 
 
+def earlier_version_notes(wh: Warehouse, run_id: str) -> list[tuple[str, str]]:
+    """(label, note) of what in a run's report is of an earlier version than the warehouse's or this dxr's now: its
+    cohort (`run_superseded_note`) and its evaluation (`outdated_evaluation_note`). The report opens with them and
+    `dxr report` repeats them on stderr, where a scheduled or scripted run's reader sees them."""
+    notes = [("Earlier cohort", run_superseded_note(wh, run_id)),
+             ("Earlier evaluation rules", outdated_evaluation_note(wh, run_id))]
+    return [(label, note) for label, note in notes if note]
+
+
 def build_report(wh: Warehouse, run_id: str) -> list:
     metrics = wh.read("metrics", run_id=run_id)
     if metrics.is_empty():
@@ -384,10 +393,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
-    if superseded := run_superseded_note(wh, run_id):
-        blocks.append(Paragraph(f"Earlier cohort: {superseded}."))
-    if outdated := outdated_evaluation_note(wh, run_id):
-        blocks.append(Paragraph(f"Earlier evaluation rules: {outdated}."))
+    blocks += [Paragraph(f"{label}: {note}.") for label, note in earlier_version_notes(wh, run_id)]
     # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     in_sample = in_sample_note(wh, (averaged or [run_id])[0])
     if in_sample:

@@ -194,12 +194,11 @@ def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None
     Example:
       dxr report --run forecast-20260101T000000-abc123 --out reports/forecast-20260101T000000-abc123
     """
-    from tasks.evaluate import outdated_evaluation_note
-    from tasks.report import render_report
+    from tasks.report import earlier_version_notes, render_report
 
     wh = warehouse(ctx, existing=True)
     page = render_report(wh, run_id, out_dir)
     click.echo(f"report: {page}")
     click.echo(f"markdown: {page.with_name('report.md')}")
-    if note := outdated_evaluation_note(wh, run_id):
-        click.echo(f"note: run {run_id}: {note}", err=True)
+    for _, note in earlier_version_notes(wh, run_id):
+        click.echo(f"note: run {run_id}: {note}", err=True)  # as `dxr evaluate` words its notes
