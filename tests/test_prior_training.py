@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 import polars as pl
+import sqlalchemy
 import pytest
 import torch
 from click.testing import CliRunner
@@ -803,6 +804,19 @@ def test_a_configured_store_is_not_re_pointed_at_the_data_dir_that_uses_it(tmp_p
     location = (tmp_path / "first" / "mlflow" / "artifacts").as_uri()
     assert tracking.mlflow.get_experiment_by_name("shared").artifact_location == location
     assert not (tmp_path / "second" / "mlflow").exists()
+
+
+@pytest.mark.parametrize("folder", ["why?", "100%20 o'b é中文", "100% sure"])
+def test_a_data_dir_whose_path_holds_a_question_mark_or_percent_sign_keeps_its_store_inside_it(tmp_path, folder):
+    # SQLAlchemy ends a URI's path at `?` and decodes `%20`: the store was opened at `<tmp>/why`, or not at all.
+    root = tmp_path / folder
+    uri = tracking.use_tracking(root, None, "dxr-ehr-prior")
+    with mlflow.start_run():
+        mlflow.log_dict({"epochs": 2}, "config.json")
+    assert sqlalchemy.make_url(uri).database == str(root / "mlflow" / "mlflow.db")
+    assert tracking.sqlite_file(uri) == root / "mlflow" / "mlflow.db"
+    assert mlflow.get_experiment_by_name("dxr-ehr-prior").artifact_location == (root / "mlflow" / "artifacts").as_uri()
+    assert [path.name for path in (root / "mlflow" / "artifacts").rglob("*.json")] == ["config.json"]
 
 
 def test_a_long_lived_process_forecasts_with_the_pinned_run_not_an_earlier_stores_same_version(tmp_path,

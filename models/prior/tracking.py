@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import unquote
 
 from dxr.errors import ConfigError, NotFoundError
 from warehouse.duck import out_of_disk
@@ -51,7 +53,30 @@ def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
         return configured
     root = Path(data_dir).resolve() / "mlflow"
     root.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return sqlite_uri(root / "mlflow.db")
+
+
+def sqlite_uri(db: Path) -> str:
+    """The tracking URI of the sqlite file `db`. SQLAlchemy decodes `%XX` in a URI's path and ends the path at `?`,
+    so a data dir such as `/srv/100%20 data` or `/srv/why?` would open another file, or none: both are escaped,
+    and nothing else. MLflow creates the parent directory of the path as the URI spells it, escapes and all, so a
+    path escaped needlessly (`/srv/100% data`) would leave an empty `/srv/100%25 data/mlflow` beside the data dir.
+
+    >>> sqlite_uri(Path("/srv/100%20 data/why?/100% sure/mlflow.db"))
+    'sqlite:////srv/100%2520 data/why%3F/100% sure/mlflow.db'
+    """
+    return "sqlite:///" + re.sub(r"%(?=[0-9A-Fa-f]{2})", "%25", str(db)).replace("?", "%3F")
+
+
+def sqlite_path(uri: str) -> str | None:
+    """The path of a sqlite URI as SQLAlchemy reads it (options after `?` dropped, `%XX` decoded); None for others.
+
+    >>> sqlite_path(sqlite_uri(Path("/srv/100%20 data/why?/mlflow.db")))
+    '/srv/100%20 data/why?/mlflow.db'
+    >>> sqlite_path("http://mlflow.internal:5000") is None
+    True
+    """
+    return unquote(uri.removeprefix("sqlite:///").partition("?")[0]) if uri.startswith("sqlite:///") else None
 
 
 def artifact_root(uri: str) -> str | None:
@@ -63,9 +88,8 @@ def artifact_root(uri: str) -> str | None:
     >>> artifact_root("http://mlflow.internal:5000") is None
     True
     """
-    if not uri.startswith("sqlite:///"):
-        return None
-    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts").as_uri()
+    path = sqlite_path(uri)
+    return None if path is None else (Path(path).resolve().parent / "artifacts").as_uri()
 
 
 def store_error(exc: MlflowException, action: str) -> ConfigError:
@@ -112,7 +136,7 @@ def relocate_store(db: Path) -> None:
     """
     if not db.is_file():
         return
-    here = artifact_root(f"sqlite:///{db}")
+    here = artifact_root(sqlite_uri(db))
     try:
         with closing(sqlite3.connect(db, timeout=60, isolation_level=None)) as con:
             if not columns(con, "experiments") or not moved_from(con, here):
@@ -153,8 +177,8 @@ def sqlite_file(uri: str) -> Path | None:
     >>> sqlite_file("http://mlflow.internal:5000") is None
     True
     """
-    path = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else ""
-    return Path(path) if path and path != ":memory:" and "?" not in path else None
+    path = sqlite_path(uri)
+    return Path(path) if path and path != ":memory:" and "?" not in uri else None
 
 
 def create_default_store(data_dir: str | Path) -> None:
@@ -168,7 +192,7 @@ def create_default_store(data_dir: str | Path) -> None:
     without any experiment is what such a killed creation left before: it holds nothing (dxr registers models only
     from runs, which belong to experiments), so it is made again.
     """
-    create_store(data_dir, Path(tracking_uri(data_dir, None).removeprefix("sqlite:///")), owned=True)
+    create_store(data_dir, Path(sqlite_path(tracking_uri(data_dir, None))), owned=True)
 
 
 def create_configured_store(data_dir: str | Path, db: Path) -> None:
@@ -199,7 +223,7 @@ def create_store(data_dir: str | Path, db: Path, *, owned: bool) -> None:
         remove_abandoned(db)
         with scratch(db, "staging") as staging:
             staging.mkdir()
-            MlflowClient(tracking_uri=f"sqlite:///{staging / db.name}").search_experiments(max_results=1)
+            MlflowClient(tracking_uri=sqlite_uri(staging / db.name)).search_experiments(max_results=1)
             if owned:
                 os.replace(staging / db.name, db)
                 return
@@ -219,7 +243,7 @@ def check_opens(db: Path) -> None:
     with scratch(db, "check") as copy:
         shutil.copyfile(db, copy)
         try:
-            MlflowClient(tracking_uri=f"sqlite:///{copy}").search_experiments(max_results=1)
+            MlflowClient(tracking_uri=sqlite_uri(copy)).search_experiments(max_results=1)
         except (SQLAlchemyError, MlflowException) as exc:
             reason = str(exc).strip().splitlines()[0]
             raise ConfigError(f"MLflow store {db} (prior.tracking_uri) is half made: it has no experiment and MLflow "
@@ -249,7 +273,7 @@ def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) 
     uri = tracking_uri(data_dir, configured)
     if not configured:
         create_default_store(data_dir)
-        relocate_store(Path(uri.removeprefix("sqlite:///")))
+        relocate_store(Path(sqlite_path(uri)))
     elif (db := sqlite_file(configured)) is not None:
         create_configured_store(data_dir, db)
     mlflow.set_tracking_uri(uri)
