@@ -47,6 +47,15 @@ def test_python_dash_m_dxr_runs_the_same_command_line():
     assert result.stdout.startswith("Usage: dxr ") and "Example:" in result.stdout
 
 
+@pytest.mark.parametrize("args,escaped", [(["evaluate", "--help"], "config-\\u2026 id"),
+                                          (["cohort", "build", "--help"], "vocabulary \\u03a9")])
+def test_output_to_a_terminal_whose_encoding_lacks_a_character_escapes_it(args, escaped):
+    # PYTHONIOENCODING=latin-1: Click trusts the encoding, and `…` or `Ω` raised UnicodeEncodeError part way through.
+    result = CliRunner(charset="latin-1").invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert escaped in result.output and "Example:" in result.output
+
+
 def one_line_error(result, exit_code: int = 1) -> str:
     assert result.exit_code == exit_code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -7,6 +7,7 @@ that is malformed whatever the warehouse holds is refused by its callback (`dxr.
 from __future__ import annotations
 
 import errno
+import io
 import signal
 import sys
 import threading
@@ -70,9 +71,25 @@ def _in_one_line(exc: click.UsageError) -> click.UsageError:
     return one
 
 
+def tolerant_output() -> None:
+    """Make stdout and stderr write a character their encoding lacks as an escape (`\\u2192`) instead of raising.
+
+    dxr prints `→`, `≥`, `…`, `Ω` and the data's own text (titles, names). Click writes UTF-8 where the terminal
+    says ASCII, but trusts any other encoding: under `PYTHONIOENCODING=latin-1` (or a Latin-1 locale without
+    Python's UTF-8 coercion) `dxr evaluate --help` and any query showing such a character died with
+    UnicodeEncodeError, part way through the output."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
 class DxrGroup(click.Group):
     """A click group that reports library, file-system and usage errors as one line instead of a
     traceback or Click's usage block."""
+
+    def main(self, *args, **kwargs):
+        tolerant_output()  # before anything is printed: help, usage errors and the command's output alike
+        return super().main(*args, **kwargs)
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:  # the group's own options
