@@ -1,6 +1,8 @@
 """dxr: evidence-grounded clinical forecasting on MEDS data."""
 
 import os
+import tempfile
+from pathlib import Path
 
 from dxr.noise import silence_third_party_noise
 
@@ -13,6 +15,25 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "MLFLOW_DISABL
                       "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}.items():
     os.environ.setdefault(_name, _value)
+
+
+def writable_or_creatable(path: Path) -> bool:
+    """Whether `path` is a directory this process may write in, or one it could create."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+# Prefect keeps its temporary API server's database and task results under its home (`~/.prefect`), matplotlib its
+# font cache under `~/.config/matplotlib`. A service account's HOME is often unwritable (`/nonexistent`, a read-only
+# image): every flow command then waited 120 s for a Prefect server that could not open its database and failed with
+# a traceback, and every report warned that matplotlib made a temporary cache. There, a directory of this user's own
+# in the temporary directory is used instead; a variable that is set is left alone.
+for _variable, _default, _tool in [("PREFECT_HOME", "~/.prefect", "prefect"),
+                                   ("MPLCONFIGDIR", os.path.join(os.environ.get("XDG_CONFIG_HOME") or "~/.config",
+                                                                 "matplotlib"), "matplotlib")]:
+    if _variable not in os.environ and not writable_or_creatable(Path(os.path.expanduser(_default))):
+        os.environ[_variable] = str(Path(tempfile.gettempdir()) / f"dxr-{_tool}-{os.getuid()}")
 
 # Here, so that every process running dxr's code (CLI, flows, served flows, benchmarks) prints dxr's output only.
 silence_third_party_noise()

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,6 +46,27 @@ def test_python_dash_m_dxr_runs_the_same_command_line():
     result = subprocess.run([sys.executable, "-m", "dxr", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Usage: dxr ") and "Example:" in result.stdout
+
+
+HOMES_IN_FORCE = ("import dxr, matplotlib; from prefect.settings import PREFECT_HOME; "
+                  "print(PREFECT_HOME.value(), matplotlib.get_configdir(), sep='\\n')")
+
+
+def test_prefect_and_matplotlib_move_to_the_temporary_directory_only_where_home_is_not_writable(tmp_path):
+    # HOME=/dev/null stands for an unwritable HOME even for root: every flow command waited 120 s for a Prefect server
+    # that could not open ~/.prefect/prefect.db, then failed with a traceback; matplotlib warned at every report.
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_HOME", "MPLCONFIGDIR", "XDG_CONFIG_HOME")}
+    homes = {}
+    for home in ("/dev/null", str(tmp_path)):
+        ran = subprocess.run([sys.executable, "-c", HOMES_IN_FORCE], env={**env, "HOME": home},
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0 and "matplotlib" not in ran.stderr, ran.stderr
+        homes[home] = ran.stdout.splitlines()
+    temporary = Path(tempfile.gettempdir())
+    assert homes == {"/dev/null": [str(temporary / f"dxr-prefect-{os.getuid()}"),
+                                   str(temporary / f"dxr-matplotlib-{os.getuid()}")],
+                     str(tmp_path): [str(tmp_path / ".prefect"), str(tmp_path / ".config" / "matplotlib")]}
 
 
 @pytest.mark.parametrize("args,escaped", [(["evaluate", "--help"], "config-\\u2026 id"),
