@@ -3,7 +3,10 @@ commit that a kill leaves whole or gone; another cohort of the same dataset and 
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+import shlex
 from datetime import datetime
 from pathlib import Path
 
@@ -91,6 +94,28 @@ def two_cohorts(two_cohorts_built, tmp_path):
     return warehouse_copy(template, tmp_path / "warehouse"), old, kept
 
 
+def removal_arguments(out: str) -> dict[str, str]:
+    """The argument of each Python call in the MLflow removal command that a delete's note prints, by the called name,
+    read as the shell and then Python read it."""
+    [command] = re.findall(r"remove it with `(.*)`$", out, flags=re.MULTILINE)
+    program, flag, code = shlex.split(command)
+    assert (program, flag) == (".venv/bin/python", "-c"), command
+    calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)]
+    return {getattr(call.func, "attr", getattr(call.func, "id", None)): ast.literal_eval(arg)
+            for call in calls for arg in call.args}
+
+
+def test_the_mlflow_removal_command_of_a_data_dir_with_a_quote_in_its_path_runs_as_printed(two_cohorts_built,
+                                                                                         tmp_path):
+    # The note put the store's URI between single quotes inside a double-quoted shell argument: `/srv/o'brien` broke it.
+    template, old, _ = two_cohorts_built
+    wh = warehouse_copy(template, tmp_path / "o'brien \"wh\" $HOME é")
+    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    assert code == 0, err
+    assert removal_arguments(out) == {"MlflowClient": f"sqlite:///{wh.root / 'mlflow' / 'mlflow.db'}",
+                                      "delete_registered_model": f"ehr_prior-{old}"}
+
+
 def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_other_cohort(two_cohorts):
     wh, old, kept = two_cohorts
     before = every_table(wh)
@@ -106,7 +131,8 @@ def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_o
     assert ": removed 1 run(s) (r-old) and these rows:" in out.splitlines()[0]
     assert "removed reports/r-old/" in out and f"removed mlflow/cache/ehr_prior-{old}/" in out
     assert f"note: registered MLflow model ehr_prior-{old} (if still registered) stays in sqlite:///" in out
-    assert f".delete_registered_model('ehr_prior-{old}')" in out
+    assert removal_arguments(out) == {"MlflowClient": f"sqlite:///{wh.root / 'mlflow' / 'mlflow.db'}",
+                                      "delete_registered_model": f"ehr_prior-{old}"}
 
     after = every_table(wh)
     for table, rows in before.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import click
@@ -371,9 +372,11 @@ def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run:
 
         uri = tracking_uri(wh.root, cfg.prior.tracking_uri)
         for name in plan.registered_models:
+            # Quoted for Python and then for the shell: a data dir may be `/srv/o'brien`.
+            removal = (f"from mlflow import MlflowClient; MlflowClient({json.dumps(uri, ensure_ascii=False)})"
+                       f".delete_registered_model({json.dumps(name)})")
             click.echo(f"note: registered MLflow model {name} (if still registered) stays in {uri}; remove it with "
-                       f"`.venv/bin/python -c \"from mlflow import MlflowClient; MlflowClient('{uri}')"
-                       f".delete_registered_model('{name}')\"`")
+                       f"`.venv/bin/python -c {shlex.quote(removal)}`")
     if ended:
         click.echo(f"note: MLflow run(s) {', '.join(sorted(ended))} of the cohort's killed trainings, left RUNNING, "
                    "ended as KILLED (the runs and their artifacts stay)")
