@@ -965,3 +965,20 @@ def test_a_partition_written_while_a_removal_empties_its_parent_is_written(wh, m
     assert raced
     assert wh.read("runs", run_id="r1")["kind"].to_list() == ["cohort_build"]
     assert not any((wh.forecast_dir / store.COMMIT_DIR).glob(f"*{store.COMMITTED}"))
+
+
+STORED_TIME_AS_SEEN = """
+import sys
+from warehouse.store import Warehouse
+con = Warehouse(sys.argv[1]).connect()
+print(con.execute("SELECT (TIMESTAMP '2026-12-06 16:04:40')::TIMESTAMPTZ").fetchone()[0].isoformat())
+"""
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Pacific/Kiritimati", "America/St_Johns"])
+def test_a_stored_time_cast_to_timestamptz_is_the_utc_instant_it_was_stored_as_in_any_process_zone(tmp_path, zone):
+    # Stored times are UTC without a zone; DuckDB's session took the process's zone and read them as local times.
+    ran = subprocess.run([sys.executable, "-c", STORED_TIME_AS_SEEN, str(tmp_path)], env={**os.environ, "TZ": zone},
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "2026-12-06T16:04:40+00:00"

@@ -32,9 +32,14 @@ def connect(database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     removes it when the connection closes; one per connection, as instances sharing one delete each other's
     files when they close. A database file spills next to itself (`<file>.tmp`), as DuckDB does; a caller
     with a scratch directory of its own (a cohort build) sets `temp_directory` there.
+
+    The session's time zone is UTC, the zone of every time dxr stores (without a zone): in the process's zone,
+    DuckDB's default, a query casting one to TIMESTAMPTZ or comparing it with `now()` (runs of the last day) read
+    it as a local time, 14 hours off under TZ=Pacific/Kiritimati.
     """
     con = duckdb.connect(database)
     _open.add(con)
+    con.execute("SET TimeZone = 'UTC'")
     if database == ":memory:":
         con.execute(f"SET temp_directory = {literal(Path(tempfile.gettempdir()) / f'dxr-duckdb-{uuid.uuid4().hex}')}")
     return con

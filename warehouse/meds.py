@@ -654,9 +654,8 @@ def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelt
     glob = duck.literal(str(root / meds.data_subdirectory / "**" / "*.parquet"))
     birth = duck.literal(meds.birth_code)
     # Every time as a UTC instant in microseconds, whatever its type (a zone's nanoseconds have no epoch_us of their
-    # own): cast to TIMESTAMP, which shows a time with a zone in the session's zone, here UTC. (Casting to
+    # own): cast to TIMESTAMP, which shows a time with a zone in the session's zone, UTC (`duck.connect`). (Casting to
     # TIMESTAMPTZ instead would look up the zone of every time without one, four times slower.)
-    con.execute("SET TimeZone = 'UTC'")
     [(n_late, late, n_spread, spread, n_odd, odd)] = con.execute(f"""
         WITH events AS (
             SELECT subject_id, code, filename, file_row_number, epoch_us(time::TIMESTAMP) AS time
