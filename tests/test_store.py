@@ -982,3 +982,22 @@ def test_a_stored_time_cast_to_timestamptz_is_the_utc_instant_it_was_stored_as_i
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "2026-12-06T16:04:40+00:00"
+
+
+def vocabulary(cohort: str, n: int) -> pl.DataFrame:
+    return pl.DataFrame({"cohort_id": [cohort] * n, "code": [f"DIAGNOSIS//ICD//10//I1{i}" for i in range(n)],
+                         "icd_version": [10] * n, "title": [None] * n},
+                        schema={"cohort_id": pl.String, "code": pl.String, "icd_version": pl.Int8, "title": pl.String})
+
+
+def test_a_data_dir_whose_path_holds_glob_characters_reads_its_own_files_only(tmp_path):
+    # DuckDB and polars glob the whole path: `[v2]` matched no file of this data dir, and the `*` matched the sibling.
+    from warehouse.sql import run_query
+
+    wh, sibling = store.Warehouse(tmp_path / "dxr [v2]*"), store.Warehouse(tmp_path / "dxr v-old")
+    for warehouse, n in ((wh, 3), (sibling, 5)):
+        warehouse.write("cohort_vocabulary", vocabulary("c", n), cohort_id="c")
+        warehouse.write("targets", targets("c", n), cohort_id="c")
+    assert wh.read("cohort_vocabulary").height == 3
+    assert wh.connect().execute("SELECT count(*) FROM cohort_vocabulary").fetchall() == [(3,)]
+    assert run_query(wh, "SELECT count(*) AS n FROM targets", fmt="csv", with_gold=True) == "n\n3\n"

@@ -442,7 +442,7 @@ def _load_cached_vectors(out_dir: Path) -> dict[str, np.ndarray]:
     keys_path, vectors_path = out_dir / "embedding_keys.parquet", out_dir / "embeddings.npy"
     if not (keys_path.exists() and vectors_path.exists()):
         return {}
-    keys = pl.read_parquet(keys_path)["key"].to_list()
+    keys = pl.read_parquet(keys_path, glob=False)["key"].to_list()
     vectors = np.load(vectors_path)
     if len(keys) != len(vectors):
         return {}
@@ -526,7 +526,7 @@ class CorpusIndex:
         manifest = None
         try:
             manifest = json.loads((self.directory / "manifest.json").read_text())
-            chunks = pl.read_parquet(self.directory / "chunks.parquet")
+            chunks = pl.read_parquet(self.directory / "chunks.parquet", glob=False)
             lexical = tantivy.Index.open(str(self.directory / "tantivy"))
             dense = None
             if (self.directory / "dense.faiss").exists():

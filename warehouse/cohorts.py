@@ -36,6 +36,7 @@ from functools import partial
 
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dxr.errors import InputError, NotFoundError
@@ -329,7 +330,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     with _spilling_connection(wh, cohort_id, memory_limit) as con:
         vocab.load_vocabularies(wh)
         gem, icd_codes = wh.read("gem_map"), wh.read("icd_codes")
-        shards = f"read_parquet({duck.literal(f'{info.root}/data/**/*.parquet')}, union_by_name=true)"
+        shards = f"read_parquet({duck.files(info.root / 'data', '**/*.parquet')}, union_by_name=true)"
         con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
                         FROM {shards}""")
         # The MIMIC importers flag the birth date they moved to cap an age above 89 (`time_imputed`, a MEDS
@@ -511,7 +512,7 @@ def _vocabulary(info, options: CohortOptions, gem: pl.DataFrame, icd_codes: pl.D
     codes_file = info.root / "metadata" / "codes.parquet"
     shipped = pl.DataFrame(schema={"code": pl.String, "title": pl.String})
     if codes_file.is_file():
-        codes = pl.read_parquet(codes_file)
+        codes = pl.read_parquet(codes_file, glob=False)
         if "description" not in codes.columns:  # optional in MEDS code metadata
             codes = codes.with_columns(description=pl.lit(None, pl.String))
         shipped = (codes.select("code", "description").cast(pl.String)  # also dictionary-encoded or all-null
@@ -542,8 +543,8 @@ def _code_titles(info, cohort_id: str, used_codes: set[str], icd_titles: pl.Data
     """
     codes_file = info.root / "metadata" / "codes.parquet"
     described = pl.DataFrame(schema={"code": pl.String, "description": pl.String})
-    if codes_file.is_file() and "description" in pl.read_parquet_schema(codes_file):
-        described = pl.read_parquet(codes_file, columns=["code", "description"]).cast(pl.String)
+    if codes_file.is_file() and "description" in pq.read_schema(codes_file).names:
+        described = pl.read_parquet(codes_file, columns=["code", "description"], glob=False).cast(pl.String)
     official = icd_titles.rename({"title": "description"}).cast(pl.String)
     used = list(used_codes)
     titles = (pl.concat([described.filter(pl.col("code").is_in(used)), official.filter(pl.col("code").is_in(used))])

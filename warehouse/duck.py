@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import tempfile
 import uuid
 import weakref
@@ -52,6 +53,36 @@ def literal(text) -> str:
     "'/data/o''brien/*.parquet'"
     """
     return "'" + str(text).replace("'", "''") + "'"
+
+
+def files(path, pattern: str | None = None) -> str:
+    """The SQL string literal that names, to DuckDB's readers, the file `path` or the files that `pattern` (a glob,
+    `**/*.parquet`) matches under directory `path`.
+
+    DuckDB globs the whole string, the path too: a data dir `/srv/dxr [v2]` matched no file, and `/srv/dxr*` read the
+    files of `/srv/dxr-old` as well. So each glob character of the path (`*`, `?`, `[`, `]`) goes into a class of
+    its own, which matches that character alone.
+
+    >>> files("/srv/o'brien [v2]", "**/*.parquet")
+    "'/srv/o''brien [[]v2[]]/**/*.parquet'"
+    """
+    exact = glob_escaped(path)
+    return literal(exact if pattern is None else f"{exact}/{pattern}")
+
+
+def glob_escaped(path) -> str:
+    """`path` with each glob character in a class of its own, which matches that character alone."""
+    return re.sub(r"[*?\[\]]", lambda glob_character: f"[{glob_character.group()}]", str(path))
+
+
+def confine(con: duckdb.DuckDBPyConnection, *directories: Path) -> None:
+    """Let `con` read files under `directories` only, for good (access cannot be re-enabled on it).
+
+    DuckDB checks the name a reader is given, before it expands a glob, so each directory is allowed both as
+    written and as `files` escapes it (`/srv/dxr [[]v2[]]/`)."""
+    names = dict.fromkeys(name for directory in directories for name in (str(directory), glob_escaped(directory)))
+    con.execute(f"SET allowed_directories=[{', '.join(literal(f'{name}/') for name in names)}]")
+    con.execute("SET enable_external_access=false")
 
 
 def out_of_disk(exc: BaseException) -> bool:

@@ -450,7 +450,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     if splits_path.is_file():
         # Checked here rather than at cohort build, so a bad split is refused before the dataset is registered.
         try:
-            splits = pl.read_parquet(splits_path)
+            splits = pl.read_parquet(splits_path, glob=False)
         except (pl.exceptions.PolarsError, OSError) as exc:
             raise _unreadable_optional_file(splits_path, exc) from exc
         missing = [column for column in ("subject_id", "split") if column not in splits.columns]
@@ -463,7 +463,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         # and its subjects without events, which hint at missing shards or the split file of another extract.
         with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
             con.register("listed", splits.select("subject_id").to_arrow())
-            shards_glob = duck.literal(str(data_dir / "**" / "*.parquet"))
+            shards_glob = duck.files(data_dir, "**/*.parquet")
             [(n_unsplit, n_eventless, eventless)] = con.execute(f"""
                 WITH events AS (SELECT DISTINCT subject_id FROM read_parquet({shards_glob}, union_by_name=true))
                 SELECT (SELECT count(*) FROM events ANTI JOIN listed USING (subject_id)), count(*), min(subject_id)
@@ -651,7 +651,7 @@ def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelt
     """
     shift = 0 if offset is None else offset // timedelta(microseconds=1)
     first, last = (f"epoch_us(TIMESTAMP '{year}-01-01') - {shift}" for year in PLAUSIBLE_YEARS)
-    glob = duck.literal(str(root / meds.data_subdirectory / "**" / "*.parquet"))
+    glob = duck.files(root / meds.data_subdirectory, "**/*.parquet")
     birth = duck.literal(meds.birth_code)
     # Every time as a UTC instant in microseconds, whatever its type (a zone's nanoseconds have no epoch_us of their
     # own): cast to TIMESTAMP, which shows a time with a zone in the session's zone, UTC (`duck.connect`). (Casting to
@@ -729,12 +729,12 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
                   ) -> tuple[int, int, int, tuple[int, ...], tuple[Respelling, ...]]:
     """The event checks of `validate_meds_dir`, in DuckDB; returns the subjects, events, diagnoses without an
     encounter, ICD versions of the data, and its diagnoses in other spellings (with `other_spellings`)."""
-    glob = str(data_dir / "**" / "*.parquet")
+    glob = duck.files(data_dir, "**/*.parquet")
 
     def scan(options: str = "", as_written: bool = False) -> str:
         """The shards with the encounter column under its platform name and, unless `as_written`, each diagnosis
         code in the platform's spelling."""
-        relation = f"read_parquet({duck.literal(glob)}, union_by_name=true{options})"
+        relation = f"read_parquet({glob}, union_by_name=true{options})"
         columns = "*" if encounter == "encounter_id" else f"*, {encounter} AS encounter_id"
         if other_spellings and not as_written:
             columns = columns.replace("*", f"* REPLACE (coalesce({respelled_diagnosis_sql('code')}, code) AS code)", 1)
@@ -799,7 +799,7 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
     first_with_content: dict[tuple[int, int], Path] = {}
     for n_rows, group in by_rows.items():
         for shard in group if len(group) > 1 and n_rows else ():  # empty shards (a split without patients) are fine
-            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet({duck.literal(shard)}) t"
+            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet({duck.files(shard)}) t"
                                        ).fetchall()
             earlier = first_with_content.setdefault((n_rows, content), shard)
             if earlier != shard:
@@ -856,7 +856,7 @@ def _check_dictionary_codes(codes_path: Path, other_spellings: bool) -> None:
     A diagnosis dictionary there becomes the cohorts' vocabulary Ω: a code spelled `DIAGNOSIS//ICD//10//I50.22`
     would match no event and no model output, so every forecast would come out empty without an error.
     """
-    codes = pl.read_parquet(codes_path, columns=["code"]).cast(pl.String).with_row_index("row", offset=1)
+    codes = pl.read_parquet(codes_path, columns=["code"], glob=False).cast(pl.String).with_row_index("row", offset=1)
     respelled = pl.any_horizontal([pl.col("code").str.contains(pattern) for pattern in DIAGNOSIS_SPELLINGS.values()])
     wrong = codes.filter(pl.col("code").str.strip_chars().str.to_uppercase().str.starts_with("DIAGNOSIS//")
                          & ~pl.col("code").str.contains(_DICTIONARY_DIAGNOSIS_CODE.pattern)
@@ -1125,7 +1125,7 @@ def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[s
         return con.sql(f"""
             WITH diagnoses AS (
                 SELECT *, {platform} AS platform_code
-                FROM read_parquet({duck.literal(shard)}, file_row_number = true) WHERE {platform} IS NOT NULL),
+                FROM read_parquet({duck.files(shard)}, file_row_number = true) WHERE {platform} IS NOT NULL),
             spellings AS (
                 SELECT file_row_number, code, {same}, count(*) OVER spelling AS n, min(file_row_number) OVER spelling
                        AS first_row
@@ -1198,12 +1198,12 @@ def read_splits(info: MedsInfo, seed: int, memory_limit: str = "2GB") -> pl.Data
     subjects within `memory_limit`)."""
     if info.has_splits:
         path = info.root / meds.subject_splits_filepath
-        splits = pl.read_parquet(path).select("subject_id", "split")
+        splits = pl.read_parquet(path, glob=False).select("subject_id", "split")
         check_splits(splits, path)  # again: the file may have changed since the dataset was registered
         return splits
     with _spilling_connection(f"reading the subjects of MEDS directory {info.root}", memory_limit) as con:
         ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet("
-                          f"{duck.literal(f'{info.root}/data/**/*.parquet')}) ORDER BY subject_id"
+                          f"{duck.files(info.root / 'data', '**/*.parquet')}) ORDER BY subject_id"
                           ).fetchnumpy()["subject_id"]
     return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},
                         schema={"subject_id": pl.Int64, "split": pl.String})

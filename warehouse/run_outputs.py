@@ -37,7 +37,7 @@ def calls_written_before_cost(wh: Warehouse, run_id: str) -> list[str]:
     because the file has no such column, not because their model had no price (which a newer file's null says)."""
     files = sorted(wh.partitions_dir("llm_calls", run_id=run_id).rglob(PART_FILE))
     return [call_id for path in files if "cost_usd" not in pq.read_schema(path).names
-            for call_id in pl.read_parquet(path, columns=["call_id"])["call_id"]]
+            for call_id in pl.read_parquet(path, columns=["call_id"], glob=False)["call_id"]]
 
 
 def run_metric(connection: duckdb.DuckDBPyConnection, run_id: str, metric: str, k: int,

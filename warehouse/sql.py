@@ -145,9 +145,7 @@ def _execute(wh: Warehouse, query: str, with_gold: bool, run_id: str | None,
     for attempt in (1, 2):
         con = wh.connect(gold=with_gold, run_id=run_id, tables=named_tables(query))
         if with_gold:  # the gold connection reads everything of the warehouse, and nothing outside it
-            con.execute(f"SET allowed_directories=[{duck.literal(f'{wh.forecast_dir}/')}, "
-                        f"{duck.literal(f'{wh.gold_dir}/')}]")
-            con.execute("SET enable_external_access=false")
+            duck.confine(con, wh.forecast_dir, wh.gold_dir)
         con.execute("SET lock_configuration=true")
         try:
             # The prefix alone is not enough: `SELECT 1; COPY … TO …` would run the second statement too, and

@@ -160,7 +160,7 @@ class Warehouse:
             checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
                 f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
             # hive_partitioning=false: the file's own values, not the `key=value` of its directory.
-            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet({duck.literal(tmp)}, "
+            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet({duck.files(tmp)}, "
                                    "hive_partitioning=false)",
                                    [keys[k] for k in keyed]).fetchall()
             for name, nulls in zip(required, counts):
@@ -310,8 +310,7 @@ class Warehouse:
                                  "warehouse and rerun the command that wrote it") from exc
         _add_missing_columns(con, over_files)
         if not gold:
-            con.execute(f"SET allowed_directories=[{duck.literal(f'{self.forecast_dir}/')}]")
-            con.execute("SET enable_external_access=false")
+            duck.confine(con, self.forecast_dir)
         return con
 
     def has_rows(self, table: str, **keys) -> bool:
@@ -340,7 +339,7 @@ class Warehouse:
         """The view over the files of the partitions matching `keys`; None when there are none."""
         if not any(self._files(spec, keys)):
             return None
-        glob = f"{self.store_dir(spec.store) / spec.name}/{_partition_pattern(spec, keys)}"
+        files = duck.files(self.store_dir(spec.store) / spec.name, _partition_pattern(spec, keys))
         # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other
         # partitions' files. Its values come from the directory names, which `write` made equal to
         # the file's own, typed as declared; a key that is no column (`shard`) stays out of the view.
@@ -348,7 +347,7 @@ class Warehouse:
                           for key in spec.partition_by)
         hidden = [key for key in spec.partition_by if key not in spec.columns]
         select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
-        return (f"SELECT {select} FROM read_parquet({duck.literal(glob)}, union_by_name=true, hive_partitioning=true, "
+        return (f"SELECT {select} FROM read_parquet({files}, union_by_name=true, hive_partitioning=true, "
                 f"hive_types={{{types}}})")
 
 
@@ -485,7 +484,7 @@ def _partition_pattern(spec: Table, keys: dict) -> str:
 
 def _read_parquet(spec: Table, path: Path) -> pl.DataFrame:
     try:
-        return pl.read_parquet(path)
+        return pl.read_parquet(path, glob=False)
     except pl.exceptions.ComputeError as exc:  # a file our atomic writes cannot have left: damaged since
         raise InputError(f"table {spec.name}: {path} is not a readable Parquet file ({str(exc).splitlines()[0]}); "
                          "move that file out of the warehouse and rerun the command that wrote it") from exc

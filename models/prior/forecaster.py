@@ -20,12 +20,14 @@ from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, input_config, trim, visit_tensors
 from models.prior.nn import PriorNet
+from warehouse import duck
 
 
 def warehouse_root(con: duckdb.DuckDBPyConnection) -> Path:
-    """The warehouse root behind a forecasting connection (its one allowed store directory)."""
+    """The warehouse root behind a forecasting connection (its one allowed store directory, which may be allowed
+    under its glob-escaped name too: `duck.confine`)."""
     allowed = con.sql("SELECT current_setting('allowed_directories')").fetchall()[0][0]
-    stores = [Path(d) for d in allowed if d.rstrip("/").endswith("/forecast")]
+    stores = [Path(d) for d in allowed if d.rstrip("/").endswith("/forecast") and duck.glob_escaped(d) in allowed]
     if not stores:
         raise ConfigError(f"cannot locate the forecasting store from the connection (allowed: {allowed}); "
                           "open it with Warehouse.connect()")

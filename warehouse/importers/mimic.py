@@ -526,7 +526,7 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
             counts = _summarize(con, layout, tables, out_dir, rows_read, files, n_shards, time_zone)
             con.close()
             mark = stage("codes and counts", mark)
-            splits = pl.read_parquet(workdir / "splits.parquet")
+            splits = pl.read_parquet(workdir / "splits.parquet", glob=False)
             recorded = {k: v for k, v in asdict(counts).items() if k not in ("seconds", "stage_seconds")}
             write_metadata(staging, dataset_name=layout.title, dataset_version="unspecified",
                            etl_name="dxr.warehouse.importers.mimic", etl_version=__version__, codes=codes,
@@ -613,7 +613,7 @@ def _read_csv(path: Path, n_columns: int) -> str:
     # malformed row fails the read with its line number. Columns are named by position (c0, c1, …): a header may
     # hold an empty name (a trailing comma) or a quote, which DuckDB's column list cannot take.
     columns = ", ".join(f"c{index}: 'VARCHAR'" for index in range(n_columns))
-    return (f"read_csv({duck.literal(path)}, header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
+    return (f"read_csv({duck.files(path)}, header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
             "quote = '\"', escape = '\"')")
 
 
