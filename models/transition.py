@@ -96,11 +96,14 @@ class Transition:
         # Only sources of a target with Ω diagnoses count in a transition's denominator.
         has_next = sources.join(targets.select(pair).unique(), on=pair, how="semi")
         source_counts = has_next.group_by("code").agg(pl.len().alias("n_source"))
-        self.table = (has_next.join(targets, on=pair, suffix="_next")
+        # Streamed: the join holds every (source, target) code pair of every visit pair before the count, 24.7M
+        # rows at 100,000 patients, and held whole it took the fit's peak from 1.6 to 4.3 GB.
+        self.table = (has_next.lazy().join(targets.lazy(), on=pair, suffix="_next")
                       .group_by("code", "code_next").agg(pl.len().alias("n_pair"))
-                      .join(source_counts, on="code")
+                      .join(source_counts.lazy(), on="code")
                       .select(pl.col("code").alias("source"), pl.col("code_next").alias("code"),
-                              (pl.col("n_pair") / pl.col("n_source")).alias("probability")))
+                              (pl.col("n_pair") / pl.col("n_source")).alias("probability"))
+                      .collect(engine="streaming"))
 
     def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
         visits = visit_diagnoses(pretarget, "trajectory_id")
