@@ -439,9 +439,11 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         harmonize = None if options.harmonize == "native" else partial(
             harmonize_with, dict(dx_map.group_by("source_code").agg("code").iter_rows()))
         keys = trajectories.select("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time")
+        # Each oracle's rows are written without a name that would keep them through the next oracle's run: at
+        # 100,000 patients (6.5M rows each) holding the first took the build's peak from 2.4 to 2.8 GB.
         for table, information in (("oracle_probabilities", "latent"), ("record_oracle_probabilities", "record")):
-            probabilities = oracle(info.root, keys, harmonize, draws=oracle_draws, information=information)
-            wh.write(table, probabilities.with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
+            wh.write(table, oracle(info.root, keys, harmonize, draws=oracle_draws, information=information)
+                     .with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
     steps.update()
     steps.close()
 
