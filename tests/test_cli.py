@@ -69,6 +69,30 @@ def test_prefect_and_matplotlib_move_to_the_temporary_directory_only_where_home_
                      str(tmp_path): [str(tmp_path / ".prefect"), str(tmp_path / ".config" / "matplotlib")]}
 
 
+def test_a_temporary_home_that_someone_else_could_have_made_is_not_used(tmp_path):
+    # A shared /tmp lets anyone make `dxr-prefect-<uid>` first (the uid is no secret): Prefect followed a symlink to
+    # their directory and kept its database and pickled task results there, where they could replace them.
+    others = tmp_path / "someone else's"
+    others.mkdir(mode=0o777)
+    (tmp_path / f"dxr-prefect-{os.getuid()}").symlink_to(others)
+    made_by_the_tool = tmp_path / f"dxr-matplotlib-{os.getuid()}"
+    made_by_the_tool.mkdir()
+    made_by_the_tool.chmod(0o777)  # as a tool makes it under umask 000
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_HOME", "MPLCONFIGDIR", "XDG_CONFIG_HOME")}
+    ran = subprocess.run([sys.executable, "-c", HOMES_IN_FORCE], capture_output=True, text=True, timeout=120,
+                         env={**env, "HOME": "/dev/null", "TMPDIR": str(tmp_path)})
+    assert ran.returncode == 0, ran.stderr
+    prefect_home, matplotlib_home = map(Path, ran.stdout.splitlines())
+    assert prefect_home.parent == tmp_path and prefect_home.name.startswith(f"dxr-prefect-{os.getuid()}-")
+    assert matplotlib_home == made_by_the_tool
+    for home in (prefect_home, matplotlib_home):
+        status = home.lstat()
+        assert home.is_dir() and not home.is_symlink() and status.st_uid == os.getuid()
+        assert status.st_mode & 0o777 == 0o700
+    assert not any(others.iterdir())
+
+
 @pytest.mark.parametrize("args,escaped", [(["evaluate", "--help"], "config-\\u2026 id"),
                                           (["cohort", "build", "--help"], "vocabulary \\u03a9")])
 def test_output_to_a_terminal_whose_encoding_lacks_a_character_escapes_it(args, escaped):
