@@ -78,12 +78,14 @@ def measure(data_dir: Path, label: str, args: list[str]) -> dict:
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"dxr {' '.join(args)} failed: {stderr.strip().splitlines()[-1]}")
+        last = stderr.strip().splitlines()[-1:] or [f"exit status {os.waitstatus_to_exitcode(status)}, no output"]
+        raise SystemExit(f"dxr {' '.join(args)} failed: {last[0]}")
     row = {"command": label, "args": args, "seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024),
            "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
     epochs = [datetime.strptime(m.group(1), "%H:%M:%S.%f") for m in map(EPOCH_LINE.match, stderr.splitlines()) if m]
     if len(epochs) > 1:
-        row["later_epoch_seconds"] = [round((b - a).total_seconds(), 1) for a, b in zip(epochs, epochs[1:])]
+        # Log lines carry clock times only: a training that runs past midnight starts the next day's clock.
+        row["later_epoch_seconds"] = [round((b - a).total_seconds() % 86400, 1) for a, b in zip(epochs, epochs[1:])]
     return row
 
 
