@@ -15,6 +15,7 @@ from prefect import flow, task
 from dxr.config import Settings
 from flows import flow_run_id
 from flows.backfill import cohort_backfill_flow
+from tasks import stage_logger
 from tasks.forecast import status_counts
 from tasks.prior import ensure_prior
 from tasks.realism import realism_table
@@ -41,7 +42,7 @@ def build_cohort_task(wh: Warehouse, dataset_id: str, settings: Settings) -> dic
     return build_cohort(wh, dataset_id, DEMO_COHORT, CohortOptions(min_history=settings.cohort.min_history),
                         seed=settings.seed, shard_size=settings.cohort.shard_size,
                         oracle_draws=settings.synth.oracle_draws, memory_limit=settings.cohort.memory_limit,
-                        progress=True)
+                        progress=True, log=stage_logger(__name__).info)
 
 
 @task(name="ensure-ehr-prior")

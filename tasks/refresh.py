@@ -50,7 +50,7 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     options = CohortOptions(target=row["target_rule"], harmonize=row["harmonization"], min_history=row["min_history"])
     built = build_cohort(wh, row["dataset_id"], row["name"], options, seed=json.loads(row["options_json"])["seed"],
                          shard_size=settings.cohort.shard_size, oracle_draws=settings.synth.oracle_draws,
-                         memory_limit=settings.cohort.memory_limit, run_id=run_id)
+                         memory_limit=settings.cohort.memory_limit, log=stage_logger(__name__).info, run_id=run_id)
     stage_logger(__name__).info("cohort %s is now %s: %d trajectories", built["name"], built["cohort_id"],
                                 built["n_trajectories"])
     return built["cohort_id"]

@@ -193,7 +193,7 @@ def test_cohort_build_says_when_it_set_a_code_list_aside_as_no_dictionary(wh_voc
         result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "cohort", "build", "--dataset", dataset,
                                            "--name", dataset], catch_exceptions=False)
         assert result.exit_code == 0, result.output
-        return result.output.splitlines()
+        return result.stdout.splitlines()
 
     root = write_tiny_meds(tmp_path / "derived")
     used = sorted(set(tiny_events().filter(pl.col("code").str.starts_with("DIAGNOSIS//"))["code"]))
@@ -344,6 +344,42 @@ def test_cohort_id_is_stable_and_rebuild_never_duplicates(tiny_cohort):
     for table, frame in before.items():
         assert wh.read(table, cohort_id=row["cohort_id"]).sort(pl.all()).equals(frame), table
     assert wh.read("cohorts").height == 1
+
+
+def test_a_build_without_a_terminal_says_each_step_as_it_ends(wh_vocab):
+    # At 100,000 patients a build takes 5 minutes, 90 % of it in the oracles; its bar showed only on a terminal, so
+    # a cron job's log (or a captured run, as here) said nothing until the build ended.
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+    from warehouse.datasets import create_synthetic
+
+    create_synthetic(wh_vocab, "synthetic", patients=60, seed=5, shard_size=60)
+    result = CliRunner().invoke(main, ["--data-dir", str(wh_vocab.root), "cohort", "build", "--dataset", "synthetic",
+                                       "--name", "nightly"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert [re.sub(r"done in \d+\.\d s$", "done in S s", line) for line in result.stderr.splitlines()] == [
+        f"cohort nightly: {step} done in S s" for step in (
+            "events", "harmonized diagnosis codes", "trajectories", "vocabulary",
+            "pre-target records, train events and targets", "oracle probabilities (latent)",
+            "oracle probabilities (record)")]
+    assert result.stdout.startswith("cohort nightly (c")
+
+
+def test_a_build_on_a_terminal_draws_its_bar_and_logs_no_line(wh_vocab, tiny_meds, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    terminal, lines = Terminal(), []
+    monkeypatch.setattr(sys, "stderr", terminal)
+    build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, progress=True, log=lines.append)
+    assert lines == []
+    assert "cohort default: 100%" in terminal.getvalue() and "5/5" in terminal.getvalue()
 
 
 def test_killed_build_is_not_registered_and_rerun_is_identical(wh_vocab, tiny_meds, monkeypatch):

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -241,8 +242,11 @@ def assign_shards(trajectories: pl.DataFrame, shard_size: int) -> pl.DataFrame:
 
 def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
                  shard_size: int = 500, oracle_draws: int = 200, memory_limit: str = "2GB",
-                 progress: bool = False, run_id: str | None = None) -> dict:
+                 progress: bool = False, log: Callable[[str], None] | None = None, run_id: str | None = None) -> dict:
     """Build (or rebuild) a cohort, registered in `runs` (kind `cohort`); returns its `cohorts` row.
+
+    With `progress` a bar shows the build's steps on a terminal; otherwise (no terminal, or no `progress`) `log`
+    receives one line per step as it ends (`cohort default: oracle probabilities (latent) done in 121.4 s`).
 
     The dataset stays locked for reading (no synth or ingest replaces it meanwhile) and the cohort
     for writing (no forecast reads it while it is rebuilt).
@@ -255,13 +259,14 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
         with duck.resource_errors(f"cohort build of {name} from dataset {dataset_id}", wh.root, memory_limit,
                                   "cohort.memory_limit"):
             row = _build_locked(wh, dataset_id, name, options, seed=seed, shard_size=shard_size,
-                                oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
+                                oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress, log=log)
         run.cohort_id = row["cohort_id"]
     return row
 
 
 def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
-                  shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
+                  shard_size: int, oracle_draws: int, memory_limit: str, progress: bool,
+                  log: Callable[[str], None] | None) -> dict:
     get_dataset(wh, dataset_id)  # an unknown dataset is named before any lock file is made
     with held(wh, f"dataset:{dataset_id}", shared=True,
               busy=f"dataset {dataset_id!r} is being written by another dxr process (synth or ingest)"):
@@ -279,7 +284,32 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
                   busy=f"cohort {name} ({cohort_id}) is in use by another dxr process (a forecast, a prior's "
                        "training or a build)"):
             return _write_cohort(wh, dataset, info, cohort_id, name, options, seed=seed, shard_size=shard_size,
-                                 oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress)
+                                 oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress,
+                                 log=log)
+
+
+class _Steps:
+    """A build's steps as they end: a bar on a terminal when `progress` is set, else one line each to `log`.
+
+    A build of 100,000 patients takes minutes; a bar shows nothing in a log file (cron) or a Prefect run's log, where
+    a working build would otherwise look like a hung one.
+    """
+
+    def __init__(self, name: str, total: int, progress: bool, log: Callable[[str], None] | None):
+        # disable=None: tqdm draws only when stderr is a terminal, and then the bar says it all.
+        self.bar = tqdm(total=total, desc=f"cohort {name}", unit="step", disable=None if progress else True)
+        self.log = log if self.bar.disable else None
+        self.name, self.mark = name, time.perf_counter()
+
+    def done(self, step: str) -> None:
+        now = time.perf_counter()
+        self.bar.update()
+        if self.log is not None:
+            self.log(f"cohort {self.name}: {step} done in {now - self.mark:.1f} s")
+        self.mark = now
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _why_no_trajectory(con, dataset_id: str, options: CohortOptions, target_filter: str) -> str:
@@ -308,7 +338,8 @@ def _why_no_trajectory(con, dataset_id: str, options: CohortOptions, target_filt
 
 
 def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions, *,
-                  seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool) -> dict:
+                  seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool,
+                  log: Callable[[str], None] | None) -> dict:
     """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
     under which other name (`previous_name`) this id was registered, if any: the id leaves the name out, so the
     same build under a new name renames the cohort, and the old name no longer finds it. It says how many
@@ -318,8 +349,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     table has (`unknown_to_icd`: a typo or a local code of the export)."""
     dataset_id = dataset["dataset_id"]
     previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
-    # disable=None: bars only on a terminal, never in logs or captured output.
-    steps = tqdm(total=6, desc=f"cohort {name}", unit="step", disable=None if progress else True)
+    synthetic = dataset["source"] == "synthetic"  # its two oracles are the last steps, most of a build's time
+    steps = _Steps(name, 7 if synthetic else 5, progress, log)
 
     # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
     wh.delete("cohorts", cohort_id=cohort_id)
@@ -341,7 +372,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         con.execute("CREATE TEMP TABLE imputed_births AS SELECT DISTINCT subject_id " + (
             f"FROM {shards} WHERE code = 'MEDS_BIRTH' AND TRY_CAST(time_imputed AS BOOLEAN)" if flagged
             else "FROM raw WHERE false"))
-        steps.update()
+        steps.done("events")
 
         # Harmonized diagnosis codes: one source code may map to several (icd10 via GEM) or none.
         dx_codes = [c for (c,) in con.execute(
@@ -354,7 +385,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             FROM raw r LEFT JOIN dx_map_frame m ON r.code = m.source_code
             WHERE r.code NOT LIKE 'DIAGNOSIS//%' OR m.code IS NOT NULL""")
         con.execute(f"CREATE TEMP TABLE encounter_starts AS {encounter_starts_sql('raw')}")
-        steps.update()
+        steps.done("harmonized diagnosis codes")
 
         splits = read_splits(info, seed, memory_limit)
         con.register("splits_frame", splits.to_arrow())
@@ -398,7 +429,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
             raise InputError(_why_no_trajectory(con, dataset_id, options, target_filter))
         trajectories = assign_shards(trajectories, shard_size)
         con.register("traj", trajectories.to_arrow())
-        steps.update()
+        steps.done("trajectories")
 
         omega, omega_source, set_aside = _vocabulary(info, options, gem, icd_codes, cohort_id, set(dx_codes))
         # A dictionary may lack codes its own data uses (MIMIC-III's d_icd_diagnoses lacks 20 older codes of the
@@ -409,7 +440,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         outside_by_events = _by_events(con, "events", outside_codes)
         unmapped_by_events = _by_events(con, "raw", set(dx_codes) - set(dx_map["source_code"].to_list()))
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
-        steps.update()
+        steps.done("vocabulary")
 
         wh.write("trajectories", trajectories, cohort_id=cohort_id)
         used_codes = set()
@@ -431,9 +462,9 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         targets = fetch_frame(con, f"SELECT '{cohort_id}' AS cohort_id, trajectory_id, code FROM target_codes "
                                  "WHERE trajectory_id IN (SELECT trajectory_id FROM traj) ORDER BY ALL")
         wh.write("targets", targets, cohort_id=cohort_id)
-        steps.update()
+        steps.done("pre-target records, train events and targets")
 
-    if dataset["source"] == "synthetic":
+    if synthetic:
         from warehouse.synthetic import oracle
 
         harmonize = None if options.harmonize == "native" else partial(
@@ -444,7 +475,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         for table, information in (("oracle_probabilities", "latent"), ("record_oracle_probabilities", "record")):
             wh.write(table, oracle(info.root, keys, harmonize, draws=oracle_draws, information=information)
                      .with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
-    steps.update()
+            steps.done(f"oracle probabilities ({information})")
     steps.close()
 
     row = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dxr.cli import main, settings, valid, warehouse
+from dxr.cli import echo_err, main, settings, valid, warehouse
 from dxr.config import MEMORY_LIMIT_PATTERN
 from warehouse.choices import HARMONIZATIONS, OUTPUT_FORMATS, TARGET_RULES
 
@@ -257,7 +257,7 @@ def cohort_build(ctx: click.Context, dataset: str, name: str, target: str | None
                             min_history=cfg.cohort.min_history if min_history is None else min_history)
     row = build_cohort(wh, dataset, name, options, seed=cfg.seed, shard_size=cfg.cohort.shard_size,
                        oracle_draws=cfg.synth.oracle_draws, memory_limit=memory_limit or cfg.cohort.memory_limit,
-                       progress=True, run_id=run_id)
+                       progress=True, log=echo_err, run_id=run_id)
     splits = split_counts(wh, row["cohort_id"])
     earlier = wh.read("cohorts").filter((pl.col("name") == name) & (pl.col("cohort_id") != row["cohort_id"]))
     click.echo(f"cohort {row['name']} ({row['cohort_id']}): {row['n_trajectories']:,} trajectories "
