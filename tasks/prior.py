@@ -74,7 +74,7 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             else:
                 result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
                                            progress=progress, report_epoch=epoch_reporter(system, cfg.epochs),
-                                           identity=identity)
+                                           identity=identity, log=stage_logger(__name__).info)
             run.config = {**config, "result": asdict(result)}
     return result
 

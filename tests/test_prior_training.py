@@ -87,14 +87,20 @@ def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
     assert runs.select("kind", "status", "cohort_id").rows() == [("train:ehr_prior", "finished", cohort)]
 
 
-def test_each_epoch_logs_one_progress_line_with_its_tracked_metrics(trained):
+def test_featurizing_and_each_epoch_log_one_progress_line_with_their_tracked_numbers(trained):
+    # The featurizing line: at 100,000 patients the minute before the first epoch's line was silent in a log.
     _, _, result, lines = trained
     client = tracking.MlflowClient()
     history = {name: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, name),
                                               key=lambda m: m.step)]
                for name in ("train_loss", "val_recall_at_20")}
-    assert lines == [f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, "
-                     f"tuning R@20 {history['val_recall_at_20'][e]:.4f}" for e in range(2)]
+    n_val_pairs = int(client.get_run(result.mlflow_run_id).data.params["n_val_pairs"])
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in lines] == [
+        f"ehr_prior: {result.n_train_sequences:,} training sequences ({result.n_train_patients:,} train patients) "
+        f"and {n_val_pairs:,} tuning pairs featurized in S s",
+        *(f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, "
+          f"tuning R@20 {history['val_recall_at_20'][e]:.4f}" for e in range(2))]
+    assert n_val_pairs > 0
 
 
 def test_prediction_resolves_the_registered_alias(trained):
@@ -332,8 +338,10 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     finally:
         logger.removeHandler(progress)
         logger.setLevel(logging.NOTSET)
-    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in progress.lines] == [
+    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in progress.lines[1:]] == [
         "gru epoch 1/1: train loss L, tuning R@20 n/a (no tuning pair)"]
+    assert re.fullmatch(r"gru: \d+ training sequences \(3 train patients\) and 0 tuning pairs featurized in \d+\.\d s",
+                        progress.lines[0]), progress.lines
     # Lightning warned that the empty tuning loader's "total length across ranks is zero", beside dxr's own line.
     empty_loader = THIRD_PARTY_NOISE["Lightning's warning of a loader of length zero"]
     assert [str(w.message) for w in warned if re.search(empty_loader, str(w.message))] == []
@@ -387,6 +395,8 @@ def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(pref
         epochs = re.findall(r"ehr_prior epoch (\d)/2: train loss \d+\.\d{4}, tuning R@20 \d\.\d{4}$",
                             outputs[name], re.MULTILINE)
         assert epochs == ["1", "2"], f"dxr's epoch lines missing from the output of {name}:\n{outputs[name]}"
+        featurized = r"ehr_prior: \d+ training sequences \(\d+ train patients\) and \d+ tuning pairs featurized in "
+        assert len(re.findall(featurized + r"\d+\.\d s$", outputs[name], re.MULTILINE)) == 1, outputs[name]
     assert re.search(f"^ehr_prior: registered ehr_prior-{cohort} v1 @champion; val R@20 ", outputs["dxr prior train"],
                      re.MULTILINE), outputs["dxr prior train"]
 

@@ -123,8 +123,11 @@ RESULT_TAG = "dxr.result"
 
 def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
                       data_dir: str | Path, progress: bool = False, report_epoch: EpochReport | None = None,
-                      identity: dict[str, str] | None = None) -> TrainResult:
+                      identity: dict[str, str] | None = None, log: Callable[[str], None] | None = None) -> TrainResult:
     """Fit on train patients, validate on tuning pre-target records, log and register the model.
+
+    `log` receives one line when the training data is featurized: at 100,000 patients a log was otherwise silent for
+    about a minute before the first epoch's line (`report_epoch`).
 
     `identity` (tags naming the training, `tasks.prior.training_identity`) goes on the MLflow run, so a retry
     of a training that registered its version and then failed finds that version (`registered_training`).
@@ -134,6 +137,9 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
     started = time.perf_counter()
     data = PriorDataModule(con, cohort_id, cfg)
     data.setup()
+    if log is not None:
+        log(f"{system}: {len(data.train_set):,} training sequences ({data.n_train_patients:,} train patients) and "
+            f"{len(data.val_set):,} tuning pairs featurized in {time.perf_counter() - started:.1f} s")
     epoch_logger = MlflowEpochLogger(report_epoch)
     name = tracking.registered_name(system, cohort_id)
     with (tracking.store_errors(f"recording the training of {name}"),
