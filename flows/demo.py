@@ -33,7 +33,8 @@ LLM_SAMPLE_SYSTEMS = ("ehr_prior", "direct", "rrf_prior_direct")
 @task(name="synthetic-dataset")
 def synthetic_dataset_task(wh: Warehouse, patients: int, seed: int, shard_size: int) -> str:
     if not synthetic_is_current(wh, DEMO_DATASET, patients, seed):
-        create_synthetic(wh, DEMO_DATASET, patients, seed, shard_size, progress=True)
+        create_synthetic(wh, DEMO_DATASET, patients, seed, shard_size, progress=True,
+                         log=stage_logger(__name__).info)
     return DEMO_DATASET
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 import shutil
 from dataclasses import replace
 from datetime import datetime
@@ -160,6 +161,33 @@ def test_rerun_over_a_larger_run_leaves_no_stale_shard(tmp_path):
     generate(tmp_path, 15, SEED, shard_size=10)
     assert sorted(p.name for p in (tmp_path / "data").glob("*.parquet")) == ["00000.parquet", "00001.parquet"]
     assert validate_meds_dir(tmp_path).n_subjects == 15
+
+
+def test_synth_without_a_terminal_says_each_tenth_of_the_patients_written(tmp_path, monkeypatch):
+    # 100,000 patients take about a minute; the bar showed only on a terminal, so a cron job's log (or a captured run,
+    # as here) said nothing until the dataset was registered. 20 shards of 5 patients: a line per tenth, not per shard.
+    monkeypatch.setenv("DXR_SYNTH__SHARD_SIZE", "5")
+    result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "synth", "--patients", "100", "--seed", "7"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in result.stderr.splitlines()] == [
+        f"synthetic: {n}/100 patients written ({n}%) in S s" for n in range(10, 101, 10)]
+    assert result.stdout.startswith("dataset synthetic: 100 patients, ")
+
+
+def test_generating_on_a_terminal_draws_its_bar_and_logs_no_line(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, lines = Terminal(), []
+    monkeypatch.setattr(sys, "stderr", terminal)
+    generate(tmp_path, 20, SEED, shard_size=5, progress=True, log=lines.append)
+    assert lines == []
+    assert "synthetic: 100%" in terminal.getvalue() and "20/20" in terminal.getvalue()
 
 
 def test_one_patient_resimulated_alone_equals_its_generated_record(events):

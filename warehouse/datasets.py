@@ -135,8 +135,12 @@ def get_dataset(wh: Warehouse, dataset_id: str) -> dict:
 
 
 def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, shard_size: int = 2000,
-                     progress: bool = False, run_id: str | None = None) -> dict:
+                     progress: bool = False, log: Callable[[str], None] | None = None,
+                     run_id: str | None = None) -> dict:
     """Generate the synthetic dataset into the gold store and register it (and the run, kind `synth`).
+
+    With `progress` a bar shows the patients written on a terminal; otherwise `log` receives a line each time another
+    tenth of them is written (`warehouse.synthetic.generate`).
 
     Generation writes into a staging directory that is swapped in only when complete, so a killed
     run leaves the previous dataset (or none) and a rerun produces identical files.
@@ -150,7 +154,7 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
     with registered_run(wh, "synth", params, run_id), writing_dataset(wh, dataset_id):
         remove_abandoned(target)
         with scratch(target, "tmp") as staging:
-            generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress)
+            generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress, log=log)
             replace_dir(staging, target)
         return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
 

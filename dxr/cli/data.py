@@ -115,7 +115,7 @@ def synth(ctx: click.Context, name: str, patients: int | None, seed: int | None,
 
     cfg, wh = settings(ctx), warehouse(ctx)
     row = create_synthetic(wh, name, patients or cfg.synth.patients, cfg.seed if seed is None else seed,
-                           cfg.synth.shard_size, progress=True, run_id=run_id)
+                           cfg.synth.shard_size, progress=True, log=echo_err, run_id=run_id)
     click.echo(f"dataset {row['dataset_id']}: {row['n_subjects']:,} patients, {row['n_events']:,} events "
                f"({row['meds_dir']})")
     echo_refresh_note(wh, name, settings(ctx).seed)
