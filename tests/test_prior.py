@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import doctest
 import math
+import re
 
 import duckdb
 import lightning as L
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dxr.errors import InputError
-from models.prior import data as prior_data, lit as prior_lit, tracking as prior_tracking
+from models.prior import data as prior_data, lit as prior_lit, tracking as prior_tracking, train as prior_train
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, drop_last_visit, training_sequences, trim, visit_tensors
 from models.prior.lit import PriorDataModule, precision_recall_at_k
@@ -573,6 +574,20 @@ def test_training_is_deterministic_for_a_seed(planted):
     second, _, _ = fit_network(data, "ehr_prior", one)
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_progress_lines_within_an_epoch_leave_training_unchanged(planted, monkeypatch):
+    # An epoch at 100,000 patients takes minutes with no bar in a log; its lines read the clock only.
+    monkeypatch.setattr(prior_train, "PROGRESS_SECONDS", 0.0)  # a line after each batch
+    data, cfg = planted
+    one, lines = cfg.model_copy(update={"epochs": 1}), []
+    silent, _, _ = fit_network(data, "ehr_prior", one)
+    logged, _, _ = fit_network(data, "ehr_prior", one, log=lines.append)
+    for (name, a), (_, b) in zip(silent.state_dict().items(), logged.state_dict().items()):
+        assert torch.equal(a, b), name
+    batches = math.ceil(len(data.train_set) / one.batch_size)
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in lines] == [
+        f"ehr_prior epoch 1/1: {done}/{batches} batches in S s" for done in range(1, batches + 1)]
 
 
 def test_tiny_run_learns_the_planted_successor(planted):

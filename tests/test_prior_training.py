@@ -354,6 +354,28 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
         "3 train patients in S s")
 
 
+def test_training_logs_its_batches_within_an_epoch_beside_the_epoch_lines(tmp_path, monkeypatch):
+    # A first epoch at 100,000 patients took minutes with nothing in a log between the featurizing line and its own.
+    import models.prior.train
+
+    monkeypatch.setattr(models.prior.train, "PROGRESS_SECONDS", 0.0)  # a line after each batch
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    progress = LoggedMessages(logging.INFO)
+    logger = logging.getLogger("tasks.prior")
+    logger.addHandler(progress)
+    logger.setLevel(logging.INFO)
+    try:
+        result = train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="batches-1")
+    finally:
+        logger.removeHandler(progress)
+        logger.setLevel(logging.NOTSET)
+    batches = -(-result.n_train_sequences // TINY["batch_size"])
+    assert batches > 1
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in progress.lines[1:-1]] == [
+        f"gru epoch 1/1: {done}/{batches} batches in S s" for done in range(1, batches + 1)]
+    assert progress.lines[-1].startswith("gru epoch 1/1: train loss "), progress.lines
+
+
 def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(prefect_harness, tmp_path):
     """Each command in a process of its own with piped output, as `make demo > log` runs: what a user sees."""
     from prefect.settings import PREFECT_API_URL

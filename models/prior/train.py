@@ -66,6 +66,31 @@ class MlflowEpochLogger(L.Callback):
             self.report(trainer.current_epoch, metrics)
 
 
+# Within an epoch, training logs how many batches it has done at most this often when no bar shows them: an epoch at
+# 100,000 patients takes minutes, a line per batch would flood the log.
+PROGRESS_SECONDS = 60.0
+
+
+class BatchProgress(L.Callback):
+    """Logs `<system> epoch 1/8: 120/900 batches in 61.2 s` when `every` seconds have passed since the epoch began or
+    since its last such line. It reads the clock only: no tensor, no random draw, so training is unchanged."""
+
+    def __init__(self, system: str, log: Callable[[str], None], every: float):
+        # Not `self.log`: Lightning sets a callback's `log` to its module's metric logger when fitting begins.
+        self.system, self.log_line, self.every = system, log, every
+        self.started = self.reported = 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, module: PriorModule) -> None:
+        self.started = self.reported = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: PriorModule, outputs, batch, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if now - self.reported >= self.every:
+            self.log_line(f"{self.system} epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: "
+                     f"{batch_idx + 1:,}/{trainer.num_training_batches:,} batches in {now - self.started:.1f} s")
+            self.reported = now
+
+
 class KeepBestEpoch(L.Callback):
     """Remembers the weights of the epoch with the best tuning R@20 and restores them when fitting ends.
 
@@ -90,8 +115,12 @@ class KeepBestEpoch(L.Callback):
 
 
 def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks: list[L.Callback] = (),
-                progress: bool = False) -> tuple[PriorNet, NetConfig, int | None]:
+                progress: bool = False,
+                log: Callable[[str], None] | None = None) -> tuple[PriorNet, NetConfig, int | None]:
     """Seeded Lightning fit of a fresh network on a set-up data module.
+
+    With `progress` Lightning's bar shows the batches on a terminal; otherwise `log` receives a line at most every
+    PROGRESS_SECONDS within an epoch (`BatchProgress`).
 
     Returns the network in eval mode, its config and the epoch whose weights it holds (0-based;
     None when `keep_best_epoch` is off or there was nothing to validate on: the last epoch).
@@ -106,13 +135,14 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     # Lightning's bar is drawn on stdout, and drawn whole even into a file or a pipe (a log, `dxr demo | tee`), where
     # it repeats the epoch lines dxr logs itself: shown only on a terminal, as dxr's own bars (tqdm, disable=None).
     show_bar = progress and sys.stdout.isatty()
+    batches = [] if show_bar or log is None else [BatchProgress(system, log, PROGRESS_SECONDS)]
     # No tuning pair (the MIMIC-III demo's tuning patients have one visit before their target): validation is
     # switched off, or Lightning warns that a loader of length zero may not be what was meant; dxr says it itself.
     # Otherwise the limit stays unset (None, every batch): set to 1.0 it made Lightning say so on every fit.
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=show_bar, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, limit_val_batches=None if len(data.val_set) else 0,
-                        callbacks=[*callbacks, *([best] if best else [])])
+                        callbacks=[*callbacks, *batches, *([best] if best else [])])
     trainer.fit(PriorModule(net, cfg), datamodule=data)
     return net.eval(), net_cfg, best.epoch if best else None
 
@@ -127,7 +157,8 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
     """Fit on train patients, validate on tuning pre-target records, log and register the model.
 
     `log` receives one line when the training data is featurized: at 100,000 patients a log was otherwise silent for
-    about a minute before the first epoch's line (`report_epoch`).
+    about a minute before the first epoch's line (`report_epoch`); then, without a bar, a line at most every
+    PROGRESS_SECONDS within an epoch (`fit_network`), whose first takes minutes at that scale.
 
     `identity` (tags naming the training, `tasks.prior.training_identity`) goes on the MLflow run, so a retry
     of a training that registered its version and then failed finds that version (`registered_training`).
@@ -150,7 +181,7 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
                            "n_output_codes": data.vocab.n_output, "n_train_sequences": len(data.train_set),
                            "n_val_pairs": len(data.val_set)})
         mlflow.log_dict(cfg.model_dump(), "prior_config.json")
-        net, net_cfg, best_epoch = fit_network(data, system, cfg, [epoch_logger], progress)
+        net, net_cfg, best_epoch = fit_network(data, system, cfg, [epoch_logger], progress, log)
         mlflow.log_param("n_parameters", n_parameters(net))
         seconds = time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
