@@ -87,7 +87,7 @@ class BatchProgress(L.Callback):
         now = time.perf_counter()
         if now - self.reported >= self.every:
             self.log_line(f"{self.system} epoch {trainer.current_epoch + 1}/{trainer.max_epochs}: "
-                     f"{batch_idx + 1:,}/{trainer.num_training_batches:,} batches in {now - self.started:.1f} s")
+                          f"{batch_idx + 1:,}/{trainer.num_training_batches:,} batches in {now - self.started:.1f} s")
             self.reported = now
 
 
