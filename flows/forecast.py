@@ -61,7 +61,10 @@ def forecast_flow(data_dir: str, cohort: str, system: str, split: str = "held_ou
             # until its cohort is rebuilt would lose nights of lists for nothing.
             stage_logger(__name__).warning("%s; this run forecasts it as it is, and `%s` cuts it again", outdated,
                                            rebuild_command(cohort_row, settings.seed))
-        config = forecast_config(cohort_id, system, split, k, limit, subject_id) | llm_run_config(system, data_dir)
+        # The cut rules of the build forecast (not an option, see `check_rerun`): the cohort may be built again under
+        # its id by other ones, and an evaluation of this run against that build says so (`cohort_rebuilt_note`).
+        config = (forecast_config(cohort_id, system, split, k, limit, subject_id) | llm_run_config(system, data_dir)
+                  | {"cut_rule_version": cohort_row["cut_rule_version"]})
         shards = forecast_shards(wh, cohort_id, split, subject_id)
         model = pinned_model(wh, cohort_id, system)
         if model is not None:

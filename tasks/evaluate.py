@@ -67,7 +67,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.cohorts import superseded_note
+from warehouse.cohorts import cut_by, superseded_note
 from warehouse.locks import held
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, RESULT_KINDS, holding_run, record_run
@@ -248,9 +248,11 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
                                       "JOIN frozen USING (trajectory_id) WHERE t.cohort_id = ?", [cohort_id]),
                           on="trajectory_id", how="inner", maintain_order="left")
     if members.height != len(trajectory_ids):
-        stray = sorted(set(trajectory_ids) - set(members["trajectory_id"]))[0]
-        raise InputError(f"run {run_id!r} ranks trajectory {stray!r}, which is not in cohort {cohort_id}'s "
-                         "trajectories: rerun the forecast on the current cohort build")
+        strays = sorted(set(trajectory_ids) - set(members["trajectory_id"]))
+        rebuilt = cohort_rebuilt_note(wh, run_id)
+        raise InputError(f"run {run_id!r} ranks trajectory {strays[0]!r} ({len(strays)} such), which is not in cohort "
+                         f"{cohort_id}'s trajectories: forecast the run's systems again on the current build, under a "
+                         f"new --run-id or this one with the same options{f'; {rebuilt}' if rebuilt else ''}")
     targets = _query(con, """
         WITH tg AS (SELECT DISTINCT trajectory_id, code FROM targets JOIN frozen USING (trajectory_id)
                     WHERE cohort_id = $cohort),
@@ -885,6 +887,35 @@ def run_superseded_note(wh: Warehouse, run_id: str) -> str | None:
     cohorts = wh.read("cohorts", cohort_id=cohort_ids[0]) if cohort_ids else None
     note = superseded_note(wh, cohorts.row(0, named=True)) if cohorts is not None and cohorts.height else None
     return f"{note}: these scores are of that cohort as it was built" if note else None
+
+
+def cohort_rebuilt_note(wh: Warehouse, run_id: str) -> str | None:
+    """That a run's cohort was built again under its id (its files, options and seed) after systems of the run
+    forecast it, or None: the lists are of the build they read, an evaluation scores them against the current one.
+
+    Cut by the same rules, a build of the same files holds the same trajectories and targets; by others, or by rules
+    the run did not record (recorded since 2026-12-06), they may differ.
+    """
+    forecasts = wh.read("runs", run_id=run_id).filter(pl.col("kind").str.starts_with("forecast:"))
+    cohorts = wh.read("cohorts", cohort_id=forecasts["cohort_id"][0]) if forecasts.height else None
+    if cohorts is None or cohorts.is_empty():
+        return None
+    cohort = cohorts.row(0, named=True)
+    earlier = forecasts.filter(pl.col("started_at") < cohort["created_at"]).sort("kind")
+    if earlier.is_empty():
+        return None
+    systems = ", ".join(kind.removeprefix("forecast:") for kind in earlier["kind"])
+    built = f"{cohort['created_at']:%Y-%m-%d %H:%M}"
+    rebuilt = (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built again on {built} UTC, after this run's "
+               f"{systems} forecast it")
+    configs = [json.loads(config) for config in earlier["config_json"]]
+    then = sorted({cut_by(config["cut_rule_version"]) if "cut_rule_version" in config else "by rules the run did not "
+                   "record" for config in configs})
+    now = cut_by(cohort["cut_rule_version"])
+    if then == [now]:
+        return f"{rebuilt}, cut {now} as before: the same trajectories and targets"
+    return (f"{rebuilt}, cut {now} where the lists are of one cut {' and '.join(then)}: its trajectories and "
+            "targets may differ from those the lists were forecast for")
 
 
 # ---- repeated runs ----------------------------------------------------------------------------

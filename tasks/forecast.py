@@ -125,8 +125,9 @@ def check_rerun(wh: Warehouse, run_id: str | None, config: dict) -> None:
     if lists.height and (lists["status"] == "failed").all():
         return
     def options(config: dict) -> dict:
-        # The model version is what the alias resolved to, not an option: a rerun uses the current one.
-        return {key: value for key, value in config.items() if key != "model"}
+        # The model version is what the alias resolved to, and the cut rule version the cohort's build had, not
+        # options: a rerun uses the current ones.
+        return {key: value for key, value in config.items() if key not in ("model", "cut_rule_version")}
 
     recorded = options(json.loads(own["config_json"][0]))
     current = options(json.loads(json.dumps(config, sort_keys=True, default=str)))

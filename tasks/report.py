@@ -30,9 +30,9 @@ from dxr.config import load_settings  # noqa: E402
 from dxr.errors import InputError, NotFoundError  # noqa: E402
 from models.llm.config import ModelPrice  # noqa: E402
 from tasks.efficiency import efficiency_notes, run_efficiency, run_systems  # noqa: E402
-from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, estimate, evaluate_again,  # noqa: E402
-                            in_sample_note, load_run, metric_rows, not_a_forecast, outdated_evaluation_note,
-                            run_superseded_note, system_counts)
+from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, cohort_rebuilt_note,  # noqa: E402
+                            estimate, evaluate_again, in_sample_note, load_run, metric_rows, not_a_forecast,
+                            outdated_evaluation_note, run_superseded_note, system_counts)
 from warehouse.cohorts import cohort_provenance  # noqa: E402
 from warehouse.locks import held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
@@ -344,9 +344,11 @@ def mean_k_sweep(wh: Warehouse, run_ids: list[str], systems: list[str], max_k: i
 
 def earlier_version_notes(wh: Warehouse, run_id: str) -> list[tuple[str, str]]:
     """(label, note) of what in a run's report is of an earlier version than the warehouse's or this dxr's now: its
-    cohort (`run_superseded_note`) and its evaluation (`outdated_evaluation_note`). The report opens with them and
+    cohort (`run_superseded_note`), its cohort's build (`cohort_rebuilt_note`) and its evaluation
+    (`outdated_evaluation_note`). The report opens with them and
     `dxr report` repeats them on stderr, where a scheduled or scripted run's reader sees them."""
     notes = [("Earlier cohort", run_superseded_note(wh, run_id)),
+             ("Cohort built again", cohort_rebuilt_note(wh, run_id)),
              ("Earlier evaluation rules", outdated_evaluation_note(wh, run_id))]
     return [(label, note) for label, note in notes if note]
 
@@ -368,6 +370,13 @@ def build_report(wh: Warehouse, run_id: str) -> list:
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (a system was forecast into "
                          f"the run since, anew or again, or its writes were cut short): run `{again}` again, then the "
                          "report")
+    # The K-sweep reads the cohort's targets now: against a build made since the evaluation it would disagree with
+    # the stored tables wherever the build changed them (other cut rules, other oracle draws).
+    cohorts = wh.read("cohorts", cohort_id=metrics["cohort_id"][0])
+    if not evaluation.is_empty() and cohorts.height and cohorts["created_at"][0] > evaluation["started_at"][0]:
+        raise InputError(f"the evaluation of run {run_id!r} was taken before cohort {cohorts['name'][0]} "
+                         f"({cohorts['cohort_id'][0]}) was built again on {cohorts['created_at'][0]:%Y-%m-%d %H:%M} "
+                         f"UTC: run `{again}` again, then the report")
     # A mean is stored under its own id, which no forecast rerun of the runs it averages touches.
     changed = changed_since_mean(wh, run_id)
     if changed:

@@ -821,7 +821,10 @@ def test_run_where_every_trajectory_failed_counts_zero_hits(wh):
 def test_trajectory_outside_the_cohort_is_refused(wh):
     write_rankings(wh, "r10", rankings={"s1": {T1: [A, B], T2: [A, B], T3: [E, X], f"{COHORT}:9:90": [A, B]}},
                    status={})
-    with pytest.raises(InputError, match=f"ranks trajectory '{COHORT}:9:90', which is not in cohort c1"):
+    with pytest.raises(InputError, match=(
+            f"^run 'r10' ranks trajectory '{COHORT}:9:90' \\(1 such\\), which is not in cohort c1's trajectories: "
+            "forecast the run's systems again on the current build, under a new --run-id or this one with the same "
+            "options$")):
         evaluate(wh, "r10", ks=(2,), n_boot=0)
 
 

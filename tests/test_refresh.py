@@ -485,3 +485,80 @@ def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, 
                                          "set refresh = false$"):
         cohort_backfill_flow(str(wh_vocab.root), cohort_id, ("repeat_history",), split="all", refresh=True)
     assert wh_vocab.read("runs").filter(pl.col("kind").str.starts_with("forecast:")).is_empty()
+
+
+def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_trajectories_it_lost(
+        wh_vocab, tmp_path, monkeypatch):
+    # A build of the same files and options (or a refreshing backfill of a cohort cut by older rules) rewrites the
+    # cohort under its id: `dxr evaluate` scored a run's earlier lists against the new targets without a word, and
+    # `dxr report` mixed the stored evaluation with a K-sweep of the new targets.
+    import warehouse.cohorts as cohorts
+    from warehouse.cohorts import CUT_RULE_VERSION
+
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    build = ("cohort", "build", "--dataset", "hosp", "--name", "every", "--target", "every", "--min-history", "0")
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(data_dir, *build)[0] == 0
+    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
+    forecast = ("forecast", "--cohort", "every", "--system", "repeat_history", "--split", "all", "--run-id", "r1")
+    assert cli(data_dir, *forecast)[0] == 0
+    config = json.loads(wh_vocab.read("runs", run_id="r1", kind="forecast:repeat_history")["config_json"][0])
+    assert config["cut_rule_version"] == CUT_RULE_VERSION
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 0 and "built again" not in err
+
+    def built_again(cut: str) -> str:
+        built = wh_vocab.read("cohorts", cohort_id=cohort_id)["created_at"][0]
+        return (f"cohort every ({cohort_id}) was built again on {built:%Y-%m-%d %H:%M} UTC, after this run's "
+                f"repeat_history forecast it, cut by version {cut}")
+
+    # The same rules: the same targets, said so; the stored evaluation is of the earlier build until taken again.
+    assert cli(data_dir, *build)[0] == 0
+    code, _, err = cli(data_dir, "report", "--run", "r1")
+    built = wh_vocab.read("cohorts", cohort_id=cohort_id)["created_at"][0]
+    assert code == 1 and err == (f"Error: the evaluation of run 'r1' was taken before cohort every ({cohort_id}) was "
+                                 f"built again on {built:%Y-%m-%d %H:%M} UTC: run `dxr evaluate --run r1` again, then "
+                                 "the report\n")
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    same = f"{built_again(f'{CUT_RULE_VERSION} of the cut rules')} as before: the same trajectories and targets"
+    assert code == 0 and f"note: run r1: {same}\n" in err
+
+    # Other rules: the targets may differ, in the notes of `dxr evaluate` and of the report.
+    monkeypatch.setattr(cohorts, "CUT_RULE_VERSION", CUT_RULE_VERSION + 1)
+    assert cli(data_dir, *build)[0] == 0
+    other = (f"{built_again(f'{CUT_RULE_VERSION + 1} of the cut rules')} where the lists are of one cut by version "
+             f"{CUT_RULE_VERSION} of the cut rules: its trajectories and targets may differ from those the lists were "
+             "forecast for")
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 0 and f"note: run r1: {other}\n" in err
+    code, _, err = cli(data_dir, "report", "--run", "r1")
+    assert code == 0 and err == f"note: run r1: {other}\n"
+    assert f"\nCohort built again: {other}.\n" in (data_dir / "reports" / "r1" / "report.md").read_text()
+
+    # Rules that leave out patient 1's three trajectories: named in one line, not dropped or a crash.
+    real_shards = cohorts.assign_shards
+    monkeypatch.setattr(cohorts, "assign_shards",
+                        lambda trajectories, size: real_shards(trajectories.filter(pl.col("subject_id") != 1), size))
+    assert cli(data_dir, *build)[0] == 0
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 1 and err.splitlines()[-1] == (
+        f"Error: run 'r1' ranks trajectory '{cohort_id}:1:101' (3 such), which is not in cohort {cohort_id}'s "
+        "trajectories: forecast the run's systems again on the current build, under a new --run-id or this one with "
+        f"the same options; {other}")
+
+    # Forecast again under the same id with the same options (the cut rules are no option): the note is gone.
+    assert cli(data_dir, *forecast)[0] == 0
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 0 and "built again" not in err
+
+    # A run forecast before forecasts recorded their cohort's cut rules cannot say which rules cut its lists' build.
+    runs = wh_vocab.read("runs", run_id="r1", kind="forecast:repeat_history")
+    unrecorded = {key: value for key, value in json.loads(runs["config_json"][0]).items() if key != "cut_rule_version"}
+    wh_vocab.write("runs", runs.with_columns(config_json=pl.lit(json.dumps(unrecorded))), run_id="r1",
+                   kind="forecast:repeat_history")
+    assert cli(data_dir, *build)[0] == 0
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 0 and (f"note: run r1: {built_again(f'{CUT_RULE_VERSION + 1} of the cut rules')} where the lists "
+                          "are of one cut by rules the run did not record: its trajectories and targets may differ "
+                          "from those the lists were forecast for\n") in err

@@ -678,10 +678,18 @@ def outdated_cut_note(wh: Warehouse, cohort: dict) -> str | None:
     version = cohort["cut_rule_version"]
     if version == CUT_RULE_VERSION or not built_by_cohort_build(wh, cohort):
         return None
-    cut_by = "before cut rules were versioned" if version is None else f"by version {version} of the cut rules"
-    return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was cut {cut_by}, not by this dxr's version "
+    return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was cut {cut_by(version)}, not by this dxr's version "
             f"{CUT_RULE_VERSION}: its trajectories, targets and pre-target records may differ from what a build "
             "makes now")
+
+
+def cut_by(version: int | None) -> str:
+    """How a note names the cut rules of a `cut_rule_version`.
+
+    >>> cut_by(1), cut_by(None)
+    ('by version 1 of the cut rules', 'before cut rules were versioned')
+    """
+    return "before cut rules were versioned" if version is None else f"by version {version} of the cut rules"
 
 
 def cut_rule_cell(version: int | None) -> str:

@@ -136,9 +136,9 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
     """
     import polars as pl
 
-    from tasks.evaluate import (check_has_rankings, check_mean_run_id, comparisons_named, evaluate_repeated,
-                                evaluate_run, in_sample_note, incomplete_note, paired_means, repeated_systems,
-                                run_superseded_note)
+    from tasks.evaluate import (check_has_rankings, check_mean_run_id, cohort_rebuilt_note, comparisons_named,
+                                evaluate_repeated, evaluate_run, in_sample_note, incomplete_note, paired_means,
+                                repeated_systems, run_superseded_note)
 
     # Options that do not go together are usage errors, found before the warehouse is looked at.
     if len(set(run_ids)) > 1:
@@ -176,6 +176,8 @@ def evaluate_command(ctx: click.Context, run_ids, systems, ks, n_boot, seed, nat
         if note := in_sample_note(wh, run_id):
             notes.setdefault(note, []).append(run_id)
         if note := run_superseded_note(wh, run_id):
+            notes.setdefault(note, []).append(run_id)
+        if note := cohort_rebuilt_note(wh, run_id):
             notes.setdefault(note, []).append(run_id)
     for note, noted in notes.items():
         click.echo(f"note: run{'s' * (len(noted) > 1)} {', '.join(noted)}: {note}", err=True)  # stdout: the table
