@@ -527,9 +527,13 @@ def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_t
     # Other rules: the targets may differ, in the notes of `dxr evaluate` and of the report.
     monkeypatch.setattr(cohorts, "CUT_RULE_VERSION", CUT_RULE_VERSION + 1)
     assert cli(data_dir, *build)[0] == 0
-    other = (f"{built_again(f'{CUT_RULE_VERSION + 1} of the cut rules')} where the lists are of one cut by version "
-             f"{CUT_RULE_VERSION} of the cut rules: its trajectories and targets may differ from those the lists were "
-             "forecast for")
+
+    def other_rules() -> str:  # read after each build: the note names its minute
+        return (f"{built_again(f'{CUT_RULE_VERSION + 1} of the cut rules')} where the lists are of one cut by version "
+                f"{CUT_RULE_VERSION} of the cut rules: its trajectories and targets may differ from those the lists "
+                "were forecast for")
+
+    other = other_rules()
     code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
     assert code == 0 and f"note: run r1: {other}\n" in err
     code, _, err = cli(data_dir, "report", "--run", "r1")
@@ -545,7 +549,7 @@ def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_t
     assert code == 1 and err.splitlines()[-1] == (
         f"Error: run 'r1' ranks trajectory '{cohort_id}:1:101' (3 such), which is not in cohort {cohort_id}'s "
         "trajectories: forecast the run's systems again on the current build, under a new --run-id or this one with "
-        f"the same options; {other}")
+        f"the same options; {other_rules()}")
 
     # Forecast again under the same id with the same options (the cut rules are no option): the note is gone.
     assert cli(data_dir, *forecast)[0] == 0
