@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -47,21 +49,28 @@ SENTINELS = {s: f"DIAGNOSIS//ICD//10//ZZSENT{s}" for s in range(1, N_PATIENTS + 
              if SPLIT_CYCLE[(s - 1) % len(SPLIT_CYCLE)] in ("held_out", "tuning")}
 
 
+@contextmanager
+def prior_log_lines() -> Iterator[list[str]]:
+    """The INFO lines `tasks.prior` logs meanwhile (outside a flow the stage logs to its module logger)."""
+    progress = LoggedMessages(logging.INFO)
+    logger = logging.getLogger("tasks.prior")
+    logger.addHandler(progress)
+    logger.setLevel(logging.INFO)
+    try:
+        yield progress.lines
+    finally:
+        logger.removeHandler(progress)
+        logger.setLevel(logging.NOTSET)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("prior_wh")
     wh = Warehouse(root)
     cohort = write_planted_cohort(wh, n_patients=N_PATIENTS, seed=2, extra_target_codes=SENTINELS)
-    progress = LoggedMessages(logging.INFO)
-    logger = logging.getLogger("tasks.prior")  # outside a flow, the epoch lines go to the module logger
-    logger.addHandler(progress)
-    logger.setLevel(logging.INFO)
-    try:
+    with prior_log_lines() as lines:
         result = train_prior(str(root), cohort, "ehr_prior", PriorConfig(**TINY, epochs=2), run_id="train-test-1")
-    finally:
-        logger.removeHandler(progress)
-        logger.setLevel(logging.NOTSET)
-    return wh, cohort, result, progress.lines
+    return wh, cohort, result, lines
 
 
 def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
@@ -328,20 +337,12 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     # Three planted patients are all train (SPLIT_CYCLE), as the MIMIC-III demo's two tuning patients have one
     # visit each before their target: nothing to validate on, so the last epoch's weights are registered.
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=3, seed=4)
-    progress = LoggedMessages(logging.INFO)
-    logger = logging.getLogger("tasks.prior")
-    logger.addHandler(progress)
-    logger.setLevel(logging.INFO)
-    try:
-        with warnings.catch_warnings(record=True) as warned:
-            train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="no-tuning-1")
-    finally:
-        logger.removeHandler(progress)
-        logger.setLevel(logging.NOTSET)
-    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in progress.lines[1:]] == [
+    with prior_log_lines() as lines, warnings.catch_warnings(record=True) as warned:
+        train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="no-tuning-1")
+    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in lines[1:]] == [
         "gru epoch 1/1: train loss L, tuning R@20 n/a (no tuning pair)"]
     assert re.fullmatch(r"gru: \d+ training sequences \(3 train patients\) and 0 tuning pairs featurized in \d+\.\d s",
-                        progress.lines[0]), progress.lines
+                        lines[0]), lines
     # Lightning warned that the empty tuning loader's "total length across ranks is zero", beside dxr's own line.
     empty_loader = THIRD_PARTY_NOISE["Lightning's warning of a loader of length zero"]
     assert [str(w.message) for w in warned if re.search(empty_loader, str(w.message))] == []
@@ -360,20 +361,13 @@ def test_training_logs_its_batches_within_an_epoch_beside_the_epoch_lines(tmp_pa
 
     monkeypatch.setattr(models.prior.train, "PROGRESS_SECONDS", 0.0)  # a line after each batch
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
-    progress = LoggedMessages(logging.INFO)
-    logger = logging.getLogger("tasks.prior")
-    logger.addHandler(progress)
-    logger.setLevel(logging.INFO)
-    try:
+    with prior_log_lines() as lines:
         result = train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="batches-1")
-    finally:
-        logger.removeHandler(progress)
-        logger.setLevel(logging.NOTSET)
     batches = -(-result.n_train_sequences // TINY["batch_size"])
     assert batches > 1
-    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in progress.lines[1:-1]] == [
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in lines[1:-1]] == [
         f"gru epoch 1/1: {done}/{batches} batches in S s" for done in range(1, batches + 1)]
-    assert progress.lines[-1].startswith("gru epoch 1/1: train loss "), progress.lines
+    assert lines[-1].startswith("gru epoch 1/1: train loss "), lines
 
 
 def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(prefect_harness, tmp_path):
