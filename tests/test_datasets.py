@@ -1011,6 +1011,35 @@ def test_ingest_notes_files_under_data_that_no_step_reads(tmp_path):
             "keeps events in data/**/*.parquet; convert events written otherwise (a CSV) to Parquet there\n") in output
 
 
+def test_ingest_notes_parquet_files_that_spark_and_pyarrow_skip_as_their_own(tmp_path):
+    # A failed Spark write leaves its part files in data/_temporary/: read as events, they repeated the events of
+    # subjects 3 and 4 without a word, where pyarrow.dataset and Spark would not read them.
+    root = write_tiny_meds(tmp_path / "meds")
+    write_data_shard(root, "_temporary/0/part-00000", tiny_events().filter(pl.col("subject_id") == 4))
+    write_data_shard(root, ".ipynb_checkpoints/0-checkpoint", tiny_events().filter(pl.col("subject_id") == 3))
+    assert ("note: 2 Parquet files under data/ are named, or in a folder named, with a leading . or _ (e.g. "
+            "data/.ipynb_checkpoints/0-checkpoint.parquet): Spark and pyarrow skip such files as a tool's own, but "
+            "dxr reads them as events; remove them if a tool left them (a failed write's part files repeat events)\n"
+            ) in ingested(tmp_path, root)
+
+
+def test_a_shard_written_as_a_directory_of_parts_is_read(tmp_path):
+    # Spark, pyarrow and pandas write a Parquet dataset as a directory named *.parquet holding its part files, which
+    # DuckDB's data/**/*.parquet reads: the directory was taken for a shard and refused as "not a readable Parquet
+    # file (... is a directory): rewrite or remove it".
+    root = write_tiny_meds(tmp_path / "meds")
+    parts = root / "data" / "events.parquet"
+    parts.mkdir()
+    (root / "data" / "0.parquet").rename(parts / "part-00000.snappy.parquet")
+    (parts / "_SUCCESS").write_bytes(b"")
+    output = ingested(tmp_path, root)
+    assert output.startswith(f"dataset meds: {len(SPLITS)} patients, {tiny_events().height} events,"), output
+    assert "note:" not in output, output
+    copied = tmp_path / "wh" / "gold" / "meds" / "meds" / "data"
+    assert sorted(str(path.relative_to(copied)) for path in copied.rglob("*") if path.is_file()) == [
+        "events.parquet/_SUCCESS", "events.parquet/part-00000.snappy.parquet"]
+
+
 def test_ingest_notes_subjects_of_the_split_file_without_events(tmp_path):
     # A split file of another extract, or shards left behind, passed unnoticed: those subjects are in no cohort.
     root = write_tiny_meds(tmp_path / "meds")

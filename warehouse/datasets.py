@@ -65,7 +65,7 @@ def register_dataset(wh: Warehouse, dataset_id: str, source: str, generator_vers
     wh.write("datasets", pl.DataFrame([row]), dataset_id=dataset_id)
     told = ("n_diagnoses_without_encounter", "n_subjects_without_split", "n_born_after_events", "born_after_events",
             "n_subjects_in_several_shards", "in_several_shards", "n_implausible_times", "implausible_time",
-            "other_files", "n_listed_without_events", "listed_without_events")
+            "other_files", "bookkeeping_shards", "n_listed_without_events", "listed_without_events")
     return {**row, **{name: getattr(info, name) for name in told}}
 
 

@@ -301,6 +301,10 @@ class MedsInfo:
     # Files under data/ that are not *.parquet, which nothing reads (paths relative to the MEDS directory, sorted;
     # the tools' own, `_bookkeeping`, left out).
     other_files: tuple[str, ...] = ()
+    # Shards whose path marks them a tool's own (`_bookkeeping`), such as a failed Spark write's data/_temporary/:
+    # read as events like every *.parquet file, though Spark and pyarrow skip them (paths relative to the MEDS
+    # directory).
+    bookkeeping_shards: tuple[str, ...] = ()
     # Subjects of subject_splits.parquet without any event in data/, and the smallest of their ids.
     n_listed_without_events: int = 0
     listed_without_events: int | None = None
@@ -352,7 +356,7 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
     if validated is not None and validated.stamps == stamps and (other_spellings or not validated.respelled):
         return validated.moved_to(root)
     data_dir = root / meds.data_subdirectory
-    shards = tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ()
+    shards = _shard_files(data_dir)
     if not shards:
         raise InputError(f"{root} is not a MEDS directory: no Parquet shards under {data_dir}; "
                          "MEDS keeps events in data/**/*.parquet")
@@ -478,14 +482,24 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
                     other_files=tuple(sorted(str(path.relative_to(root)) for path in data_dir.rglob("*")
                                              if path.is_file() and not path.name.endswith(".parquet")
                                              and not _bookkeeping(path.relative_to(data_dir)))),
+                    bookkeeping_shards=tuple(str(shard.relative_to(root)) for shard in shards
+                                             if _bookkeeping(shard.relative_to(data_dir))),
                     n_listed_without_events=n_eventless, listed_without_events=eventless)
+
+
+def _shard_files(data_dir: Path) -> tuple[Path, ...]:
+    """The event shards under `data_dir`, sorted: its files named *.parquet at any depth, the files DuckDB's
+    `**/*.parquet` reads. A directory so named is no shard but holds them: Spark, pyarrow and pandas write a dataset
+    as `events.parquet/part-00000.parquet`."""
+    return tuple(sorted(path for path in data_dir.rglob("*.parquet") if path.is_file())) if data_dir.is_dir() else ()
 
 
 def _bookkeeping(path: Path) -> bool:
     """Whether a file under data/ (`path` relative to it) is a tool's own rather than an export's: hidden (a file
     browser's .DS_Store, a notebook's .ipynb_checkpoints/) or, as Hadoop and pyarrow.dataset skip, named with a
     leading underscore (Spark's _SUCCESS, the _common_metadata of a Parquet dataset). A note on them, after every
-    such export, would teach users to ignore the note.
+    such export, would teach users to ignore the note. A Parquet file so placed is still read as a shard, and noted
+    (`MedsInfo.bookkeeping_shards`): it may hold events.
 
     >>> [_bookkeeping(Path(p)) for p in ("_SUCCESS", ".DS_Store", ".ipynb_checkpoints/a.csv", "labs.csv")]
     [True, True, True, False]
@@ -985,7 +999,7 @@ def current_size_fingerprint(root: Path) -> str | None:
     the directory meanwhile), and only a note's wording rests on it, which must not fail the forecast."""
     data_dir = root / meds.data_subdirectory
     try:
-        return _size_fingerprint(root, tuple(sorted(data_dir.rglob("*.parquet"))) if data_dir.is_dir() else ())
+        return _size_fingerprint(root, _shard_files(data_dir))
     except (OSError, pa.ArrowException, ValueError):  # a file gone or half-replaced; dataset.json rewritten
         return None
 
@@ -1041,7 +1055,7 @@ def copy_meds_dir(source: Path, target: Path, encounter_column: str = "encounter
     remove_abandoned(target)
     with scratch(target, "tmp") as staging:
         shutil.copytree(source, staging)
-        for shard in sorted((staging / meds.data_subdirectory).rglob("*.parquet")):
+        for shard in _shard_files(staging / meds.data_subdirectory):
             _conform_shard(shard, encounter_column, offset, respell, memory_limit)
         if (staging / meds.code_metadata_filepath).is_file():
             _respell_dictionary(staging / meds.code_metadata_filepath)

@@ -194,6 +194,12 @@ def echo_ingest_notes(row: dict) -> None:
         click.echo(f"note: {counted(len(other), 'file under data/ is', 'files under data/ are')} not named "
                    f"*.parquet, so no step reads {'it' if len(other) == 1 else 'them'} (e.g. {other[0]}): MEDS keeps "
                    "events in data/**/*.parquet; convert events written otherwise (a CSV) to Parquet there")
+    if tools := row["bookkeeping_shards"]:
+        it = "it" if len(tools) == 1 else "them"
+        click.echo(f"note: {counted(len(tools), 'Parquet file under data/ is', 'Parquet files under data/ are')} "
+                   f"named, or in a folder named, with a leading . or _ (e.g. {tools[0]}): Spark and pyarrow skip "
+                   f"such files as a tool's own, but dxr reads {it} as events; remove {it} if a tool left {it} (a "
+                   "failed write's part files repeat events)")
     if late := row["born_after_events"]:
         click.echo(f"note: {counted(row['n_born_after_events'], 'patient has', 'patients have')} a MEDS_BIRTH dated "
                    f"after their first other event (e.g. subject {late.subject_id}: born {late.birth}, first event "
