@@ -463,6 +463,17 @@ def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path
     monkeypatch.setenv("DXR_PRIOR", '{"seed": true}')  # a JSON variable holds booleans as the file does
     assert one_line_error(run("config", "show")) == (
         f"Error: invalid setting 'prior.seed' (from {config} or DXR_* variables): " + refusal.format(True))
+    monkeypatch.delenv("DXR_PRIOR")
+    # A variable holds text, which pydantic reads as a number only when it spells one: "true" is refused as well.
+    integer = "a valid integer, unable to parse string as an integer"
+    number = "a valid number, unable to parse string as a number"
+    for variable, key, expected in (("DXR_SEED", "seed", integer), ("DXR_SYNTH__PATIENTS", "synth.patients", integer),
+                                    ("DXR_PRIOR__LR", "prior.lr", number)):
+        monkeypatch.setenv(variable, "true")
+        assert one_line_error(run("config", "show")) == (
+            f"Error: invalid setting '{key}' (from {config} or DXR_* variables): Input should be {expected} "
+            "(got 'true'); `dxr config show` lists the valid keys and defaults"), variable
+        monkeypatch.delenv(variable)
 
 
 def test_every_settings_model_refuses_a_boolean_for_a_number():
