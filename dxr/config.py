@@ -174,6 +174,17 @@ def check_variables(settings: Settings) -> None:
                           "`dxr config show` lists the valid keys")
 
 
+def _source_of(loc: tuple, path: Path | None) -> str:
+    """Where the value of the setting at `loc` came from: the DXR_* variable that sets it (its own, or the JSON of a
+    section or list holding it), which takes precedence over the TOML file `path`, else that file."""
+    variables = {variable.upper(): variable for variable in os.environ}
+    for depth in range(len(loc), 0, -1):
+        variable = variables.get("DXR_" + "__".join(str(part) for part in loc[:depth]).upper())
+        if variable:
+            return variable
+    return str(path) if path else "DXR_* variables"
+
+
 def load_settings(**overrides) -> Settings:
     """Validated settings; a bad key, type or TOML syntax, or a DXR_* variable naming no setting, raises
     ConfigError naming it."""
@@ -183,9 +194,9 @@ def load_settings(**overrides) -> Settings:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        source = f" (from {path} or DXR_* variables)" if path else " (from DXR_* variables)"
         raise ConfigError(
-            f"invalid setting '{where}'{source}: {first['msg'].removeprefix('Value error, ')} "
+            f"invalid setting '{where}' (from {_source_of(first['loc'], path)}): "
+            f"{first['msg'].removeprefix('Value error, ')} "
             f"(got {first.get('input')!r}); "
             "`dxr config show` lists the valid keys and defaults"
         ) from exc

@@ -447,22 +447,22 @@ def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path
     monkeypatch.setenv("DXR_CONFIG", str(config))
     refusal = ("a boolean is not a number: write a number (true and false are not read as 1 and 0) (got {}); "
                "`dxr config show` lists the valid keys and defaults")
+    monkeypatch.setenv("DXR_PRIOR__EPOCHS", "3")  # a variable of the same section, valid: the file is named
     for toml, key, value in (("seed = true", "seed", True), ("[prior]\nlr = false", "prior.lr", False),
                              ("[prior]\nmax_train_patients = true", "prior.max_train_patients", True),
                              ("[llm.prices.m]\ninput = true", "llm.prices.m.input", True)):
         config.write_text(f"{toml}\n")
         assert one_line_error(run("config", "show")) == (
-            f"Error: invalid setting '{key}' (from {config} or DXR_* variables): " + refusal.format(value)), toml
+            f"Error: invalid setting '{key}' (from {config}): " + refusal.format(value)), toml
     # The file's numbers (an integer for a float too), its booleans and the variables' strings are read as before.
     config.write_text("seed = 11\n[prior]\nlr = 1\nkeep_best_epoch = false\n")
-    monkeypatch.setenv("DXR_PRIOR__EPOCHS", "3")
     shown = run("config", "show")
     assert shown.exit_code == 0, shown.output
     for pair in ('"seed": 11', '"lr": 1.0', '"keep_best_epoch": false', '"epochs": 3'):
         assert pair in shown.output, pair
     monkeypatch.setenv("DXR_PRIOR", '{"seed": true}')  # a JSON variable holds booleans as the file does
     assert one_line_error(run("config", "show")) == (
-        f"Error: invalid setting 'prior.seed' (from {config} or DXR_* variables): " + refusal.format(True))
+        f"Error: invalid setting 'prior.seed' (from DXR_PRIOR): " + refusal.format(True))
     monkeypatch.delenv("DXR_PRIOR")
     # A variable holds text, which pydantic reads as a number only when it spells one: "true" is refused as well.
     integer = "a valid integer, unable to parse string as an integer"
@@ -471,7 +471,7 @@ def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path
                                     ("DXR_PRIOR__LR", "prior.lr", number)):
         monkeypatch.setenv(variable, "true")
         assert one_line_error(run("config", "show")) == (
-            f"Error: invalid setting '{key}' (from {config} or DXR_* variables): Input should be {expected} "
+            f"Error: invalid setting '{key}' (from {variable}): Input should be {expected} "
             "(got 'true'); `dxr config show` lists the valid keys and defaults"), variable
         monkeypatch.delenv(variable)
 

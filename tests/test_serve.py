@@ -273,7 +273,7 @@ def test_the_systems_of_a_backfill_are_checked_with_the_settings(tmp_path, monke
 
     path = write_config(tmp_path, monkeypatch,
                         BACKFILL.format(cron="0 2 * * *", tz="UTC") + f"systems = {systems}\n")
-    line = (f"Error: invalid setting 'backfills.0.systems' (from {path} or DXR_* variables): {message} (got "
+    line = (f"Error: invalid setting 'backfills.0.systems' (from {path}): {message} (got "
             f"{json.loads(systems)!r}); `dxr config show` lists the valid keys and defaults")
     with temporary_settings(updates={PREFECT_API_URL: None}):
         for command in (["config", "show"], ["serve"]):
