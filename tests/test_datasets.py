@@ -25,7 +25,7 @@ import warehouse.meds as meds_module
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
 from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, dx, file_size_limit,
-                            t, tiny_events, write_tiny_meds)
+                            t, tiny_events, with_vocabularies, write_tiny_meds)
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
@@ -210,6 +210,24 @@ def test_a_moved_warehouse_builds_cohorts_from_its_own_files(wh_vocab, tiny_meds
     row = build_cohort(moved, "tiny", "main", CohortOptions(), seed=0)
     assert (row["n_trajectories"], moved.read("datasets")["meds_dir"].to_list()) == (
         3, [str(wh_vocab.root / "gold" / "meds" / "tiny")])
+
+
+def test_a_meds_dir_and_a_warehouse_under_key_value_directories_ingest_and_build_as_under_plain_paths(vocab_cache,
+                                                                                                       tmp_path):
+    # DuckDB took a column from each `key=value` directory of a path it read: a MEDS dir under `subject_id=9/` had
+    # one patient, not 4, and one under `code=X/` no diagnosis (ingest refused it); a warehouse under `cohort_id=zz/`
+    # read every cohort's rows as cohort zz.
+    from warehouse.store import Warehouse
+
+    built = {}
+    for lake in ("plain", "site=a/subject_id=9/code=X/cohort_id=zz"):
+        wh = with_vocabularies(Warehouse(tmp_path / lake / "warehouse"), vocab_cache)
+        row = ingest_meds(wh, write_tiny_meds(tmp_path / lake / "meds"), "tiny")
+        cohort = build_cohort(wh, "tiny", "main", CohortOptions(), seed=0)
+        trajectories = wh.connect().execute("SELECT cohort_id, trajectory_id FROM trajectories ORDER BY ALL").fetchall()
+        built[lake] = (row["n_subjects"], row["n_events"], cohort["cohort_id"], cohort["n_trajectories"], trajectories)
+    assert built["site=a/subject_id=9/code=X/cohort_id=zz"] == built["plain"]
+    assert built["plain"][:2] == (4, 60)
 
 
 def test_a_moved_warehouse_keeps_its_synthetic_dataset_current(wh, tmp_path):

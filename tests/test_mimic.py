@@ -307,6 +307,15 @@ def mimic4(tmp_path_factory):
     return out, import_mimic4(FIXTURE, out, seed=SEED)
 
 
+def test_an_extract_under_a_key_value_directory_imports_as_under_a_plain_path(mimic4, tmp_path):
+    # DuckDB took a column from each `key=value` directory of a CSV's path: the importer names the CSV columns c0,
+    # c1, …, so under `c0=x/` every row's first column (the subject id) read x and the import failed.
+    out, _ = mimic4
+    source = shutil.copytree(FIXTURE, tmp_path / "c0=x" / "site=a" / "mimic4")
+    import_mimic4(source, tmp_path / "meds", seed=SEED)
+    assert read_meds(tmp_path / "meds").equals(read_meds(out))
+
+
 def test_fixture_events_are_exactly_the_expected_rows(mimic4):
     out, _ = mimic4
     expected = pl.DataFrame(EXPECTED, orient="row", schema={

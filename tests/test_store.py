@@ -404,8 +404,37 @@ def test_a_filter_on_a_partition_key_reads_only_the_matching_partitions(wh):
     assert con.execute("SELECT count(*) FROM rankings").fetchone() == (10,)
 
 
+@pytest.mark.parametrize("lake", ["site=a", "run_id=zz", "cohort_id=zz", "icd_version=x"])
+def test_a_data_dir_under_key_value_directories_has_the_views_of_one_under_a_plain_path(tmp_path, lake):
+    # DuckDB's hive partitioning took `key=value` from the whole path: under `site=a/` every view had a `site` column,
+    # under `run_id=zz/` every run's rows read run_id zz (`dxr evaluate` found no rankings), under `cohort_id=zz/` every
+    # cohort's read cohort_id zz (a forecast found no history), and under `icd_version=x/` the vocabularies' TINYINT
+    # icd_version was the text x.
+    plain, under_keys = store.Warehouse(tmp_path / "plain" / "data"), store.Warehouse(tmp_path / lake / "data")
+    for wh in (plain, under_keys):
+        for run_id, shards in (("r1", 2), ("r2", 3)):
+            for shard in range(shards):
+                wh.write("rankings", ranking_rows(run_id, 2), run_id=run_id, system="repeat_history", shard=shard)
+        for cohort, n in (("c1", 2), ("c2", 3)):
+            wh.write("cohort_vocabulary", vocabulary(cohort, n), cohort_id=cohort)
+            wh.write("targets", targets(cohort, n), cohort_id=cohort)
+
+    def views(wh) -> dict:
+        con = wh.connect(gold=True)
+        return {table: (con.execute(f"DESCRIBE {table}").fetchall(),
+                        con.execute(f"FROM {table} ORDER BY ALL").fetchall())
+                for table in ("rankings", "cohort_vocabulary", "targets")}
+
+    assert views(under_keys) == views(plain)
+    con = under_keys.connect()
+    [(_, plan)] = con.execute("EXPLAIN ANALYZE SELECT count(*) FROM rankings WHERE run_id = 'r1'").fetchall()
+    assert "Total Files Read: 2" in plan  # r1's two shards, not r2's three
+    assert con.execute("SELECT count(*) FROM cohort_vocabulary WHERE cohort_id = 'c2' AND icd_version = 10"
+                       ).fetchall() == [(3,)]
+
+
 def test_a_partition_value_that_duckdb_reads_as_null_is_refused(wh):
-    # Through the hive-partitioned views this directory value would come back as NULL, not as itself.
+    # Read with DuckDB's hive partitioning (README), this directory value would come back as NULL, not as itself.
     null_marker = "__HIVE_DEFAULT_PARTITION__"
     with pytest.raises(InputError, match=f"partition value run_id='{null_marker}' of table rankings would read back"):
         wh.write("rankings", ranking_rows(null_marker, 1), run_id=null_marker, system="repeat_history", shard=0)

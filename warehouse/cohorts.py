@@ -361,7 +361,7 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     with _spilling_connection(wh, cohort_id, memory_limit) as con:
         vocab.load_vocabularies(wh)
         gem, icd_codes = wh.read("gem_map"), wh.read("icd_codes")
-        shards = f"read_parquet({duck.files(info.root / 'data', '**/*.parquet')}, union_by_name=true)"
+        shards = duck.read("read_parquet", info.root / "data", "**/*.parquet", "union_by_name = true")
         con.execute(f"""CREATE TEMP TABLE raw AS SELECT subject_id, time, code, numeric_value, text_value, encounter_id
                         FROM {shards}""")
         # The MIMIC importers flag the birth date they moved to cap an age above 89 (`time_imputed`, a MEDS

@@ -70,6 +70,21 @@ def files(path, pattern: str | None = None) -> str:
     return literal(exact if pattern is None else f"{exact}/{pattern}")
 
 
+def read(reader: str, path, pattern: str | None = None, options: str = "") -> str:
+    """The SQL call of DuckDB's `reader` (`read_parquet`, `read_csv`) over `files(path, pattern)`, with `options`
+    (SQL, `union_by_name = true`), that gives each file's own columns and values only.
+
+    DuckDB's hive partitioning, on whenever the first file's path holds a `key=value` directory, takes a column from
+    each such directory anywhere in the path: a data dir under `/lake/site=a/` gave every row a `site` column, one
+    under `/lake/run_id=zz/` read the run id of every run as `zz`, and a MEDS dir under `/exports/subject_id=9/` made
+    its 4 patients one.
+
+    >>> read("read_parquet", "/lake/site=a/meds", "**/*.parquet", "union_by_name = true")
+    "read_parquet('/lake/site=a/meds/**/*.parquet', hive_partitioning = false, union_by_name = true)"
+    """
+    return f"{reader}({', '.join(filter(None, (files(path, pattern), 'hive_partitioning = false', options)))})"
+
+
 def glob_escaped(path) -> str:
     """`path` with each glob character in a class of its own, which matches that character alone."""
     return re.sub(r"[*?\[\]]", lambda glob_character: f"[{glob_character.group()}]", str(path))

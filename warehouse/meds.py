@@ -467,9 +467,9 @@ def validate_meds_dir(path: str | os.PathLike, memory_limit: str = "2GB", valida
         # and its subjects without events, which hint at missing shards or the split file of another extract.
         with _spilling_connection(f"validation of MEDS directory {root}", memory_limit) as con:
             con.register("listed", splits.select("subject_id").to_arrow())
-            shards_glob = duck.files(data_dir, "**/*.parquet")
+            events = duck.read("read_parquet", data_dir, "**/*.parquet", "union_by_name = true")
             [(n_unsplit, n_eventless, eventless)] = con.execute(f"""
-                WITH events AS (SELECT DISTINCT subject_id FROM read_parquet({shards_glob}, union_by_name=true))
+                WITH events AS (SELECT DISTINCT subject_id FROM {events})
                 SELECT (SELECT count(*) FROM events ANTI JOIN listed USING (subject_id)), count(*), min(subject_id)
                 FROM listed ANTI JOIN events USING (subject_id)""").fetchall()
     fingerprint, fingerprint_with_paths = _fingerprints(root, shards)
@@ -665,7 +665,8 @@ def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelt
     """
     shift = 0 if offset is None else offset // timedelta(microseconds=1)
     first, last = (f"epoch_us(TIMESTAMP '{year}-01-01') - {shift}" for year in PLAUSIBLE_YEARS)
-    glob = duck.files(root / meds.data_subdirectory, "**/*.parquet")
+    events = duck.read("read_parquet", root / meds.data_subdirectory, "**/*.parquet",
+                       "union_by_name = true, filename = true, file_row_number = true")
     birth = duck.literal(meds.birth_code)
     # Every time as a UTC instant in microseconds, whatever its type (a zone's nanoseconds have no epoch_us of their
     # own): cast to TIMESTAMP, which shows a time with a zone in the session's zone, UTC (`duck.connect`). (Casting to
@@ -673,7 +674,7 @@ def _subject_checks(con: duckdb.DuckDBPyConnection, root: Path, offset: timedelt
     [(n_late, late, n_spread, spread, n_odd, odd)] = con.execute(f"""
         WITH events AS (
             SELECT subject_id, code, filename, file_row_number, epoch_us(time::TIMESTAMP) AS time
-            FROM read_parquet({glob}, union_by_name=true, filename=true, file_row_number=true)),
+            FROM {events}),
         subjects AS (
             SELECT subject_id, min(time) FILTER (WHERE code = {birth}) AS birth,
                    min(time) FILTER (WHERE code <> {birth}) AS first_event,
@@ -743,12 +744,10 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
                   ) -> tuple[int, int, int, tuple[int, ...], tuple[Respelling, ...]]:
     """The event checks of `validate_meds_dir`, in DuckDB; returns the subjects, events, diagnoses without an
     encounter, ICD versions of the data, and its diagnoses in other spellings (with `other_spellings`)."""
-    glob = duck.files(data_dir, "**/*.parquet")
-
     def scan(options: str = "", as_written: bool = False) -> str:
         """The shards with the encounter column under its platform name and, unless `as_written`, each diagnosis
         code in the platform's spelling."""
-        relation = f"read_parquet({glob}, union_by_name=true{options})"
+        relation = duck.read("read_parquet", data_dir, "**/*.parquet", f"union_by_name = true{options}")
         columns = "*" if encounter == "encounter_id" else f"*, {encounter} AS encounter_id"
         if other_spellings and not as_written:
             columns = columns.replace("*", f"* REPLACE (coalesce({respelled_diagnosis_sql('code')}, code) AS code)", 1)
@@ -813,7 +812,7 @@ def _check_events(con: duckdb.DuckDBPyConnection, data_dir: Path, shards: tuple[
     first_with_content: dict[tuple[int, int], Path] = {}
     for n_rows, group in by_rows.items():
         for shard in group if len(group) > 1 and n_rows else ():  # empty shards (a split without patients) are fine
-            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM read_parquet({duck.files(shard)}) t"
+            [(content,)] = con.execute(f"SELECT sum(hash(t)::HUGEINT) FROM {duck.read('read_parquet', shard)} t"
                                        ).fetchall()
             earlier = first_with_content.setdefault((n_rows, content), shard)
             if earlier != shard:
@@ -1139,7 +1138,7 @@ def _respelled_repeats(shard: Path, encounter_column: str, value_columns: list[s
         return con.sql(f"""
             WITH diagnoses AS (
                 SELECT *, {platform} AS platform_code
-                FROM read_parquet({duck.files(shard)}, file_row_number = true) WHERE {platform} IS NOT NULL),
+                FROM {duck.read("read_parquet", shard, options="file_row_number = true")} WHERE {platform} IS NOT NULL),
             spellings AS (
                 SELECT file_row_number, code, {same}, count(*) OVER spelling AS n, min(file_row_number) OVER spelling
                        AS first_row
@@ -1216,8 +1215,7 @@ def read_splits(info: MedsInfo, seed: int, memory_limit: str = "2GB") -> pl.Data
         check_splits(splits, path)  # again: the file may have changed since the dataset was registered
         return splits
     with _spilling_connection(f"reading the subjects of MEDS directory {info.root}", memory_limit) as con:
-        ids = con.execute(f"SELECT DISTINCT subject_id FROM read_parquet("
-                          f"{duck.files(info.root / 'data', '**/*.parquet')}) ORDER BY subject_id"
-                          ).fetchnumpy()["subject_id"]
+        events = duck.read("read_parquet", info.root / "data", "**/*.parquet")
+        ids = con.execute(f"SELECT DISTINCT subject_id FROM {events} ORDER BY subject_id").fetchnumpy()["subject_id"]
     return pl.DataFrame({"subject_id": ids, "split": [hash_split(int(s), seed) for s in ids]},
                         schema={"subject_id": pl.Int64, "split": pl.String})

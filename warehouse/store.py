@@ -48,7 +48,9 @@ COMMIT_TIME = re.compile(r"^t(\d{20})-")  # the time in a COMMIT_ID
 COMMIT_PLAN = "plan.json"
 REMOVED = "removed"  # in a removal's commit: the directories it removes, moved in to go with it
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
-HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a directory value DuckDB's hive partitioning reads back as NULL
+# A directory value DuckDB's hive partitioning reads back as NULL: not the views' (they parse the directory names), but
+# that of a reader of the files without dxr (README).
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
 class Warehouse:
@@ -159,9 +161,8 @@ class Warehouse:
             keyed = [k for k in spec.partition_by if k in spec.columns]
             checks = [f'count(*) FILTER (WHERE "{c}" IS NULL)' for c in required] + [
                 f'count(*) FILTER (WHERE "{k}" IS DISTINCT FROM ?)' for k in keyed]
-            # hive_partitioning=false: the file's own values, not the `key=value` of its directory.
-            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM read_parquet({duck.files(tmp)}, "
-                                   "hive_partitioning=false)",
+            # The file's own values, not the `key=value` of its directory.
+            [counts] = con.execute(f"SELECT {', '.join(checks)} FROM {duck.read('read_parquet', tmp)}",
                                    [keys[k] for k in keyed]).fetchall()
             for name, nulls in zip(required, counts):
                 if nulls:
@@ -339,16 +340,19 @@ class Warehouse:
         """The view over the files of the partitions matching `keys`; None when there are none."""
         if not any(self._files(spec, keys)):
             return None
-        files = duck.files(self.store_dir(spec.store) / spec.name, _partition_pattern(spec, keys))
-        # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other
-        # partitions' files. Its values come from the directory names, which `write` made equal to
-        # the file's own, typed as declared; a key that is no column (`shard`) stays out of the view.
-        types = ", ".join(f"'{key}': {_duck_type(spec.columns[key]) if key in spec.columns else 'VARCHAR'}"
-                          for key in spec.partition_by)
-        hidden = [key for key in spec.partition_by if key not in spec.columns]
-        select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
-        return (f"SELECT {select} FROM read_parquet({files}, union_by_name=true, hive_partitioning=true, "
-                f"hive_types={{{types}}})")
+        # Each partition key that is a column is taken from its directory, the one that many levels above the file,
+        # which `write` made equal to the file's own value: DuckDB skips the files of the other partitions for a
+        # filter on an expression of `filename` alone (`WHERE run_id = ...`), as it does for hive partitioning. That
+        # takes `key=value` from the whole path, the data dir's too (`duck.read`), so the views leave it off. A key
+        # that is no column (`shard`) stays out of the view.
+        depth = len(spec.partition_by) + 1
+        from_directory = ", ".join(
+            f"CAST(split_part(string_split(filename, '/')[{level - depth}], '=', 2) AS {_duck_type(spec.columns[key])})"
+            f' AS "{key}"' for level, key in enumerate(spec.partition_by) if key in spec.columns)
+        scan = duck.read("read_parquet", self.store_dir(spec.store) / spec.name, _partition_pattern(spec, keys),
+                         "union_by_name = true, filename = true")
+        replace = f" REPLACE ({from_directory})" if from_directory else ""
+        return f"SELECT * EXCLUDE (filename){replace} FROM {scan}"
 
 
 def _add_missing_columns(con: duckdb.DuckDBPyConnection, views: dict[str, str]) -> None:
@@ -502,7 +506,7 @@ def unsafe(value: str) -> str | None:
     if not SAFE_VALUE.fullmatch(value):  # `$` alone would let a trailing newline through
         return "has unsafe characters: use letters, digits and _.:-"
     if value == HIVE_NULL:
-        return "would read back as NULL through the warehouse views: use another value"
+        return "would read back as NULL through DuckDB's hive partitioning: use another value"
     return None
 
 

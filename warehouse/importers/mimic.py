@@ -613,8 +613,8 @@ def _read_csv(path: Path, n_columns: int) -> str:
     # malformed row fails the read with its line number. Columns are named by position (c0, c1, …): a header may
     # hold an empty name (a trailing comma) or a quote, which DuckDB's column list cannot take.
     columns = ", ".join(f"c{index}: 'VARCHAR'" for index in range(n_columns))
-    return (f"read_csv({duck.files(path)}, header = true, auto_detect = false, columns = {{{columns}}}, delim = ',', "
-            "quote = '\"', escape = '\"')")
+    return duck.read("read_csv", path, options=f"header = true, auto_detect = false, columns = {{{columns}}}, "
+                     "delim = ',', quote = '\"', escape = '\"'")
 
 
 def _load_table(con: duckdb.DuckDBPyConnection, layout: Layout, name: str, spec: SourceTable,

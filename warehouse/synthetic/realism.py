@@ -44,10 +44,10 @@ REALISM_BANDS: dict[str, tuple[float, float]] = {
 
 def diagnosis_encounters(meds_dir: Path) -> pl.DataFrame:
     """(subject_id, encounter_id, admit, code) for every diagnosis of every encounter."""
-    shards = duck.files(Path(meds_dir) / meds.data_subdirectory, "**/*.parquet")
+    shards = duck.read("read_parquet", Path(meds_dir) / meds.data_subdirectory, "**/*.parquet")
     con = duck.connect(":memory:")
     return con.sql(f"""
-        WITH ev AS (SELECT subject_id, encounter_id, time, code FROM read_parquet({shards})
+        WITH ev AS (SELECT subject_id, encounter_id, time, code FROM {shards}
                     WHERE encounter_id IS NOT NULL),
              adm AS (SELECT encounter_id, min(time) AS admit FROM ev GROUP BY encounter_id)
         SELECT DISTINCT ev.subject_id, ev.encounter_id, adm.admit, ev.code
