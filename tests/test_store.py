@@ -21,7 +21,7 @@ import pytest
 
 import warehouse.store as store
 from dxr.cli import one_line
-from dxr.errors import InputError, NotFoundError
+from dxr.errors import ConfigError, InputError, NotFoundError
 from tests.conftest import abandoned_scratch, file_size_limit, legacy_scratch
 from warehouse.scratch import _HOST, remove_abandoned, scratch
 
@@ -1030,3 +1030,18 @@ def test_a_data_dir_whose_path_holds_glob_characters_reads_its_own_files_only(tm
     assert wh.read("cohort_vocabulary").height == 3
     assert wh.connect().execute("SELECT count(*) FROM cohort_vocabulary").fetchall() == [(3,)]
     assert run_query(wh, "SELECT count(*) AS n FROM targets", fmt="csv", with_gold=True) == "n\n3\n"
+
+
+def test_a_directory_named_as_the_glob_escaped_data_dir_is_refused_rather_than_readable(tmp_path):
+    # The confined connection allows `dxr [[]v2[]]/forecast/` too, the name its views glob by; DuckDB reads an existing
+    # file of that literal name as it is, so `dxr sql` read the files of a directory so named beside the data dir.
+    from warehouse.sql import run_query
+
+    wh = store.Warehouse(tmp_path / "dxr [v2]")
+    wh.write("cohort_vocabulary", vocabulary("c", 3), cohort_id="c")
+    assert wh.connect().execute("SELECT count(*) FROM cohort_vocabulary").fetchall() == [(3,)]
+    beside = store.Warehouse(tmp_path / "dxr [[]v2[]]")
+    beside.write("cohort_vocabulary", vocabulary("other", 5), cohort_id="other")
+    with pytest.raises(ConfigError, match=re.escape(f"{beside.forecast_dir} exists: DuckDB takes it for the "
+                                                    f"glob-escaped name of {wh.forecast_dir}")):
+        run_query(wh, f"SELECT count(*) AS n FROM read_parquet('{beside.forecast_dir}/*/*/data.parquet')", fmt="csv")

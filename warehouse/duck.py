@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import tempfile
 import uuid
@@ -94,7 +95,15 @@ def confine(con: duckdb.DuckDBPyConnection, *directories: Path) -> None:
     """Let `con` read files under `directories` only, for good (access cannot be re-enabled on it).
 
     DuckDB checks the name a reader is given, before it expands a glob, so each directory is allowed both as
-    written and as `files` escapes it (`/srv/dxr [[]v2[]]/`)."""
+    written and as `files` escapes it (`/srv/dxr [[]v2[]]/`). DuckDB reads a name that is an existing file as that
+    file, without globbing, so the files of a directory literally named so would be readable too (and writable by
+    `COPY … TO`): one that exists is refused. (Views over lists of files, which need no escaped name, would no longer
+    see partitions written after the connection was made.)"""
+    for directory in directories:
+        escaped = glob_escaped(directory)
+        if escaped != str(directory) and os.path.lexists(escaped):
+            raise ConfigError(f"{escaped} exists: DuckDB takes it for the glob-escaped name of {directory}, so queries "
+                              f"confined to {directory} could read it; rename or move one of them")
     names = dict.fromkeys(name for directory in directories for name in (str(directory), glob_escaped(directory)))
     con.execute(f"SET allowed_directories=[{', '.join(literal(f'{name}/') for name in names)}]")
     con.execute("SET enable_external_access=false")
