@@ -1045,3 +1045,12 @@ def test_a_directory_named_as_the_glob_escaped_data_dir_is_refused_rather_than_r
     with pytest.raises(ConfigError, match=re.escape(f"{beside.forecast_dir} exists: DuckDB takes it for the "
                                                     f"glob-escaped name of {wh.forecast_dir}")):
         run_query(wh, f"SELECT count(*) AS n FROM read_parquet('{beside.forecast_dir}/*/*/data.parquet')", fmt="csv")
+
+
+def test_doctests_of_the_duck_module():
+    import doctest
+
+    from warehouse import duck
+
+    result = doctest.testmod(duck)
+    assert result.failed == 0 and result.attempted >= 3, result

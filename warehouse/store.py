@@ -340,17 +340,29 @@ class Warehouse:
         """The view over the files of the partitions matching `keys`; None when there are none."""
         if not any(self._files(spec, keys)):
             return None
-        # Each partition key that is a column is taken from its directory, the one that many levels above the file,
-        # which `write` made equal to the file's own value: DuckDB skips the files of the other partitions for a
-        # filter on an expression of `filename` alone (`WHERE run_id = ...`), as it does for hive partitioning. That
-        # takes `key=value` from the whole path, the data dir's too (`duck.read`), so the views leave it off. A key
-        # that is no column (`shard`) stays out of the view.
+        table_dir = self.store_dir(spec.store) / spec.name
+        pattern = _partition_pattern(spec, keys)
+        if not any("=" in part for part in table_dir.parts):
+            # Hive partitioning lets a filter on a partition key (`WHERE run_id = ...`) skip the other partitions'
+            # files, and holds each key as one value per file (grouping by it costs nothing). Its values come from
+            # the directory names, which `write` made equal to the file's own, typed as declared; a key that is no
+            # column (`shard`) stays out of the view.
+            types = ", ".join(f"'{key}': {_duck_type(spec.columns[key]) if key in spec.columns else 'VARCHAR'}"
+                              for key in spec.partition_by)
+            hidden = [key for key in spec.partition_by if key not in spec.columns]
+            select = f"* EXCLUDE ({', '.join(hidden)})" if hidden else "*"
+            return (f"SELECT {select} FROM read_parquet({duck.files(table_dir, pattern)}, union_by_name=true, "
+                    f"hive_partitioning=true, hive_types={{{types}}})")
+        # DuckDB's hive partitioning takes `key=value` from the whole path, the data dir's too: under `/lake/site=a/`
+        # every view had a `site` column, under `/lake/run_id=zz/` every run's rows read run_id zz. There each key
+        # that is a column is taken from its own directory, that many levels above the file: a filter on it still
+        # skips the other partitions' files, but grouping by it parses each row's file name (a GROUP BY run_id over
+        # 20M rows: 9 ms with hive partitioning, 240 ms so).
         depth = len(spec.partition_by) + 1
         from_directory = ", ".join(
             f"CAST(split_part(string_split(filename, '/')[{level - depth}], '=', 2) AS {_duck_type(spec.columns[key])})"
             f' AS "{key}"' for level, key in enumerate(spec.partition_by) if key in spec.columns)
-        scan = duck.read("read_parquet", self.store_dir(spec.store) / spec.name, _partition_pattern(spec, keys),
-                         "union_by_name = true, filename = true")
+        scan = duck.read("read_parquet", table_dir, pattern, "union_by_name = true, filename = true")
         replace = f" REPLACE ({from_directory})" if from_directory else ""
         return f"SELECT * EXCLUDE (filename){replace} FROM {scan}"
 
