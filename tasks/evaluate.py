@@ -249,10 +249,9 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
                           on="trajectory_id", how="inner", maintain_order="left")
     if members.height != len(trajectory_ids):
         strays = sorted(set(trajectory_ids) - set(members["trajectory_id"]))
-        rebuilt = cohort_rebuilt_note(wh, run_id)
         raise InputError(f"run {run_id!r} ranks trajectory {strays[0]!r} ({len(strays)} such), which is not in cohort "
                          f"{cohort_id}'s trajectories: forecast the run's systems again on the current build, under a "
-                         f"new --run-id or this one with the same options{f'; {rebuilt}' if rebuilt else ''}")
+                         f"new --run-id or this one with the same options{_rebuilt_clause(wh, run_id)}")
     targets = _query(con, """
         WITH tg AS (SELECT DISTINCT trajectory_id, code FROM targets JOIN frozen USING (trajectory_id)
                     WHERE cohort_id = $cohort),
@@ -267,7 +266,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     if empty:
         raise InputError(f"trajectory {empty[0]!r} of run {run_id!r} has no gold targets ({len(empty)} such): empty "
                          "targets are excluded at cohort build time, so the cohort build and the run disagree; "
-                         "rebuild the cohort and rerun the forecast")
+                         f"rebuild the cohort and rerun the forecast{_rebuilt_clause(wh, run_id)}")
     for name in (s for s in ORACLES if s in systems):
         oracle = _query(con, f"""
             SELECT '{name}' AS system, trajectory_id,
@@ -293,6 +292,13 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
     return RunData(run_id, cohort_id, trajectory_ids, subject_index, list(systems),
                    rankings.select("system", "trajectory_id", "position", "code", "native"), status,
                    label_targets(targets))
+
+
+def _rebuilt_clause(wh: Warehouse, run_id: str) -> str:
+    """`; <cohort_rebuilt_note>` for an error where the run's lists and its cohort's build disagree, or nothing:
+    a build of the cohort after the run forecast it is the likely why."""
+    note = cohort_rebuilt_note(wh, run_id)
+    return f"; {note}" if note else ""
 
 
 def _query(con, sql: str, params) -> pl.DataFrame:

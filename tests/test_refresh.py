@@ -566,3 +566,36 @@ def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_t
     assert code == 0 and (f"note: run r1: {built_again(f'{CUT_RULE_VERSION + 1} of the cut rules')} where the lists "
                           "are of one cut by rules the run did not record: its trajectories and targets may differ "
                           "from those the lists were forecast for\n") in err
+
+
+def test_a_run_whose_trajectories_lost_their_targets_in_a_rebuild_says_the_cohort_was_built_again(
+        wh_vocab, tmp_path, monkeypatch):
+    # A trajectory still in the cohort but without targets: the error said only that "the cohort build and the run
+    # disagree", not that the cohort was built again, by other rules, after the run forecast it.
+    import warehouse.cohorts as cohorts
+    from warehouse.cohorts import CUT_RULE_VERSION
+
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    build = ("cohort", "build", "--dataset", "hosp", "--name", "every", "--target", "every", "--min-history", "0")
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(data_dir, *build)[0] == 0
+    assert cli(data_dir, "forecast", "--cohort", "every", "--system", "repeat_history", "--split", "all",
+               "--run-id", "r1")[0] == 0
+    monkeypatch.setattr(cohorts, "CUT_RULE_VERSION", CUT_RULE_VERSION + 1)
+    assert cli(data_dir, *build)[0] == 0
+    # The build by the other rules holds patient 1's three trajectories without their targets.
+    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
+    targets = wh_vocab.read("targets", cohort_id=cohort_id)
+    wh_vocab.write("targets", targets.filter(pl.col("trajectory_id").str.split(":").list.get(1) != "1"),
+                   cohort_id=cohort_id)
+
+    built = wh_vocab.read("cohorts", cohort_id=cohort_id)["created_at"][0]
+    code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
+    assert code == 1 and err.splitlines()[-1] == (
+        f"Error: trajectory '{cohort_id}:1:101' of run 'r1' has no gold targets (3 such): empty targets are excluded "
+        "at cohort build time, so the cohort build and the run disagree; rebuild the cohort and rerun the forecast; "
+        f"cohort every ({cohort_id}) was built again on {built:%Y-%m-%d %H:%M} UTC, after this run's repeat_history "
+        f"forecast it, cut by version {CUT_RULE_VERSION + 1} of the cut rules where the lists are of one cut by "
+        f"version {CUT_RULE_VERSION} of the cut rules: its trajectories and targets may differ from those the lists "
+        "were forecast for")
