@@ -342,14 +342,23 @@ def mean_k_sweep(wh: Warehouse, run_ids: list[str], systems: list[str], max_k: i
     return sweeps.group_by("system", "subset", "k", "metric").agg(pl.col("value").mean())
 
 
-def earlier_version_notes(wh: Warehouse, run_id: str) -> list[tuple[str, str]]:
-    """(label, note) of what in a run's report is of an earlier version than the warehouse's or this dxr's now: its
-    cohort (`run_superseded_note`), its cohort's build (`cohort_rebuilt_note`) and its evaluation
-    (`outdated_evaluation_note`). The report opens with them and
-    `dxr report` repeats them on stderr, where a scheduled or scripted run's reader sees them."""
+def averaged_runs(wh: Warehouse, run_id: str) -> list[str]:
+    """The runs whose mean `run_id` is (`evaluate_repeated`), or [] for a run of its own (or not evaluated)."""
+    evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
+    return [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
+
+
+def report_notes(wh: Warehouse, run_id: str) -> list[tuple[str, str]]:
+    """(label, note) of what a reader of a run's report must know before its numbers: what in it is of an earlier
+    version than the warehouse's or this dxr's now, its cohort (`run_superseded_note`), its cohort's build
+    (`cohort_rebuilt_note`) and its evaluation (`outdated_evaluation_note`), and that it scores train patients
+    (`in_sample_note`). The report opens with them and `dxr report` repeats them on stderr, where a scheduled or
+    scripted run's reader sees them."""
+    # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
     notes = [("Earlier cohort", run_superseded_note(wh, run_id)),
              ("Cohort built again", cohort_rebuilt_note(wh, run_id)),
-             ("Earlier evaluation rules", outdated_evaluation_note(wh, run_id))]
+             ("Earlier evaluation rules", outdated_evaluation_note(wh, run_id)),
+             ("In-sample", in_sample_note(wh, (averaged_runs(wh, run_id) or [run_id])[0]))]
     return [(label, note) for label, note in notes if note]
 
 
@@ -364,7 +373,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
     # A forecast rerun of one system removes only that system's metrics and marks the evaluation stale; an
     # evaluation killed among its writes leaves old and new rows mixed. Either would report a partial table.
     evaluation = wh.read("runs", run_id=run_id, kind=EVALUATE_KIND)
-    averaged = [] if evaluation.is_empty() else json.loads(evaluation["config_json"][0]).get("runs", [])
+    averaged = averaged_runs(wh, run_id)
     again = evaluate_again(wh, run_id)
     if not evaluation.is_empty() and evaluation["status"][0] != "finished":
         raise InputError(f"the evaluation of run {run_id!r} is {evaluation['status'][0]} (a system was forecast into "
@@ -402,11 +411,7 @@ def build_report(wh: Warehouse, run_id: str) -> list:
                      if has_interval else "No bootstrap intervals were computed.")
                   + (f" Values are means of {n_runs} repeated runs of one configuration." if n_runs > 1 else "")),
     ]
-    blocks += [Paragraph(f"{label}: {note}.") for label, note in earlier_version_notes(wh, run_id)]
-    # A mean has no trajectories of its own; the runs it averages all cover the same ones (`evaluate_repeated`).
-    in_sample = in_sample_note(wh, (averaged or [run_id])[0])
-    if in_sample:
-        blocks.append(Paragraph(f"In-sample: {in_sample}."))
+    blocks += [Paragraph(f"{label}: {note}.") for label, note in report_notes(wh, run_id)]
     runs = wh.read("runs", run_id=run_id).sort("kind")
     if not runs.is_empty():
         blocks += [Heading("Run registry"), Table(

@@ -385,6 +385,10 @@ def test_a_run_over_train_patients_is_called_in_sample_by_evaluate_and_the_repor
     assert "note" not in result.stdout
     markdown = to_markdown(build_report(wh, "r1"))
     assert f"\n\nIn-sample: {note}.\n\n## Run registry" in markdown
+    # `dxr report` repeats it on stderr, as its other notes: a scheduled report's reader saw it in the file only.
+    result = runner.invoke(main, ["--data-dir", str(wh.root), "report", "--run", "r1"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == f"note: run r1: {note}\n"
 
 
 def test_the_in_sample_note_of_a_cohort_without_held_out_trajectories_suggests_no_held_out_run(wh):
@@ -454,6 +458,10 @@ def test_the_report_of_a_mean_over_in_sample_runs_calls_it_in_sample(wh):
     config_id = evaluate_repeated(wh, ["r1", "r9"], systems=["global_frequency"], ks=(2,), n_boot=0)["run_id"][0]
     assert "\n\nIn-sample: 3 of the 3 trajectories are of train-split patients (train 3): " in to_markdown(
         build_report(wh, config_id))
+    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "report", "--run", config_id])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith(f"note: run {config_id}: 3 of the 3 trajectories are of train-split patients "
+                                    "(train 3): ") and result.stderr.count("\n") == 1
     # `dxr evaluate` over both runs says it once, naming both, not once per run.
     result = CliRunner().invoke(main, ["--data-dir", str(wh.root), "evaluate", "--run", "r1", "--run", "r9",
                                        "--k", "2", "--bootstrap", "0", "--systems", "global_frequency"])

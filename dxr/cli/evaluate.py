@@ -196,11 +196,11 @@ def report_command(ctx: click.Context, run_id: str, out_dir: str | None) -> None
     Example:
       dxr report --run forecast-20260101T000000-abc123 --out reports/forecast-20260101T000000-abc123
     """
-    from tasks.report import earlier_version_notes, render_report
+    from tasks.report import render_report, report_notes
 
     wh = warehouse(ctx, existing=True)
     page = render_report(wh, run_id, out_dir)
     click.echo(f"report: {page}")
     click.echo(f"markdown: {page.with_name('report.md')}")
-    for _, note in earlier_version_notes(wh, run_id):
+    for _, note in report_notes(wh, run_id):
         click.echo(f"note: run {run_id}: {note}", err=True)  # as `dxr evaluate` words its notes
