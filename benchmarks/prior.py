@@ -56,6 +56,11 @@ BASELINES = ("global_frequency", "repeat_history", "transition")
 PEERS = ("repeat_history", "transition", "gru", "dense_prior", "global_frequency")
 
 
+def say(line: str) -> None:
+    """A progress line on stdout, at once: a child process's output otherwise waits in its buffer."""
+    print(line, flush=True)
+
+
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -144,8 +149,10 @@ def ensure_cohort(data_dir: str, args) -> str:
         return cohorts.filter(pl.col("name") == args.cohort).row(0, named=True)["cohort_id"]
     from warehouse.datasets import create_synthetic
 
-    create_synthetic(wh, "synthetic", args.patients, args.seed, progress=True)
-    return build_cohort(wh, "synthetic", args.cohort, CohortOptions(), seed=args.seed, progress=True)["cohort_id"]
+    # A bar on a terminal; in a log (a 50k run under nohup) a line each tenth of the patients and each build step.
+    create_synthetic(wh, "synthetic", args.patients, args.seed, progress=True, log=say)
+    return build_cohort(wh, "synthetic", args.cohort, CohortOptions(), seed=args.seed, progress=True,
+                        log=say)["cohort_id"]
 
 
 def main() -> None:

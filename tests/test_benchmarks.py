@@ -339,3 +339,22 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
         f"{counts['train']} of the {sum(counts.values())} trajectories are of train-split patients")
     assert "scores on them are in-sample" in record["in_sample_note"]
     assert f"note: {record['in_sample_note']}\n" in capsys.readouterr().out
+
+
+def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got(wh_vocab, capsys):
+    """Without a terminal (a 50k run's log) the benchmark's generation and build showed no line for minutes: they log
+    as `dxr synth` and `dxr cohort build` do."""
+    import argparse
+    import re
+
+    from benchmarks import prior
+
+    args = argparse.Namespace(planted=0, cohort="default", patients=20, seed=7)
+    cohort_id = prior.ensure_cohort(str(wh_vocab.root), args)
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in capsys.readouterr().out.splitlines()] == [
+        "synthetic: 20/20 patients written (100%) in S s",
+        *(f"cohort default: {step} done in S s" for step in (
+            "events", "harmonized diagnosis codes", "trajectories", "vocabulary",
+            "pre-target records, train events and targets", "oracle probabilities (latent)",
+            "oracle probabilities (record)"))]
+    assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [cohort_id]
