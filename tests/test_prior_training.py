@@ -98,18 +98,24 @@ def test_mlflow_run_has_params_metrics_artifacts_and_registered_model(trained):
 
 def test_featurizing_and_each_epoch_log_one_progress_line_with_their_tracked_numbers(trained):
     # The featurizing line: at 100,000 patients the minute before the first epoch's line was silent in a log.
+    # Each epoch's line: its tuning P@20 and R@20 and its time, validation included (a log without a bar said
+    # neither the precision nor how long an epoch took).
     _, _, result, lines = trained
     client = tracking.MlflowClient()
     history = {name: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, name),
                                               key=lambda m: m.step)]
-               for name in ("train_loss", "val_recall_at_20")}
+               for name in ("train_loss", "val_precision_at_20", "val_recall_at_20")}
     n_val_pairs = int(client.get_run(result.mlflow_run_id).data.params["n_val_pairs"])
-    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in lines] == [
+    assert [re.sub(r"(in|after) \d+\.\d s$", r"\1 S s", line) for line in lines] == [
         f"ehr_prior: {result.n_train_sequences:,} training sequences ({result.n_train_patients:,} train patients) "
         f"and {n_val_pairs:,} tuning pairs featurized in S s",
-        *(f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, "
-          f"tuning R@20 {history['val_recall_at_20'][e]:.4f}" for e in range(2))]
+        *(f"ehr_prior epoch {e + 1}/2: train loss {history['train_loss'][e]:.4f}, tuning "
+          f"P@20 {history['val_precision_at_20'][e]:.4f}, R@20 {history['val_recall_at_20'][e]:.4f} after S s"
+          for e in range(2))]
     assert n_val_pairs > 0
+    # The epochs are part of the training's time (each rounded to a tenth: at most 0.05 s up).
+    epoch_seconds = [float(re.search(r"after (\d+\.\d) s$", line).group(1)) for line in lines[1:]]
+    assert sum(epoch_seconds) <= result.train_seconds + 0.05 * len(epoch_seconds), (epoch_seconds, result)
 
 
 def test_prediction_resolves_the_registered_alias(trained):
@@ -339,8 +345,8 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=3, seed=4)
     with prior_log_lines() as lines, warnings.catch_warnings(record=True) as warned:
         train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="no-tuning-1")
-    assert [re.sub(r"loss \d+\.\d{4}", "loss L", line) for line in lines[1:]] == [
-        "gru epoch 1/1: train loss L, tuning R@20 n/a (no tuning pair)"]
+    assert [re.sub(r"loss \d+\.\d{4}(.*) after \d+\.\d s$", r"loss L\1 after S s", line) for line in lines[1:]] == [
+        "gru epoch 1/1: train loss L, tuning P@20, R@20 n/a (no tuning pair) after S s"]
     assert re.fullmatch(r"gru: \d+ training sequences \(3 train patients\) and 0 tuning pairs featurized in \d+\.\d s",
                         lines[0]), lines
     # Lightning warned that the empty tuning loader's "total length across ranks is zero", beside dxr's own line.
@@ -408,7 +414,8 @@ def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(pref
         for noise, pattern in THIRD_PARTY_NOISE.items():
             assert not re.search(pattern, output), f"{noise} in the output of {name}:\n{output}"
     for name in ("demo training", "dxr prior train"):
-        epochs = re.findall(r"ehr_prior epoch (\d)/2: train loss \d+\.\d{4}, tuning R@20 \d\.\d{4}$",
+        epochs = re.findall(r"ehr_prior epoch (\d)/2: train loss \d+\.\d{4}, tuning P@20 \d\.\d{4}, R@20 \d\.\d{4} "
+                            r"after \d+\.\d s$",
                             outputs[name], re.MULTILINE)
         assert epochs == ["1", "2"], f"dxr's epoch lines missing from the output of {name}:\n{outputs[name]}"
         featurized = r"ehr_prior: \d+ training sequences \(\d+ train patients\) and \d+ tuning pairs featurized in "
