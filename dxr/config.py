@@ -6,6 +6,7 @@ Precedence (highest first): environment (`DXR_DATA_DIR`, `DXR_SEED`, ...), the T
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -174,15 +175,31 @@ def check_variables(settings: Settings) -> None:
                           "`dxr config show` lists the valid keys")
 
 
-def _source_of(loc: tuple, path: Path | None) -> str:
-    """Where the value of the setting at `loc` came from: the DXR_* variable that sets it (its own, or the JSON of a
-    section or list holding it), which takes precedence over the TOML file `path`, else that file."""
+def _source_of(error: dict, path: Path | None) -> str:
+    """Where the value of the setting a validation `error` is about came from: the DXR_* variable that sets it (its
+    own, or the JSON of a section or list holding it), which takes precedence over the TOML file `path`, else that
+    file. A section's JSON is merged key by key with the file's section, so it is the source only of the keys it
+    holds (DXR_SYNTH='{"shard_size": 9}' beside the file's `[synth] patients = "many"`); a list's JSON replaces the
+    file's whole list."""
+    # A missing key is in no source: the section or list that lacks it is the one to name.
+    loc = error["loc"][:-1] if error["type"] == "missing" else error["loc"]
     variables = {variable.upper(): variable for variable in os.environ}
     for depth in range(len(loc), 0, -1):
         variable = variables.get("DXR_" + "__".join(str(part) for part in loc[:depth]).upper())
-        if variable:
+        if variable and (depth == len(loc) or _holds(json.loads(os.environ[variable]), loc[depth:])):
             return variable
     return str(path) if path else "DXR_* variables"
+
+
+def _holds(value, keys: tuple) -> bool:
+    """Whether the JSON `value` of a section's or list's variable sets the setting at `keys` under it."""
+    for key in keys:
+        if isinstance(value, list):  # pydantic-settings replaces the file's list with the variable's whole
+            return True
+        if not isinstance(value, dict) or key not in value:
+            return False
+        value = value[key]
+    return True
 
 
 def load_settings(**overrides) -> Settings:
@@ -195,7 +212,7 @@ def load_settings(**overrides) -> Settings:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ConfigError(
-            f"invalid setting '{where}' (from {_source_of(first['loc'], path)}): "
+            f"invalid setting '{where}' (from {_source_of(first, path)}): "
             f"{first['msg'].removeprefix('Value error, ')} "
             f"(got {first.get('input')!r}); "
             "`dxr config show` lists the valid keys and defaults"

@@ -476,6 +476,25 @@ def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path
         monkeypatch.delenv(variable)
 
 
+def test_a_settings_error_names_the_section_variable_only_for_the_keys_its_json_holds(tmp_path, monkeypatch):
+    # pydantic-settings merges a section's JSON variable with the file's section key by key, so a bad value the file
+    # gives stays the file's; a list's JSON replaces the file's list, so its entries' errors are the variable's.
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    config.write_text('[synth]\npatients = "many"\n[[backfills]]\ncohort = "x"\n')
+    monkeypatch.setenv("DXR_SYNTH", '{"shard_size": 9}')
+    assert one_line_error(run("config", "show")).startswith(f"Error: invalid setting 'synth.patients' (from {config}):")
+    monkeypatch.setenv("DXR_SYNTH", '{"patients": "many"}')
+    assert one_line_error(run("config", "show")).startswith("Error: invalid setting 'synth.patients' (from DXR_SYNTH):")
+    monkeypatch.delenv("DXR_SYNTH")
+    config.write_text('[[backfills]]\ncohort = "x"\n')  # a missing key: the list that lacks it is named
+    assert one_line_error(run("config", "show")).startswith(
+        f"Error: invalid setting 'backfills.0.name' (from {config}): Field required")
+    monkeypatch.setenv("DXR_BACKFILLS", '[{"cohort": "y"}]')
+    assert one_line_error(run("config", "show")).startswith(
+        "Error: invalid setting 'backfills.0.name' (from DXR_BACKFILLS): Field required")
+
+
 def test_every_settings_model_refuses_a_boolean_for_a_number():
     # A section that derived from pydantic's BaseModel directly would read `= true` as 1 again.
     from typing import get_args
