@@ -48,8 +48,8 @@ COMMIT_TIME = re.compile(r"^t(\d{20})-")  # the time in a COMMIT_ID
 COMMIT_PLAN = "plan.json"
 REMOVED = "removed"  # in a removal's commit: the directories it removes, moved in to go with it
 SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
-# A directory value DuckDB's hive partitioning reads back as NULL: not the views' (they parse the directory names), but
-# that of a reader of the files without dxr (README).
+# A directory value DuckDB's hive partitioning reads back as NULL: the views' under a data dir path without `key=value`
+# (`_view_sql`), and a reader's of the files without dxr (README).
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
