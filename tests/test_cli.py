@@ -441,7 +441,7 @@ def test_config_show_reports_file_and_env(tmp_path, monkeypatch):
     assert "invalid setting 'unknown_key'" in line
 
 
-def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path, monkeypatch):
+def test_a_boolean_for_a_number_and_a_number_for_a_boolean_are_refused_in_the_file_and_variables(tmp_path, monkeypatch):
     # pydantic's lax mode reads true as 1: `seed = true` would have seeded with 1 unseen.
     config = tmp_path / "dxr.toml"
     monkeypatch.setenv("DXR_CONFIG", str(config))
@@ -454,12 +454,21 @@ def test_a_boolean_for_a_number_is_refused_in_the_file_and_in_variables(tmp_path
         config.write_text(f"{toml}\n")
         assert one_line_error(run("config", "show")) == (
             f"Error: invalid setting '{key}' (from {config}): " + refusal.format(value)), toml
+    # And a number for a boolean: `refresh = 1` was read as true.
+    for toml, key, value in (("[prior]\npromote = 1", "prior.promote", 1), ("[llm]\ncache = 0.0", "llm.cache", 0.0)):
+        config.write_text(f"{toml}\n")
+        assert one_line_error(run("config", "show")) == (
+            f"Error: invalid setting '{key}' (from {config}): a number is not a boolean: write true or false (1 and 0 "
+            f"are not read as true and false) (got {value}); `dxr config show` lists the valid keys and defaults"), toml
     # The file's numbers (an integer for a float too), its booleans and the variables' strings are read as before.
     config.write_text("seed = 11\n[prior]\nlr = 1\nkeep_best_epoch = false\n")
     shown = run("config", "show")
     assert shown.exit_code == 0, shown.output
     for pair in ('"seed": 11', '"lr": 1.0', '"keep_best_epoch": false', '"epochs": 3'):
         assert pair in shown.output, pair
+    monkeypatch.setenv("DXR_LLM__CACHE", "0")  # a variable's text "0" or "false" is a boolean
+    assert '"cache": false' in run("config", "show").output
+    monkeypatch.delenv("DXR_LLM__CACHE")
     monkeypatch.setenv("DXR_PRIOR", '{"seed": true}')  # a JSON variable holds booleans as the file does
     assert one_line_error(run("config", "show")) == (
         f"Error: invalid setting 'prior.seed' (from DXR_PRIOR): " + refusal.format(True))
@@ -1057,3 +1066,12 @@ def test_demo_refuses_its_run_id_before_any_work(tmp_path):
         "forecast:ehr_prior run is a result: give it a run id of its own (or none, to have one generated); "
         "`dxr run delete` deletes results only, so it could not delete a run id that holds both")
     assert not wh.has_rows("datasets") and wh.read("runs")["run_id"].to_list() == ["p1-llm"]
+
+
+def test_doctests_of_the_settings_model():
+    import doctest
+
+    from dxr import settings_model
+
+    result = doctest.testmod(settings_model)
+    assert result.failed == 0 and result.attempted >= 2, result
