@@ -67,7 +67,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.cohorts import cut_by, superseded_note
+from warehouse.cohorts import cut_by, registered_cohort, superseded_note
 from warehouse.locks import held
 from warehouse.meds import SPLITS
 from warehouse.runs import EVALUATE_KIND, RESULT_KINDS, holding_run, record_run
@@ -218,6 +218,7 @@ def load_run(wh: Warehouse, run_id: str, systems: list[str] | None = None, ks=DE
         raise InputError(f"run {run_id!r} ranks trajectories of {len(cohorts)} cohorts ({cohorts}); "
                          "a run covers exactly one cohort: write each cohort's rankings under its own run id")
     cohort_id = cohorts[0]
+    registered_cohort(wh, cohort_id)  # a build cut short leaves its tables half rewritten
     reserved = sorted(set(rankings["system"]) & set(ORACLES))
     if reserved:
         raise InputError(f"run {run_id!r} has rankings of system {reserved[0]!r}: that name is reserved for a "

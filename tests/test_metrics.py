@@ -44,6 +44,13 @@ STATUS = {("s2", T2): "short"}
 
 def write_cohort(wh: Warehouse, targets=TARGETS, pretarget=PRETARGET, train_counts=TRAIN_COUNTS) -> None:
     ids = sorted(targets)
+    # Registered, as a build leaves a cohort once complete (a test's: no dataset, no seed, so no note about its build).
+    wh.write("cohorts", pl.DataFrame({
+        "cohort_id": COHORT, "dataset_id": "hand", "name": "hand", "target_rule": "final", "harmonization": "native",
+        "min_history": 1, "created_at": datetime(2020, 1, 1), "n_trajectories": len(ids), "vocabulary_size": 0,
+        "vocabulary_source": "none", "options_json": "{}", "dataset_fingerprint": None, "cut_rule_version": None},
+        schema_overrides={"min_history": pl.Int32, "dataset_fingerprint": pl.String, "cut_rule_version": pl.Int32}),
+        cohort_id=COHORT)
     wh.write("trajectories", pl.DataFrame({
         "cohort_id": COHORT, "trajectory_id": ids, "subject_id": [int(t.split(":")[1]) for t in ids],
         "target_encounter_id": [int(t.split(":")[2]) for t in ids], "cutoff_time": datetime(2020, 1, 1),

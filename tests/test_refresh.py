@@ -603,3 +603,46 @@ def test_a_run_whose_trajectories_lost_their_targets_in_a_rebuild_says_the_cohor
         f"forecast it, cut by version {CUT_RULE_VERSION + 1} of the cut rules where the lists are of one cut by "
         f"version {CUT_RULE_VERSION} of the cut rules: its trajectories and targets may differ from those the lists "
         "were forecast for")
+
+
+def test_a_cohort_whose_rebuild_was_cut_short_is_refused_with_its_build_command_and_a_rerun_restores_it(
+        wh_vocab, tmp_path, monkeypatch):
+    # A rebuild unregisters its cohort, rewrites its tables and registers it last. Killed after the trajectories
+    # and records but before the targets, it left `dxr evaluate --run r1` (and the report's K-sweep) telling the user
+    # that empty targets are excluded at build time, and `dxr forecast --cohort nightly` that no cohort was ever built.
+    import warehouse.cohorts as cohorts
+
+    data_dir = wh_vocab.root
+    write_tiny_meds(tmp_path / "v1")
+    build = ("cohort", "build", "--dataset", "hosp", "--name", "nightly")
+    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(data_dir, *build)[0] == 0
+    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
+    assert cli(data_dir, "forecast", "--cohort", "nightly", "--system", "repeat_history", "--split", "all",
+               "--run-id", "r1")[0] == 0
+    assert cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")[0] == 0
+    scored = wh_vocab.read("metrics", run_id="r1").sort("system", "subset", "k", "metric")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the records and the targets")
+
+    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    assert cli(data_dir, *build)[0] == 1
+    monkeypatch.undo()
+    assert wh_vocab.has_rows("trajectories", cohort_id=cohort_id) and not wh_vocab.has_rows("targets",
+                                                                                           cohort_id=cohort_id)
+    [cut_short] = wh_vocab.read("runs").filter(pl.col("kind") == "cohort", pl.col("cohort_id").is_null())["run_id"]
+    refusal = (f"Error: cohort nightly ({cohort_id}) is not built: its build in run {cut_short} failed, and a build "
+               "unregisters its cohort until it is complete; build it again with `dxr cohort build --dataset hosp "
+               "--name nightly --target final --harmonize native --min-history 1`\n")
+    for command in (("evaluate", "--run", "r1", "--bootstrap", "0"), ("report", "--run", "r1"),
+                    ("forecast", "--cohort", "nightly", "--system", "repeat_history", "--run-id", "r2"),
+                    ("forecast", "--cohort", cohort_id, "--system", "repeat_history", "--run-id", "r2"),
+                    ("prior", "train", "--cohort", "nightly")):
+        code, _, err = cli(data_dir, *command)
+        assert (code, err.splitlines()[-1] + "\n") == (1, refusal), command
+    assert cli(data_dir, "cohort", "list")[1].endswith("(0 rows)\n")  # only complete cohorts are listed
+
+    assert cli(data_dir, *build)[0] == 0  # the command the refusal names
+    assert cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")[0] == 0
+    assert wh_vocab.read("metrics", run_id="r1").sort("system", "subset", "k", "metric").equals(scored)

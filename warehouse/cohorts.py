@@ -40,6 +40,7 @@ import polars as pl
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from dxr.config import load_settings
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
@@ -777,8 +778,59 @@ def get_cohort(wh: Warehouse, name_or_id: str, suggest_build: bool = False) -> d
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
                             f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
     if match.is_empty():
-        raise unknown_cohort(wh, name_or_id, cohorts, suggest_build)
+        raise unbuilt_cohort(wh, name_or_id) or unknown_cohort(wh, name_or_id, cohorts, suggest_build)
     return match.sort("created_at", descending=True).row(0, named=True)
+
+
+def registered_cohort(wh: Warehouse, cohort_id: str) -> dict:
+    """The `cohorts` row of a cohort id that a run or a table names, refusing one no longer registered: its tables
+    are then a build's that did not finish, some rewritten and others still empty, or a deletion's leftovers.
+
+    The caller holds the cohort (`warehouse.runs.holding_run`), so no build unregisters it after this check.
+    """
+    rows = wh.read("cohorts", cohort_id=cohort_id)
+    if rows.height:
+        return rows.row(0, named=True)
+    raise unbuilt_cohort(wh, cohort_id) or NotFoundError(
+        f"cohort {cohort_id} is not built: it was deleted, or a build of it did not finish, and no record of its "
+        "options remains; build it again with `dxr cohort build` under the options it had")
+
+
+def unbuilt_cohort(wh: Warehouse, name_or_id: str) -> NotFoundError | None:
+    """The error for a cohort, by id or name, that a finished build registered and that is unregistered now, naming
+    the command that builds it again; None for any other (a cohort being built, one never built or deleted: `dxr
+    cohort delete` removes its builds' `runs` rows).
+
+    A build unregisters its cohort first and registers it last (`_write_cohort`): one killed or failed midway leaves
+    the cohort's tables half rewritten, and a reader told only "not found" or "no gold targets" is not told that
+    running the build again is the way out.
+    """
+    in_progress = runs_in_progress(wh).filter(pl.col("kind") == "cohort")["config_json"]  # marks the killed first
+    builds = (wh.read("runs").filter(pl.col("kind") == "cohort")
+              .with_columns(name=pl.col("config_json").str.json_path_match("$.name")).sort("started_at"))
+    finished = builds.filter(pl.col("cohort_id").is_not_null()
+                             & ((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id)))
+    if finished.is_empty():
+        return None
+    last = finished.row(-1, named=True)
+    config = json.loads(last["config_json"])
+    if (wh.has_rows("cohorts", cohort_id=last["cohort_id"])
+            or any(json.loads(other)["name"] == config["name"] for other in in_progress)):
+        return None
+    # The build that unregistered it: a later one of the name that registered no cohort (null for one killed before
+    # it ended, until `mark_killed` marks it).
+    unfinished = builds.filter((pl.col("name") == config["name"]) & (pl.col("started_at") > last["started_at"])
+                               & pl.col("cohort_id").is_null())
+    status = unfinished["status"][-1] if unfinished.height else None
+    how = (f"its build in run {unfinished['run_id'][-1]} {'was killed' if status == 'killed' else status}" if status
+           else "a build of it did not finish")
+    # The build's options in the shape of the `cohorts` row it registered, which `rebuild_command` reads.
+    cohort = {"dataset_id": config["dataset"], "name": config["name"], "target_rule": config["target"],
+              "harmonization": config["harmonize"], "min_history": config["min_history"],
+              "options_json": json.dumps({"seed": config["seed"]})}
+    command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
+    return NotFoundError(f"cohort {config['name']} ({last['cohort_id']}) is not built: {how}, and a build unregisters "
+                         f"its cohort until it is complete; build it again with `{command}`")
 
 
 def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame, suggest_build: bool = False) -> NotFoundError:
