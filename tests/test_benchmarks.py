@@ -355,6 +355,6 @@ def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got
         "synthetic: 20/20 patients written (100%) in S s",
         *(f"cohort default: {step} done in S s" for step in (
             "events", "harmonized diagnosis codes", "trajectories", "vocabulary",
-            "pre-target records, train events and targets", "oracle probabilities (latent)",
-            "oracle probabilities (record)"))]
+            "pre-target records, train events and targets",
+            "oracle probabilities (latent and record)"))]
     assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [cohort_id]

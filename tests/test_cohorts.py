@@ -361,8 +361,8 @@ def test_a_build_without_a_terminal_says_each_step_as_it_ends(wh_vocab):
     assert [re.sub(r"done in \d+\.\d s$", "done in S s", line) for line in result.stderr.splitlines()] == [
         f"cohort nightly: {step} done in S s" for step in (
             "events", "harmonized diagnosis codes", "trajectories", "vocabulary",
-            "pre-target records, train events and targets", "oracle probabilities (latent)",
-            "oracle probabilities (record)")]
+            "pre-target records, train events and targets",
+            "oracle probabilities (latent and record)")]
     assert result.stdout.startswith("cohort nightly (c")
 
 

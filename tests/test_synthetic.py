@@ -28,7 +28,7 @@ from warehouse.synthetic.conditions import (
 )
 from warehouse.synthetic.generate import code_dictionary, patient_frame
 from warehouse.synthetic.model import Rule
-from warehouse.synthetic.oracle import encounter_probabilities, record_state
+from warehouse.synthetic.oracle import INFORMATION, encounter_probabilities, oracles, record_state
 from warehouse.synthetic.realism import (
     REALISM_BANDS, band_statistics, diagnosis_encounters, final_encounter_cohort, mean_recall, realism_report,
     warehouse_realism,
@@ -341,6 +341,34 @@ def test_record_oracle_differs_only_where_the_record_hides_a_condition(dataset, 
     assert differs > 0
     with pytest.raises(InputError, match="information='posterior'"):
         oracle(dataset, sample, harmonize=None, information="posterior")
+
+
+def test_both_oracles_in_one_pass_equal_each_drawn_on_its_own(dataset, cohort):
+    # The build draws both oracles from one re-simulation of each patient, and where the record reveals every
+    # condition it takes the record oracle's counts from the latent one's: neither may change a bit of either table.
+    to_category = (lambda codes: sorted({c[:len(DIAGNOSIS) + 3] for c in codes}))
+    sample = cohort.head(40)
+    revealing = set()
+    for harmonize in (None, to_category):
+        together = dict(oracles(dataset, sample, harmonize, draws=40, top=12))
+        for information in INFORMATION:
+            rows = []
+            for tid, sid, eid in sample.select("trajectory_id", "subject_id", "target_encounter_id").iter_rows():
+                k = eid - sid * 1000
+                patient = simulate_patient(SEED, sid, capture=frozenset({k}), stop_after=k)
+                state, t = patient.captured[k]
+                if information == "record":
+                    revealed = record_state(state, patient.encounters[:k])
+                    if len(revealed.conds) == len(state.conds):
+                        revealing.add(tid)
+                    state = revealed
+                counts = encounter_probabilities(SEED, sid, k, state, t, 40, harmonize)
+                rows += [(tid, code, n / 40) for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:12]]
+            alone = pl.DataFrame(rows, schema={"trajectory_id": pl.String, "code": pl.String,
+                                               "probability": pl.Float64}, orient="row")
+            assert together[information].equals(alone.sort("trajectory_id", "probability", "code",
+                                                           descending=[False, True, False])), (information, harmonize)
+    assert 0 < len(revealing) < sample.height  # both kinds of trajectory: the shared counts and the record's own
 
 
 def test_oracle_harmonizes_codes(dataset, cohort):

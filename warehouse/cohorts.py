@@ -247,7 +247,7 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
     """Build (or rebuild) a cohort, registered in `runs` (kind `cohort`); returns its `cohorts` row.
 
     With `progress` a bar shows the build's steps on a terminal; otherwise (no terminal, or no `progress`) `log`
-    receives one line per step as it ends (`cohort default: oracle probabilities (latent) done in 121.4 s`).
+    receives one line per step as it ends (`cohort default: oracle probabilities (latent and record) done in 121.4 s`).
 
     The dataset stays locked for reading (no synth or ingest replaces it meanwhile) and the cohort
     for writing (no forecast reads it while it is rebuilt).
@@ -350,8 +350,8 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     table has (`unknown_to_icd`: a typo or a local code of the export)."""
     dataset_id = dataset["dataset_id"]
     previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
-    synthetic = dataset["source"] == "synthetic"  # its two oracles are the last steps, most of a build's time
-    steps = _Steps(name, 7 if synthetic else 5, progress, log)
+    synthetic = dataset["source"] == "synthetic"  # its two oracles are the last step, most of a build's time
+    steps = _Steps(name, 6 if synthetic else 5, progress, log)
 
     # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
     wh.delete("cohorts", cohort_id=cohort_id)
@@ -466,17 +466,17 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         steps.done("pre-target records, train events and targets")
 
     if synthetic:
-        from warehouse.synthetic import oracle
+        from warehouse.synthetic.oracle import oracles
 
         harmonize = None if options.harmonize == "native" else partial(
             harmonize_with, dict(dx_map.group_by("source_code").agg("code").iter_rows()))
         keys = trajectories.select("trajectory_id", "subject_id", "target_encounter_id", "cutoff_time")
-        # Each oracle's rows are written without a name that would keep them through the next oracle's run: at
-        # 100,000 patients (6.5M rows each) holding the first took the build's peak from 2.4 to 2.8 GB.
-        for table, information in (("oracle_probabilities", "latent"), ("record_oracle_probabilities", "record")):
-            wh.write(table, oracle(info.root, keys, harmonize, draws=oracle_draws, information=information)
-                     .with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
-            steps.done(f"oracle probabilities ({information})")
+        # Both oracles from one re-simulation of each patient; each frame is written before the next is built (at
+        # 100,000 patients, 6.5M rows each, holding the first through the second took the peak from 2.4 to 2.8 GB).
+        tables = {"latent": "oracle_probabilities", "record": "record_oracle_probabilities"}
+        for information, frame in oracles(info.root, keys, harmonize, draws=oracle_draws):
+            wh.write(tables[information], frame.with_columns(pl.lit(cohort_id).alias("cohort_id")), cohort_id=cohort_id)
+        steps.done("oracle probabilities (latent and record)")
     steps.close()
 
     row = {

@@ -24,11 +24,14 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from functools import cache
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from dxr.errors import ConfigError, InputError
@@ -66,15 +69,22 @@ def encounter_probabilities(seed: int, subject_id: int, index: int, state: State
     rng = stream(seed, subject_id, "oracle", index)
     model = EncounterModel(state, t)
     counts: Counter = Counter()
-    cache: dict[tuple[str, ...], tuple[str, ...]] = {}
+    harmonized: dict[tuple[str, ...], tuple[str, ...]] = {}
     for _ in range(draws):
-        codes = tuple(sorted(DIAGNOSIS + c.replace(".", "") for c in model.draw(rng).codes))
+        codes = [_meds_code(c) for c in model.draw(rng).codes]
         if harmonize is not None:
-            if codes not in cache:
-                cache[codes] = tuple(set(harmonize(list(codes))))
-            codes = cache[codes]
+            key = tuple(sorted(codes))
+            if key not in harmonized:
+                harmonized[key] = tuple(set(harmonize(list(key))))
+            codes = harmonized[key]
         counts.update(codes)
     return counts
+
+
+@cache
+def _meds_code(icd: str) -> str:
+    """The MEDS code of a dotted ICD-10-CM code (the oracle rewrites some 2,000 per encounter, of a few hundred)."""
+    return DIAGNOSIS + icd.replace(".", "")
 
 
 def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list[str]], list[str]] | None,
@@ -87,6 +97,20 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
     """
     if information not in INFORMATION:
         raise InputError(f"oracle: information={information!r}; choose one of {', '.join(INFORMATION)}")
+    return dict(oracles(meds_dir, trajectories, harmonize, draws, top, (information,)))[information]
+
+
+def oracles(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list[str]], list[str]] | None,
+            draws: int = 200, top: int = 100, informations: tuple[str, ...] = INFORMATION
+            ) -> Iterator[tuple[str, pl.DataFrame]]:
+    """(information, `oracle` frame) for each of `informations`, from one re-simulation of each patient.
+
+    The counts of every oracle are computed first, held compactly (integers); each frame is built only when the
+    caller asks for the next, so a caller that writes and drops each one holds one frame at a time.
+    """
+    unknown = [i for i in informations if i not in INFORMATION]
+    if unknown or not informations:
+        raise InputError(f"oracle: information={unknown or list(informations)}; choose among {', '.join(INFORMATION)}")
     missing = [c for c in _REQUIRED if c not in trajectories.columns]
     if missing:
         raise InputError(f"oracle: trajectories lack column(s) {missing}; expected {list(_REQUIRED)}")
@@ -98,18 +122,18 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
                           f"{GENERATOR_VERSION}: regenerate the dataset (the oracle re-simulates its patients)")
     seed = int(meta["synthetic_seed"])
     traj = trajectories.select(_REQUIRED).with_columns(pl.col("cutoff_time").cast(pl.Datetime("us")))
-    by_subject: dict[int, list[tuple[str, int, int]]] = {}
-    for tid, sid, eid, cutoff in traj.iter_rows():
+    by_subject: dict[int, list[tuple[int, str, int, int]]] = {}
+    for row, (tid, sid, eid, cutoff) in enumerate(traj.iter_rows()):
         index = eid - sid * 1000
         if not 0 <= index < MAX_ENCOUNTERS:
             raise InputError(f"oracle: trajectory {tid}: encounter {eid} does not belong to subject {sid} "
                              "in this synthetic dataset (encounter ids are subject_id*1000 + index)")
-        by_subject.setdefault(sid, []).append((tid, index, cutoff))
+        by_subject.setdefault(sid, []).append((row, tid, index, cutoff))
     subjects = list(by_subject.items())
     # Worker processes pay a start-up cost (imports, definitions); worth it only for large cohorts.
     workers = min(2, os.cpu_count() or 1) if len(traj) >= PARALLEL_FROM else 1
     chunks = [subjects[i::workers] for i in range(workers)]
-    jobs = [(meds_dir, seed, chunk, draws, top, harmonize, information) for chunk in chunks]
+    jobs = [(meds_dir, seed, chunk, draws, top, harmonize, informations) for chunk in chunks]
     if workers > 1:
         # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock.
         # A Pool's exit terminates its workers at once, so SIGTERM or Ctrl-C stops the build without
@@ -118,33 +142,54 @@ def oracle(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[list
             parts = pool.map(_oracle_chunk, jobs)
     else:
         parts = [_oracle_chunk(job) for job in jobs]
-    return pl.concat(parts).sort("trajectory_id", "probability", "code", descending=[False, True, False])
+    trajectory_ids = traj["trajectory_id"].cast(pl.String)
+    for information in informations:
+        frames = []
+        for codes, counted in parts:
+            rows, positions, counts = (np.frombuffer(column, np.int32) for column in counted[information])
+            frames.append(pl.DataFrame({"trajectory_id": trajectory_ids.gather(rows),
+                                        "code": pl.Series(codes, dtype=pl.String).gather(positions),
+                                        "probability": counts / draws}))
+        yield information, pl.concat(frames).sort("trajectory_id", "probability", "code",
+                                                  descending=[False, True, False])
 
 
-def _oracle_chunk(job) -> pl.DataFrame:
-    """Oracle rows for a list of (subject_id, [(trajectory_id, encounter index, cutoff)])."""
-    meds_dir, seed, subjects, draws, top, harmonize, information = job
-    tids, codes, probs = [], [], []
+def _oracle_chunk(job) -> tuple[list[str], dict[str, tuple[array, array, array]]]:
+    """The counts of a list of (subject_id, [(row, trajectory_id, encounter index, cutoff)]): the codes seen, and
+    per information the rows' (trajectory row, code's position among those codes, count) as int32 arrays."""
+    meds_dir, seed, subjects, draws, top, harmonize, informations = job
+    positions: dict[str, int] = {}
+    counted = {information: (array("i"), array("i"), array("i")) for information in informations}
     for sid, items in subjects:
-        wanted = frozenset(i for _, i, _ in items)
+        wanted = frozenset(i for _, _, i, _ in items)
         patient = simulate_patient(seed, sid, capture=wanted, stop_after=max(wanted))  # never draws a target
-        for tid, index, cutoff in items:
+        for row, tid, index, cutoff in items:
             if index not in patient.captured:
                 raise InputError(f"oracle: trajectory {tid}: subject {sid} has no encounter {index} when "
                                  f"re-simulated with seed {seed}; is {meds_dir} the dataset these trajectories "
                                  "came from?")
-            state, t = patient.captured[index]
+            latent, t = patient.captured[index]
             if cutoff is not None and abs(to_us(t) - (cutoff - _EPOCH) // timedelta(microseconds=1)) > 60_000_000:
                 raise InputError(f"oracle: trajectory {tid}: cutoff {cutoff} differs from the re-simulated "
                                  f"admission time of encounter {sid * 1000 + index}; the trajectories do not "
                                  f"match {meds_dir}")
-            if information == "record":
-                state = record_state(state, patient.encounters[:index])
-            counts = encounter_probabilities(seed, sid, index, state, t, draws, harmonize)
-            ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-            for code, n in ranked:
-                tids.append(tid)
-                codes.append(code)
-                probs.append(n / draws)
-    return pl.DataFrame({"trajectory_id": tids, "code": codes, "probability": probs},
-                        schema={"trajectory_id": pl.String, "code": pl.String, "probability": pl.Float64})
+            counted_here: dict[str, Counter] = {}
+            for information in informations:
+                state = latent if information == "latent" else record_state(latent, patient.encounters[:index])
+                if information == "record" and "latent" in counted_here and _reveals_all(state, latent):
+                    counts = counted_here["latent"]  # the same state, time and stream draw the same encounters
+                else:
+                    counts = encounter_probabilities(seed, sid, index, state, t, draws, harmonize)
+                counted_here[information] = counts
+                rows, codes, ns = counted[information]
+                for code, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
+                    rows.append(row)
+                    codes.append(positions.setdefault(code, len(positions)))
+                    ns.append(n)
+    return list(positions), counted
+
+
+def _reveals_all(revealed: State, latent: State) -> bool:
+    """Whether `record_state` kept all of `latent`: it only drops conditions and a hidden pregnancy's delivery."""
+    return (revealed.conds.keys() == latent.conds.keys() and revealed.pending == latent.pending
+            and revealed.due == latent.due)
