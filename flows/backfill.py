@@ -9,8 +9,9 @@ artifact keyed by the backfill's name (`backfill_artifact_key`), so the Prefect 
 did without opening the warehouse.
 
 With `refresh` a firing first brings the cohort up to date: when its dataset was registered again since the
-cohort was built (a nightly extract), or rules other than this dxr's cut it (`cut_rule_version`), the task
-`refresh-cohort` builds it again under its name and options, and
+cohort was built (a nightly extract), rules other than this dxr's cut it (`cut_rule_version`), or a build of it was
+cut short (killed or failed, leaving it unregistered), the task `refresh-cohort` builds it again under its name and
+options, and
 a `train_prior` subflow trains each learned system that has no model in service for the cohort (promoted, so the
 forecast finds it under the configured alias). Both are recorded under the run id `<run id>-refresh`, so a
 retried firing resumes them rather than building or training twice.
@@ -75,9 +76,9 @@ def cohort_backfill_flow(data_dir: str, cohort: str, systems: tuple[str, ...] = 
         name: the backfill's deployment name: its name in `[[backfills]]`, followed by `-NAME` when served by
             `dxr serve --name NAME`; its headline table is the artifact `backfill-<name>` (`backfill-<cohort>`
             without one).
-        refresh: first build the cohort again when its dataset was registered again since it was built or other
-            rules than this dxr's cut it, and train each learned system that has no model for the cohort; the
-            cohort must be named by its name.
+        refresh: first build the cohort again when its dataset was registered again since it was built, other
+            rules than this dxr's cut it or a build of it was cut short, and train each learned system that has no
+            model for the cohort; the cohort must be named by its name.
     """
     systems = tuple(systems)
     check_system_order(systems)

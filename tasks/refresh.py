@@ -20,7 +20,7 @@ from dxr.errors import InputError, NotFoundError
 from tasks import stage_logger
 from tasks.forecast import pinned_model
 from warehouse.cohorts import (CohortOptions, build_cohort, get_cohort, outdated_cut_note, rebuild_command,
-                              superseded_note)
+                              superseded_note, unregistered_build)
 from warehouse.store import Warehouse
 
 
@@ -29,19 +29,26 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     returns it unchanged when it does, else builds it again first (registered in `runs` as kind `cohort` under
     `run_id`). A cohort of the current files cut by other rules (`outdated_cut_note`) is built again under its own id,
     which its files, options and seed make: its models stay in service, since training reads the train patients'
-    full records, which no cut rule changes.
+    full records, which no cut rule changes. A cohort that a build cut short left unregistered (`unregistered_build`)
+    is built again with the options of its last finished build.
 
     The build is `dxr cohort build`'s: the cohort's own target rule, harmonization, minimum history and seed, the
     configured shard size, oracle draws and memory limit. A cohort named by its id is refused: an id stays on the
     files it was built from, so a backfill of it would forecast the earlier files every night.
     """
     wh = Warehouse(data_dir)
-    row = get_cohort(wh, cohort, suggest_build=True)
+    # A build cut short (killed, failed) left the cohort unregistered: finished with its last finished build's
+    # options, else every later firing would refuse it until the build was run by hand.
+    if unregistered := unregistered_build(wh, cohort):
+        row, how = unregistered
+        why = f"cohort {row['name']} ({row['cohort_id']}) is not built: {how}"
+    else:
+        row = get_cohort(wh, cohort, suggest_build=True)
+        # Superseded first: a cohort of earlier files is built again whatever rules cut it, under a new id.
+        why = superseded_note(wh, row) or outdated_cut_note(wh, row)
     if row["cohort_id"] == cohort:
         raise InputError(f"refresh: cohort {cohort} is named by its id, which stays on the files it was built "
                          f"from: name the backfill's cohort by its name, {row['name']!r}, or set refresh = false")
-    # Superseded first: a cohort of earlier files is built again whatever rules cut it, under a new id.
-    why = superseded_note(wh, row) or outdated_cut_note(wh, row)
     if why is None:
         return row["cohort_id"]
     settings = load_settings(data_dir=data_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -467,8 +468,11 @@ def test_a_forecast_refuses_a_cohort_unregistered_while_it_waited_for_the_lock(t
             yield
 
     monkeypatch.setattr(cohorts, "held", held_after_a_failed_build)
-    with pytest.raises(NotFoundError, match=rf"cohort default \({cohort_id}\) was unregistered by a build that "
-                                            "did not finish: rebuild it"):
+    # The message a reader gets before the lock too (`unbuilt_cohort`), not an older one without the command.
+    refusal = (f"cohort default ({cohort_id}) is not built: a build of it did not finish, and a build unregisters its "
+               "cohort until it is complete; build it again with `dxr cohort build --dataset tiny --name default "
+               "--target final --harmonize native --min-history 1`")
+    with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
         with cohorts.reading_cohort(wh, "default"):
             pass
 

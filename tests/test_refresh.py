@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from dxr.cli import main
-from dxr.errors import InputError
+from dxr.errors import InputError, NotFoundError
 from tasks.evaluate import in_sample_note
 from tests.conftest import dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
@@ -476,6 +476,61 @@ def test_a_refreshing_backfill_cuts_again_under_its_id_a_cohort_cut_by_other_rul
     assert wh_vocab.read("runs").filter(pl.col("run_id") == f"{refreshed}-refresh").select(
         "kind", "status", "cohort_id").rows() == [("cohort", "finished", cohort_id)]
     assert forecast_cohorts(wh_vocab, refreshed) == {"repeat_history": cohort_id}
+
+
+def test_a_refreshing_backfill_whose_rebuild_was_cut_short_builds_it_at_the_next_firing(
+        wh_vocab, tmp_path, monkeypatch):
+    # A refreshing backfill rebuilds a cohort cut by older rules under its id, which leaves the cohort unregistered
+    # until the build ends. Cut short, that build left every later firing failing with "is not built: ... build it
+    # again with `dxr cohort build ...`" until someone ran the command by hand.
+    import logging
+
+    import warehouse.cohorts as cohorts
+    from flows.backfill import cohort_backfill_flow
+    from tests.conftest import LoggedMessages
+    from warehouse.cohorts import CUT_RULE_VERSION
+
+    data_dir = str(wh_vocab.root)
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    cohort_id = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+    # The cohorts row as a dxr before cut rules were versioned wrote it, which a refresh cuts again under its id.
+    wh_vocab.read("cohorts", cohort_id=cohort_id).drop("cut_rule_version").write_parquet(
+        wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
+
+    def cut_short(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(cohorts, "_code_titles", cut_short)  # after the trajectories and records, before the targets
+    with pytest.raises(OSError, match="no space left on device"):
+        cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all", run_id="night1",
+                             name="hosp-cut-short", refresh=True)
+    monkeypatch.undo()
+    assert wh_vocab.read("cohorts").is_empty() and wh_vocab.has_rows("trajectories", cohort_id=cohort_id)
+
+    # A backfill without refresh builds no cohort: it refuses, naming the build that was cut short and the command.
+    refusal = (f"cohort nightly ({cohort_id}) is not built: its build in run night1-refresh failed, and a build "
+               "unregisters its cohort until it is complete; build it again with `dxr cohort build --dataset hosp "
+               "--name nightly --target final --harmonize native --min-history 1`")
+    with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
+        cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all", name="hosp-cut-short-kept")
+
+    # The next refreshing firing finishes the build with the options of the last finished one, then forecasts.
+    logged = LoggedMessages(logging.INFO)
+    logging.getLogger("prefect.task_runs").addHandler(logged)
+    try:
+        night2 = cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all", run_id="night2",
+                                      name="hosp-cut-short", refresh=True)
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(logged)
+    assert (f"cohort nightly ({cohort_id}) is not built: its build in run night1-refresh failed; building it again "
+            "from the current files, as `dxr cohort build --dataset hosp --name nightly --target final --harmonize "
+            "native --min-history 1` does") in logged.lines
+    assert wh_vocab.read("cohorts").select("cohort_id", "name", "cut_rule_version").rows() == [
+        (cohort_id, "nightly", CUT_RULE_VERSION)]
+    assert wh_vocab.read("runs").filter(pl.col("run_id") == "night2-refresh").select(
+        "kind", "status", "cohort_id").rows() == [("cohort", "finished", cohort_id)]
+    assert forecast_cohorts(wh_vocab, night2) == {"repeat_history": cohort_id}
+    assert wh_vocab.has_rows("targets", cohort_id=cohort_id) and wh_vocab.read("metrics", run_id=night2).height
 
 
 def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, tmp_path):

@@ -605,17 +605,14 @@ def reading_cohort(wh: Warehouse, name_or_id: str) -> Iterator[dict]:
     """A cohort's `cohorts` row, with the cohort held for reading (no rebuild) for the block.
 
     The row is looked up again under the lock: a build that failed or was killed between the first
-    lookup and the lock has unregistered the cohort, and its tables may be partial.
+    lookup and the lock has unregistered the cohort, and its tables may be partial (`registered_cohort` refuses it,
+    naming the command that builds it again).
     """
     # Its holders, a forecast and a training, make something from the cohort: building one is a way out for them.
     cohort_id = get_cohort(wh, name_or_id, suggest_build=True)["cohort_id"]
     with held(wh, f"cohort:{cohort_id}", shared=True,
               busy=f"cohort {name_or_id} ({cohort_id}) is being rebuilt by another dxr process"):
-        row = wh.read("cohorts", cohort_id=cohort_id)
-        if row.is_empty():
-            raise NotFoundError(f"cohort {name_or_id} ({cohort_id}) was unregistered by a build that did not "
-                                "finish: rebuild it with `dxr cohort build`")
-        yield row.row(0, named=True)
+        yield registered_cohort(wh, cohort_id)
 
 
 def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
@@ -800,12 +797,25 @@ def registered_cohort(wh: Warehouse, cohort_id: str) -> dict:
 
 def unbuilt_cohort(wh: Warehouse, name_or_id: str) -> NotFoundError | None:
     """The error for a cohort, by id or name, that a finished build registered and that is unregistered now, naming
-    the command that builds it again; None for any other (a cohort being built, one never built or deleted: `dxr
-    cohort delete` removes its builds' `runs` rows).
+    the command that builds it again (`unregistered_build`); None for any other.
 
     A build unregisters its cohort first and registers it last (`_write_cohort`): one killed or failed midway leaves
     the cohort's tables half rewritten, and a reader told only "not found" or "no gold targets" is not told that
     running the build again is the way out.
+    """
+    if (unregistered := unregistered_build(wh, name_or_id)) is None:
+        return None
+    cohort, how = unregistered
+    command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
+    return NotFoundError(f"cohort {cohort['name']} ({cohort['cohort_id']}) is not built: {how}, and a build "
+                         f"unregisters its cohort until it is complete; build it again with `{command}`")
+
+
+def unregistered_build(wh: Warehouse, name_or_id: str) -> tuple[dict, str] | None:
+    """The options of the last finished build of a cohort, by id or name, that is unregistered now, in the shape of
+    the `cohorts` row that build registered (what `rebuild_command` reads), and how the build that unregistered it
+    ended (`its build in run R failed`); None for any other cohort (one being built, one never built or deleted:
+    `dxr cohort delete` removes its builds' `runs` rows).
     """
     in_progress = runs_in_progress(wh).filter(pl.col("kind") == "cohort")["config_json"]  # marks the killed first
     builds = (wh.read("runs").filter(pl.col("kind") == "cohort")
@@ -826,13 +836,10 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str) -> NotFoundError | None:
     status = unfinished["status"][-1] if unfinished.height else None
     how = (f"its build in run {unfinished['run_id'][-1]} {'was killed' if status == 'killed' else status}" if status
            else "a build of it did not finish")
-    # The build's options in the shape of the `cohorts` row it registered, which `rebuild_command` reads.
-    cohort = {"dataset_id": config["dataset"], "name": config["name"], "target_rule": config["target"],
-              "harmonization": config["harmonize"], "min_history": config["min_history"],
-              "options_json": json.dumps({"seed": config["seed"]})}
-    command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
-    return NotFoundError(f"cohort {config['name']} ({last['cohort_id']}) is not built: {how}, and a build unregisters "
-                         f"its cohort until it is complete; build it again with `{command}`")
+    cohort = {"cohort_id": last["cohort_id"], "dataset_id": config["dataset"], "name": config["name"],
+              "target_rule": config["target"], "harmonization": config["harmonize"],
+              "min_history": config["min_history"], "options_json": json.dumps({"seed": config["seed"]})}
+    return cohort, how
 
 
 def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame, suggest_build: bool = False) -> NotFoundError:
