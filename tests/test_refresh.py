@@ -24,6 +24,7 @@ from tests.conftest import dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
 from warehouse.datasets import get_dataset, ingest_meds, ingest_mimic
 from warehouse.meds import _size_fingerprint, validate_meds_dir
+from warehouse.store import Warehouse
 
 MIMIC4 = Path(__file__).resolve().parent / "fixtures" / "mimic4"
 
@@ -545,6 +546,19 @@ def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, 
     assert wh_vocab.read("runs").filter(pl.col("kind").str.starts_with("forecast:")).is_empty()
 
 
+def cohort_with_a_run(wh: Warehouse, tmp_path: Path, *build_options: str) -> tuple[tuple[str, ...], str]:
+    """The tiny MEDS dataset ingested as `hosp`, a cohort built from it with `build_options` and run r1 of
+    repeat_history forecast over all its trajectories, through the CLI; returns the build command and the cohort id."""
+    write_tiny_meds(tmp_path / "v1")
+    build = ("cohort", "build", "--dataset", "hosp", *build_options)
+    assert cli(wh.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    assert cli(wh.root, *build)[0] == 0
+    [cohort_id] = wh.read("cohorts")["cohort_id"]
+    assert cli(wh.root, "forecast", "--cohort", build_options[1], "--system", "repeat_history", "--split", "all",
+               "--run-id", "r1")[0] == 0
+    return build, cohort_id
+
+
 def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_trajectories_it_lost(
         wh_vocab, tmp_path, monkeypatch):
     # A build of the same files and options (or a refreshing backfill of a cohort cut by older rules) rewrites the
@@ -554,13 +568,9 @@ def test_a_run_whose_cohort_was_built_again_under_its_id_says_so_and_names_the_t
     from warehouse.cohorts import CUT_RULE_VERSION
 
     data_dir = wh_vocab.root
-    write_tiny_meds(tmp_path / "v1")
-    build = ("cohort", "build", "--dataset", "hosp", "--name", "every", "--target", "every", "--min-history", "0")
-    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
-    assert cli(data_dir, *build)[0] == 0
-    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
+    build, cohort_id = cohort_with_a_run(wh_vocab, tmp_path, "--name", "every", "--target", "every",
+                                         "--min-history", "0")
     forecast = ("forecast", "--cohort", "every", "--system", "repeat_history", "--split", "all", "--run-id", "r1")
-    assert cli(data_dir, *forecast)[0] == 0
     config = json.loads(wh_vocab.read("runs", run_id="r1", kind="forecast:repeat_history")["config_json"][0])
     assert config["cut_rule_version"] == CUT_RULE_VERSION
     code, _, err = cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")
@@ -635,16 +645,11 @@ def test_a_run_whose_trajectories_lost_their_targets_in_a_rebuild_says_the_cohor
     from warehouse.cohorts import CUT_RULE_VERSION
 
     data_dir = wh_vocab.root
-    write_tiny_meds(tmp_path / "v1")
-    build = ("cohort", "build", "--dataset", "hosp", "--name", "every", "--target", "every", "--min-history", "0")
-    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
-    assert cli(data_dir, *build)[0] == 0
-    assert cli(data_dir, "forecast", "--cohort", "every", "--system", "repeat_history", "--split", "all",
-               "--run-id", "r1")[0] == 0
+    build, cohort_id = cohort_with_a_run(wh_vocab, tmp_path, "--name", "every", "--target", "every",
+                                         "--min-history", "0")
     monkeypatch.setattr(cohorts, "CUT_RULE_VERSION", CUT_RULE_VERSION + 1)
     assert cli(data_dir, *build)[0] == 0
     # The build by the other rules holds patient 1's three trajectories without their targets.
-    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
     targets = wh_vocab.read("targets", cohort_id=cohort_id)
     wh_vocab.write("targets", targets.filter(pl.col("trajectory_id").str.split(":").list.get(1) != "1"),
                    cohort_id=cohort_id)
@@ -668,13 +673,7 @@ def test_a_cohort_whose_rebuild_was_cut_short_is_refused_with_its_build_command_
     import warehouse.cohorts as cohorts
 
     data_dir = wh_vocab.root
-    write_tiny_meds(tmp_path / "v1")
-    build = ("cohort", "build", "--dataset", "hosp", "--name", "nightly")
-    assert cli(data_dir, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
-    assert cli(data_dir, *build)[0] == 0
-    cohort_id = wh_vocab.read("cohorts")["cohort_id"][0]
-    assert cli(data_dir, "forecast", "--cohort", "nightly", "--system", "repeat_history", "--split", "all",
-               "--run-id", "r1")[0] == 0
+    build, cohort_id = cohort_with_a_run(wh_vocab, tmp_path, "--name", "nightly")
     assert cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")[0] == 0
     scored = wh_vocab.read("metrics", run_id="r1").sort("system", "subset", "k", "metric")
 
