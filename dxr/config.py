@@ -72,8 +72,8 @@ class BackfillConfig(SettingsModel):
     cron: str = Field(..., description="five-field cron expression, e.g. '0 2 * * *'")
     timezone: str = Field("UTC", description="IANA time zone the cron expression is read in")
     refresh: bool = Field(False, description="each firing first builds the cohort again if its dataset was "
-                                             "registered again since, and trains its learned systems that have no "
-                                             "model for the cohort")
+                                             "registered again since, older rules cut it or a build of it was cut "
+                                             "short, and trains its learned systems that have no model for the cohort")
 
     @field_validator("cron", "timezone")
     @classmethod
