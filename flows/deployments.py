@@ -59,8 +59,9 @@ def build_deployments(settings: Settings, serve_name: str | None = None) -> list
         description = (f"Forecast {backfill.split} of cohort {backfill.cohort} with {', '.join(backfill.systems)} "
                        "into a new run, evaluate it and render its report.")
         if backfill.refresh:
-            description = ("First build the cohort again if its dataset was registered again since it was built, and "
-                           "train its learned systems that have no model for it. " + description)
+            description = ("First build the cohort again if its dataset was registered again since it was built, "
+                           "older rules cut it or a build of it was cut short, and train its learned systems that "
+                           "have no model for it. " + description)
         deployments.append(cohort_backfill_flow.to_deployment(
             name=name, schedules=[CronSchedule(cron=backfill.cron, timezone=backfill.timezone)],
             parameters={"data_dir": data_dir, "cohort": backfill.cohort, "systems": backfill.systems,

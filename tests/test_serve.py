@@ -333,8 +333,8 @@ def test_a_refreshing_backfill_deployment_says_so_and_passes_refresh(tmp_path, m
     nightly = build_deployments(load_settings(data_dir=tmp_path / "wh"))[-1]
     assert nightly.parameters["refresh"] is True
     assert nightly.description == (
-        "First build the cohort again if its dataset was registered again since it was built, and train its learned "
-        "systems that have no model for it. Forecast held_out of cohort default with global_frequency, repeat_history, "
+        "First build the cohort again if its dataset was registered again since it was built, older rules cut it or "
+        "a build of it was cut short, and train its learned systems that have no model for it. Forecast held_out of cohort default with global_frequency, repeat_history, "
         "ehr_prior into a new run, evaluate it and render its report.")
 
 
