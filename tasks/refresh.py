@@ -30,14 +30,15 @@ def refresh_cohort(data_dir: str, cohort: str, run_id: str | None = None) -> str
     `run_id`). A cohort of the current files cut by other rules (`outdated_cut_note`) is built again under its own id,
     which its files, options and seed make: its models stay in service, since training reads the train patients'
     full records, which no cut rule changes. A cohort that a build cut short left unregistered (`unregistered_build`)
-    is built again with the options of its last finished build.
+    is built again with that build's options, also when an older cohort of the name is still registered: the
+    name means the cut-short build's options, which every reader of the name waits for.
 
     The build is `dxr cohort build`'s: the cohort's own target rule, harmonization, minimum history and seed, the
     configured shard size, oracle draws and memory limit. A cohort named by its id is refused: an id stays on the
     files it was built from, so a backfill of it would forecast the earlier files every night.
     """
     wh = Warehouse(data_dir)
-    # A build cut short (killed, failed) left the cohort unregistered: finished with its last finished build's
+    # A build cut short (killed, failed) left the cohort unregistered: finished with that build's
     # options, else every later firing would refuse it until the build was run by hand.
     if unregistered := unregistered_build(wh, cohort):
         row, how = unregistered

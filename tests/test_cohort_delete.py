@@ -220,6 +220,57 @@ def test_a_name_of_several_cohorts_is_refused_and_each_goes_by_its_id(wh_vocab, 
     assert wh_vocab.read("trajectories")["cohort_id"].unique().to_list() == [second]
 
 
+def test_a_half_built_cohort_goes_by_its_name_or_id_with_its_builds_and_on_request_its_runs(wh_vocab, tiny_meds,
+                                                                                           monkeypatch):
+    # A rebuild of the only cohort of its name, cut short: the delete refused it ("is not built: ... build it again")
+    # until the rebuild the user wanted gone had been run in full.
+    import warehouse.cohorts as cohorts
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-1")["cohort_id"]
+    forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", run_id="r1")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the records and the targets")
+
+    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-2")
+    monkeypatch.undo()
+    before = every_table(wh_vocab)
+    assert before["trajectories"].height and before["cohorts"].is_empty()
+
+    code, out, err = cli(wh_vocab, "cohort", "delete", "default")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"Error: cohort default ({cohort_id}) has 1 run(s) recorded on it (r1): pass --with-runs")
+    code, out, err = cli(wh_vocab, "cohort", "delete", "default", "--with-runs", "--dry-run")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == (f"cohort default ({cohort_id}), not built (its build in run build-2 failed): "
+                                   "would remove 1 run(s) (r1) and these rows:")
+    counted = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()[3:] if line.split()[-1].isdigit()}
+    assert counted == {table: rows.filter(belongs(rows, cohort_id, ["r1"])).height
+                       for table, rows in before.items() if rows.filter(belongs(rows, cohort_id, ["r1"])).height}
+    assert counted["runs"] == 3  # both builds and the forecast
+    assert all(every_table(wh_vocab)[table].equals(rows) for table, rows in before.items())
+
+    # Killed after its commit point: the rerun, by the name, finishes it as for a built cohort.
+    kill_a_delete(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        delete_cohort(wh_vocab, cohort_id, with_runs=True)
+    monkeypatch.undo()
+    code, out, err = cli(wh_vocab, "cohort", "delete", "default", "--with-runs")
+    assert (code, err) == (0, "")
+    assert out == (f"cohort default ({cohort_id}), not built (a build of it did not finish): the earlier delete, "
+                   "interrupted, is now complete\n")
+    after = every_table(wh_vocab)
+    for table, rows in before.items():
+        assert after[table].equals(rows.filter(~belongs(rows, cohort_id, ["r1"]))), table
+    assert wh_vocab.read("runs")["kind"].to_list() == ["ingest:meds"]
+    assert lock_files(wh_vocab) == [] and empty_partition_dirs(wh_vocab) == []
+    code, _, err = cli(wh_vocab, "forecast", "--cohort", "default", "--system", "repeat_history")
+    assert code == 1 and err.splitlines()[-1].startswith("Error: cohort 'default' not found in the warehouse at ")
+
+
 def test_a_cohort_in_use_is_not_deleted(wh_vocab, tiny_meds):
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]

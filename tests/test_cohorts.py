@@ -388,16 +388,16 @@ def test_killed_build_is_not_registered_and_rerun_is_identical(wh_vocab, tiny_me
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     clean = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     expected = wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all())
-    original = cohorts._vocabulary
+    original = cohorts._code_titles
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-build")
 
-    monkeypatch.setattr(cohorts, "_vocabulary", killed)
+    monkeypatch.setattr(cohorts, "_code_titles", killed)  # after the records are rewritten, before the targets
     with pytest.raises(KeyboardInterrupt):
         build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     assert wh_vocab.read("cohorts").is_empty()  # a half-built cohort is never registered
-    monkeypatch.setattr(cohorts, "_vocabulary", original)
+    monkeypatch.setattr(cohorts, "_code_titles", original)
     build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     assert wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all()).equals(expected)
     assert wh_vocab.read("cohorts").height == 1
@@ -414,7 +414,7 @@ def test_a_name_being_rebuilt_is_not_answered_by_an_older_cohort_of_that_name(wh
     native = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
     category = build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
     assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
-    original, seen = cohorts._vocabulary, []
+    original, seen = cohorts._code_titles, []
 
     def looking_up_meanwhile(*args, **kwargs):
         for key in ("default", native):
@@ -424,7 +424,7 @@ def test_a_name_being_rebuilt_is_not_answered_by_an_older_cohort_of_that_name(wh
                 seen.append(str(exc))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(cohorts, "_vocabulary", looking_up_meanwhile)
+    monkeypatch.setattr(cohorts, "_code_titles", looking_up_meanwhile)  # once the rebuild unregistered it
     build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7, run_id="rebuild")
     by_name, by_id = seen
     assert by_name.startswith("cohort 'default' is being built (run rebuild, started ")
@@ -584,3 +584,126 @@ def test_a_build_without_trajectories_names_the_cause(wh_vocab, tmp_path, change
     with pytest.raises(InputError, match=f"^{re.escape(why)}$"):
         build_cohort(wh_vocab, "tiny", "none", CohortOptions(min_history=min_history), seed=7)
     assert wh_vocab.read("cohorts").is_empty()
+
+
+def cli(data_dir, *args) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), *map(str, args)], prog_name="dxr",
+                                catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_name_whose_newest_build_was_cut_short_is_refused_though_an_older_cohort_of_it_is_built(
+        wh_vocab, tiny_meds, monkeypatch):
+    # "default" built natively (A), then built by categories (B, another id) and cut short: `--cohort default`
+    # answered A without a word, though the user's last word on the name was B.
+    import warehouse.cohorts as cohorts
+    from dxr.errors import NotFoundError
+    from warehouse.cohort_deletion import delete_cohort
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    native = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+
+    def cut_short(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(cohorts, "_code_titles", cut_short)  # after the records are written, before the targets
+    with pytest.raises(OSError):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7, run_id="b1")
+    monkeypatch.undo()
+    category = wh_vocab.read("runs", run_id="b1")["cohort_id"][0]  # recorded once it began to write
+    assert category not in (None, native)
+    refusal = (f"cohort default ({category}) is not built: its build in run b1 failed, and a build unregisters its "
+               "cohort until it is complete; build it again with `dxr cohort build --dataset tiny --name default "
+               "--target final --harmonize category --min-history 1`; 1 finished cohort(s) of the name remain: name "
+               f"one by its id to use it ({native}), or `dxr cohort delete {category}` for the name to mean the "
+               "newest of them again")
+    with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
+        cohorts.get_cohort(wh_vocab, "default")
+    assert cohorts.get_cohort(wh_vocab, native)["cohort_id"] == native  # the older one, by its id
+    code, out, err = cli(wh_vocab.root, "cohort", "list")
+    assert (code, err) == (0, f"note: {refusal}\n") and native in out and category not in out
+
+    # Builds refused for their input before they wrote anything leave the name as it was.
+    with pytest.raises(NotFoundError, match="dataset 'nosuch' is not registered"):
+        build_cohort(wh_vocab, "nosuch", "default", CohortOptions(), seed=7)
+    with pytest.raises(InputError, match="yields no trajectory with --min-history 50"):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(min_history=50), seed=7)
+    with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
+        cohorts.get_cohort(wh_vocab, "default")
+
+    # Deleting the half-built cohort gives the name back to the older one, as the refusal says.
+    delete_cohort(wh_vocab, category, with_runs=False)
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == native
+    assert cli(wh_vocab.root, "cohort", "list")[2] == ""
+
+
+def test_a_build_refused_for_its_input_leaves_its_cohort_registered(tiny_cohort, monkeypatch):
+    # A build unregistered its cohort before it read anything: refused on the way (here a dictionary it cannot take),
+    # it left a cohort of that id unregistered, which only a build that passes could bring back.
+    import warehouse.cohorts as cohorts
+
+    wh, row = tiny_cohort
+
+    def refused(*args, **kwargs):
+        raise InputError("the dictionary is refused")
+
+    monkeypatch.setattr(cohorts, "_vocabulary", refused)
+    with pytest.raises(InputError, match="the dictionary is refused"):
+        build_cohort(wh, "tiny", "default", CohortOptions(), seed=7, run_id="refused")
+    assert wh.read("cohorts")["cohort_id"].to_list() == [row["cohort_id"]]
+    assert wh.read("runs", run_id="refused").select("status", "cohort_id").rows() == [("failed", None)]
+    assert cohorts.get_cohort(wh, "default")["cohort_id"] == row["cohort_id"]
+
+
+def test_a_build_killed_by_sigkill_is_said_killed_and_the_command_named_builds_it_again(wh_vocab):
+    # The kills above raise inside the build, which records itself `failed`. A SIGKILL records nothing: its `running`
+    # row is marked `killed` by the next command (`mark_killed`), whose refusal says "was killed".
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from warehouse.datasets import create_synthetic
+
+    create_synthetic(wh_vocab, "synthetic", 300, seed=7)
+    built = build_cohort(wh_vocab, "synthetic", "default", CohortOptions(), seed=7)
+    trajectories = wh_vocab.read("trajectories", cohort_id=built["cohort_id"])
+    # The clone's own code (`-m` from its root), with an oracle slow enough (about 10 s) to be killed in.
+    build = subprocess.Popen([sys.executable, "-m", "dxr", "--data-dir", str(wh_vocab.root), "cohort", "build",
+                              "--dataset", "synthetic", "--name", "default", "--run-id", "killed"],
+                             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "DXR_SEED": "7", "DXR_SYNTH__ORACLE_DRAWS": "2000"})
+    try:
+        # Its last step before the oracles: the cohort is unregistered and its records rewritten.
+        for line in build.stderr:
+            if line.startswith("cohort default: pre-target records, train events and targets done"):
+                break
+        assert build.poll() is None, "the build ended before it could be killed"
+        build.send_signal(signal.SIGKILL)
+    finally:
+        build.kill()
+        build.wait(timeout=60)
+    assert build.returncode == -signal.SIGKILL
+    assert wh_vocab.read("cohorts").is_empty()
+
+    code, out, err = cli(wh_vocab.root, "forecast", "--cohort", "default", "--system", "repeat_history")
+    command = ("dxr cohort build --dataset synthetic --name default --target final --harmonize native "
+               "--min-history 1")
+    assert (code, out, err.splitlines()[-1]) == (1, "", (
+        f"Error: cohort default ({built['cohort_id']}) is not built: its build in run killed was killed, and a build "
+        f"unregisters its cohort until it is complete; build it again with `{command}`"))
+    assert wh_vocab.read("runs", run_id="killed").select("status", "cohort_id").rows() == [
+        ("killed", built["cohort_id"])]
+
+    code, _, err = cli(wh_vocab.root, *shlex.split(command)[1:])  # the command the refusal names
+    assert code == 0, err
+    assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [built["cohort_id"]]
+    assert wh_vocab.read("trajectories", cohort_id=built["cohort_id"]).equals(trajectories)
+    assert cli(wh_vocab.root, "forecast", "--cohort", "default", "--system", "repeat_history")[0] == 0

@@ -534,6 +534,33 @@ def test_a_refreshing_backfill_whose_rebuild_was_cut_short_builds_it_at_the_next
     assert wh_vocab.has_rows("targets", cohort_id=cohort_id) and wh_vocab.read("metrics", run_id=night2).height
 
 
+def test_a_refreshing_backfill_finishes_the_newest_build_of_its_name_cut_short_not_an_older_cohort_of_it(
+        wh_vocab, tmp_path, monkeypatch):
+    # "nightly" built natively, then by categories (another id) and cut short: the name means the category cohort
+    # (readers refuse it until it is built), so the refresh builds that one, not the native one still registered.
+    import warehouse.cohorts as cohorts
+    from flows.backfill import cohort_backfill_flow
+
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
+    native = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
+
+    def cut_short(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(cohorts, "_code_titles", cut_short)
+    with pytest.raises(OSError):
+        build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(harmonize="category"), seed=7, run_id="by-hand")
+    monkeypatch.undo()
+    category = wh_vocab.read("runs", run_id="by-hand")["cohort_id"][0]
+
+    night = cohort_backfill_flow(str(wh_vocab.root), "nightly", ("repeat_history",), split="all", run_id="night",
+                                 name="hosp-category", refresh=True)
+    assert wh_vocab.read("runs", run_id="night-refresh").select("status", "cohort_id").rows() == [
+        ("finished", category)]
+    assert sorted(wh_vocab.read("cohorts")["cohort_id"]) == sorted([native, category])
+    assert forecast_cohorts(wh_vocab, night) == {"repeat_history": category}
+
+
 def test_a_refreshing_backfill_of_a_cohort_named_by_its_id_is_refused(wh_vocab, tmp_path):
     from flows.backfill import cohort_backfill_flow
 
@@ -685,7 +712,7 @@ def test_a_cohort_whose_rebuild_was_cut_short_is_refused_with_its_build_command_
     monkeypatch.undo()
     assert wh_vocab.has_rows("trajectories", cohort_id=cohort_id) and not wh_vocab.has_rows("targets",
                                                                                            cohort_id=cohort_id)
-    [cut_short] = wh_vocab.read("runs").filter(pl.col("kind") == "cohort", pl.col("cohort_id").is_null())["run_id"]
+    [cut_short] = wh_vocab.read("runs").filter(pl.col("kind") == "cohort", pl.col("status") == "failed")["run_id"]
     refusal = (f"Error: cohort nightly ({cohort_id}) is not built: its build in run {cut_short} failed, and a build "
                "unregisters its cohort until it is complete; build it again with `dxr cohort build --dataset hosp "
                "--name nightly --target final --harmonize native --min-history 1`\n")

@@ -22,10 +22,16 @@ its own cohort still uses. `registered_models` names them, for the user to remov
 Everything goes in one removal commit of the forecasting store, with the cohort's `cohorts` row first, and a rerun
 after a kill past its commit point finishes it, as every delete does (`warehouse.deletion`); its build's `runs` rows go
 with it, so nothing else records that the cohort was there.
+
+A cohort that a build cut short left unregistered (`warehouse.cohorts.unregistered_build`: half built, refused by
+every reader) goes the same way, by its id or a name only it has: it has no `cohorts` row, and its builds' `runs`
+rows, which name it, are what a rerun after a kill finds pending. Gone, they no longer make its name refused, and the
+name means the newest cohort of it still registered.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from dxr.errors import InputError, NotFoundError
-from warehouse.cohorts import describe_cohort, get_cohort
+from warehouse.cohorts import describe_cohort, get_cohort, unregistered_build
 from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted, run_locks
 from warehouse.locks import held, remove_unheld
 from warehouse.runs import RESULT_KINDS, mark_killed
@@ -54,24 +60,39 @@ class RunsOnCohort(InputError):
 class CohortDeletion(Removal):
     """What deleting a cohort removes (or removed), its row first, and the registered models that stay."""
 
-    cohort: dict  # its `cohorts` row
+    cohort: dict  # its `cohorts` row; of one a build cut short, what `unregistered_build` makes of its build
     runs: list[str]  # run ids with results on the cohort
+    unbuilt: str | None = None  # how the build that left it unregistered ended, for a cohort a build cut short
     registered_models: list[str] = field(default_factory=list)  # MLflow models of its priors, which stay
     killed_trainings: list[dict] = field(default_factory=list)  # `runs` rows (run_id, kind, config_json) of them
 
+    def described(self) -> str:
+        """The cohort as the delete's first line names it."""
+        if self.unbuilt is None:
+            return describe_cohort(self.cohort)
+        return f"{self.cohort['name']} ({self.cohort['cohort_id']}), not built ({self.unbuilt})"
 
-def resolve_cohort(wh: Warehouse, name_or_id: str) -> dict:
-    """The `cohorts` row an id or a name names; a name that several cohorts share is refused, since deleting the
-    newest of them (what a name means to other commands) would rarely be what was meant."""
+
+def resolve_cohort(wh: Warehouse, name_or_id: str) -> tuple[dict, str | None]:
+    """The `cohorts` row an id or a name names, or for a cohort that a build cut short left unregistered its options
+    as `unregistered_build` gives them, with how that build ended (None for a registered cohort). A name that
+    several cohorts share, a half-built one among them, is refused, since deleting the one the name means to other
+    commands would rarely be what was meant."""
     cohorts = wh.read("cohorts")
-    if name_or_id not in cohorts["cohort_id"].to_list():
-        named = cohorts.filter(pl.col("name") == name_or_id).sort("created_at")
-        if named.height > 1:
-            listed = ", ".join(f"{row['cohort_id']} (built {row['created_at']:%Y-%m-%d %H:%M} UTC)"
-                               for row in named.iter_rows(named=True))
-            raise InputError(f"cohort name {name_or_id!r} names {named.height} cohorts, oldest first: {listed}; "
-                             "delete one by its id (`dxr cohort list` shows them)")
-    return get_cohort(wh, name_or_id)
+    if name_or_id in cohorts["cohort_id"].to_list():
+        return get_cohort(wh, name_or_id), None
+    unregistered = unregistered_build(wh, name_or_id)
+    named = [(row["cohort_id"], f"built {row['created_at']:%Y-%m-%d %H:%M} UTC") for row in
+             cohorts.filter(pl.col("name") == name_or_id).sort("created_at").iter_rows(named=True)]
+    if unregistered is not None and unregistered[0]["name"] == name_or_id:
+        named.append((unregistered[0]["cohort_id"], f"not built: {unregistered[1]}"))
+    if len(named) > 1:
+        listed = ", ".join(f"{cohort_id} ({how})" for cohort_id, how in named)
+        raise InputError(f"cohort name {name_or_id!r} names {len(named)} cohorts, oldest first: {listed}; "
+                         "delete one by its id (`dxr cohort list` shows them)")
+    if unregistered is not None:
+        return unregistered
+    return get_cohort(wh, name_or_id), None
 
 
 def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
@@ -115,15 +136,23 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
 
     Looked for before any read, since the first read finishes every pending commit and the cohort is then gone.
     """
+    unbuilt = None
     pending = finish_interrupted(wh, "cohorts", (pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
     if pending is None:
-        return None
+        # A half-built cohort had no `cohorts` row: the `runs` rows of its builds, which name it, went first.
+        builds = (pl.col("kind") == "cohort") & pl.col("cohort_id").is_not_null() & (
+            (pl.col("cohort_id") == name_or_id) | (pl.col("config_json").str.json_path_match("$.name") == name_or_id))
+        if (pending := finish_interrupted(wh, "runs", builds)) is None:
+            return None
+        unbuilt = "a build of it did not finish"
     removed, runs = pending
-    cohort = removed.row(0, named=True)
+    cohort = removed.row(-1, named=True)
+    if unbuilt is not None:  # the name its last build gave it
+        cohort = {"cohort_id": cohort["cohort_id"], "name": json.loads(cohort["config_json"])["name"]}
     its_runs = runs.filter(pl.col("cohort_id") == cohort["cohort_id"])
     remove_unheld(wh, [f"cohort:{cohort['cohort_id']}", *run_locks(its_runs)])  # those the killed delete held too
     return CohortDeletion(cohort, [], registered_models=registered_models(cohort["cohort_id"], its_runs["kind"]),
-                          interrupted=True)
+                          unbuilt=unbuilt, interrupted=True)
 
 
 def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: bool = False,
@@ -140,16 +169,20 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
     """
     if finished := finish_interrupted_deletion(wh, name_or_id):
         return finished
-    cohort = resolve_cohort(wh, name_or_id)
+    cohort, unbuilt = resolve_cohort(wh, name_or_id)
     cohort_id = cohort["cohort_id"]
     label = f"{cohort['name']} ({cohort_id})"
     with held(wh, f"cohort:{cohort_id}", shared=False,
               busy=f"cohort {label} is in use by another dxr process (a forecast, a prior's training, an evaluation, "
                    "a report or a build)"), ExitStack() as runs_held:
-        if wh.read("cohorts", cohort_id=cohort_id).is_empty():  # deleted, or a build unregistered it, meanwhile
+        # Deleted, or a build unregistered it, meanwhile; or, half built, built or deleted meanwhile.
+        if unbuilt is None and wh.read("cohorts", cohort_id=cohort_id).is_empty():
             raise NotFoundError(f"cohort {label} is no longer registered: `dxr cohort list` shows the cohorts")
+        if unbuilt is not None and unregistered_build(wh, cohort_id) is None:
+            raise NotFoundError(f"cohort {label} was built or deleted meanwhile: `dxr cohort list` shows the cohorts")
         mark_killed(wh)  # a training killed since the last run started is still `running` in the registry
         plan = plan_deletion(wh, cohort)
+        plan.unbuilt = unbuilt
         if plan.runs and not with_runs:
             shown = ", ".join(plan.runs[:SHOWN_RUNS]) + (f" and {len(plan.runs) - SHOWN_RUNS} more"
                                                          if len(plan.runs) > SHOWN_RUNS else "")
@@ -169,9 +202,9 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
 def deletion_summary(wh: Warehouse, plan: CohortDeletion, dry_run: bool) -> str:
     """What `dxr cohort delete` prints: the cohort, then rows by table and the directories removed."""
     if plan.interrupted:
-        return f"cohort {describe_cohort(plan.cohort)}: {INTERRUPTED_DONE}\n"
+        return f"cohort {plan.described()}: {INTERRUPTED_DONE}\n"
     done = "would remove" if dry_run else "removed"
     runs = f"{len(plan.runs)} run(s) ({', '.join(plan.runs)})" if plan.runs else "no run"
-    lines = [f"cohort {describe_cohort(plan.cohort)}: {done} {runs} and these rows:", *plan.listing(wh, done)]
+    lines = [f"cohort {plan.described()}: {done} {runs} and these rows:", *plan.listing(wh, done)]
     return "\n".join(lines) + "\n"
 

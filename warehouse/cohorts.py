@@ -21,8 +21,11 @@ Rules (spec/forecasting.md §1, §3):
   one (a list of only the codes the data uses is no dictionary), else the official billable codes
   of the ICD versions present — never from targets.
 
-The `cohorts` row is written last and removed first on a rebuild, so a killed build never leaves a
-half-built cohort registered, and a rerun replaces every partition it owns.
+The `cohorts` row is written last and removed before the build's first write, so a killed build never leaves a
+half-built cohort registered, and a rerun replaces every partition it owns. From that first write on the build's
+`runs` row names the cohort, so that a build cut short there (the newest of its name) makes readers of the name
+refuse it with the command that finishes it (`unbuilt_cohort`), and one refused for its input before it wrote counts
+for nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from warehouse.datasets import check_name, get_dataset
 from warehouse.choices import HARMONIZATIONS, TARGET_RULES
 from warehouse.locks import held
 from warehouse.meds import SPLITS, current_size_fingerprint, read_splits, validate_meds_dir
-from warehouse.runs import registered_run, runs_in_progress
+from warehouse.runs import Run, mark_killed, registered_run, runs_in_progress
 from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
@@ -259,13 +262,12 @@ def build_cohort(wh: Warehouse, dataset_id: str, name: str, options: CohortOptio
         # The build writes to both stores and spills under the gold one: the data dir is where room is needed.
         with duck.resource_errors(f"cohort build of {name} from dataset {dataset_id}", wh.root, memory_limit,
                                   "cohort.memory_limit"):
-            row = _build_locked(wh, dataset_id, name, options, seed=seed, shard_size=shard_size,
+            row = _build_locked(wh, run, dataset_id, name, options, seed=seed, shard_size=shard_size,
                                 oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress, log=log)
-        run.cohort_id = row["cohort_id"]
     return row
 
 
-def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
+def _build_locked(wh: Warehouse, run: Run, dataset_id: str, name: str, options: CohortOptions, *, seed: int,
                   shard_size: int, oracle_draws: int, memory_limit: str, progress: bool,
                   log: Callable[[str], None] | None) -> dict:
     get_dataset(wh, dataset_id)  # an unknown dataset is named before any lock file is made
@@ -284,7 +286,7 @@ def _build_locked(wh: Warehouse, dataset_id: str, name: str, options: CohortOpti
         with held(wh, f"cohort:{cohort_id}", shared=False,
                   busy=f"cohort {name} ({cohort_id}) is in use by another dxr process (a forecast, a prior's "
                        "training or a build)"):
-            return _write_cohort(wh, dataset, info, cohort_id, name, options, seed=seed, shard_size=shard_size,
+            return _write_cohort(wh, run, dataset, info, cohort_id, name, options, seed=seed, shard_size=shard_size,
                                  oracle_draws=oracle_draws, memory_limit=memory_limit, progress=progress,
                                  log=log)
 
@@ -338,10 +340,11 @@ def _why_no_trajectory(con, dataset_id: str, options: CohortOptions, target_filt
             "have no rendering there): build with --harmonize native")
 
 
-def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions, *,
-                  seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool,
+def _write_cohort(wh: Warehouse, run: Run, dataset: dict, info, cohort_id: str, name: str, options: CohortOptions,
+                  *, seed: int, shard_size: int, oracle_draws: int, memory_limit: str, progress: bool,
                   log: Callable[[str], None] | None) -> dict:
-    """Every table of a cohort, its `cohorts` row last (the caller holds the locks). The row returned also says
+    """Every table of a cohort, its `cohorts` row last (the caller holds the locks), recorded by its build's `run`
+    (`Run.record_cohort`) once it begins to rewrite them. The row returned also says
     under which other name (`previous_name`) this id was registered, if any: the id leaves the name out, so the
     same build under a new name renames the cohort, and the old name no longer finds it. It says how many
     diagnosis codes a `codes.parquet` that lists only codes of the data held (`dictionary_set_aside`: Ω did not
@@ -352,12 +355,6 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
     previous = wh.read("cohorts", cohort_id=cohort_id)["name"].to_list()
     synthetic = dataset["source"] == "synthetic"  # its two oracles are the last step, most of a build's time
     steps = _Steps(name, 6 if synthetic else 5, progress, log)
-
-    # Unregister first: until the final `cohorts` write, the cohort does not exist for readers.
-    wh.delete("cohorts", cohort_id=cohort_id)
-    for table in ("cohort_vocabulary", "code_titles", "trajectories", "pretarget_events", "train_events", "targets",
-                  "oracle_probabilities", "record_oracle_probabilities"):
-        wh.delete(table, cohort_id=cohort_id)
 
     with _spilling_connection(wh, cohort_id, memory_limit) as con:
         vocab.load_vocabularies(wh)
@@ -440,6 +437,16 @@ def _write_cohort(wh: Warehouse, dataset: dict, info, cohort_id: str, name: str,
         # Named by the build, most frequent first (never written: a code may occur only in held-out targets).
         outside_by_events = _by_events(con, "events", outside_codes)
         unmapped_by_events = _by_events(con, "raw", set(dx_codes) - set(dx_map["source_code"].to_list()))
+
+        # Unregistered before the first write: until the final `cohorts` write, the cohort does not exist for
+        # readers. Not earlier, so that a build refused for its input (no trajectory, a dictionary unlike the
+        # data) leaves a cohort of this id as it was. Its run names the cohort from here on, which tells a build
+        # cut short while it rewrote the cohort from one that never touched it (`unregistered_build`).
+        run.record_cohort(wh, cohort_id)
+        wh.delete("cohorts", cohort_id=cohort_id)
+        for table in ("cohort_vocabulary", "code_titles", "trajectories", "pretarget_events", "train_events",
+                      "targets", "oracle_probabilities", "record_oracle_probabilities"):
+            wh.delete(table, cohort_id=cohort_id)
         wh.write("cohort_vocabulary", omega, cohort_id=cohort_id)
         steps.done("vocabulary")
 
@@ -761,7 +768,9 @@ def get_cohort(wh: Warehouse, name_or_id: str, suggest_build: bool = False) -> d
 
     A name is refused while a cohort of that name is being built: the build unregisters its cohort until
     it is complete and then is the newest of the name, so an older cohort of the name (other options)
-    answering meanwhile would be the wrong one. `suggest_build`: see `unknown_cohort`.
+    answering meanwhile would be the wrong one. So it is once the newest build of the name that began to write its
+    cohort was cut short (`unbuilt_cohort`): the user's last word on the name is that build's options, which a
+    forecast of an older cohort of the name would silently ignore. `suggest_build`: see `unknown_cohort`.
     """
     cohorts = wh.read("cohorts")
     by_id = cohorts.filter(pl.col("cohort_id") == name_or_id)
@@ -776,8 +785,10 @@ def get_cohort(wh: Warehouse, name_or_id: str, suggest_build: bool = False) -> d
                  f"({', '.join(sorted(match['cohort_id'].to_list()))})" if match.height else "")
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
                             f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
+    if unbuilt := unbuilt_cohort(wh, name_or_id):
+        raise unbuilt
     if match.is_empty():
-        raise unbuilt_cohort(wh, name_or_id) or unknown_cohort(wh, name_or_id, cohorts, suggest_build)
+        raise unknown_cohort(wh, name_or_id, cohorts, suggest_build)
     return match.sort("created_at", descending=True).row(0, named=True)
 
 
@@ -795,51 +806,88 @@ def registered_cohort(wh: Warehouse, cohort_id: str) -> dict:
         "options remains; build it again with `dxr cohort build` under the options it had")
 
 
-def unbuilt_cohort(wh: Warehouse, name_or_id: str) -> NotFoundError | None:
-    """The error for a cohort, by id or name, that a finished build registered and that is unregistered now, naming
-    the command that builds it again (`unregistered_build`); None for any other.
+def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None = None) -> NotFoundError | None:
+    """The error for a cohort, by id or name, that a build cut short left unregistered (`unregistered_build`),
+    naming the command that builds it again; None for any other. Asked by a name that registered cohorts of other
+    options also have, it names them, and the delete that gives the name back to the newest of them.
 
-    A build unregisters its cohort first and registers it last (`_write_cohort`): one killed or failed midway leaves
-    the cohort's tables half rewritten, and a reader told only "not found" or "no gold targets" is not told that
-    running the build again is the way out.
+    A build unregisters its cohort before its first write and registers it last (`_write_cohort`): one killed or
+    failed midway leaves the cohort's tables half rewritten, and a reader told only "not found" or "no gold
+    targets", or answered by an older cohort of the name, is not told that running the build again is the way out.
+    `builds`: `cohort_builds`, when the caller has read them.
     """
-    if (unregistered := unregistered_build(wh, name_or_id)) is None:
+    if (unregistered := unregistered_build(wh, name_or_id, builds)) is None:
         return None
     cohort, how = unregistered
     command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
+    others = (wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].sort().to_list()
+              if name_or_id == cohort["name"] else [])
+    remain = (f"; {len(others)} finished cohort(s) of the name remain: name one by its id to use it "
+              f"({', '.join(others)}), or `dxr cohort delete {cohort['cohort_id']}` for the name to mean the newest "
+              "of them again" if others else "")
     return NotFoundError(f"cohort {cohort['name']} ({cohort['cohort_id']}) is not built: {how}, and a build "
-                         f"unregisters its cohort until it is complete; build it again with `{command}`")
+                         f"unregisters its cohort until it is complete; build it again with `{command}`{remain}")
 
 
-def unregistered_build(wh: Warehouse, name_or_id: str) -> tuple[dict, str] | None:
-    """The options of the last finished build of a cohort, by id or name, that is unregistered now, in the shape of
-    the `cohorts` row that build registered (what `rebuild_command` reads), and how the build that unregistered it
-    ended (`its build in run R failed`); None for any other cohort (one being built, one never built or deleted:
-    `dxr cohort delete` removes its builds' `runs` rows).
+def cohort_builds(wh: Warehouse) -> pl.DataFrame:
+    """The `runs` rows of every cohort build with the name it built under (`name`), oldest first; those a killed
+    process left `running` are marked `killed` first."""
+    mark_killed(wh)
+    return (wh.read("runs", kind="cohort").with_columns(name=pl.col("config_json").str.json_path_match("$.name"))
+            .sort("started_at", "run_id"))
+
+
+def unregistered_build(wh: Warehouse, name_or_id: str,
+                       builds: pl.DataFrame | None = None) -> tuple[dict, str] | None:
+    """A cohort, by id or name, that a build cut short (killed, or failed after it had begun to rewrite it) left
+    unregistered: its options in the shape of a `cohorts` row (what `rebuild_command` reads) and how that build
+    ended (`its build in run R failed`); None for any other cohort (one being built, one registered, one never
+    built, or deleted: `dxr cohort delete` removes its builds' `runs` rows). `builds`: `cohort_builds`.
+
+    By name, the newest build of the name that began to write decides, whatever older cohorts of the name are
+    registered. A build refused before it wrote anything (an unknown dataset, a dataset without trajectories under
+    its options, a busy lock) recorded no cohort in its `runs` row (`Run.record_cohort`) and counts for nothing. So
+    does, for want of that record, a build cut short by a dxr of before 2026-12-06 (when builds began to record it):
+    its cohort is found unregistered by its last finished build, which named it.
     """
-    in_progress = runs_in_progress(wh).filter(pl.col("kind") == "cohort")["config_json"]  # marks the killed first
-    builds = (wh.read("runs").filter(pl.col("kind") == "cohort")
-              .with_columns(name=pl.col("config_json").str.json_path_match("$.name")).sort("started_at"))
-    finished = builds.filter(pl.col("cohort_id").is_not_null()
-                             & ((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id)))
-    if finished.is_empty():
+    builds = cohort_builds(wh) if builds is None else builds
+    matching = builds.filter((pl.col("cohort_id") == name_or_id) | (pl.col("name") == name_or_id))
+    writing = matching.filter(pl.col("cohort_id").is_not_null())  # began to rewrite its cohort, or finished
+    if writing.is_empty():
         return None
-    last = finished.row(-1, named=True)
+    last = writing.row(-1, named=True)
     config = json.loads(last["config_json"])
-    if (wh.has_rows("cohorts", cohort_id=last["cohort_id"])
-            or any(json.loads(other)["name"] == config["name"] for other in in_progress)):
+    running = builds.filter(pl.col("status") == "running", pl.col("name").is_in([name_or_id, config["name"]])
+                            | (pl.col("cohort_id") == last["cohort_id"]))
+    if running.height or wh.has_rows("cohorts", cohort_id=last["cohort_id"]):
         return None
-    # The build that unregistered it: a later one of the name that registered no cohort (null for one killed before
-    # it ended, until `mark_killed` marks it).
-    unfinished = builds.filter((pl.col("name") == config["name"]) & (pl.col("started_at") > last["started_at"])
-                               & pl.col("cohort_id").is_null())
-    status = unfinished["status"][-1] if unfinished.height else None
-    how = (f"its build in run {unfinished['run_id'][-1]} {'was killed' if status == 'killed' else status}" if status
+    ended = writing.tail(1)
+    if last["status"] == "finished":
+        # Unregistered since by a later build of the cohort under another name, or by one of the name that recorded
+        # no cohort, as builds before 2026-12-06 did not.
+        later = builds.filter((pl.col("started_at") > last["started_at"]) & (pl.col("status") != "finished"))
+        ended = later.filter(pl.col("cohort_id") == last["cohort_id"])
+        if ended.is_empty():
+            ended = later.filter(pl.col("cohort_id").is_null() & (pl.col("name") == config["name"]))
+    status = ended["status"][-1] if ended.height else None
+    how = (f"its build in run {ended['run_id'][-1]} {'was killed' if status == 'killed' else status}" if status
            else "a build of it did not finish")
     cohort = {"cohort_id": last["cohort_id"], "dataset_id": config["dataset"], "name": config["name"],
               "target_rule": config["target"], "harmonization": config["harmonize"],
               "min_history": config["min_history"], "options_json": json.dumps({"seed": config["seed"]})}
     return cohort, how
+
+
+def unbuilt_cohorts(wh: Warehouse) -> list[NotFoundError]:
+    """`unbuilt_cohort` of every cohort that a build cut short left unregistered, by name, oldest build first."""
+    builds = cohort_builds(wh)
+    found, seen = [], set()
+    for name in builds["name"].drop_nulls().unique(maintain_order=True):
+        unregistered = unregistered_build(wh, name, builds)
+        if unregistered is not None and unregistered[0]["cohort_id"] not in seen:
+            seen.add(unregistered[0]["cohort_id"])
+            found.append(unbuilt_cohort(wh, name, builds))
+    return found
 
 
 def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame, suggest_build: bool = False) -> NotFoundError:

@@ -112,6 +112,13 @@ class Run:
     kind: str
     config: dict
     cohort_id: str | None = None
+    started_at: datetime | None = None  # once its `running` row is written
+
+    def record_cohort(self, wh: Warehouse, cohort_id: str) -> None:
+        """Set the run's cohort and write it into its `running` row now, so that the row names it however the run
+        ends: failed, or killed (`mark_killed` keeps the row but for its status)."""
+        self.cohort_id = cohort_id
+        record_run(wh, self.run_id, cohort_id, self.kind, self.config, "running", self.started_at)
 
 
 def record_lock(run_id: str, kind: str) -> str:
@@ -217,7 +224,7 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
             # `wait`: another process's `mark_killed` may hold the lock for a moment.
             recording.enter_context(held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
                                          busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"))
-            started = utc_now()
+            started = run.started_at = utc_now()
             marker = _write_marker(wh, run.run_id, kind)
             record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
         try:

@@ -157,7 +157,9 @@ TABLES: dict[str, Table] = {
             "code_version": pa.string(), "started_at": TS, "finished_at": TS, "status": pa.string(),
             "host": pa.string(), "pid": pa.int64(),
         }, ["run_id", "kind"], "Every producing command registers its run here (`cohort_id` is null for "
-           "dataset-level runs such as `synth`, `ingest` and `corpus:ingest`). `status` is running, finished, "
+           "dataset-level runs such as `synth`, `ingest` and `corpus:ingest`, and for a `cohort` build until it "
+           "begins to write its cohort: one failed or killed that names it was cut short midway, one that names none "
+           "wrote nothing). `status` is running, finished, "
            "failed, killed (the process ended without recording how, e.g. SIGKILL or out of memory; set by the next "
            "run that starts), or stale (a finished fused forecast whose outputs were removed because a forecast it "
            "read was run again into the run; a finished evaluation once any system is forecast into its run, anew or "

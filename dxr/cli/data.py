@@ -328,13 +328,19 @@ def cohort_list(ctx: click.Context) -> None:
     target of its GEM rows), or "icd10_closest (earlier icd10)" for one built before 2026-12-06, when icd10
     meant that rule.
 
+    A cohort whose build was killed or failed midway is not listed: a note on stderr names it, the build, and the
+    command that builds it again (commands refuse its name until then, or until dxr cohort delete removes it).
+
     \b
     Example:
       dxr cohort list
     """
-    from warehouse.cohorts import cohort_list
+    from warehouse.cohorts import cohort_list, unbuilt_cohorts
 
-    click.echo(cohort_list(warehouse(ctx, existing=True)), nl=False)
+    wh = warehouse(ctx, existing=True)
+    click.echo(cohort_list(wh), nl=False)
+    for unbuilt in unbuilt_cohorts(wh):  # stdout: the table
+        echo_err(f"note: {unbuilt}")
 
 
 @cohort.command("delete")
@@ -348,6 +354,8 @@ def cohort_list(ctx: click.Context) -> None:
 @click.pass_context
 def cohort_delete(ctx: click.Context, cohort_key: str, with_runs: bool, dry_run: bool) -> None:
     """Delete a cohort (by id, or by a name only it has): its tables in both stores and its prediction cache.
+
+    A cohort whose build was killed or failed midway (half built; dxr cohort list names it) goes the same way.
 
     Registered MLflow models of its priors stay (their names are printed, with the command that removes
     one), and so do their MLflow runs: those that killed trainings left RUNNING are ended as KILLED;
