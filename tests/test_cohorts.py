@@ -659,6 +659,39 @@ def test_a_build_refused_for_its_input_leaves_its_cohort_registered(tiny_cohort,
     assert cohorts.get_cohort(wh, "default")["cohort_id"] == row["cohort_id"]
 
 
+def test_the_realism_bands_of_a_cohort_whose_rebuild_was_cut_short_are_refused_with_its_build_command(
+        wh_vocab, monkeypatch):
+    # `realism_table` read a half-rewritten cohort's tables as no other reader does: bands of records without targets.
+    import warehouse.cohorts as cohorts
+    from dxr.errors import NotFoundError
+    from flows.forecast import forecast_flow
+    from tasks.evaluate import evaluate_run
+    from tasks.realism import realism_table
+    from warehouse.datasets import create_synthetic
+    from warehouse.synthetic.realism import REALISM_BANDS
+
+    wh = wh_vocab
+    create_synthetic(wh, "synthetic", 200, seed=7)
+    row = build_cohort(wh, "synthetic", "default", CohortOptions(), seed=7)
+    for system in ("repeat_history", "global_frequency"):
+        forecast_flow(str(wh.root), "default", system, run_id="r1")
+    evaluate_run(wh, "r1", ks=(20,), n_boot=0)
+    assert realism_table(wh, row["cohort_id"], "r1")["band"].to_list() == list(REALISM_BANDS)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the records and the targets")
+
+    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_cohort(wh, "synthetic", "default", CohortOptions(), seed=7, run_id="rebuild")
+    monkeypatch.undo()
+    refusal = (f"cohort default ({row['cohort_id']}) is not built: its build in run rebuild failed, and a build "
+               "unregisters its cohort until it is complete; build it again with `dxr cohort build --dataset "
+               "synthetic --name default --target final --harmonize native --min-history 1`")
+    with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
+        realism_table(wh, row["cohort_id"], "r1")
+
+
 def test_a_build_killed_by_sigkill_is_said_killed_and_the_command_named_builds_it_again(wh_vocab):
     # The kills above raise inside the build, which records itself `failed`. A SIGKILL records nothing: its `running`
     # row is marked `killed` by the next command (`mark_killed`), whose refusal says "was killed".
