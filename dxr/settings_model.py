@@ -19,6 +19,31 @@ def is_number(annotation: Any) -> bool:
     return annotation in (int, float)
 
 
+def is_integer(annotation: Any) -> bool:
+    """Whether a field holds an int, possibly optional, and no float.
+
+    >>> [is_integer(t) for t in (int, int | None, float, int | float, bool, str)]
+    [True, True, False, False, False, False]
+    """
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return int in members and float not in members
+
+
+def is_decimal(value: Any) -> bool:
+    """Whether `value` is a number written with a decimal point: a TOML or JSON float, or such a variable's text.
+
+    >>> [is_decimal(v) for v in (1.0, "1.0", " 2.50 ", 1, "1", "v1.0", True)]
+    [True, True, True, False, False, False, False]
+    """
+    if isinstance(value, str) and "." in value:
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, float)
+
+
 def is_boolean(annotation: Any) -> bool:
     """Whether a field holds a bool, possibly optional.
 
@@ -31,19 +56,23 @@ def is_boolean(annotation: Any) -> bool:
 
 
 class SettingsModel(BaseModel):
-    """Unknown keys fail, and so do a boolean given for a number and a number for a boolean: pydantic's lax mode
-    would read `seed = true` as 1 (bool is an int to Python), a typo that would train with seed 1 unseen, and
-    `refresh = 1` as true. Numbers and booleans written in the TOML file and the strings of DXR_* variables ("7",
-    "true", "1") are read as before."""
+    """Unknown keys fail, and so do a boolean given for a number, a number for a boolean and a decimal for an
+    integer: pydantic's lax mode would read `seed = true` as 1 (bool is an int to Python), a typo that would train
+    with seed 1 unseen, `refresh = 1` as true, and `patients = 1e3` or DXR_SEED=1.0 as an integer, so a setting
+    mistaken for a fraction would pass. Numbers and booleans written in the TOML file and the strings of DXR_*
+    variables ("7", "true", "1") are read as before."""
 
     model_config = ConfigDict(extra="forbid")
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_boolean_for_a_number_nor_number_for_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and is_number(cls.model_fields[info.field_name].annotation):
+    def _no_value_of_another_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and is_number(annotation):
             raise ValueError("a boolean is not a number: write a number (true and false are not read as 1 and 0)")
-        if isinstance(value, int | float) and not isinstance(value, bool) and is_boolean(
-                cls.model_fields[info.field_name].annotation):
+        if isinstance(value, int | float) and not isinstance(value, bool) and is_boolean(annotation):
             raise ValueError("a number is not a boolean: write true or false (1 and 0 are not read as true and false)")
+        if is_decimal(value) and is_integer(annotation):
+            raise ValueError("a decimal is not an integer: write a whole number without a decimal point (1.0 is not "
+                             "read as 1)")
         return value

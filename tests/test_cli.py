@@ -485,6 +485,40 @@ def test_a_boolean_for_a_number_and_a_number_for_a_boolean_are_refused_in_the_fi
         monkeypatch.delenv(variable)
 
 
+def test_a_decimal_for_an_integer_is_refused_in_the_file_and_variables(tmp_path, monkeypatch):
+    # pydantic's lax mode reads 1.0 (a TOML or JSON float, or a variable's text "1.0") as the integer 1, and 1e3 as
+    # 1000: a setting mistaken for a fraction passed unseen.
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    refusal = ("a decimal is not an integer: write a whole number without a decimal point (1.0 is not read as 1) "
+               "(got {!r}); `dxr config show` lists the valid keys and defaults")
+    backfill = 'name = "n"\ncohort = "c"\ncron = "0 2 * * *"\n'
+    for toml, key, value in (("seed = 1.0", "seed", 1.0), ("[synth]\npatients = 1e3", "synth.patients", 1000.0),
+                             ("[llm]\nseed = 3.0", "llm.seed", 3.0),
+                             (f"[[backfills]]\n{backfill}k = 20.0", "backfills.0.k", 20.0)):
+        config.write_text(f"{toml}\n")
+        assert one_line_error(run("config", "show")) == (
+            f"Error: invalid setting '{key}' (from {config}): " + refusal.format(value)), toml
+    config.write_text("")
+    for variable, text, key, value in (
+            ("DXR_SEED", "1.0", "seed", "1.0"),
+            ("DXR_PRIOR__MAX_TRAIN_PATIENTS", " 100.00 ", "prior.max_train_patients", " 100.00 "),
+            ("DXR_LLM__SEED", "1.5", "llm.seed", "1.5"), ("DXR_LLM", '{"seed": 1.0}', "llm.seed", 1.0),
+            ("DXR_BACKFILLS", '[{"name": "n", "cohort": "c", "cron": "0 2 * * *", "k": 20.0}]', "backfills.0.k", 20.0)):
+        monkeypatch.setenv(variable, text)
+        assert one_line_error(run("config", "show")) == (
+            f"Error: invalid setting '{key}' (from {variable}): " + refusal.format(value)), variable
+        monkeypatch.delenv(variable)
+    # A decimal for a decimal setting, and an integer's text, are read as before.
+    config.write_text("seed = 11\n[prior]\nlr = 1.0\n")
+    monkeypatch.setenv("DXR_PRIOR__DROPOUT", "0.0")
+    monkeypatch.setenv("DXR_SYNTH__PATIENTS", "300")
+    shown = run("config", "show")
+    assert shown.exit_code == 0, shown.output
+    for pair in ('"seed": 11', '"lr": 1.0', '"dropout": 0.0', '"patients": 300'):
+        assert pair in shown.output, pair
+
+
 def test_a_settings_error_names_the_section_variable_only_for_the_keys_its_json_holds(tmp_path, monkeypatch):
     # pydantic-settings merges a section's JSON variable with the file's section key by key, so a bad value the file
     # gives stays the file's; a list's JSON replaces the file's list, so its entries' errors are the variable's.
