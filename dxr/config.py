@@ -176,19 +176,36 @@ def check_variables(settings: Settings) -> None:
 
 
 def _source_of(error: dict, path: Path | None) -> str:
-    """Where the value of the setting a validation `error` is about came from: the DXR_* variable that sets it (its
-    own, or the JSON of a section or list holding it), which takes precedence over the TOML file `path`, else that
-    file. A section's JSON is merged key by key with the file's section, so it is the source only of the keys it
-    holds (DXR_SYNTH='{"shard_size": 9}' beside the file's `[synth] patients = "many"`); a list's JSON replaces the
-    file's whole list."""
+    """Where the value of the setting a validation `error` is about came from: DXR_* variables take precedence over
+    the TOML file `path`. A variable holding a section's or list's JSON is the source of the keys it holds: it is
+    merged key by key with the file's section (DXR_SYNTH='{"shard_size": 9}' beside the file's `[synth] patients =
+    "many"` leaves that bad value the file's), and replaces the file's whole list. The setting's own variable is
+    its source, unless it holds a table: then that table, the variables under the setting (DXR_BACKFILLS__0='{}';
+    DXR_LLM__CONTEXT_WINDOW for a check of the whole `llm` section) and the file's table there are merged, and each
+    that is given is named."""
     # A missing key is in no source: the section or list that lacks it is the one to name.
     loc = error["loc"][:-1] if error["type"] == "missing" else error["loc"]
     variables = {variable.upper(): variable for variable in os.environ}
-    for depth in range(len(loc), 0, -1):
+    for depth in range(len(loc) - 1, 0, -1):
         variable = variables.get("DXR_" + "__".join(str(part) for part in loc[:depth]).upper())
-        if variable and (depth == len(loc) or _holds(json.loads(os.environ[variable]), loc[depth:])):
+        if variable and _holds(json.loads(os.environ[variable]), loc[depth:]):
             return variable
-    return str(path) if path else "DXR_* variables"
+    own = "DXR_" + "__".join(str(part) for part in loc).upper()
+    if own in variables and not _is_table(os.environ[variables[own]]):
+        return variables[own]
+    sources = sorted(original for upper, original in variables.items()
+                     if loc and (upper == own or upper.startswith(f"{own}__")))
+    if path and (not sources or isinstance(_value_at(tomllib.loads(path.read_text(encoding="utf-8")), loc), dict)):
+        sources.append(str(path))
+    return ", ".join(sources) or "DXR_* variables"
+
+
+def _is_table(text: str) -> bool:
+    """Whether a variable's text is a JSON object, which pydantic-settings merges with the other sources' table."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _holds(value, keys: tuple) -> bool:
@@ -200,6 +217,16 @@ def _holds(value, keys: tuple) -> bool:
             return False
         value = value[key]
     return True
+
+
+def _value_at(value, keys: tuple):
+    """The value a TOML document or a JSON value holds at `keys` (section names and list indexes), else None."""
+    for key in keys:
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
 
 
 def load_settings(**overrides) -> Settings:

@@ -538,6 +538,30 @@ def test_a_settings_error_names_the_section_variable_only_for_the_keys_its_json_
         "Error: invalid setting 'backfills.0.name' (from DXR_BACKFILLS): Field required")
 
 
+def test_a_settings_error_names_the_variables_under_the_setting_it_is_about(tmp_path, monkeypatch):
+    # Variables under a setting make a table of it (pydantic-settings sets no list item by index): the file was named
+    # for DXR_BACKFILLS__0's table where a list belongs, and for a check of a whole section fed by DXR_LLM__* keys.
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    config.write_text('[[backfills]]\nname = "n"\ncohort = "c"\ncron = "0 2 * * *"\n')
+    monkeypatch.setenv("DXR_BACKFILLS__0", "{}")
+    assert one_line_error(run("config", "show")) == (
+        "Error: invalid setting 'backfills' (from DXR_BACKFILLS__0): Input should be a valid list (got {'0': '{}'}); "
+        "`dxr config show` lists the valid keys and defaults")
+    monkeypatch.delenv("DXR_BACKFILLS__0")
+    window = ("llm.context_window = 900 leaves no room for a prompt after llm.max_output_tokens = {}: raise the window "
+              "(the model's context length) or lower the output tokens")
+    monkeypatch.setenv("DXR_LLM__CONTEXT_WINDOW", "900")
+    assert one_line_error(run("config", "show")).startswith(
+        "Error: invalid setting 'llm' (from DXR_LLM__CONTEXT_WINDOW): " + window.format(1500))
+    config.write_text("[llm]\nmax_output_tokens = 1000\n")  # the file's table is merged with the variables'
+    assert one_line_error(run("config", "show")).startswith(
+        f"Error: invalid setting 'llm' (from DXR_LLM__CONTEXT_WINDOW, {config}): " + window.format(1000))
+    monkeypatch.setenv("DXR_LLM", '{"seed": 3}')  # so is the section's JSON, which then holds none of the two keys
+    assert one_line_error(run("config", "show")).startswith(
+        f"Error: invalid setting 'llm' (from DXR_LLM, DXR_LLM__CONTEXT_WINDOW, {config}): " + window.format(1000))
+
+
 def test_every_settings_model_refuses_a_boolean_for_a_number():
     # A section that derived from pydantic's BaseModel directly would read `= true` as 1 again.
     from typing import get_args
