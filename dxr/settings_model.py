@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from types import UnionType
+from pathlib import Path
+from types import NoneType, UnionType
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
@@ -27,6 +28,17 @@ def is_integer(annotation: Any) -> bool:
     """
     members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
     return int in members and float not in members
+
+
+def reads_null_text(annotation: Any) -> bool:
+    """Whether a field may be null and holds no text (nor a path), so that the text `null` can only mean null there.
+
+    >>> from typing import Literal
+    >>> [reads_null_text(t) for t in (int | None, float | None, Literal["none"] | None, str | None, Path | None, int)]
+    [True, True, True, False, False, False]
+    """
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return NoneType in members and not any(member in (str, Path) for member in members)
 
 
 def is_decimal(value: Any) -> bool:
@@ -60,7 +72,7 @@ class SettingsModel(BaseModel):
     integer: pydantic's lax mode would read `seed = true` as 1 (bool is an int to Python), a typo that would train
     with seed 1 unseen, `refresh = 1` as true, and `patients = 1e3` or DXR_SEED=1.0 as an integer, so a setting
     mistaken for a fraction would pass. Numbers and booleans written in the TOML file and the strings of DXR_*
-    variables ("7", "true", "1") are read as before."""
+    variables ("7", "true", "1") are read as before; the text `null` unsets an optional setting that holds no text."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -68,6 +80,10 @@ class SettingsModel(BaseModel):
     @classmethod
     def _no_value_of_another_kind(cls, value: Any, info: ValidationInfo) -> Any:
         annotation = cls.model_fields[info.field_name].annotation
+        # A variable holds text and TOML has no null: `null`, as `dxr config show` prints it, unsets an optional
+        # number or choice (DXR_LLM__SEED=null). A text or path setting keeps the text: a file may be named null.
+        if value == "null" and reads_null_text(annotation):
+            return None
         if isinstance(value, bool) and is_number(annotation):
             raise ValueError("a boolean is not a number: write a number (true and false are not read as 1 and 0)")
         if isinstance(value, int | float) and not isinstance(value, bool) and is_boolean(annotation):

@@ -562,6 +562,29 @@ def test_a_settings_error_names_the_variables_under_the_setting_it_is_about(tmp_
         f"Error: invalid setting 'llm' (from DXR_LLM, DXR_LLM__CONTEXT_WINDOW, {config}): " + window.format(1000))
 
 
+def test_null_unsets_an_optional_setting_that_holds_no_text(tmp_path, monkeypatch):
+    # llm.seed (7 by default) could be unset only by DXR_LLM='{"seed": null}': TOML has no null and DXR_LLM__SEED=null
+    # was refused. A text or path setting keeps the text, as does a choice that is a word ("none").
+    from dxr.config import load_settings
+
+    config = tmp_path / "dxr.toml"
+    monkeypatch.setenv("DXR_CONFIG", str(config))
+    config.write_text('[llm]\nseed = "null"\n')
+    assert load_settings().llm.seed is None
+    config.write_text("[llm]\nseed = 3\n[prior]\nmax_train_patients = 100\n")
+    for variable, text in (("DXR_LLM__SEED", "null"), ("DXR_PRIOR__MAX_TRAIN_PATIENTS", "null"),
+                           ("DXR_LLM__RESPONSE_FORMAT", "none"), ("DXR_LLM__MODEL", "null"),
+                           ("DXR_LLM__REPLAY_FILE", "null"), ("DXR_PRIOR__TRACKING_URI", "null")):
+        monkeypatch.setenv(variable, text)
+    settings = load_settings()
+    assert (settings.llm.seed, settings.prior.max_train_patients, settings.llm.response_format, settings.llm.model,
+            settings.llm.replay_file, settings.prior.tracking_uri) == (None, None, "none", "null", Path("null"), "null")
+    monkeypatch.setenv("DXR_SEED", "null")  # a setting that cannot be null refuses it
+    assert one_line_error(run("config", "show")) == (
+        "Error: invalid setting 'seed' (from DXR_SEED): Input should be a valid integer, unable to parse string as an "
+        "integer (got 'null'); `dxr config show` lists the valid keys and defaults")
+
+
 def test_every_settings_model_refuses_a_boolean_for_a_number():
     # A section that derived from pydantic's BaseModel directly would read `= true` as 1 again.
     from typing import get_args
