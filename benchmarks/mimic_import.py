@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
 
 from benchmarks.provenance import write_result  # noqa: E402
+from warehouse import duck  # noqa: E402
 
 # Full-scale sizes, close to MIMIC-IV v2.2 hosp (prescriptions there: 15.4M; pass --prescriptions).
 FULL = {"patients": 300_000, "subjects_admitted": 180_000, "admissions": 431_000, "diagnoses_per_admission": 11,
@@ -62,8 +63,9 @@ def generate(folder: Path, scale: float, prescriptions: int, labevents: int) -> 
 
     def copy(name: str, query: str) -> int:
         path = folder / f"{name}.csv.gz"
-        con.execute(f"COPY ({query}) TO '{path}' (HEADER, DELIMITER ',', COMPRESSION gzip)")
-        return con.execute(f"SELECT count(*) FROM read_csv('{path}')").fetchone()[0]
+        con.execute(f"COPY ({query}) TO {duck.literal(path)} (HEADER, DELIMITER ',', COMPRESSION gzip)")
+        # Read back as the importer reads a user's files: quoted, glob-escaped, without hive partitioning.
+        return con.execute(f"SELECT count(*) FROM {duck.read('read_csv', path)}").fetchone()[0]
 
     rows = {}
     rows["patients"] = copy("patients", f"""

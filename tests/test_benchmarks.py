@@ -125,6 +125,20 @@ def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
     assert datetime.fromisoformat(record["when"]).utcoffset() == timedelta(0)
 
 
+def test_mimic_import_generates_and_counts_its_files_in_any_workdir(tmp_path):
+    """The generated files were written and counted with the path pasted into the SQL: a workdir with an apostrophe
+    failed to parse; they are now read back as the importer reads a user's files (`duck.read`, so a `key=value`
+    directory adds no column and glob characters match themselves)."""
+    import gzip
+
+    mimic_import = load_benchmark("mimic_import")
+    folder = tmp_path / "site=a" / "o'brien [v2]" / "hosp"
+    rows = mimic_import.generate(folder, scale=0.0002, prescriptions=5000, labevents=0)
+    lines = {path.name.removesuffix(".csv.gz"): sum(1 for _ in gzip.open(path, "rt")) - 1  # without the header
+             for path in folder.iterdir()}
+    assert rows == lines and len(rows) == 7 and min(rows.values()) > 0
+
+
 @pytest.mark.parametrize("theirs", ["mimic-iv/hosp/patients.csv.gz", "meds/data/0.parquet"])
 def test_mimic_import_refuses_a_workdir_holding_files_of_the_names_it_writes(tmp_path, monkeypatch, theirs):
     """A caller's mimic-iv/ was deleted before generation (hosp/) and after the run (all of it), and a caller's
