@@ -14,7 +14,8 @@ its peak RSS is its own):
    each oracle (`oracle`: latent state; `record_oracle`: what the record reveals), and the ratio
    of ehr_prior's R@20 to each oracle's.
 
-Prints one table and writes JSON to benchmarks/results/prior[-<name>].json.
+Prints its progress on stderr, then one table on stdout, and writes JSON to
+benchmarks/results/prior[-<name>].json.
 
     python benchmarks/prior.py --data-dir /tmp/prior_bench/wh5k [--patients 5000] [--seed 7]
     python benchmarks/prior.py --planted 400 --data-dir /tmp/prior_planted   # smoke test only
@@ -57,8 +58,9 @@ PEERS = ("repeat_history", "transition", "gru", "dense_prior", "global_frequency
 
 
 def say(line: str) -> None:
-    """A progress line on stdout, at once: a child process's output otherwise waits in its buffer."""
-    print(line, flush=True)
+    """A progress line on stderr, as `dxr synth` prints its own, at once (a child process's output otherwise waits in
+    its buffer): stdout holds the table and the results file's path alone."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def peak_mb() -> float:
@@ -190,7 +192,7 @@ def main() -> None:
     cfg = PriorConfig(**({"epochs": args.epochs} if args.epochs else {}))
     if args.planted:
         cfg = cfg.model_copy(update={"min_code_count": 1})
-    print(f"cohort {cohort_id}: {trajectories.height} trajectories {counts}", flush=True)
+    say(f"cohort {cohort_id}: {trajectories.height} trajectories {counts}")
 
     training = {}
     if not args.skip_train:
@@ -199,9 +201,8 @@ def main() -> None:
             t = training[system]
             validated = (f"val R@20 {t['metrics']['val_recall_at_20']:.3f}" if 'val_recall_at_20' in t['metrics']
                          else "no tuning pair to validate on")
-            print(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, {validated} "
-                  f"(epoch {int(t['metrics']['selected_epoch']) + 1}), peak {t['peak_rss_mb']:.0f} MB",
-                  flush=True)
+            say(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, {validated} "
+                f"(epoch {int(t['metrics']['selected_epoch']) + 1}), peak {t['peak_rss_mb']:.0f} MB")
 
     run_id = f"bench-prior-{utc_now():%Y%m%dT%H%M%S}"  # UTC, as every run id
     inference = {}
@@ -209,11 +210,10 @@ def main() -> None:
         held = in_child(forecast_one, str(wh.root), cohort_id, system, args.eval_split, run_id)
         everyone = in_child(forecast_one, str(wh.root), cohort_id, system, "all", f"{run_id}-all")
         inference[system] = {"evaluated": held, "all": everyone}
-        print(f"forecast {system}: {args.eval_split} {held['trajectories']} in {held['seconds']:.1f} s; all "
-              f"{everyone['trajectories']}: load {everyone['load_seconds']:.1f} s + shards "
-              f"{everyone['shard_seconds']:.1f} s = {everyone['patients_per_second']:.0f} patients/s end to end "
-              f"({everyone['warm_patients_per_second']:.0f}/s once loaded), peak {everyone['peak_rss_mb']:.0f} MB",
-              flush=True)
+        say(f"forecast {system}: {args.eval_split} {held['trajectories']} in {held['seconds']:.1f} s; all "
+            f"{everyone['trajectories']}: load {everyone['load_seconds']:.1f} s + shards "
+            f"{everyone['shard_seconds']:.1f} s = {everyone['patients_per_second']:.0f} patients/s end to end "
+            f"({everyone['warm_patients_per_second']:.0f}/s once loaded), peak {everyone['peak_rss_mb']:.0f} MB")
 
     from tasks.evaluate import evaluate, in_sample_note
 

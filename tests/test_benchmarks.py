@@ -352,12 +352,18 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
     assert record["in_sample_note"].startswith(
         f"{counts['train']} of the {sum(counts.values())} trajectories are of train-split patients")
     assert "scores on them are in-sample" in record["in_sample_note"]
-    assert f"note: {record['in_sample_note']}\n" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"note: {record['in_sample_note']}\n" in printed.out
+    # Progress goes to stderr, as `dxr synth` prints its own: stdout is the table and the results file's path.
+    assert printed.out.splitlines()[1].startswith("system | P@10 | R@10 |")
+    assert printed.out.endswith(f"wrote {tmp_path / 'results' / 'prior-smoke.json'}\n")
+    assert [line.split(":")[0] for line in printed.err.splitlines()] == [
+        "cohort cplanted", "trained ehr_prior", "forecast repeat_history", "forecast ehr_prior"]
 
 
 def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got(wh_vocab, capsys):
     """Without a terminal (a 50k run's log) the benchmark's generation and build showed no line for minutes: they log
-    as `dxr synth` and `dxr cohort build` do."""
+    as `dxr synth` and `dxr cohort build` do, on stderr (they were mixed into the table's stdout)."""
     import argparse
     import re
 
@@ -365,7 +371,9 @@ def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got
 
     args = argparse.Namespace(planted=0, cohort="default", patients=20, seed=7)
     cohort_id = prior.ensure_cohort(str(wh_vocab.root), args)
-    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in capsys.readouterr().out.splitlines()] == [
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in printed.err.splitlines()] == [
         "synthetic: 20/20 patients written (100%) in S s",
         *(f"cohort default: {step} done in S s" for step in (
             "events", "harmonized diagnosis codes", "trajectories", "vocabulary",
