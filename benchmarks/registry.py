@@ -98,7 +98,7 @@ def main() -> None:
                 "read_registry_s": round(seconds(lambda: wh.read("runs"), 1), 2),
             })
             rows[-1]["registry_runs"] += counter[0]  # the benchmark's own runs are in the registry too
-            print(rows[-1], flush=True)
+            print(rows[-1], file=sys.stderr, flush=True)  # progress; stdout holds the table alone
     header = list(rows[0])
     widths = [max(len(h), *(len(str(r[h])) for r in rows)) for h in header]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))

@@ -60,6 +60,11 @@ CROSS_CHECKED = 50
 INDEXES = ("pubmedqa", "medquad", "combined", "icd")  # the indexes it builds under --index-dir
 
 
+def say(line: str) -> None:
+    """A progress line on stderr, at once, as `dxr corpus build` prints its own: stdout holds the tables alone."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def split_of(gold_doc_id: str) -> str:
     """dev or test by the first byte of sha256(gold document id): stable across runs and machines."""
     return "dev" if hashlib.sha256(gold_doc_id.encode()).digest()[0] % 2 == 0 else "test"
@@ -98,7 +103,7 @@ def retrieve_all(index: CorpusIndex, queries, name: str) -> list[tuple[str, dict
             offline = [doc for doc, _ in rank_documents(lexical, dense)][:DEPTH]
             assert searched == offline, f"{name} question {i}: search() and rank_documents() disagree"
         if i % 2000 == 0:
-            print(f"[{name}] retrieved {i}/{len(queries)}", flush=True)
+            say(f"[{name}] retrieved {i}/{len(queries)}")
     return retrieved
 
 
@@ -147,9 +152,9 @@ def select_on_dev(retrieved_by_benchmark: dict) -> tuple[list[dict], dict]:
         rows.append({"fusion": fusion, "dense_share": share, "dev": dev, "dev_R@10_margin": margins,
                      "mean_margin": sum(margins.values()) / len(margins),
                      "mean_MRR": sum(d["MRR"] for d in dev.values()) / len(dev)})
-        print(f"[dev] {fusion:<6} share {share:.1f}: " + ", ".join(
+        say(f"[dev] {fusion:<6} share {share:.1f}: " + ", ".join(
             f"{name} R@10 {dev[name]['R@10']:.4f} (margin {margins[name]:+.4f}) MRR {dev[name]['MRR']:.4f}"
-            for name in dev), flush=True)
+            for name in dev))
     chosen = max(rows, key=lambda row: (round(row["mean_margin"], 6), round(row["mean_MRR"], 6)))
     return rows, {"fusion": chosen["fusion"], "dense_share": chosen["dense_share"]}
 
@@ -203,7 +208,7 @@ def measure(args: argparse.Namespace, builds: dict) -> None:
     retrieved = {}
     for name, (documents, queries) in tasks.items():
         directory = args.index_dir / name
-        print(f"[{name}] {len(documents)} documents, {len(queries)} questions; building index ...", flush=True)
+        say(f"[{name}] {len(documents)} documents, {len(queries)} questions; building index ...")
         results["indexes"][name] = builds[name](chunk_frame(documents), embedder, index_titles=False, name=name)
         chosen = queries[: args.max_queries] if args.max_queries else queries
         retrieved[name] = retrieve_all(CorpusIndex(directory, embedder), chosen, name)
@@ -213,7 +218,7 @@ def measure(args: argparse.Namespace, builds: dict) -> None:
 
     grid, selected = select_on_dev(retrieved)
     results["selection"] = {"grid": grid, "chosen_on_dev": selected, "equals_product_default": selected == default}
-    print(f"[dev] chosen: {selected}; product default: {default}", flush=True)
+    say(f"[dev] chosen: {selected}; product default: {default}")
     reported = {"bm25": ("bm25", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
                 "dense": ("dense", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
                 f"hybrid {DEFAULT_FUSION} {DEFAULT_DENSE_SHARE}": ("hybrid", DEFAULT_FUSION, DEFAULT_DENSE_SHARE),
@@ -229,7 +234,7 @@ def measure(args: argparse.Namespace, builds: dict) -> None:
         results.setdefault("paired_R@10", {})[name] = {
             split: paired_r10(r, None if split == "full" else split) for split in ("dev", "test", "full")}
 
-    print("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...", flush=True)
+    say("[combined] building MedQuAD + PubMedQA index (embeddings reused) and the lexical ICD index ...")
     combined_docs = tasks["medquad"][0] + tasks["pubmedqa"][0]
     combined_dir = args.index_dir / "combined"
     results["indexes"]["combined"] = builds["combined"](

@@ -59,7 +59,8 @@ def load_benchmark(name: str):
     return module
 
 
-def test_the_registry_benchmark_records_its_runs_and_its_measuring_time_in_utc(tmp_path, monkeypatch, host_in_kolkata):
+def test_the_registry_benchmark_records_its_runs_and_its_measuring_time_in_utc(tmp_path, monkeypatch, host_in_kolkata,
+                                                                              capsys):
     """Its runs' started_at / finished_at and its JSON's measured_at were local times (5:30 hours off here), while
     every time dxr records is UTC (`warehouse.schemas.utc_now`)."""
     from datetime import timezone
@@ -84,6 +85,11 @@ def test_the_registry_benchmark_records_its_runs_and_its_measuring_time_in_utc(t
     measured_at = datetime.fromisoformat(record["measured_at"])
     assert measured_at.utcoffset() == timedelta(0)
     assert timedelta(0) <= datetime.now(timezone.utc) - measured_at < timedelta(minutes=5)
+    # Each row as it is measured is progress, on stderr; stdout holds the table and the results file's path.
+    printed = capsys.readouterr()
+    assert printed.err.splitlines() == [str(row) for row in record["rows"]]
+    assert printed.out.splitlines()[0].split() == list(record["rows"][0])
+    assert printed.out.splitlines()[-1] == f"wrote {tmp_path / 'results' / 'registry.json'}"
 
 
 def test_a_second_retrieval_benchmark_on_one_index_dir_is_refused_before_it_loads_the_model(tmp_path, monkeypatch):
@@ -106,6 +112,20 @@ def test_a_second_retrieval_benchmark_on_one_index_dir_is_refused_before_it_load
         retrieval.main()
     assert exited.value.code == (f"index {tmp_path / 'indexes' / 'combined'} is being built by another process: wait "
                                  "for it to finish, then rerun")
+
+
+def test_the_retrieval_benchmark_prints_its_progress_on_stderr(capsys):
+    """Its progress lines (here the dev grid's, one per fusion setting) were mixed into the tables on stdout."""
+    retrieval = load_benchmark("retrieval")
+    golds = [f"doc{i}" for i in range(8)]
+    assert {retrieval.split_of(gold) for gold in golds} == {"dev", "test"}
+    retrieved = [(gold, {gold: (None, 2.0), "other": (None, 1.0)}, {gold: (None, 0.4), "other": (None, 0.9)})
+                 for gold in golds]
+    grid, _ = retrieval.select_on_dev({"tiny": retrieved})
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert [line.split(":")[0] for line in printed.err.splitlines()] == [
+        f"[dev] {row['fusion']:<6} share {row['dense_share']:.1f}" for row in grid]
 
 
 def test_mimic_import_leaves_the_rest_of_a_given_workdir(tmp_path, monkeypatch):
