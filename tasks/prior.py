@@ -199,7 +199,8 @@ def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: Pr
     check_prior_systems(systems)  # a system listed twice would list each of its versions twice
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
-    tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
+    if not tracking.read_tracking(data_dir, cfg.tracking_uri):
+        return []
     return [{"cohort_id": cohort_id, **row} for system in systems
             for row in tracking.registered_versions(system, cohort_id)]
 

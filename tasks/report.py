@@ -15,6 +15,7 @@ import base64
 import html
 import io
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from tasks.evaluate import (FREQUENCY_BUCKETS, NATURAL_K, changed_since_mean, co
                             estimate, evaluate_again, in_sample_note, load_run, metric_rows, not_a_forecast,
                             outdated_evaluation_note, run_superseded_note, system_counts)
 from warehouse.cohorts import cohort_provenance  # noqa: E402
-from warehouse.locks import held  # noqa: E402
+from warehouse.locks import beside_held  # noqa: E402
 from warehouse.meds import replace_dir  # noqa: E402
 from warehouse.runs import EVALUATE_KIND, holding_run, unknown_run  # noqa: E402
 from warehouse.scratch import naming, remove_abandoned, scratch  # noqa: E402
@@ -534,9 +535,17 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
     place for the next render to replace (its staging is removed then). So the output directory holds a
     report and nothing else: one holding other files is refused rather than replaced.
     """
+    out = Path(out_dir) if out_dir is not None else report_path(wh, run_id).parent
+    # The report is staged beside its directory, made with its parents where missing. Refused before the run is read,
+    # in one line: an account that may only read the warehouse (an analyst's) was shown a hidden scratch file.
+    beside = out.absolute().parent
+    while not beside.exists() and beside.parent != beside:
+        beside = beside.parent
+    if beside.is_dir() and not os.access(beside, os.W_OK | os.X_OK):
+        raise InputError(f"{beside} is not writable by this user (uid {os.getuid()}), and the report of run {run_id} "
+                         "is written there: give --out a directory of your own (a report only reads the warehouse)")
     with holding_run(wh, run_id, exclusive=False):  # no evaluation rewrites the metrics meanwhile
         blocks = build_report(wh, run_id)
-    out = Path(out_dir) if out_dir is not None else report_path(wh, run_id).parent
     files = {f"{block.name}.png": block.png for block in blocks if isinstance(block, Figure)}
     files["report.md"] = to_markdown(blocks).encode("utf-8")
     files["report.html"] = to_html(blocks).encode("utf-8")
@@ -550,9 +559,9 @@ def render_report(wh: Warehouse, run_id: str, out_dir: str | Path | None = None)
         for name, data in files.items():
             with naming(out / name):  # Python's file write names no file (a full disk, a quota)
                 (staging / name).write_bytes(data)
-        # Two renders into one directory would each move the other's report aside.
-        with held(wh, f"report-dir:{target}", shared=False, wait=SWAP_WAIT_SECONDS,
-                  busy=f"another dxr process is swapping a report into {out}"):
+        # Two renders into one directory would each move the other's report aside. The lock is beside it, where the
+        # renderer writes, not in the data dir's `.locks`, which a reader may not write.
+        with beside_held(target, wait=SWAP_WAIT_SECONDS, busy=f"another dxr process is swapping a report into {out}"):
             check_report_dir(out)
             replace_dir(staging, target)
     return out / "report.html"

@@ -286,7 +286,7 @@ def keep_lock_files(monkeypatch) -> None:
     kernel drops the lock with the process, and nothing unlinks the file (`warehouse.locks.release` never runs)."""
     import warehouse.locks as locks
 
-    monkeypatch.setattr(locks, "release", lambda path, handle: handle.close())
+    monkeypatch.setattr(locks, "release", lambda path, fd: os.close(fd))
 
 
 def lock_files(wh) -> list[str]:

@@ -256,23 +256,37 @@ def test_removing_unheld_lock_files_removes_those_killed_holders_left_and_keeps_
 def test_a_lock_taken_on_a_file_that_was_unlinked_meanwhile_is_taken_again_on_the_new_file(wh, monkeypatch):
     import warehouse.locks as locks
 
-    opened = []
+    opened = []  # (descriptor, inode) of each file opened
+    open_lock = locks.open_lock
 
-    def open_then_lose_the_race(path, mode):
-        handle = open(path, mode)
-        if not opened:  # the previous holder releases and unlinks the file between our open and our flock
-            os.unlink(path)
-        opened.append(handle)
-        return handle
+    def open_then_lose_the_race(*args):
+        fd = open_lock(*args)
+        opened.append((fd, os.fstat(fd).st_ino))
+        if len(opened) == 1:  # the previous holder releases and unlinks the file between our open and our flock
+            opened.append(os.open(lock_file(wh, "run:r1"), os.O_RDONLY))  # so that the new file is another inode
+            os.unlink(lock_file(wh, "run:r1"))
+        return fd
 
-    monkeypatch.setattr(locks, "open", open_then_lose_the_race, raising=False)
+    monkeypatch.setattr(locks, "open_lock", open_then_lose_the_race)
     with held(wh, "run:r1", shared=False, busy="x"):
-        assert len(opened) == 2 and opened[0].closed and not opened[1].closed
+        (_, orphan), keeper, (fd, inode) = opened
+        assert orphan != inode and os.fstat(fd).st_ino == inode == lock_file(wh, "run:r1").stat().st_ino
+        orphaned = f"{lock_file(wh, 'run:r1')} (deleted)"
+        # The orphan was closed: only the test's own descriptor still has it open.
+        assert [name for name in os.listdir("/proc/self/fd") if _target(name) == orphaned] == [str(keeper)]
+        os.close(keeper)
         monkeypatch.undo()
         # Held on the file the path names: another holder is refused (on the orphan it would not be).
         with pytest.raises(InputError, match="held here"):
             with held(wh, "run:r1", shared=True, busy="held here"):
                 pass
+
+
+def _target(fd_name: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd_name}")
+    except OSError:  # the descriptor that listed the directory, closed since
+        return ""
 
 
 def test_a_prior_is_not_trained_on_a_cohort_being_rebuilt(tiny_cohort):

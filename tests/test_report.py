@@ -290,12 +290,12 @@ def test_a_report_is_not_swapped_over_a_file_and_replaces_scratch_of_a_killed_wr
 
 def test_two_renders_do_not_swap_one_directory_at_once(wh, tmp_path, monkeypatch):
     import tasks.report
-    from warehouse.locks import held
+    from warehouse.locks import beside_held
 
     evaluate_run(wh, "r1", ks=(2,), n_boot=0)
     out = tmp_path / "out"
     monkeypatch.setattr(tasks.report, "SWAP_WAIT_SECONDS", 0.0)
-    with held(wh, f"report-dir:{out.absolute()}", shared=False, busy="held by the test"):
+    with beside_held(out, busy="held by the test"):
         with pytest.raises(InputError, match=f"another dxr process is swapping a report into {out}: retry"):
             render_report(wh, "r1", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"] and list(out.iterdir()) == []

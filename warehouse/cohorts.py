@@ -48,9 +48,9 @@ from dxr.errors import InputError, NotFoundError
 from warehouse import duck, vocab
 from warehouse.datasets import check_name, get_dataset
 from warehouse.choices import HARMONIZATIONS, TARGET_RULES
-from warehouse.locks import held
+from warehouse.locks import held, lock_held
 from warehouse.meds import SPLITS, current_size_fingerprint, read_splits, validate_meds_dir
-from warehouse.runs import Run, mark_killed, registered_run, runs_in_progress
+from warehouse.runs import Run, mark_killed, record_lock, registered_run, runs_in_progress
 from warehouse.schemas import utc_now
 from warehouse.scratch import remove_abandoned, scratch
 from warehouse.store import Warehouse, fetch_frame
@@ -859,7 +859,9 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
     config = json.loads(last["config_json"])
     running = builds.filter(pl.col("status") == "running", pl.col("name").is_in([name_or_id, config["name"]])
                             | (pl.col("cohort_id") == last["cohort_id"]))
-    if running.height or wh.has_rows("cohorts", cohort_id=last["cohort_id"]):
+    # Alive by its record lock: a process that may not write the warehouse leaves a killed build `running`.
+    alive = any(lock_held(wh, record_lock(run_id, "cohort")) for run_id in running["run_id"])
+    if alive or wh.has_rows("cohorts", cohort_id=last["cohort_id"]):
         return None
     ended = writing.tail(1)
     if last["status"] == "finished":
@@ -870,7 +872,10 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
         if ended.is_empty():
             ended = later.filter(pl.col("cohort_id").is_null() & (pl.col("name") == config["name"]))
     status = ended["status"][-1] if ended.height else None
-    how = (f"its build in run {ended['run_id'][-1]} {'was killed' if status == 'killed' else status}" if status
+    # Still `running` when a process that may not write the warehouse asks (`mark_killed` leaves it): no build of the
+    # cohort is in progress, as checked above.
+    killed = status in ("killed", "running")
+    how = (f"its build in run {ended['run_id'][-1]} {'was killed' if killed else status}" if status
            else "a build of it did not finish")
     cohort = {"cohort_id": last["cohort_id"], "dataset_id": config["dataset"], "name": config["name"],
               "target_rule": config["target"], "harmonization": config["harmonize"],

@@ -21,6 +21,8 @@ Resources, and who holds them:
   while the web channel commits its pages (`WebChannel.flush`); shared while `dxr corpus build` reads its
   documents and chunks (`tools.corpus.reading_corpora`);
 - `mlflow-store`: exclusive while the data dir's own MLflow store is created (`models.prior.tracking`);
+- a report's output directory: exclusive, by a hidden file beside it (`beside_held`), while the report is swapped
+  in (`tasks.report.render_report`);
 - `record:<id>|<kind>`: exclusive for the whole life of a registered run, so a run marked in progress
   (`<data_dir>/.running`) whose lock is free belongs to a process that was killed (`warehouse.runs.mark_killed`);
 - `run-register:<id>`: exclusive (waited for) while a registered run given that id checks the kinds it holds and
@@ -57,6 +59,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dxr.errors import InputError
+from warehouse.scratch import UNWRITABLE
 from warehouse.store import Warehouse
 
 LOCK_DIR = ".locks"
@@ -67,27 +70,100 @@ def held(wh: Warehouse, resource: str, *, shared: bool, busy: str, wait: float =
     """Hold the lock of `resource` for the block; `busy` says what holds it when it is taken.
 
     `wait` retries for that many seconds first, for locks that others hold only for a moment.
+
+    A reader without write access to the lock directory (an analyst's account, a read-only mount or snapshot) takes
+    the lock on the file when it exists and goes without it when it does not (see `open_lock`).
     """
-    path = lock_file(wh, resource)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    unwritable = (f"so it cannot take the lock {resource!r} that this command writes under: run it as an account "
+                  f"that can write the warehouse at {wh.root}")
+    with file_held(lock_file(wh, resource), shared=shared, busy=busy, wait=wait, unwritable=unwritable):
+        yield
+
+
+@contextmanager
+def beside_held(target: Path, *, busy: str, wait: float = 0.0) -> Iterator[None]:
+    """Hold an exclusive lock on `target` (a directory outside the warehouse, anywhere) for the block, by a hidden
+    file beside it; `busy` and `wait` as for `held`.
+
+    For work outside the warehouse's locks (a report swapped into its --out): it needs no write access to the data
+    dir, so an account that may only read the warehouse can still render a report where it may write.
+    """
+    unwritable = f"so it cannot write {target}: give a directory of your own"
+    with file_held(target.parent / f".{target.name}.lock", shared=False, busy=busy, wait=wait, unwritable=unwritable):
+        yield
+
+
+@contextmanager
+def file_held(path: Path, *, shared: bool, busy: str, wait: float, unwritable: str) -> Iterator[None]:
+    """Hold the `flock` of the file at `path` for the block (made if missing, unlinked by its last holder); `unwritable`
+    ends the one-line refusal of an exclusive lock this process may not make."""
     deadline = time.monotonic() + wait
     while True:
-        handle = open(path, "a")
+        fd = open_lock(path, shared, unwritable)
+        if fd is None:
+            yield  # nobody holds it, and this process cannot make the file that would keep writers out
+            return
         try:
-            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.close()
+            os.close(fd)
             if time.monotonic() >= deadline:
                 raise InputError(f"{busy}: retry when it has finished") from None
             time.sleep(0.05)
             continue
-        if names_inode(path, handle):
+        if names_inode(path, fd):
             break
-        handle.close()  # its last holder unlinked the file after we opened it: lock the one the path names now
+        os.close(fd)  # its last holder unlinked the file after we opened it: lock the one the path names now
     try:
         yield
     finally:
-        release(path, handle)
+        release(path, fd)
+
+
+def open_lock(path: Path, shared: bool, unwritable: str) -> int | None:
+    """A descriptor of the lock file at `path`, made if missing; None for a shared lock whose file is missing where
+    this process cannot make it.
+
+    Opened for writing where this process may write: NFS emulates `flock` with byte-range locks, and there an
+    exclusive one needs a descriptor open for writing. A reader without write access to the file (one that another
+    account made) opens it read-only and still takes a shared lock. Every holder makes the file, so where it is
+    missing nobody holds the lock; a reader that cannot make it (no write access to the lock directory) then reads
+    without it, and a writer that starts meanwhile is not kept out. A writer cannot do its work without write access
+    anyway, and is refused in one line.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        if shared:
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+        raise InputError(f"{path.parent} is not writable by this user (uid {os.getuid()}), {unwritable}") from exc
+
+
+def lock_held(wh: Warehouse, resource: str) -> bool:
+    """Whether a process holds the lock of `resource` now, asked without making a file or writing anything (a reader
+    without write access to the warehouse may ask): every holder makes the file, so a missing one is not held."""
+    path = lock_file(wh, resource)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            if names_inode(path, fd):
+                return False
+            # its last holder unlinked the file after we opened it: ask the one the path names now
+        finally:
+            os.close(fd)
 
 
 def lock_file(wh: Warehouse, resource: str) -> Path:
@@ -107,32 +183,37 @@ def remove_unheld(wh: Warehouse, resources: Iterable[str]) -> None:
     for resource in resources:
         path = lock_file(wh, resource)
         try:
-            handle = open(path)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             continue
-        release(path, handle)
+        release(path, fd)
 
 
-def names_inode(path, handle) -> bool:
-    """Whether `path` still names the file `handle` has open."""
+def names_inode(path, fd: int) -> bool:
+    """Whether `path` still names the file that the descriptor `fd` has open."""
     try:
-        return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
         return False
 
 
-def release(path, handle) -> None:
+def release(path, fd: int) -> None:
     """Release the lock; unlink its file first when no other process holds it.
 
     Taking the lock exclusively proves that nobody else holds it. For a shared holder that attempt
-    may drop its own lock first (`flock` converts non-atomically), harmless at release.
+    may drop its own lock first (`flock` converts non-atomically), harmless at release. A holder that
+    cannot unlink (a reader without write access to the lock directory) leaves the file to the next holder.
     """
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pass  # another holder remains: the last one unlinks
     else:
-        if names_inode(path, handle):
-            os.unlink(path)
+        if names_inode(path, fd):
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                if exc.errno not in UNWRITABLE:
+                    raise
     finally:
-        handle.close()
+        os.close(fd)

@@ -22,9 +22,9 @@ import polars as pl
 from dxr import __version__
 from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError, NotFoundError
-from warehouse.locks import held
+from warehouse.locks import held, lock_held
 from warehouse.schemas import TABLES, utc_now
-from warehouse.scratch import naming, remove_abandoned, scratch
+from warehouse.scratch import UNWRITABLE, naming, remove_abandoned, scratch
 from warehouse.store import Warehouse, check_run_id, fetch_frame
 
 
@@ -244,11 +244,14 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     SIGTERM and Ctrl-C unwind and record `failed` themselves. A run is judged by its record lock,
     which the kernel releases when the process ends, so this holds across hosts and containers that
     share the warehouse on a file system with working `flock`. Only the runs with a marker are
-    looked at, so the cost follows the runs in progress, not the size of the registry.
+    looked at, so the cost follows the runs in progress, not the size of the registry. A process that may not write
+    the warehouse (an analyst's account, a read-only mount) leaves them to the next one that may.
     """
     _index_legacy_running(wh)
     killed = []
     for marker, run_id, kind in _markers(wh):
+        if lock_held(wh, record_lock(run_id, kind)):  # its process is alive
+            continue
         try:
             with held(wh, record_lock(run_id, kind), shared=False, busy="alive"):
                 # Read under the lock: the run may have ended normally since the marker was listed.
@@ -257,8 +260,12 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
                     wh.write("runs", current.with_columns(pl.lit("killed").alias("status")), run_id=run_id, kind=kind)
                     killed.append((run_id, kind))
                 marker.unlink(missing_ok=True)
-        except InputError:  # its process still holds the lock
+        except InputError:  # taken since by a run of that id and kind, or not to be taken by this process
             continue
+        except OSError as exc:
+            if exc.errno not in UNWRITABLE:
+                raise
+            break  # this process may not write the warehouse
     return killed
 
 
@@ -275,9 +282,11 @@ def mark_stale(wh: Warehouse, run_id: str, kind: str) -> None:
 
 
 def runs_in_progress(wh: Warehouse) -> pl.DataFrame:
-    """The `runs` rows of the runs in progress now (those a killed process left are marked first)."""
+    """The `runs` rows of the runs in progress now: those marked whose process holds its record lock (those a killed
+    process left are marked first, where this process may write the warehouse)."""
     mark_killed(wh)
-    rows = [wh.read("runs", run_id=run_id, kind=kind) for _, run_id, kind in _markers(wh)]
+    rows = [wh.read("runs", run_id=run_id, kind=kind) for _, run_id, kind in _markers(wh)
+            if lock_held(wh, record_lock(run_id, kind))]
     empty = pl.from_arrow(TABLES["runs"].schema.empty_table())  # typed, for when nothing is in progress
     return pl.concat([empty, *rows], how="diagonal_relaxed").filter(pl.col("status") == "running")
 
@@ -308,13 +317,17 @@ def _index_legacy_running(wh: Warehouse) -> None:
     # A data dir that does not exist has no registry to index, and a mistyped --data-dir must not appear on disk.
     if flag.exists() or not wh.root.is_dir():
         return
-    if wh.has_rows("runs"):
-        registry = wh.connect(tables=["runs"])
-        running = registry.execute("SELECT run_id, kind FROM runs WHERE status = 'running'").fetchall()
-        for run_id, kind in running:
-            _write_marker(wh, run_id, kind)
-    flag.parent.mkdir(parents=True, exist_ok=True)
-    flag.touch()
+    try:
+        if wh.has_rows("runs"):
+            registry = wh.connect(tables=["runs"])
+            running = registry.execute("SELECT run_id, kind FROM runs WHERE status = 'running'").fetchall()
+            for run_id, kind in running:
+                _write_marker(wh, run_id, kind)
+        flag.parent.mkdir(parents=True, exist_ok=True)
+        flag.touch()
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:  # a process that may not write the warehouse leaves this to one that may
+            raise
 
 
 @contextmanager

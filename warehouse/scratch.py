@@ -32,6 +32,8 @@ _RENAME_EXCHANGE = 2  # <linux/fs.h>: renameat2 swaps the two paths
 # renameat2's answers for a kernel or file system that cannot swap (Linux before 3.15, NFS, ...).
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 _MAKE_DIRS_ATTEMPTS = 10
+# What the system answers a process that may not create or remove a file (no write access, a read-only mount).
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 @contextmanager
@@ -145,8 +147,12 @@ def _lock_is_free(lock_path: Path) -> bool:
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
+        return
+    try:
         path.unlink(missing_ok=True)
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:  # scratch is hidden from every reader: left to a process that may remove it
+            raise
 
 
 def _alive(pid: int) -> bool:

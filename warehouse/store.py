@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from dxr.errors import InputError, NotFoundError
 from warehouse import duck
 from warehouse.schemas import FORECAST, GOLD, RUN_TABLES, TABLES, Table
-from warehouse.scratch import make_dirs, naming, remove_abandoned, scratch
+from warehouse.scratch import UNWRITABLE, make_dirs, naming, remove_abandoned, scratch
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
@@ -399,10 +399,22 @@ def new_commit_id(commits: Path) -> str:
 
 
 def finish_commits(commits: Path) -> None:
-    """Finish the commits that killed writers left in `commits`, oldest first, and remove their unfinished staging."""
+    """Finish the commits that killed writers left in `commits`, oldest first, and remove their unfinished staging.
+
+    A process that may not write the store (an analyst's account, a read-only mount or copy) cannot finish one, and
+    reading without it could show its partitions half new, half old: it is refused in one line naming the fix.
+    """
     remove_abandoned(commits / "batch")
     for committed in sorted(commits.glob(f"*{COMMITTED}")) if commits.is_dir() else ():
-        apply_commit(committed)
+        try:
+            apply_commit(committed)
+        except OSError as exc:
+            if exc.errno not in UNWRITABLE:
+                raise
+            raise InputError(f"{committed} is a commit that a killed writer left unfinished, and this user (uid "
+                             f"{os.getuid()}) may not finish it: run any dxr command that reads the warehouse (dxr "
+                             f"--data-dir {commits.parent.parent} sql 'SELECT 1') as an account that can write it, "
+                             "then retry") from exc
 
 
 def apply_commit(committed: Path) -> None:

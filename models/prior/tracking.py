@@ -288,6 +288,18 @@ def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) 
     return uri
 
 
+def read_tracking(data_dir: str | Path, configured: str | None) -> bool:
+    """Point mlflow at the store to read it only (`dxr prior models`): nothing is created, migrated or re-pointed
+    (`use_tracking` does that for the commands that train or load a model), so an account that may only read the data
+    dir, or a read-only copy of it, lists its models. False when the store is a sqlite file that does not exist: no
+    model was registered in it."""
+    uri = configured or sqlite_uri(Path(data_dir).resolve() / "mlflow" / "mlflow.db")
+    if (db := sqlite_file(uri)) is not None and not db.is_file():
+        return False
+    mlflow.set_tracking_uri(uri)
+    return True
+
+
 def registered_name(system: str, cohort_id: str) -> str:
     return f"{system}-{cohort_id}"
 
