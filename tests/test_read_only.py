@@ -180,3 +180,23 @@ def test_a_reader_that_cannot_finish_a_commit_a_killed_writer_left_says_who_can(
                          f"{os.getuid()}) may not finish it: run any dxr command that reads the warehouse (dxr "
                          f"--data-dir {wh.root} sql 'SELECT 1') as an account that can write it, then retry\n")
     assert committed.is_dir()
+
+
+def test_a_writer_takes_a_lock_whose_file_another_account_left(tmp_path):
+    # An analyst killed while holding a shared lock leaves its file, owned by the analyst and not writable by others:
+    # the service account must still take the lock (opening the file for writing, as NFS wants, was refused).
+    if os.geteuid() != 0:
+        pytest.skip("giving the lock file to another account needs root")
+    wh = Warehouse(tmp_path / "wh")
+    with held(wh, "run:r1", shared=True, busy="x"):
+        left = lock_file(wh, "run:r1")
+        os.link(left, tmp_path / "kept")  # the file outlives its holder's release, as a killed holder's does
+    os.link(tmp_path / "kept", left)
+    os.chown(left, 65534, 65534)
+    left.chmod(0o644)
+    script = ("import sys\nfrom warehouse.store import Warehouse\nfrom warehouse.locks import held\n"
+              "with held(Warehouse(sys.argv[1]), 'run:r1', shared=False, busy='busy'):\n"
+              "    print('held')")
+    done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert (done.returncode, done.stdout) == (0, "held\n"), done.stderr

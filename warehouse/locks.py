@@ -124,12 +124,12 @@ def open_lock(path: Path, shared: bool, unwritable: str) -> int | None:
     """A descriptor of the lock file at `path`, made if missing; None for a shared lock whose file is missing where
     this process cannot make it.
 
-    Opened for writing where this process may write: NFS emulates `flock` with byte-range locks, and there an
-    exclusive one needs a descriptor open for writing. A reader without write access to the file (one that another
-    account made) opens it read-only and still takes a shared lock. Every holder makes the file, so where it is
-    missing nobody holds the lock; a reader that cannot make it (no write access to the lock directory) then reads
-    without it, and a writer that starts meanwhile is not kept out. A writer cannot do its work without write access
-    anyway, and is refused in one line.
+    Opened for writing where this process may: NFS emulates `flock` with byte-range locks, and there an exclusive
+    one needs a descriptor open for writing. A file this process may not write (another account made it: a reader
+    in a group that may write `.locks`, or one killed holding it) is opened read-only, which a local `flock` needs
+    no more than. Every holder makes the file, so where it is missing nobody holds the lock; a reader that cannot
+    make it (no write access to the lock directory) then reads without it, and a writer that starts meanwhile is not
+    kept out. A writer cannot do its work without write access anyway, and is refused in one line.
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,12 +137,12 @@ def open_lock(path: Path, shared: bool, unwritable: str) -> int | None:
     except OSError as exc:
         if exc.errno not in UNWRITABLE:
             raise
-        if shared:
-            try:
-                return os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            if shared:
                 return None
-        raise InputError(f"{path.parent} is not writable by this user (uid {os.getuid()}), {unwritable}") from exc
+            raise InputError(f"{path.parent} is not writable by this user (uid {os.getuid()}), {unwritable}") from exc
 
 
 def lock_held(wh: Warehouse, resource: str) -> bool:
