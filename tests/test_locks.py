@@ -503,6 +503,27 @@ def test_a_report_waits_for_the_evaluation_of_its_run(tiny_cohort, prefect_harne
     assert not (wh.root / "report").exists()
 
 
+def test_a_run_whose_failure_cannot_be_recorded_raises_its_own_error_and_is_recorded_killed_next(wh, monkeypatch):
+    # On a full disk the body fails and then so may its `failed` row: the row's OSError replaced the body's error (a
+    # training that filled the disk under MLflow was reported as an unwritable `runs` file).
+    import errno
+
+    import warehouse.runs as runs
+
+    def full_at_failed(wh, run_id, cohort_id, kind, config, status, *times):
+        if status == "failed":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "runs/data.parquet")
+        recorded(wh, run_id, cohort_id, kind, config, status, *times)
+
+    recorded = runs.record_run
+    monkeypatch.setattr(runs, "record_run", full_at_failed)
+    with pytest.raises(InputError, match="the body's error"), runs.registered_run(wh, "synth", {}, "full-2"):
+        raise InputError("the body's error")
+    assert wh.read("runs", run_id="full-2")["status"].to_list() == ["running"]
+    assert runs.mark_killed(wh) == [("full-2", "synth")]  # its marker stayed
+    assert wh.read("runs", run_id="full-2")["status"].to_list() == ["killed"]
+
+
 def test_a_run_that_cannot_write_its_marker_names_it_and_leaves_nothing_behind(wh):
     # A full disk fails the first write of every command, its marker's; Python's own file write names no file, so
     # the CLI's line was "[Errno 28] No space left on device" for synth, forecast, a prior's training alike.
@@ -516,6 +537,7 @@ def test_a_run_that_cannot_write_its_marker_names_it_and_leaves_nothing_behind(w
         raise AssertionError("the body ran without a marker")
     marker = _marker(wh, "full-1", "synth")
     assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(marker))
-    assert one_line(raised.value) == f"{marker}: File too large: check the path"
+    assert one_line(raised.value) == (f"{marker}: File too large: raise the file-size limit (ulimit -f) or "
+                                     "choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)")
     assert list((wh.root / RUNNING_DIR).iterdir()) == []
     assert not wh.has_rows("runs")

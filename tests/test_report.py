@@ -314,7 +314,8 @@ def test_a_report_file_that_does_not_fit_on_the_disk_is_named(wh, tmp_path):
         render_report(wh, "r1", tmp_path / "out")
     first = tmp_path / "out" / "comparison.png"  # the first file the report writes
     assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(first))
-    assert one_line(raised.value) == f"{first}: File too large: check the path"
+    assert one_line(raised.value) == (f"{first}: File too large: raise the file-size limit (ulimit -f) or "
+                                     "choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wh"] and list((tmp_path / "out").iterdir()) == []
 
 def test_cli_evaluate_prints_table_and_report_writes_files(wh, tmp_path):

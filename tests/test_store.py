@@ -47,9 +47,42 @@ def test_a_failed_partition_write_names_the_partition_and_keeps_the_old_one(wh):
     with file_size_limit(16 * 1024), pytest.raises(OSError) as raised:
         wh.write("targets", targets("a", 100_000), cohort_id="a")
     assert (raised.value.errno, raised.value.filename) == (errno.EFBIG, str(partition))
-    assert one_line(raised.value) == f"{partition}: File too large: check the path"
+    assert one_line(raised.value) == (f"{partition}: File too large: raise the file-size limit (ulimit -f) or "
+                                     "choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)")
     assert wh.read("targets", cohort_id="a").equals(targets("a", 3))
     assert sorted(p.name for p in partition.parent.iterdir()) == ["data.parquet"]
+
+
+def test_a_full_quota_names_the_path_and_the_fix_as_a_full_disk_does():
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/srv/dxr/forecast/runs/data.parquet")
+    assert one_line(quota) == ("/srv/dxr/forecast/runs/data.parquet: Disk quota exceeded: free disk space (or raise "
+                               "the quota) there or choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)")
+
+
+def test_a_query_written_past_the_file_size_limit_is_one_line_naming_the_directory_and_keeps_the_old_partition(wh):
+    # DuckDB's COPY (a cohort build's train events) passes EFBIG on only as the text of an IOException, which the
+    # build's `resource_errors` let through as a traceback: it knew ENOSPC's text alone.
+    from warehouse.duck import connect, resource_errors
+
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    con = connect()  # the build's: its queries read the gold store and MEDS files
+    query = "SELECT 'a' AS cohort_id, 'a:' || range || ':1' AS trajectory_id, 'DIAGNOSIS//ICD//10//I10' AS code " \
+            "FROM range(100000)"
+    with file_size_limit(16 * 1024), pytest.raises(ConfigError) as raised, resource_errors("a build", wh.root):
+        wh.write_query("targets", con, query, cohort_id="a")
+    assert str(raised.value) == (f"a build: a file in {wh.root} reached the file-size limit: raise it (ulimit -f), "
+                                 "or point --data-dir (DXR_DATA_DIR) to a disk with room")
+    assert wh.read("targets", cohort_id="a").equals(targets("a", 3))
+
+
+@pytest.mark.parametrize("text", ["Could not write file \"x.tmp\": Disk quota exceeded", "No space left on device"])
+def test_a_full_quota_is_out_of_disk_space_as_a_full_disk_is(wh, text):
+    from warehouse.duck import resource_errors
+
+    with pytest.raises(ConfigError) as raised, resource_errors("a build", wh.root):
+        raise duckdb.IOException(f"IO Error: {text}")
+    assert str(raised.value) == (f"a build: out of disk space in {wh.root}: free disk space there, or point --data-dir "
+                                 "(DXR_DATA_DIR) to a disk with room")
 
 
 def test_temporary_files_of_a_killed_writer_are_invisible_and_removed_by_the_next_write(wh):

@@ -109,14 +109,19 @@ def confine(con: duckdb.DuckDBPyConnection, *directories: Path) -> None:
     con.execute("SET enable_external_access=false")
 
 
+# The system's answers to a write that has no room: a full disk, a full quota, a file past the size limit.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def out_of_disk(exc: BaseException) -> bool:
-    """Whether `exc` says the disk is full: the system's ENOSPC (DuckDB passes it on only in the text of an
-    IOException, shutil.copytree inside the text of its Error), or DuckDB refusing to spill more because its
-    temporary files reached `max_temp_directory_size`, which by default is 90% of the disk space that was free."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    """Whether `exc` says the disk is full: the system's ENOSPC, EDQUOT or EFBIG (`NO_ROOM`; DuckDB passes it on only
+    in the text of an IOException, shutil.copytree inside the text of its Error), or DuckDB refusing to spill more
+    because its temporary files reached `max_temp_directory_size`, which by default is 90% of the disk space that was
+    free."""
+    if isinstance(exc, OSError) and exc.errno in NO_ROOM:
         return True
     text = str(exc)
-    return "No space left on device" in text or (
+    return any(os.strerror(code) in text for code in NO_ROOM) or (
         isinstance(exc, duckdb.OutOfMemoryException) and "max_temp_directory_size" in text)
 
 
@@ -132,6 +137,9 @@ def resource_errors(what: str, directory: Path, memory_limit: str | None = None,
         yield
     except (duckdb.Error, OSError) as exc:
         if out_of_disk(exc):
+            if (exc.errno if isinstance(exc, OSError) else None) == errno.EFBIG or os.strerror(errno.EFBIG) in str(exc):
+                raise ConfigError(f"{what}: a file in {directory} reached the file-size limit: raise it (ulimit -f), "
+                                  f"or {elsewhere}") from exc
             raise ConfigError(f"{what}: out of disk space in {directory}: free disk space there, or {elsewhere}"
                               ) from exc
         if memory_limit is None or not isinstance(exc, duckdb.OutOfMemoryException):

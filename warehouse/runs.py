@@ -230,8 +230,14 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
         try:
             yield run
         except BaseException:
-            record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, utc_now())
-            marker.unlink(missing_ok=True)
+            try:
+                record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, utc_now())
+            except OSError:
+                # A full disk fails the body and then often this row too: the body's error, raised below, says what
+                # went wrong, and the marker stays, so the next command's `mark_killed` records the run `killed`.
+                pass
+            else:
+                marker.unlink(missing_ok=True)
             raise
         record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", started, utc_now())
         marker.unlink(missing_ok=True)

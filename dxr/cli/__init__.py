@@ -28,8 +28,10 @@ def one_line(exc: OSError) -> str:
         fix = "make it writable or choose another location (--data-dir, --out, DXR_DATA_DIR)"
     elif exc.errno == errno.ENOTDIR:
         fix = "a part of this path is a file; point to a directory"
-    elif exc.errno == errno.ENOSPC:
-        fix = "free disk space or choose another location"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free disk space (or raise the quota) there or choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)"
+    elif exc.errno == errno.EFBIG:  # a file past the process's size limit (`ulimit -f`) or the file system's largest
+        fix = "raise the file-size limit (ulimit -f) or choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)"
     else:
         fix = "check the path"
     return f"{where}: {exc.strerror}: {fix}"
