@@ -33,11 +33,14 @@ LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.
 # the configured store (`models.prior.forecaster.load_network`), not a file from elsewhere.
 MLFLOW_MESSAGES = {
     "mlflow.pytorch": ("Saving pytorch model by Pickle or CloudPickle format requires exercising caution",),
-    # Both are logged only when MLflow creates a new, empty store's tables (made, then brought to the installed
-    # schema), with nothing for the user to do; a store with an older schema is not migrated but refused with
-    # MLflow's error naming `mlflow db upgrade`, and that and any failure still raise and are reported in one line
-    # (`models.prior.tracking`).
-    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+    # The first two are logged only when MLflow creates a new, empty store's tables (made, then brought to the
+    # installed schema), with nothing for the user to do; a store with an older schema is not migrated but refused
+    # with MLflow's error naming `mlflow db upgrade`, and that and any failure still raise and are reported in one
+    # line (`models.prior.tracking`). The third is logged, with its traceback, for each SQLite error of a store
+    # operation (a full disk: two tracebacks of 40 lines before dxr's line), which MLflow then raises as its own
+    # error, reported in that one line.
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables",
+                              "SQLAlchemy database error"),
 }
 
 # readability logs a whole traceback for markup it cannot parse, then raises `Unparseable`, which the web reader

@@ -49,6 +49,10 @@ def test_only_mlflows_pickle_and_schema_notices_are_dropped():
     assert printed("mlflow.store.db.utils", logging.INFO, [
         "Creating initial MLflow database tables...", "Updating database tables",
         "Database migration failed: check the store"]) == ["Database migration failed: check the store"]
+    # Logged with its traceback before MLflow raises the same error as its own, which dxr reports in one line.
+    assert printed("mlflow.store.db.utils", logging.ERROR, [
+        "SQLAlchemy database error. The following exception is caught.\n(sqlite3.OperationalError) database or disk "
+        "is full", "Database migration failed: check the store"]) == ["Database migration failed: check the store"]
 
 
 def test_only_readabilitys_traceback_for_markup_it_cannot_parse_is_dropped():

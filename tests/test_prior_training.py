@@ -1055,6 +1055,41 @@ def test_a_model_download_that_fills_the_disk_names_the_local_copy_not_the_store
     assert list((cache / "ehr_prior-c1").iterdir()) == []
 
 
+def test_a_full_disk_while_the_store_is_created_is_one_line_and_leaves_no_store(tmp_path, monkeypatch):
+    # MLflow lets SQLite's error out of its schema creation as SQLAlchemy's, not its own: the CLI printed six
+    # tracebacks and no line of its own.
+    import sqlite3
+
+    def disk_full(tracking_uri):
+        raise sqlalchemy.exc.OperationalError("CREATE TABLE experiments (...)", {},
+                                              sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(tracking, "MlflowClient", disk_full)
+    with pytest.raises(ConfigError) as raised:
+        tracking.create_default_store(tmp_path)
+    assert str(raised.value) == (
+        f"creating the MLflow store in {tmp_path / 'mlflow'}: out of disk space: free disk space there, or point "
+        "--data-dir (DXR_DATA_DIR) or prior.tracking_uri (env DXR_PRIOR__TRACKING_URI) to a disk with room")
+    assert list((tmp_path / "mlflow").iterdir()) == []
+
+
+def test_a_full_temporary_directory_while_a_model_is_logged_names_the_file(tmp_path, monkeypatch):
+    # Python's write names no file: the CLI's line was "[Errno 27] File too large", no path.
+    import errno
+
+    def full_at_vocabulary(path, text, *args, **kwargs):
+        if path.name == "vocabulary.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return written(path, text, *args, **kwargs)
+
+    written = Path.write_text
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=20, seed=4)
+    monkeypatch.setattr(Path, "write_text", full_at_vocabulary)
+    with pytest.raises(OSError) as raised:
+        train_prior(str(tmp_path), cohort, "gru", PriorConfig(**TINY, epochs=1), run_id="full-1")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename.endswith("/vocabulary.json")
+
+
 def test_a_full_disk_under_the_tracking_store_is_said_to_be_one():
     # SQLite's text as seen when a training could not be recorded; the line quoted it, cut off in the SQL.
     seen = MlflowException("(raised as a result of Query-invoked autoflush) (sqlite3.OperationalError) database or "

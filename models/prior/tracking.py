@@ -104,7 +104,7 @@ def store_error(exc: MlflowException, action: str) -> ConfigError:
                        "is reachable and writable, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)")
 
 
-def full_disk(exc: MlflowException) -> bool:
+def full_disk(exc: Exception) -> bool:
     """Whether an MLflow error says a disk is full: ENOSPC in the text of a failed artifact copy, or SQLite's own."""
     return out_of_disk(exc) or "database or disk is full" in str(exc)
 
@@ -223,7 +223,7 @@ def create_store(data_dir: str | Path, db: Path, *, owned: bool) -> None:
         remove_abandoned(db)
         with scratch(db, "staging") as staging:
             staging.mkdir()
-            MlflowClient(tracking_uri=sqlite_uri(staging / db.name)).search_experiments(max_results=1)
+            create_staged(db, staging / db.name)
             if owned:
                 os.replace(staging / db.name, db)
                 return
@@ -231,6 +231,22 @@ def create_store(data_dir: str | Path, db: Path, *, owned: bool) -> None:
                 os.link(staging / db.name, db)
             except FileExistsError:  # made meanwhile by a process of another data dir, whole as this one
                 pass
+
+
+def create_staged(db: Path, staged: Path) -> None:
+    """Have MLflow create the sqlite store `db` at `staged`; a full disk is one line naming the store's directory.
+
+    MLflow lets SQLite's "database or disk is full" out of its schema creation as SQLAlchemy's error, not its own."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        MlflowClient(tracking_uri=sqlite_uri(staged)).search_experiments(max_results=1)
+    except (SQLAlchemyError, MlflowException) as exc:
+        if not full_disk(exc):
+            raise
+        raise ConfigError(f"creating the MLflow store in {db.parent}: out of disk space: free disk space there, or "
+                          "point --data-dir (DXR_DATA_DIR) or prior.tracking_uri (env DXR_PRIOR__TRACKING_URI) to a "
+                          "disk with room") from exc
 
 
 def check_opens(db: Path) -> None:

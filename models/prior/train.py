@@ -19,6 +19,7 @@ from models.prior import tracking
 from models.prior.config import ARCHS, PriorConfig, check_prior_system
 from models.prior.lit import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
+from warehouse.scratch import naming
 
 mlflow = tracking.mlflow
 SELECTION_METRIC = "val_recall_at_20"  # tuning R@20 picks the epoch whose weights are registered
@@ -203,7 +204,8 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
             for file, payload in (("vocabulary.json", data.vocab.to_json()),
                                   ("prior_config.json", cfg.model_dump()), ("net_config.json", asdict(net_cfg))):
                 path = Path(tmp) / file
-                path.write_text(json.dumps(payload))
+                with naming(path):  # the temporary directory may be full: Python's write names no file
+                    path.write_text(json.dumps(payload))
                 files.append(str(path))
             torch_pin = f"torch=={torch.__version__.split('+')[0]}"
             info = mlflow.pytorch.log_model(net, name="model", registered_model_name=name, extra_files=files,
