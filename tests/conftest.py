@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import resource
@@ -12,6 +14,7 @@ import time
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pyarrow as pa
@@ -279,6 +282,18 @@ async def serving(handler):
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         await runner.cleanup()
+
+
+def nfs_flock(fd: int, operation: int) -> None:
+    """`fcntl.flock` as Linux's NFS client does it: emulated with byte-range locks, so an exclusive lock on a
+    descriptor open read-only fails with EBADF (flock(2), NOTES)."""
+    if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    fcntl.flock(fd, operation)
+
+
+# What `warehouse.locks` sees as `fcntl` on NFS (`monkeypatch.setattr(locks, "fcntl", NFS_FCNTL)`).
+NFS_FCNTL = SimpleNamespace(LOCK_SH=fcntl.LOCK_SH, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB, flock=nfs_flock)
 
 
 def keep_lock_files(monkeypatch) -> None:

@@ -18,7 +18,7 @@ from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_run
 from tasks.forecast import check_rerun, forecast_config
-from tests.conftest import fail_a_forecast, keep_lock_files, lock_files
+from tests.conftest import NFS_FCNTL, fail_a_forecast, keep_lock_files, lock_files
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds, writing_dataset
 from warehouse.locks import LOCK_DIR, held, lock_file, remove_unheld
@@ -238,12 +238,18 @@ def test_a_lock_file_lives_only_while_the_lock_is_held(wh):
     assert list(locks.iterdir()) == []
 
 
-def test_removing_unheld_lock_files_removes_those_killed_holders_left_and_keeps_a_held_one(wh, monkeypatch):
+@pytest.mark.parametrize("nfs", [False, True], ids=["local", "nfs"])
+def test_removing_unheld_lock_files_removes_those_killed_holders_left_and_keeps_a_held_one(wh, monkeypatch, nfs):
+    # On NFS the exclusive try needs the file open for writing: opened read-only, it failed with EBADF.
+    import warehouse.locks as locks
+
     keep_lock_files(monkeypatch)
     for resource in ("run:r1", "run:r2"):
         with held(wh, resource, shared=False, busy="x"):  # its holder killed: the file stays
             pass
     monkeypatch.undo()
+    if nfs:
+        monkeypatch.setattr(locks, "fcntl", NFS_FCNTL)
     with held(wh, "run:r2", shared=True, busy="x"):
         remove_unheld(wh, ["run:r1", "run:r2", "run:r3"])
         assert lock_files(wh) == [lock_file(wh, "run:r2").name]

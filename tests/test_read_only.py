@@ -200,3 +200,55 @@ def test_a_writer_takes_a_lock_whose_file_another_account_left(tmp_path):
     done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert (done.returncode, done.stdout) == (0, "held\n"), done.stderr
+
+
+# Run first in a reader's script: `warehouse.locks` locks as on NFS (`tests.conftest.nfs_flock`).
+ON_NFS = "import warehouse.locks\nfrom tests.conftest import NFS_FCNTL\nwarehouse.locks.fcntl = NFS_FCNTL\n"
+
+
+def test_a_reader_on_nfs_takes_and_releases_the_lock_files_it_may_not_write(tmp_path):
+    # On NFS an exclusive lock needs a descriptor open for writing, and a reader opens a file that it may not write
+    # read-only: its release (whose exclusive try tells the last holder) and `mark_killed` on a killed run's record
+    # lock failed with "[Errno 9] Bad file descriptor", so no reading command ran once such a file was there.
+    wh = Warehouse(tmp_path / "wh")
+    killed = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal\nfrom warehouse.store import Warehouse\nfrom warehouse.runs import registered_run\n"
+        f"with registered_run(Warehouse({str(wh.root)!r}), 'forecast:global_frequency', {{}}, 'r2'):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)")], cwd=Path(__file__).resolve().parents[1])
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    left = lock_file(wh, "run:r1")
+    left.touch()  # as a holder killed while it held the lock leaves it
+    script = ON_NFS + ("import sys\nfrom warehouse.store import Warehouse\nfrom warehouse.locks import held\n"
+                       "from warehouse.runs import runs_in_progress\nwh = Warehouse(sys.argv[1])\n"
+                       "with held(wh, 'run:r1', shared=True, busy='run r1 is being evaluated'):\n"
+                       "    print('read')\nprint(runs_in_progress(wh).height)")
+    read_only(wh.root)
+    try:
+        done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    finally:
+        writable(wh.root)
+    assert (done.returncode, done.stdout) == (0, "read\n0\n"), done.stderr
+    assert left.exists()  # left to a holder that may write it
+
+
+def test_a_writer_on_nfs_is_refused_in_one_line_a_lock_whose_file_another_account_left(tmp_path):
+    # Opened read-only, the file cannot be locked exclusively on NFS: the writer failed with "[Errno 9] Bad file
+    # descriptor", naming neither the file nor the fix.
+    if os.geteuid() != 0:
+        pytest.skip("giving the lock file to another account needs root")
+    wh = Warehouse(tmp_path / "wh")
+    left = lock_file(wh, "run:r1")
+    left.parent.mkdir(parents=True)
+    left.touch(mode=0o644)
+    os.chown(left, 65534, 65534)
+    script = ON_NFS + ("import sys\nfrom warehouse.store import Warehouse\nfrom warehouse.locks import held\n"
+                       "with held(Warehouse(sys.argv[1]), 'run:r1', shared=False, busy='busy'):\n"
+                       "    print('held')")
+    done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        f"dxr.errors.InputError: {left} is not writable by this user (uid {os.getuid()}), and this file system (NFS) "
+        "locks a file exclusively only where it is open for writing, so it cannot take the lock 'run:r1' that this "
+        f"command writes under: run it as an account that can write the warehouse at {wh.root}; a file that another "
+        "account left (killed while holding it) may be removed once no dxr process runs")

@@ -49,6 +49,7 @@ One host, on a local file system or one whose `flock` works across its clients; 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -63,6 +64,9 @@ from warehouse.scratch import UNWRITABLE
 from warehouse.store import Warehouse
 
 LOCK_DIR = ".locks"
+# What `flock` answers for an exclusive lock on a descriptor open read-only where NFS emulates it with byte-range
+# locks (flock(2), NOTES): there an exclusive lock needs the file open for writing.
+NFS_READ_ONLY = errno.EBADF
 
 
 @contextmanager
@@ -111,6 +115,14 @@ def file_held(path: Path, *, shared: bool, busy: str, wait: float, unwritable: s
                 raise InputError(f"{busy}: retry when it has finished") from None
             time.sleep(0.05)
             continue
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != NFS_READ_ONLY:
+                raise
+            raise InputError(f"{path} is not writable by this user (uid {os.getuid()}), and this file system (NFS) "
+                             f"locks a file exclusively only where it is open for writing, {unwritable}; a file that "
+                             "another account left (killed while holding it) may be removed once no dxr process "
+                             "runs") from exc
         if names_inode(path, fd):
             break
         os.close(fd)  # its last holder unlinked the file after we opened it: lock the one the path names now
@@ -127,9 +139,10 @@ def open_lock(path: Path, shared: bool, unwritable: str) -> int | None:
     Opened for writing where this process may: NFS emulates `flock` with byte-range locks, and there an exclusive
     one needs a descriptor open for writing. A file this process may not write (another account made it: a reader
     in a group that may write `.locks`, or one killed holding it) is opened read-only, which a local `flock` needs
-    no more than. Every holder makes the file, so where it is missing nobody holds the lock; a reader that cannot
-    make it (no write access to the lock directory) then reads without it, and a writer that starts meanwhile is not
-    kept out. A writer cannot do its work without write access anyway, and is refused in one line.
+    no more than; on NFS an exclusive lock on it is refused in one line (`file_held`). Every holder makes the file,
+    so where it is missing nobody holds the lock; a reader that cannot make it (no write access to the lock
+    directory) then reads without it, and a writer that starts meanwhile is not kept out. A writer cannot do its
+    work without write access anyway, and is refused in one line.
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,10 +196,21 @@ def remove_unheld(wh: Warehouse, resources: Iterable[str]) -> None:
     for resource in resources:
         path = lock_file(wh, resource)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_existing(path)
         except FileNotFoundError:
             continue
         release(path, fd)
+
+
+def open_existing(path: Path) -> int:
+    """A descriptor of the lock file at `path`, which must exist, open for writing where this process may (see
+    `open_lock`: an exclusive lock on NFS needs it), else read-only."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        return os.open(path, os.O_RDONLY)
 
 
 def names_inode(path, fd: int) -> bool:
@@ -202,12 +226,16 @@ def release(path, fd: int) -> None:
 
     Taking the lock exclusively proves that nobody else holds it. For a shared holder that attempt
     may drop its own lock first (`flock` converts non-atomically), harmless at release. A holder that
-    cannot unlink (a reader without write access to the lock directory) leaves the file to the next holder.
+    cannot unlink (a reader without write access to the lock directory), or cannot make that attempt (a descriptor
+    open read-only on NFS), leaves the file to the next holder.
     """
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pass  # another holder remains: the last one unlinks
+    except OSError as exc:
+        if exc.errno != NFS_READ_ONLY:  # whether it is the last holder is unknown: the file is left to the next one
+            raise
     else:
         if names_inode(path, fd):
             try:
