@@ -159,8 +159,10 @@ def open_lock(path: Path, shared: bool, unwritable: str) -> int | None:
 
 
 def lock_held(wh: Warehouse, resource: str) -> bool:
-    """Whether a process holds the lock of `resource` now, asked without making a file or writing anything (a reader
-    without write access to the warehouse may ask): every holder makes the file, so a missing one is not held."""
+    """Whether a process holds the lock of `resource` exclusively now, asked without making a file or writing anything
+    (a reader without write access to the warehouse may ask): every holder makes the file, so a missing one is not
+    held. A shared holder is not seen (the shared try does not conflict with it): ask only of locks that are taken
+    exclusively, as a run's record lock is (`warehouse.runs.record_lock`)."""
     path = lock_file(wh, resource)
     while True:
         try:
