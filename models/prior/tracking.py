@@ -51,9 +51,14 @@ log = logging.getLogger(__name__)
 def tracking_uri(data_dir: str | Path, configured: str | None) -> str:
     if configured:
         return configured
-    root = Path(data_dir).resolve() / "mlflow"
-    root.mkdir(parents=True, exist_ok=True)
-    return sqlite_uri(root / "mlflow.db")
+    db = default_store(data_dir)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return sqlite_uri(db)
+
+
+def default_store(data_dir: str | Path) -> Path:
+    """The sqlite file of the data dir's own MLflow store, used where `prior.tracking_uri` is not set."""
+    return Path(data_dir).resolve() / "mlflow" / "mlflow.db"
 
 
 def sqlite_uri(db: Path) -> str:
@@ -309,7 +314,7 @@ def read_tracking(data_dir: str | Path, configured: str | None) -> bool:
     (`use_tracking` does that for the commands that train or load a model), so an account that may only read the data
     dir, or a read-only copy of it, lists its models. False when the store is a sqlite file that does not exist: no
     model was registered in it."""
-    uri = configured or sqlite_uri(Path(data_dir).resolve() / "mlflow" / "mlflow.db")
+    uri = configured or sqlite_uri(default_store(data_dir))
     if (db := sqlite_file(uri)) is not None and not db.is_file():
         return False
     mlflow.set_tracking_uri(uri)
