@@ -9,15 +9,22 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
+def members(annotation: Any) -> tuple:
+    """The types a field's annotation allows: a union's members, else the annotation alone.
+
+    >>> members(int | None), members(int)
+    ((<class 'int'>, <class 'NoneType'>), (<class 'int'>,))
+    """
+    return get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+
+
 def is_number(annotation: Any) -> bool:
     """Whether a field holds an int or a float, possibly optional (`bool` is no number here).
 
     >>> [is_number(t) for t in (int, float, int | None, bool, str, list[int])]
     [True, True, True, False, False, False]
     """
-    if get_origin(annotation) in (Union, UnionType):
-        return any(is_number(member) for member in get_args(annotation))
-    return annotation in (int, float)
+    return any(member in (int, float) for member in members(annotation))
 
 
 def is_integer(annotation: Any) -> bool:
@@ -26,8 +33,8 @@ def is_integer(annotation: Any) -> bool:
     >>> [is_integer(t) for t in (int, int | None, float, int | float, bool, str)]
     [True, True, False, False, False, False]
     """
-    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return int in members and float not in members
+    allowed = members(annotation)
+    return int in allowed and float not in allowed
 
 
 def reads_null_text(annotation: Any) -> bool:
@@ -37,8 +44,8 @@ def reads_null_text(annotation: Any) -> bool:
     >>> [reads_null_text(t) for t in (int | None, float | None, Literal["none"] | None, str | None, Path | None, int)]
     [True, True, True, False, False, False]
     """
-    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return NoneType in members and not any(member in (str, Path) for member in members)
+    allowed = members(annotation)
+    return NoneType in allowed and not any(member in (str, Path) for member in allowed)
 
 
 def is_decimal(value: Any) -> bool:
@@ -62,9 +69,7 @@ def is_boolean(annotation: Any) -> bool:
     >>> [is_boolean(t) for t in (bool, bool | None, int, str)]
     [True, True, False, False]
     """
-    if get_origin(annotation) in (Union, UnionType):
-        return any(is_boolean(member) for member in get_args(annotation))
-    return annotation is bool
+    return bool in members(annotation)
 
 
 class SettingsModel(BaseModel):
