@@ -22,7 +22,7 @@ import pytest
 import warehouse.store as store
 from dxr.cli import one_line
 from dxr.errors import ConfigError, InputError, NotFoundError
-from tests.conftest import abandoned_scratch, file_size_limit, legacy_scratch
+from tests.conftest import NFS_FCNTL, abandoned_scratch, file_size_limit, legacy_scratch
 from warehouse.scratch import _HOST, remove_abandoned, scratch
 
 
@@ -121,6 +121,18 @@ def test_scratch_is_judged_by_its_lock_not_by_host_and_process_id(wh):
         holder.kill()
         holder.wait(timeout=30)
     assert remove_abandoned(target) == [running, running.with_suffix(".lock")]
+
+
+def test_abandoned_scratch_is_removed_on_nfs_where_an_exclusive_lock_needs_a_writable_descriptor(wh, monkeypatch):
+    # The lock file was opened read-only: NFS's emulated flock refused the exclusive try with EBADF, and every write
+    # that swept its target's abandoned scratch failed with "[Errno 9] Bad file descriptor".
+    import warehouse.scratch
+
+    target = wh.partition_path("targets", cohort_id="a")
+    left = abandoned_scratch(target)
+    left.write_bytes(b"left by a writer that was killed")
+    monkeypatch.setattr(warehouse.scratch, "fcntl", NFS_FCNTL)
+    assert remove_abandoned(target) == [left, left.with_suffix(".lock")]
 
 
 def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_cleans_up(wh, monkeypatch):

@@ -134,14 +134,24 @@ def remove_abandoned(target: Path) -> list[Path]:
 
 
 def _lock_is_free(lock_path: Path) -> bool:
+    """Whether nobody holds the scratch's lock file. Opened for writing where this process may, since NFS emulates
+    `flock` with byte-range locks and there an exclusive one needs that (EBADF otherwise: then the scratch is
+    taken as held, and left to a process that may write it)."""
     try:
-        with open(lock_path) as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-    except BlockingIOError:
-        return False
+        fd = os.open(lock_path, os.O_RDWR)
     except FileNotFoundError:  # its owner has just finished and removed it
         return False
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        return False  # nor could this process remove the scratch
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:
