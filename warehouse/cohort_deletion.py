@@ -146,9 +146,10 @@ def finish_interrupted_deletion(wh: Warehouse, name_or_id: str) -> CohortDeletio
             return None
         unbuilt = "a build of it did not finish"
     removed, runs = pending
-    cohort = removed.row(-1, named=True)
+    cohort = removed.row(0, named=True)
     if unbuilt is not None:  # the name its last build gave it
-        cohort = {"cohort_id": cohort["cohort_id"], "name": json.loads(cohort["config_json"])["name"]}
+        last = removed.sort("started_at", "run_id").row(-1, named=True)
+        cohort = {"cohort_id": last["cohort_id"], "name": json.loads(last["config_json"])["name"]}
     its_runs = runs.filter(pl.col("cohort_id") == cohort["cohort_id"])
     remove_unheld(wh, [f"cohort:{cohort['cohort_id']}", *run_locks(its_runs)])  # those the killed delete held too
     return CohortDeletion(cohort, [], registered_models=registered_models(cohort["cohort_id"], its_runs["kind"]),

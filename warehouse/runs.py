@@ -224,14 +224,14 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
             # `wait`: another process's `mark_killed` may hold the lock for a moment.
             recording.enter_context(held(wh, record_lock(run.run_id, kind), shared=False, wait=5.0,
                                          busy=f"run {run.run_id!r} ({kind}) is being recorded by another dxr process"))
-            started = run.started_at = utc_now()
+            run.started_at = utc_now()
             marker = _write_marker(wh, run.run_id, kind)
-            record_run(wh, run.run_id, run.cohort_id, kind, config, "running", started)
+            record_run(wh, run.run_id, run.cohort_id, kind, config, "running", run.started_at)
         try:
             yield run
         except BaseException:
             try:
-                record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", started, utc_now())
+                record_run(wh, run.run_id, run.cohort_id, kind, run.config, "failed", run.started_at, utc_now())
             except OSError:
                 # A full disk fails the body and then often this row too: the body's error, raised below, says what
                 # went wrong, and the marker stays, so the next command's `mark_killed` records the run `killed`.
@@ -239,7 +239,7 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
             else:
                 marker.unlink(missing_ok=True)
             raise
-        record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", started, utc_now())
+        record_run(wh, run.run_id, run.cohort_id, kind, run.config, "finished", run.started_at, utc_now())
         marker.unlink(missing_ok=True)
 
 
