@@ -298,6 +298,43 @@ def test_an_icd10_cohort_built_by_the_earlier_rule_is_named_for_its_rule_not_for
     assert code == 0 and "note: cohort" not in out
 
 
+def test_an_icd10_cohort_of_the_earlier_rule_and_a_size_fingerprint_is_named_for_both_not_for_earlier_files(
+        wh_vocab, tmp_path):
+    # A warehouse of 2026-12-04 (size fingerprints, the earlier icd10 rule), then `dxr synth` of the same seed and
+    # patients with today's dxr: the same files, yet the ingest note and every run's note said the icd10 cohort "was
+    # built from earlier files", while its native sibling was told apart as size-fingerprinted.
+    from warehouse.cohorts import superseded_note
+
+    write_tiny_meds(tmp_path / "v1")
+    assert cli(wh_vocab.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")[0] == 0
+    info = validate_meds_dir(wh_vocab.meds_dir("hosp"))
+    legacy = get_dataset(wh_vocab, "hosp") | {"fingerprint": _size_fingerprint(info.root, info.shards)}
+    wh_vocab.write("datasets", pl.DataFrame([legacy]), dataset_id="hosp")
+    current = build_cohort(wh_vocab, "hosp", "today", CohortOptions(harmonize="icd10"), seed=7)
+    # The row such a build wrote: an id of the dataset, the seed and the options, no rule; no fingerprint recorded.
+    payload = json.dumps({"dataset_id": "hosp", "fingerprint": legacy["fingerprint"], "seed": 7, "target": "final",
+                          "harmonize": "icd10", "min_history": 1}, sort_keys=True)
+    earlier = "c" + hashlib.sha256(payload.encode()).hexdigest()[:11]
+    written = {key: value for key, value in json.loads(current["options_json"]).items() if key != "gem_rule"}
+    wh_vocab.write("cohorts", wh_vocab.read("cohorts", cohort_id=current["cohort_id"]).with_columns(
+        cohort_id=pl.lit(earlier), name=pl.lit("coded"), options_json=pl.lit(json.dumps(written, sort_keys=True)),
+        dataset_fingerprint=pl.lit(None, dtype=pl.String)), cohort_id=earlier)
+
+    code, out, _ = cli(wh_vocab.root, "ingest", "meds", tmp_path / "v1", "--name", "hosp")
+    assert code == 0 and "earlier files" not in out
+    assert (f"note: cohort coded ({earlier}) was built under dataset hosp's fingerprint of before 2026-12-05, of "
+            "sizes and row counts, which these files match (likely the same files), and by the icd10 rule of before "
+            "2026-12-06, one ICD-10 code per GEM choice list (now --harmonize icd10_closest); their fingerprint is now "
+            "of their contents. The cohort keeps its tables") in out
+    dataset = get_dataset(wh_vocab, "hosp")
+    assert superseded_note(wh_vocab, wh_vocab.read("cohorts", cohort_id=earlier).row(0, named=True)) == (
+        f"cohort coded ({earlier}) was built when dataset hosp had a fingerprint of its files' sizes and row counts "
+        "(before 2026-12-05), and by the icd10 rule of before 2026-12-06, one ICD-10 code per GEM choice list (now "
+        f"--harmonize icd10_closest); registered again on {dataset['registered_at']:%Y-%m-%d %H:%M} UTC with files of "
+        f"the same sizes and row counts, likely the same, it has a fingerprint of their contents "
+        f"({dataset['fingerprint']}), which gives the cohort's options another cohort id")
+
+
 def test_an_icd10_cohort_records_its_gem_rule_under_the_same_id_and_cohort_list_names_the_earlier_rule(
         wh_vocab, tmp_path):
     # options_json did not say which GEM rule an icd10 cohort was built by, and `dxr cohort list` showed a cohort

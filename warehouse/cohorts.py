@@ -58,6 +58,9 @@ from warehouse.store import Warehouse, fetch_frame
 ICD10_GEM_RULE = "every_target"  # how `icd10` maps an ICD-9 code since 2026-12-06: to every target of its GEM rows
 # How `dxr cohort list` names the rule of an `icd10` cohort built before 2026-12-06.
 EARLIER_ICD10_RULE = "icd10_closest (earlier icd10)"
+# How the notes of such a cohort name its rule.
+EARLIER_ICD10_RULE_TEXT = ("the icd10 rule of before 2026-12-06, one ICD-10 code per GEM choice list (now --harmonize "
+                           "icd10_closest)")
 # The version of the rules that cut a cohort: which encounters are targets and where their cutoffs fall, what their
 # targets hold, and what their pre-target records hold (`pretarget_sql`, `encounter_starts_sql`, `_write_cohort`).
 # Bump it with every change of those rules: a cohort records the version it was cut by (`cohorts.cut_rule_version`,
@@ -639,12 +642,12 @@ def superseded_note(wh: Warehouse, cohort: dict) -> str | None:
         return None
     if built_by_earlier_icd10_rule(dataset, cohort):
         return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built from these files of dataset "
-                f"{cohort['dataset_id']} by the icd10 rule of before 2026-12-06, one ICD-10 code per GEM choice list "
-                "(now --harmonize icd10_closest), whereas icd10 now maps each ICD-9 code to every target of its GEM "
-                "rows")
+                f"{cohort['dataset_id']} by {EARLIER_ICD10_RULE_TEXT}, whereas icd10 now maps each ICD-9 code to "
+                "every target of its GEM rows")
     if built_under_size_fingerprint(wh, dataset, cohort):
         return (f"cohort {cohort['name']} ({cohort['cohort_id']}) was built when dataset {cohort['dataset_id']} had "
-                "a fingerprint of its files' sizes and row counts (before 2026-12-05); registered again on "
+                f"a fingerprint of its files' sizes and row counts (before 2026-12-05){earlier_rule_clause(cohort)}; "
+                "registered again on "
                 f"{dataset['registered_at']:%Y-%m-%d %H:%M} UTC with files of the same sizes and row counts, likely "
                 f"the same, it has a fingerprint of their contents ({dataset['fingerprint']}), which gives the "
                 "cohort's options another cohort id")
@@ -658,7 +661,8 @@ def built_under_size_fingerprint(wh: Warehouse, dataset: dict, cohort: dict) -> 
     fingerprint of sizes and row counts that its files registered now still have.
 
     Such a fingerprint (before 2026-12-05) gives way to a content one when the dataset is registered again, even with
-    the very same files; sizes and row counts alone cannot tell those from a correction of the same length.
+    the very same files; sizes and row counts alone cannot tell those from a correction of the same length. An `icd10`
+    cohort of those days was built by the earlier rule, under the id that names no rule (`built_by_earlier_icd10_rule`).
     """
     sizes = current_size_fingerprint(wh.meds_dir(cohort["dataset_id"]))
     # Null for a cohort built before the fingerprint was recorded; a build since records the size fingerprint too.
@@ -666,7 +670,13 @@ def built_under_size_fingerprint(wh: Warehouse, dataset: dict, cohort: dict) -> 
         return False
     legacy = dataset | {"fingerprint": sizes}
     options = CohortOptions(cohort["target_rule"], cohort["harmonization"], cohort["min_history"])
-    return cohort_id_for(legacy, options, json.loads(cohort["options_json"])["seed"]) == cohort["cohort_id"]
+    return (cohort_id_for(legacy, options, json.loads(cohort["options_json"])["seed"]) == cohort["cohort_id"]
+            or built_by_earlier_icd10_rule(legacy, cohort))
+
+
+def earlier_rule_clause(cohort: dict) -> str:
+    """The words a size-fingerprinted cohort's notes add for an `icd10` cohort built by the earlier rule, else ''."""
+    return f", and by {EARLIER_ICD10_RULE_TEXT}" if gem_rule_of(cohort) == EARLIER_ICD10_RULE else ""
 
 
 def built_by_cohort_build(wh: Warehouse, cohort: dict) -> bool:
