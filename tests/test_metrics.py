@@ -638,6 +638,22 @@ def test_repeated_runs_refuse_different_configurations(wh):
         evaluate_repeated(wh, ["r1", "r7"], systems=["s1"], ks=(2,), n_boot=0)
 
 
+def test_repeated_runs_recorded_before_and_after_forecasts_recorded_the_cut_rule_version_are_one_configuration(wh):
+    # Upgrade audit: a run forecast by a dxr of 2026-12-05 and one forecast by today's dxr of the same cohort, as it
+    # stood, with the same options: the mean was refused as "different configurations", since a forecast's config
+    # now records the cohort's cut_rule_version (null: cut before it was recorded), which the earlier run lacks.
+    write_rankings(wh, "r7", rankings={"s1": RANKINGS["s1"]}, status={})
+    started = datetime(2026, 1, 1)
+    earlier = forecast_config(COHORT, "s1", "held_out", 2, None, None)
+    record_run(wh, "r1", COHORT, "forecast:s1", earlier, "finished", started, started)
+    record_run(wh, "r7", COHORT, "forecast:s1", earlier | {"cut_rule_version": None}, "finished", started, started)
+    metrics = evaluate_repeated(wh, ["r1", "r7"], systems=["s1"], ks=(2,), n_boot=0, natural=False)
+    assert metrics["n_runs"].unique().to_list() == [2]
+    assert value(metrics, "s1", "precision_at_k", 2) == value(evaluate(wh, "r1", ks=(2,), n_boot=0,
+                                                                       natural=False).metrics, "s1",
+                                                              "precision_at_k", 2)
+
+
 # ---- invariants on random rankings and targets -----------------------------------------------------------
 
 @st.composite
