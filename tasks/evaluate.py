@@ -67,6 +67,7 @@ from prefect import task
 from scipy.stats import binom
 
 from dxr.errors import InputError, NotFoundError
+from tasks.forecast import LLM_RUN_KEYS
 from warehouse.cohorts import cut_by, registered_cohort, superseded_note
 from warehouse.locks import held
 from warehouse.meds import SPLITS
@@ -943,11 +944,17 @@ def producing_row(wh: Warehouse, run_id: str, system: str) -> dict:
     return (own if own.height else rows).row(0, named=True)
 
 
-def configuration_key(wh: Warehouse, run_id: str, system: str) -> str:
-    """The configuration a run of a system belongs to: cohort, kind and config minus CONFIG_IGNORED_KEYS."""
-    row = producing_row(wh, run_id, system)
-    config = {k: v for k, v in json.loads(row["config_json"]).items() if k not in CONFIG_IGNORED_KEYS}
-    return json.dumps({"cohort_id": row["cohort_id"], "kind": row["kind"], "config": config}, sort_keys=True)
+def configuration_keys(wh: Warehouse, run_ids: list[str], system: str) -> set[str]:
+    """The configurations the runs of a system belong to, one when they repeat one: cohort, kind and config minus
+    CONFIG_IGNORED_KEYS and minus the LLM settings that some run recorded before they were recorded, which it cannot
+    say (compared as `check_rerun` compares a rerun with its recorded run)."""
+    rows = [producing_row(wh, run_id, system) for run_id in run_ids]
+    configs = [json.loads(row["config_json"]) for row in rows]
+    unrecorded = {key for key in LLM_RUN_KEYS if any(key not in config for config in configs)}
+    left_out = set(CONFIG_IGNORED_KEYS) | unrecorded
+    return {json.dumps({"cohort_id": row["cohort_id"], "kind": row["kind"],
+                        "config": {k: v for k, v in config.items() if k not in left_out}}, sort_keys=True)
+            for row, config in zip(rows, configs)}
 
 
 # The run ids of means over repeated runs that are named after their configuration (`configuration_id`).
@@ -1033,7 +1040,7 @@ def evaluate_repeated(wh: Warehouse, run_ids: list[str], systems: list[str] | No
     mean = mean_estimate([estimate(system_counts(_only(r, shared), all_ks), weights) for r in runs])
     frames = []
     for m, system in enumerate(shared):
-        keys = {configuration_key(wh, r.run_id, system) for r in runs}
+        keys = configuration_keys(wh, [r.run_id for r in runs], system)
         if len(keys) > 1:
             raise InputError(f"system {system!r} ran with different configurations in {run_ids}: "
                              + " vs ".join(sorted(keys)))

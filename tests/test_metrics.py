@@ -654,6 +654,29 @@ def test_repeated_runs_recorded_before_and_after_forecasts_recorded_the_cut_rule
                                                               "precision_at_k", 2)
 
 
+def test_repeated_llm_runs_are_compared_on_the_settings_every_run_recorded(wh):
+    # Upgrade audit: Direct runs of 2026-12-02 recorded none of the LLM settings, those before 9d90165 (2026-12-04)
+    # no llm_max_tokens_field. A mean of such a run with one of today's was refused as "different configurations",
+    # where a rerun into the run id (check_rerun) leaves a setting the recorded run cannot say out of the comparison.
+    for run_id in ("r2", "r7", "r8"):
+        write_rankings(wh, run_id, rankings={"s1": RANKINGS["s1"]}, status={})
+    started = datetime(2026, 1, 1)
+    options = forecast_config(COHORT, "s1", "held_out", 2, None, None)
+    today = {"llm_backend": "openai", "llm_model": "m", "llm_temperature": 0.0, "llm_max_tokens_field": "max_tokens"}
+    record_run(wh, "r1", COHORT, "forecast:s1", options, "finished", started, started)
+    record_run(wh, "r7", COHORT, "forecast:s1", options | today, "finished", started, started)
+    record_run(wh, "r8", COHORT, "forecast:s1", options | today | {"llm_temperature": 0.7}, "finished", started,
+               started)
+    before_9d90165 = {key: value for key, value in today.items() if key != "llm_max_tokens_field"}
+    record_run(wh, "r2", COHORT, "forecast:s1", options | before_9d90165, "finished", started, started)
+
+    assert evaluate_repeated(wh, ["r1", "r7"], systems=["s1"], ks=(2,), n_boot=0)["n_runs"].unique().to_list() == [2]
+    assert evaluate_repeated(wh, ["r2", "r7"], systems=["s1"], ks=(2,), n_boot=0)["n_runs"].unique().to_list() == [2]
+    # A setting both runs recorded is compared as before.
+    with pytest.raises(InputError, match="different configurations"):
+        evaluate_repeated(wh, ["r2", "r8"], systems=["s1"], ks=(2,), n_boot=0)
+
+
 # ---- invariants on random rankings and targets -----------------------------------------------------------
 
 @st.composite
