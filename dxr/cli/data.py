@@ -33,9 +33,9 @@ def echo_refresh_note(wh, dataset_id: str, seed_in_force: int) -> None:
         named = f"cohort {cohort['name']} ({cohort['cohort_id']})"
         if built_under_size_fingerprint(wh, dataset, cohort):
             built = (f"{named} was built under dataset {dataset_id}'s fingerprint of before 2026-12-05, of sizes and "
-                     f"row counts, which these files match (likely the same files){earlier_rule_clause(cohort)}; their "
-                     "fingerprint is now of their contents. The cohort keeps its tables, and its runs and models stay on "
-                     "its id")
+                     f"row counts, which these files match (likely the same files){earlier_rule_clause(cohort)}; "
+                     "their fingerprint is now of their contents. The cohort keeps its tables, and its runs and models "
+                     "stay on its id")
         else:
             built = (f"{named} was built from earlier files of dataset {dataset_id}; it keeps them, and its runs their "
                      "scores")
