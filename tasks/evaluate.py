@@ -80,10 +80,11 @@ DEFAULT_KS = (10, 20)
 # (name, lowest count, highest count or None) of the train-split encounters coding a target code.
 FREQUENCY_BUCKETS = (("freq_0", 0, 0), ("freq_1_9", 1, 9), ("freq_10_99", 10, 99), ("freq_100plus", 100, None))
 SUBSETS = ("all", "icd9", "icd10", "new_onset", "repeated") + tuple(b[0] for b in FREQUENCY_BUCKETS)
-# Keys that differ between repeats of one configuration without changing what it is. `cut_rule_version` records the
-# build of the cohort a forecast read, not an option (`check_rerun` ignores it too), and is absent in forecasts
-# recorded before 2026-12-06: a run's evaluation notes a rebuild since its forecast (`cohort_rebuilt_note`).
-CONFIG_IGNORED_KEYS = ("run_id", "seed", "replicate", "cut_rule_version")
+# Keys that differ between repeats of one configuration without changing what it is: the seeds are what repeats of a
+# sampled system vary (a Direct Forecast at temperature > 0 repeated under llm.seed 1, 2, 3). `cut_rule_version`
+# records the build of the cohort a forecast read, not an option (`check_rerun` ignores it too), and is absent in
+# forecasts recorded before 2026-12-06: a run's evaluation notes a rebuild since its forecast (`cohort_rebuilt_note`).
+CONFIG_IGNORED_KEYS = ("run_id", "seed", "llm_seed", "replicate", "cut_rule_version")
 # The version of the rules that compute an evaluation from a run's lists: its metrics and their subsets, its paired
 # comparisons and its headroom. Bump it with every change that gives a stored evaluation other values: an evaluation
 # records the version that computed it (`evaluation_rule_version` in its `runs` config, absent before it was

@@ -677,6 +677,19 @@ def test_repeated_llm_runs_are_compared_on_the_settings_every_run_recorded(wh):
         evaluate_repeated(wh, ["r2", "r8"], systems=["s1"], ks=(2,), n_boot=0)
 
 
+def test_repeats_of_an_llm_system_under_other_seeds_are_one_configuration(wh):
+    # Repeats of a sampled Direct Forecast vary llm.seed, as repeats of the others vary `seed`: their mean was refused
+    # as "different configurations".
+    for run_id in ("r2", "r7"):
+        write_rankings(wh, run_id, rankings={"s1": RANKINGS["s1"]}, status={})
+    started = datetime(2026, 1, 1)
+    options = forecast_config(COHORT, "s1", "held_out", 2, None, None) | {"llm_model": "m", "llm_temperature": 0.7}
+    for run_id, llm_seed in (("r1", 1), ("r2", 2), ("r7", None)):
+        record_run(wh, run_id, COHORT, "forecast:s1", options | {"llm_seed": llm_seed}, "finished", started, started)
+    metrics = evaluate_repeated(wh, ["r1", "r2", "r7"], systems=["s1"], ks=(2,), n_boot=0)
+    assert metrics["n_runs"].unique().to_list() == [3]
+
+
 # ---- invariants on random rankings and targets -----------------------------------------------------------
 
 @st.composite
