@@ -185,6 +185,28 @@ def parquet_writes_failing_from(monkeypatch, number: int, error: BaseException) 
     monkeypatch.setattr(store.pq, "write_table", write_table)
 
 
+def cut_cohort_builds_short(monkeypatch, error: BaseException) -> None:
+    """Cohort builds raise `error` once their trajectories and records are written, before their targets (as they
+    look up the code titles): a kill or a full disk partway through a build. `monkeypatch.undo()` ends it."""
+    import warehouse.cohorts as cohorts
+
+    def cut_short(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(cohorts, "_code_titles", cut_short)
+
+
+def cli(data_dir: Path, *args) -> tuple[int, str, str]:
+    """`dxr --data-dir DATA_DIR ARGS` run in this process: its exit code, standard output and standard error."""
+    from click.testing import CliRunner
+
+    from dxr.cli import main
+
+    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), *map(str, args)], prog_name="dxr",
+                                catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
 def build_index(chunks: pl.DataFrame, out_dir: Path, embedder=None, **options) -> dict:
     """Write an index directory for `chunks` in one step, as `dxr corpus build` does under `building_index`;
     `embedder=None` builds a lexical-only index. `options` are those of the build `building_index` yields."""

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from click.testing import CliRunner
 
-from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
-from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
-                            lock_files, plant, tiny_events, warehouse_copy, with_vocabularies, write_tiny_meds)
+from tests.conftest import (cli, cut_cohort_builds_short, empty_partition_dirs, every_table, fail_a_forecast,
+                            keep_lock_files, kill_a_delete, lock_files, plant, tiny_events, warehouse_copy,
+                            with_vocabularies, write_tiny_meds)
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
@@ -27,12 +26,6 @@ from warehouse.locks import held
 from warehouse.runs import record_run
 from warehouse.schemas import RUN_TABLES, TABLES
 from warehouse.store import COMMIT_DIR, COMMITTED, Warehouse
-
-
-def cli(wh, *args) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), *map(str, args)], prog_name="dxr",
-                                catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def belongs(frame: pl.DataFrame, cohort_id: str, run_ids: list[str]) -> pl.Expr:
@@ -110,7 +103,7 @@ def test_the_mlflow_removal_command_of_a_data_dir_with_a_quote_in_its_path_runs_
     # The note put the store's URI between single quotes inside a double-quoted shell argument: `/srv/o'brien` broke it.
     template, old, _ = two_cohorts_built
     wh = warehouse_copy(template, tmp_path / "o'brien \"wh\" $HOME é")
-    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
     assert code == 0, err
     assert removal_arguments(out) == {"MlflowClient": f"sqlite:///{wh.root / 'mlflow' / 'mlflow.db'}",
                                       "delete_registered_model": f"ehr_prior-{old}"}
@@ -125,7 +118,7 @@ def test_with_runs_removes_every_row_of_the_cohort_and_its_runs_and_leaves_the_o
         assert before[table].filter(belongs(before[table], old, deleted_runs)).height, table
         assert before[table].filter(belongs(before[table], kept, ["r-kept"])).height, table
 
-    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
     assert code == 0, err
     assert out.startswith(f"cohort old ({old}), built ")
     assert ": removed 1 run(s) (r-old) and these rows:" in out.splitlines()[0]
@@ -156,7 +149,7 @@ def test_with_runs_removes_a_mean_over_its_runs_with_the_means_paired_comparison
     for table in ("metrics", "paired_comparisons"):
         assert before[table].filter(pl.col("run_id") == "mean-old").height, table
 
-    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
     assert code == 0, err
     assert ": removed 3 run(s) (mean-old, r-old, r-old2) and these rows:" in out.splitlines()[0]
     after = every_table(wh)
@@ -169,12 +162,12 @@ def test_a_cohort_with_runs_is_refused_without_with_runs_and_the_dry_run_changes
     files = sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts)
     before = every_table(wh)
 
-    code, out, err = cli(wh, "cohort", "delete", "old")
+    code, out, err = cli(wh.root, "cohort", "delete", "old")
     assert code == 2 and not out
     assert err == (f"Error: cohort old ({old}) has 1 run(s) recorded on it (r-old): pass --with-runs to delete them, "
                    "and everything they wrote, with it (usage: dxr cohort delete -h)\n")
 
-    code, out, err = cli(wh, "cohort", "delete", "old", "--with-runs", "--dry-run")
+    code, out, err = cli(wh.root, "cohort", "delete", "old", "--with-runs", "--dry-run")
     assert code == 0, err
     assert ": would remove 1 run(s) (r-old) and these rows:" in out.splitlines()[0]
     counted = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()[3:] if line.split()[-1].isdigit()}
@@ -190,7 +183,7 @@ def test_a_cohort_without_runs_goes_with_its_own_rows_only(wh_vocab, tiny_meds):
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-1")["cohort_id"]
     vocabulary = wh_vocab.read("icd_codes")
-    code, out, err = cli(wh_vocab, "cohort", "delete", "default")
+    code, out, err = cli(wh_vocab.root, "cohort", "delete", "default")
     assert code == 0, err
     assert ": removed no run and these rows:" in out.splitlines()[0]
     assert "note:" not in out  # no prior was trained on it
@@ -198,7 +191,7 @@ def test_a_cohort_without_runs_goes_with_its_own_rows_only(wh_vocab, tiny_meds):
         assert wh_vocab.read(table).is_empty(), table
     assert wh_vocab.read("runs")["kind"].to_list() == ["ingest:meds"]  # its build's record went with it
     assert wh_vocab.read("datasets").height == 1 and wh_vocab.read("icd_codes").equals(vocabulary)
-    code, _, err = cli(wh_vocab, "cohort", "delete", cohort_id)
+    code, _, err = cli(wh_vocab.root, "cohort", "delete", cohort_id)
     assert code == 1
     assert err == (f"Error: cohort {cohort_id!r} not found in the warehouse at {wh_vocab.root}; built cohorts: none "
                    "(list them with `dxr cohort list`, or check --data-dir)\n")
@@ -224,26 +217,21 @@ def test_a_half_built_cohort_goes_by_its_name_or_id_with_its_builds_and_on_reque
                                                                                            monkeypatch):
     # A rebuild of the only cohort of its name, cut short: the delete refused it ("is not built: ... build it again")
     # until the rebuild the user wanted gone had been run in full.
-    import warehouse.cohorts as cohorts
-
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     cohort_id = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-1")["cohort_id"]
     forecast_flow(str(wh_vocab.root), "default", "repeat_history", split="all", run_id="r1")
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed between the records and the targets")
-
-    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed between the records and the targets"))
     with pytest.raises(KeyboardInterrupt):
         build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="build-2")
     monkeypatch.undo()
     before = every_table(wh_vocab)
     assert before["trajectories"].height and before["cohorts"].is_empty()
 
-    code, out, err = cli(wh_vocab, "cohort", "delete", "default")
+    code, out, err = cli(wh_vocab.root, "cohort", "delete", "default")
     assert (code, out) == (2, "")
     assert err.startswith(f"Error: cohort default ({cohort_id}) has 1 run(s) recorded on it (r1): pass --with-runs")
-    code, out, err = cli(wh_vocab, "cohort", "delete", "default", "--with-runs", "--dry-run")
+    code, out, err = cli(wh_vocab.root, "cohort", "delete", "default", "--with-runs", "--dry-run")
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == (f"cohort default ({cohort_id}), not built (its build in run build-2 failed): "
                                    "would remove 1 run(s) (r1) and these rows:")
@@ -258,7 +246,7 @@ def test_a_half_built_cohort_goes_by_its_name_or_id_with_its_builds_and_on_reque
     with pytest.raises(KeyboardInterrupt):
         delete_cohort(wh_vocab, cohort_id, with_runs=True)
     monkeypatch.undo()
-    code, out, err = cli(wh_vocab, "cohort", "delete", "default", "--with-runs")
+    code, out, err = cli(wh_vocab.root, "cohort", "delete", "default", "--with-runs")
     assert (code, err) == (0, "")
     assert out == (f"cohort default ({cohort_id}), not built (a build of it did not finish): the earlier delete, "
                    "interrupted, is now complete\n")
@@ -267,7 +255,7 @@ def test_a_half_built_cohort_goes_by_its_name_or_id_with_its_builds_and_on_reque
         assert after[table].equals(rows.filter(~belongs(rows, cohort_id, ["r1"]))), table
     assert wh_vocab.read("runs")["kind"].to_list() == ["ingest:meds"]
     assert lock_files(wh_vocab) == [] and empty_partition_dirs(wh_vocab) == []
-    code, _, err = cli(wh_vocab, "forecast", "--cohort", "default", "--system", "repeat_history")
+    code, _, err = cli(wh_vocab.root, "forecast", "--cohort", "default", "--system", "repeat_history")
     assert code == 1 and err.splitlines()[-1].startswith("Error: cohort 'default' not found in the warehouse at ")
 
 
@@ -295,7 +283,7 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
 
     if stop_after is None:  # whole: every row as it was, and the delete simply runs again
         assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
-        code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+        code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
         assert (code, err) == (0, "")
         assert out.startswith(f"cohort {described}: removed 1 run(s) (r-old) and these rows:\n")
     else:
@@ -303,7 +291,7 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
         assert wh.partitions_dir("trajectories", cohort_id=old).exists()  # on disk until the commit is finished
         # The rerun (by the name only this cohort had, or by its id) finishes what was left and succeeds, as the
         # delete did; it names the model the killed delete could not print.
-        code, out, err = cli(wh, "cohort", "delete", "old" if stop_after == 0 else old, "--with-runs")
+        code, out, err = cli(wh.root, "cohort", "delete", "old" if stop_after == 0 else old, "--with-runs")
         assert (code, err) == (0, "")
         assert out.splitlines()[0] == f"cohort {described}: the earlier delete, interrupted, is now complete"
         assert [line.split(" stays in ")[0] for line in out.splitlines()[1:]] == [
@@ -315,7 +303,7 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
     assert not list((wh.forecast_dir / COMMIT_DIR).glob(f"*{COMMITTED}"))
     assert not [p for p in Path(wh.root).rglob(f"*{old}*") if ".locks" not in p.parts]
     assert lock_files(wh) == [] and empty_partition_dirs(wh) == []  # the killed delete's lock files went too
-    code, _, err = cli(wh, "cohort", "delete", old, "--with-runs")  # the delete completed: nothing left to finish
+    code, _, err = cli(wh.root, "cohort", "delete", old, "--with-runs")  # the delete completed: nothing left to finish
     assert code == 1 and err.startswith(f"Error: cohort {old!r} not found in the warehouse at {wh.root}; ")
 
 
@@ -327,7 +315,7 @@ def test_a_deleted_cohort_leaves_no_lock_file_that_a_killed_forecast_of_it_left(
     monkeypatch.undo()
     assert len(lock_files(wh)) == 5  # the cohort's, the run's, its registration's, the system's and the record's
 
-    code, _, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    code, _, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
     assert (code, err) == (0, "")
     assert lock_files(wh) == [] and empty_partition_dirs(wh) == []
 
@@ -353,9 +341,9 @@ def test_the_mlflow_runs_that_killed_trainings_of_the_cohort_left_running_end_as
                    for run_id, system in (("t-killed", "gru"), ("t-dead", "dense_prior"), ("t-other", "gru"),
                                           ("r-old-train", "ehr_prior"))}  # the last: a training recorded finished
 
-    assert cli(wh, "cohort", "delete", old, "--with-runs", "--dry-run")[0] == 0
+    assert cli(wh.root, "cohort", "delete", old, "--with-runs", "--dry-run")[0] == 0
     assert {client.get_run(run).info.status for run in mlflow_runs.values()} == {"RUNNING"}
-    code, out, err = cli(wh, "cohort", "delete", old, "--with-runs")
+    code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
 
     assert code == 0, err
     ended = sorted(mlflow_runs[run_id] for run_id in ("t-killed", "t-dead"))

@@ -9,8 +9,9 @@ import polars as pl
 import pytest
 
 from dxr.errors import InputError
-from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, OUT_OF_MEMORY, FailsAt, abandoned_scratch, disk_full_errors, dx,
-                            t, tiny_events, write_described_meds, write_tiny_meds)
+from tests.conftest import (DESCRIPTIONS, FUROSEMIDE, OUT_OF_MEMORY, FailsAt, abandoned_scratch, cli,
+                            cut_cohort_builds_short, disk_full_errors, dx, t, tiny_events, write_described_meds,
+                            write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 
@@ -383,21 +384,15 @@ def test_a_build_on_a_terminal_draws_its_bar_and_logs_no_line(wh_vocab, tiny_med
 
 
 def test_killed_build_is_not_registered_and_rerun_is_identical(wh_vocab, tiny_meds, monkeypatch):
-    import warehouse.cohorts as cohorts
-
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     clean = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     expected = wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all())
-    original = cohorts._code_titles
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed mid-build")
-
-    monkeypatch.setattr(cohorts, "_code_titles", killed)  # after the records are rewritten, before the targets
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed mid-build"))
     with pytest.raises(KeyboardInterrupt):
         build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     assert wh_vocab.read("cohorts").is_empty()  # a half-built cohort is never registered
-    monkeypatch.setattr(cohorts, "_code_titles", original)
+    monkeypatch.undo()
     build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)
     assert wh_vocab.read("pretarget_events", cohort_id=clean["cohort_id"]).sort(pl.all()).equals(expected)
     assert wh_vocab.read("cohorts").height == 1
@@ -586,16 +581,6 @@ def test_a_build_without_trajectories_names_the_cause(wh_vocab, tmp_path, change
     assert wh_vocab.read("cohorts").is_empty()
 
 
-def cli(data_dir, *args) -> tuple[int, str, str]:
-    from click.testing import CliRunner
-
-    from dxr.cli import main
-
-    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), *map(str, args)], prog_name="dxr",
-                                catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
-
-
 def test_a_name_whose_newest_build_was_cut_short_is_refused_though_an_older_cohort_of_it_is_built(
         wh_vocab, tiny_meds, monkeypatch):
     # "default" built natively (A), then built by categories (B, another id) and cut short: `--cohort default`
@@ -607,10 +592,7 @@ def test_a_name_whose_newest_build_was_cut_short_is_refused_though_an_older_coho
     ingest_meds(wh_vocab, tiny_meds, "tiny")
     native = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
 
-    def cut_short(*args, **kwargs):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(cohorts, "_code_titles", cut_short)  # after the records are written, before the targets
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
     with pytest.raises(OSError):
         build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7, run_id="b1")
     monkeypatch.undo()
@@ -662,7 +644,6 @@ def test_a_build_refused_for_its_input_leaves_its_cohort_registered(tiny_cohort,
 def test_the_realism_bands_of_a_cohort_whose_rebuild_was_cut_short_are_refused_with_its_build_command(
         wh_vocab, monkeypatch):
     # `realism_table` read a half-rewritten cohort's tables as no other reader does: bands of records without targets.
-    import warehouse.cohorts as cohorts
     from dxr.errors import NotFoundError
     from flows.forecast import forecast_flow
     from tasks.evaluate import evaluate_run
@@ -678,10 +659,7 @@ def test_the_realism_bands_of_a_cohort_whose_rebuild_was_cut_short_are_refused_w
     evaluate_run(wh, "r1", ks=(20,), n_boot=0)
     assert realism_table(wh, row["cohort_id"], "r1")["band"].to_list() == list(REALISM_BANDS)
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed between the records and the targets")
-
-    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed between the records and the targets"))
     with pytest.raises(KeyboardInterrupt):
         build_cohort(wh, "synthetic", "default", CohortOptions(), seed=7, run_id="rebuild")
     monkeypatch.undo()

@@ -20,18 +20,13 @@ from click.testing import CliRunner
 from dxr.cli import main
 from dxr.errors import InputError, NotFoundError
 from tasks.evaluate import in_sample_note
-from tests.conftest import dx, tiny_events, write_tiny_meds
+from tests.conftest import cli, cut_cohort_builds_short, dx, tiny_events, write_tiny_meds
 from warehouse.cohorts import CohortOptions, build_cohort, cohort_id_for
 from warehouse.datasets import get_dataset, ingest_meds, ingest_mimic
 from warehouse.meds import _size_fingerprint, validate_meds_dir
 from warehouse.store import Warehouse
 
 MIMIC4 = Path(__file__).resolve().parent / "fixtures" / "mimic4"
-
-
-def cli(data_dir: Path, *args) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, ["--data-dir", str(data_dir), *map(str, args)], catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def write_uncompressed(root: Path, events: pl.DataFrame) -> Path:
@@ -523,7 +518,6 @@ def test_a_refreshing_backfill_whose_rebuild_was_cut_short_builds_it_at_the_next
     # again with `dxr cohort build ...`" until someone ran the command by hand.
     import logging
 
-    import warehouse.cohorts as cohorts
     from flows.backfill import cohort_backfill_flow
     from tests.conftest import LoggedMessages
     from warehouse.cohorts import CUT_RULE_VERSION
@@ -535,10 +529,7 @@ def test_a_refreshing_backfill_whose_rebuild_was_cut_short_builds_it_at_the_next
     wh_vocab.read("cohorts", cohort_id=cohort_id).drop("cut_rule_version").write_parquet(
         wh_vocab.partition_path("cohorts", cohort_id=cohort_id))
 
-    def cut_short(*args, **kwargs):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(cohorts, "_code_titles", cut_short)  # after the trajectories and records, before the targets
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
     with pytest.raises(OSError, match="no space left on device"):
         cohort_backfill_flow(data_dir, "nightly", ("repeat_history",), split="all", run_id="night1",
                              name="hosp-cut-short", refresh=True)
@@ -575,16 +566,12 @@ def test_a_refreshing_backfill_finishes_the_newest_build_of_its_name_cut_short_n
         wh_vocab, tmp_path, monkeypatch):
     # "nightly" built natively, then by categories (another id) and cut short: the name means the category cohort
     # (readers refuse it until it is built), so the refresh builds that one, not the native one still registered.
-    import warehouse.cohorts as cohorts
     from flows.backfill import cohort_backfill_flow
 
     ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "v1"), "hosp")
     native = build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(), seed=7)["cohort_id"]
 
-    def cut_short(*args, **kwargs):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(cohorts, "_code_titles", cut_short)
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
     with pytest.raises(OSError):
         build_cohort(wh_vocab, "hosp", "nightly", CohortOptions(harmonize="category"), seed=7, run_id="by-hand")
     monkeypatch.undo()
@@ -734,17 +721,12 @@ def test_a_cohort_whose_rebuild_was_cut_short_is_refused_with_its_build_command_
     # A rebuild unregisters its cohort, rewrites its tables and registers it last. Killed after the trajectories
     # and records but before the targets, it left `dxr evaluate --run r1` (and the report's K-sweep) telling the user
     # that empty targets are excluded at build time, and `dxr forecast --cohort nightly` that no cohort was ever built.
-    import warehouse.cohorts as cohorts
-
     data_dir = wh_vocab.root
     build, cohort_id = cohort_with_a_run(wh_vocab, tmp_path, "--name", "nightly")
     assert cli(data_dir, "evaluate", "--run", "r1", "--bootstrap", "0")[0] == 0
     scored = wh_vocab.read("metrics", run_id="r1").sort("system", "subset", "k", "metric")
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt("killed between the records and the targets")
-
-    monkeypatch.setattr(cohorts, "_code_titles", killed)
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed between the records and the targets"))
     assert cli(data_dir, *build)[0] == 1
     monkeypatch.undo()
     assert wh_vocab.has_rows("trajectories", cohort_id=cohort_id) and not wh_vocab.has_rows("targets",

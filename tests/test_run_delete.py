@@ -9,13 +9,11 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from click.testing import CliRunner
 
-from dxr.cli import main
 from dxr.errors import InputError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
-from tests.conftest import (empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
+from tests.conftest import (cli, empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
                             lock_files, plant, warehouse_copy, with_vocabularies, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
@@ -26,12 +24,6 @@ from warehouse.schemas import RUN_TABLES, TABLES, utc_now
 from warehouse.store import COMMIT_DIR, COMMITTED, Warehouse
 
 SYSTEMS = ("global_frequency", "repeat_history")
-
-
-def cli(wh, *args) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, ["--data-dir", str(wh.root), *map(str, args)], prog_name="dxr",
-                                catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def without_run(tables: dict[str, pl.DataFrame], run_id: str) -> dict[str, pl.DataFrame]:
@@ -85,7 +77,7 @@ def test_a_run_goes_with_its_evaluation_and_report_and_leaves_its_cohort_and_the
     for table in RUN_TABLES:  # every table partitioned by run holds rows of both runs
         assert {"r1", "r2"} <= set(before[table]["run_id"]), table
 
-    code, out, err = cli(wh, "run", "delete", "r1")
+    code, out, err = cli(wh.root, "run", "delete", "r1")
     assert (code, err) == (0, "")
     removed = {table: rows.filter(pl.col("run_id") == "r1").height for table, rows in before.items()
                if table in RUN_TABLES}
@@ -116,7 +108,7 @@ def test_a_run_goes_with_its_evaluation_and_report_and_leaves_its_cohort_and_the
 def test_the_dry_run_changes_nothing(two_runs):
     wh, cohort_id = two_runs
     before, on_disk = every_table(wh), files(wh)
-    code, out, err = cli(wh, "run", "delete", "r2", "--dry-run")
+    code, out, err = cli(wh.root, "run", "delete", "r2", "--dry-run")
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == ("run r2 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort "
                                    f"default ({cohort_id}): would remove these rows:")
@@ -134,14 +126,14 @@ def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_run
     for table in ("metrics", "paired_comparisons"):  # the mean's rows, which its delete removes
         assert before[table].filter(pl.col("run_id") == "mean-12").height, table
 
-    code, out, err = cli(wh, "run", "delete", "r1")
+    code, out, err = cli(wh.root, "run", "delete", "r1")
     assert (code, out) == (2, "")
     assert err == ("Error: run 'r1' is averaged by the mean(s) over repeated runs mean-12: delete each of them first "
                    "(`dxr run delete MEAN_ID`, which removes the mean's own rows only), then the run "
                    "(usage: dxr run delete -h)\n")
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
 
-    code, out, err = cli(wh, "run", "delete", "mean-12")
+    code, out, err = cli(wh.root, "run", "delete", "mean-12")
     assert (code, err) == (0, "")
     assert out.splitlines()[0].startswith("run mean-12 (evaluate) of cohort default (")
     after = every_table(wh)
@@ -149,7 +141,7 @@ def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_run
         assert after[table].equals(rows), table
     assert after["metrics"].filter(pl.col("run_id") == "r1").height  # the averaged runs keep their own evaluations
 
-    code, _, err = cli(wh, "run", "delete", "r1")
+    code, _, err = cli(wh.root, "run", "delete", "r1")
     assert (code, err) == (0, "")
     assert set(wh.read("runs")["run_id"]) >= {"r2"} and not wh.has_rows("runs", run_id="r1")
 
@@ -161,7 +153,7 @@ def test_a_cohorts_build_and_a_datasets_ingest_are_not_deleted_as_runs(two_runs)
     records = wh.read("runs").filter(~pl.col("kind").str.starts_with("forecast:") & (pl.col("kind") != "evaluate"))
     assert sorted(records["kind"]) == ["cohort", "ingest:meds"]
     for run_id, kind in records.select("run_id", "kind").iter_rows():
-        code, out, err = cli(wh, "run", "delete", run_id)
+        code, out, err = cli(wh.root, "run", "delete", run_id)
         assert (code, out) == (2, ""), err
         assert err.startswith(f"Error: run {run_id!r} is a {kind} run, not a forecast or an evaluation")
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
@@ -173,7 +165,7 @@ def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_co
     wh, cohort_id = two_runs
     record_run(wh, "r1", cohort_id, "cohort", {}, "finished", utc_now())
     before = every_table(wh)
-    code, out, err = cli(wh, "run", "delete", "r1")
+    code, out, err = cli(wh.root, "run", "delete", "r1")
     assert (code, out) == (2, "")
     assert err == ("Error: run 'r1' holds both results (evaluate, forecast:global_frequency, forecast:repeat_history) "
                    "and the record of what a command made (cohort), as a run id could before dxr refused that: "
@@ -181,7 +173,7 @@ def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_co
                    f"with its cohort default, every run on it included: `dxr cohort delete {cohort_id} --with-runs` "
                    "(--dry-run first shows what goes) (usage: dxr run delete -h)\n")
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
-    code, out, err = cli(wh, "cohort", "delete", cohort_id, "--with-runs")  # the way out it names
+    code, out, err = cli(wh.root, "cohort", "delete", cohort_id, "--with-runs")  # the way out it names
     assert (code, err) == (0, ""), err
     assert not wh.has_rows("runs", run_id="r1") and not wh.has_rows("rankings", run_id="r1")
 
@@ -189,7 +181,7 @@ def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_co
 def test_an_unknown_run_is_not_found(two_runs):
     wh, _ = two_runs
     before = every_table(wh)
-    code, out, err = cli(wh, "run", "delete", "r3")
+    code, out, err = cli(wh.root, "run", "delete", "r3")
     assert (code, out) == (1, "")
     assert err == f"Error: no run 'r3' in the warehouse at {wh.root}: list the runs with dxr run list\n"
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
@@ -209,14 +201,14 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
 
     if stop_after is None:  # whole: every row as it was, and the delete simply runs again
         assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
-        code, out, err = cli(wh, "run", "delete", "r1")
+        code, out, err = cli(wh.root, "run", "delete", "r1")
         assert (code, err) == (0, "")
         assert out.startswith("run r1 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort ")
     else:
         assert wh.partitions_dir("runs", run_id="r1").exists() == (stop_after == 0)
         assert wh.partitions_dir("rankings", run_id="r1").exists()  # on disk until the commit is finished
         # The rerun finishes what was left and succeeds, as the delete did.
-        code, out, err = cli(wh, "run", "delete", "r1")
+        code, out, err = cli(wh.root, "run", "delete", "r1")
         assert (code, err) == (0, "")
         assert out == ("run r1 (evaluate, forecast:global_frequency, forecast:repeat_history): the earlier delete, "
                        "interrupted, is now complete\n")
@@ -232,7 +224,7 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
     assert set(lock_files(wh)) <= {lock_file(wh, f"cohort:{cohort_id}").name}
     evaluate_run(wh, "r2", ks=(10,), n_boot=0, natural=False)
     assert lock_files(wh) == []
-    code, _, err = cli(wh, "run", "delete", "r1")  # the delete completed: nothing left to finish
+    code, _, err = cli(wh.root, "run", "delete", "r1")  # the delete completed: nothing left to finish
     assert code == 1 and err.startswith("Error: no run 'r1' in the warehouse at ")
 
 
@@ -258,15 +250,15 @@ def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(tw
     wh, cohort_id = two_runs
     build = wh.read("runs").filter(pl.col("kind") == "cohort")["run_id"][0]
     before = every_table(wh)
-    code, out, err = cli(wh, "cohort", "build", "--dataset", "tiny", "--name", "default", "--run-id", "r1")
+    code, out, err = cli(wh.root, "cohort", "build", "--dataset", "tiny", "--name", "default", "--run-id", "r1")
     assert (code, out) == (1, "")
     assert err == ("Error: run id 'r1' already holds results (evaluate, forecast:global_frequency, "
                    "forecast:repeat_history), and a cohort run is a record: give it a run id of its own (or none, to "
                    "have one generated); `dxr run delete` deletes results only, so it could not delete a run id that "
                    "holds both\n")
-    code, out, err = cli(wh, "prior", "train", "--cohort", cohort_id, "--run-id", "r1")
+    code, out, err = cli(wh.root, "prior", "train", "--cohort", cohort_id, "--run-id", "r1")
     assert (code, out) == (1, "") and err.startswith("Error: run id 'r1' already holds results ("), err
-    code, out, err = cli(wh, "forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all",
+    code, out, err = cli(wh.root, "forecast", "--cohort", cohort_id, "--system", "repeat_history", "--split", "all",
                          "--run-id", build)
     assert (code, out) == (1, "")
     assert err.startswith(f"Error: run id '{build}' already holds a record of what a command made (cohort), and a "
@@ -275,7 +267,7 @@ def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(tw
         with registered_run(wh, "train:ehr_prior", {}, run_id="r2", cohort_id=cohort_id):
             pass
     assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
-    code, _, err = cli(wh, "run", "delete", "r1")
+    code, _, err = cli(wh.root, "run", "delete", "r1")
     assert code == 0, err
 
 
@@ -308,7 +300,7 @@ def test_a_failed_run_of_another_cohort_deleted_frees_its_id(two_runs, monkeypat
     fail_a_forecast(monkeypatch, wh, cohort_id, "repeat_history", "r9")
     with pytest.raises(InputError, match=r"or delete the run first \(`dxr run delete r9`\)$"):
         forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
-    assert cli(wh, "run", "delete", "r9")[0] == 0
+    assert cli(wh.root, "run", "delete", "r9")[0] == 0
     forecast_flow(str(wh.root), other, "repeat_history", split="all", run_id="r9")
     assert wh.read("runs", run_id="r9").select("kind", "cohort_id", "status").rows() == [
         ("forecast:repeat_history", other, "finished")]
@@ -324,7 +316,7 @@ def test_a_deleted_run_leaves_no_lock_file_that_its_killed_forecast_left(two_run
         f"cohort:{cohort_id}", "run:r9", "run-register:r9", "run-system:r9|repeat_history",
         "record:r9|forecast:repeat_history"))
 
-    code, _, err = cli(wh, "run", "delete", "r9")
+    code, _, err = cli(wh.root, "run", "delete", "r9")
     assert (code, err) == (0, "")
     assert lock_files(wh) == [] and empty_partition_dirs(wh) == []
 
@@ -333,7 +325,7 @@ def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs)
     wh, cohort_id = two_runs
     registry = wh.read("runs").sort(["started_at", "run_id", "kind"], descending=[True, False, False])
 
-    code, out, err = cli(wh, "run", "list", "--format", "json")
+    code, out, err = cli(wh.root, "run", "list", "--format", "json")
     assert (code, err) == (0, "")
     listed = [json.loads(line) for line in out.splitlines()]
     assert [(r["run_id"], r["kind"], r["status"]) for r in listed] == registry.select("run_id", "kind", "status").rows()
@@ -342,7 +334,7 @@ def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs)
     assert {(r["kind"], r["cohort"], r["cohort_id"]) for r in listed if not r["kind"].startswith(("forecast", "ev"))} \
         == {("ingest:meds", None, None), ("cohort", "default", cohort_id)}
 
-    code, out, err = cli(wh, "run", "list", "--cohort", "default", "--kind", "forecast", "--limit", "3",
+    code, out, err = cli(wh.root, "run", "list", "--cohort", "default", "--kind", "forecast", "--limit", "3",
                          "--format", "csv")
     assert (code, err) == (0, "")
     forecasts = registry.filter(pl.col("kind").str.starts_with("forecast:")).head(3)
@@ -350,13 +342,13 @@ def test_run_list_shows_the_runs_newest_first_by_cohort_kind_and_limit(two_runs)
     assert [line.split(",")[:5] for line in out.splitlines()[1:]] == [
         [run_id, kind, "finished", "default", cohort_id] for run_id, kind in forecasts.select("run_id", "kind").rows()]
 
-    code, out, err = cli(wh, "run", "list", "--kind", "evaluate", "--cohort", cohort_id)
+    code, out, err = cli(wh.root, "run", "list", "--kind", "evaluate", "--cohort", cohort_id)
     assert (code, err) == (0, "")
     assert [line.split()[:5] for line in out.splitlines()[2:-1]] == [
         ["r2", "evaluate", "finished", "default", cohort_id], ["r1", "evaluate", "finished", "default", cohort_id]]
     assert out.splitlines()[-1] == "(2 rows)"
 
-    code, out, err = cli(wh, "run", "list", "--cohort", "nightly")
+    code, out, err = cli(wh.root, "run", "list", "--cohort", "nightly")
     assert (code, out) == (1, "")
     assert err == (f"Error: cohort 'nightly' not found in the warehouse at {wh.root}; built cohorts: default (list "
                    "them with `dxr cohort list`, or check --data-dir)\n")
