@@ -69,6 +69,19 @@ def as_reader(data_dir: Path, commands: list[list[str]]) -> list[tuple[int, str]
     return [tuple(result) for result in json.loads(done.stdout.splitlines()[-1])]
 
 
+def run_bound(script: str, data_dir: Path, *, read_only_dir: bool = False) -> subprocess.CompletedProcess:
+    """Run a Python `script` (given the data dir as its argument) in a process bound by file modes, with the data dir
+    made read-only meanwhile when `read_only_dir`."""
+    if read_only_dir:
+        read_only(data_dir)
+    try:
+        return subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(data_dir)], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    finally:
+        if read_only_dir:
+            writable(data_dir)
+
+
 def digests(root: Path) -> dict[str, str]:
     """Every file under `root` with its content's digest, and every directory."""
     return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
@@ -150,12 +163,7 @@ def test_a_reader_still_waits_for_a_writer_holding_the_lock_it_cannot_make(tmp_p
               "with held(Warehouse(sys.argv[1]), 'run:r1', shared=True, busy='run r1 is being evaluated'):\n"
               "    print('read')")
     with held(wh, "run:r1", shared=False, busy="an evaluation"):
-        read_only(wh.root)
-        try:
-            done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
-                                  text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
-        finally:
-            writable(wh.root)
+        done = run_bound(script, wh.root, read_only_dir=True)
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].endswith(
         "InputError: run r1 is being evaluated: retry when it has finished")
 
@@ -197,8 +205,7 @@ def test_a_writer_takes_a_lock_whose_file_another_account_left(tmp_path):
     script = ("import sys\nfrom warehouse.store import Warehouse\nfrom warehouse.locks import held\n"
               "with held(Warehouse(sys.argv[1]), 'run:r1', shared=False, busy='busy'):\n"
               "    print('held')")
-    done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    done = run_bound(script, wh.root)
     assert (done.returncode, done.stdout) == (0, "held\n"), done.stderr
 
 
@@ -222,12 +229,7 @@ def test_a_reader_on_nfs_takes_and_releases_the_lock_files_it_may_not_write(tmp_
                        "from warehouse.runs import runs_in_progress\nwh = Warehouse(sys.argv[1])\n"
                        "with held(wh, 'run:r1', shared=True, busy='run r1 is being evaluated'):\n"
                        "    print('read')\nprint(runs_in_progress(wh).height)")
-    read_only(wh.root)
-    try:
-        done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
-                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
-    finally:
-        writable(wh.root)
+    done = run_bound(script, wh.root, read_only_dir=True)
     assert (done.returncode, done.stdout) == (0, "read\n0\n"), done.stderr
     assert left.exists()  # left to a holder that may write it
 
@@ -245,8 +247,7 @@ def test_a_writer_on_nfs_is_refused_in_one_line_a_lock_whose_file_another_accoun
     script = ON_NFS + ("import sys\nfrom warehouse.store import Warehouse\nfrom warehouse.locks import held\n"
                        "with held(Warehouse(sys.argv[1]), 'run:r1', shared=False, busy='busy'):\n"
                        "    print('held')")
-    done = subprocess.run([*reader_prefix(), sys.executable, "-c", script, str(wh.root)], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    done = run_bound(script, wh.root)
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
         f"dxr.errors.InputError: {left} is not writable by this user (uid {os.getuid()}), and this file system (NFS) "
         "locks a file exclusively only where it is open for writing, so it cannot take the lock 'run:r1' that this "
