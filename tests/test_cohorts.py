@@ -423,7 +423,7 @@ def test_a_name_being_rebuilt_is_not_answered_by_an_older_cohort_of_that_name(wh
     build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7, run_id="rebuild")
     by_name, by_id = seen
     assert by_name.startswith("cohort 'default' is being built (run rebuild, started ")
-    assert by_name.endswith(f"retry when it has finished; 1 finished cohort(s) of the name remain, name one by its "
+    assert by_name.endswith(f"retry when it has finished; 1 finished cohort(s) of the name remain: name one by its "
                             f"id to use it ({native})")
     assert by_id == native  # an id names one cohort, whatever is being built
     assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category

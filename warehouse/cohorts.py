@@ -791,8 +791,7 @@ def get_cohort(wh: Warehouse, name_or_id: str, suggest_build: bool = False) -> d
     building = [row for row in running.iter_rows(named=True)
                 if json.loads(row["config_json"]).get("name") == name_or_id]
     if building:
-        older = (f"; {match.height} finished cohort(s) of the name remain, name one by its id to use it "
-                 f"({', '.join(sorted(match['cohort_id'].to_list()))})" if match.height else "")
+        older = remaining_cohorts(match["cohort_id"].to_list())
         raise NotFoundError(f"cohort {name_or_id!r} is being built (run {building[0]['run_id']}, started "
                             f"{building[0]['started_at']:%Y-%m-%d %H:%M:%S} UTC): retry when it has finished{older}")
     if unbuilt := unbuilt_cohort(wh, name_or_id):
@@ -830,13 +829,22 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
         return None
     cohort, how = unregistered
     command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
-    others = (wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].sort().to_list()
+    others = (wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].to_list()
               if name_or_id == cohort["name"] else [])
-    remain = (f"; {len(others)} finished cohort(s) of the name remain: name one by its id to use it "
-              f"({', '.join(others)}), or `dxr cohort delete {cohort['cohort_id']}` for the name to mean the newest "
-              "of them again" if others else "")
+    remain = remaining_cohorts(others, also=f"`dxr cohort delete {cohort['cohort_id']}` for the name to mean the "
+                                            "newest of them again")
     return NotFoundError(f"cohort {cohort['name']} ({cohort['cohort_id']}) is not built: {how}, and a build "
                          f"unregisters its cohort until it is complete; build it again with `{command}`{remain}")
+
+
+def remaining_cohorts(cohort_ids: list[str], also: str = "") -> str:
+    """The clause of a refused cohort name that names the finished cohorts of the name still usable by id (`also`:
+    the other way out, after "or"); empty without any."""
+    if not cohort_ids:
+        return ""
+    other_way = f", or {also}" if also else ""
+    return (f"; {len(cohort_ids)} finished cohort(s) of the name remain: name one by its id to use it "
+            f"({', '.join(sorted(cohort_ids))}){other_way}")
 
 
 def cohort_builds(wh: Warehouse) -> pl.DataFrame:
