@@ -623,6 +623,41 @@ def test_a_name_whose_newest_build_was_cut_short_is_refused_though_an_older_coho
     assert cli(wh_vocab.root, "cohort", "list")[2] == ""
 
 
+def test_a_half_built_cohort_whose_name_a_later_build_took_is_noted_by_id_until_deleted(wh_vocab, tiny_meds,
+                                                                                          monkeypatch):
+    # "default" built natively (A) and cut short, then built by categories (B): the name means B, and `dxr cohort list`
+    # went by name only, so A's half-written tables stayed on disk without a word, deletable by an id nothing showed.
+    import warehouse.cohorts as cohorts
+    from warehouse.cohort_deletion import delete_cohort
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+
+    def cut_short(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(cohorts, "_code_titles", cut_short)  # after the records are written, before the targets
+    with pytest.raises(OSError):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="a1")
+    monkeypatch.undo()
+    orphan = wh_vocab.read("runs", run_id="a1")["cohort_id"][0]
+    category = build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category  # the name is not refused for A
+    assert wh_vocab.has_rows("trajectories", cohort_id=orphan)  # what A's build left
+
+    note = (f"cohort default ({orphan}) is not built: its build in run a1 failed, and a build unregisters its cohort "
+            "until it is complete; build it again with `dxr cohort build --dataset tiny --name default --target final "
+            f"--harmonize native --min-history 1`; a later build of the name default (cohort {category}) took the name "
+            f"from it: `dxr cohort delete {orphan}` removes the tables it left half written (building it again takes "
+            "the name back)")
+    code, out, err = cli(wh_vocab.root, "cohort", "list")
+    assert (code, err) == (0, f"note: {note}\n") and category in out and orphan not in out
+
+    delete_cohort(wh_vocab, orphan, with_runs=False)  # as the note says
+    assert not wh_vocab.has_rows("trajectories", cohort_id=orphan)
+    assert cli(wh_vocab.root, "cohort", "list")[2] == ""
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
+
+
 def test_a_build_refused_for_its_input_leaves_its_cohort_registered(tiny_cohort, monkeypatch):
     # A build unregistered its cohort before it read anything: refused on the way (here a dictionary it cannot take),
     # it left a cohort of that id unregistered, which only a build that passes could bring back.

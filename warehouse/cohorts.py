@@ -824,17 +824,29 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
     failed midway leaves the cohort's tables half rewritten, and a reader told only "not found" or "no gold
     targets", or answered by an older cohort of the name, is not told that running the build again is the way out.
     `builds`: `cohort_builds`, when the caller has read them.
+
+    Asked by id, a cohort whose name a later build of another cohort has taken since (an orphan: the name no longer
+    leads to it, so nothing refused for it tells of its half-written tables) names that cohort and the delete that
+    removes them.
     """
+    builds = cohort_builds(wh) if builds is None else builds
     if (unregistered := unregistered_build(wh, name_or_id, builds)) is None:
         return None
     cohort, how = unregistered
+    cohort_id, name = cohort["cohort_id"], cohort["name"]
     command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
-    others = (wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].to_list()
-              if name_or_id == cohort["name"] else [])
-    remain = remaining_cohorts(others, also=f"`dxr cohort delete {cohort['cohort_id']}` for the name to mean the "
-                                            "newest of them again")
-    return NotFoundError(f"cohort {cohort['name']} ({cohort['cohort_id']}) is not built: {how}, and a build "
-                         f"unregisters its cohort until it is complete; build it again with `{command}`{remain}")
+    if name_or_id == name:
+        others = wh.read("cohorts").filter(pl.col("name") == name)["cohort_id"].to_list()
+        after = remaining_cohorts(others, also=f"`dxr cohort delete {cohort_id}` for the name to mean the newest of "
+                                               "them again")
+    else:
+        named = builds.filter(pl.col("name") == name, pl.col("cohort_id").is_not_null())["cohort_id"]
+        taken_by = named[-1] if named.len() and named[-1] != cohort_id else None
+        after = (f"; a later build of the name {name} (cohort {taken_by}) took the name from it: `dxr cohort delete "
+                 f"{cohort_id}` removes the tables it left half written (building it again takes the name back)"
+                 if taken_by else "")
+    return NotFoundError(f"cohort {name} ({cohort_id}) is not built: {how}, and a build unregisters its cohort until "
+                         f"it is complete; build it again with `{command}`{after}")
 
 
 def remaining_cohorts(cohort_ids: list[str], also: str = "") -> str:
@@ -902,14 +914,17 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
 
 
 def unbuilt_cohorts(wh: Warehouse) -> list[NotFoundError]:
-    """`unbuilt_cohort` of every cohort that a build cut short left unregistered, by name, oldest build first."""
+    """`unbuilt_cohort` of every cohort that a build cut short left unregistered, oldest build first: by name where
+    the name leads to it, else by id (an orphan whose name a later build of another cohort took, which the name
+    alone would never find). A deleted cohort has no builds left (`dxr cohort delete` removes their `runs` rows)."""
     builds = cohort_builds(wh)
+    keys = [key for row in builds.select("name", "cohort_id").iter_rows() for key in row if key is not None]
     found, seen = [], set()
-    for name in builds["name"].drop_nulls().unique(maintain_order=True):
-        unregistered = unregistered_build(wh, name, builds)
+    for key in dict.fromkeys(keys):
+        unregistered = unregistered_build(wh, key, builds)
         if unregistered is not None and unregistered[0]["cohort_id"] not in seen:
             seen.add(unregistered[0]["cohort_id"])
-            found.append(unbuilt_cohort(wh, name, builds))
+            found.append(unbuilt_cohort(wh, key, builds))
     return found
 
 

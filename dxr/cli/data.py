@@ -331,7 +331,9 @@ def cohort_list(ctx: click.Context) -> None:
     meant that rule.
 
     A cohort whose build was killed or failed midway is not listed: a note on stderr names it, the build, and the
-    command that builds it again (commands refuse its name until then, or until dxr cohort delete removes it).
+    command that builds it again (commands refuse its name until then, or until dxr cohort delete removes it). One
+    whose name a later build of other options took is refused by its id only: its note names that cohort and the
+    dxr cohort delete that removes the tables it left half written.
 
     \b
     Example:
