@@ -918,7 +918,9 @@ def unbuilt_cohorts(wh: Warehouse) -> list[NotFoundError]:
     the name leads to it, else by id (an orphan whose name a later build of another cohort took, which the name
     alone would never find). A deleted cohort has no builds left (`dxr cohort delete` removes their `runs` rows)."""
     builds = cohort_builds(wh)
-    keys = [key for row in builds.select("name", "cohort_id").iter_rows() for key in row if key is not None]
+    registered = set(wh.read("cohorts")["cohort_id"].to_list())  # asked by id, none is unbuilt: skipped unread
+    keys = [key for name, cohort_id in builds.select("name", "cohort_id").iter_rows()
+            for key in (name, cohort_id) if key is not None and key not in registered]
     found, seen = [], set()
     for key in dict.fromkeys(keys):
         unregistered = unregistered_build(wh, key, builds)
