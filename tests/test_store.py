@@ -152,7 +152,36 @@ def test_a_delete_killed_midway_leaves_nothing_visible_and_the_next_delete_clean
     assert wh.read("targets")["cohort_id"].unique().to_list() == ["b"]
     monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)
     wh.delete("targets", cohort_id="absent")
-    assert not any((wh.gold_dir / store.TRASH_DIR).iterdir())
+    assert not (wh.gold_dir / store.TRASH_DIR).exists()
+
+
+def test_a_delete_leaves_no_empty_trash_behind(wh):
+    # Each delete moved its partition into the store's `.trash`, emptied it, and left it there, empty, for good.
+    wh.write("targets", targets("a", 3), cohort_id="a")
+    wh.delete("targets", cohort_id="a")
+    assert sorted(path.name for path in wh.gold_dir.iterdir()) == ["targets"]
+
+
+def test_a_delete_moves_its_partition_into_a_trash_a_concurrent_delete_removed_meanwhile(wh, monkeypatch):
+    # Another delete in the store (a forecast rerun of another run) may remove the trash it emptied between this
+    # delete's `mkdir` of it and its rename of the partition into it.
+    for cohort in ("a", "b"):
+        wh.write("targets", targets(cohort, 3), cohort_id=cohort)
+    trash = wh.gold_dir / store.TRASH_DIR
+    real_replace = store.os.replace
+    removed_trash = []
+
+    def replace(source, target):
+        if Path(target).parent == trash and not removed_trash:
+            trash.rmdir()
+            removed_trash.append(trash)
+        return real_replace(source, target)
+
+    monkeypatch.setattr(store.os, "replace", replace)
+    wh.delete("targets", cohort_id="a")
+    assert removed_trash == [trash]
+    assert wh.read("targets")["cohort_id"].unique().to_list() == ["b"]
+    assert not trash.exists()
 
 
 def test_a_delete_removes_the_partition_directories_it_leaves_empty(wh):

@@ -35,6 +35,7 @@ from warehouse.scratch import UNWRITABLE, make_dirs, naming, remove_abandoned, s
 
 PART_FILE = "data.parquet"
 TRASH_DIR = ".trash"  # per store; same file system as the tables, so moving a partition there is one rename
+MOVE_TO_TRASH_ATTEMPTS = 10  # each failed one is owed to a concurrent delete removing the emptied trash
 COMMIT_DIR = ".commits"  # per store: partitions staged by `write_together`, renamed into place once all are whole
 COMMITTED = ".commit"  # a staging directory renamed to `<id>.commit` holds whole files that must reach their places
 # A commit's id starts with its creation time, so the commits a killed writer left are finished in the order they
@@ -191,16 +192,21 @@ class Warehouse:
         finish_commits(self.store_dir(spec.store) / COMMIT_DIR)  # or it could bring a deleted partition back
         path = self.partitions_dir(table, **keys)
         trash = self.store_dir(spec.store) / TRASH_DIR
-        if path.exists():
-            # Move it out of the table first (one rename), so a kill during the removal never leaves
-            # part of a partition where a view or read could see it.
-            trash.mkdir(exist_ok=True)
-            os.replace(path, trash / uuid.uuid4().hex)
+        # Move it out of the table first (one rename), so a kill during the removal never leaves
+        # part of a partition where a view or read could see it.
+        move_to_trash(path, trash)
         # Also when nothing was there: a delete killed between that rename and this left them.
         remove_emptied(path)
         # What is in the trash is already unreachable: remove it, including what a killed delete left.
         for doomed in trash.glob("*") if trash.is_dir() else ():
             shutil.rmtree(doomed, ignore_errors=True)
+        # Then the trash itself, so none stays behind empty. `rmdir` removes it only while it is empty: one that a
+        # concurrent delete (another run's forecast, in the same store) has just moved a partition into stays, for
+        # that delete to empty and remove.
+        try:
+            trash.rmdir()
+        except OSError:  # not empty, or removed by a concurrent delete
+            pass
 
     def partitions_dir(self, table: str, **keys) -> Path:
         """The directory of every partition matching the given leading keys (the table's own without keys)."""
@@ -461,6 +467,25 @@ def remove_into(committed: Path, path: Path, number: int) -> None:
             raise
         os.replace(path, aside(committed, path))
     shutil.rmtree(aside(committed, path), ignore_errors=True)  # also what a process killed during a removal left there
+
+
+def move_to_trash(path: Path, trash: Path) -> None:
+    """Move the directory `path` into the store's `trash` by one rename; nothing when it is gone.
+
+    Deletes share a store's trash and each removes it once it has emptied it (`Warehouse.delete`), which another
+    delete may do between this one's `mkdir` and its rename: the rename then finds no trash, and is made again on a
+    new one. A trash that holds a partition is never removed, so each retry is owed to one such `rmdir`.
+    """
+    for attempt in range(MOVE_TO_TRASH_ATTEMPTS):
+        if not path.exists():
+            return
+        trash.mkdir(exist_ok=True)
+        try:
+            os.replace(path, trash / uuid.uuid4().hex)
+            return
+        except FileNotFoundError:
+            if attempt == MOVE_TO_TRASH_ATTEMPTS - 1:
+                raise
 
 
 def remove_emptied(removed: Path) -> None:
