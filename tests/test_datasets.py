@@ -24,8 +24,8 @@ import pytest
 import warehouse.meds as meds_module
 import warehouse.synthetic as synthetic
 from dxr.errors import ConfigError, InputError
-from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, disk_full_errors, dx, file_size_limit,
-                            t, tiny_events, with_vocabularies, write_tiny_meds)
+from tests.conftest import (OUT_OF_MEMORY, SPLITS, FailsAt, abandoned_scratch, cli, disk_full_errors, dx,
+                            file_size_limit, t, tiny_events, with_vocabularies, write_tiny_meds)
 from warehouse import duck
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import create_synthetic, ingest_meds, ingest_mimic, synthetic_is_current
@@ -60,6 +60,35 @@ def test_killed_generation_leaves_the_previous_dataset_and_rerun_is_identical(wh
     assert wh_vocab.read("datasets").height == 1
     assert not [p for p in wh_vocab.meds_dir("synthetic").parent.iterdir() if p.name.startswith(".")]
     assert not synthetic_is_current(wh_vocab, "synthetic", 121, 5)
+
+
+def test_a_full_disk_during_synth_names_the_data_dir_and_the_fix_not_the_staging_directory(wh_vocab, monkeypatch):
+    # The one line named the file the generator was writing in its hidden staging directory:
+    # "<data dir>/gold/meds/.synthetic.<host>-<pid>-<token>.tmp/data/00003.parquet: No space left on device: ...".
+    real_generate = synthetic.generate
+
+    def to_a_full_disk(out_dir, **kwargs):
+        real_generate(out_dir, **{**kwargs, "n_patients": 60})
+        shard = out_dir / "data" / "00002.parquet"  # as `naming` reports pyarrow's ENOSPC, which names no file
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard))
+
+    monkeypatch.setattr(synthetic, "generate", to_a_full_disk)
+    code, out, err = cli(wh_vocab.root, "synth", "--patients", 120, "--run-id", "synth-full")
+    assert (code, out, err.splitlines()[-1]) == (
+        1, "", f"Error: generation of synthetic dataset synthetic: out of disk space in "
+               f"{wh_vocab.meds_dir('synthetic').parent}: free disk space there, or point --data-dir (DXR_DATA_DIR) to "
+               "a disk with room")  # after the progress lines
+    assert list(wh_vocab.meds_dir("synthetic").parent.iterdir()) == []
+    assert wh_vocab.read("runs").select("run_id", "status").rows() == [("synth-full", "failed")]
+
+
+def test_a_file_size_limit_met_by_synthetic_generation_names_the_data_dir_and_the_fix(wh_vocab):
+    with file_size_limit(8_000), pytest.raises(ConfigError) as raised:
+        create_synthetic(wh_vocab, "synthetic", patients=120, seed=5, shard_size=50)
+    assert str(raised.value) == (f"generation of synthetic dataset synthetic: a file in "
+                                 f"{wh_vocab.meds_dir('synthetic').parent} reached the file-size limit: raise it "
+                                 "(ulimit -f), or point --data-dir (DXR_DATA_DIR) to a disk with room")
+    assert list(wh_vocab.meds_dir("synthetic").parent.iterdir()) == []
 
 
 def test_ingest_copies_files_so_a_source_rewritten_in_place_leaves_the_dataset_unchanged(wh_vocab, tiny_meds):

@@ -153,10 +153,12 @@ def create_synthetic(wh: Warehouse, dataset_id: str, patients: int, seed: int, s
     params = {"dataset": dataset_id, "patients": patients, "seed": seed, "shard_size": shard_size}
     with registered_run(wh, "synth", params, run_id), writing_dataset(wh, dataset_id):
         remove_abandoned(target)
-        with scratch(target, "tmp") as staging:
-            generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress, log=log)
-            replace_dir(staging, target)
-        return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
+        # A full disk names the directory the dataset goes to, not the hidden staging file that met it.
+        with duck.resource_errors(f"generation of synthetic dataset {dataset_id}", target.parent):
+            with scratch(target, "tmp") as staging:
+                generate(staging, n_patients=patients, seed=seed, shard_size=shard_size, progress=progress, log=log)
+                replace_dir(staging, target)
+            return register_dataset(wh, dataset_id, source="synthetic", generator_version=GENERATOR_VERSION)
 
 
 def synthetic_is_current(wh: Warehouse, dataset_id: str, patients: int, seed: int) -> bool:
