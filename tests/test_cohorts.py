@@ -658,6 +658,47 @@ def test_a_half_built_cohort_whose_name_a_later_build_took_is_noted_by_id_until_
     assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
 
 
+def test_a_build_renaming_a_cohort_cut_short_names_the_build_under_the_new_name(wh_vocab, tiny_meds, monkeypatch):
+    # The cohort "default" built again under the name "renamed" and killed: the command named to build it again was
+    # `--name default`, which would undo the rename the user asked for.
+    import warehouse.cohorts as cohorts
+    from dxr.errors import NotFoundError
+    from warehouse.cohort_deletion import resolve_cohort
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    older = build_cohort(wh_vocab, "tiny", "default", CohortOptions(min_history=0), seed=7)["cohort_id"]
+    renamed = build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7)["cohort_id"]
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed between the records and the targets"))
+    with pytest.raises(KeyboardInterrupt):
+        build_cohort(wh_vocab, "tiny", "renamed", CohortOptions(), seed=7, run_id="rename")
+    monkeypatch.undo()
+    command = "dxr cohort build --dataset tiny --name renamed --target final --harmonize native --min-history 1"
+    head = ("is not built: its build in run rename failed, and a build unregisters its cohort until it is complete; "
+            f"build it again with `{command}`")
+    by_old_name = (f"cohort renamed ({renamed}, formerly default) {head}; 1 finished cohort(s) of the name remain: "
+                   f"name one by its id to use it ({older}), or `dxr cohort delete {renamed}` for the name to mean the "
+                   "newest of them again")
+    for name_or_id, refusal in (("default", by_old_name), ("renamed", f"cohort renamed ({renamed}) {head}"),
+                                (renamed, f"cohort renamed ({renamed}) {head}")):
+        with pytest.raises(NotFoundError, match=f"^{re.escape(refusal)}$"):
+            cohorts.get_cohort(wh_vocab, name_or_id)
+    assert cli(wh_vocab.root, "cohort", "list")[2] == f"note: {by_old_name}\n"
+    with pytest.raises(InputError, match=f"^cohort name 'default' names 2 cohorts, oldest first: {older} .*, "
+                                         f"{renamed} \\(not built: its build in run rename failed\\); "):
+        resolve_cohort(wh_vocab, "default")
+
+    # The command named finishes the rename; a later rename cut short leaves the old name to its older cohort.
+    assert build_cohort(wh_vocab, "tiny", "renamed", CohortOptions(), seed=7)["cohort_id"] == renamed
+    cut_cohort_builds_short(monkeypatch, KeyboardInterrupt("killed between the records and the targets"))
+    with pytest.raises(KeyboardInterrupt):
+        build_cohort(wh_vocab, "tiny", "again", CohortOptions(), seed=7, run_id="again")
+    monkeypatch.undo()
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == older
+    with pytest.raises(NotFoundError, match=f"^cohort again \\({renamed}, formerly renamed\\) is not built: its build "
+                                            "in run again failed"):
+        cohorts.get_cohort(wh_vocab, "renamed")
+
+
 def test_a_build_refused_for_its_input_leaves_its_cohort_registered(tiny_cohort, monkeypatch):
     # A build unregistered its cohort before it read anything: refused on the way (here a dictionary it cannot take),
     # it left a cohort of that id unregistered, which only a build that passes could bring back.

@@ -84,7 +84,8 @@ def resolve_cohort(wh: Warehouse, name_or_id: str) -> tuple[dict, str | None]:
     unregistered = unregistered_build(wh, name_or_id)
     named = [(row["cohort_id"], f"built {row['created_at']:%Y-%m-%d %H:%M} UTC") for row in
              cohorts.filter(pl.col("name") == name_or_id).sort("created_at").iter_rows(named=True)]
-    if unregistered is not None and unregistered[0]["name"] == name_or_id:
+    # Asked by a name: the cohort's, or the one a build cut short was renaming it from (`unregistered_build`).
+    if unregistered is not None and unregistered[0]["cohort_id"] != name_or_id:
         named.append((unregistered[0]["cohort_id"], f"not built: {unregistered[1]}"))
     if len(named) > 1:
         listed = ", ".join(f"{cohort_id} ({how})" for cohort_id, how in named)

@@ -835,8 +835,11 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
     cohort, how = unregistered
     cohort_id, name = cohort["cohort_id"], cohort["name"]
     command = rebuild_command(cohort, load_settings(data_dir=wh.root).seed)
-    if name_or_id == name:
-        others = wh.read("cohorts").filter(pl.col("name") == name)["cohort_id"].to_list()
+    formerly = ""
+    if name_or_id != cohort_id:
+        # Asked by its name, or by the name a build cut short was renaming it from (`unregistered_build`).
+        formerly = f", formerly {name_or_id}" if name_or_id != name else ""
+        others = wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].to_list()
         after = remaining_cohorts(others, also=f"`dxr cohort delete {cohort_id}` for the name to mean the newest of "
                                                "them again")
     else:
@@ -845,8 +848,8 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
         after = (f"; a later build of the name {name} (cohort {taken_by}) took the name from it: `dxr cohort delete "
                  f"{cohort_id}` removes the tables it left half written (building it again takes the name back)"
                  if taken_by else "")
-    return NotFoundError(f"cohort {name} ({cohort_id}) is not built: {how}, and a build unregisters its cohort until "
-                         f"it is complete; build it again with `{command}`{after}")
+    return NotFoundError(f"cohort {name} ({cohort_id}{formerly}) is not built: {how}, and a build unregisters its "
+                         f"cohort until it is complete; build it again with `{command}`{after}")
 
 
 def remaining_cohorts(cohort_ids: list[str], also: str = "") -> str:
@@ -875,7 +878,8 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
     built, or deleted: `dxr cohort delete` removes its builds' `runs` rows). `builds`: `cohort_builds`.
 
     By name, the newest build of the name that began to write decides, whatever older cohorts of the name are
-    registered. A build refused before it wrote anything (an unknown dataset, a dataset without trajectories under
+    registered; when a later build cut it short as it renamed the cohort, the options are that build's, under the new
+    name. A build refused before it wrote anything (an unknown dataset, a dataset without trajectories under
     its options, a busy lock) recorded no cohort in its `runs` row (`Run.record_cohort`) and counts for nothing. So
     does, for want of that record, a build cut short by a dxr of before 2026-12-06 (when builds began to record it):
     its cohort is found unregistered by its last finished build, which named it.
@@ -897,9 +901,15 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
     if last["status"] == "finished":
         # Unregistered since by a later build of the cohort under another name, or by one of the name that recorded
         # no cohort, as builds before 2026-12-06 did not.
-        later = builds.filter((pl.col("started_at") > last["started_at"]) & (pl.col("status") != "finished"))
+        later = builds.filter(pl.col("started_at") > last["started_at"])
+        if later.filter(pl.col("cohort_id") == last["cohort_id"], pl.col("status") == "finished").height:
+            return None  # a later build renamed the cohort, and finished: the name no longer leads to it
+        later = later.filter(pl.col("status") != "finished")
         ended = later.filter(pl.col("cohort_id") == last["cohort_id"])
-        if ended.is_empty():
+        if ended.height:
+            # That build was renaming the cohort: what the user asked for last is the cohort under its new name.
+            config = json.loads(ended["config_json"][-1])
+        else:
             ended = later.filter(pl.col("cohort_id").is_null() & (pl.col("name") == config["name"]))
     status = ended["status"][-1] if ended.height else None
     # Still `running` when a process that may not write the warehouse asks (`mark_killed` leaves it): no build of the
