@@ -658,6 +658,27 @@ def test_a_half_built_cohort_whose_name_a_later_build_took_is_noted_by_id_until_
     assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == category
 
 
+def test_an_orphans_note_says_that_the_cohort_which_took_its_name_was_renamed_since(wh_vocab, tiny_meds,
+                                                                                     monkeypatch):
+    # "default" cut short (A), then built by categories (B), which was then built again under the name "other": A's
+    # note still said that B "took the name", though the name led to no cohort any more.
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
+    with pytest.raises(OSError):
+        build_cohort(wh_vocab, "tiny", "default", CohortOptions(), seed=7, run_id="a1")
+    monkeypatch.undo()
+    orphan = wh_vocab.read("runs", run_id="a1")["cohort_id"][0]
+    category = build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize="category"), seed=7)["cohort_id"]
+    build_cohort(wh_vocab, "tiny", "other", CohortOptions(harmonize="category"), seed=7)
+    code, out, err = cli(wh_vocab.root, "cohort", "list")
+    assert (code, err) == (0, f"note: cohort default ({orphan}) is not built: its build in run a1 failed, and a build "
+                              "unregisters its cohort until it is complete; build it again with `dxr cohort build "
+                              "--dataset tiny --name default --target final --harmonize native --min-history 1`; a "
+                              f"later build of the name default (cohort {category}, renamed other since) took the name "
+                              f"from it: `dxr cohort delete {orphan}` removes the tables it left half written "
+                              "(building it again takes the name back)\n")
+
+
 def test_a_build_renaming_a_cohort_cut_short_names_the_build_under_the_new_name(wh_vocab, tiny_meds, monkeypatch):
     # The cohort "default" built again under the name "renamed" and killed: the command named to build it again was
     # `--name default`, which would undo the rename the user asked for.

@@ -826,8 +826,8 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
     `builds`: `cohort_builds`, when the caller has read them.
 
     Asked by id, a cohort whose name a later build of another cohort has taken since (an orphan: the name no longer
-    leads to it, so nothing refused for it tells of its half-written tables) names that cohort and the delete that
-    removes them.
+    leads to it, so nothing refused for it tells of its half-written tables) names that cohort, and its new name if it
+    has been renamed since, and the delete that removes them.
     """
     builds = cohort_builds(wh) if builds is None else builds
     if (unregistered := unregistered_build(wh, name_or_id, builds)) is None:
@@ -845,11 +845,19 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
     else:
         named = builds.filter(pl.col("name") == name, pl.col("cohort_id").is_not_null())["cohort_id"]
         taken_by = named[-1] if named.len() and named[-1] != cohort_id else None
-        after = (f"; a later build of the name {name} (cohort {taken_by}) took the name from it: `dxr cohort delete "
-                 f"{cohort_id}` removes the tables it left half written (building it again takes the name back)"
-                 if taken_by else "")
+        after = (f"; a later build of the name {name} (cohort {taken_by}{renamed_since(wh, taken_by, name, builds)}) "
+                 f"took the name from it: `dxr cohort delete {cohort_id}` removes the tables it left half written "
+                 "(building it again takes the name back)" if taken_by else "")
     return NotFoundError(f"cohort {name} ({cohort_id}{formerly}) is not built: {how}, and a build unregisters its "
                          f"cohort until it is complete; build it again with `{command}`{after}")
+
+
+def renamed_since(wh: Warehouse, cohort_id: str, name: str, builds: pl.DataFrame) -> str:
+    """`, renamed <new name> since` for a cohort that a build has given another name than `name` since (its
+    registered name, else its newest build's: a rename cut short); empty for one still of `name`."""
+    registered = wh.read("cohorts", cohort_id=cohort_id)["name"]
+    current = registered[0] if registered.len() else builds.filter(pl.col("cohort_id") == cohort_id)["name"][-1]
+    return f", renamed {current} since" if current != name else ""
 
 
 def remaining_cohorts(cohort_ids: list[str], also: str = "") -> str:
