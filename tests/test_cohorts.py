@@ -679,6 +679,27 @@ def test_an_orphans_note_says_that_the_cohort_which_took_its_name_was_renamed_si
                               "(building it again takes the name back)\n")
 
 
+def test_the_notes_of_two_cut_short_builds_of_one_name_read_oldest_first(wh_vocab, tiny_meds, monkeypatch):
+    # The name's note (the newer build, B) came before the orphan's (A), whose note tells of B taking its name.
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
+    for run_id, harmonize in (("a1", "native"), ("b1", "category")):
+        with pytest.raises(OSError):
+            build_cohort(wh_vocab, "tiny", "default", CohortOptions(harmonize=harmonize), seed=7, run_id=run_id)
+    monkeypatch.undo()
+    older, newer = (wh_vocab.read("runs", run_id=run_id)["cohort_id"][0] for run_id in ("a1", "b1"))
+    code, out, err = cli(wh_vocab.root, "cohort", "list")
+    assert (code, err.splitlines()) == (0, [
+        f"note: cohort default ({older}) is not built: its build in run a1 failed, and a build unregisters its cohort "
+        "until it is complete; build it again with `dxr cohort build --dataset tiny --name default --target final "
+        f"--harmonize native --min-history 1`; a later build of the name default (cohort {newer}) took the name from "
+        f"it: `dxr cohort delete {older}` removes the tables it left half written (building it again takes the name "
+        "back)",
+        f"note: cohort default ({newer}) is not built: its build in run b1 failed, and a build unregisters its cohort "
+        "until it is complete; build it again with `dxr cohort build --dataset tiny --name default --target final "
+        "--harmonize category --min-history 1`"])
+
+
 def test_a_build_renaming_a_cohort_cut_short_names_the_build_under_the_new_name(wh_vocab, tiny_meds, monkeypatch):
     # The cohort "default" built again under the name "renamed" and killed: the command named to build it again was
     # `--name default`, which would undo the rename the user asked for.

@@ -932,20 +932,23 @@ def unregistered_build(wh: Warehouse, name_or_id: str,
 
 
 def unbuilt_cohorts(wh: Warehouse) -> list[NotFoundError]:
-    """`unbuilt_cohort` of every cohort that a build cut short left unregistered, oldest build first: by name where
-    the name leads to it, else by id (an orphan whose name a later build of another cohort took, which the name
-    alone would never find). A deleted cohort has no builds left (`dxr cohort delete` removes their `runs` rows)."""
+    """`unbuilt_cohort` of every cohort that a build cut short left unregistered, oldest first (by its newest build):
+    by name where the name leads to it, else by id (an orphan whose name a later build of another cohort took, which
+    the name alone would never find). A deleted cohort has no builds left (`dxr cohort delete` removes their `runs`
+    rows)."""
     builds = cohort_builds(wh)
     registered = set(wh.read("cohorts")["cohort_id"].to_list())  # asked by id, none is unbuilt: skipped unread
     keys = [key for name, cohort_id in builds.select("name", "cohort_id").iter_rows()
             for key in (name, cohort_id) if key is not None and key not in registered]
-    found, seen = [], set()
+    # A cohort's place: its newest build's (`builds` is oldest first). An orphan's note tells of the later build that
+    # took its name, so it reads before that build's own note when that build was cut short too.
+    newest_build = {cohort_id: place for place, cohort_id in enumerate(builds["cohort_id"]) if cohort_id is not None}
+    found: dict[str, NotFoundError] = {}
     for key in dict.fromkeys(keys):
         unregistered = unregistered_build(wh, key, builds)
-        if unregistered is not None and unregistered[0]["cohort_id"] not in seen:
-            seen.add(unregistered[0]["cohort_id"])
-            found.append(unbuilt_cohort(wh, key, builds))
-    return found
+        if unregistered is not None and unregistered[0]["cohort_id"] not in found:
+            found[unregistered[0]["cohort_id"]] = unbuilt_cohort(wh, key, builds)
+    return [found[cohort_id] for cohort_id in sorted(found, key=newest_build.__getitem__)]
 
 
 def unknown_cohort(wh: Warehouse, name_or_id: str, cohorts: pl.DataFrame, suggest_build: bool = False) -> NotFoundError:
