@@ -200,6 +200,16 @@ def _source_of(error: dict, path: Path | None) -> str:
     return ", ".join(sources) or "DXR_* variables"
 
 
+def _item_variables(error: dict) -> list[str]:
+    """The variables under a list setting (DXR_BACKFILLS__0, DXR_BACKFILLS__0__NAME) that a validation `error` of
+    that list is about; empty for any other error. pydantic-settings sets no list item by index: it makes a table of
+    them, which the list refuses as no list."""
+    if error["type"] not in ("list_type", "tuple_type") or not isinstance(error.get("input"), dict):
+        return []
+    under = "DXR_" + "__".join(str(part) for part in error["loc"]).upper() + "__"
+    return sorted(variable for variable in os.environ if variable.upper().startswith(under))
+
+
 def _is_table(text: str) -> bool:
     """Whether a variable's text is a JSON object, which pydantic-settings merges with the other sources' table."""
     try:
@@ -238,6 +248,11 @@ def load_settings(**overrides) -> Settings:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
+        if items := _item_variables(first):
+            whole = "DXR_" + "__".join(str(part) for part in first["loc"]).upper()
+            raise ConfigError(f"invalid setting '{where}' (from {', '.join(items)}): a variable cannot set one item of "
+                              f"a list; give the whole list as JSON in {whole} (as `dxr config show` prints it) or in "
+                              "the TOML file") from exc
         raise ConfigError(
             f"invalid setting '{where}' (from {_source_of(first, path)}): "
             f"{first['msg'].removeprefix('Value error, ')} "
