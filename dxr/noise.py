@@ -2,11 +2,13 @@
 
 The CLI, the flows (also when `dxr serve`'s runner imports a served flow) and the benchmarks import `dxr`
 before Lightning, MLflow, readability or huggingface_hub log anything or read their settings, and `dxr/__init__`
-calls `silence_third_party_noise` once. Each entry names one logger's messages, one warning's text or a library's
-documented switch, and says why it is safe; everything else those libraries log or warn, and every error that
-dxr does not handle itself, still reaches the user. Nothing is imported here: a command that never trains, reads
-a page or embeds pays nothing. Lightning's progress bar is a Trainer option, set where every training builds its
-Trainer (`models.prior.train.fit_network`).
+calls `silence_third_party_noise` once. Each entry names one logger's messages, one warning's text, a library's
+documented switch or one print function's lines, and says why it is safe; everything else those libraries log, warn
+or print, and every error that dxr does not handle itself, still reaches the user. Nothing is imported here: a
+command that never trains, reads a page or embeds pays nothing; MLflow's registration notices are silenced by the
+module that imports MLflow (`models.prior.tracking`, `silence_mlflow_registration_notices`), in every process that
+trains or serves a prior (the CLI's, a flow's, a benchmark's child). Lightning's progress bar is a Trainer option,
+set where every training builds its Trainer (`models.prior.train.fit_network`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 
 # Lightning's INFO lines about the hardware and its own products, on each fit: dxr trains on the CPU by choice
 # (Trainer(accelerator="cpu"); a GPU left unused is still a warning of Lightning's), logs one line per epoch
@@ -43,6 +46,13 @@ MLFLOW_MESSAGES = {
                               "SQLAlchemy database error"),
 }
 
+# MLflow prints a notice at each model registration with `eprint`, a print to its stream that no logger's filter
+# reaches: "Successfully registered model 'gru-c1'." (or "Registered model 'gru-c1' already exists. Creating a new
+# version of this model...") and "Created version '2' of model 'gru-c1'.". A training names the version it registered
+# in its own line (`gru: registered gru-c1 v2 @champion; ...`). What else `eprint` prints and everything MLflow logs
+# still reach stderr, and a registration that fails raises, reported in one line.
+MLFLOW_REGISTRATION_NOTICES = ("Successfully registered model '", "Registered model '", "Created version '")
+
 # readability logs a whole traceback for markup it cannot parse, then raises `Unparseable`, which the web reader
 # catches to keep trafilatura's text (`tools.web.reader.extract`): the page is still read, nothing is wrong.
 READABILITY_MESSAGES = {"readability.readability": ("error getting summary",)}
@@ -57,6 +67,26 @@ class DropMessages(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.prefixes)
+
+
+class DropPrints:
+    """A print function that drops the lines starting with one of `prefixes` and prints every other with `printer`."""
+
+    def __init__(self, printer: Callable[..., None], prefixes: tuple[str, ...]):
+        self.printer = printer
+        self.prefixes = prefixes
+
+    def __call__(self, *values, **options) -> None:
+        if not (values and str(values[0]).startswith(self.prefixes)):
+            self.printer(*values, **options)
+
+
+def silence_mlflow_registration_notices() -> None:
+    """Drop `MLFLOW_REGISTRATION_NOTICES` where MLflow's registry prints them, once however often it is called."""
+    from mlflow.tracking._model_registry import fluent
+
+    if not isinstance(fluent.eprint, DropPrints):
+        fluent.eprint = DropPrints(fluent.eprint, MLFLOW_REGISTRATION_NOTICES)
 
 
 def silence_third_party_noise() -> None:

@@ -101,6 +101,8 @@ THIRD_PARTY_NOISE = {
     "MLflow's pickle warning": r"Pickle or CloudPickle",
     "MLflow's artifact progress bar": r"Downloading artifacts|Uploading artifacts",
     "MLflow's schema creation": r"MLflow database tables|Updating database tables",
+    "MLflow's registration notices": r"Successfully registered model|Registered model '.*' already exists|"
+                                     r"Created version '",
 }
 
 

@@ -55,6 +55,23 @@ def test_only_mlflows_pickle_and_schema_notices_are_dropped():
         "is full", "Database migration failed: check the store"]) == ["Database migration failed: check the store"]
 
 
+def test_only_mlflows_registration_notices_are_printed_no_more_once_dxr_imports_mlflow():
+    # MLflow prints them with `eprint`, past every logger filter: each training printed two lines of MLflow's beside
+    # dxr's own, which names the version it registered; so did the benchmark's training child (benchmarks/prior.py).
+    notices = ["Successfully registered model 'gru-c1'.", "Registered model 'gru-c1' already exists. Creating a new "
+               "version of this model...", "Created version '2' of model 'gru-c1'."]
+    other = "Packing environment for Databricks Model Serving with install_dependencies True..."
+    result = in_a_fresh_process(
+        "import models.prior.tracking\n"  # as every training and forecast of a prior does
+        "from mlflow.tracking._model_registry import fluent\n"
+        "from dxr.noise import DropPrints, silence_mlflow_registration_notices\n"
+        "silence_mlflow_registration_notices()\n"
+        "assert not isinstance(fluent.eprint.printer, DropPrints), 'installed twice'\n"
+        f"for line in {[*notices, other]!r}:\n"
+        "    fluent.eprint(line)\n")
+    assert (result.returncode, result.stderr) == (0, f"{other}\n")
+
+
 def test_only_readabilitys_traceback_for_markup_it_cannot_parse_is_dropped():
     assert printed("readability.readability", logging.ERROR, [
         "error getting summary: ", "ruthless removal did not work. "]) == ["ruthless removal did not work. "]

@@ -355,7 +355,7 @@ def test_a_cohort_without_tuning_pairs_says_so_instead_of_a_nan_recall(prefect_h
     result = CliRunner().invoke(main, ["--data-dir", str(tmp_path), "prior", "train", "--cohort", cohort,
                                        "--system", "gru", "--epochs", "2", "--run-id", "no-tuning-2"])
     assert result.exit_code == 0, result.output
-    line = re.search(r"gru: registered .*", result.output).group(0)  # MLflow's "Created version" line precedes it
+    line = re.search(r"gru: registered .*", result.output).group(0)
     assert re.sub(r"in \d+ s \(mlflow run \w+\)$", "in S s", line) == (
         f"gru: registered gru-{cohort} v2 @champion; no tuning pair to validate on (kept the last epoch, 2), "
         "3 train patients in S s")

@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from dxr.errors import ConfigError, NotFoundError
+from dxr.noise import silence_mlflow_registration_notices
 from warehouse.duck import out_of_disk
 from warehouse.locks import held
 from warehouse.scratch import remove_abandoned, scratch
@@ -39,6 +40,8 @@ import mlflow  # noqa: E402
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import Run  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
+
+silence_mlflow_registration_notices()  # here, where every training and serving of a prior imports MLflow
 
 BUNDLE_FILES = ("vocabulary.json", "prior_config.json", "net_config.json")
 WEIGHTS = Path("data") / "model.pth"  # an `mlflow.pytorch` model's network, the last file a load needs
