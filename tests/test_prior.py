@@ -228,7 +228,7 @@ def test_a_stay_nested_in_a_longer_one_is_trained_on_the_record_its_forecast_see
     # Its pair: the record cut at 205's admission (204 has no diagnosis before then, so it is no visit), then 205.
     assert tensors.lengths.tolist() == [4, 3] and tensors.targets[1].tolist() == [False, False, True, False]
     assert [tokens(1, v) for v in range(2)] == [[icd10("E119"), icd10("I10"), lab], [icd10("I10"), icd10("J189"), lab]]
-    assert [vocab.output_codes[i] for i in tensors.dx[1, 2].tolist() if i < vocab.n_output] == [icd10("J189")]
+    assert [vocab.output_codes[i] for i in tensors.dx.dense()[1, 2].tolist() if i < vocab.n_output] == [icd10("J189")]
     # The same tensors as the forecast of 205 builds from its pre-target record.
     pretarget = wh_vocab.read("pretarget_events", cohort_id=cid).filter(pl.col("trajectory_id") == f"{cid}:2:205")
     served = visit_tensors(pretarget, "trajectory_id", vocab, cfg)
@@ -256,7 +256,7 @@ def test_a_nested_stays_pair_holds_no_more_visits_than_the_network_embeds(wh_voc
     assert tensors.targets[1].tolist() == [False, True]
     net = PriorNet(NetConfig(vocab.n_input, vocab.n_output, max_visits=2, **TINY)).eval()
     batch = trim({"codes": tensors.codes, "numeric": tensors.numeric, "static": tensors.static,
-                  "lengths": tensors.lengths, "dx": tensors.dx})
+                  "lengths": tensors.lengths, "dx": tensors.dx.dense()})
     assert net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"], batch["dx"])[0].shape == (
         2, 2, vocab.n_output)
 
@@ -305,7 +305,7 @@ def test_a_validation_record_whose_last_visit_is_nested_is_cut_at_its_cutoff():
     # whose Y its forecast cannot know: its pair is "a" cut at 3's admission (day 12), which leaves visit 1 only.
     assert inputs.keys == ["b", ("a", 3)]
     assert inputs.lengths.tolist() == [1, 1] and inputs.codes[:, 0, 0].tolist() == [2, 2]  # X
-    assert labels.tolist() == [[2], [2]]  # Z
+    assert labels.dense()[:, 0].tolist() == [[2], [2]]  # Z
 
 
 def test_each_token_uses_top_k_experts_and_balance_loss_tracks_imbalance():
@@ -345,20 +345,43 @@ def test_visit_tensors_orders_visits_and_keeps_empty_keys():
     out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_visits=4, max_codes_per_visit=3),
                         keys=["a", "empty"])
     assert out.lengths.tolist() == [2, 1]  # encounter 3 has no diagnosis: not a visit
-    assert out.codes.shape[1] == out.dx.shape[1] == 2  # padded to the longest record, not max_visits
-    assert out.codes.dtype == out.dx.dtype == torch.int32
-    assert trim({"codes": out.codes, "numeric": out.numeric, "lengths": out.lengths, "dx": out.dx})["dx"].dtype \
-        == torch.int64
+    assert out.codes.shape[1] == out.dx.visits == 2  # padded to the longest record, not max_visits
+    assert out.codes.dtype == out.dx.dense().dtype == torch.int32
+    batch = trim({"codes": out.codes, "numeric": out.numeric, "lengths": out.lengths, "dx": out.dx.dense()})
+    assert batch["dx"].dtype == torch.int64
     assert out.codes[0, 0].tolist() == [2, 4, 0]  # diagnosis X, then procedure P
     assert out.codes[0, 1].tolist() == [3, 1, 0]  # Y, then the unknown medication
-    assert out.dx[0, :2, 0].tolist() == [1, 0]  # X is not an output code (padding id 1); Y is 0
+    assert out.dx.dense()[0, :2, 0].tolist() == [1, 0]  # X is not an output code (padding id 1); Y is 0
     assert out.numeric[0, 1, 0].item() == pytest.approx(torch.log1p(torch.tensor(10.0)).item() / 5)
     assert out.numeric[0, 0, 1].item() == pytest.approx(70.0 / 100, abs=0.01)
     assert out.codes[1].sum() == 0
     assert out.history.rows() == [(0, 0, dx("X"))]  # Ω code outside the output vocabulary, for copying
     inputs, labels = drop_last_visit(out, vocab.n_output)
-    assert inputs.keys == ["a"] and inputs.lengths.tolist() == [1] and labels[0].tolist() == [0]
+    assert inputs.keys == ["a"] and inputs.lengths.tolist() == [1] and labels.dense()[0, 0].tolist() == [0]
     assert inputs.codes[0, 1].sum() == 0
+
+
+def test_one_wide_visit_widens_only_the_batches_that_hold_it():
+    # A visit coded with hundreds of diagnoses (an export that files a problem list under one encounter) used to pad
+    # the diagnoses of every visit of every sequence to its width: 5.5 GB instead of 1.3 GB to train on a cohort of
+    # 10,000 patients with one such visit.
+    wide = [dx(f"W{i:03}") for i in range(300)]
+    day = dt.datetime(2020, 1, 1)
+    rows = ([("wide", day, code, 1) for code in wide] + [("wide", day + dt.timedelta(days=30), dx("X"), 2)]
+            + [("a", day, dx("X"), 3), ("a", day + dt.timedelta(days=30), dx("Y"), 4)])
+    events = pl.DataFrame(rows, schema=["trajectory_id", "time", "code", "encounter_id"], orient="row")
+    codes = sorted([*wide, dx("X"), dx("Y")])
+    vocab = Vocabulary(input_codes=codes, output_codes=codes, omega=codes)
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["a", "wide"])
+    assert out.dx.ids.numel() == 303  # the diagnoses recorded, not 2 sequences x 2 visits x 300 slots
+    assert [vocab.output_codes[i] for i in out.dx.dense()[1, 0].tolist()] == wide
+    dataset = prior_data.SequenceDataset(out)
+    [narrow] = torch.utils.data.DataLoader(dataset, batch_sampler=[[0]], collate_fn=dataset.collate)
+    [both] = torch.utils.data.DataLoader(dataset, batch_sampler=[[0, 1]], collate_fn=dataset.collate)
+    assert narrow["dx"].tolist() == [[[codes.index(dx("X"))], [codes.index(dx("Y"))]]]
+    assert both["dx"].shape == (2, 2, 300)
+    inputs, labels = drop_last_visit(out, vocab.n_output)
+    assert inputs.dx.dense().shape == (2, 2, 300) and labels.dense().shape == (2, 1, 1)
 
 
 def test_an_encounters_undated_diagnoses_belong_to_its_visit():
@@ -375,7 +398,7 @@ def test_an_encounters_undated_diagnoses_belong_to_its_visit():
     out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(), keys=["a"])
     assert out.lengths.tolist() == [2]
     assert out.codes[0, 1, :2].tolist() == [3, 4]  # Y, then the medication
-    assert out.dx[0, :, 0].tolist() == [0, 1]
+    assert out.dx.dense()[0, :, 0].tolist() == [0, 1]
     assert out.numeric[0, 1, 0].item() == pytest.approx(torch.log1p(torch.tensor(31.0)).item() / 5)
 
 
@@ -544,8 +567,9 @@ def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(pl
                                             cfg.model_copy(update={"featurize_chunk_patients": 7}))
     assert n_whole == n_chunked == data.n_train_patients and len(whole) == len(data.train_set) > 7
     assert chunked.keys == whole.keys == sorted(whole.keys)
-    for name in ("codes", "numeric", "static", "lengths", "dx"):
+    for name in ("codes", "numeric", "static", "lengths"):
         assert torch.equal(getattr(chunked, name), getattr(whole, name)), name  # chunks span 5 or 6 visits
+    assert torch.equal(chunked.dx.counts, whole.dx.counts) and torch.equal(chunked.dx.ids, whole.dx.ids)
 
 
 def test_a_train_patient_cap_that_leaves_no_two_visit_patient_names_the_cap():
@@ -595,10 +619,10 @@ def test_tiny_run_learns_the_planted_successor(planted):
     net, _, _ = fit_network(data, "ehr_prior", cfg)
     val = data.val_set
     with torch.no_grad():
-        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx, last_only=True)
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx.dense(), last_only=True)
     # The planted successor S_j of the input's last trigger T_j is in the label by construction.
     codes = data.vocab.output_codes
-    last = val.t.dx[torch.arange(len(val)), val.t.lengths - 1]
+    last = val.t.dx.dense()[torch.arange(len(val)), val.t.lengths - 1]
     top3 = scores.topk(3, dim=1).indices
     hits = 0
     for row in range(len(val)):
@@ -625,7 +649,7 @@ def test_static_codes_enter_the_vocabulary_and_foretell_a_sex_linked_code(tmp_pa
     def right_sex_ranked_first(static: torch.Tensor) -> float:
         with torch.no_grad():
             scores, _, _ = net(val.t.codes[second], val.t.numeric[second], static, val.t.lengths[second],
-                               val.t.dx[second], last_only=True)
+                               val.t.dx.dense(second), last_only=True)
         return float(((scores[:, female] > scores[:, male]) == is_female).float().mean())
 
     assert len(second) >= 10
@@ -644,8 +668,8 @@ class ValidationRecall(L.Callback):
 def validation_recall(net: PriorNet, data: PriorDataModule) -> float:
     val = data.val_set
     with torch.no_grad():
-        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx, last_only=True)
-    labels = visit_multi_hot(val.labels.unsqueeze(1), scores.shape[-1]).squeeze(1)
+        scores, _, _ = net(val.t.codes, val.t.numeric, val.t.static, val.t.lengths, val.t.dx.dense(), last_only=True)
+    labels = visit_multi_hot(val.labels.dense(), scores.shape[-1]).squeeze(1)
     return float(precision_recall_at_k(scores, labels, 20)[1].mean())
 
 
@@ -723,7 +747,7 @@ def test_events_without_an_encounter_within_a_visits_stay_are_that_visits_tokens
     assert out.lengths.tolist() == [2]
     assert out.codes[0, 0, :3].tolist() == [ids[dx("X")], ids[start], ids[f"{ed_lab}//q2"]]
     assert out.codes[0, 0, 3:].sum() == 0 and out.codes[0, 1].tolist()[:2] == [ids[dx("X")], 0]
-    assert out.dx[0, 0].tolist() == [0]  # X alone: the untagged Y is no label
+    assert out.dx.dense()[0, 0].tolist() == [0]  # X alone: the untagged Y is no label
     # A model registered before (its vocabulary.json has no within_stays) was trained without them and keeps that.
     registered = {key: value for key, value in vocab.to_json().items() if key != "within_stays"}
     old = visit_tensors(events, "trajectory_id", Vocabulary(**registered), PriorConfig(), keys=["a"])

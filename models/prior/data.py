@@ -242,15 +242,88 @@ def token_rank(code: pl.Expr) -> pl.Expr:
 
 
 @dataclass
+class RaggedIds:
+    """Output ids of each (sequence, visit), stored flat in sequence, visit and slot order, and padded per batch
+    only (`dense`): to the widest visit of the batch's sequences, not of every sequence.
+
+    As one (N, V, D) tensor, D was the widest visit of all: one train patient's visit coded with 2,000 diagnoses (an
+    export that files a problem list under one encounter) padded every visit of the 8,000 training sequences of a
+    10,000-patient cohort to 2,000 slots, and training one epoch peaked at 5.5 GB instead of 1.3 GB. Stored flat they
+    cost what the records hold.
+
+    >>> ids = RaggedIds.from_entries(torch.tensor([1, 0, 1]), torch.tensor([0, 1, 0]), torch.tensor([5, 6, 7]),
+    ...                              n=2, visits=2, pad=9)
+    >>> ids.counts.tolist(), ids.dense().tolist()
+    ([[0, 1], [2, 0]], [[[9, 9], [6, 9]], [[5, 7], [9, 9]]])
+    >>> ids.dense(torch.tensor([0])).tolist()  # padded to its own widest visit
+    [[[9], [6]]]
+    """
+
+    ids: torch.Tensor  # (M,) output ids, int32
+    counts: torch.Tensor  # (N, V) ids of each visit
+    pad: int  # the padding id of `dense`: the number of output codes
+
+    @staticmethod
+    def from_entries(row: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor, n: int, visits: int,
+                     pad: int) -> RaggedIds:
+        """From 1-D (row, visit position, id) entries in any order of visits; within a visit they keep their order."""
+        cell = row.long() * visits + pos.long()
+        order = torch.argsort(cell, stable=True)
+        counts = torch.bincount(cell, minlength=n * visits).reshape(n, visits)
+        return RaggedIds(ids[order].to(torch.int32), counts, pad)
+
+    def __len__(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def visits(self) -> int:
+        return self.counts.shape[1]
+
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, visit position, slot within the visit, id) of every id."""
+        sizes = self.counts.reshape(-1)
+        cell = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+        slot = torch.arange(len(self.ids)) - (torch.cumsum(sizes, 0) - sizes)[cell]
+        return cell // self.visits, cell % self.visits, slot, self.ids
+
+    def select(self, rows: torch.Tensor) -> RaggedIds:
+        """The sequences `rows` (1-D int64), in that order."""
+        per_row = self.counts.sum(1)
+        sizes = per_row[rows]
+        starts = (torch.cumsum(per_row, 0) - per_row)[rows]
+        # The k-th id of the selection is at its row's start in `ids` plus k less the ids of the rows selected before.
+        shift = torch.repeat_interleave(starts - (torch.cumsum(sizes, 0) - sizes), sizes)
+        index = shift + torch.arange(int(sizes.sum()))
+        return RaggedIds(self.ids[index], self.counts[rows], self.pad)
+
+    def dense(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, V, D) int32 ids of the sequences `rows` (default: all), padded with `pad`; D is their widest visit."""
+        part = self if rows is None else self.select(rows)
+        widest = int(part.counts.max()) if part.counts.numel() else 0
+        out = torch.full((len(part), part.visits, max(1, widest)), part.pad, dtype=torch.int32)
+        row, pos, slot, ids = part.entries()
+        out[row, pos, slot] = ids
+        return out
+
+    @staticmethod
+    def concat(parts: list[RaggedIds]) -> RaggedIds:
+        """The sequences of `parts` in order, with as many visits as the most of them (the others' empty)."""
+        V = max(part.visits for part in parts)
+        return RaggedIds(torch.cat([part.ids for part in parts]),
+                         torch.cat([torch.nn.functional.pad(part.counts, [0, V - part.visits]) for part in parts]),
+                         parts[0].pad)
+
+
+@dataclass
 class VisitTensors:
-    """Padded per-sequence tensors (N sequences, V visits, C codes, D diagnoses per visit)."""
+    """Padded per-sequence tensors (N sequences, V visits, C codes), and the diagnoses of each visit."""
 
     keys: list  # sequence key (subject_id or trajectory_id), row order
     codes: torch.Tensor  # (N, V, C) input ids, 0 = padding; int32 (`trim` widens a batch to int64)
     numeric: torch.Tensor  # (N, V, 2) log1p(gap days) / 5, age / 100 years
     static: torch.Tensor  # (N, S) input ids of the record's static codes (sex, …), 0 = padding; int32
     lengths: torch.Tensor  # (N,) real visits, >= 1
-    dx: torch.Tensor  # (N, V, D) output ids, padded with O; int32 like `codes`
+    dx: RaggedIds  # (N, V) visits' output ids (`dx.dense()`: (N, V, D) padded with O, int32 like `codes`)
     history: pl.DataFrame  # (row, code) Ω diagnosis codes in the record that are not output codes
     # (N, V) bool: the visits that may be the training target of the visits before them (see `visit_losses`)
     targets: torch.Tensor | None = None
@@ -330,12 +403,9 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
     kept = tokens.filter(pl.col("slot") < C)
     codes[kept["row"].to_numpy(), kept["pos"].to_numpy(), kept["slot"].to_numpy()] = kept["id"].to_numpy()
 
-    diagnoses = tokens.filter(pl.col("out").is_not_null()).with_columns(
-        pl.int_range(pl.len()).over("row", "pos").alias("slot"))
-    D = max(1, int(diagnoses["slot"].max() + 1) if diagnoses.height else 1)
-    dx = np.full((n, V, D), vocab.n_output, dtype=np.int32)
-    dx[diagnoses["row"].to_numpy(), diagnoses["pos"].to_numpy(), diagnoses["slot"].to_numpy()] = \
-        diagnoses["out"].to_numpy()
+    diagnoses = tokens.filter(pl.col("out").is_not_null())
+    dx = RaggedIds.from_entries(*(torch.tensor(diagnoses[column].to_numpy()) for column in ("row", "pos", "out")),
+                                n, V, vocab.n_output)
     unseen = tokens.filter(pl.col("is_dx") & pl.col("out").is_null() & pl.col("in_omega")).select("row", "pos", "code")
     targets = None
     if unserved is not None:
@@ -345,7 +415,7 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
         targets = torch.from_numpy(targets)
     return VisitTensors(keys, torch.from_numpy(codes), torch.from_numpy(numeric),
                         static_ids(events, key, rows, vocab.input_ids), torch.from_numpy(lengths),
-                        torch.from_numpy(dx), unseen, targets)
+                        dx, unseen, targets)
 
 
 def static_ids(events: pl.DataFrame, key: str, rows: pl.DataFrame, input_ids: pl.DataFrame) -> torch.Tensor:
@@ -377,8 +447,8 @@ def input_config(cfg: PriorConfig) -> PriorConfig:
     return cfg.model_copy(update={"max_visits": cfg.max_visits - 1})
 
 
-def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch.Tensor]:
-    """Inputs without each sequence's last visit, and that visit's output ids (N, D) as labels.
+def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, RaggedIds]:
+    """Inputs without each sequence's last visit, and that visit's output ids (N, 1) as labels.
 
     Only sequences with at least two visits are kept, and with `t.targets` only those whose last visit
     may be the target of the visits before it.
@@ -387,31 +457,45 @@ def drop_last_visit(t: VisitTensors, n_output: int) -> tuple[VisitTensors, torch
         t.targets[torch.arange(len(t.lengths)), t.lengths - 1]
     keep = torch.nonzero((t.lengths >= 2) & last_ok).squeeze(1)
     lengths = t.lengths[keep] - 1
-    labels = t.dx[keep, lengths]  # (N', D)
     V = t.codes.shape[1]
     visible = (torch.arange(V)[None, :] < lengths[:, None])  # (N', V)
     codes = t.codes[keep] * visible[:, :, None]
     numeric = t.numeric[keep] * visible[:, :, None]
-    dx = torch.where(visible[:, :, None], t.dx[keep], n_output)
+    row, pos, _, ids = t.dx.select(keep).entries()
+    last, before = pos == lengths[row], pos < lengths[row]
+    labels = RaggedIds.from_entries(row[last], torch.zeros_like(row[last]), ids[last], len(keep), 1, n_output)
+    dx = RaggedIds.from_entries(row[before], pos[before], ids[before], len(keep), V, n_output)
     return VisitTensors([t.keys[i] for i in keep.tolist()], codes, numeric, t.static[keep], lengths, dx,
                         t.history.head(0)), labels
 
 
 class SequenceDataset(Dataset):
-    def __init__(self, tensors: VisitTensors, labels: torch.Tensor | None = None):
+    """Sequences, with their labels for validation pairs, served a batch at a time: a DataLoader calls
+    `__getitems__` once per batch, which pads `dx` and `labels` to the batch's widest visit, and keeps the batch as
+    it comes (`collate_fn=SequenceDataset.collate`)."""
+
+    def __init__(self, tensors: VisitTensors, labels: RaggedIds | None = None):
         self.t, self.labels = tensors, labels
 
     def __len__(self) -> int:
         return len(self.t)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = {"codes": self.t.codes[i], "numeric": self.t.numeric[i], "static": self.t.static[i],
-                "lengths": self.t.lengths[i], "dx": self.t.dx[i]}
+    def __getitems__(self, rows: list[int]) -> dict[str, torch.Tensor]:
+        index = torch.tensor(rows, dtype=torch.int64)
+        batch = {"codes": self.t.codes[index], "numeric": self.t.numeric[index], "static": self.t.static[index],
+                 "lengths": self.t.lengths[index], "dx": self.t.dx.dense(index)}
         if self.t.targets is not None:
-            item["targets"] = self.t.targets[i]
+            batch["targets"] = self.t.targets[index]
         if self.labels is not None:
-            item["labels"] = self.labels[i]
-        return item
+            batch["labels"] = self.labels.dense(index)[:, 0]  # (B, D)
+        return batch
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: values[0] for name, values in self.__getitems__([i]).items()}
+
+    @staticmethod
+    def collate(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return batch
 
 
 def train_subject_ranges(con: duckdb.DuckDBPyConnection, cohort_id: str, max_patients: int | None,
@@ -474,40 +558,38 @@ def select_rows(t: VisitTensors, rows: list[int]) -> VisitTensors:
     """The sequences `rows` of `t`, in that order (without `history`, which training does not use)."""
     index = torch.tensor(rows, dtype=torch.int64)
     return VisitTensors([t.keys[i] for i in rows], t.codes[index], t.numeric[index], t.static[index],
-                        t.lengths[index], t.dx[index], t.history.head(0),
+                        t.lengths[index], t.dx.select(index), t.history.head(0),
                         None if t.targets is None else t.targets[index])
 
 
 def concat_rows(parts: list[VisitTensors], n_output: int) -> VisitTensors:
-    """Sequences of several VisitTensors, each padded to the most visits, codes, diagnoses and static codes.
+    """Sequences of several VisitTensors, each padded to the most visits, codes and static codes.
 
     `targets` are kept when every part has them (a padded visit is no target)."""
     V = max(t.codes.shape[1] for t in parts)
-    D = max(t.dx.shape[2] for t in parts)
     S = max(t.static.shape[1] for t in parts)
 
-    def padded(x: torch.Tensor, visits: int, slots: int | None, fill: int) -> torch.Tensor:
-        pad = [0, 0 if slots is None else slots - x.shape[2], 0, visits - x.shape[1]]
-        return torch.nn.functional.pad(x, pad, value=fill)
+    def padded(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, [0, 0, 0, V - x.shape[1]], value=fill)
 
     with_targets = all(t.targets is not None for t in parts)
     return VisitTensors(
         [key for t in parts for key in t.keys],
-        torch.cat([padded(t.codes, V, None, PAD) for t in parts]),
-        torch.cat([padded(t.numeric, V, None, 0) for t in parts]),
+        torch.cat([padded(t.codes, PAD) for t in parts]),
+        torch.cat([padded(t.numeric, 0) for t in parts]),
         torch.cat([torch.nn.functional.pad(t.static, [0, S - t.static.shape[1]], value=PAD) for t in parts]),
         torch.cat([t.lengths for t in parts]),
-        torch.cat([padded(t.dx, V, D, n_output) for t in parts]),
+        RaggedIds.concat([t.dx for t in parts]),
         parts[0].history.head(0),
         torch.cat([torch.nn.functional.pad(t.targets, [0, V - t.targets.shape[1]], value=False) for t in parts])
         if with_targets else None)
 
 
 def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocabulary, cfg: PriorConfig
-              ) -> tuple[VisitTensors, torch.Tensor]:
+              ) -> tuple[VisitTensors, RaggedIds]:
     """For each visit (key, encounter_id) of `visits`: the visit tensors of its record as `pretarget_sql` cuts
-    it at the visit's cutoff (what forecasting that visit sees), and the visit's output ids (N, D) as labels,
-    padded with n_output. A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
+    it at the visit's cutoff (what forecasting that visit sees), and the visit's output ids (N, 1) as labels.
+    A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
     """
     cut, label_codes, names = cut_records(events, key, visits)
     # Only the pairs whose cut record has a visit; `pair_sequences` appends the label visit to their inputs.
@@ -515,23 +597,22 @@ def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocab
     rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
                         schema={"pair": cut.schema["pair"], "row": pl.Int64})
     labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")
-                .join(rows, on="pair").sort("row", "out")
-                .with_columns(pl.int_range(pl.len()).over("row").alias("slot")))
-    labels = np.full((len(inputs), max(1, int(labelled["slot"].max() + 1) if labelled.height else 1)),
-                     vocab.n_output, dtype=np.int32)
-    labels[labelled["row"].to_numpy(), labelled["slot"].to_numpy()] = labelled["out"].to_numpy()
+                .join(rows, on="pair").sort("row", "out"))
+    row, out = (torch.tensor(labelled[column].to_numpy()) for column in ("row", "out"))
+    labels = RaggedIds.from_entries(row, torch.zeros_like(row), out, len(inputs), 1, vocab.n_output)
     inputs.keys = [names[pair] for pair in inputs.keys]
-    return inputs, torch.from_numpy(labels)
+    return inputs, labels
 
 
-def pair_sequences(inputs: VisitTensors, labels: torch.Tensor, n_output: int) -> VisitTensors:
+def pair_sequences(inputs: VisitTensors, labels: RaggedIds, n_output: int) -> VisitTensors:
     """Pairs (inputs, labels) as training sequences: the label visit appended after each input record (no
     codes of its own: nothing after it is trained), and the only visit marked as a target."""
     rows = torch.arange(len(inputs))
-    D = max(inputs.dx.shape[2], labels.shape[1])
-    dx = torch.nn.functional.pad(inputs.dx, [0, D - inputs.dx.shape[2], 0, 1], value=n_output)
-    dx[rows, inputs.lengths, :labels.shape[1]] = labels
-    targets = torch.zeros(dx.shape[:2], dtype=torch.bool)
+    row, pos, _, ids = inputs.dx.entries()
+    label_row, _, _, label_ids = labels.entries()
+    dx = RaggedIds.from_entries(torch.cat([row, label_row]), torch.cat([pos, inputs.lengths[label_row]]),
+                                torch.cat([ids, label_ids]), len(inputs), inputs.dx.visits + 1, n_output)
+    targets = torch.zeros(len(inputs), dx.visits, dtype=torch.bool)
     targets[rows, inputs.lengths] = True
     return VisitTensors(inputs.keys, torch.nn.functional.pad(inputs.codes, [0, 0, 0, 1], value=PAD),
                         torch.nn.functional.pad(inputs.numeric, [0, 0, 0, 1]), inputs.static, inputs.lengths + 1, dx,
@@ -539,7 +620,7 @@ def pair_sequences(inputs: VisitTensors, labels: torch.Tensor, n_output: int) ->
 
 
 def validation_pairs(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorConfig
-                     ) -> tuple[VisitTensors, torch.Tensor]:
+                     ) -> tuple[VisitTensors, RaggedIds]:
     """One pair per record of `events` (pre-target records): its last visit as labels, the visits before it as
     inputs, or, when those are not its pre-target view (`unserved_visits`), the record cut at its cutoff."""
     unserved = unserved_visits(events, key).filter(pl.col("last"))
@@ -547,10 +628,7 @@ def validation_pairs(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: Pri
     if unserved.is_empty():
         return inputs, labels
     cut_inputs, cut_labels = cut_pairs(events, key, unserved, vocab, cfg)
-    D = max(labels.shape[1], cut_labels.shape[1])
-    return (concat_rows([inputs, cut_inputs], vocab.n_output),
-            torch.cat([torch.nn.functional.pad(x, [0, D - x.shape[1]], value=vocab.n_output)
-                       for x in (labels, cut_labels)]))
+    return concat_rows([inputs, cut_inputs], vocab.n_output), RaggedIds.concat([labels, cut_labels])
 
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
@@ -565,7 +643,8 @@ def trim(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Cut padding beyond the longest sequence and the fullest visit of the batch, and widen its ids
     to int64 (stored as int32 to halve the resident tensors; indexing ops want int64).
 
-    Codes fill each visit's slots from the front, so slicing the slot axis drops padding only.
+    Codes fill each visit's slots from the front, so slicing the slot axis drops padding only (`dx` comes
+    padded to the batch's widest visit already: `RaggedIds.dense`).
     """
     V = int(batch["lengths"].max())
     C = max(1, int((batch["codes"] > 0).sum(-1).max()))

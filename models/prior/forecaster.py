@@ -130,9 +130,9 @@ class RegisteredPrior:
         top_k = min(k, self.vocab.n_output)
         scores, codes, states = [], [], []
         for start in range(0, len(keys), self.batch_size):
-            part = slice(start, start + self.batch_size)
+            part = torch.arange(start, min(start + self.batch_size, len(keys)))
             batch = trim({"codes": t.codes[part], "numeric": t.numeric[part], "static": t.static[part],
-                          "lengths": t.lengths[part], "dx": t.dx[part]})
+                          "lengths": t.lengths[part], "dx": t.dx.dense(part)})
             logits, state, _ = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"],
                                         batch["dx"], last_only=True)
             best = logits.topk(top_k, dim=1)

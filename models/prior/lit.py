@@ -144,7 +144,7 @@ class PriorDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = LengthBucketBatches(self.train_set.t.lengths, self.cfg.batch_size, self.cfg.seed)
-        return DataLoader(self.train_set, batch_sampler=sampler)
+        return DataLoader(self.train_set, batch_sampler=sampler, collate_fn=SequenceDataset.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.cfg.predict_batch_size)
+        return DataLoader(self.val_set, batch_size=self.cfg.predict_batch_size, collate_fn=SequenceDataset.collate)

@@ -361,16 +361,15 @@ def init_weights(module: nn.Module) -> None:
                     m.weight[m.padding_idx].zero_()
 
 
-def init_output_bias(net: PriorNet, dx: torch.Tensor, lengths: torch.Tensor) -> None:
+def init_output_bias(net: PriorNet, visit_ids: torch.Tensor, n_visits: int) -> None:
     """Start the generative bias at each code's log-odds among training visits.
 
     The first steps then learn deviations from prevalence instead of spending themselves on it.
-    dx (N, V, D) output ids padded with O, lengths (N,).
+    visit_ids (M,): the output ids of the `n_visits` training visits, once per visit that codes them.
     """
     O = net.cfg.n_output_codes
-    real = torch.arange(dx.shape[1])[None, :] < lengths[:, None]  # (N, V)
-    counts = torch.bincount(dx[real].reshape(-1), minlength=O + 1)[:O].float()  # (O,)
-    prevalence = (counts / real.sum().clamp(min=1)).clamp(1e-5, 0.5)
+    counts = torch.bincount(visit_ids.long(), minlength=O + 1)[:O].float()  # (O,)
+    prevalence = (counts / max(n_visits, 1)).clamp(1e-5, 0.5)
     with torch.no_grad():
         net.head.generate.bias.copy_(torch.log(prevalence / (1 - prevalence)))
 

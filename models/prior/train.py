@@ -136,7 +136,9 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     net_cfg = net_config(system, cfg, data.vocab.n_input, data.vocab.n_output)
     net = PriorNet(net_cfg)
     init_weights(net)
-    init_output_bias(net, data.train_set.t.dx, data.train_set.t.lengths)
+    train = data.train_set.t
+    row, pos, _, ids = train.dx.entries()
+    init_output_bias(net, ids[pos < train.lengths[row]], int(train.lengths.sum()))
     best = KeepBestEpoch() if cfg.keep_best_epoch else None
     # Lightning's bar is drawn on stdout, and drawn whole even into a file or a pipe (a log, `dxr demo | tee`), where
     # it repeats the epoch lines dxr logs itself: shown only on a terminal, as dxr's own bars (tqdm, disable=None).
