@@ -317,6 +317,25 @@ def test_history_counts_only_encounters_whose_diagnoses_precede_the_cutoff(wh_vo
     assert sorted(wh_vocab.read("trajectories", cohort_id=final["cohort_id"])["target_encounter_id"]) == [104, 403]
 
 
+def test_encounters_begun_at_one_instant_or_coded_as_the_next_begins_are_not_each_others_history(wh_vocab, tmp_path):
+    # The prior encounters are counted in one pass over a patient's encounters in time order (a pairwise count took
+    # 24 s for one patient's 20,000 encounters): 502 and 503 begin at one instant, and both are coded on day 6 as
+    # 504 begins, so only 501 is history of each of the three; 505 has all four before it.
+    rows = [(1, t(day), code, None, None, encounter) for encounter, day, code in [
+        (501, 1, "HOSPITAL_ADMISSION//EMERGENCY"), (501, 1, dx("I10")), (502, 5, "HOSPITAL_ADMISSION//EMERGENCY"),
+        (502, 6, dx("E119")), (503, 5, "HOSPITAL_ADMISSION//EMERGENCY"), (503, 6, dx("J189")),
+        (504, 6, "HOSPITAL_ADMISSION//EMERGENCY"), (504, 7, dx("I10")), (505, 9, "HOSPITAL_ADMISSION//EMERGENCY"),
+        (505, 9, dx("J189"))]]
+    events = tiny_events()
+    events = pl.concat([events.filter(pl.col("subject_id") != 1),
+                        pl.DataFrame(rows, schema=events.schema, orient="row")])
+    ingest_meds(wh_vocab, write_tiny_meds(tmp_path / "ties", events), "ties")
+    cid = build_cohort(wh_vocab, "ties", "every", CohortOptions(target="every", min_history=0), seed=7)["cohort_id"]
+    trajectories = wh_vocab.read("trajectories", cohort_id=cid).filter(pl.col("subject_id") == 1)
+    assert dict(trajectories.select("target_encounter_id", "n_prior_encounters").iter_rows()) == {
+        501: 0, 502: 1, 503: 1, 504: 1, 505: 4}
+
+
 def test_shards_hold_one_split_each_and_a_split_forecast_visits_only_its_own(wh_vocab, tiny_meds):
     from tasks.forecast import forecast_shards
 

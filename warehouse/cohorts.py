@@ -399,12 +399,22 @@ def _write_cohort(wh: Warehouse, run: Run, dataset: dict, info, cohort_id: str, 
                    row_number() OVER (PARTITION BY subject_id ORDER BY start_time, encounter_id) - 1 AS position,
                    count(*) OVER (PARTITION BY subject_id) AS n_total
             FROM encounter_starts WHERE n_dx > 0 AND start_time IS NOT NULL""")
+        # An encounter is a prior one of every encounter that begins after both its start and its coding: counted
+        # in one pass over each patient's encounters in time order, where one counts from that later instant on
+        # (at an equal instant after the encounters that begin then, as it must begin before them). Compared pair
+        # by pair, one patient's 20,000 encounters took 24 s to count, four times as many 16 times as long.
+        # (`dx_time` is set wherever `start_time` is: both come from a dated event of the encounter.)
         con.execute("""CREATE TEMP TABLE counted AS
-            SELECT o.subject_id, o.encounter_id, o.start_time, o.position, o.n_total, count(p.encounter_id) AS n_prior
-            FROM ordered o LEFT JOIN ordered p
-              ON p.subject_id = o.subject_id AND p.start_time < o.start_time
-             AND p.dx_time < o.start_time
-            GROUP BY ALL""")
+            WITH instants AS (
+                SELECT subject_id, encounter_id, start_time, position, n_total, start_time AS instant, 0 AS counts
+                FROM ordered
+                UNION ALL
+                SELECT subject_id, NULL, NULL, NULL, NULL, greatest(start_time, dx_time), 1 FROM ordered)
+            SELECT subject_id, encounter_id, start_time, position, n_total, n_prior
+            FROM (SELECT *, sum(counts) OVER (PARTITION BY subject_id ORDER BY instant, counts
+                                              ROWS UNBOUNDED PRECEDING) AS n_prior
+                  FROM instants)
+            WHERE counts = 0""")
         target_filter = "position = n_total - 1" if options.target == "final" else "TRUE"
         con.execute(f"""CREATE TEMP TABLE candidate_targets AS
             SELECT c.*, sp.split FROM counted c
