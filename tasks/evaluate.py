@@ -501,18 +501,22 @@ def _ratios(sums: dict[str, np.ndarray], patients: np.ndarray, gold: np.ndarray,
             reference: dict[str, np.ndarray]) -> np.ndarray:
     """The six metrics (last axis, in METRICS order) from weighted sums; NaN where a subset has no trajectory.
 
-    The sums of the patient-averaged summands are of their differences from `reference` (see `estimate`).
-    No predictions at all (every list empty at natural list sizes) means no correct prediction: pooled
-    precision 0, in the point value and in every resample alike.
+    The sums of the patient-averaged summands are of their differences from `reference` (see `estimate`); such a
+    mean lies in [0, 1] but for rounding, which is clipped: a resample of trajectories without a hit came out at
+    -3e-17, an interval printed as [-0.000, …]. No predictions at all (every list empty at natural list sizes)
+    means no correct prediction: pooled precision 0, in the point value and in every resample alike.
     """
+    def averaged(name: str) -> np.ndarray:
+        return np.clip(reference[name] + sums[name] / patients, 0.0, 1.0)
+
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.stack([
-            reference["precision"] + sums["precision"] / patients,
-            reference["recall"] + sums["recall"] / patients,
+            averaged("precision"),
+            averaged("recall"),
             np.where(sums["predicted"] > 0, sums["hits"] / sums["predicted"], np.where(patients > 0, 0.0, np.nan)),
             sums["hits"] / gold,
             2 * sums["hits"] / (sums["predicted"] + gold),
-            reference["f1"] + sums["f1"] / patients,
+            averaged("f1"),
         ], axis=-1)
 
 

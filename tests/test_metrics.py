@@ -846,6 +846,24 @@ def test_a_metric_equal_for_every_trajectory_has_exactly_that_value_and_interval
         metric: (v, v, v) for metric, v in expected.items()}
 
 
+def test_an_interval_of_a_patient_average_never_leaves_zero_to_one():
+    # One hit in 15 trajectories: the resamples without its trajectory averaged 0.1 - 0.1 to -3e-17, and the
+    # interval of P@10 was printed as [-0.000, 0.020].
+    from tasks.evaluate import metric_rows
+
+    n = 15
+    targets = np.zeros((len(SUBSETS), n))
+    targets[0] = 3
+    hits = np.zeros((1, len(SUBSETS), 1, n))
+    hits[0, 0, 0, 0] = 1
+    counts = Counts(["s"], (10,), hits, np.full((1, 1, n), 10.0), targets)
+    est = estimate(counts, bootstrap_weights(np.arange(n), 1000, 0))
+    assert est.boot[:, 0, 0, 0].min() == 0.0
+    rows = metric_rows(est).filter(pl.col("subset") == "all")
+    assert rows["ci_low"].to_list() == [0.0] * len(METRICS)
+    assert rows.filter(pl.col("metric") == "precision_at_k")["ci_high"].to_list() == [pytest.approx(0.02)]
+
+
 def test_vectorised_bootstrap_is_fast():
     """5,000 patients × 15 systems × 9 subsets × 3 K values × 6 metrics, B = 1000, within seconds."""
     import time
