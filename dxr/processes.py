@@ -1,10 +1,18 @@
-"""Child processes that end with the dxr process that started them, even when it is SIGKILLed."""
+"""Child processes that end with the dxr process that started them, even when it is SIGKILLed, and worker pools
+that fail instead of hanging when one of their workers is killed."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from dxr.errors import ConfigError
 
 # Run by the guard process of Prefect's temporary server (see `guard_process`). It imports nothing
 # heavy, so it starts in milliseconds and holds a few MB.
@@ -61,3 +69,29 @@ def guard_process(target_pid: int, parent_pid: int) -> subprocess.Popen | None:
     return subprocess.Popen([sys.executable, "-c", _GUARD, str(target_pid), str(parent_pid)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=die_with_parent)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, what: str, fix: str) -> Iterator[ProcessPoolExecutor]:
+    """`workers` worker processes for `what` (e.g. `synthetic generator`), started with spawn: forking a process whose
+    polars or DuckDB thread pools are running can deadlock.
+
+    A worker that dies fails the block with one ConfigError naming `what`, the likely cause and `fix`. Under a memory
+    cap (a container, a cgroup) the kernel's out-of-memory killer ends the largest process, often a worker:
+    multiprocessing.Pool, used before, started a new worker in its place and waited forever for the lost result
+    (`dxr synth --patients 20000` under a 1G cap hung). When the block raises (SIGTERM, Ctrl-C, an error) the workers
+    are terminated at once instead of first finishing their jobs (minutes of an oracle's chunk).
+    """
+    others = set(multiprocessing.active_children())
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        yield executor
+    except BrokenProcessPool as exc:  # the executor has terminated the other workers
+        raise ConfigError(f"{what}: a worker process was killed before it finished, most likely by the kernel's "
+                          f"out-of-memory killer (the machine or its container ran short of memory): {fix}") from exc
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)
+        for worker in set(multiprocessing.active_children()) - others:
+            worker.terminate()
+        raise
+    executor.shutdown()

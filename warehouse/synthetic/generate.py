@@ -8,7 +8,6 @@ byte-identical files. Memory is bounded by one shard per worker.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import simple_icd_10_cm as icd
 from tqdm import tqdm
 
 from dxr.errors import InputError
+from dxr.processes import worker_pool
 from warehouse.meds import hash_split, write_data_shard, write_metadata
 from warehouse.synthetic.conditions import CHRONIC_BY_NAME, PCS_TITLES, REASONS
 from warehouse.synthetic.events import LAB_TITLES, LABS, patient_rows
@@ -111,10 +111,9 @@ def generate(out_dir: Path, n_patients: int, seed: int, shard_size: int = 2000, 
     jobs = [(out_dir, name, seed, first, last) for name, first, last in plan]
     written = _Patients(n_patients, progress, log)
     if workers > 1 and len(jobs) > 1:
-        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock.
-        # A Pool's exit terminates its workers, so SIGTERM or Ctrl-C does not wait for the shards left.
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            for (name, first, last), _ in zip(plan, pool.imap(_write_shard, jobs)):
+        with worker_pool(workers, "synthetic generator", "free memory or give it more (docs/benchmarks.md#memory lists "
+                         "what each step needs), or lower synth.shard_size (patients per shard), then rerun") as pool:
+            for (name, first, last), _ in zip(plan, pool.map(_write_shard, jobs)):
                 written.add(last - first + 1)
     else:
         for job in jobs:

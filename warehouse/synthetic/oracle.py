@@ -22,7 +22,6 @@ medication of the record shows.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 from array import array
 from collections import Counter
@@ -35,6 +34,7 @@ import numpy as np
 import polars as pl
 
 from dxr.errors import ConfigError, InputError
+from dxr.processes import worker_pool
 from warehouse.synthetic.conditions import CHRONIC_BY_NAME, codes_of
 from warehouse.synthetic.events import to_us
 from warehouse.synthetic.generate import GENERATOR_VERSION, read_synthetic_metadata
@@ -135,11 +135,9 @@ def oracles(meds_dir: Path, trajectories: pl.DataFrame, harmonize: Callable[[lis
     chunks = [subjects[i::workers] for i in range(workers)]
     jobs = [(meds_dir, seed, chunk, draws, top, harmonize, informations) for chunk in chunks]
     if workers > 1:
-        # spawn, not fork: forking a process whose polars/duckdb thread pools are running can deadlock.
-        # A Pool's exit terminates its workers at once, so SIGTERM or Ctrl-C stops the build without
-        # waiting minutes for the chunks in flight.
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            parts = pool.map(_oracle_chunk, jobs)
+        with worker_pool(workers, "synthetic oracle", "free memory or give the build more (docs/benchmarks.md#memory "
+                         "lists what each step needs), then rerun it") as pool:
+            parts = list(pool.map(_oracle_chunk, jobs))
     else:
         parts = [_oracle_chunk(job) for job in jobs]
     trajectory_ids = traj["trajectory_id"].cast(pl.String)

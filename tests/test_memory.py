@@ -1,0 +1,93 @@
+"""Short of memory: what a process that the kernel's out-of-memory killer ends, or a limit that is too small, leaves
+the user with (benchmarks/memory.py measures how much each step needs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import warehouse_copy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def is_worker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+
+
+def kill_a_worker(process: subprocess.Popen, busy_for: float = 2.0) -> None:
+    """SIGKILL a worker process of `process` once it has been running `busy_for` seconds: what the out-of-memory killer
+    does to the largest process of a capped container, often a worker."""
+    seen: dict[int, float] = {}
+    deadline = time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        for worker in filter(is_worker, children(process.pid)):
+            if time.monotonic() - seen.setdefault(worker, time.monotonic()) >= busy_for:
+                os.kill(worker, signal.SIGKILL)
+                return
+        time.sleep(0.05)
+    pytest.fail(f"no worker process of {process.args} to kill:\n{process.communicate()[1][-2000:]}")
+
+
+def dxr(data_dir: Path, *args: str, kill_worker: bool = False) -> tuple[int, str]:
+    """`python -m dxr --data-dir DATA_DIR ARGS` to its end (its exit code and standard error), with one of its worker
+    processes killed on the way when `kill_worker` is set; a run that outlives 240 s fails the test."""
+    process = subprocess.Popen([sys.executable, "-m", "dxr", "--data-dir", str(data_dir), *args], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if kill_worker:
+        kill_a_worker(process)
+    try:
+        _, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"dxr {' '.join(args)} hung after its worker was killed:\n{process.communicate()[1][-2000:]}")
+    return process.returncode, stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the worker processes under /proc")
+def test_a_killed_worker_fails_synth_and_the_build_with_one_line_and_a_rerun_finishes(vocab_cache, tmp_path):
+    # multiprocessing.Pool started a new worker in place of a killed one and waited forever for the lost result: under
+    # a 1G cap, `dxr synth --patients 20000` hung after the kernel killed a worker. 4,000 patients take two workers,
+    # and their cohort's 2,700 trajectories two oracle workers.
+    from warehouse.store import Warehouse
+
+    data_dir = warehouse_copy(vocab_cache, tmp_path / "data").root
+    synth = ("synth", "--patients", "4000")
+    code, stderr = dxr(data_dir, *synth, kill_worker=True)
+    assert code == 1, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        "Error: synthetic generator: a worker process was killed before it finished, most likely by the kernel's "
+        "out-of-memory killer (the machine or its container ran short of memory): free memory or give it more"), stderr
+    assert Warehouse(data_dir).read("datasets").is_empty()  # nothing half-written is registered
+    assert dxr(data_dir, *synth)[0] == 0
+
+    code, stderr = dxr(data_dir, "cohort", "build", "--dataset", "synthetic", "--name", "default", kill_worker=True)
+    assert code == 1, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        "Error: synthetic oracle: a worker process was killed before it finished, most likely by the kernel's "
+        "out-of-memory killer"), stderr
+    wh = Warehouse(data_dir)
+    assert wh.read("runs").filter(kind="cohort")["status"].to_list() == ["failed"]
+    assert wh.read("cohorts").is_empty()  # the build registers its cohort last
