@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import warehouse_copy
+from conftest import cli, warehouse_copy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,3 +92,67 @@ def test_a_killed_worker_fails_synth_and_the_build_with_one_line_and_a_rerun_fin
     wh = Warehouse(data_dir)
     assert wh.read("runs").filter(kind="cohort")["status"].to_list() == ["failed"]
     assert wh.read("cohorts").is_empty()  # the build registers its cohort last
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+@contextmanager
+def memory_cgroup(limit: str):
+    """A new cgroup v1 memory group capped at `limit` (e.g. `1G`), removed afterwards; a clean skip where this process
+    cannot make one (not root, or no cgroup v1 memory control)."""
+    if os.geteuid() != 0 or not os.access(CGROUP_V1 / "memory.limit_in_bytes", os.W_OK):
+        pytest.skip(f"needs root and cgroup v1 memory control at {CGROUP_V1} to cap a process's memory")
+    group = CGROUP_V1 / f"dxr-test-{os.getpid()}-{time.monotonic_ns()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(limit)
+        yield group
+    finally:
+        group.rmdir()
+
+
+def mebibytes(setting: str) -> float:
+    """A size as DuckDB shows a setting (`819.1 MiB`, `1.8 GiB`) in MiB."""
+    number, unit = setting.split()
+    return float(number) * {"KiB": 1 / 1024, "MiB": 1, "GiB": 1024}[unit]
+
+
+def test_duckdb_stays_within_a_memory_cap_below_its_configured_limit(tmp_path):
+    # DuckDB was given cohort.memory_limit (2GB) whatever the machine allowed: under a 1G cap a 20,000-patient build
+    # grew past the cap and the kernel's out-of-memory killer ended it without a word. Within 80% of the cap, DuckDB's
+    # own default there, it spilled to disk and passed.
+    script = ("import sys\n"
+              "from warehouse import cohorts, meds\n"
+              "from warehouse.store import Warehouse\n"
+              "show = \"SELECT current_setting('memory_limit')\"\n"
+              f"with cohorts._spilling_connection(Warehouse({str(tmp_path)!r}), 'c0ffee', '2GB') as con:\n"
+              "    print(con.execute(show).fetchone()[0])\n"
+              "with meds._spilling_connection('validation', '2GB') as con:\n"
+              "    print(con.execute(show).fetchone()[0])\n"
+              "with meds._spilling_connection('validation', '100MB') as con:\n"
+              "    print(con.execute(show).fetchone()[0])\n")
+    with memory_cgroup("1G") as group:
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                              preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    assert done.returncode == 0, done.stderr[-2000:]
+    build, validation, lower = (mebibytes(limit) for limit in done.stdout.splitlines())
+    assert build <= 0.81 * 1024 and validation <= 0.81 * 1024, done.stdout
+    assert lower == pytest.approx(100e6 / 2**20, abs=0.1), done.stdout  # a configured limit below the cap stays
+
+
+def test_duckdb_out_of_memory_below_the_configured_limit_says_the_machine_is_the_cap(tiny_meds, wh_vocab,
+                                                                                       monkeypatch):
+    # As if the process may use 1.25 MiB: DuckDB's default, 80% of it, is the limit, and raising
+    # cohort.memory_limit, the advice for running out within it, would change nothing.
+    from warehouse import duck
+
+    assert cli(wh_vocab.root, "ingest", "meds", tiny_meds, "--name", "tiny")[0] == 0
+    monkeypatch.setattr(duck, "memory_within_reach", lambda: "1.0 MiB")
+    code, _, stderr = cli(wh_vocab.root, "cohort", "build", "--dataset", "tiny", "--name", "default")
+    assert code == 1
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: cohort build of default from dataset tiny: DuckDB ran out of memory within its "
+                           "limit of 1.0 MiB, 80% of the memory this machine or container allows, which is below the "
+                           "2GB asked for (Out of Memory Error: "), line
+    assert line.endswith("): give it more memory (docs/benchmarks.md#memory lists what each step needs)"), line

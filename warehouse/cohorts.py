@@ -548,7 +548,7 @@ def _spilling_connection(wh: Warehouse, cohort_id: str, memory_limit: str) -> It
         workdir.mkdir()
         con = duck.connect(":memory:")
         try:
-            con.execute(f"SET memory_limit = '{memory_limit}'")
+            duck.limit_memory(con, memory_limit)
             con.execute(f"SET temp_directory = {duck.literal(workdir)}")
             yield con
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import tempfile
@@ -109,6 +110,49 @@ def confine(con: duckdb.DuckDBPyConnection, *directories: Path) -> None:
     con.execute("SET enable_external_access=false")
 
 
+# Bytes per unit of a DuckDB size: those `cohort.memory_limit` takes (dxr.config's pattern) and those DuckDB prints.
+SIZE_UNITS = {"bytes": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def size_bytes(size: str) -> float:
+    """A DuckDB size (`2GB`, `512 MiB`, `819.1 MiB`) in bytes.
+
+    >>> size_bytes("2GB"), size_bytes("1.5 GiB")
+    (2000000000.0, 1610612736.0)
+    """
+    number, unit = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", size).groups()
+    return float(number) * SIZE_UNITS[unit]
+
+
+@functools.cache
+def memory_within_reach() -> str:
+    """DuckDB's default memory limit in this process: 80% of the memory it may use, which is the machine's, or the
+    limit of its cgroup (a container's, a systemd unit's `MemoryMax`) where that is lower; DuckDB reads both cgroup
+    versions. As DuckDB prints it (`819.1 MiB` under a 1 GiB cap)."""
+    con = connect()
+    try:
+        return con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    finally:
+        con.close()
+
+
+def memory_limit_within_reach(memory_limit: str) -> str:
+    """`memory_limit`, or `memory_within_reach()` where that is lower: the limit to set on a connection.
+
+    A limit above what the process may use is no limit: under a 1G cgroup, a 20,000-patient cohort build with the
+    default `cohort.memory_limit` of 2GB grew past the cap and the kernel's out-of-memory killer ended dxr without a
+    word; within 819 MiB, DuckDB's default there, it spilled and the build passed (benchmarks/memory.py)."""
+    reach = memory_within_reach()
+    return reach if size_bytes(reach) < size_bytes(memory_limit) else memory_limit
+
+
+def limit_memory(con: duckdb.DuckDBPyConnection, memory_limit: str) -> None:
+    """Let `con` use at most `memory_limit`, or what this process may use where that is less
+    (`memory_limit_within_reach`); beyond it DuckDB spills to its temporary directory."""
+    con.execute(f"SET memory_limit = {literal(memory_limit_within_reach(memory_limit))}")
+
+
 # The system's answers to a write that has no room: a full disk, a full quota, a file past the size limit.
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -145,6 +189,12 @@ def resource_errors(what: str, directory: Path, memory_limit: str | None = None,
         if memory_limit is None or not isinstance(exc, duckdb.OutOfMemoryException):
             raise
         also = f", or the setting {setting}" if setting else ""
+        limit = memory_limit_within_reach(memory_limit)
+        if limit != memory_limit:  # raising the configured limit would not help: the machine or container is the cap
+            raise ConfigError(f"{what}: DuckDB ran out of memory within its limit of {limit}, 80% of the memory this "
+                              f"machine or container allows, which is below the {memory_limit} asked for "
+                              f"({str(exc).strip().splitlines()[0]}): give it more memory (docs/benchmarks.md#memory "
+                              "lists what each step needs)") from exc
         raise ConfigError(f"{what}: DuckDB ran out of memory within its limit of {memory_limit} "
                           f"({str(exc).strip().splitlines()[0]}): rerun with a larger memory limit "
                           f"(`--memory-limit`, e.g. 8GB{also}) that the machine has free") from exc

@@ -733,7 +733,7 @@ def _spilling_connection(what: str, memory_limit: str) -> Iterator[duckdb.DuckDB
     try:
         with duck.resource_errors(what, Path(tempfile.gettempdir()),
                                   elsewhere="set TMPDIR to a directory on a disk with room"):
-            con.execute(f"SET memory_limit = '{memory_limit}'")
+            duck.limit_memory(con, memory_limit)
             yield con
     finally:
         con.close()

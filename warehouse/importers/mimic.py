@@ -493,7 +493,7 @@ def import_mimic_validated(layout: Layout, src: Path, out_dir: Path, *, seed: in
         try:
             workdir.mkdir()
             con = duck.connect(str(workdir / "import.duckdb"))
-            con.execute(f"SET memory_limit = '{memory_limit}'")
+            duck.limit_memory(con, memory_limit)
             con.execute("SET preserve_insertion_order = true")  # row numbers in error messages follow the file
             mark = time.perf_counter()
             rows_read = {}
