@@ -422,8 +422,11 @@ def test_an_embedded_server_killed_by_a_signal_is_named_so_with_the_way_to_resum
     assert message.startswith("unit: gave up after 1 attempt: ") and client.calls[0]["transport_retries"] == 0
     assert "stopped answering (killed by signal 9 (Killed); last log line: no output; full log: " in message
     assert "code -9" not in message
-    assert message.endswith("server.log): run it again under the same run id to resume (a new server starts; with "
-                            "llm.cache on, the replies already received are not asked for again)")
+    # A plain rerun in a container short of memory would lose its server again.
+    assert message.endswith("server.log): if the machine or its container is short of memory (the kernel's "
+                            "out-of-memory killer sends SIGKILL), free some or give it more (docs/benchmarks.md#memory "
+                            "lists what each step needs), then run it again under the same run id to resume (a new "
+                            "server starts; with llm.cache on, the replies already received are not asked for again)")
 
 
 def test_a_backend_that_keeps_computing_timed_out_requests_uses_its_own_timeout_and_does_not_retry():

@@ -229,6 +229,11 @@ def fold_system_messages(messages: list[dict]) -> list[dict]:
 # What to do about a server that died in a run: the run stops with it, and the same command resumes it.
 RESTART_HINT = ("run it again under the same run id to resume (a new server starts; with llm.cache on, the replies "
                 "already received are not asked for again)")
+# SIGKILL is how the kernel's out-of-memory killer ends a process: under a 768M cap the demo's LLM sample lost its
+# server so, and a plain rerun would only lose it again.
+SHORT_OF_MEMORY_HINT = ("if the machine or its container is short of memory (the kernel's out-of-memory killer sends "
+                        "SIGKILL), free some or give it more (docs/benchmarks.md#memory lists what each step needs), "
+                        "then ")
 
 
 class LocalBackend:
@@ -270,9 +275,11 @@ class LocalBackend:
             return await http.complete({**request, "messages": fold_system_messages(request["messages"])})
         except UnreachableError as exc:  # it answered at start: it has stopped since (killed, out of memory)
             ended = self.server.process is not None and self.server.process.poll() is not None
+            killed = ended and self.server.process.returncode == -signal.SIGKILL
             raise (EndedServerError if ended else UnreachableError)(
                 f"the embedded llama.cpp server at {http.url} stopped answering ({self.server.exit_status()}; last "
-                f"log line: {self.server._log_tail()}; full log: {self.server.log_path}): {RESTART_HINT}") from exc
+                f"log line: {self.server._log_tail()}; full log: {self.server.log_path}): "
+                f"{SHORT_OF_MEMORY_HINT if killed else ''}{RESTART_HINT}") from exc
 
     async def close(self) -> None:
         if self._http is not None:
