@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -80,10 +81,12 @@ def worker_pool(workers: int, what: str, fix: str) -> Iterator[ProcessPoolExecut
     cap (a container, a cgroup) the kernel's out-of-memory killer ends the largest process, often a worker:
     multiprocessing.Pool, used before, started a new worker in its place and waited forever for the lost result
     (`dxr synth --patients 20000` under a 1G cap hung). When the block raises (SIGTERM, Ctrl-C, an error) the workers
-    are terminated at once instead of first finishing their jobs (minutes of an oracle's chunk).
+    are terminated at once instead of first finishing their jobs (minutes of an oracle's chunk). When dxr itself is
+    killed (the out-of-memory killer's choice may be dxr), its workers end with it (`_end_with`).
     """
     others = set(multiprocessing.active_children())
-    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_end_with,
+                                   initargs=(os.getpid(),))
     try:
         yield executor
     except BrokenProcessPool as exc:  # the executor has terminated the other workers
@@ -95,3 +98,14 @@ def worker_pool(workers: int, what: str, fix: str) -> Iterator[ProcessPoolExecut
             worker.terminate()
         raise
     executor.shutdown()
+
+
+def _end_with(parent_pid: int) -> None:
+    """A pool worker's initializer: SIGKILL this worker when the dxr process `parent_pid` that started it dies.
+
+    A worker of a SIGKILLed dxr waited for its next job for good, holding hundreds of MB in the container whose
+    shortage of memory had killed dxr (`dxr demo` under a 1G cap). The worker ends at once if dxr died before the
+    death signal was armed."""
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)

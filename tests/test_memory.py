@@ -94,6 +94,32 @@ def test_a_killed_worker_fails_synth_and_the_build_with_one_line_and_a_rerun_fin
     assert wh.read("cohorts").is_empty()  # the build registers its cohort last
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="finds the worker processes under /proc")
+def test_the_workers_of_a_killed_dxr_end_with_it(tmp_path):
+    # When the out-of-memory killer chose dxr itself, its pool's workers waited for their next job for good, holding
+    # memory in the container that was short of it (`dxr demo` under a 1G cap left two synthetic generator workers).
+    process = subprocess.Popen([sys.executable, "-m", "dxr", "--data-dir", str(tmp_path / "data"), "synth",
+                                "--patients", "4000"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := list(filter(is_worker, children(process.pid)))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 2, "dxr synth --patients 4000 started no two workers"
+        time.sleep(1)  # into their shards
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 20
+        while any(Path(f"/proc/{worker}").exists() for worker in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [worker for worker in workers if Path(f"/proc/{worker}").exists()]
+        assert not left, "the workers outlived their SIGKILLed dxr"
+    finally:
+        process.kill()
+        for worker in filter(is_worker, workers):  # those the test failed on
+            os.kill(worker, signal.SIGKILL)
+
+
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
