@@ -145,9 +145,8 @@ def mebibytes(setting: str) -> float:
 
 
 def test_duckdb_stays_within_a_memory_cap_below_its_configured_limit(tmp_path):
-    # DuckDB was given cohort.memory_limit (2GB) whatever the machine allowed: under a 1G cap a 20,000-patient build
-    # grew past the cap and the kernel's out-of-memory killer ended it without a word. Within 80% of the cap, DuckDB's
-    # own default there, it spilled to disk and passed.
+    # DuckDB was given cohort.memory_limit (2GB) whatever the machine allowed, so under a 1G cap it would not spill
+    # before the kernel's out-of-memory killer ended dxr. Within 80% of the cap, DuckDB's own default there, it spills.
     script = ("import sys\n"
               "from warehouse import cohorts, meds\n"
               "from warehouse.store import Warehouse\n"
