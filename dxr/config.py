@@ -46,7 +46,8 @@ class CohortConfig(SettingsModel):
     min_history: int = Field(1, ge=0)
     # Trajectories per pre-target shard; later stages run one Prefect task per shard.
     shard_size: int = Field(500, ge=1)
-    # DuckDB memory of a build; beyond it DuckDB spills to a scratch directory beside the gold store.
+    # DuckDB memory of a build; beyond it DuckDB spills to a scratch directory beside the gold store. DuckDB gets at
+    # most 80% of what the machine or its container allows (duck.memory_limit_within_reach).
     memory_limit: str = Field("2GB", pattern=MEMORY_LIMIT_PATTERN)
 
 
