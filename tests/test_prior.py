@@ -572,6 +572,46 @@ def test_featurizing_train_patients_in_chunks_equals_featurizing_them_at_once(pl
     assert torch.equal(chunked.dx.counts, whole.dx.counts) and torch.equal(chunked.dx.ids, whole.dx.ids)
 
 
+def test_visits_within_a_stay_that_spans_them_are_cut_a_batch_at_a_time(monkeypatch):
+    """Each visit within a stay still open at its admission is trained on its record cut there, so one record is
+    cut once per such visit: one train patient with 2,000 daily visits within a stay spanning them all took a
+    training's peak to 6.3 GB. The records are cut in batches of about `CUT_BATCH_EVENTS` events, with the same
+    training sequences."""
+    import models.pretarget as pretarget
+
+    day = dt.datetime(2020, 1, 1)
+    rows = [(100, day, "HOSPITAL_ADMISSION//EMERGENCY"), (100, day + dt.timedelta(days=28), dx("O"))]
+    for i in range(20):
+        admitted = day + dt.timedelta(days=1 + i)
+        rows += [(101 + i, admitted, "HOSPITAL_ADMISSION//EMERGENCY"), (101 + i, admitted, dx("AB"[i % 2])),
+                 (101 + i, admitted, "MEDICATION//NAME//m")]
+    con = duckdb.connect()
+    con.register("rows", pl.DataFrame([("c", 1, time, code, None, None, encounter) for encounter, time, code in rows],
+                                      schema=["cohort_id", "subject_id", "time", "code", "numeric_value",
+                                              "text_value", "encounter_id"], orient="row"))
+    con.execute("CREATE TABLE train_events AS SELECT * REPLACE (numeric_value::DOUBLE AS numeric_value, "
+                "text_value::VARCHAR AS text_value) FROM rows")
+    codes = [dx("A"), dx("B"), dx("O")]
+    vocab = Vocabulary(input_codes=[*codes, "MEDICATION//NAME//m"], output_codes=codes, omega=codes)
+    whole, _ = training_sequences(con, "c", vocab, PriorConfig())
+    cuts = []
+
+    def counted(*args):
+        cuts.append(cut_records(*args)[2])
+        return cut_records(*args)
+
+    cut_records = pretarget.cut_records
+    monkeypatch.setattr(pretarget, "cut_records", counted)
+    monkeypatch.setattr(pretarget, "CUT_BATCH_EVENTS", 60)  # the record's 62 events: one visit a batch
+    batched, _ = training_sequences(con, "c", vocab, PriorConfig())
+    assert [len(names) for names in cuts] == [1] * 20  # each visit's record cut on its own, not the 20 at once
+    # The sequence, then a pair of each visit but 101, whose cut record holds no visit (O is coded after it).
+    assert batched.keys == whole.keys and len(whole) == 20
+    for name in ("codes", "numeric", "static", "lengths", "targets"):
+        assert torch.equal(getattr(batched, name), getattr(whole, name)), name
+    assert torch.equal(batched.dx.counts, whole.dx.counts) and torch.equal(batched.dx.ids, whole.dx.ids)
+
+
 def test_a_train_patient_cap_that_leaves_no_two_visit_patient_names_the_cap():
     t = dt.datetime
     con = duckdb.connect()

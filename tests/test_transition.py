@@ -129,6 +129,40 @@ def test_a_stay_nested_in_a_longer_one_is_learned_from_the_record_its_forecast_s
     assert sorted(last["code"].to_list()) == [i10, j189]
 
 
+def test_visits_within_a_stay_that_spans_them_are_cut_a_batch_at_a_time(tmp_path, monkeypatch):
+    """Each visit within a stay still open at its admission is learned from its record cut there, so one record is
+    cut once per such visit: one patient with 5,000 daily visits within a stay spanning them all took the fit to a
+    4.2 GB peak. The records are cut in batches of about `CUT_BATCH_EVENTS` events, with the same table."""
+    import models.pretarget as pretarget
+
+    rows = [(1, 100, 1, "HOSPITAL_ADMISSION//EMERGENCY"), (1, 100, 29, dx("O"))]  # the stay spanning days 1-29
+    for i in range(20):
+        rows += [(1, 101 + i, 2 + i, "HOSPITAL_ADMISSION//EMERGENCY"), (1, 101 + i, 2 + i, dx("AB"[i % 2]))]
+    events = pl.DataFrame([{"cohort_id": "ct", "subject_id": s, "time": D(2020, 1, d), "code": c,
+                            "numeric_value": None, "text_value": None, "encounter_id": e} for s, e, d, c in rows])
+    wh = Warehouse(tmp_path)
+    wh.write("train_events", events, cohort_id="ct")
+    wh.write("cohort_vocabulary", pl.DataFrame({"cohort_id": "ct", "code": [dx(c) for c in "ABO"],
+                                                "icd_version": 10, "title": list("ABO")}), cohort_id="ct")
+    whole = Transition()
+    whole.fit(wh.connect(), "ct")
+    cut_sizes = []
+
+    def counted(*args):
+        cut, label_codes, names = cut_records(*args)
+        cut_sizes.append(cut.height)
+        return cut, label_codes, names
+
+    cut_records = pretarget.cut_records
+    monkeypatch.setattr(pretarget, "cut_records", counted)
+    monkeypatch.setattr(pretarget, "CUT_BATCH_EVENTS", 60)  # the record's 63 events: one visit a batch
+    batched = Transition()
+    batched.fit(wh.connect(), "ct")
+    assert len(cut_sizes) == 20 and max(cut_sizes) < 63  # each a record cut once, not the 20 cut at once
+    assert batched.table.sort("source", "code").equals(whole.table.sort("source", "code"))
+    assert whole.table.filter(pl.col("source") == dx("A"))["code"].to_list() == [dx("B")]  # O is after the cutoff
+
+
 def test_refits_rank_the_same(tmp_path):
     """A code's score sums its sources' probabilities, whose order a parallel join varies from one fit (or
     call) to the next: summed as they came, 0.1 + 0.2 + 0.3 was 0.6 in one run and 0.6000000000000001 in

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from dxr.errors import InputError
 from models.prior.config import PriorConfig
-from models.pretarget import cut_records, unserved_visits
+from models.pretarget import cut_record_batches, unserved_visits
 from models.stays import has_loose_events, stay_spans, within_stays
 from models.transition import sql_frame
 from warehouse.cohorts import CLINICAL_PREFIXES, clinical_sql, encounter_starts_sql
@@ -589,19 +589,26 @@ def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocab
               ) -> tuple[VisitTensors, RaggedIds]:
     """For each visit (key, encounter_id) of `visits`: the visit tensors of its record as `pretarget_sql` cuts
     it at the visit's cutoff (what forecasting that visit sees), and the visit's output ids (N, 1) as labels.
-    A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id).
+    A visit whose cut record holds no visit has no pair. Keys are (key, encounter_id), in key and encounter order.
+
+    The records are cut and featurized a batch at a time (`cut_record_batches`): only a batch's cut records exist
+    at once, however many visits one record has to be cut at.
     """
-    cut, label_codes, names = cut_records(events, key, visits)
-    # Only the pairs whose cut record has a visit; `pair_sequences` appends the label visit to their inputs.
-    inputs = visit_tensors(cut, "pair", vocab, input_config(cfg))
-    rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
-                        schema={"pair": cut.schema["pair"], "row": pl.Int64})
-    labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")
-                .join(rows, on="pair").sort("row", "out"))
-    row, out = (torch.tensor(labelled[column].to_numpy()) for column in ("row", "out"))
-    labels = RaggedIds.from_entries(row, torch.zeros_like(row), out, len(inputs), 1, vocab.n_output)
-    inputs.keys = [names[pair] for pair in inputs.keys]
-    return inputs, labels
+    parts = []
+    for cut, label_codes, names in cut_record_batches(events, key, visits):
+        # Only the pairs whose cut record has a visit; `pair_sequences` appends the label visit to their inputs.
+        inputs = visit_tensors(cut, "pair", vocab, input_config(cfg))
+        rows = pl.DataFrame({"pair": inputs.keys, "row": np.arange(len(inputs))},
+                            schema={"pair": cut.schema["pair"], "row": pl.Int64})
+        labelled = (label_codes.join(vocab.code_ids.select("code", "out").drop_nulls("out"), on="code")
+                    .join(rows, on="pair").sort("row", "out"))
+        row, out = (torch.tensor(labelled[column].to_numpy()) for column in ("row", "out"))
+        labels = RaggedIds.from_entries(row, torch.zeros_like(row), out, len(inputs), 1, vocab.n_output)
+        inputs.keys = [names[pair] for pair in inputs.keys]
+        inputs.history = inputs.history.clear()  # training reads none; its text would hold the batch's in memory
+        parts.append((inputs, labels))
+    return (concat_rows([inputs for inputs, _ in parts], vocab.n_output),
+            RaggedIds.concat([labels for _, labels in parts]))
 
 
 def pair_sequences(inputs: VisitTensors, labels: RaggedIds, n_output: int) -> VisitTensors:
