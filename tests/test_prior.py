@@ -821,6 +821,38 @@ def test_an_event_within_a_stay_that_spans_a_nested_one_is_the_outer_stays_after
     assert prior_data.build_vocabulary(con, "c", min_code_count=1).input_codes == [
         dx("X"), dx("Y"), heparin, stop]
 
+def test_an_event_goes_to_the_stay_begun_last_of_those_that_hold_it():
+    # Checked against that definition, pair by pair, on random records of nested, overlapping and touching stays:
+    # `within_stays` joins an event past its own stay's end to the stays that outlast the next one's start only
+    # (every stay of the record was joined before, and one patient's 10,000 untagged labs within a stay spanning
+    # 10,000 visits took 7.4 GB).
+    from models.stays import within_stays
+
+    rng = np.random.default_rng(3)
+    start = dt.datetime(2000, 1, 1)
+    for _ in range(200):
+        spans, loose = [], []
+        for key in range(3):
+            for stay in range(int(rng.integers(0, 12))):
+                begins = start + dt.timedelta(hours=int(rng.integers(0, 200)))
+                length = dt.timedelta(hours=int(rng.choice([0, 1, 5, 30, 100, 300])))
+                spans.append((key, key * 100 + stay, begins, begins + length))
+            loose += [(key, start + dt.timedelta(hours=int(hour)), "LAB//x//u", None)
+                      for hour in rng.integers(-5, 400, int(rng.integers(0, 15)))]
+        spans = pl.DataFrame(spans, schema={"key": pl.Int64, "encounter_id": pl.Int64, "start": pl.Datetime("us"),
+                                            "end": pl.Datetime("us")}, orient="row")
+        events = pl.DataFrame(loose, schema={"key": pl.Int64, "time": pl.Datetime("us"), "code": pl.String,
+                                             "encounter_id": pl.Int64}, orient="row")
+        expected = []
+        for key, time, code, _ in events.iter_rows():
+            holders = [(begins, stay) for k, stay, begins, ends in spans.iter_rows()
+                       if k == key and begins <= time <= ends]
+            if holders:
+                expected.append((key, time, code, max(holders)[1]))
+        placed = within_stays(events, "key", spans).select(events.columns)
+        assert sorted(placed.rows()) == sorted(expected)
+
+
 def test_the_vocabulary_holds_the_codes_without_an_encounter_that_visits_take():
     t = dt.datetime
     start, outpatient = "MEDICATION//START//Furosemide", "MEDICATION//START//Metformin"
