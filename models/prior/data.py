@@ -537,7 +537,7 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
         part = select_rows(chunk, torch.nonzero(chunk.lengths >= 2).squeeze(1).tolist())
         if unserved.height:
             cut = pair_sequences(*cut_pairs(events, "subject_id", unserved, vocab, cfg), vocab.n_output)
-            part = concat_rows([part, cut], vocab.n_output)
+            part = concat_rows([part, cut])
             # Each cut pair right after its patient's sequence: the order of featurizing all patients at once.
             order = sorted(range(len(part)), key=lambda i: (part.keys[i], 0, 0) if isinstance(part.keys[i], int)
                            else (part.keys[i][0], 1, part.keys[i][1]))
@@ -551,7 +551,7 @@ def training_sequences(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Vo
                              "raise the cap or leave it unset to train on every train patient")
         raise InputError(f"cohort {cohort_id}: no train patient has two visits with diagnoses; "
                          "nothing to learn next-visit transitions from")
-    return concat_rows(parts, vocab.n_output), n_patients
+    return concat_rows(parts), n_patients
 
 
 def select_rows(t: VisitTensors, rows: list[int]) -> VisitTensors:
@@ -562,7 +562,7 @@ def select_rows(t: VisitTensors, rows: list[int]) -> VisitTensors:
                         None if t.targets is None else t.targets[index])
 
 
-def concat_rows(parts: list[VisitTensors], n_output: int) -> VisitTensors:
+def concat_rows(parts: list[VisitTensors]) -> VisitTensors:
     """Sequences of several VisitTensors, each padded to the most visits, codes and static codes.
 
     `targets` are kept when every part has them (a padded visit is no target)."""
@@ -607,8 +607,7 @@ def cut_pairs(events: pl.DataFrame, key: str, visits: pl.DataFrame, vocab: Vocab
         inputs.keys = [names[pair] for pair in inputs.keys]
         inputs.history = inputs.history.clear()  # training reads none; its text would hold the batch's in memory
         parts.append((inputs, labels))
-    return (concat_rows([inputs for inputs, _ in parts], vocab.n_output),
-            RaggedIds.concat([labels for _, labels in parts]))
+    return concat_rows([inputs for inputs, _ in parts]), RaggedIds.concat([labels for _, labels in parts])
 
 
 def pair_sequences(inputs: VisitTensors, labels: RaggedIds, n_output: int) -> VisitTensors:
@@ -635,7 +634,7 @@ def validation_pairs(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: Pri
     if unserved.is_empty():
         return inputs, labels
     cut_inputs, cut_labels = cut_pairs(events, key, unserved, vocab, cfg)
-    return concat_rows([inputs, cut_inputs], vocab.n_output), RaggedIds.concat([labels, cut_labels])
+    return concat_rows([inputs, cut_inputs]), RaggedIds.concat([labels, cut_labels])
 
 
 def load_tuning_pretarget(con: duckdb.DuckDBPyConnection, cohort_id: str) -> pl.DataFrame:
