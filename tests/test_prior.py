@@ -597,8 +597,9 @@ def test_visits_within_a_stay_that_spans_them_are_cut_a_batch_at_a_time(monkeypa
     cuts = []
 
     def counted(*args):
-        cuts.append(cut_records(*args)[2])
-        return cut_records(*args)
+        cut = cut_records(*args)
+        cuts.append(cut[2])
+        return cut
 
     cut_records = pretarget.cut_records
     monkeypatch.setattr(pretarget, "cut_records", counted)
@@ -820,6 +821,7 @@ def test_an_event_within_a_stay_that_spans_a_nested_one_is_the_outer_stays_after
     con.register("cohort_vocabulary", pl.DataFrame({"cohort_id": ["c", "c"], "code": [dx("X"), dx("Y")]}).to_arrow())
     assert prior_data.build_vocabulary(con, "c", min_code_count=1).input_codes == [
         dx("X"), dx("Y"), heparin, stop]
+
 
 def test_an_event_goes_to_the_stay_begun_last_of_those_that_hold_it():
     # Checked against that definition, pair by pair, on random records of nested, overlapping and touching stays:
