@@ -698,6 +698,33 @@ def test_an_orphans_note_says_that_the_cohort_which_took_its_name_was_renamed_si
                               "(building it again takes the name back)\n")
 
 
+def test_the_deletes_that_give_a_name_back_include_an_older_build_of_it_cut_short(wh_vocab, tiny_meds, monkeypatch):
+    # "default" built (A), then built under other options twice, both cut short (O, then B): the refusal named only
+    # `dxr cohort delete B` "for the name to mean the newest of them again", after which the name led to O, refused.
+    import warehouse.cohorts as cohorts
+    from dxr.errors import NotFoundError
+    from warehouse.cohort_deletion import delete_cohort
+
+    ingest_meds(wh_vocab, tiny_meds, "tiny")
+    finished = build_cohort(wh_vocab, "tiny", "default", CohortOptions(min_history=0), seed=7)["cohort_id"]
+    cut_cohort_builds_short(monkeypatch, OSError("no space left on device"))
+    for run_id, options in (("o1", CohortOptions(harmonize="category")), ("b1", CohortOptions())):
+        with pytest.raises(OSError):
+            build_cohort(wh_vocab, "tiny", "default", options, seed=7, run_id=run_id)
+    monkeypatch.undo()
+    older, newer = (wh_vocab.read("runs", run_id=run_id)["cohort_id"][0] for run_id in ("o1", "b1"))
+    remain = f"1 finished cohort(s) of the name remain: name one by its id to use it ({finished}), or "
+    with pytest.raises(NotFoundError, match=re.escape(f"{remain}`dxr cohort delete {newer}`, then `dxr cohort delete "
+                                                      f"{older}` for the name to mean the newest of them again")):
+        cohorts.get_cohort(wh_vocab, "default")
+    delete_cohort(wh_vocab, newer, with_runs=False)
+    with pytest.raises(NotFoundError, match=re.escape(f"({older}) is not built: its build in run o1 failed")
+                       + ".*" + re.escape(f"{remain}`dxr cohort delete {older}` for the name to mean the newest")):
+        cohorts.get_cohort(wh_vocab, "default")
+    delete_cohort(wh_vocab, older, with_runs=False)
+    assert cohorts.get_cohort(wh_vocab, "default")["cohort_id"] == finished
+
+
 def test_the_notes_of_two_cut_short_builds_of_one_name_read_oldest_first(wh_vocab, tiny_meds, monkeypatch):
     # The name's note (the newer build, B) came before the orphan's (A), whose note tells of B taking its name.
     ingest_meds(wh_vocab, tiny_meds, "tiny")

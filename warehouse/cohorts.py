@@ -828,7 +828,7 @@ def registered_cohort(wh: Warehouse, cohort_id: str) -> dict:
 def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None = None) -> NotFoundError | None:
     """The error for a cohort, by id or name, that a build cut short left unregistered (`unregistered_build`),
     naming the command that builds it again; None for any other. Asked by a name that registered cohorts of other
-    options also have, it names them, and the delete that gives the name back to the newest of them.
+    options also have, it names them, and the deletes that give the name back to the newest of them.
 
     A build unregisters its cohort before its first write and registers it last (`_write_cohort`): one killed or
     failed midway leaves the cohort's tables half rewritten, and a reader told only "not found" or "no gold
@@ -850,8 +850,8 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
         # Asked by its name, or by the name a build cut short was renaming it from (`unregistered_build`).
         formerly = f", formerly {name_or_id}" if name_or_id != name else ""
         others = wh.read("cohorts").filter(pl.col("name") == name_or_id)["cohort_id"].to_list()
-        after = remaining_cohorts(others, also=f"`dxr cohort delete {cohort_id}` for the name to mean the newest of "
-                                               "them again")
+        after = remaining_cohorts(others, also=f"{deletes_giving_back(wh, name_or_id, cohort_id, builds)} for the "
+                                               "name to mean the newest of them again")
     else:
         named = builds.filter(pl.col("name") == name, pl.col("cohort_id").is_not_null())["cohort_id"]
         taken_by = named[-1] if named.len() and named[-1] != cohort_id else None
@@ -860,6 +860,17 @@ def unbuilt_cohort(wh: Warehouse, name_or_id: str, builds: pl.DataFrame | None =
                  "(building it again takes the name back)" if taken_by else "")
     return NotFoundError(f"cohort {name} ({cohort_id}{formerly}) is not built: {how}, and a build unregisters its "
                          f"cohort until it is complete; build it again with `{command}`{after}")
+
+
+def deletes_giving_back(wh: Warehouse, name: str, cohort_id: str, builds: pl.DataFrame) -> str:
+    """The `dxr cohort delete` commands after which `name`, which leads to the unregistered `cohort_id`, leads to the
+    newest of its registered cohorts: that of `cohort_id`, then of each older cohort of the name that a build cut
+    short left unregistered, which the name would lead to next (deleting a cohort removes its builds)."""
+    doomed = [cohort_id]
+    while (older := unregistered_build(wh, name, builds.filter(pl.col("cohort_id").is_null()
+                                                                | ~pl.col("cohort_id").is_in(doomed)))) is not None:
+        doomed.append(older[0]["cohort_id"])
+    return ", then ".join(f"`dxr cohort delete {doomed_id}`" for doomed_id in doomed)
 
 
 def renamed_since(wh: Warehouse, cohort_id: str, name: str, builds: pl.DataFrame) -> str:
