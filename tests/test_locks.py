@@ -547,3 +547,91 @@ def test_a_run_that_cannot_write_its_marker_names_it_and_leaves_nothing_behind(w
                                      "choose another location (--data-dir, DXR_DATA_DIR, TMPDIR)")
     assert list((wh.root / RUNNING_DIR).iterdir()) == []
     assert not wh.has_rows("runs")
+
+
+def _forecast_killed_by_sigkill(wh, run_id: str) -> subprocess.Popen:
+    """A `dxr forecast`-like process inside its registered run, SIGKILLed as the out-of-memory killer ends one."""
+    import signal
+
+    doomed = subprocess.Popen([sys.executable, "-c", (
+        "import time; from warehouse.store import Warehouse; from warehouse.runs import registered_run\n"
+        f"with registered_run(Warehouse({str(wh.root)!r}), 'forecast:repeat_history', {{}}, {run_id!r}, 'c0123'):\n"
+        "    print('running', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    assert doomed.stdout.readline().strip() == "running"
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(timeout=30)
+    return doomed
+
+
+def _killed_note(wh, run_id: str, doomed: subprocess.Popen) -> str:
+    import socket
+
+    started = wh.read("runs", run_id=run_id)["started_at"][0]
+    return (f"note: run {run_id} (forecast:repeat_history, cohort c0123; pid {doomed.pid} on {socket.gethostname()}, "
+            f"started {started:%Y-%m-%d %H:%M:%S} UTC) ended without recording how: it was killed (SIGKILL, most "
+            "often by the out-of-memory killer when the machine or its container ran short of memory; see "
+            "docs/benchmarks.md#memory), and is now `killed` in `runs`; rerun the same command (or flow) with "
+            f"--run-id {run_id} to resume it")
+
+
+def test_the_command_after_a_sigkill_says_once_which_run_was_killed_and_how_to_resume_it(wh):
+    # The killed process says nothing (exit 137, a shell's `Killed`): the next command to register a run says it.
+    from tests.conftest import cli
+
+    doomed = _forecast_killed_by_sigkill(wh, "doomed-1")
+    code, _, err = cli(wh.root, "synth", "--patients", "5", "--run-id", "next-1")
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("note:")] == [_killed_note(wh, "doomed-1", doomed)]
+    assert wh.read("runs", run_id="doomed-1")["status"].to_list() == ["killed"]
+    code, out, err = cli(wh.root, "run", "list")  # marks too, but finds nothing new to say
+    assert (code, err) == (0, "")
+    assert re.search(r"doomed-1 +forecast:repeat_history +killed", out)
+
+
+def test_run_list_says_which_run_was_killed_and_lists_it_killed(wh):
+    from tests.conftest import cli
+
+    with_registry = cli(wh.root, "synth", "--patients", "5")
+    assert with_registry[0] == 0, with_registry[2]
+    doomed = _forecast_killed_by_sigkill(wh, "doomed-2")
+    code, out, err = cli(wh.root, "run", "list", "--kind", "forecast")
+    assert (code, err.splitlines()) == (0, [_killed_note(wh, "doomed-2", doomed)])
+    assert re.search(r"doomed-2 +forecast:repeat_history +killed", out)  # stdout: the table alone
+    assert cli(wh.root, "run", "list", "--kind", "forecast")[1:] == (out, "")
+
+
+def test_a_flow_run_after_a_sigkill_says_in_its_log_which_run_was_killed(tiny_cohort, capsys):
+    # A served flow run (a backfill, a patient's rerun, a retraining) has no terminal: its log is where it is read.
+    import logging
+
+    from tests.conftest import LoggedMessages
+
+    wh, _ = tiny_cohort
+    doomed = _forecast_killed_by_sigkill(wh, "doomed-3")
+    warnings = LoggedMessages(logging.WARNING)
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.addHandler(warnings)
+    try:
+        forecast_flow(str(wh.root), "default", "repeat_history", split="all", run_id="next-3")
+    finally:
+        logger.removeHandler(warnings)
+    assert warnings.lines == [_killed_note(wh, "doomed-3", doomed).removeprefix("note: ")]
+    assert "note:" not in capsys.readouterr().err  # said once, in the run's log
+
+
+def test_a_killed_run_recorded_before_host_and_pid_were_is_told_without_them(wh, capsys):
+    from datetime import datetime
+
+    import polars as pl
+
+    from warehouse.runs import mark_killed, record_run
+
+    record_run(wh, "old-2", None, "synth", {}, "running", datetime(2026, 12, 1, 3, 4, 5))
+    partition = wh.partition_path("runs", run_id="old-2", kind="synth")
+    pl.read_parquet(partition).drop("host", "pid").write_parquet(partition)  # as a dxr before 5a85cca wrote it
+    assert mark_killed(wh) == [("old-2", "synth")]
+    assert capsys.readouterr().err == (
+        "note: run old-2 (synth; started 2026-12-01 03:04:05 UTC) ended without recording how: it was killed "
+        "(SIGKILL, most often by the out-of-memory killer when the machine or its container ran short of memory; see "
+        "docs/benchmarks.md#memory), and is now `killed` in `runs`; rerun the same command (or flow) with --run-id "
+        "old-2 to finish it\n")

@@ -22,6 +22,7 @@ import polars as pl
 from dxr import __version__
 from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError, NotFoundError
+from dxr.notes import note
 from warehouse.locks import held, lock_held
 from warehouse.schemas import TABLES, utc_now
 from warehouse.scratch import UNWRITABLE, naming, remove_abandoned, scratch
@@ -163,10 +164,12 @@ LIMIT $limit"""
 def run_list(wh: Warehouse, cohort: str | None = None, kind: str | None = None, limit: int | None = None,
              fmt: str = "table") -> Iterator[str]:
     """The registered runs, newest first, as `dxr run list` prints them (`dxr sql`'s formats), each kind of a run
-    id a row of its own: only those on a cohort (its id or name) or of a kind when asked, the first `limit`."""
+    id a row of its own: only those on a cohort (its id or name) or of a kind when asked, the first `limit`. Those a
+    killed process left `running` are marked `killed` first (`mark_killed`)."""
     from warehouse.cohorts import unknown_cohort
     from warehouse.sql import stream_query
 
+    mark_killed(wh)  # a run whose process was killed is listed `killed`, not `running`, and the user told of it
     if cohort is not None:
         cohorts = wh.read("cohorts")
         if cohort not in cohorts["cohort_id"] and cohort not in cohorts["name"]:
@@ -245,7 +248,8 @@ def registered_run(wh: Warehouse, kind: str, config: dict, run_id: str | None = 
 
 def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     """Rewrite as `killed` the `running` rows whose process ended without recording how (SIGKILL,
-    the OOM killer, a lost node); returns their (run_id, kind).
+    the OOM killer, a lost node), telling the user of each (`killed_note`, once: only the process that rewrites a row
+    tells); returns their (run_id, kind).
 
     SIGTERM and Ctrl-C unwind and record `failed` themselves. A run is judged by its record lock,
     which the kernel releases when the process ends, so this holds across hosts and containers that
@@ -265,6 +269,8 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
                 if not current.is_empty() and current["status"][0] == "running":
                     wh.write("runs", current.with_columns(pl.lit("killed").alias("status")), run_id=run_id, kind=kind)
                     killed.append((run_id, kind))
+                    # Said here, by the one process that rewrote the row: the killed process could say nothing.
+                    note(killed_note(current.row(0, named=True)))
                 marker.unlink(missing_ok=True)
         except InputError:  # taken since by a run of that id and kind, or not to be taken by this process
             continue
@@ -273,6 +279,20 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
                 raise
             break  # this process may not write the warehouse
     return killed
+
+
+def killed_note(row: dict) -> str:
+    """What the user is told of a run found killed (`mark_killed`), from its `runs` row: which run, what ended it and
+    how to finish it."""
+    cohort = f", cohort {row['cohort_id']}" if row["cohort_id"] else ""
+    # A row recorded before the registry had `host` and `pid` (a `running` row indexed since) has neither.
+    process = f"pid {row['pid']} on {row['host']}, " if row["pid"] is not None and row["host"] else ""
+    # A forecast or a training keeps what it wrote and goes on from there; the other commands do their work again.
+    finish = "resume it" if row["kind"].startswith(("forecast:", "train:")) else "finish it"
+    return (f"run {row['run_id']} ({row['kind']}{cohort}; {process}started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC) "
+            "ended without recording how: it was killed (SIGKILL, most often by the out-of-memory killer when the "
+            "machine or its container ran short of memory; see docs/benchmarks.md#memory), and is now `killed` in "
+            f"`runs`; rerun the same command (or flow) with --run-id {row['run_id']} to {finish}")
 
 
 def mark_stale(wh: Warehouse, run_id: str, kind: str) -> None:

@@ -63,7 +63,9 @@ def run_list(ctx: click.Context, cohort: str | None, kind: str | None, limit: in
     """List the registered runs, newest first.
 
     Each row: run id, kind, status, cohort name and id, start and end (UTC). A run id holds a row
-    for each kind recorded under it (each system's forecast, its evaluation, ...).
+    for each kind recorded under it (each system's forecast, its evaluation, ...). A run whose
+    process was killed (SIGKILL, the out-of-memory killer) is marked `killed` first, with a note
+    on stderr, as the next command to start a run would.
 
     \b
     Example:
