@@ -570,8 +570,8 @@ def _killed_note(wh, run_id: str, doomed: subprocess.Popen) -> str:
     return (f"note: run {run_id} (forecast:repeat_history, cohort c0123; pid {doomed.pid} on {socket.gethostname()}, "
             f"started {started:%Y-%m-%d %H:%M:%S} UTC) ended without recording how: it was killed (SIGKILL, most "
             "often by the out-of-memory killer when the machine or its container ran short of memory; see "
-            "docs/benchmarks.md#memory), and is now `killed` in `runs`; rerun the same command (or flow) with "
-            f"--run-id {run_id} to resume it")
+            "docs/benchmarks.md#memory), and is now `killed` in `runs`; to finish it, rerun the command that started "
+            f"it, or Retry its flow run (under its run id, `--run-id {run_id}`, it resumes where it stopped)")
 
 
 def test_the_command_after_a_sigkill_says_once_which_run_was_killed_and_how_to_resume_it(wh):
@@ -633,5 +633,16 @@ def test_a_killed_run_recorded_before_host_and_pid_were_is_told_without_them(wh,
     assert capsys.readouterr().err == (
         "note: run old-2 (synth; started 2026-12-01 03:04:05 UTC) ended without recording how: it was killed "
         "(SIGKILL, most often by the out-of-memory killer when the machine or its container ran short of memory; see "
-        "docs/benchmarks.md#memory), and is now `killed` in `runs`; rerun the same command (or flow) with --run-id "
-        "old-2 to finish it\n")
+        "docs/benchmarks.md#memory), and is now `killed` in `runs`; to finish it, rerun the command that started it, "
+        "or Retry its flow run\n")
+
+
+@pytest.mark.parametrize("run_id", ["demo-20261207T051229-a1b2c3", "demo-20261207T051229-a1b2c3-llm"])
+def test_a_killed_forecast_of_the_demo_is_resumed_by_the_demo_under_its_run_id(run_id):
+    # `dxr demo --run-id X` forecasts under X and X-llm: `--run-id X-llm` would have made X-llm-llm.
+    from warehouse.runs import killed_note
+
+    row = {"run_id": run_id, "kind": "forecast:direct", "cohort_id": "c1", "pid": 7, "host": "h",
+           "started_at": datetime(2026, 12, 7, 5, 12, 29)}
+    assert killed_note(row).endswith("; to finish it, rerun the command that started it, or Retry its flow run "
+                                     "(`dxr demo --run-id demo-20261207T051229-a1b2c3` resumes its forecasts)")

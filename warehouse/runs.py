@@ -281,18 +281,29 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
     return killed
 
 
+# The run ids `dxr demo` generates: `<id>` for its forecasts, `<id>-llm` for its LLM sample's (`flows.demo`), both
+# resumed by `dxr demo --run-id <id>`.
+DEMO_RUN_ID = re.compile(r"(demo-\d{8}T\d{6}-[0-9a-f]{6})(-llm)?")
+
+
 def killed_note(row: dict) -> str:
     """What the user is told of a run found killed (`mark_killed`), from its `runs` row: which run, what ended it and
     how to finish it."""
     cohort = f", cohort {row['cohort_id']}" if row["cohort_id"] else ""
     # A row recorded before the registry had `host` and `pid` (a `running` row indexed since) has neither.
     process = f"pid {row['pid']} on {row['host']}, " if row["pid"] is not None and row["host"] else ""
-    # A forecast or a training keeps what it wrote and goes on from there; the other commands do their work again.
-    finish = "resume it" if row["kind"].startswith(("forecast:", "train:")) else "finish it"
+    finish = "to finish it, rerun the command that started it, or Retry its flow run"
+    # A forecast keeps the lists it wrote and goes on from there under its run id; the other kinds do their work
+    # again (a training keeps the systems it finished only under its own run id, which the demo, say, does not pass:
+    # naming it would send the user to a command that refuses it).
+    if row["kind"].startswith("forecast:"):
+        demo = DEMO_RUN_ID.fullmatch(row["run_id"])
+        finish += (f" (`dxr demo --run-id {demo[1]}` resumes its forecasts)" if demo
+                   else f" (under its run id, `--run-id {row['run_id']}`, it resumes where it stopped)")
     return (f"run {row['run_id']} ({row['kind']}{cohort}; {process}started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC) "
             "ended without recording how: it was killed (SIGKILL, most often by the out-of-memory killer when the "
             "machine or its container ran short of memory; see docs/benchmarks.md#memory), and is now `killed` in "
-            f"`runs`; rerun the same command (or flow) with --run-id {row['run_id']} to {finish}")
+            f"`runs`; {finish}")
 
 
 def mark_stale(wh: Warehouse, run_id: str, kind: str) -> None:
