@@ -1033,7 +1033,13 @@ def test_a_signal_stops_a_long_duckdb_query_at_once(tmp_path, signum, exit_code,
                              "SELECT sum(hash(range)) FROM range(1000000000000)"],  # hours if not stopped
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(8)  # start-up, then well into the query
+        # DuckDB is loaded just before the connection opens and the query starts (0.3 s later on a quiet machine):
+        # then 2 s more is well into the query, where a fixed 8 s from the start waited mostly for nothing.
+        deadline = time.monotonic() + 60
+        while "duckdb" not in Path(f"/proc/{proc.pid}/maps").read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, "dxr sql never loaded DuckDB"
+            time.sleep(0.05)
+        time.sleep(2)
         assert proc.poll() is None, proc.stderr.read()
         sent = time.monotonic()
         proc.send_signal(signum)
