@@ -411,6 +411,13 @@ def every_table(wh) -> dict[str, pl.DataFrame]:
     return {table: wh.read(table) for table in sorted(TABLES)}
 
 
+def tables_unchanged(wh, before: dict[str, pl.DataFrame]) -> bool:
+    """Whether every table of `wh` holds the rows it held in `before` (an `every_table` of it), read once: reading
+    the warehouse again for each table read it 29 times over."""
+    now = every_table(wh)
+    return all(now[table].equals(rows) for table, rows in before.items())
+
+
 def write_tiny_meds(root: Path, events: pl.DataFrame | None = None) -> Path:
     from warehouse.meds import write_data_shard, write_metadata
 

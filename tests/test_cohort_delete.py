@@ -17,8 +17,8 @@ from dxr.errors import InputError, NotFoundError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
 from tests.conftest import (cli, cut_cohort_builds_short, empty_partition_dirs, every_table, fail_a_forecast,
-                            keep_lock_files, kill_a_delete, lock_files, plant, tiny_events, warehouse_copy,
-                            with_vocabularies, write_tiny_meds)
+                            keep_lock_files, kill_a_delete, lock_files, plant, tables_unchanged, tiny_events,
+                            warehouse_copy, with_vocabularies, write_tiny_meds)
 from warehouse.cohort_deletion import COHORT_TABLES, delete_cohort
 from warehouse.cohorts import CohortOptions, build_cohort, describe_cohort
 from warehouse.datasets import ingest_meds
@@ -176,7 +176,7 @@ def test_a_cohort_with_runs_is_refused_without_with_runs_and_the_dry_run_changes
     assert "would remove reports/r-old/" in out
 
     assert sorted(str(p.relative_to(wh.root)) for p in wh.root.rglob("*") if ".locks" not in p.parts) == files
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
 
 
 def test_a_cohort_without_runs_goes_with_its_own_rows_only(wh_vocab, tiny_meds):
@@ -239,7 +239,7 @@ def test_a_half_built_cohort_goes_by_its_name_or_id_with_its_builds_and_on_reque
     assert counted == {table: rows.filter(belongs(rows, cohort_id, ["r1"])).height
                        for table, rows in before.items() if rows.filter(belongs(rows, cohort_id, ["r1"])).height}
     assert counted["runs"] == 3  # both builds and the forecast
-    assert all(every_table(wh_vocab)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh_vocab, before)
 
     # Killed after its commit point: the rerun, by the name, finishes it as for a built cohort.
     kill_a_delete(monkeypatch, 0)
@@ -282,7 +282,7 @@ def test_a_delete_killed_midway_leaves_the_cohort_whole_or_gone_and_a_rerun_fini
     monkeypatch.undo()
 
     if stop_after is None:  # whole: every row as it was, and the delete simply runs again
-        assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+        assert tables_unchanged(wh, before)
         code, out, err = cli(wh.root, "cohort", "delete", old, "--with-runs")
         assert (code, err) == (0, "")
         assert out.startswith(f"cohort {described}: removed 1 run(s) (r-old) and these rows:\n")

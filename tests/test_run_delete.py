@@ -14,7 +14,7 @@ from dxr.errors import InputError
 from flows.forecast import forecast_flow
 from tasks.evaluate import evaluate_repeated, evaluate_run
 from tests.conftest import (cli, empty_partition_dirs, every_table, fail_a_forecast, keep_lock_files, kill_a_delete,
-                            lock_files, plant, warehouse_copy, with_vocabularies, write_tiny_meds)
+                            lock_files, plant, tables_unchanged, warehouse_copy, with_vocabularies, write_tiny_meds)
 from warehouse.cohorts import CohortOptions, build_cohort
 from warehouse.datasets import ingest_meds
 from warehouse.locks import held, lock_file
@@ -116,7 +116,7 @@ def test_the_dry_run_changes_nothing(two_runs):
     assert counted == {table: before[table].filter(pl.col("run_id") == "r2").height for table in RUN_TABLES}
     assert out.endswith("would remove reports/r2/\n")
     assert files(wh) == on_disk
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
 
 
 def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_runs):
@@ -131,7 +131,7 @@ def test_a_run_that_a_mean_averages_is_refused_until_the_mean_is_deleted(two_run
     assert err == ("Error: run 'r1' is averaged by the mean(s) over repeated runs mean-12: delete each of them first "
                    "(`dxr run delete MEAN_ID`, which removes the mean's own rows only), then the run "
                    "(usage: dxr run delete -h)\n")
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
 
     code, out, err = cli(wh.root, "run", "delete", "mean-12")
     assert (code, err) == (0, "")
@@ -156,7 +156,7 @@ def test_a_cohorts_build_and_a_datasets_ingest_are_not_deleted_as_runs(two_runs)
         code, out, err = cli(wh.root, "run", "delete", run_id)
         assert (code, out) == (2, ""), err
         assert err.startswith(f"Error: run {run_id!r} is a {kind} run, not a forecast or an evaluation")
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
 
 
 def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_cohorts_delete(two_runs):
@@ -172,7 +172,7 @@ def test_a_run_id_holding_results_and_a_record_is_refused_naming_both_and_its_co
                    "`dxr run delete` deletes results only, and a record goes with what it made, so this run goes only "
                    f"with its cohort default, every run on it included: `dxr cohort delete {cohort_id} --with-runs` "
                    "(--dry-run first shows what goes) (usage: dxr run delete -h)\n")
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
     code, out, err = cli(wh.root, "cohort", "delete", cohort_id, "--with-runs")  # the way out it names
     assert (code, err) == (0, ""), err
     assert not wh.has_rows("runs", run_id="r1") and not wh.has_rows("rankings", run_id="r1")
@@ -184,7 +184,7 @@ def test_an_unknown_run_is_not_found(two_runs):
     code, out, err = cli(wh.root, "run", "delete", "r3")
     assert (code, out) == (1, "")
     assert err == f"Error: no run 'r3' in the warehouse at {wh.root}: list the runs with dxr run list\n"
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
 
 
 @pytest.mark.parametrize("stop_after", [None, 0, 1])
@@ -200,7 +200,7 @@ def test_a_delete_killed_midway_leaves_the_run_whole_or_gone_and_a_rerun_finishe
     monkeypatch.undo()
 
     if stop_after is None:  # whole: every row as it was, and the delete simply runs again
-        assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+        assert tables_unchanged(wh, before)
         code, out, err = cli(wh.root, "run", "delete", "r1")
         assert (code, err) == (0, "")
         assert out.startswith("run r1 (evaluate, forecast:global_frequency, forecast:repeat_history) of cohort ")
@@ -241,7 +241,7 @@ def test_a_run_in_use_is_not_deleted(two_runs):
                                          r"forecast:repeat_history\) and the record of what a command made "
                                          r"\(train:ehr_prior\)"):
         delete_run(wh, "r1", dry_run=True)
-    assert every_table(wh)["rankings"].equals(before["rankings"])
+    assert wh.read("rankings").equals(before["rankings"])
 
 
 def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(two_runs):
@@ -266,7 +266,7 @@ def test_a_results_run_id_is_no_id_for_a_build_nor_a_builds_id_for_a_forecast(tw
     with pytest.raises(InputError, match="^run id 'r2' already holds results"):  # what the flows' runs go through
         with registered_run(wh, "train:ehr_prior", {}, run_id="r2", cohort_id=cohort_id):
             pass
-    assert all(every_table(wh)[table].equals(rows) for table, rows in before.items())
+    assert tables_unchanged(wh, before)
     code, _, err = cli(wh.root, "run", "delete", "r1")
     assert code == 0, err
 
