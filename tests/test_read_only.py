@@ -98,11 +98,14 @@ def writable(root: Path) -> None:
         path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWUSR)
 
 
-@pytest.fixture
-def snapshot(tmp_path):
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
     """A read-only copy, at another path, of a warehouse with an evaluated run, a registered prior and a run that was
-    killed (its marker and record lock file left behind), and the copy's files before any command ran."""
-    prod, copy = tmp_path / "prod", tmp_path / "snapshot"
+    killed (its marker and record lock file left behind), and the copy's files before any command ran.
+
+    Built once for the module: its tests only read it, each checks that it changed no file of it."""
+    root = tmp_path_factory.mktemp("read_only")
+    prod, copy = root / "prod", root / "snapshot"
     wh = Warehouse(prod)
     cohort = write_planted_cohort(wh, n_patients=60, seed=4)
     train_prior(str(prod), cohort, "ehr_prior", TINY_PRIOR)
