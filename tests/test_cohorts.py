@@ -846,7 +846,8 @@ def test_a_build_killed_by_sigkill_is_said_killed_and_the_command_named_builds_i
 
     from warehouse.datasets import create_synthetic
 
-    create_synthetic(wh_vocab, "synthetic", 300, seed=7)
+    # 100 patients: the claim is about the kill, not the size, and each in-process build of 300 took seconds more.
+    create_synthetic(wh_vocab, "synthetic", 100, seed=7)
     built = build_cohort(wh_vocab, "synthetic", "default", CohortOptions(), seed=7)
     trajectories = wh_vocab.read("trajectories", cohort_id=built["cohort_id"])
     # The clone's own code (`-m` from its root), with an oracle slow enough (about 10 s) to be killed in.
@@ -854,7 +855,7 @@ def test_a_build_killed_by_sigkill_is_said_killed_and_the_command_named_builds_i
                               "--dataset", "synthetic", "--name", "default", "--run-id", "killed"],
                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "DXR_SEED": "7", "DXR_SYNTH__ORACLE_DRAWS": "2000"})
+                             env={**os.environ, "DXR_SEED": "7", "DXR_SYNTH__ORACLE_DRAWS": "6000"})
     try:
         # Its last step before the oracles: the cohort is unregistered and its records rewritten.
         for line in build.stderr:
