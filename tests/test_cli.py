@@ -1033,13 +1033,21 @@ def test_a_signal_stops_a_long_duckdb_query_at_once(tmp_path, signum, exit_code,
                              "SELECT sum(hash(range)) FROM range(1000000000000)"],  # hours if not stopped
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        # DuckDB is loaded just before the connection opens and the query starts (0.3 s later on a quiet machine):
-        # then 2 s more is well into the query, where a fixed 8 s from the start waited mostly for nothing.
+        # Well into the query: once DuckDB is loaded (the query starts 0.3 s later on a quiet machine), the process
+        # has spent 2 s more of CPU, which its start-up after that point does not come near on a loaded machine
+        # either. A fixed 8 s from the start waited mostly for nothing.
+        def cpu_seconds() -> float:
+            utime, stime = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+            return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
         deadline = time.monotonic() + 60
         while "duckdb" not in Path(f"/proc/{proc.pid}/maps").read_text() and proc.poll() is None:
             assert time.monotonic() < deadline, "dxr sql never loaded DuckDB"
             time.sleep(0.05)
-        time.sleep(2)
+        loaded = cpu_seconds()
+        while cpu_seconds() < loaded + 2 and proc.poll() is None:
+            assert time.monotonic() < deadline, "dxr sql's query never ran"
+            time.sleep(0.05)
         assert proc.poll() is None, proc.stderr.read()
         sent = time.monotonic()
         proc.send_signal(signum)
