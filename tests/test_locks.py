@@ -316,11 +316,13 @@ def test_a_forecast_of_a_cohort_being_built_says_so(wh_vocab, tiny_meds):
             get_cohort(wh_vocab, "nightly")
 
 
-def _registered_run_in_another_process(wh, run_id: str) -> subprocess.Popen:
-    """A `dxr`-like process inside a registered cohort run, waiting to be killed."""
+def _registered_run_in_another_process(wh, run_id: str, kind: str = "cohort", config: dict | None = None,
+                                       cohort_id: str | None = None) -> subprocess.Popen:
+    """A `dxr`-like process inside a registered run (a cohort build unless told), waiting to be killed."""
+    config = {"name": "nightly"} if config is None else config
     holder = subprocess.Popen([sys.executable, "-c", (
         "import time; from warehouse.store import Warehouse; from warehouse.runs import registered_run\n"
-        f"with registered_run(Warehouse({str(wh.root)!r}), 'cohort', {{'name': 'nightly'}}, {run_id!r}):\n"
+        f"with registered_run(Warehouse({str(wh.root)!r}), {kind!r}, {config!r}, {run_id!r}, {cohort_id!r}):\n"
         "    print('running', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "running"
     return holder
@@ -553,11 +555,7 @@ def _forecast_killed_by_sigkill(wh, run_id: str) -> subprocess.Popen:
     """A `dxr forecast`-like process inside its registered run, SIGKILLed as the out-of-memory killer ends one."""
     import signal
 
-    doomed = subprocess.Popen([sys.executable, "-c", (
-        "import time; from warehouse.store import Warehouse; from warehouse.runs import registered_run\n"
-        f"with registered_run(Warehouse({str(wh.root)!r}), 'forecast:repeat_history', {{}}, {run_id!r}, 'c0123'):\n"
-        "    print('running', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    assert doomed.stdout.readline().strip() == "running"
+    doomed = _registered_run_in_another_process(wh, run_id, "forecast:repeat_history", {}, "c0123")
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(timeout=30)
     return doomed
