@@ -28,8 +28,8 @@ demo: install
 	$(BIN)/dxr demo
 
 # Two pytest workers (pytest-xdist), each given whole test files so that a module's fixtures are built once: on 2
-# cores the suite took 13 min 16 s against 25 min 42 s in one process (2026-12-07). Each worker starts its own Prefect
-# test server, so workers beyond the cores would add memory and contention, not speed.
+# cores the suite took 13-19 min on 2026-12-07, by how busy the host was, against 23-26 min in one process the same
+# day. Each worker starts its own Prefect test server, so workers beyond the cores add memory and contention, not speed.
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
