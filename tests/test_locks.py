@@ -568,7 +568,8 @@ def _killed_note(wh, run_id: str, doomed: subprocess.Popen) -> str:
     return (f"note: run {run_id} (forecast:repeat_history, cohort c0123; pid {doomed.pid} on {socket.gethostname()}, "
             f"started {started:%Y-%m-%d %H:%M:%S} UTC) ended without recording how: it was killed (SIGKILL, most "
             "often by the out-of-memory killer when the machine or its container ran short of memory; see "
-            "docs/benchmarks.md#memory), and is now `killed` in `runs`; to finish it, rerun the command that started "
+            "docs/benchmarks.md#memory) or failed unable to record it (a full disk; its own output said why), and is "
+            "now `killed` in `runs`; to finish it, rerun the command that started "
             f"it, or Retry its flow run (under its run id, `--run-id {run_id}`, it resumes where it stopped)")
 
 
@@ -631,8 +632,8 @@ def test_a_killed_run_recorded_before_host_and_pid_were_is_told_without_them(wh,
     assert capsys.readouterr().err == (
         "note: run old-2 (synth; started 2026-12-01 03:04:05 UTC) ended without recording how: it was killed "
         "(SIGKILL, most often by the out-of-memory killer when the machine or its container ran short of memory; see "
-        "docs/benchmarks.md#memory), and is now `killed` in `runs`; to finish it, rerun the command that started it, "
-        "or Retry its flow run\n")
+        "docs/benchmarks.md#memory) or failed unable to record it (a full disk; its own output said why), and is now "
+        "`killed` in `runs`; to finish it, rerun the command that started it, or Retry its flow run\n")
 
 
 @pytest.mark.parametrize("run_id", ["demo-20261207T051229-a1b2c3", "demo-20261207T051229-a1b2c3-llm"])

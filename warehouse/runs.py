@@ -302,7 +302,8 @@ def killed_note(row: dict) -> str:
                    else f" (under its run id, `--run-id {row['run_id']}`, it resumes where it stopped)")
     return (f"run {row['run_id']} ({row['kind']}{cohort}; {process}started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC) "
             "ended without recording how: it was killed (SIGKILL, most often by the out-of-memory killer when the "
-            "machine or its container ran short of memory; see docs/benchmarks.md#memory), and is now `killed` in "
+            "machine or its container ran short of memory; see docs/benchmarks.md#memory) or failed unable to record "
+            "it (a full disk; its own output said why), and is now `killed` in "
             f"`runs`; {finish}")
 
 
