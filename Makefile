@@ -31,7 +31,8 @@ demo: install
 # cores the suite took 13-19 min on 2026-12-07, by how busy the host was, against 23-26 min in one process the same
 # day. The suite is CPU-bound: a third worker took 1,329 s against two's 1,397 s back to back, within the noise.
 # Files go in collection order (alphabetical): xdist's default hands out the files with the most tests first, which
-# leaves test_demo.py (one long test) to run alone at the end; replaying measured per-file times, 1,173 s against 1,083.
+# leaves test_demo.py (with its one long test) to run alone at the end: replaying one run's per-file times on two
+# workers gave 1,173 s in xdist's order against 1,083 s in this one.
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
