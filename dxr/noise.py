@@ -23,10 +23,13 @@ from collections.abc import Callable
 # itself (`tasks.prior.epoch_reporter`), so "stopped: max_epochs reached" repeats its last epoch line; a fit
 # stopped for another reason still says so. `rank_zero_info` logs through the logger of whichever of Lightning's
 # rank_zero modules was imported last: importing `mlflow.pytorch` (to log or load a model) imports the standalone
-# `pytorch_lightning`, so every later fit in the process logs through its loggers.
+# `pytorch_lightning`, so every later fit in the process logs through its loggers. A training that continues from its
+# resume checkpoint says so in its own line, naming the checkpoint and the epoch (`models.prior.train`), which
+# Lightning's two lines on restoring it repeat.
 LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                      "pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
-LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_epochs=")
+LIGHTNING_INFO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_epochs=",
+                  "Restoring states from the checkpoint path at ", "Restored all states from the checkpoint at ")
 
 # MLflow warns at every `log_model` that a pickled model runs code when loaded. dxr pickles on purpose
 # (`models.prior.train`), and 'pt2' is no drop-in: the forecaster calls the network with `last_only=True` and

@@ -23,6 +23,7 @@ from dxr.errors import InputError, NotFoundError
 from models.prior import tracking
 from models.prior.config import PriorConfig, check_model_version, check_prior_system, check_prior_systems
 from tasks import stage_logger
+from warehouse.checkpoints import remove_training_checkpoint, training_checkpoint
 from warehouse.cohorts import get_cohort, outdated_cut_note, reading_cohort, rebuild_command
 from warehouse.runs import registered_run
 from warehouse.schemas import NON_RUN_TABLES
@@ -40,9 +41,13 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
 
     A run id whose training of `system` already finished with the same settings, and whose version is
     still registered, returns that training instead of repeating it (see `finished_training`); one whose
-    earlier attempt registered a version and then failed takes that version (`registered_training`).
+    earlier attempt registered a version and then failed takes that version (`registered_training`). A given run id's
+    training writes a resume checkpoint after each finished epoch (`warehouse.checkpoints`), and an earlier attempt
+    of the same training (settings and cohort build) killed or failed is continued after its last finished epoch;
+    the checkpoint goes once the training is recorded finished. A generated run id is new: nothing to continue.
     """
-    from models.prior.train import TrainResult, registered_training, train_prior_model  # Lightning is slow to import
+    from models.prior.train import (CheckpointPlace, TrainResult, registered_training,  # Lightning is slow to import
+                                    train_prior_model)
 
     check_prior_system(system)  # before the run is registered: a typo is no failed training
     wh = Warehouse(data_dir)
@@ -52,6 +57,7 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
         if run_id is not None and (done := finished_training(wh, run_id, config)) is not None:
             stage_logger(__name__).info("%s: already trained in run %s (registered %s v%s), not trained again",
                                         system, run_id, done["registered_model"], done["version"])
+            remove_training_checkpoint(wh.root, run_id, system)  # left by a process killed just after recording it
             return TrainResult(**done)
         if outdated := outdated_cut_note(wh, cohort_row):
             # Training reads the train patients' full records, which no cut rule changes, but selects its epoch on
@@ -72,10 +78,15 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
                 stage_logger(__name__).info("%s: an earlier attempt of run %s registered %s v%s, not trained again",
                                             system, run.run_id, result.registered_model, result.version)
             else:
+                # The cohort's build too: one built again under its id holds other records.
+                checkpoint = None if run_id is None else CheckpointPlace(
+                    training_checkpoint(wh.root, run_id, system),
+                    {**identity, "dxr.cohort_built_at": cohort_row["created_at"].isoformat()})
                 result = train_prior_model(wh.connect(tables=NON_RUN_TABLES), cohort_id, system, cfg, wh.root,
                                            progress=progress, report_epoch=epoch_reporter(system, cfg.epochs),
-                                           identity=identity, log=stage_logger(__name__).info)
+                                           identity=identity, log=stage_logger(__name__).info, checkpoint=checkpoint)
             run.config = {**config, "result": asdict(result)}
+        remove_training_checkpoint(wh.root, run.run_id, system)
     return result
 
 

@@ -27,7 +27,7 @@ def printed(logger_name: str, level: int, messages: list[str]) -> list[str]:
     return lines.lines
 
 
-def test_only_lightnings_hardware_advert_and_max_epochs_lines_are_dropped():
+def test_only_lightnings_hardware_advert_max_epochs_and_checkpoint_restoring_lines_are_dropped():
     # The standalone packages' loggers too: once `mlflow.pytorch` is imported, a fit logs through them.
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
@@ -35,8 +35,9 @@ def test_only_lightnings_hardware_advert_and_max_epochs_lines_are_dropped():
             "GPU available: False, used: False", "TPU available: False, using: 0 TPU cores",
             "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]",
             "`Trainer.fit` stopped: `max_epochs=8` reached.", "`Trainer.fit` stopped: `max_steps=3` reached.",
-            "Restoring states from the checkpoint path at /tmp/x.ckpt"]) == [
-            "`Trainer.fit` stopped: `max_steps=3` reached.", "Restoring states from the checkpoint path at /tmp/x.ckpt"]
+            "Restoring states from the checkpoint path at /tmp/x.ckpt",
+            "Restored all states from the checkpoint at /tmp/x.ckpt", "Loading `train_dataloader` to estimate"]) == [
+            "`Trainer.fit` stopped: `max_steps=3` reached.", "Loading `train_dataloader` to estimate"]
     # Another Lightning logger is untouched, even with the same words.
     assert printed("lightning.pytorch.trainer", logging.INFO, ["GPU available: False"]) == ["GPU available: False"]
 

@@ -3,7 +3,8 @@
 What belongs to a cohort is read off the schemas, so a table added later is not forgotten: every table
 partitioned by `cohort_id` first (its row, Ω, trajectories, records, targets, oracles), its `prediction_cache`
 entries (keyed by a digest whose inputs name the cohort), the `runs` rows recorded on it, and the cohort's
-copies of its priors under `<data_dir>/mlflow/cache`. The runs whose results are on the cohort (forecasts and
+copies of its priors under `<data_dir>/mlflow/cache` and the resume checkpoints its priors' trainings left under
+`<data_dir>/mlflow/checkpoints` (`warehouse.checkpoints`). The runs whose results are on the cohort (forecasts and
 evaluations, means over repeated runs included) go only with `with_runs`, and then with every table partitioned
 by `run_id` first and their reports in the default place (`<data_dir>/reports/<run_id>`). The rows of its build,
 its priors' trainings and their promotions in `runs` are the cohort's own record and go with it.
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import polars as pl
 
 from dxr.errors import InputError, NotFoundError
+from warehouse.checkpoints import CHECKPOINTS_DIR, remove_emptied_checkpoint_dirs, training_checkpoint
 from warehouse.cohorts import describe_cohort, get_cohort, unregistered_build
 from warehouse.deletion import INTERRUPTED_DONE, Removal, finish_interrupted, run_locks
 from warehouse.locks import held, remove_unheld
@@ -118,6 +120,11 @@ def plan_deletion(wh: Warehouse, cohort: dict) -> CohortDeletion:
         plan.add(wh, "prediction_cache", system=system, cache_key=cache_key)
     # `{system}-{cohort_id}` (`models.prior.tracking.download_model`): the cohort's copies of its priors.
     plan.directories += sorted(p for p in (wh.root / "mlflow" / "cache").glob(f"*-{cohort_id}") if p.is_dir())
+    # The resume checkpoints its priors' trainings left (killed or failed: a finished one removes its own).
+    trainings = [(run_id, kind.removeprefix("train:")) for run_id, kind in recorded.iter_rows()
+                 if kind.startswith("train:")]
+    plan.directories += [path.parent for run_id, system in trainings
+                         if (path := training_checkpoint(wh.root, run_id, system)).parent.is_dir()]
     plan.registered_models = registered_models(cohort_id, recorded["kind"])
     plan.killed_trainings = fetch_frame(
         registry, "SELECT run_id, kind, config_json FROM runs WHERE cohort_id = ? AND starts_with(kind, 'train:') "
@@ -195,9 +202,12 @@ def delete_cohort(wh: Warehouse, name_or_id: str, *, with_runs: bool, dry_run: b
                                          busy=f"run {run_id!r} of cohort {label} is being forecast, evaluated or "
                                               "reported by another dxr process"))
         if not dry_run:
+            checkpoints = wh.root / CHECKPOINTS_DIR
             if plan.killed_trainings and end_killed_trainings is not None:
                 end_killed_trainings(plan.killed_trainings)
             plan.remove(wh)  # the lock files of the cohort and its runs, held here, go as they are released
+            for run_id in {path.parent.name for path in plan.directories if path.parent.parent == checkpoints}:
+                remove_emptied_checkpoint_dirs(wh.root, run_id)
     return plan
 
 

@@ -23,6 +23,7 @@ from dxr import __version__
 from dxr.config import DEFAULT_CONFIG_FILE
 from dxr.errors import InputError, NotFoundError
 from dxr.notes import note
+from warehouse.checkpoints import training_checkpoint
 from warehouse.locks import held, lock_held
 from warehouse.schemas import TABLES, utc_now
 from warehouse.scratch import UNWRITABLE, naming, remove_abandoned, scratch
@@ -270,7 +271,9 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
                     wh.write("runs", current.with_columns(pl.lit("killed").alias("status")), run_id=run_id, kind=kind)
                     killed.append((run_id, kind))
                     # Said here, by the one process that rewrote the row: the killed process could say nothing.
-                    note(killed_note(current.row(0, named=True)))
+                    row = current.row(0, named=True)
+                    note(killed_note(row, checkpointed=kind.startswith("train:") and training_checkpoint(
+                        wh.root, run_id, kind.removeprefix("train:")).is_file()))
                 marker.unlink(missing_ok=True)
         except InputError:  # taken since by a run of that id and kind, or not to be taken by this process
             continue
@@ -286,20 +289,25 @@ def mark_killed(wh: Warehouse) -> list[tuple[str, str]]:
 DEMO_RUN_ID = re.compile(r"(demo-\d{8}T\d{6}-[0-9a-f]{6})(-llm)?")
 
 
-def killed_note(row: dict) -> str:
+def killed_note(row: dict, checkpointed: bool = False) -> str:
     """What the user is told of a run found killed (`mark_killed`), from its `runs` row: which run, what ended it and
-    how to finish it."""
+    how to finish it; `checkpointed` for a prior's training that left a resume checkpoint (`warehouse.checkpoints`)."""
     cohort = f", cohort {row['cohort_id']}" if row["cohort_id"] else ""
     # A row recorded before the registry had `host` and `pid` (a `running` row indexed since) has neither.
     process = f"pid {row['pid']} on {row['host']}, " if row["pid"] is not None and row["host"] else ""
     finish = "to finish it, rerun the command that started it, or Retry its flow run"
-    # A forecast keeps the lists it wrote and goes on from there under its run id; the other kinds do their work
-    # again (a training keeps the systems it finished only under its own run id, which the demo, say, does not pass:
-    # naming it would send the user to a command that refuses it).
+    # A forecast keeps the lists it wrote and goes on from there under its run id; a training that left a resume
+    # checkpoint continues after its last finished epoch under its run id (`tasks.prior.train_prior` writes one only
+    # for a run id it was given: `--run-id`, a `train_prior` flow run's, which its Retry keeps, or a backfill's
+    # `<id>-refresh`); the other kinds do their work again (a training keeps the systems it finished only under its
+    # own run id, which the demo, say, does not pass, so its training leaves no checkpoint: naming its run id would
+    # send the user to a command that trains from the first epoch all the same).
     if row["kind"].startswith("forecast:"):
         demo = DEMO_RUN_ID.fullmatch(row["run_id"])
         finish += (f" (`dxr demo --run-id {demo[1]}` resumes its forecasts)" if demo
                    else f" (under its run id, `--run-id {row['run_id']}`, it resumes where it stopped)")
+    elif checkpointed:
+        finish += f" (under its run id, `--run-id {row['run_id']}`, it continues from its last finished epoch)"
     return (f"run {row['run_id']} ({row['kind']}{cohort}; {process}started {row['started_at']:%Y-%m-%d %H:%M:%S} UTC) "
             "ended without recording how: it was killed (SIGKILL, most often by the out-of-memory killer when the "
             "machine or its container ran short of memory; see docs/benchmarks.md#memory) or failed unable to record "

@@ -113,6 +113,11 @@ class LengthBucketBatches(Sampler[list[int]]):
     def __len__(self) -> int:
         return -(-len(self.lengths) // self.batch_size)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch `epoch`'s: a fit resumed after epoch k (`models.prior.train.EpochCheckpoint`)
+        makes the sampler anew, which would otherwise count from 0."""
+        self.epoch = epoch
+
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         self.epoch += 1

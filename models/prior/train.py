@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 import resource
 import sys
 import tempfile
@@ -13,13 +15,14 @@ from pathlib import Path
 
 import duckdb
 import lightning as L
+import numpy as np
 import torch
 
 from models.prior import tracking
 from models.prior.config import ARCHS, PriorConfig, check_prior_system
 from models.prior.lit import PriorDataModule, PriorModule
 from models.prior.nn import NetConfig, PriorNet, init_output_bias, init_weights, n_parameters
-from warehouse.scratch import naming
+from warehouse.scratch import naming, remove_abandoned, scratch
 
 mlflow = tracking.mlflow
 SELECTION_METRIC = "val_recall_at_20"  # tuning R@20 picks the epoch whose weights are registered
@@ -71,6 +74,16 @@ class MlflowEpochLogger(L.Callback):
         if self.report is not None:
             self.report(trainer.current_epoch, metrics, time.perf_counter() - self.started)
 
+    def state_dict(self) -> dict:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The epochs an earlier attempt finished (`EpochCheckpoint`): logged again with their steps, so the MLflow
+        run of the training that continues them holds every epoch."""
+        self.history = state["history"]
+        for epoch, metrics in enumerate(self.history):
+            mlflow.log_metrics(metrics, step=epoch)
+
 
 # Within an epoch, training logs how many batches it has done at most this often when no bar shows them: an epoch at
 # 100,000 patients takes minutes, a line per batch would flood the log.
@@ -119,14 +132,104 @@ class KeepBestEpoch(L.Callback):
         if self.state is not None:
             module.net.load_state_dict(self.state)
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "value": self.value, "state": self.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.value, self.state = state["epoch"], state["value"], state["state"]
+
+
+# The key of a resume checkpoint that holds what dxr adds to Lightning's own (`EpochCheckpoint`).
+RESUME_KEY = "dxr"
+
+
+@dataclass
+class CheckpointPlace:
+    """Where a training writes its resume checkpoint after each finished epoch, and the identity (its MLflow tags:
+    dxr run, settings digest, and the build of its cohort) that makes a checkpoint found there its own."""
+
+    path: Path
+    identity: dict[str, str]
+
+
+def rng_states() -> dict:
+    """The global random generators' states: torch's (dropout draws from it), Python's and numpy's (numpy's key as a
+    list, so the checkpoint loads with `weights_only`)."""
+    numpy = np.random.get_state(legacy=False)
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {**numpy, "state": {**numpy["state"], "key": numpy["state"]["key"].tolist()}}}
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    numpy = states["numpy"]
+    np.random.set_state({**numpy, "state": {**numpy["state"], "key": np.array(numpy["state"]["key"], np.uint32)}})
+
+
+class EpochCheckpoint(L.Callback):
+    """After each finished epoch (its validation and `KeepBestEpoch`'s choice included: this callback comes last),
+    writes Lightning's full checkpoint (weights, optimizer, loop state, the callbacks' state: the best epoch's
+    weights and value, the metric history) with the global random generators' states, the training seconds so far
+    (`carried` from earlier attempts plus this one's since `started`) and the identity it belongs to.
+
+    Written beside its place under a scratch name and renamed over it: a kill while writing leaves the previous
+    checkpoint, or none, never part of one. It reads the clock and the generators' states only: no tensor changes, no
+    random draw, so the training is the one it would be without it.
+
+    A fit resumed from such a checkpoint gets the generators back as it restores the checkpoint, before anything
+    draws from them (nothing draws between the end of one epoch and the next epoch's data loader iterator), and
+    starts the batch sampler at its first epoch: a sampler made anew counts its epochs from 0.
+    """
+
+    def __init__(self, place: CheckpointPlace, carried: float, started: float, mlflow_run_id: str):
+        self.place, self.carried, self.started, self.mlflow_run_id = place, carried, started, mlflow_run_id
+        self.resumed = False
+
+    def on_train_epoch_start(self, trainer: L.Trainer, module: PriorModule) -> None:
+        if self.resumed:
+            trainer.train_dataloader.batch_sampler.set_epoch(trainer.current_epoch)
+            self.resumed = False
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
+        remove_abandoned(self.place.path)  # what a write killed midway left
+        with scratch(self.place.path, "tmp") as tmp, naming(self.place.path):
+            trainer.save_checkpoint(tmp, weights_only=False)  # the full checkpoint: optimizer and loops too
+            os.replace(tmp, self.place.path)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, module: PriorModule, checkpoint: dict) -> None:
+        checkpoint[RESUME_KEY] = {"identity": self.place.identity, "epochs": trainer.current_epoch + 1,
+                                  "seconds": self.carried + time.perf_counter() - self.started,
+                                  "mlflow_run_id": self.mlflow_run_id, "rng": rng_states()}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, module: PriorModule, checkpoint: dict) -> None:
+        # Here, before the fit makes its first epoch's data loader iterator, which draws its base seed from the torch
+        # generator: a fit's first iterator is made before its first epoch starts, the later ones after.
+        set_rng_states(checkpoint[RESUME_KEY]["rng"])
+        self.resumed = True
+
+
+def read_checkpoint(place: CheckpointPlace) -> dict | None:
+    """What dxr added to the resume checkpoint at `place` (`EpochCheckpoint`) when it is this training's; None when
+    there is none there, or one of another training (other settings, another build of the cohort) or unreadable."""
+    if not place.path.is_file():
+        return None
+    try:
+        resume = torch.load(place.path, map_location="cpu", weights_only=True)[RESUME_KEY]
+    except Exception:  # whatever keeps it from loading (damaged, another format): no checkpoint to continue
+        return None
+    return resume if resume["identity"] == place.identity else None
+
 
 def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks: list[L.Callback] = (),
-                progress: bool = False,
-                log: Callable[[str], None] | None = None) -> tuple[PriorNet, NetConfig, int | None]:
+                progress: bool = False, log: Callable[[str], None] | None = None,
+                checkpoint: EpochCheckpoint | None = None,
+                resume: bool = False) -> tuple[PriorNet, NetConfig, int | None]:
     """Seeded Lightning fit of a fresh network on a set-up data module.
 
     With `progress` Lightning's bar shows the batches on a terminal; otherwise `log` receives a line at most every
-    PROGRESS_SECONDS within an epoch (`BatchProgress`).
+    PROGRESS_SECONDS within an epoch (`BatchProgress`). `checkpoint` writes a resume checkpoint after each finished
+    epoch; with `resume` the fit continues from the one at its place, as the fit that wrote it would have gone on.
 
     Returns the network in eval mode, its config and the epoch whose weights it holds (0-based;
     None when `keep_best_epoch` is off or there was nothing to validate on: the last epoch).
@@ -150,8 +253,10 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     trainer = L.Trainer(max_epochs=cfg.epochs, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=show_bar, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, limit_val_batches=None if len(data.val_set) else 0,
-                        callbacks=[*callbacks, *batches, *([best] if best else [])])
-    trainer.fit(PriorModule(net, cfg), datamodule=data)
+                        callbacks=[*callbacks, *batches, *([best] if best else []),
+                                   *([checkpoint] if checkpoint else [])])
+    trainer.fit(PriorModule(net, cfg), datamodule=data, ckpt_path=checkpoint.place.path if resume else None,
+                weights_only=True)
     return net.eval(), net_cfg, best.epoch if best else None
 
 
@@ -161,7 +266,8 @@ RESULT_TAG = "dxr.result"
 
 def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: str, cfg: PriorConfig,
                       data_dir: str | Path, progress: bool = False, report_epoch: EpochReport | None = None,
-                      identity: dict[str, str] | None = None, log: Callable[[str], None] | None = None) -> TrainResult:
+                      identity: dict[str, str] | None = None, log: Callable[[str], None] | None = None,
+                      checkpoint: CheckpointPlace | None = None) -> TrainResult:
     """Fit on train patients, validate on tuning pre-target records, log and register the model.
 
     `log` receives one line when the training data is featurized: at 100,000 patients a log was otherwise silent for
@@ -170,6 +276,13 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
 
     `identity` (tags naming the training, `tasks.prior.training_identity`) goes on the MLflow run, so a retry
     of a training that registered its version and then failed finds that version (`registered_training`).
+
+    With `checkpoint` a resume checkpoint is written there after each finished epoch (`EpochCheckpoint`), and a
+    checkpoint of the same training found there (an earlier attempt killed or failed) is continued from: the
+    MLflow run logs the earlier epochs' metrics again and is tagged `dxr.resumed_after_epoch` (how many epochs
+    the checkpoint held) and `dxr.resumed_from_mlflow_run`. `train_seconds` is then the sum over the attempts of
+    the time each spent up to its last checkpoint (featurizing included), this one's whole: work a kill cut short
+    after a checkpoint is not counted.
     """
     net_config(system, cfg, 0, 0)  # unknown system: fail before touching MLflow
     tracking.use_tracking(data_dir, cfg.tracking_uri, cfg.experiment)
@@ -181,17 +294,30 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
             f"{len(data.val_set):,} tuning pairs featurized in {time.perf_counter() - started:.1f} s")
     epoch_logger = MlflowEpochLogger(report_epoch)
     name = tracking.registered_name(system, cohort_id)
+    resume = None if checkpoint is None else read_checkpoint(checkpoint)
+    if checkpoint is not None and resume is None and checkpoint.path.exists() and log is not None:
+        log(f"{system}: the checkpoint {checkpoint.path} is another training's (other settings, or another build of "
+            "the cohort) or does not load: not continued from, and replaced after the first epoch")
+    carried = 0.0 if resume is None else resume["seconds"]
     with (tracking.store_errors(f"recording the training of {name}"),
           mlflow.start_run(run_name=f"{system}-{cohort_id}") as run):
         mlflow.set_tags({"system": system, "cohort_id": cohort_id, "arch": ARCHS[system], **(identity or {})})
+        if resume is not None:
+            mlflow.set_tags({"dxr.resumed_after_epoch": resume["epochs"],
+                             "dxr.resumed_from_mlflow_run": resume["mlflow_run_id"]})
+            if log is not None:
+                log(f"{system}: continuing after epoch {resume['epochs']}/{cfg.epochs} from the checkpoint an "
+                    f"earlier attempt wrote ({checkpoint.path}; MLflow run {resume['mlflow_run_id']})")
         mlflow.log_params({**{f"prior.{k}": v for k, v in cfg.model_dump().items()},
                            "system": system, "cohort_id": cohort_id, "n_input_codes": data.vocab.n_input,
                            "n_output_codes": data.vocab.n_output, "n_train_sequences": len(data.train_set),
                            "n_val_pairs": len(data.val_set)})
         mlflow.log_dict(cfg.model_dump(), "prior_config.json")
-        net, net_cfg, best_epoch = fit_network(data, system, cfg, [epoch_logger], progress, log)
+        writer = None if checkpoint is None else EpochCheckpoint(checkpoint, carried, started, run.info.run_id)
+        net, net_cfg, best_epoch = fit_network(data, system, cfg, [epoch_logger], progress, log, writer,
+                                               resume=resume is not None)
         mlflow.log_param("n_parameters", n_parameters(net))
-        seconds = time.perf_counter() - started
+        seconds = carried + time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         selected = len(epoch_logger.history) - 1 if best_epoch is None else best_epoch
         summary = {"train_seconds": seconds, "train_patients_per_second": data.n_train_patients / seconds,
