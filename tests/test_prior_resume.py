@@ -205,3 +205,27 @@ def test_deleting_the_cohort_removes_the_checkpoints_of_its_trainings(tmp_path, 
     assert code == 0, err
     assert f"removed {checkpoint.parent.relative_to(wh.root)}/" in out.splitlines()
     assert not (tmp_path / CHECKPOINTS_DIR).exists()
+
+
+def test_a_training_that_failed_after_its_last_epoch_registers_the_same_model_without_training_again(
+        uninterrupted, tmp_path, monkeypatch):
+    """Every epoch finished, then registering the model failed (a full disk): the rerun trains no epoch and
+    registers what the uninterrupted training did."""
+    cohort, whole = uninterrupted
+    write_planted_cohort(Warehouse(tmp_path), n_patients=N_PATIENTS, seed=2)
+    with monkeypatch.context() as patched:
+        def full_disk(*args, **kwargs):
+            raise OSError("no space left on device")
+
+        patched.setattr(tracking.mlflow.pytorch, "log_model", full_disk)
+        with pytest.raises(OSError, match="no space left"):
+            train_prior(str(tmp_path), cohort, "ehr_prior", PriorConfig(**SETTINGS), run_id="last-1")
+    assert training_checkpoint(Warehouse(tmp_path).root, "last-1", "ehr_prior").is_file()
+
+    with prior_log_lines() as lines:
+        result = train_prior(str(tmp_path), cohort, "ehr_prior", PriorConfig(**SETTINGS), run_id="last-1")
+
+    assert epoch_lines(lines) == []
+    assert any(line.startswith("ehr_prior: continuing after epoch 3/3 ") for line in lines), lines
+    assert_same_training(fitted(tmp_path, result), whole)
+    assert not (tmp_path / CHECKPOINTS_DIR).exists()
