@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from dxr.cli import main, settings, valid
-from models.prior.config import ARCHS, MAX_SEED
+from dxr.errors import InputError
+from models.prior.config import ARCHS, MAX_SEED, PriorConfig
 
 PRIOR_SYSTEMS = tuple(ARCHS)
 
@@ -27,6 +28,8 @@ def prior() -> None:
               callback=valid.prior_systems, show_default=True,
               help="System(s) to train; repeat the option for several.")
 @click.option("--epochs", type=click.IntRange(min=1), default=None, help="Override setting prior.epochs.")
+@click.option("--patience", type=click.IntRange(min=1), default=None,
+              help="Override setting prior.patience: stop once N epochs in a row bring no better tuning R@20.")
 @click.option("--max-train-patients", type=click.IntRange(min=1), default=None,
               help="Train on at most N train patients (quick runs).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None, help="Override setting prior.seed.")
@@ -36,7 +39,7 @@ def prior() -> None:
               help="Run id to register (generated when absent); each system's training is recorded under it with "
                    "kind train:<system>.")
 @click.pass_context
-def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epochs: int | None,
+def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epochs: int | None, patience: int | None,
                 max_train_patients: int | None, seed: int | None, promote: bool | None, run_id: str | None) -> None:
     """Train on train patients, validate on tuning pre-target records, register in MLflow and set the alias.
 
@@ -44,6 +47,8 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     Example:
       dxr prior train --cohort default --system ehr_prior --system gru --epochs 4
     """
+    from pydantic import ValidationError
+
     from flows.api_server import start_temporary_api
     from flows.train_prior import train_prior_flow
     from warehouse.cohorts import get_cohort
@@ -51,10 +56,15 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     from warehouse.store import Warehouse
 
     s = settings(ctx)
-    overrides = {k: v for k, v in {"epochs": epochs, "max_train_patients": max_train_patients, "seed": seed,
-                                   "promote": promote}.items() if v is not None}
+    overrides = {k: v for k, v in {"epochs": epochs, "patience": patience, "max_train_patients": max_train_patients,
+                                   "seed": seed, "promote": promote}.items() if v is not None}
     cfg = s.prior.model_copy(update=overrides)
     # Check the inputs here, so a typo is one line and not a failed flow run with its log, after a server's start.
+    try:
+        PriorConfig.model_validate(cfg.model_dump())  # an option may clash with a setting (--patience)
+    except ValidationError as exc:
+        raise InputError(f"{exc.errors()[0]['msg'].removeprefix('Value error, ')} (the options of this command "
+                         "over the prior settings in force, which `dxr config show` prints)") from None
     wh = Warehouse(s.data_dir)
     get_cohort(wh, cohort, suggest_build=True)
     if run_id:
@@ -66,6 +76,9 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
         # No tuning record with two visits (the MIMIC-III demo's 2 tuning patients): no R@20, not "nan".
         validated = (f"no tuning pair to validate on (kept the last epoch, {epoch})" if recall is None
                      else f"val R@20 {recall:.3f} (epoch {epoch})")
+        # A training recorded before `epochs_trained` was (2026-12-07) trained every epoch: patience came with it.
+        if (trained := int(result['metrics'].get('epochs_trained', cfg.epochs))) < cfg.epochs:
+            validated += f", stopped early after epoch {trained}/{cfg.epochs}"
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; {validated}, "
                    f"{result['n_train_patients']} train patients in {result['train_seconds']:.0f} s "

@@ -59,6 +59,8 @@ class PriorConfig(SettingsModel):
     epochs: int = Field(8, ge=1)
     keep_best_epoch: bool = Field(True, description="register the weights of the epoch with the best tuning "
                                   "R@20 (the earliest on a tie) instead of the last epoch's")
+    patience: int | None = Field(None, ge=1, description="stop once this many epochs in a row bring no better "
+                                 "tuning R@20 than the best so far (needs keep_best_epoch); None = train every epoch")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -101,4 +103,11 @@ class PriorConfig(SettingsModel):
             raise ValueError(f"d_model {self.d_model} must be a multiple of n_heads {self.n_heads}")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k {self.top_k} cannot exceed n_experts {self.n_experts}")
+        return self
+
+    @model_validator(mode="after")
+    def _patience_keeps_best(self) -> PriorConfig:
+        if self.patience is not None and not self.keep_best_epoch:
+            raise ValueError(f"patience {self.patience} needs keep_best_epoch = true: a training stopped early "
+                             "registers its best epoch's weights, not those of the epochs after it")
         return self

@@ -111,22 +111,38 @@ class BatchProgress(L.Callback):
 
 
 class KeepBestEpoch(L.Callback):
-    """Remembers the weights of the epoch with the best tuning R@20 and restores them when fitting ends.
+    """Remembers the weights of the epoch with the best tuning R@20 and restores them when fitting ends; with
+    `patience`, ends the fit once that many epochs in a row have brought no better value.
 
     The earliest epoch wins a tie. Without labelled validation pairs (no tuning record with two visits,
-    or no label visit with an output code) there is nothing to select on and the last epoch's weights stay.
+    or no label visit with an output code) there is nothing to select on and the last epoch's weights stay, and
+    nothing stops the fit early.
     """
 
-    def __init__(self):
+    def __init__(self, patience: int | None = None):
+        self.patience = patience
         self.epoch: int | None = None
         self.value = float("-inf")
         self.state: dict[str, torch.Tensor] | None = None
+
+    def out_of_patience(self, last_epoch: int) -> bool:
+        """Whether the epochs after the best one, up to `last_epoch` (0-based), have used up the patience."""
+        return self.patience is not None and self.epoch is not None and last_epoch - self.epoch >= self.patience
+
+    def on_train_start(self, trainer: L.Trainer, module: PriorModule) -> None:
+        # A fit continued from a checkpoint whose epochs had used up the patience (`EpochCheckpoint`: the attempt
+        # that wrote it stopped there, then failed to register): it trains no epoch more. Lightning checks
+        # `should_stop` before each epoch, and keeps it in no checkpoint.
+        if self.out_of_patience(trainer.current_epoch - 1):
+            trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: PriorModule) -> None:
         value = module.epoch_metrics().get(SELECTION_METRIC)
         if value is not None and value > self.value:
             self.epoch, self.value = trainer.current_epoch, value
             self.state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+        if self.out_of_patience(trainer.current_epoch):
+            trainer.should_stop = True
 
     def on_fit_end(self, trainer: L.Trainer, module: PriorModule) -> None:
         if self.state is not None:
@@ -225,7 +241,8 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
                 progress: bool = False, log: Callable[[str], None] | None = None,
                 checkpoint: EpochCheckpoint | None = None,
                 resume: bool = False) -> tuple[PriorNet, NetConfig, int | None]:
-    """Seeded Lightning fit of a fresh network on a set-up data module.
+    """Seeded Lightning fit of a fresh network on a set-up data module: `cfg.epochs` epochs, fewer when
+    `cfg.patience` runs out (`KeepBestEpoch`).
 
     With `progress` Lightning's bar shows the batches on a terminal; otherwise `log` receives a line at most every
     PROGRESS_SECONDS within an epoch (`BatchProgress`). `checkpoint` writes a resume checkpoint after each finished
@@ -242,7 +259,7 @@ def fit_network(data: PriorDataModule, system: str, cfg: PriorConfig, callbacks:
     train = data.train_set.t
     row, pos, _, ids = train.dx.entries()
     init_output_bias(net, ids[pos < train.lengths[row]], int(train.lengths.sum()))
-    best = KeepBestEpoch() if cfg.keep_best_epoch else None
+    best = KeepBestEpoch(cfg.patience) if cfg.keep_best_epoch else None
     # Lightning's bar is drawn on stdout, and drawn whole even into a file or a pipe (a log, `dxr demo | tee`), where
     # it repeats the epoch lines dxr logs itself: shown only on a terminal, as dxr's own bars (tqdm, disable=None).
     show_bar = progress and sys.stdout.isatty()
@@ -319,9 +336,13 @@ def train_prior_model(con: duckdb.DuckDBPyConnection, cohort_id: str, system: st
         mlflow.log_param("n_parameters", n_parameters(net))
         seconds = carried + time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        selected = len(epoch_logger.history) - 1 if best_epoch is None else best_epoch
+        trained = len(epoch_logger.history)
+        selected = trained - 1 if best_epoch is None else best_epoch
+        if trained < cfg.epochs and log is not None:  # only the patience ends a fit early
+            log(f"{system}: stopped after epoch {trained}/{cfg.epochs}: no better tuning R@20 than epoch "
+                f"{selected + 1}'s in the {cfg.patience} epoch{'s' * (cfg.patience > 1)} after it (prior.patience)")
         summary = {"train_seconds": seconds, "train_patients_per_second": data.n_train_patients / seconds,
-                   "peak_rss_mb": peak_mb, "selected_epoch": selected}
+                   "peak_rss_mb": peak_mb, "selected_epoch": selected, "epochs_trained": trained}
         mlflow.log_metrics(summary)
         chosen = epoch_logger.history[selected] if epoch_logger.history else {}
         outcome = {"metrics": {**chosen, **summary}, "n_train_patients": data.n_train_patients,
