@@ -76,8 +76,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
         # No tuning record with two visits (the MIMIC-III demo's 2 tuning patients): no R@20, not "nan".
         validated = (f"no tuning pair to validate on (kept the last epoch, {epoch})" if recall is None
                      else f"val R@20 {recall:.3f} (epoch {epoch})")
-        # A training recorded before `epochs_trained` was (2026-12-07) trained every epoch: patience came with it.
-        if (trained := int(result['metrics'].get('epochs_trained', cfg.epochs))) < cfg.epochs:
+        if (trained := int(result['metrics']['epochs_trained'])) < cfg.epochs:
             validated += f", stopped early after epoch {trained}/{cfg.epochs}"
         click.echo(f"{result['system']}: registered {result['registered_model']} v{result['version']}"
                    f"{' @' + result['alias'] if result['alias'] else ''}; {validated}, "
