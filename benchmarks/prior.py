@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--cohort", default="default")
     parser.add_argument("--planted", type=int, default=0, help="smoke test on a planted cohort of N patients")
     parser.add_argument("--epochs", type=int, default=None, help="override prior.epochs")
+    parser.add_argument("--patience", type=int, default=None,
+                        help="set prior.patience: stop a training once N epochs in a row bring no better tuning R@20")
     parser.add_argument("--bootstrap", type=int, default=1000)
     parser.add_argument("--skip-train", action="store_true", help="reuse the registered champions")
     parser.add_argument("--name", default=None, help="results file suffix")
@@ -189,7 +191,8 @@ def main() -> None:
     timings["dataset_and_cohort_seconds"] = time.perf_counter() - started
     trajectories = wh.read("trajectories", cohort_id=cohort_id)
     counts = dict(trajectories.group_by("split").len().iter_rows())
-    cfg = PriorConfig(**({"epochs": args.epochs} if args.epochs else {}))
+    cfg = PriorConfig(**{key: value for key, value in (("epochs", args.epochs), ("patience", args.patience))
+                         if value is not None})
     if args.planted:
         cfg = cfg.model_copy(update={"min_code_count": 1})
     say(f"cohort {cohort_id}: {trajectories.height} trajectories {counts}")
@@ -202,7 +205,8 @@ def main() -> None:
             validated = (f"val R@20 {t['metrics']['val_recall_at_20']:.3f}" if 'val_recall_at_20' in t['metrics']
                          else "no tuning pair to validate on")
             say(f"trained {system}: {t['train_seconds']:.0f} s, {t['n_train_patients']} patients, {validated} "
-                f"(epoch {int(t['metrics']['selected_epoch']) + 1}), peak {t['peak_rss_mb']:.0f} MB")
+                f"(epoch {int(t['metrics']['selected_epoch']) + 1} of {int(t['metrics']['epochs_trained'])} trained), "
+                f"peak {t['peak_rss_mb']:.0f} MB")
 
     run_id = f"bench-prior-{utc_now():%Y%m%dT%H%M%S}"  # UTC, as every run id
     inference = {}

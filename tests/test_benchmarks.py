@@ -360,14 +360,15 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
 
     monkeypatch.setattr(prior, "RESULTS", tmp_path / "results")
     monkeypatch.setattr("sys.argv", ["prior.py", "--data-dir", str(tmp_path / "wh"), "--planted", "60", "--epochs", "1",
-                                     "--bootstrap", "0", "--systems", "repeat_history", "--eval-split", "all",
-                                     "--name", "smoke"])
+                                     "--patience", "2", "--bootstrap", "0", "--systems", "repeat_history",
+                                     "--eval-split", "all", "--name", "smoke"])
     start_method = multiprocessing.get_start_method(allow_none=True)
     try:
         prior.main()  # sets the start method to spawn, which the rest of the session must not inherit
     finally:
         multiprocessing.set_start_method(start_method, force=True)
     record = json.loads((tmp_path / "results" / "prior-smoke.json").read_text())
+    assert (record["prior_config"]["epochs"], record["prior_config"]["patience"]) == (1, 2)
     counts = record["trajectories"]
     assert record["in_sample_note"].startswith(
         f"{counts['train']} of the {sum(counts.values())} trajectories are of train-split patients")
@@ -379,6 +380,7 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
     assert printed.out.endswith(f"wrote {tmp_path / 'results' / 'prior-smoke.json'}\n")
     assert [line.split(":")[0] for line in printed.err.splitlines()] == [
         "cohort cplanted", "trained ehr_prior", "forecast repeat_history", "forecast ehr_prior"]
+    assert "(epoch 1 of 1 trained)" in printed.err.splitlines()[1]
 
 
 def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got(wh_vocab, capsys):
