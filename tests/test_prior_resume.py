@@ -45,10 +45,15 @@ def fitted(root: Path, result) -> dict:
                         for key in epochs}}
 
 
+def assert_same_model(trained: dict, other: dict) -> None:
+    """The same registered weights, to the bit, and the same selected epoch."""
+    assert trained["weights"].keys() == other["weights"].keys()
+    assert all(torch.equal(trained["weights"][k], other["weights"][k]) for k in other["weights"])
+    assert trained["selected_epoch"] == other["selected_epoch"]
+
+
 def assert_same_training(resumed: dict, uninterrupted: dict) -> None:
-    assert resumed["weights"].keys() == uninterrupted["weights"].keys()
-    assert all(torch.equal(resumed["weights"][k], uninterrupted["weights"][k]) for k in uninterrupted["weights"])
-    assert resumed["selected_epoch"] == uninterrupted["selected_epoch"]
+    assert_same_model(resumed, uninterrupted)
     assert resumed["history"] == uninterrupted["history"]
     assert all([step for step, _ in values] == [0, 1, 2] for values in resumed["history"].values())
 
