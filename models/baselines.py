@@ -24,7 +24,7 @@ class Forecaster(Protocol):
     system: str
     # What identifies the fitted model (e.g. a registered model version), set by `fit` on forecasters
     # whose predictions the forecast stage may cache; None for those recomputed every time. Those with a key
-    # also say `inference_threads()`, the thread count their predictions in the calling thread would use.
+    # also say `inference_settings()`: what else decides their scores in the calling thread (torch threads, …).
     model_key: dict | None = None
 
     def fit(self, con: duckdb.DuckDBPyConnection, cohort_id: str) -> None: ...

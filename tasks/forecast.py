@@ -376,9 +376,9 @@ def prediction_key(wh: Warehouse, forecaster: Forecaster, cohort_id: str, shard:
     `model_key` (recomputed every time).
 
     The registered model version, the trajectories and their pre-target records (the shard's file, by
-    content), K and the code version (featurization is code too) decide the ranked lists, and so does the
-    thread count torch predicts with in this thread: a reduction split over other threads rounds otherwise
-    (scores moved by up to 5e-7), which may order near-ties otherwise.
+    content), K and the code version (featurization is code too) decide the ranked lists, and so do the
+    forecaster's `inference_settings()` (the thread count torch predicts with in this thread, the batch size),
+    which round the scores otherwise and may order near-ties otherwise.
     """
     model = getattr(forecaster, "model_key", None)
     if model is None:
@@ -386,7 +386,7 @@ def prediction_key(wh: Warehouse, forecaster: Forecaster, cohort_id: str, shard:
     pretarget_file = wh.partition_path("pretarget_events", cohort_id=cohort_id, shard=shard)
     ids = "\n".join(sorted(trajectories["trajectory_id"].to_list()))
     return {"system": forecaster.system, "model": model, "cohort_id": cohort_id, "shard": shard, "k": k,
-            "code_version": code_version(), "inference_threads": forecaster.inference_threads(),
+            "code_version": code_version(), **forecaster.inference_settings(),
             "n_trajectories": trajectories.height,
             "trajectory_ids_sha256": hashlib.sha256(ids.encode()).hexdigest(),
             "pretarget_sha256": hashlib.sha256(pretarget_file.read_bytes() if pretarget_file.is_file() else b"")

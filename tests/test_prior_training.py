@@ -294,6 +294,34 @@ def test_a_forecast_at_another_torch_thread_count_predicts_anew_and_is_cached_un
         fitted_threads, fitted_threads + 1]
 
 
+def test_a_trajectorys_list_is_the_same_in_any_batch_and_each_batch_size_is_cached_apart(trained):
+    wh, cohort, _, _ = trained
+    trajectories, pretarget = shard_inputs(wh, cohort, 0, "all")
+    lists = {}
+    for size in (1024, 3, 1):  # one batch for the shard; batches of records of like length; one record a batch
+        forecaster = RegisteredPrior(PriorConfig(predict_batch_size=size))
+        forecaster.fit(wh.connect(), cohort)
+        lists[size] = forecaster.predict(trajectories, pretarget, 20).sort("trajectory_id", "rank")
+    alone = pl.concat(forecaster.predict(trajectories.filter(pl.col("trajectory_id") == trajectory), pretarget, 20)
+                      for trajectory in trajectories["trajectory_id"].head(5))
+    for other in (lists[3], lists[1], alone):
+        together = lists[1024].join(other, on=["trajectory_id", "rank"], suffix="_other")
+        assert together.height == other.height and (together["code"] == together["code_other"]).all()
+        assert (together["score"] - together["score_other"]).abs().max() < 1e-5
+    key = ["trajectory_id", "rank"]
+    assert lists[3].select(key).equals(lists[1024].select(key)) and lists[3].height == trajectories.height * 20
+    # Scores of another batching may round otherwise: its lists are cached under their own key.
+    k = 17  # a K no other test forecasts with
+    small, large = (RegisteredPrior(PriorConfig(predict_batch_size=size)) for size in (1, 1024))
+    for forecaster in (small, large):
+        forecaster.fit(wh.connect(), cohort)
+    assert not cached_forecast_shard(wh, large, trajectories, pretarget, k, "batch-1", cohort, 0)[2]
+    assert not cached_forecast_shard(wh, small, trajectories, pretarget, k, "batch-2", cohort, 0)[2]
+    assert cached_forecast_shard(wh, small, trajectories, pretarget, k, "batch-3", cohort, 0)[2]
+    keys = wh.read("prediction_cache", system="ehr_prior").filter(pl.col("key_json").str.contains('"k": 17'))
+    assert sorted(json.loads(key)["predict_batch_size"] for key in keys["key_json"].unique()) == [1, 1024]
+
+
 def test_no_held_out_or_tuning_target_reaches_training(trained):
     wh, cohort, _, _ = trained
     data = PriorDataModule(wh.connect(), cohort, PriorConfig(**TINY))

@@ -18,7 +18,7 @@ from dxr.config import load_settings
 from dxr.errors import ConfigError
 from models.prior import tracking
 from models.prior.config import PriorConfig
-from models.prior.data import Vocabulary, input_config, trim, visit_tensors
+from models.prior.data import Vocabulary, input_config, length_batches, trim, visit_tensors
 from models.prior.nn import PriorNet
 from warehouse import duck
 
@@ -116,34 +116,35 @@ class RegisteredPrior:
         self.net = load_network(model_dir)
         self.output_codes = np.array(self.vocab.output_codes, dtype=object)
 
-    @staticmethod
-    def inference_threads() -> int:
-        """The torch threads `predict` would use if called in this thread: the count that `fit` set, or whatever
-        set it since in this thread (torch keeps one per thread, which a new thread takes from the latest
-        `torch.set_num_threads` anywhere), not necessarily the `prior.threads` setting of now."""
-        return torch.get_num_threads()
+    def inference_settings(self) -> dict:
+        """What besides the model and the inputs decides `predict`'s scores in this thread, to the last bit.
+
+        `inference_threads`: the torch threads `predict` would use if called in this thread, the count that `fit` set
+        or whatever set it since in this thread (torch keeps one per thread, which a new thread takes from the latest
+        `torch.set_num_threads` anywhere), not necessarily the `prior.threads` setting of now. `predict_batch_size`:
+        the most trajectories a batch holds (`length_batches`). A reduction split over other threads, or a matrix
+        product over another batch, rounds otherwise (scores moved by up to 2e-6), which may order near-ties otherwise.
+        """
+        return {"inference_threads": torch.get_num_threads(), "predict_batch_size": self.batch_size}
 
     @torch.inference_mode()
     def predict(self, trajectories: pl.DataFrame, pretarget: pl.DataFrame, k: int) -> pl.DataFrame:
         keys = trajectories["trajectory_id"].to_list()
         t = visit_tensors(pretarget, "trajectory_id", self.vocab, input_config(self.train_cfg), keys=keys)
         top_k = min(k, self.vocab.n_output)
-        scores, codes, states = [], [], []
-        for start in range(0, len(keys), self.batch_size):
-            part = torch.arange(start, min(start + self.batch_size, len(keys)))
+        scores, codes = torch.empty(len(keys), top_k), torch.empty(len(keys), top_k, dtype=torch.long)
+        states = torch.empty(len(keys), self.net.cfg.d_model)
+        for part in length_batches(t.lengths, self.batch_size):
             batch = trim({"codes": t.codes[part], "numeric": t.numeric[part], "static": t.static[part],
                           "lengths": t.lengths[part], "dx": t.dx.dense(part)})
-            logits, state, _ = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"],
-                                        batch["dx"], last_only=True)
-            best = logits.topk(top_k, dim=1)
-            scores.append(best.values)
-            codes.append(best.indices)
-            states.append(state)
+            logits, states[part], _ = self.net(batch["codes"], batch["numeric"], batch["static"], batch["lengths"],
+                                               batch["dx"], last_only=True)
+            scores[part], codes[part] = logits.topk(top_k, dim=1)
         ranked = pl.DataFrame({
             "row": np.repeat(np.arange(len(keys)), top_k),
-            "code": self.output_codes[torch.cat(codes).reshape(-1).numpy()],
-            "score": torch.cat(scores).reshape(-1).double().numpy()}, schema_overrides={"code": pl.String})
-        unseen = self._unseen_history_scores(t, torch.cat(states))
+            "code": self.output_codes[codes.reshape(-1).numpy()],
+            "score": scores.reshape(-1).double().numpy()}, schema_overrides={"code": pl.String})
+        unseen = self._unseen_history_scores(t, states)
         return (pl.concat([ranked, unseen])
                 .sort(["row", "score", "code"], descending=[False, True, False])
                 .unique(["row", "code"], keep="first", maintain_order=True)
