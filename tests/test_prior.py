@@ -502,6 +502,21 @@ def test_a_full_visit_keeps_diagnoses_then_procedures_then_medications_then_labs
         assert out.codes[0, 0].tolist() == [ids[c] for c in order[:width]], width
 
 
+def test_a_visit_keeps_each_code_once_and_codes_of_a_kind_in_code_order_whatever_their_events_order():
+    at = dt.datetime(2020, 1, 1)
+    codes = ["MEDICATION//NAME//c", dx("Y"), "MEDICATION//NAME//a", "MEDICATION//NAME//zz", "MEDICATION//NAME//a",
+             dx("X"), "MEDICATION//NAME//b"]
+    events = pl.DataFrame({"trajectory_id": ["a"] * 7, "time": [at] * 7, "code": codes, "encounter_id": [1] * 7})
+    vocab = Vocabulary(input_codes=[dx("X"), dx("Y"), "MEDICATION//NAME//a", "MEDICATION//NAME//b",
+                                    "MEDICATION//NAME//c"], output_codes=[dx("Y"), dx("X")], omega=[dx("X"), dx("Y")])
+    ids = {code: i + 2 for i, code in enumerate(vocab.input_codes)}
+    kept = [dx("X"), dx("Y"), "MEDICATION//NAME//a", "MEDICATION//NAME//b", "MEDICATION//NAME//c"]
+    for width in (7, 4):
+        out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_codes_per_visit=width))
+        assert out.codes[0, 0].tolist() == ([ids[c] for c in kept] + [1, 0])[:width], width  # zz: unknown, last
+        assert out.dx.ids.tolist() == [1, 0]  # X then Y, by code, as output ids
+
+
 def test_precision_recall_and_trim():
     p, r = precision_recall_at_k(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), 2)
     assert (p.item(), r.item()) == (0.5, pytest.approx(1 / 3))

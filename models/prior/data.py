@@ -98,6 +98,37 @@ class Vocabulary:
                 .join(omega, on="code", how="full", coalesce=True)
                 .with_columns(pl.col("in_omega").fill_null(False)))
 
+    @cached_property
+    def _code_entries(self) -> dict[str, tuple[int, int | None, bool]]:
+        """code → (input id, output id or None, in Ω) of every code in `code_ids`, unknown input codes as UNKNOWN."""
+        return {code: (UNKNOWN if id_ is None else id_, out, in_omega)
+                for code, id_, out, in_omega in self.code_ids.select("code", "id", "out", "in_omega").iter_rows()}
+
+    def token_table(self, codes: pl.Series) -> pl.DataFrame:
+        """(code, id, out, in_omega, is_dx, order) of each distinct code of `codes`: its input id (UNKNOWN outside the
+        input vocabulary), output id (null outside the output vocabulary), whether it is in Ω and a diagnosis, and its
+        rank in the order a visit keeps its codes (`token_rank`, then the code).
+
+        A record's few hundred distinct codes are looked up here instead of joining each of its events with the
+        vocabulary (74,731 Ω codes in the 5k cohort), and its events are sorted by an integer rather than a string.
+
+        >>> vocab = Vocabulary(["DIAGNOSIS//a", "MEDICATION//m"], ["DIAGNOSIS//a"], ["DIAGNOSIS//a", "DIAGNOSIS//z"])
+        >>> codes = pl.Series(["MEDICATION//m", "DIAGNOSIS//z", "LAB//x//q1", "DIAGNOSIS//a", "MEDICATION//m"])
+        >>> for row in vocab.token_table(codes).iter_rows():
+        ...     print(row)
+        ('DIAGNOSIS//a', 2, 0, True, True, 0)
+        ('DIAGNOSIS//z', 1, None, True, True, 1)
+        ('MEDICATION//m', 3, None, False, False, 2)
+        ('LAB//x//q1', 1, None, False, False, 3)
+        """
+        table = pl.DataFrame([(code, *self._code_entries.get(code, (UNKNOWN, None, False)))
+                              for code in codes.unique().to_list()],
+                             schema={"code": pl.String, "id": pl.Int64, "out": pl.Int64, "in_omega": pl.Boolean},
+                             orient="row")
+        return (table.with_columns(pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"),
+                                   token_rank(pl.col("code")).alias("kind_rank"))
+                .sort("kind_rank", "code").select(pl.exclude("kind_rank"), pl.int_range(pl.len()).alias("order")))
+
 
 def build_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, min_code_count: int) -> Vocabulary:
     """Vocabularies from train patients only (counts of encounters carrying each code; of patients
@@ -392,23 +423,32 @@ def visit_tensors(events: pl.DataFrame, key: str, vocab: Vocabulary, cfg: PriorC
         labs = lab_value_tokens(in_encounter.filter(pl.col("code").str.starts_with(LAB_PREFIX)), vocab.lab_cuts,
                                 vocab.lab_texts)
         coded = pl.concat([coded, labs])
-    tokens = (coded.select(key, "encounter_id", "code").unique()
+    tokens = (coded.select(key, "encounter_id", "code")
               .join(visits.select(key, "encounter_id", "row", "pos"), on=[key, "encounter_id"]))
-    tokens = (tokens.join(vocab.code_ids, on="code", how="left")
-              .with_columns(pl.col("id").fill_null(UNKNOWN), pl.col("in_omega").fill_null(False),
-                            pl.col("code").str.starts_with("DIAGNOSIS//").alias("is_dx"),
-                            token_rank(pl.col("code")).alias("kind_rank"))
-              # Truncation to max_codes_per_visit drops labs first, then medications, then procedures.
-              .sort("row", "pos", "kind_rank", "code")
-              .with_columns(pl.int_range(pl.len()).over("row", "pos").alias("slot")))
+    table = vocab.token_table(tokens["code"])  # in `order`: row i is the code of order i
+    # Each (visit, code) once as one integer, (row × V + pos) × |table| + order, sorted: a visit's codes in the order it
+    # keeps them, labs last, then medications, then procedures, as truncation to max_codes_per_visit drops them. (Over
+    # one integer column, polars found and sorted 50,000 of them in 1.6 ms, over (row, pos, order) in 12.5 ms.)
+    width = max(1, table.height)
+    keyed = (tokens.join(table.select("code", "order"), on="code")
+             .select(((pl.col("row") * V + pl.col("pos")) * width + pl.col("order")).unique().sort())
+             .to_series().to_numpy())
+    visit, order = np.divmod(keyed, width)
+    row, pos = np.divmod(visit, V)
+    starts = np.flatnonzero(np.r_[True, visit[1:] != visit[:-1]])  # each visit's first entry
+    slot = np.arange(len(keyed)) - np.repeat(starts, np.diff(np.r_[starts, len(keyed)]))
     codes = np.zeros((n, V, C), dtype=np.int32)
-    kept = tokens.filter(pl.col("slot") < C)
-    codes[kept["row"].to_numpy(), kept["pos"].to_numpy(), kept["slot"].to_numpy()] = kept["id"].to_numpy()
+    kept = slot < C
+    codes[row[kept], pos[kept], slot[kept]] = table["id"].to_numpy()[order[kept]]
 
-    diagnoses = tokens.filter(pl.col("out").is_not_null())
-    dx = RaggedIds.from_entries(*(torch.tensor(diagnoses[column].to_numpy()) for column in ("row", "pos", "out")),
-                                n, V, vocab.n_output)
-    unseen = tokens.filter(pl.col("is_dx") & pl.col("out").is_null() & pl.col("in_omega")).select("row", "pos", "code")
+    out = table["out"].fill_null(-1).to_numpy()[order]
+    is_output = out >= 0
+    dx = RaggedIds.from_entries(*(torch.from_numpy(values[is_output]) for values in (row, pos, out)), n, V,
+                                vocab.n_output)
+    # Ω diagnoses the model has no output for, which `predict` scores from the history
+    no_output = table.select(pl.col("is_dx") & pl.col("out").is_null() & pl.col("in_omega")).to_series().to_numpy()
+    copied = no_output[order]
+    unseen = pl.DataFrame({"row": row[copied], "pos": pos[copied], "code": table["code"].gather(order[copied])})
     targets = None
     if unserved is not None:
         targets = np.zeros((n, V), dtype=bool)
