@@ -20,6 +20,7 @@ from models.prior import tracking
 from models.prior.config import PriorConfig
 from models.prior.data import Vocabulary, input_config, length_batches, trim, visit_tensors
 from models.prior.nn import PriorNet
+from models.transition import sql_frame
 from warehouse import duck
 
 
@@ -54,9 +55,9 @@ def check_vocabulary(con: duckdb.DuckDBPyConnection, cohort_id: str, vocab: Voca
                      version: str) -> None:
     """Refuse a model trained when the cohort's Ω held codes it no longer holds (a rebuild under the same cohort
     id, e.g. after an ICD release update): it would rank them, and a forecast names Ω codes only."""
-    omega = {code for (code,) in con.execute("SELECT code FROM cohort_vocabulary WHERE cohort_id = ?",
-                                             [cohort_id]).fetchall()}
-    gone = [code for code in vocab.omega if code not in omega]
+    omega = sql_frame(con, "SELECT code FROM cohort_vocabulary WHERE cohort_id = ?", [cohort_id])["code"]
+    trained = pl.Series(vocab.omega, dtype=pl.String)
+    gone = trained.filter(~trained.is_in(omega.implode())).to_list()
     if gone:
         raise ConfigError(f"{tracking.registered_name(system, cohort_id)} version {version} was trained when cohort "
                           f"{cohort_id}'s vocabulary held codes that it no longer holds ({len(gone)}, e.g. {gone[0]}): "
