@@ -104,7 +104,8 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     `shard_seconds`: per shard read the pre-target tables, predict, write rankings, candidates, the
     prediction cache entry and statuses.
     End to end = both; module imports (torch, mlflow and its SQL store, polars) are process start-up
-    and excluded.
+    and excluded. `cpu_seconds`: the CPU time (user and system, every thread) the process spent end to end; on a
+    machine shared with other work it varies less than the wall time, and so shows a change of the code better.
     """
     from dxr.config import load_settings
     from models.registry import forecaster_class
@@ -120,7 +121,7 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     workers = shard_workers(system, None, load_settings(data_dir=data_dir).forecast.shard_workers)
     # Lists of an earlier run with the same model would be read back, not predicted: time the model.
     wh.delete("prediction_cache", system=system)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     model = pinned_model(wh, cohort_id, system)  # as the forecast flow does: resolve the alias once
     version, model_run_id = (model["version"], model["mlflow_run_id"]) if model else (None, None)
     fitted_forecaster(str(wh.root), cohort_id, system, version, model_run_id)
@@ -128,11 +129,12 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
     n = run_shards(lambda shard, _: forecast_shard_task.fn(str(wh.root), cohort_id, system, shard, split, 20, run_id,
                                                            model_version=version, model_run_id=model_run_id),
                    shards, workers)
-    done = time.perf_counter()
+    done, cpu_done = time.perf_counter(), time.process_time()
     return {"system": system, "split": split, "trajectories": n, "shard_workers": workers,
             "load_seconds": loaded - started,
             "shard_seconds": done - loaded, "seconds": done - started, "patients_per_second": n / (done - started),
-            "warm_patients_per_second": n / (done - loaded), "peak_rss_mb": peak_mb()}
+            "warm_patients_per_second": n / (done - loaded), "cpu_seconds": cpu_done - cpu_started,
+            "peak_rss_mb": peak_mb()}
 
 
 def ensure_cohort(data_dir: str, args) -> str:
@@ -217,7 +219,8 @@ def main() -> None:
         say(f"forecast {system}: {args.eval_split} {held['trajectories']} in {held['seconds']:.1f} s; all "
             f"{everyone['trajectories']}: load {everyone['load_seconds']:.1f} s + shards "
             f"{everyone['shard_seconds']:.1f} s = {everyone['patients_per_second']:.0f} patients/s end to end "
-            f"({everyone['warm_patients_per_second']:.0f}/s once loaded), peak {everyone['peak_rss_mb']:.0f} MB")
+            f"({everyone['warm_patients_per_second']:.0f}/s once loaded; {everyone['cpu_seconds']:.2f} CPU-s), "
+            f"peak {everyone['peak_rss_mb']:.0f} MB")
 
     from tasks.evaluate import evaluate, in_sample_note
 
