@@ -517,6 +517,27 @@ def test_a_visit_keeps_each_code_once_and_codes_of_a_kind_in_code_order_whatever
         assert out.dx.ids.tolist() == [1, 0]  # X then Y, by code, as output ids
 
 
+def test_each_records_visits_hold_their_own_codes_and_history_in_the_rows_keys_give():
+    # Rows in the order of `keys` (one without a visit between), and only the most recent max_visits visits: the
+    # oldest visit of b, with its H, is gone. H and Z are Ω diagnoses without an output: the history that `predict`
+    # scores, once per visit that holds them.
+    day = dt.timedelta(days=1)
+    at = dt.datetime(2020, 1, 1)
+    visits = {("b", 1, at): [dx("H"), dx("X")], ("b", 2, at + 10 * day): ["MEDICATION//NAME//m", dx("H"), dx("H")],
+              ("b", 3, at + 20 * day): [dx("Y"), dx("H")], ("a", 4, at): [dx("Z"), dx("X")]}
+    events = pl.DataFrame([(key, time, code, encounter) for (key, encounter, time), codes in visits.items()
+                           for code in codes], schema=["trajectory_id", "time", "code", "encounter_id"], orient="row")
+    vocab = Vocabulary(input_codes=[dx("H"), dx("X"), dx("Y"), "MEDICATION//NAME//m"], output_codes=[dx("X"), dx("Y")],
+                       omega=[dx("H"), dx("X"), dx("Y"), dx("Z")])
+    out = visit_tensors(events, "trajectory_id", vocab, PriorConfig(max_visits=2, max_codes_per_visit=2),
+                        keys=["b", "none", "a"])
+    assert out.lengths.tolist() == [2, 1, 1]
+    assert out.codes.tolist() == [[[2, 5], [2, 4]], [[0, 0], [0, 0]], [[3, 1], [0, 0]]]  # H, m; H, Y; X, unknown Z
+    assert out.dx.counts.tolist() == [[0, 1], [0, 0], [1, 0]] and out.dx.ids.tolist() == [1, 0]  # b: Y; a: X
+    assert sorted(out.history.rows()) == [(0, 0, dx("H")), (0, 1, dx("H")), (2, 0, dx("Z"))]
+    assert out.history.schema == pl.Schema({"row": pl.Int64, "pos": pl.Int64, "code": pl.String})
+
+
 def test_precision_recall_and_trim():
     p, r = precision_recall_at_k(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 1.0, 1.0]]), 2)
     assert (p.item(), r.item()) == (0.5, pytest.approx(1 / 3))
