@@ -946,7 +946,12 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
     assert listed.exit_code == 0, listed.output
     rows = [line.split() for line in listed.output.splitlines()[2:-1]]
     assert [(r[0], r[1]) for r in rows] == [("ehr_prior", "2"), ("ehr_prior", "1")]  # newest first; no gru trained
-    assert rows[1][2] == "champion" and rows[1][-1] == first.mlflow_run_id
+    assert rows[1][2] == "champion" and rows[1][-3] == first.mlflow_run_id
+    # Epochs trained and the dxr run that trained each version: the challenger's one epoch under its own run id.
+    assert rows[0][-2:] == ["1", "challenger-1"]
+    [first_run] = wh.read("runs").filter((pl.col("kind") == "train:ehr_prior")
+                                         & (pl.col("run_id") != "challenger-1"))["run_id"]
+    assert rows[1][-2:] == [str(int(first.metrics["epochs_trained"])), first_run]
     # The listed tuning R@20 is the selected epoch's, which training reported.
     assert float(rows[1][6]) == pytest.approx(first.metrics["val_recall_at_20"], abs=5e-5)
 

@@ -93,7 +93,9 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
 def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> None:
     """List the registered versions of the learned priors of a cohort, with their aliases and tuning metrics.
 
-    The metrics are those of the epoch whose weights the version holds.
+    The metrics are those of the epoch whose weights the version holds (selected_epoch, counted from 1) among the
+    epochs_trained (fewer than prior.epochs when the patience stopped the training). dxr_run_id is the run that
+    trained the version, as `dxr run list` shows it.
 
     \b
     Example:
@@ -104,10 +106,11 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> N
 
     rows = prior_versions(str(settings(ctx).data_dir), cohort, tuple(systems), settings(ctx).prior)
     columns = ["system", "version", "aliases", "created_at", "selected_epoch", "val_recall_at_20",
-               "val_precision_at_20", "mlflow_run_id"]
+               "val_precision_at_20", "mlflow_run_id", "epochs_trained", "dxr_run_id"]
     click.echo(format_table(columns, [(r["system"], r["version"], ",".join(r["aliases"]),
                                        f"{r['created_at']:%Y-%m-%d %H:%M:%S}", r["selected_epoch"],
-                                       r["val_recall_at_20"], r["val_precision_at_20"], r["mlflow_run_id"])
+                                       r["val_recall_at_20"], r["val_precision_at_20"], r["mlflow_run_id"],
+                                       r["epochs_trained"], r["dxr_run_id"])
                                       for r in rows]), nl=False)
 
 

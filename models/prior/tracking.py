@@ -394,8 +394,8 @@ def end_killed_attempts(killed: Callable[[Run], bool]) -> list[str]:
 
 
 def registered_versions(system: str, cohort_id: str) -> list[dict]:
-    """Every registered version of a system's model for a cohort, newest first, with its aliases and the
-    tuning metrics of the epoch whose weights it holds."""
+    """Every registered version of a system's model for a cohort, newest first, with its aliases, the tuning
+    metrics of the epoch whose weights it holds, the epochs its training ran and the dxr run that trained it."""
     client = MlflowClient()
     name = registered_name(system, cohort_id)
     rows = []
@@ -405,7 +405,7 @@ def registered_versions(system: str, cohort_id: str) -> list[dict]:
         aliases = client.get_registered_model(name).aliases if versions else {}
         for v in sorted(versions, key=lambda v: int(v.version), reverse=True):
             run = client.get_run(v.run_id)
-            selected = run.data.metrics.get("selected_epoch")
+            selected, trained = (run.data.metrics.get(m) for m in ("selected_epoch", "epochs_trained"))
             # A run's plain metric is its last epoch's; the registered weights are the selected epoch's.
             chosen = {metric: next((m.value for m in client.get_metric_history(v.run_id, metric)
                                     if selected is not None and m.step == int(selected)), None)
@@ -414,7 +414,8 @@ def registered_versions(system: str, cohort_id: str) -> list[dict]:
                          "aliases": sorted(alias for alias, of in aliases.items() if str(of) == str(v.version)),
                          "created_at": datetime.fromtimestamp(v.creation_timestamp / 1000, timezone.utc),
                          "selected_epoch": None if selected is None else int(selected) + 1, **chosen,
-                         "mlflow_run_id": v.run_id})
+                         "mlflow_run_id": v.run_id, "epochs_trained": None if trained is None else int(trained),
+                         "dxr_run_id": run.data.tags.get("dxr.run_id")})
     return rows
 
 
