@@ -782,6 +782,43 @@ def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
                                  "if it is damaged)")
 
 
+
+@pytest.mark.parametrize("configured", [False, True], ids=["default store", "configured store"])
+def test_listing_the_models_of_a_damaged_store_is_one_line_naming_it(tmp_path, configured):
+    # `dxr prior models` reads the store without re-pointing it, so the check `use_tracking` makes never ran: SQLite's
+    # error left MLflow as SQLAlchemy's traceback, as it did for every command on a damaged configured store.
+    cohort = write_planted_cohort(Warehouse(tmp_path / "wh"), n_patients=20, seed=4)
+    db = tmp_path / "shared.db" if configured else tmp_path / "wh" / "mlflow" / "mlflow.db"
+    db.parent.mkdir(exist_ok=True)
+    db.write_bytes(b"\x01" * 4096)  # what a file overwritten or cut off at its start looks like to SQLite
+    env = {"DXR_PRIOR__TRACKING_URI": f"sqlite:///{db}"} if configured else {}
+    store = tracking.mlflow.get_tracking_uri()
+    try:
+        listed = CliRunner(env=env).invoke(main, ["--data-dir", str(tmp_path / "wh"), "prior", "models",
+                                                  "--cohort", cohort, "--system", "ehr_prior"])
+    finally:
+        tracking.mlflow.set_tracking_uri(store)  # process-wide: later tests must not meet the damaged file
+    assert (listed.exit_code, listed.output) == (
+        1, f"Error: MLflow store sqlite:///{db} failed while listing the versions of ehr_prior-{cohort}: file is not a "
+           "database: it must be a readable and writable database (restore it from a backup if it is damaged), or set "
+           "prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)\n")
+
+
+def test_a_damaged_configured_store_is_one_line_naming_it(tmp_path):
+    db = tmp_path / "shared.db"
+    db.write_bytes(b"SQLite format 3\x00" + b"\x01" * 200)
+    store = tracking.mlflow.get_tracking_uri()
+    try:
+        with pytest.raises(ConfigError) as raised:
+            tracking.use_tracking(tmp_path / "wh", f"sqlite:///{db}", "dxr-ehr-prior")
+    finally:
+        tracking.mlflow.set_tracking_uri(store)
+    assert str(raised.value) == (
+        f"MLflow store sqlite:///{db} failed while opening experiment 'dxr-ehr-prior': file is not a database: it must "
+        "be a readable and writable database (restore it from a backup if it is damaged), or set prior.tracking_uri "
+        "(env DXR_PRIOR__TRACKING_URI)")
+
+
 # A child process that is SIGKILLed while MLflow creates a store, right before the fifth of its schema migrations is
 # stamped: MLflow commits each migration's tables apart from its stamp, so the file is left half made.
 KILLED_AMONG_MIGRATIONS = """

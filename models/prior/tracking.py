@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sqlite3
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from datetime import datetime, timezone
@@ -100,16 +101,29 @@ def artifact_root(uri: str) -> str | None:
     return None if path is None else (Path(path).resolve().parent / "artifacts").as_uri()
 
 
-def store_error(exc: MlflowException, action: str) -> ConfigError:
-    """One line for an MLflow failure (server down, database locked, no permission) naming the store
-    and the setting that chooses it, instead of a traceback from deep inside MLflow."""
+def store_error(exc: Exception, action: str) -> ConfigError:
+    """One line for an MLflow failure (server down, database locked, no permission, a damaged database) naming the
+    store and the setting that chooses it, instead of a traceback from deep inside MLflow."""
     if full_disk(exc):
         return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: out of disk space: free "
                            "disk space there, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI) to a store on a "
                            "disk with room")
+    if database_error(exc):  # the database's own words; SQLAlchemy's text adds the statement and a web link
+        reason = " ".join(str(getattr(exc, "orig", None) or exc).split())[:300]
+        return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: {reason}: it must be a "
+                           "readable and writable database (restore it from a backup if it is damaged), or set "
+                           "prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)")
     reason = " ".join(str(exc).split())[:300]
     return ConfigError(f"MLflow store {mlflow.get_tracking_uri()} failed while {action}: {reason}: check that it "
                        "is reachable and writable, or set prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)")
+
+
+def database_error(exc: Exception) -> bool:
+    """Whether an error is SQLAlchemy's: MLflow's SQL stores let a damaged or unreadable database's errors out as
+    SQLAlchemy's, not as their own. SQLAlchemy is loaded whenever it raised one, so a store that never imports it (a
+    server) is not made to."""
+    sqlalchemy_errors = sys.modules.get("sqlalchemy.exc")
+    return sqlalchemy_errors is not None and isinstance(exc, sqlalchemy_errors.SQLAlchemyError)
 
 
 def full_disk(exc: Exception) -> bool:
@@ -122,6 +136,10 @@ def store_errors(action: str) -> Iterator[None]:
     try:
         yield
     except MlflowException as exc:
+        raise store_error(exc, action) from exc
+    except Exception as exc:
+        if not database_error(exc):
+            raise
         raise store_error(exc, action) from exc
 
 
@@ -396,10 +414,10 @@ def end_killed_attempts(killed: Callable[[Run], bool]) -> list[str]:
 def registered_versions(system: str, cohort_id: str) -> list[dict]:
     """Every registered version of a system's model for a cohort, newest first, with its aliases, the tuning
     metrics of the epoch whose weights it holds, the epochs its training ran and the dxr run that trained it."""
-    client = MlflowClient()
     name = registered_name(system, cohort_id)
     rows = []
     with store_errors(f"listing the versions of {name}"):
+        client = MlflowClient()  # its first use in a process opens the store, which may be damaged
         versions = client.search_model_versions(f"name = '{name}'")
         # A search leaves the versions' aliases empty; the registered model holds them (alias -> version).
         aliases = client.get_registered_model(name).aliases if versions else {}
