@@ -58,7 +58,8 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             stage_logger(__name__).info("%s: already trained in run %s (registered %s v%s), not trained again",
                                         system, run_id, done["registered_model"], done["version"])
             remove_training_checkpoint(wh.root, run_id, system)  # left by a process killed just after recording it
-            return TrainResult(**done)
+            # The alias recorded is where the training put it; a promotion since may have moved it elsewhere.
+            return TrainResult(**{**done, "alias": alias_on(system, cohort_id, cfg.alias, done["version"])})
         if outdated := outdated_cut_note(wh, cohort_row):
             # Training reads the train patients' full records, which no cut rule changes, but selects its epoch on
             # the tuning patients' pre-target records, which the cohort's rules cut.
@@ -88,6 +89,14 @@ def train_prior(data_dir: str, cohort: str, system: str, cfg: PriorConfig, run_i
             run.config = {**config, "result": asdict(result)}
         remove_training_checkpoint(wh.root, run.run_id, system)
     return result
+
+
+def alias_on(system: str, cohort_id: str, alias: str, version: str) -> str | None:
+    """`alias` when it points at the version of a system's registered model for a cohort now, else None."""
+    try:
+        return alias if tracking.resolve_alias(system, cohort_id, alias)[0] == version else None
+    except NotFoundError:
+        return None
 
 
 def killed_attempt(wh: Warehouse, attempt: MlflowRun, run_id: str, system: str) -> bool:

@@ -468,6 +468,20 @@ def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained
     assert len(tracking.registered_versions("ehr_prior", cohort)) == len(versions) + 1
 
 
+
+def test_a_rerun_of_a_finished_training_names_the_alias_only_where_it_points_now(tmp_path):
+    # The rerun returned the alias recorded at the first training, so `dxr prior train` printed "v1 @champion"
+    # while the champion was another version: a user took a model out of service for the one in service.
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    cfg = PriorConfig(**TINY, epochs=1)
+    first = train_prior(str(tmp_path), cohort, "ehr_prior", cfg, run_id="train-first")
+    later = train_prior(str(tmp_path), cohort, "ehr_prior", cfg, run_id="train-later")
+    assert (first.version, first.alias, later.version, later.alias) == ("1", "champion", "2", "champion")
+    again = train_prior(str(tmp_path), cohort, "ehr_prior", cfg, run_id="train-first")
+    assert (again.version, again.alias) == ("1", None)
+    assert tracking.resolve_alias("ehr_prior", cohort, "champion")[0] == "2"  # the rerun moves nothing
+    assert train_prior(str(tmp_path), cohort, "ehr_prior", cfg, run_id="train-later") == later
+
 def test_a_retry_ends_the_mlflow_run_a_killed_attempt_left_running(tmp_path):
     # A training killed by SIGKILL (a served flow run, the OOM killer) never ends its MLflow run, which the MLflow UI
     # then showed RUNNING for good beside the retry's; the warehouse's `running` row of it becomes `killed`.
