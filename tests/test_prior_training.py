@@ -818,6 +818,21 @@ def test_listing_the_models_of_a_damaged_store_is_one_line_naming_it(tmp_path, c
            "prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)\n")
 
 
+
+@pytest.mark.parametrize("configured", [False, True], ids=["default store", "configured store"])
+def test_listing_the_models_of_an_empty_store_file_leaves_it_as_it_is(tmp_path, configured):
+    # MLflow created its whole schema in the file, in place: a read command wrote to the user's file, and a kill
+    # among its migrations would have left the half-made store that dxr otherwise never makes in place.
+    cohort = write_planted_cohort(Warehouse(tmp_path / "wh"), n_patients=20, seed=4)
+    db = tmp_path / "shared.db" if configured else tmp_path / "wh" / "mlflow" / "mlflow.db"
+    db.parent.mkdir(exist_ok=True)
+    db.touch()
+    env = {"DXR_PRIOR__TRACKING_URI": f"sqlite:///{db}"} if configured else {}
+    listed = CliRunner(env=env).invoke(main, ["--data-dir", str(tmp_path / "wh"), "prior", "models",
+                                              "--cohort", cohort])
+    assert (listed.exit_code, listed.output.splitlines()[-1]) == (0, "(0 rows)"), listed.output
+    assert db.stat().st_size == 0
+
 def test_a_damaged_configured_store_is_one_line_naming_it(tmp_path):
     db = tmp_path / "shared.db"
     db.write_bytes(b"SQLite format 3\x00" + b"\x01" * 200)

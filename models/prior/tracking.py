@@ -333,10 +333,11 @@ def use_tracking(data_dir: str | Path, configured: str | None, experiment: str) 
 def read_tracking(data_dir: str | Path, configured: str | None) -> bool:
     """Point mlflow at the store to read it only (`dxr prior models`): nothing is created, migrated or re-pointed
     (`use_tracking` does that for the commands that train or load a model), so an account that may only read the data
-    dir, or a read-only copy of it, lists its models. False when the store is a sqlite file that does not exist: no
-    model was registered in it."""
+    dir, or a read-only copy of it, lists its models. False when the store is a sqlite file that does not exist or has
+    no experiment (empty, or its creation cut short): no model was registered in it, and MLflow would create its
+    schema in the file, in place."""
     uri = configured or sqlite_uri(default_store(data_dir))
-    if (db := sqlite_file(uri)) is not None and not db.is_file():
+    if (db := sqlite_file(uri)) is not None and not store_made(db):
         return False
     mlflow.set_tracking_uri(uri)
     return True
