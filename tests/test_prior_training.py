@@ -454,6 +454,7 @@ def test_training_and_forecasting_print_dxrs_lines_and_no_third_party_noise(pref
     assert re.search(f"^ehr_prior: registered ehr_prior-{cohort} v1 @champion; val R@20 ", outputs["dxr prior train"],
                      re.MULTILINE), outputs["dxr prior train"]
 
+
 def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained):
     wh, cohort, first, _ = trained
     tracking.use_tracking(wh.root, None, PriorConfig().experiment)  # other tests point MLflow at their own stores
@@ -468,7 +469,6 @@ def test_a_rerun_of_a_finished_training_returns_it_and_registers_nothing(trained
     assert len(tracking.registered_versions("ehr_prior", cohort)) == len(versions) + 1
 
 
-
 def test_a_rerun_of_a_finished_training_names_the_alias_only_where_it_points_now(tmp_path):
     # The rerun returned the alias recorded at the first training, so `dxr prior train` printed "v1 @champion"
     # while the champion was another version: a user took a model out of service for the one in service.
@@ -481,6 +481,7 @@ def test_a_rerun_of_a_finished_training_names_the_alias_only_where_it_points_now
     assert (again.version, again.alias) == ("1", None)
     assert tracking.resolve_alias("ehr_prior", cohort, "champion")[0] == "2"  # the rerun moves nothing
     assert train_prior(str(tmp_path), cohort, "ehr_prior", cfg, run_id="train-later") == later
+
 
 def test_a_retry_ends_the_mlflow_run_a_killed_attempt_left_running(tmp_path):
     # A training killed by SIGKILL (a served flow run, the OOM killer) never ends its MLflow run, which the MLflow UI
@@ -796,7 +797,6 @@ def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
                                  "if it is damaged)")
 
 
-
 @pytest.mark.parametrize("configured", [False, True], ids=["default store", "configured store"])
 def test_listing_the_models_of_a_damaged_store_is_one_line_naming_it(tmp_path, configured):
     # `dxr prior models` reads the store without re-pointing it, so the check `use_tracking` makes never ran: SQLite's
@@ -818,7 +818,6 @@ def test_listing_the_models_of_a_damaged_store_is_one_line_naming_it(tmp_path, c
            "prior.tracking_uri (env DXR_PRIOR__TRACKING_URI)\n")
 
 
-
 @pytest.mark.parametrize("configured", [False, True], ids=["default store", "configured store"])
 def test_listing_the_models_of_an_empty_store_file_leaves_it_as_it_is(tmp_path, configured):
     # MLflow created its whole schema in the file, in place: a read command wrote to the user's file, and a kill
@@ -832,6 +831,7 @@ def test_listing_the_models_of_an_empty_store_file_leaves_it_as_it_is(tmp_path, 
                                               "--cohort", cohort])
     assert (listed.exit_code, listed.output.splitlines()[-1]) == (0, "(0 rows)"), listed.output
     assert db.stat().st_size == 0
+
 
 def test_a_damaged_configured_store_is_one_line_naming_it(tmp_path):
     db = tmp_path / "shared.db"
