@@ -314,6 +314,10 @@ def test_ingest_unknown_code_system(tmp_path):
 def test_bad_dataset_name_and_unknown_cohort(tmp_path, tiny_meds):
     line = usage_error(run("ingest", "meds", tiny_meds, "--name", "Bad Name", data_dir=tmp_path / "wh"))
     assert "Invalid value for '--name': dataset name 'Bad Name' is not allowed" in line
+    assert not (tmp_path / "wh").exists()  # the refusal made no warehouse: forecasting there says so
+    assert one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history",
+                              data_dir=tmp_path / "wh")).startswith(f"Error: no warehouse at {tmp_path / 'wh'}:")
+    assert run("ingest", "meds", tiny_meds, "--name", "tiny", data_dir=tmp_path / "wh").exit_code == 0
     line = one_line_error(run("forecast", "--cohort", "missing", "--system", "repeat_history",
                               data_dir=tmp_path / "wh"))
     assert line == (f"Error: cohort 'missing' not found in the warehouse at {tmp_path / 'wh'}; built cohorts: none "
@@ -354,6 +358,13 @@ def test_file_system_errors_and_a_missing_warehouse_are_one_line_naming_the_path
     line = one_line_error(run("cohort", "build", "--dataset", "synthetic", "--name", "default",
                               data_dir=tmp_path / "typo"))
     assert line.startswith(f"Error: no warehouse at {tmp_path / 'typo'}:")
+    assert not (tmp_path / "typo").exists()
+    # These said "cohort 'default' not found ...; built cohorts: none", as if the warehouse were there.
+    for args in (["forecast", "--cohort", "default", "--system", "ehr_prior"], ["prior", "train", "--cohort", "default"],
+                 ["prior", "models", "--cohort", "default"],
+                 ["prior", "promote", "--cohort", "default", "--version", "1"]):
+        line = one_line_error(run(*args, data_dir=tmp_path / "typo"))
+        assert line.startswith(f"Error: no warehouse at {tmp_path / 'typo'}:"), (args, line)
     assert not (tmp_path / "typo").exists()
 
 

@@ -1026,6 +1026,10 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
     missing = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
                                    "--version", "9"])
     assert missing.exit_code != 0 and "has no version '9'" in missing.output
+    untrained = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "promote", "--cohort", cohort,
+                                     "--system", "gru", "--version", "1"])
+    assert untrained.exit_code != 0 and untrained.output.rstrip().endswith(
+        f"(versions: none): train one with `dxr prior train --cohort {cohort} --system gru`"), untrained.output
     assert Warehouse(tmp_path).read("runs").filter(pl.col("kind") == "promote:ehr_prior").is_empty()
 
     def recorded_model(run_id: str) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from dxr.cli import main, settings, valid
+from dxr.cli import main, settings, valid, warehouse
 from dxr.errors import DxrError
 from warehouse.choices import FORECAST_SPLITS
 
@@ -49,11 +49,9 @@ def forecast(ctx: click.Context, cohort: str, system: str, split: str, limit: in
     from tasks.forecast import check_rerun, forecast_config, forecast_shards, llm_run_config, pinned_model
     from warehouse.cohorts import get_cohort
     from warehouse.runs import new_run_id
-    from warehouse.store import Warehouse
 
-    data_dir = str(settings(ctx).data_dir)
     # Check the inputs here, so a typo is one line and not a failed flow run with a traceback.
-    wh = Warehouse(data_dir)
+    data_dir, wh = str(settings(ctx).data_dir), warehouse(ctx, existing=True)
     cohort_id = get_cohort(wh, cohort, suggest_build=True)["cohort_id"]
     check_rerun(wh, run_id, forecast_config(cohort_id, system, split, k, limit, subject_id)
                 | llm_run_config(system, data_dir))

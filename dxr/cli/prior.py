@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, settings, valid
+from dxr.cli import main, settings, valid, warehouse
 from dxr.errors import InputError
 from models.prior.config import ARCHS, MAX_SEED, PriorConfig
 
@@ -53,7 +53,6 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     from flows.train_prior import train_prior_flow
     from warehouse.cohorts import get_cohort
     from warehouse.runs import check_run_kind
-    from warehouse.store import Warehouse
 
     s = settings(ctx)
     overrides = {k: v for k, v in {"epochs": epochs, "patience": patience, "max_train_patients": max_train_patients,
@@ -65,7 +64,7 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
     except ValidationError as exc:
         raise InputError(f"{exc.errors()[0]['msg'].removeprefix('Value error, ')} (the options of this command "
                          "over the prior settings in force, which `dxr config show` prints)") from None
-    wh = Warehouse(s.data_dir)
+    wh = warehouse(ctx, existing=True)
     get_cohort(wh, cohort, suggest_build=True)
     if run_id:
         check_run_kind(wh, run_id, f"train:{systems[0]}")
@@ -104,6 +103,7 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> N
     from tasks.prior import prior_versions
     from warehouse.sql import format_table
 
+    warehouse(ctx, existing=True)  # a mistyped --data-dir is said so, not taken for one without the cohort
     rows = prior_versions(str(settings(ctx).data_dir), cohort, tuple(systems), settings(ctx).prior)
     columns = ["system", "version", "aliases", "created_at", "selected_epoch", "val_recall_at_20",
                "val_precision_at_20", "mlflow_run_id", "epochs_trained", "dxr_run_id"]
@@ -133,6 +133,7 @@ def prior_promote(ctx: click.Context, cohort: str, system: str, version: str, ru
     from tasks.prior import promote_prior
 
     s = settings(ctx)
+    warehouse(ctx, existing=True)
     done = promote_prior(str(s.data_dir), cohort, system, version, s.prior, run_id)
     before = "was unset" if done["previous_version"] is None else f"was v{done['previous_version']}"
     click.echo(f"{system}-{done['cohort']}: @{done['alias']} -> v{version} ({before}; "

@@ -376,9 +376,10 @@ def version_run(system: str, cohort_id: str, version: str) -> str:
         if exc.error_code not in ABSENT:
             raise store_error(exc, f"looking up {name} version {version}") from exc
         known = [row["version"] for row in registered_versions(system, cohort_id)]
+        fix = (f"list them with `dxr prior models --cohort {cohort_id} --system {system}`" if known
+               else f"train one with `dxr prior train --cohort {cohort_id} --system {system}`")
         raise NotFoundError(f"registered model {name!r} has no version {version!r} in {mlflow.get_tracking_uri()} "
-                            f"(versions: {', '.join(known) or 'none'}): list them with "
-                            f"`dxr prior models --cohort {cohort_id} --system {system}`") from exc
+                            f"(versions: {', '.join(known) or 'none'}): {fix}") from exc
 
 
 def version_tagged(system: str, cohort_id: str, tags: dict[str, str]) -> tuple[str, Run] | None:
