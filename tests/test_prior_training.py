@@ -1020,6 +1020,18 @@ def test_models_are_listed_promoted_and_pinned_by_each_forecast_run(tmp_path, mo
     assert rows[1][-2:] == [str(int(first.metrics["epochs_trained"])), first_run]
     # The listed tuning R@20 is the selected epoch's, which training reported.
     assert float(rows[1][6]) == pytest.approx(first.metrics["val_recall_at_20"], abs=5e-5)
+    # The same rows as JSON lines (full precision) and CSV, for analysts.
+    as_json = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort,
+                                   "--format", "json"])
+    records = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [(r["version"], r["aliases"], r["epochs_trained"], r["dxr_run_id"]) for r in records] == [
+        ("2", "", 1, "challenger-1"), ("1", "champion", int(first.metrics["epochs_trained"]), first_run)]
+    assert records[1]["val_recall_at_20"] == first.metrics["val_recall_at_20"]
+    as_csv = runner.invoke(main, ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort,
+                                  "--format", "csv"]).stdout.splitlines()
+    assert as_csv[0].split(",") == ["system", "version", "aliases", "created_at", "selected_epoch", "val_recall_at_20",
+                                    "val_precision_at_20", "mlflow_run_id", "epochs_trained", "dxr_run_id"]
+    assert as_csv[1].startswith("ehr_prior,2,\"\",") and as_csv[1].endswith(",1,challenger-1")
 
     with pytest.raises(NotFoundError, match=r"has no version '9' .*\(versions: 2, 1\)"):
         fitted_forecaster(str(tmp_path), cohort, "ehr_prior", "9")

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterator
 
 import duckdb
+import pyarrow as pa
 
 from dxr.errors import InputError
 from warehouse import duck
@@ -49,7 +50,18 @@ def stream_query(wh: Warehouse, query: str, fmt: str = "table", with_gold: bool 
     With `run_id`, the tables partitioned by run show only that run's rows (`Warehouse.connect`). `params` are the
     values of the query's `?` or `$name` placeholders (a command's options, never spliced into its text).
     """
-    cursor = _execute(wh, query, with_gold, run_id, params)
+    yield from stream_result(_execute(wh, query, with_gold, run_id, params), fmt)
+
+
+def table_text(table: pa.Table, fmt: str = "table") -> str:
+    """Rows that come from outside the warehouse (MLflow's registered versions) spelt as `dxr sql` spells a result."""
+    con = duckdb.connect()
+    con.register("result", table)
+    return "".join(stream_result(con.execute("SELECT * FROM result"), fmt))
+
+
+def stream_result(cursor: duckdb.DuckDBPyConnection, fmt: str) -> Iterator[str]:
+    """The result of a started query as text (`stream_query`)."""
     columns = [d[0] for d in cursor.description]
     if fmt == "table" and columns == _EXPLAIN_COLUMNS:
         # A plan is a drawing of many lines: a table cell would escape its line breaks into one line.

@@ -7,6 +7,7 @@ import click
 from dxr.cli import main, settings, valid, warehouse
 from dxr.errors import InputError
 from models.prior.config import ARCHS, MAX_SEED, PriorConfig
+from warehouse.choices import OUTPUT_FORMATS
 
 PRIOR_SYSTEMS = tuple(ARCHS)
 
@@ -88,8 +89,10 @@ def prior_train(ctx: click.Context, cohort: str, systems: tuple[str, ...], epoch
 @click.option("--system", "systems", type=click.Choice(PRIOR_SYSTEMS), multiple=True, default=PRIOR_SYSTEMS,
               callback=valid.prior_systems,
               help="System(s) to list; repeat the option for several.  [default: all]")
+@click.option("--format", "fmt", type=click.Choice(OUTPUT_FORMATS), default="table", show_default=True,
+              help="An aligned table, CSV, or JSON lines, spelt as `dxr sql` spells them.")
 @click.pass_context
-def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> None:
+def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...], fmt: str) -> None:
     """List the registered versions of the learned priors of a cohort, with their aliases and tuning metrics.
 
     The metrics are those of the epoch whose weights the version holds (selected_epoch, counted from 1) among the
@@ -100,18 +103,20 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...]) -> N
     Example:
       dxr prior models --cohort default --system ehr_prior
     """
+    import pyarrow as pa
+
     from tasks.prior import prior_versions
-    from warehouse.sql import format_table
+    from warehouse.sql import table_text
 
     warehouse(ctx, existing=True)  # a mistyped --data-dir is said so, not taken for one without the cohort
     rows = prior_versions(str(settings(ctx).data_dir), cohort, tuple(systems), settings(ctx).prior)
-    columns = ["system", "version", "aliases", "created_at", "selected_epoch", "val_recall_at_20",
-               "val_precision_at_20", "mlflow_run_id", "epochs_trained", "dxr_run_id"]
-    click.echo(format_table(columns, [(r["system"], r["version"], ",".join(r["aliases"]),
-                                       f"{r['created_at']:%Y-%m-%d %H:%M:%S}", r["selected_epoch"],
-                                       r["val_recall_at_20"], r["val_precision_at_20"], r["mlflow_run_id"],
-                                       r["epochs_trained"], r["dxr_run_id"])
-                                      for r in rows]), nl=False)
+    listed = [{**r, "aliases": ",".join(r["aliases"]), "created_at": f"{r['created_at']:%Y-%m-%d %H:%M:%S}"}
+              for r in rows]
+    columns = pa.schema({"system": pa.string(), "version": pa.string(), "aliases": pa.string(),
+                         "created_at": pa.string(), "selected_epoch": pa.int64(), "val_recall_at_20": pa.float64(),
+                         "val_precision_at_20": pa.float64(), "mlflow_run_id": pa.string(),
+                         "epochs_trained": pa.int64(), "dxr_run_id": pa.string()})
+    click.echo(table_text(pa.Table.from_pylist(listed, schema=columns), fmt), nl=False)
 
 
 @prior.command("promote")
