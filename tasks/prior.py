@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+import polars as pl
 from prefect import task
 from pydantic import ValidationError
 
@@ -223,6 +224,34 @@ def prior_versions(data_dir: str, cohort: str, systems: tuple[str, ...], cfg: Pr
         return []
     return [{"cohort_id": cohort_id, **row} for system in systems
             for row in tracking.registered_versions(system, cohort_id)]
+
+
+def lost_versions_note(data_dir: str, cohort: str, systems: tuple[str, ...], listed: list[dict],
+                       cfg: PriorConfig) -> str | None:
+    """What `dxr prior models` notes when a system lists no version although `runs` records finished trainings of it
+    on the cohort: the store in force is not the one they registered in (prior.tracking_uri changed since), or that
+    store lost them (replaced, reset or deleted). None when every such system lists versions or was never trained."""
+    wh = Warehouse(data_dir)
+    cohort_id = get_cohort(wh, cohort)["cohort_id"]
+    unlisted = [f"train:{system}" for system in systems if not any(row["system"] == system for row in listed)]
+    trainings = wh.read("runs").filter(pl.col("kind").is_in(unlisted) & (pl.col("cohort_id") == cohort_id)
+                                       & (pl.col("status") == "finished")).sort("started_at")
+    if trainings.is_empty():
+        return None
+    default = tracking.sqlite_uri(tracking.default_store(data_dir))
+    store = cfg.tracking_uri or default
+    stores = {json.loads(config).get("prior", {}).get("tracking_uri") or default
+              for config in trainings["config_json"]}
+    trained = sorted({kind.removeprefix("train:") for kind in trainings["kind"]})
+    runs = list(dict.fromkeys(trainings["run_id"]))
+    named = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+    said = (f"note: the MLflow store {store} holds no version of the {', '.join(trained)} model(s) of cohort "
+            f"{cohort_id}, though run(s)")
+    if others := sorted(stores - {store}):
+        return (f"{said} {named} registered them in {', '.join(others)}: set prior.tracking_uri (env "
+                "DXR_PRIOR__TRACKING_URI) to that store to list and use them")
+    return (f"{said} {named} registered them there: the store was replaced, reset or deleted since; restore it, or "
+            f"train again with `dxr prior train --cohort {cohort_id}{''.join(f' --system {t}' for t in trained)}`")
 
 
 def promote_prior(data_dir: str, cohort: str, system: str, version: str, cfg: PriorConfig,

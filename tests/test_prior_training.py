@@ -797,6 +797,33 @@ def test_a_damaged_default_store_is_one_line_naming_it(tmp_path):
                                  "if it is damaged)")
 
 
+def test_models_the_store_in_force_does_not_hold_are_noted_with_the_store_they_were_registered_in(tmp_path):
+    # `dxr prior models` printed "(0 rows)" and nothing else when prior.tracking_uri named another store than the
+    # trainings had registered in, or when the store had been deleted: as if the cohort had never been trained.
+    cohort = write_planted_cohort(Warehouse(tmp_path), n_patients=60, seed=4)
+    train_prior(str(tmp_path), cohort, "ehr_prior", PriorConfig(**TINY, epochs=1), run_id="train-kept")
+    runner, other, store = CliRunner(), tmp_path / "other.db", tracking.mlflow.get_tracking_uri()
+    listing = ["--data-dir", str(tmp_path), "prior", "models", "--cohort", cohort]
+    try:
+        elsewhere = runner.invoke(main, listing, env={"DXR_PRIOR__TRACKING_URI": f"sqlite:///{other}"})
+        listed = runner.invoke(main, listing)
+        shutil.rmtree(tmp_path / "mlflow")
+        lost = runner.invoke(main, listing)
+    finally:
+        tracking.mlflow.set_tracking_uri(store)
+    said = (f"note: the MLflow store {{}} holds no version of the ehr_prior model(s) of cohort {cohort}, though run(s) "
+            "train-kept registered them")
+    default = tracking.sqlite_uri(tracking.default_store(tmp_path))
+    assert (elsewhere.exit_code, elsewhere.stdout.splitlines()[-1]) == (0, "(0 rows)")
+    assert elsewhere.stderr == (said.format(f"sqlite:///{other}") + f" in {default}: set prior.tracking_uri (env "
+                                "DXR_PRIOR__TRACKING_URI) to that store to list and use them\n")
+    assert not other.exists()  # reading made no store
+    assert (listed.stderr, listed.stdout.splitlines()[2].split()[:2]) == ("", ["ehr_prior", "1"])
+    assert (lost.exit_code, lost.stdout.splitlines()[-1]) == (0, "(0 rows)")
+    assert lost.stderr == (said.format(default) + " there: the store was replaced, reset or deleted since; restore "
+                           f"it, or train again with `dxr prior train --cohort {cohort} --system ehr_prior`\n")
+
+
 @pytest.mark.parametrize("configured", [False, True], ids=["default store", "configured store"])
 def test_listing_the_models_of_a_damaged_store_is_one_line_naming_it(tmp_path, configured):
     # `dxr prior models` reads the store without re-pointing it, so the check `use_tracking` makes never ran: SQLite's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dxr.cli import main, settings, valid, warehouse
+from dxr.cli import echo_err, main, settings, valid, warehouse
 from dxr.errors import InputError
 from models.prior.config import ARCHS, MAX_SEED, PriorConfig
 from warehouse.choices import OUTPUT_FORMATS
@@ -105,11 +105,14 @@ def prior_models(ctx: click.Context, cohort: str, systems: tuple[str, ...], fmt:
     """
     import pyarrow as pa
 
-    from tasks.prior import prior_versions
+    from tasks.prior import lost_versions_note, prior_versions
     from warehouse.sql import table_text
 
     warehouse(ctx, existing=True)  # a mistyped --data-dir is said so, not taken for one without the cohort
-    rows = prior_versions(str(settings(ctx).data_dir), cohort, tuple(systems), settings(ctx).prior)
+    data_dir, cfg = str(settings(ctx).data_dir), settings(ctx).prior
+    rows = prior_versions(data_dir, cohort, tuple(systems), cfg)
+    if note := lost_versions_note(data_dir, cohort, tuple(systems), rows, cfg):
+        echo_err(note)
     listed = [{**r, "aliases": ",".join(r["aliases"]), "created_at": f"{r['created_at']:%Y-%m-%d %H:%M:%S}"}
               for r in rows]
     columns = pa.schema({"system": pa.string(), "version": pa.string(), "aliases": pa.string(),
