@@ -15,7 +15,6 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-import polars as pl
 from prefect import task
 from pydantic import ValidationError
 
@@ -28,7 +27,7 @@ from warehouse.checkpoints import remove_training_checkpoint, training_checkpoin
 from warehouse.cohorts import get_cohort, outdated_cut_note, reading_cohort, rebuild_command
 from warehouse.runs import registered_run
 from warehouse.schemas import NON_RUN_TABLES
-from warehouse.store import Warehouse
+from warehouse.store import Warehouse, fetch_frame
 
 if TYPE_CHECKING:
     from mlflow.entities import Run as MlflowRun
@@ -234,8 +233,11 @@ def lost_versions_note(data_dir: str, cohort: str, systems: tuple[str, ...], lis
     wh = Warehouse(data_dir)
     cohort_id = get_cohort(wh, cohort)["cohort_id"]
     unlisted = [f"train:{system}" for system in systems if not any(row["system"] == system for row in listed)]
-    trainings = wh.read("runs").filter(pl.col("kind").is_in(unlisted) & (pl.col("cohort_id") == cohort_id)
-                                       & (pl.col("status") == "finished")).sort("started_at")
+    if not unlisted:
+        return None
+    trainings = fetch_frame(wh.connect(tables=["runs"]),
+                            "SELECT run_id, kind, config_json FROM runs WHERE cohort_id = ? AND status = 'finished' "
+                            "AND list_contains(?, kind) ORDER BY started_at", [cohort_id, unlisted])
     if trainings.is_empty():
         return None
     default = tracking.sqlite_uri(tracking.default_store(data_dir))
