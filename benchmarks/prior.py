@@ -32,7 +32,9 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue as queue_module
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -74,16 +76,48 @@ def _child(queue, fn, args):
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
+class ChildFailed(RuntimeError):
+    """A step's child process raised, or ended without a result (killed): its one-line reason."""
+
+
+def child_result(queue, process, step: str):
+    """The (status, value) a child puts on `queue`; ChildFailed when it ends without one (killed before it could).
+
+    The queue is polled: a blocked read would wait forever for a child the out-of-memory killer ended, and would let
+    a SIGINT sent to this process land in another thread, unseen."""
+    while process.is_alive():
+        try:
+            return queue.get(timeout=1)
+        except queue_module.Empty:
+            pass
+    try:  # it may have reported just before it ended
+        return queue.get(timeout=1)
+    except queue_module.Empty:
+        code = process.exitcode
+        reason = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
+                  else f"exited with code {code}")
+        advice = "rerun the same command"
+        if code == -signal.SIGKILL:
+            advice = ("most often the out-of-memory killer ends a process so: free memory or give it more, then "
+                      + advice)
+        raise ChildFailed(f"the child process of {step} {reason} before it reported a result; {advice}") from None
+
+
 def in_child(fn, *args):
     """Run fn(*args) in a fresh spawned process; returns its result (which includes its own peak RSS)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     process = ctx.Process(target=_child, args=(queue, fn, args))
     process.start()
-    status, value = queue.get()
-    process.join()
+    try:
+        status, value = child_result(queue, process, fn.__name__)
+    except BaseException:
+        process.terminate()  # an interrupted benchmark leaves no step running on without it
+        raise
+    finally:
+        process.join()
     if status != "ok":
-        raise RuntimeError(value)
+        raise ChildFailed(value)
     return value
 
 

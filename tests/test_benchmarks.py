@@ -402,3 +402,31 @@ def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got
             "pre-target records, train events and targets",
             "oracle probabilities (latent and record)"))]
     assert wh_vocab.read("cohorts")["cohort_id"].to_list() == [cohort_id]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSEGV"])
+def test_the_prior_benchmark_ends_when_a_step_is_killed_before_it_reports(signal_name):
+    """A training or forecast child the out-of-memory killer ends (SIGKILL) puts no result on the queue: the benchmark
+    waited for it forever, and ignored a SIGINT sent to it while it waited."""
+    import signal
+    import threading
+
+    from benchmarks import prior
+
+    outcome = {}
+
+    def step():
+        try:
+            prior.in_child(signal.raise_signal, signal.Signals[signal_name])
+        except prior.ChildFailed as exc:
+            outcome["error"] = str(exc)
+
+    waiting = threading.Thread(target=step, daemon=True)
+    waiting.start()
+    waiting.join(timeout=60)
+    assert not waiting.is_alive(), "still waiting for a child that is dead"
+    number = signal.Signals[signal_name].value
+    assert outcome["error"].startswith(f"the child process of raise_signal was killed by signal {number} "
+                                       f"({signal_name})")
+    assert ("out-of-memory killer" in outcome["error"]) == (signal_name == "SIGKILL")
+
