@@ -327,4 +327,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ChildFailed as exc:  # its reason names what failed and what to do: a traceback of the parent adds nothing
+        sys.exit(f"Error: {exc}")

@@ -430,3 +430,17 @@ def test_the_prior_benchmark_ends_when_a_step_is_killed_before_it_reports(signal
                                        f"({signal_name})")
     assert ("out-of-memory killer" in outcome["error"]) == (signal_name == "SIGKILL")
 
+
+def test_the_prior_benchmark_reports_a_failed_step_in_one_line(tmp_path):
+    """A step that fails in its child (here a --skip-train with nothing trained) ended in the parent's traceback."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "prior.py"
+    done = subprocess.run([sys.executable, str(script), "--data-dir", str(tmp_path / "wh"), "--planted", "40",
+                           "--skip-train", "--systems", "ehr_prior", "--bootstrap", "0", "--name", "untrained"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("Error: NotFoundError: no registered model 'ehr_prior-cplanted' with alias 'champion'")
+    assert "Traceback" not in done.stderr
