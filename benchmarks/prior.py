@@ -57,6 +57,8 @@ from warehouse.store import Warehouse  # noqa: E402
 LEARNED = ("gru", "dense_prior", "ehr_prior")
 BASELINES = ("global_frequency", "repeat_history", "transition")
 PEERS = ("repeat_history", "transition", "gru", "dense_prior", "global_frequency")
+DEFAULT_PATIENTS, DEFAULT_SEED = 5000, 7
+BOOTSTRAP_SEED = 0
 
 
 def say(line: str) -> None:
@@ -165,45 +167,81 @@ def forecast_one(data_dir: str, cohort_id: str, system: str, split: str, run_id:
                    shards, workers)
     done, cpu_done = time.perf_counter(), time.process_time()
     return {"system": system, "split": split, "trajectories": n, "shard_workers": workers,
+            "model_version": version, "model_run_id": model_run_id,
             "load_seconds": loaded - started,
             "shard_seconds": done - loaded, "seconds": done - started, "patients_per_second": n / (done - started),
             "warm_patients_per_second": n / (done - loaded), "cpu_seconds": cpu_done - cpu_started,
             "peak_rss_mb": peak_mb()}
 
 
-def ensure_cohort(data_dir: str, args) -> str:
-    """The cohort's id, building the dataset and cohort first when needed. Runs in a child of its
-    own: Linux carries a process's peak RSS across exec, so a parent that generated the data would
-    lend its peak to every training and inference child measured after it."""
+def or_default(value, default):
+    return default if value is None else value
+
+
+def reused_dataset(wh: Warehouse, cohort: dict, args) -> dict:
+    """What a cohort already in the data dir was built on: {dataset_id, source, patients, seed}, the last two None
+    for data not made by the synthetic generator. An InputError when --patients or --seed asks for other data: the
+    benchmark would measure this cohort and report the numbers asked for."""
+    from dxr.errors import InputError
+    from warehouse.synthetic import generation_parameters
+
+    dataset = wh.read("datasets", dataset_id=cohort["dataset_id"]).row(0, named=True)
+    made = {"patients": None, "seed": None}
+    if dataset["source"] == "synthetic":
+        generated = generation_parameters(wh.meds_dir(dataset["dataset_id"]))
+        made = {"patients": generated["patients"], "seed": generated["seed"]}
+    asked = {"patients": args.patients, "seed": args.seed}
+    differing = [f"--{option} {value}" for option, value in asked.items()
+                 if value is not None and value != made[option]]
+    if differing:
+        built_on = (f"synthetic data of {made['patients']} patients, seed {made['seed']}" if made["seed"] is not None
+                    else f"dataset {dataset['dataset_id']} (source {dataset['source']}), which no seed generated")
+        raise InputError(f"{' '.join(differing)}: cohort {cohort['name']} in {wh.root} is built on {built_on}; "
+                         "leave the option out to benchmark that cohort, or give a new --data-dir for new data")
+    return {"dataset_id": dataset["dataset_id"], "source": dataset["source"], **made}
+
+
+def ensure_cohort(data_dir: str, args) -> tuple[str, dict]:
+    """The cohort's id and what it was built on (`reused_dataset`), building the dataset and cohort first when
+    needed. Runs in a child of its own: Linux carries a process's peak RSS across exec, so a parent that generated
+    the data would lend its peak to every training and inference child measured after it."""
     from warehouse.cohorts import CohortOptions, build_cohort
 
     wh = Warehouse(data_dir)
+    seed = or_default(args.seed, DEFAULT_SEED)
     if args.planted:
         from models.prior.planted import write_planted_cohort
 
-        return write_planted_cohort(wh, n_patients=args.planted, seed=args.seed, shard_size=500)
+        cohort_id = write_planted_cohort(wh, n_patients=args.planted, seed=seed, shard_size=500)
+        return cohort_id, {"dataset_id": None, "source": "planted", "patients": args.planted, "seed": seed}
     cohorts = wh.read("cohorts")
     if cohorts.filter(pl.col("name") == args.cohort).height:
-        return cohorts.filter(pl.col("name") == args.cohort).row(0, named=True)["cohort_id"]
+        cohort = cohorts.filter(pl.col("name") == args.cohort).row(0, named=True)
+        return cohort["cohort_id"], reused_dataset(wh, cohort, args)
     from warehouse.datasets import create_synthetic
 
+    patients = or_default(args.patients, DEFAULT_PATIENTS)
     # A bar on a terminal; in a log (a 50k run under nohup) a line each tenth of the patients and each build step.
-    create_synthetic(wh, "synthetic", args.patients, args.seed, progress=True, log=say)
-    return build_cohort(wh, "synthetic", args.cohort, CohortOptions(), seed=args.seed, progress=True,
-                        log=say)["cohort_id"]
+    create_synthetic(wh, "synthetic", patients, seed, progress=True, log=say)
+    cohort_id = build_cohort(wh, "synthetic", args.cohort, CohortOptions(), seed=seed, progress=True,
+                             log=say)["cohort_id"]
+    return cohort_id, {"dataset_id": "synthetic", "source": "synthetic", "patients": patients, "seed": seed}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--patients", type=int, default=5000)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--patients", type=int, default=None,
+                        help=f"synthetic patients to generate (default {DEFAULT_PATIENTS}); a cohort already in "
+                             "--data-dir is reused only if it was generated so")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"seed of the synthetic or planted data (default {DEFAULT_SEED}); checked as --patients")
     parser.add_argument("--cohort", default="default")
     parser.add_argument("--planted", type=int, default=0, help="smoke test on a planted cohort of N patients")
     parser.add_argument("--epochs", type=int, default=None, help="override prior.epochs")
     parser.add_argument("--patience", type=int, default=None,
                         help="set prior.patience: stop a training once N epochs in a row bring no better tuning R@20")
-    parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--bootstrap", type=int, default=1000, help=f"bootstrap replicates (seed {BOOTSTRAP_SEED})")
     parser.add_argument("--skip-train", action="store_true", help="reuse the registered champions")
     parser.add_argument("--name", default=None, help="results file suffix")
     parser.add_argument("--eval-split", default="held_out", choices=["held_out", "tuning", "all"],
@@ -223,7 +261,7 @@ def main() -> None:
     wh = Warehouse(args.data_dir)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    cohort_id = in_child(ensure_cohort, str(wh.root), args)
+    cohort_id, dataset = in_child(ensure_cohort, str(wh.root), args)
     timings["dataset_and_cohort_seconds"] = time.perf_counter() - started
     trajectories = wh.read("trajectories", cohort_id=cohort_id)
     counts = dict(trajectories.group_by("split").len().iter_rows())
@@ -264,7 +302,8 @@ def main() -> None:
         f"SELECT count(*) FROM {table} WHERE cohort_id = ?", params=[cohort_id]).fetchall()[0][0] > 0]
     gold.close()
     pairs += [(name, "ehr_prior") for name in oracles]
-    evaluation = evaluate(wh, run_id, ks=(10, 20), n_boot=args.bootstrap, seed=0, natural=False, pairs=pairs)
+    evaluation = evaluate(wh, run_id, ks=(10, 20), n_boot=args.bootstrap, seed=BOOTSTRAP_SEED, natural=False,
+                          pairs=pairs)
     metrics, paired = evaluation.metrics, evaluation.paired
 
     wanted = [("all", 10, "precision_at_k"), ("all", 10, "recall_at_k"), ("all", 20, "precision_at_k"),
@@ -317,8 +356,10 @@ def main() -> None:
         print(f"note: {in_sample}")
 
     write_result(RESULTS / f"prior{'-' + args.name if args.name else ''}.json", {
-        "cohort_id": cohort_id, "trajectories": counts, "patients": args.planted or args.patients,
-        "seed": args.seed, "eval_split": args.eval_split, "prior_config": cfg.model_dump(),
+        "cohort_id": cohort_id, "trajectories": counts, "patients": dataset["patients"], "seed": dataset["seed"],
+        "dataset": dataset, "arguments": vars(args), "systems": systems,
+        "bootstrap": {"replicates": args.bootstrap, "seed": BOOTSTRAP_SEED},
+        "eval_split": args.eval_split, "prior_config": cfg.model_dump(),
         "planted_smoke": bool(args.planted),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "timings": timings,
         "training": training, "inference": inference, "table": table, "oracle_ratio_r20": ratios.get("oracle"),

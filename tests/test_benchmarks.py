@@ -369,6 +369,10 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
         multiprocessing.set_start_method(start_method, force=True)
     record = json.loads((tmp_path / "results" / "prior-smoke.json").read_text())
     assert (record["prior_config"]["epochs"], record["prior_config"]["patience"]) == (1, 2)
+    # What reproduces the numbers: the data, the bootstrap, the options, the model version each system forecast with.
+    assert (record["patients"], record["seed"], record["bootstrap"]) == (60, 7, {"replicates": 0, "seed": 0})
+    assert record["arguments"]["systems"] == "repeat_history" and record["systems"] == ["repeat_history", "ehr_prior"]
+    assert record["inference"]["ehr_prior"]["evaluated"]["model_version"] == record["training"]["ehr_prior"]["version"]
     counts = record["trajectories"]
     assert record["in_sample_note"].startswith(
         f"{counts['train']} of the {sum(counts.values())} trajectories are of train-split patients")
@@ -392,7 +396,8 @@ def test_the_prior_benchmark_says_how_far_its_synthetic_data_and_cohort_have_got
     from benchmarks import prior
 
     args = argparse.Namespace(planted=0, cohort="default", patients=20, seed=7)
-    cohort_id = prior.ensure_cohort(str(wh_vocab.root), args)
+    cohort_id, dataset = prior.ensure_cohort(str(wh_vocab.root), args)
+    assert dataset == {"dataset_id": "synthetic", "source": "synthetic", "patients": 20, "seed": 7}
     printed = capsys.readouterr()
     assert printed.out == ""
     assert [re.sub(r"in \d+\.\d s$", "in S s", line) for line in printed.err.splitlines()] == [
@@ -444,3 +449,25 @@ def test_the_prior_benchmark_reports_a_failed_step_in_one_line(tmp_path):
     last = done.stderr.splitlines()[-1]
     assert last.startswith("Error: NotFoundError: no registered model 'ehr_prior-cplanted' with alias 'champion'")
     assert "Traceback" not in done.stderr
+
+
+def test_the_prior_benchmark_reports_the_data_a_reused_cohort_was_built_on(wh_vocab):
+    """A second run on a data dir reuses its cohort: with other --patients or --seed it measured the old data and wrote
+    the asked-for numbers into the results file as those it measured."""
+    import argparse
+
+    from benchmarks import prior
+    from dxr.errors import InputError
+
+    def ask(patients, seed):
+        return prior.ensure_cohort(str(wh_vocab.root), argparse.Namespace(planted=0, cohort="default",
+                                                                          patients=patients, seed=seed))
+
+    cohort_id, built = ask(20, 5)
+    assert ask(None, None) == (cohort_id, built) == (cohort_id, {"dataset_id": "synthetic", "source": "synthetic",
+                                                                 "patients": 20, "seed": 5})
+    with pytest.raises(InputError, match=r"^--seed 7: cohort default in .* is built on synthetic data of 20 patients, "
+                                         r"seed 5; leave the option out"):
+        ask(None, 7)
+    with pytest.raises(InputError, match=r"^--patients 30 --seed 6: cohort default"):
+        ask(30, 6)
