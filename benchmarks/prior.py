@@ -218,6 +218,12 @@ def ensure_cohort(data_dir: str, args) -> tuple[str, dict]:
     if cohorts.filter(pl.col("name") == args.cohort).height:
         cohort = cohorts.filter(pl.col("name") == args.cohort).row(0, named=True)
         return cohort["cohort_id"], reused_dataset(wh, cohort, args)
+    if args.cohort != "default":  # a misspelt cohort of real data must not become a new synthetic one beside it
+        from dxr.errors import InputError
+
+        raise InputError(f"--cohort {args.cohort}: no cohort of that name in {wh.root} (it has: "
+                         f"{', '.join(cohorts['name'].sort()) or 'none'}); build it with `dxr cohort build`, or leave "
+                         "--cohort out to benchmark the synthetic default cohort")
     from warehouse.datasets import create_synthetic
 
     patients = or_default(args.patients, DEFAULT_PATIENTS)

@@ -471,3 +471,18 @@ def test_the_prior_benchmark_reports_the_data_a_reused_cohort_was_built_on(wh_vo
         ask(None, 7)
     with pytest.raises(InputError, match=r"^--patients 30 --seed 6: cohort default"):
         ask(30, 6)
+
+
+def test_the_prior_benchmark_refuses_a_cohort_the_data_dir_does_not_hold(wh_vocab):
+    """`--cohort mimic3-demo` (for mimic3demo) generated 5,000 synthetic patients into the user's warehouse and
+    benchmarked them under that name."""
+    import argparse
+
+    from benchmarks import prior
+    from dxr.errors import InputError
+
+    args = argparse.Namespace(planted=0, cohort="mimic3-demo", patients=None, seed=None)
+    with pytest.raises(InputError, match=r"^--cohort mimic3-demo: no cohort of that name in .* \(it has: none\); "
+                                         "build it with `dxr cohort build`"):
+        prior.ensure_cohort(str(wh_vocab.root), args)
+    assert wh_vocab.read("datasets").height == 0
