@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue as queue_module
+import re
 import resource
 import signal
 import sys
@@ -260,6 +261,12 @@ def main() -> None:
     unknown = set(args.systems.split(",")) - set(BASELINES + LEARNED)
     if unknown:
         parser.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + LEARNED)}")
+    # Checked now: the results file is written last, after what may be hours of training and forecasting.
+    if args.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", args.name):
+        parser.error(f"--name {args.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or "
+                     "digit (it becomes part of a file name in benchmarks/results/)")
+    if Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        parser.error(f"--data-dir {args.data_dir} is a file: give a directory (a missing one is created)")
     # Worker pools (the synthetic generator's) must not fork a process that already runs
     # polars/torch threads: forked children can deadlock on locks held by those threads.
     mp.set_start_method("spawn", force=True)
@@ -276,6 +283,9 @@ def main() -> None:
     if args.planted:
         cfg = cfg.model_copy(update={"min_code_count": 1})
     say(f"cohort {cohort_id}: {trajectories.height} trajectories {counts}")
+    if args.eval_split != "all" and not counts.get(args.eval_split):  # before the trainings, not after them
+        parser.error(f"--eval-split {args.eval_split}: cohort {cohort_id} has no trajectory in that split (it has "
+                     f"{counts}); choose another, or all (every split, scores of train patients in-sample)")
 
     training = {}
     if not args.skip_train:

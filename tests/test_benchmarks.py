@@ -486,3 +486,43 @@ def test_the_prior_benchmark_refuses_a_cohort_the_data_dir_does_not_hold(wh_voca
                                          "build it with `dxr cohort build`"):
         prior.ensure_cohort(str(wh_vocab.root), args)
     assert wh_vocab.read("datasets").height == 0
+
+
+@pytest.mark.parametrize(("option", "value", "error"), [
+    ("--name", "a/b", "--name 'a/b': use 1-64 letters, digits"),
+    ("--name", "x" * 300, "--name 'xxx"),
+    ("--eval-split", "tuning", "--eval-split tuning: cohort cplanted has no trajectory in that split"),
+])
+def test_the_prior_benchmark_refuses_a_bad_option_before_it_trains(tmp_path, monkeypatch, capsys, option, value,
+                                                                   error):
+    """A --name no file can carry failed when the results were written, after every training and forecast (a
+    name with '/' wrote into a new directory); an --eval-split with no trajectory failed after the trainings."""
+    import multiprocessing
+
+    from benchmarks import prior
+
+    monkeypatch.setattr(prior, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(prior, "train_one", None)  # a training started fails the test, not the option
+    # A planted cohort of 3 patients has them all in train.
+    monkeypatch.setattr("sys.argv", ["prior.py", "--data-dir", str(tmp_path / "wh"), "--planted", "3", option, value])
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            prior.main()
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"prior.py: error: {error}")
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_prior_benchmark_refuses_a_data_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
+    from benchmarks import prior
+
+    data_dir = tmp_path / "file"
+    data_dir.write_text("")
+    monkeypatch.setattr("sys.argv", ["prior.py", "--data-dir", str(data_dir)])
+    with pytest.raises(SystemExit):
+        prior.main()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"prior.py: error: --data-dir {data_dir} is a file: give a directory (a missing one is created)")
