@@ -370,6 +370,9 @@ def main() -> None:
     in_sample = in_sample_note(wh, run_id)
     if in_sample:
         print(f"note: {in_sample}")
+    if args.planted:  # its codes are planted so that a model that learns anything finds them
+        print(f"note: a planted cohort of {args.planted} patients (--planted) is a smoke test of the wiring: its "
+              "scores say nothing of the systems' quality, and it has no oracle")
 
     write_result(RESULTS / f"prior{'-' + args.name if args.name else ''}.json", {
         "cohort_id": cohort_id, "trajectories": counts, "patients": dataset["patients"], "seed": dataset["seed"],

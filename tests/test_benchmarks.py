@@ -379,6 +379,7 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
     assert "scores on them are in-sample" in record["in_sample_note"]
     printed = capsys.readouterr()
     assert f"note: {record['in_sample_note']}\n" in printed.out
+    assert "note: a planted cohort of 60 patients (--planted) is a smoke test of the wiring" in printed.out
     # Progress goes to stderr, as `dxr synth` prints its own: stdout is the table and the results file's path.
     assert printed.out.splitlines()[1].startswith("system | P@10 | R@10 |")
     assert printed.out.endswith(f"wrote {tmp_path / 'results' / 'prior-smoke.json'}\n")
