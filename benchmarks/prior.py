@@ -257,8 +257,9 @@ def main() -> None:
                         help="comma-separated systems to run (ehr_prior always; e.g. a scaling run of "
                              "repeat_history,ehr_prior)")
     args = parser.parse_args()
-    systems = [s for s in BASELINES + LEARNED if s in args.systems.split(",") or s == "ehr_prior"]
-    unknown = set(args.systems.split(",")) - set(BASELINES + LEARNED)
+    asked = [name.strip() for name in args.systems.split(",")]  # "repeat_history, ehr_prior" as typed in a shell
+    systems = [s for s in BASELINES + LEARNED if s in asked or s == "ehr_prior"]
+    unknown = set(asked) - set(BASELINES + LEARNED)
     if unknown:
         parser.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(BASELINES + LEARNED)}")
     # Checked now: the results file is written last, after what may be hours of training and forecasting.
@@ -370,6 +371,9 @@ def main() -> None:
     in_sample = in_sample_note(wh, run_id)
     if in_sample:
         print(f"note: {in_sample}")
+    if args.eval_split != "held_out" and counts.get("tuning") and cfg.keep_best_epoch:
+        print("note: the learned systems chose their epoch on the tuning patients' pre-target records, which "
+              f"--eval-split {args.eval_split} scores; held_out is the split no choice has seen")
     if args.planted:  # its codes are planted so that a model that learns anything finds them
         print(f"note: a planted cohort of {args.planted} patients (--planted) is a smoke test of the wiring: its "
               "scores say nothing of the systems' quality, and it has no oracle")

@@ -360,7 +360,7 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
 
     monkeypatch.setattr(prior, "RESULTS", tmp_path / "results")
     monkeypatch.setattr("sys.argv", ["prior.py", "--data-dir", str(tmp_path / "wh"), "--planted", "60", "--epochs", "1",
-                                     "--patience", "2", "--bootstrap", "0", "--systems", "repeat_history",
+                                     "--patience", "2", "--bootstrap", "0", "--systems", " repeat_history",
                                      "--eval-split", "all", "--name", "smoke"])
     start_method = multiprocessing.get_start_method(allow_none=True)
     try:
@@ -371,7 +371,7 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
     assert (record["prior_config"]["epochs"], record["prior_config"]["patience"]) == (1, 2)
     # What reproduces the numbers: the data, the bootstrap, the options, the model version each system forecast with.
     assert (record["patients"], record["seed"], record["bootstrap"]) == (60, 7, {"replicates": 0, "seed": 0})
-    assert record["arguments"]["systems"] == "repeat_history" and record["systems"] == ["repeat_history", "ehr_prior"]
+    assert record["arguments"]["systems"] == " repeat_history" and record["systems"] == ["repeat_history", "ehr_prior"]
     assert record["inference"]["ehr_prior"]["evaluated"]["model_version"] == record["training"]["ehr_prior"]["version"]
     counts = record["trajectories"]
     assert record["in_sample_note"].startswith(
@@ -380,6 +380,9 @@ def test_the_prior_benchmark_says_when_it_scores_train_patients(tmp_path, monkey
     printed = capsys.readouterr()
     assert f"note: {record['in_sample_note']}\n" in printed.out
     assert "note: a planted cohort of 60 patients (--planted) is a smoke test of the wiring" in printed.out
+    # The tuning patients it also scores are those the learned systems chose their epoch on.
+    assert ("note: the learned systems chose their epoch on the tuning patients' pre-target records, which "
+            "--eval-split all scores; held_out is the split no choice has seen\n") in printed.out
     # Progress goes to stderr, as `dxr synth` prints its own: stdout is the table and the results file's path.
     assert printed.out.splitlines()[1].startswith("system | P@10 | R@10 |")
     assert printed.out.endswith(f"wrote {tmp_path / 'results' / 'prior-smoke.json'}\n")
