@@ -135,10 +135,8 @@ def full_disk(exc: Exception) -> bool:
 def store_errors(action: str) -> Iterator[None]:
     try:
         yield
-    except MlflowException as exc:
-        raise store_error(exc, action) from exc
     except Exception as exc:
-        if not database_error(exc):
+        if not isinstance(exc, MlflowException) and not database_error(exc):
             raise
         raise store_error(exc, action) from exc
 
